@@ -1,0 +1,132 @@
+"""Model variants: architecture parameters plus sampling defaults, in one registry.
+
+Real checkpoints use the entries of ``VARIANTS``; tests build tiny ``TransformerParams`` /
+``AutoEncoderParams`` with any hidden size, depth or RoPE axes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class TransformerParams:
+    in_channels: int = 128             # patchified latent channels (32 AE channels x 2 x 2)
+    context_in_dim: int = 7680         # 3 x text-encoder hidden size (layers 9, 18, 27 concatenated)
+    hidden_size: int = 3072
+    num_heads: int = 24
+    depth: int = 5                     # double-stream blocks
+    depth_single_blocks: int = 20
+    mlp_ratio: float = 3.0
+    axes_dim: tuple[int, ...] = (32, 32, 32, 32)   # RoPE dims per id axis (t, h, w, l); sums to head_dim
+    theta: int = 2000
+    use_guidance_embed: bool = False   # FLUX.2-dev only
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if sum(self.axes_dim) != self.head_dim:
+            raise ValueError(f"RoPE axes {self.axes_dim} must sum to head_dim {self.head_dim}")
+
+
+@dataclass(frozen=True)
+class AutoEncoderParams:
+    in_channels: int = 3
+    ch: int = 128
+    out_ch: int = 3
+    ch_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    z_channels: int = 32
+    num_groups: int = 32               # GroupNorm groups (eps 1e-6)
+    bn_eps: float = 1e-4               # latent BatchNorm
+
+    @property
+    def downscale(self) -> int:
+        """Pixels per latent cell before the 2x2 patchify (8 for the real AE)."""
+        return 2 ** (len(self.ch_mult) - 1)
+
+
+@dataclass(frozen=True)
+class TextEncoderSpec:
+    name: str               # "qwen3-4b", "qwen3-8b", "mistral-small-3.2"
+    hidden_size: int        # one layer's width; the model's context_in_dim is 3x this
+    output_layers: tuple[int, ...] = (9, 18, 27)
+    max_length: int = 512
+
+
+QWEN3_4B = TextEncoderSpec("qwen3-4b", 2560)
+QWEN3_8B = TextEncoderSpec("qwen3-8b", 4096)
+MISTRAL_SMALL = TextEncoderSpec("mistral-small-3.2", 5120, output_layers=(10, 20, 30))
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    params: TransformerParams
+    text_encoder: TextEncoderSpec
+    default_steps: int
+    default_cfg: float
+    guidance_distilled: bool           # True: one forward per step, no CFG (cfg is ignored)
+    use_kv_cache: bool = False         # 9B-KV: references at t=0, self-attending, K/V cached
+    files: tuple[str, ...] = field(default=())   # usual file names, for finding weights
+
+    @property
+    def uses_cfg(self) -> bool:
+        return not self.guidance_distilled
+
+
+KLEIN_4B = TransformerParams(context_in_dim=7680, hidden_size=3072, num_heads=24, depth=5, depth_single_blocks=20)
+KLEIN_9B = TransformerParams(context_in_dim=12288, hidden_size=4096, num_heads=32, depth=8, depth_single_blocks=24)
+DEV = TransformerParams(context_in_dim=15360, hidden_size=6144, num_heads=48, depth=8, depth_single_blocks=48,
+                        use_guidance_embed=True)
+
+VARIANTS: dict[str, Variant] = {v.name: v for v in [
+    Variant("klein-4b", KLEIN_4B, QWEN3_4B, 4, 1.0, True,
+            files=("flux-2-klein-4b.safetensors", "flux-2-klein-4b-fp8.safetensors")),
+    Variant("klein-9b", KLEIN_9B, QWEN3_8B, 4, 1.0, True,
+            files=("flux-2-klein-9b.safetensors", "flux-2-klein-9b-fp8.safetensors")),
+    Variant("klein-9b-kv", KLEIN_9B, QWEN3_8B, 4, 1.0, True, use_kv_cache=True,
+            files=("flux-2-klein-9b-kv.safetensors",)),
+    Variant("klein-base-4b", KLEIN_4B, QWEN3_4B, 50, 4.0, False,
+            files=("flux-2-klein-base-4b.safetensors", "flux-2-klein-base-4b-fp8.safetensors")),
+    Variant("klein-base-9b", KLEIN_9B, QWEN3_8B, 50, 4.0, False,
+            files=("flux-2-klein-base-9b.safetensors", "flux-2-klein-base-9b-fp8.safetensors")),
+    Variant("dev", DEV, MISTRAL_SMALL, 50, 4.0, True, files=("flux2-dev.safetensors",)),
+]}
+
+FLUX2_AE = AutoEncoderParams()
+
+
+def get_variant(name: str) -> Variant:
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
+
+
+def variant_for_params(params: TransformerParams, hint: str = "") -> Variant:
+    """The registry entry whose architecture matches ``params``.
+
+    Base, distilled and KV checkpoints share one architecture, so ``hint`` (usually the file name) decides
+    between them: "base" picks the base model, "kv" the KV model. Small (test) architectures get a variant
+    named "custom" with the defaults of the hinted family.
+    """
+    hint = hint.lower()
+    family = "base" if "base" in hint else "kv" if "kv" in hint else "distilled"
+    for v in VARIANTS.values():
+        if replace(v.params, axes_dim=params.axes_dim) != params:
+            continue
+        if v.name == "dev" or {"base": v.name.startswith("klein-base"), "kv": v.use_kv_cache,
+                                "distilled": not v.use_kv_cache and not v.name.startswith("klein-base")}[family]:
+            return v
+    template = VARIANTS[{"base": "klein-base-4b", "kv": "klein-9b-kv", "distilled": "klein-4b"}[family]]
+    encoder = TextEncoderSpec("custom", params.context_in_dim // 3)
+    return replace(template, name="custom", params=params, text_encoder=encoder, files=())
