@@ -1,0 +1,274 @@
+"""The FLUX.2 autoencoder: a convolutional VAE (8x down) plus a 2x2 patchify and a latent BatchNorm.
+
+Pixels [B,3,H,W] in [-1,1]  <->  latents [B,128,H/16,W/16] (32 VAE channels x 2 x 2, BatchNorm-normalised).
+
+Module and parameter names follow BFL's ``ae.safetensors`` exactly, so its state dict loads with no renaming.
+The BatchNorm is only a holder for ``running_mean``/``running_var``; it is always applied in eval form, by hand.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .errors import Flux2Error
+from .variants import AutoEncoderParams
+
+
+def swish(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x)
+
+
+def group_norm(channels: int, groups: int) -> nn.GroupNorm:
+    return nn.GroupNorm(groups, channels, eps=1e-6, affine=True)
+
+
+def patchify(z: torch.Tensor) -> torch.Tensor:
+    """[B,C,H,W] -> [B,4C,H/2,W/2]; output channel = c*4 + pi*2 + pj for the pixel (2i+pi, 2j+pj)."""
+    return rearrange(z, "b c (h pi) (w pj) -> b (c pi pj) h w", pi=2, pj=2)
+
+
+def unpatchify(z: torch.Tensor) -> torch.Tensor:
+    """[B,4C,h,w] -> [B,C,2h,2w]; the exact inverse of ``patchify``."""
+    return rearrange(z, "b (c pi pj) h w -> b c (h pi) (w pj)", pi=2, pj=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------------------------
+
+class ResnetBlock(nn.Module):
+    def __init__(self, in_ch: int, out_ch: int, groups: int):
+        super().__init__()
+        self.norm1 = group_norm(in_ch, groups)
+        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
+        self.norm2 = group_norm(out_ch, groups)
+        self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
+        self.nin_shortcut = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(swish(self.norm1(x)))
+        h = self.conv2(swish(self.norm2(h)))
+        skip = x if self.nin_shortcut is None else self.nin_shortcut(x)
+        return skip + h
+
+
+class AttnBlock(nn.Module):
+    """Single-head self-attention over the H*W positions, with 1x1 convs for q, k, v and the output."""
+
+    def __init__(self, ch: int, groups: int):
+        super().__init__()
+        self.norm = group_norm(ch, groups)
+        self.q = nn.Conv2d(ch, ch, 1)
+        self.k = nn.Conv2d(ch, ch, 1)
+        self.v = nn.Conv2d(ch, ch, 1)
+        self.proj_out = nn.Conv2d(ch, ch, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, _, height, width = x.shape
+        h = self.norm(x)
+        q, k, v = (rearrange(conv(h), "b c h w -> b 1 (h w) c") for conv in (self.q, self.k, self.v))
+        h = F.scaled_dot_product_attention(q, k, v)                      # [B,1,HW,C]
+        h = rearrange(h, "b 1 (h w) c -> b c h w", h=height, w=width)
+        return x + self.proj_out(h)
+
+
+class Downsample(nn.Module):
+    """Halve H and W: zero-pad right and bottom by one, then a 3x3 conv with stride 2 and no padding."""
+
+    def __init__(self, ch: int):
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, stride=2, padding=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (0, 1, 0, 1)))
+
+
+class Upsample(nn.Module):
+    """Double H and W: nearest-neighbour repeat, then a 3x3 conv."""
+
+    def __init__(self, ch: int):
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+class MidBlock(nn.Module):
+    """ResnetBlock, AttnBlock, ResnetBlock at the lowest resolution."""
+
+    def __init__(self, ch: int, groups: int):
+        super().__init__()
+        self.block_1 = ResnetBlock(ch, ch, groups)
+        self.attn_1 = AttnBlock(ch, groups)
+        self.block_2 = ResnetBlock(ch, ch, groups)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_2(self.attn_1(self.block_1(x)))
+
+
+class Level(nn.Module):
+    """One resolution level: ResnetBlocks, then a ``downsample`` (encoder) or ``upsample`` (decoder) if any.
+
+    An absent resampler is an ``nn.Identity``, which has no weights and so adds no state-dict keys.
+    """
+
+    def __init__(self, in_ch: int, out_ch: int, n_blocks: int, groups: int, resample: str | None):
+        super().__init__()
+        self.block = nn.ModuleList(
+            [ResnetBlock(in_ch if i == 0 else out_ch, out_ch, groups) for i in range(n_blocks)])
+        self.downsample = Downsample(out_ch) if resample == "down" else nn.Identity()
+        self.upsample = Upsample(out_ch) if resample == "up" else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.block:
+            x = block(x)
+        return self.upsample(self.downsample(x))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Encoder and decoder
+# ---------------------------------------------------------------------------------------------------------------
+
+class Encoder(nn.Module):
+    """[B,3,H,W] -> moments [B,2*z,H/8,W/8] (mean, then log-variance)."""
+
+    def __init__(self, p: AutoEncoderParams):
+        super().__init__()
+        chans = [p.ch * m for m in p.ch_mult]                            # 128, 256, 512, 512
+        last = len(chans) - 1
+        self.conv_in = nn.Conv2d(p.in_channels, p.ch, 3, padding=1)
+        self.down = nn.ModuleList([
+            Level(p.ch if i == 0 else chans[i - 1], chans[i], p.num_res_blocks, p.num_groups,
+                  resample="down" if i < last else None)
+            for i in range(len(chans))])
+        self.mid = MidBlock(chans[-1], p.num_groups)
+        self.norm_out = group_norm(chans[-1], p.num_groups)
+        self.conv_out = nn.Conv2d(chans[-1], 2 * p.z_channels, 3, padding=1)
+        self.quant_conv = nn.Conv2d(2 * p.z_channels, 2 * p.z_channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv_in(x)
+        for level in self.down:
+            h = level(h)
+        h = self.mid(h)
+        h = self.conv_out(swish(self.norm_out(h)))
+        return self.quant_conv(h)
+
+
+class Decoder(nn.Module):
+    """z [B,z,h,w] -> image [B,3,8h,8w]. Levels run from the deepest (``up[-1]``) to ``up[0]``."""
+
+    def __init__(self, p: AutoEncoderParams):
+        super().__init__()
+        chans = [p.ch * m for m in p.ch_mult]                            # 128, 256, 512, 512
+        last = len(chans) - 1
+        self.post_quant_conv = nn.Conv2d(p.z_channels, p.z_channels, 1)
+        self.conv_in = nn.Conv2d(p.z_channels, chans[-1], 3, padding=1)
+        self.mid = MidBlock(chans[-1], p.num_groups)
+        # level i takes the channels of level i+1 (or of the mid block) and upsamples unless it is level 0
+        self.up = nn.ModuleList([
+            Level(chans[i + 1] if i < last else chans[-1], chans[i], p.num_res_blocks + 1, p.num_groups,
+                  resample="up" if i > 0 else None)
+            for i in range(len(chans))])
+        self.norm_out = group_norm(chans[0], p.num_groups)
+        self.conv_out = nn.Conv2d(chans[0], p.out_ch, 3, padding=1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        h = self.conv_in(self.post_quant_conv(z))
+        h = self.mid(h)
+        for level in reversed(self.up):
+            h = level(h)
+        return self.conv_out(swish(self.norm_out(h)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The autoencoder
+# ---------------------------------------------------------------------------------------------------------------
+
+class AutoEncoder(nn.Module):
+    """FLUX.2 AE. ``encode``: pixels -> normalised latents; ``decode``: the exact inverse, then the decoder.
+
+    The convolutions run in the dtype of the weights (inputs are cast to it). The latent BatchNorm is computed in
+    float32, so ``encode`` and ``normalize``/``denormalize`` return float32 latents.
+    """
+
+    def __init__(self, params: AutoEncoderParams):
+        super().__init__()
+        self.params = params
+        self.encoder = Encoder(params)
+        self.decoder = Decoder(params)
+        self.bn = nn.BatchNorm2d(4 * params.z_channels, eps=params.bn_eps, affine=False, track_running_stats=True)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.encoder.conv_in.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.encoder.conv_in.weight.device
+
+    @property
+    def pixels_per_latent(self) -> int:
+        """Side of the pixel square behind one latent cell: 8x downscale times the 2x2 patchify = 16."""
+        return 2 * self.params.downscale
+
+    @property
+    def latent_channels(self) -> int:
+        return 4 * self.params.z_channels
+
+    # latent BatchNorm (eval form, float32) -------------------------------------------------------------------------
+
+    def _bn_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = self.bn.running_mean.float().to(like.device).view(1, -1, 1, 1)
+        std = torch.sqrt(self.bn.running_var.float().to(like.device) + self.params.bn_eps).view(1, -1, 1, 1)
+        return mean, std
+
+    def normalize(self, z: torch.Tensor) -> torch.Tensor:
+        """Patchified VAE latent [B,128,h,w] -> model latent space (float32)."""
+        mean, std = self._bn_stats(z)
+        return (z.float() - mean) / std
+
+    def denormalize(self, z: torch.Tensor) -> torch.Tensor:
+        """Model latent [B,128,h,w] -> patchified VAE latent (float32); the inverse of ``normalize``."""
+        mean, std = self._bn_stats(z)
+        return z.float() * std + mean
+
+    # encode / decode ----------------------------------------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Image [B,3,H,W] in [-1,1], H and W multiples of 16 -> latent [B,128,H/16,W/16] (float32)."""
+        self._check_image(x)
+        moments = self.encoder(x.to(self.device, self.dtype))           # [B,64,H/8,W/8]
+        mean = moments[:, : self.params.z_channels]                     # posterior mean; log-variance unused
+        return self.normalize(patchify(mean))                            # [B,128,H/16,W/16]
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """Latent [B,128,h,w] -> image [B,3,16h,16w], roughly in [-1,1] (not clamped), in the weights' dtype."""
+        self._check_latent(z)
+        z = unpatchify(self.denormalize(z.to(self.device)))             # [B,32,2h,2w]
+        return self.decoder(z.to(self.dtype))
+
+    # input checks -------------------------------------------------------------------------------------------------
+
+    def _check_image(self, x: torch.Tensor) -> None:
+        if x.ndim != 4 or x.shape[1] != self.params.in_channels:
+            raise Flux2Error(f"the autoencoder takes images shaped [batch, {self.params.in_channels}, height, width] "
+                             f"(RGB, channels first), got {list(x.shape)}; drop any alpha channel and convert "
+                             f"grey images to RGB first")
+        n = self.pixels_per_latent
+        height, width = x.shape[-2:]
+        if height % n or width % n:
+            raise Flux2Error(f"image size {width}x{height} (WxH) is not a multiple of {n}: the autoencoder needs both "
+                             f"sides divisible by {n}; resize or crop to e.g. {width // n * n}x{height // n * n}")
+        if height < n or width < n:
+            raise Flux2Error(f"image size {width}x{height} (WxH) is too small: both sides must be at least {n} pixels")
+
+    def _check_latent(self, z: torch.Tensor) -> None:
+        if z.ndim != 4 or z.shape[1] != self.latent_channels:
+            raise Flux2Error(f"the autoencoder decodes FLUX.2 latents shaped [batch, {self.latent_channels}, "
+                             f"height/16, width/16], got {list(z.shape)}; latents from other models "
+                             f"(e.g. FLUX.1 with 16 channels) cannot be decoded by the FLUX.2 autoencoder")
