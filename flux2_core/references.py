@@ -1,0 +1,91 @@
+"""Reference images: the reference implementation's preprocessing, then AE encoding into reference tokens.
+
+Preprocessing (BFL ``encode_image_refs``), per image:
+  1. convert to RGB;
+  2. refuse a side below 64 px or an aspect ratio above 8;
+  3. if larger than the pixel cap (2024^2 for a single reference, 1024^2 each when there are several), scale by
+     s = sqrt(cap / (w*h)) to (int(w*s), int(h*s)) with LANCZOS;
+  4. centre-crop (no resize) each side down to a multiple of 16.
+
+Each image is then encoded on its own (posterior mean, patchified, normalised) and packed to tokens; reference i
+(0-based) gets position ids with t = 10 * (i + 1) on its own (h, w) grid. There is no limit on the count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from PIL import Image
+
+from . import rope
+from .errors import Flux2Error
+
+MIN_SIDE = 64
+MAX_ASPECT = 8
+SINGLE_REFERENCE_PIXELS = 2024 * 2024   # "2024" as in the reference code, not 2048
+MULTI_REFERENCE_PIXELS = 1024 * 1024    # per image, when there are two or more
+
+
+def as_pil(image) -> Image.Image:
+    """A PIL image from a PIL image or a uint8 HWC array."""
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim in (2, 3):
+        return Image.fromarray(image)
+    raise Flux2Error(f"a reference image must be a PIL image or a uint8 HxWxC array, got {type(image).__name__}")
+
+
+def check_reference(image: Image.Image, index: int = 0) -> None:
+    w, h = image.size
+    if min(w, h) < MIN_SIDE:
+        raise Flux2Error(f"reference image {index + 1} is {w}x{h}; both sides must be at least {MIN_SIDE} px: "
+                         f"use a larger image or upscale it")
+    if max(w, h) > MAX_ASPECT * min(w, h):
+        raise Flux2Error(f"reference image {index + 1} is {w}x{h}, an aspect ratio of {max(w, h) / min(w, h):.1f}; "
+                         f"at most {MAX_ASPECT}:1 is supported: crop it closer to square")
+
+
+def cap_pixels(image: Image.Image, max_pixels: int) -> Image.Image:
+    """Downscale (LANCZOS, int() floors) to at most about ``max_pixels``; smaller images are left alone."""
+    w, h = image.size
+    if w * h <= max_pixels:
+        return image
+    s = math.sqrt(max_pixels / (w * h))
+    return image.resize((int(w * s), int(h * s)), Image.Resampling.LANCZOS)
+
+
+def center_crop_16(image: Image.Image) -> Image.Image:
+    w, h = image.size
+    new_w, new_h = w // 16 * 16, h // 16 * 16
+    left, top = (w - new_w) // 2, (h - new_h) // 2
+    return image.crop((left, top, left + new_w, top + new_h))
+
+
+def prepare_references(images) -> list[Image.Image]:
+    """BFL's preprocessing of a list of reference images (see the module docstring)."""
+    images = [as_pil(im).convert("RGB") for im in images]
+    for i, im in enumerate(images):
+        check_reference(im, i)
+    cap = SINGLE_REFERENCE_PIXELS if len(images) == 1 else MULTI_REFERENCE_PIXELS
+    return [center_crop_16(cap_pixels(im, cap)) for im in images]
+
+
+def image_to_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB PIL image -> float32 [1, 3, H, W] in [-1, 1]."""
+    x = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).float() / 255
+    return (x * 2 - 1)[None]
+
+
+@torch.no_grad()
+def encode_references(ae, images, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Preprocess and encode reference images into tokens for the transformer.
+
+    Returns tokens [1, Lref, 128] in ``dtype`` (the transformer's compute dtype) and int64 ids [1, Lref, 4],
+    with Lref = sum over references of (h/16)*(w/16), on the AE's device (the AE runs in its own dtype).
+    """
+    latents = [ae.encode(image_to_tensor(im)) for im in prepare_references(images)]   # each [1, 128, h/16, w/16]
+    tokens = torch.cat([rope.pack(z) for z in latents], dim=1)                        # [1, Lref, 128]
+    ids = rope.reference_ids([tuple(z.shape[-2:]) for z in latents], device=tokens.device)
+    return tokens.to(dtype or tokens.dtype), ids
