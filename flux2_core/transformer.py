@@ -1,0 +1,372 @@
+"""The FLUX.2 flow transformer, with BFL's single-file parameter names.
+
+    vec      = time_in(timestep_embedding(sigma))            (+ guidance_in(...) for FLUX.2-dev)
+    mods     = three shared modulation linears on silu(vec)  (img and txt double-stream, single-stream)
+    img, txt = img_in(latent tokens), txt_in(text embeddings)
+    double blocks: separate img / txt weights, joint attention over [txt, img]
+    single blocks: one parallel attention + MLP block over cat(txt, img)
+    out      = final_layer(img tokens, vec)                  -> velocity [B, Limg, 128]
+
+No Linear has a bias. q and k get a per-head RMSNorm, then RoPE. Attention has no mask.
+
+References are extra image tokens with their own ids (t = 10, 20, ...). Two ways to use them:
+
+* joint (Klein 4B / 9B / base): ``forward(..., ref=, ref_ids=)`` appends them after the image tokens; they share the
+  current t and full attention, and their outputs are dropped.
+* KV (Klein 9B-KV): ``cache = reference_kv(ref, ref_ids)`` runs the same blocks on the references alone at t = 0
+  and keeps every block's reference keys (after qk-norm and RoPE) and values; ``forward(..., ref_kv=cache)`` then lets
+  the text and image queries attend to [txt, ref, img] keys in every block. Because reference tokens only ever attend
+  to themselves and are modulated at t = 0, this equals BFL's step-0 ``forward_kv_extract`` and later
+  ``forward_kv_cached`` exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from .errors import Flux2Error
+from .rope import apply_rope, rope_table
+from .variants import TransformerParams
+
+TIME_EMBED_DIM = 256
+
+
+def timestep_embedding(t: Tensor, dim: int = TIME_EMBED_DIM, max_period: float = 10000.0) -> Tensor:
+    """Sinusoidal embedding of sigmas t [B] -> [B, dim] as [cos | sin], in t's dtype.
+
+    1000·t is computed in t's own dtype, as BFL does: with bf16 sigmas the model sees bf16(1000·bf16(t)).
+    """
+    t = 1000 * t
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1).to(t.dtype)
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """(1 + scale) · LayerNorm(x) + shift, with a plain LayerNorm (no affine, eps 1e-6)."""
+    return (1 + scale) * F.layer_norm(x, x.shape[-1:], eps=1e-6) + shift
+
+
+def swiglu(x: Tensor) -> Tensor:
+    """silu(first half) · second half."""
+    gate, value = x.chunk(2, dim=-1)
+    return F.silu(gate) * value
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, pe: Tensor, n_txt: int,
+              ref_kv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """Joint attention of tokens [txt, rest]; the one attention of every block.
+
+    q, k, v: [B, heads, L, head_dim] (q, k already RMS-normed); pe: rope_table [B, L, head_dim/2, 2].
+    ref_kv:  cached reference (k, v) [B or 1, heads, Lref, head_dim], inserted as extra keys/values between the
+             txt and the rest, so the keys are [txt, ref, rest]; no queries are added.
+    Returns the output [B, L, heads*head_dim] and this call's (k, v) after RoPE.
+    """
+    q, k = apply_rope(q, k, pe)
+    keys, values = k, v
+    if ref_kv is not None:
+        k_ref, v_ref = (x.expand(q.shape[0], -1, -1, -1) for x in ref_kv)
+        keys = torch.cat([k[:, :, :n_txt], k_ref, k[:, :, n_txt:]], dim=2)
+        values = torch.cat([v[:, :, :n_txt], v_ref, v[:, :, n_txt:]], dim=2)
+    out = F.scaled_dot_product_attention(q, keys, values)
+    return rearrange(out, "B H L D -> B L (H D)"), (k, v)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim: computed in float32, cast back, then multiplied by ``scale``."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        rrms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+        return (xf * rrms).to(x.dtype) * self.scale
+
+
+class QKNorm(nn.Module):
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.query_norm = RMSNorm(head_dim)
+        self.key_norm = RMSNorm(head_dim)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.query_norm(q).to(v.dtype), self.key_norm(k).to(v.dtype)
+
+
+def split_heads(qkv: Tensor, norm: QKNorm, heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused projection [B, L, 3·heads·D] (all q | all k | all v) -> normed q, k and v, each [B, heads, L, D]."""
+    q, k, v = rearrange(qkv, "B L (K H D) -> K B H L D", K=3, H=heads)
+    q, k = norm(q, k, v)
+    return q, k, v
+
+
+class SelfAttention(nn.Module):
+    """One stream's attention weights in a double block (the attention itself is joint)."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.norm = QKNorm(hidden // heads)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+
+    def qkv_heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return split_heads(self.qkv(x), self.norm, self.heads)
+
+
+class SwiGLU(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return swiglu(x)
+
+
+def mlp(hidden: int, mlp_hidden: int) -> nn.Sequential:
+    """Lin(H, 2M) -> SwiGLU -> Lin(M, H); the Sequential indices give BFL's keys ``.0`` and ``.2``."""
+    return nn.Sequential(nn.Linear(hidden, 2 * mlp_hidden, bias=False), SwiGLU(),
+                         nn.Linear(mlp_hidden, hidden, bias=False))
+
+
+class Modulation(nn.Module):
+    """Lin(H, n·H) on silu(vec): n chunks [B, 1, H] (shift, scale, gate, ...)."""
+
+    def __init__(self, hidden: int, n: int):
+        super().__init__()
+        self.n = n
+        self.lin = nn.Linear(hidden, n * hidden, bias=False)
+
+    def forward(self, vec: Tensor) -> tuple[Tensor, ...]:
+        return self.lin(F.silu(vec))[:, None, :].chunk(self.n, dim=-1)
+
+
+class MLPEmbedder(nn.Module):
+    def __init__(self, in_dim: int, hidden: int):
+        super().__init__()
+        self.in_layer = nn.Linear(in_dim, hidden, bias=False)
+        self.out_layer = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out_layer(F.silu(self.in_layer(x)))
+
+
+def _stream_update(x: Tensor, attn_out: Tensor, attn: SelfAttention, mlp: nn.Module, mod: tuple[Tensor, ...]) -> Tensor:
+    """One stream of a double block after attention: gated projection, then gated MLP."""
+    _, _, gate1, shift2, scale2, gate2 = mod
+    x = x + gate1 * attn.proj(attn_out)
+    return x + gate2 * mlp(modulate(x, shift2, scale2))
+
+
+class DoubleStreamBlock(nn.Module):
+    def __init__(self, p: TransformerParams):
+        super().__init__()
+        self.img_attn = SelfAttention(p.hidden_size, p.num_heads)
+        self.img_mlp = mlp(p.hidden_size, p.mlp_hidden)
+        self.txt_attn = SelfAttention(p.hidden_size, p.num_heads)
+        self.txt_mlp = mlp(p.hidden_size, p.mlp_hidden)
+
+    def forward(self, img: Tensor, txt: Tensor, pe: Tensor, mod_img: tuple[Tensor, ...], mod_txt: tuple[Tensor, ...],
+                ref_kv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        """img [B, Limg, H], txt [B, Ltxt, H], pe for [txt, img]. Returns img, txt and the img tokens' (k, v)."""
+        n_txt = txt.shape[1]
+        img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(img, mod_img[0], mod_img[1]))
+        txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(txt, mod_txt[0], mod_txt[1]))
+        q, k, v = (torch.cat(pair, dim=2) for pair in [(txt_q, img_q), (txt_k, img_k), (txt_v, img_v)])
+
+        out, (k, v) = attention(q, k, v, pe, n_txt, ref_kv)
+
+        img = _stream_update(img, out[:, n_txt:], self.img_attn, self.img_mlp, mod_img)
+        txt = _stream_update(txt, out[:, :n_txt], self.txt_attn, self.txt_mlp, mod_txt)
+        return img, txt, (k[:, :, n_txt:], v[:, :, n_txt:])
+
+
+class SingleStreamBlock(nn.Module):
+    """Parallel block: linear1 -> (q, k, v | MLP in); linear2 on cat(attention out, SwiGLU(MLP in))."""
+
+    def __init__(self, p: TransformerParams):
+        super().__init__()
+        self.heads = p.num_heads
+        self.split = [3 * p.hidden_size, 2 * p.mlp_hidden]
+        self.linear1 = nn.Linear(p.hidden_size, sum(self.split), bias=False)
+        self.linear2 = nn.Linear(p.hidden_size + p.mlp_hidden, p.hidden_size, bias=False)
+        self.norm = QKNorm(p.head_dim)
+
+    def forward(self, x: Tensor, pe: Tensor, mod: tuple[Tensor, ...], n_txt: int,
+                ref_kv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """x [B, Ltxt + Limg, H] = cat(txt, img). Returns x and the img tokens' (k, v)."""
+        shift, scale, gate = mod
+        qkv, mlp_in = torch.split(self.linear1(modulate(x, shift, scale)), self.split, dim=-1)
+        q, k, v = split_heads(qkv, self.norm, self.heads)
+
+        out, (k, v) = attention(q, k, v, pe, n_txt, ref_kv)
+
+        x = x + gate * self.linear2(torch.cat([out, swiglu(mlp_in)], dim=-1))
+        return x, (k[:, :, n_txt:], v[:, :, n_txt:])
+
+
+class LastLayer(nn.Module):
+    def __init__(self, hidden: int, out_channels: int):
+        super().__init__()
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden, bias=False))
+        self.linear = nn.Linear(hidden, out_channels, bias=False)
+
+    def forward(self, x: Tensor, vec: Tensor) -> Tensor:
+        shift, scale = self.adaLN_modulation(vec)[:, None, :].chunk(2, dim=-1)   # order: shift, then scale
+        return self.linear(modulate(x, shift, scale))
+
+
+@dataclass
+class ReferenceKV:
+    """Reference keys and values for the KV scheme, from ``Flux2Transformer.reference_kv``.
+
+    blocks[i] = (k, v), each [B, heads, num_tokens, head_dim]: k after qk-norm and RoPE. Double blocks come first,
+    then single blocks. A batch of 1 is broadcast to any batch.
+    """
+
+    blocks: list[tuple[Tensor, Tensor]]
+    num_tokens: int
+
+    @property
+    def batch(self) -> int:
+        return self.blocks[0][0].shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks[0][0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks[0][0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.blocks)
+
+    def to(self, device=None, dtype=None) -> ReferenceKV:
+        return ReferenceKV([(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype))
+                            for k, v in self.blocks], self.num_tokens)
+
+
+def _batched(x: Tensor, batch: int, name: str) -> Tensor:
+    """x [1 or batch, ...] -> [batch, ...]."""
+    if x.shape[0] not in (1, batch):
+        raise Flux2Error(f"{name} has batch {x.shape[0]} but the image tokens have batch {batch}; "
+                         f"pass batch 1 (shared) or {batch}")
+    return x.expand(batch, *x.shape[1:])
+
+
+class Flux2Transformer(nn.Module):
+    """FLUX.2 DiT; ``state_dict()`` keys are exactly those of BFL's single-file checkpoints."""
+
+    def __init__(self, params: TransformerParams):
+        super().__init__()
+        p = self.params = params
+        self.img_in = nn.Linear(p.in_channels, p.hidden_size, bias=False)
+        self.txt_in = nn.Linear(p.context_in_dim, p.hidden_size, bias=False)
+        self.time_in = MLPEmbedder(TIME_EMBED_DIM, p.hidden_size)
+        if p.use_guidance_embed:
+            self.guidance_in = MLPEmbedder(TIME_EMBED_DIM, p.hidden_size)
+        self.double_stream_modulation_img = Modulation(p.hidden_size, 6)
+        self.double_stream_modulation_txt = Modulation(p.hidden_size, 6)
+        self.single_stream_modulation = Modulation(p.hidden_size, 3)
+        self.double_blocks = nn.ModuleList(DoubleStreamBlock(p) for _ in range(p.depth))
+        self.single_blocks = nn.ModuleList(SingleStreamBlock(p) for _ in range(p.depth_single_blocks))
+        self.final_layer = LastLayer(p.hidden_size, p.in_channels)
+
+    def forward(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
+                guidance: Tensor | None = None, ref: Tensor | None = None, ref_ids: Tensor | None = None,
+                ref_kv: ReferenceKV | None = None) -> Tensor:
+        """Velocity for the noisy image tokens.
+
+        img [B, Limg, in_channels], img_ids [B, Limg, 4]; timesteps [B] sigmas in [0, 1] (in the compute dtype);
+        txt [B, Ltxt, context_in_dim], txt_ids [B, Ltxt, 4]; guidance [B] (FLUX.2-dev only, else ignored).
+        ref [B or 1, Lref, in_channels] with ref_ids: joint references. ref_kv: cached references (KV scheme).
+        Returns [B, Limg, in_channels].
+        """
+        self._check_tokens(img, txt)
+        batch, n_img = img.shape[:2]
+        img_ids, txt_ids = _batched(img_ids, batch, "img_ids"), _batched(txt_ids, batch, "txt_ids")
+        if ref is not None:
+            if ref_ids is None or ref_kv is not None:
+                raise Flux2Error("joint references need ref and ref_ids together, and no ref_kv; "
+                                 "for the KV scheme pass only ref_kv=model.reference_kv(ref, ref_ids)")
+            img = torch.cat([img, _batched(ref, batch, "ref")], dim=1)
+            img_ids = torch.cat([img_ids, _batched(ref_ids, batch, "ref_ids")], dim=1)
+        if ref_kv is not None:
+            self._check_cache(ref_kv, batch)
+
+        vec = self._vector(timesteps, guidance, img.dtype)
+        out = self._run_blocks(img, img_ids, txt, txt_ids, vec, ref_kv)
+        return self.final_layer(out[:, :n_img], vec)
+
+    @torch.no_grad()
+    def reference_kv(self, ref: Tensor, ref_ids: Tensor, guidance: Tensor | None = None) -> ReferenceKV:
+        """Every block's reference (k, v) for the KV scheme: the references alone, at t = 0, with no text.
+
+        ref [B, Lref, in_channels] (usually B = 1), ref_ids [B, Lref, 4]. Returns a ReferenceKV for ``forward``.
+        """
+        self._check_tokens(ref, None)
+        batch = ref.shape[0]
+        ref_ids = _batched(ref_ids, batch, "ref_ids")
+        no_txt = ref.new_zeros(batch, 0, self.params.context_in_dim)
+        no_txt_ids = ref_ids.new_zeros(batch, 0, ref_ids.shape[-1])
+        vec = self._vector(ref.new_zeros(batch), guidance, ref.dtype)
+        kv = []
+        self._run_blocks(ref, ref_ids, no_txt, no_txt_ids, vec, kv_out=kv)
+        return ReferenceKV([(k.clone(), v.clone()) for k, v in kv], ref.shape[1])
+
+    def _vector(self, timesteps: Tensor, guidance: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """The conditioning vector vec [B, H] from sigmas (and guidance for FLUX.2-dev)."""
+        vec = self.time_in(timestep_embedding(timesteps).to(dtype))
+        if self.params.use_guidance_embed:
+            if guidance is None:
+                raise Flux2Error("this model has a guidance embedding (FLUX.2-dev): pass guidance, e.g. 4.0 per item")
+            vec = vec + self.guidance_in(timestep_embedding(guidance).to(dtype))
+        return vec
+
+    def _run_blocks(self, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor, vec: Tensor,
+                    ref_kv: ReferenceKV | None = None, kv_out: list | None = None) -> Tensor:
+        """All blocks. Returns the hidden image tokens [B, Limg, H]; appends each block's img (k, v) to kv_out."""
+        mod_img = self.double_stream_modulation_img(vec)
+        mod_txt = self.double_stream_modulation_txt(vec)
+        mod_single = self.single_stream_modulation(vec)
+        img, txt = self.img_in(img), self.txt_in(txt)
+        pe = rope_table(torch.cat([txt_ids, img_ids], dim=1), self.params.axes_dim, self.params.theta)
+        cached = ref_kv.blocks if ref_kv is not None else [None] * (len(self.double_blocks) + len(self.single_blocks))
+        n_txt = txt.shape[1]
+
+        for block, block_kv in zip(self.double_blocks, cached):
+            img, txt, kv = block(img, txt, pe, mod_img, mod_txt, block_kv)
+            if kv_out is not None:
+                kv_out.append(kv)
+
+        x = torch.cat([txt, img], dim=1)
+        for block, block_kv in zip(self.single_blocks, cached[len(self.double_blocks):]):
+            x, kv = block(x, pe, mod_single, n_txt, block_kv)
+            if kv_out is not None:
+                kv_out.append(kv)
+        return x[:, n_txt:]
+
+    def _check_tokens(self, img: Tensor, txt: Tensor | None):
+        p = self.params
+        if img.ndim != 3 or img.shape[-1] != p.in_channels:
+            raise Flux2Error(f"image tokens must be [B, L, {p.in_channels}] (rope.pack of a [B, {p.in_channels}, h, w] "
+                             f"latent), got shape {tuple(img.shape)}")
+        if txt is not None and (txt.ndim != 3 or txt.shape[-1] != p.context_in_dim):
+            raise Flux2Error(f"text embeddings must be [B, L, {p.context_in_dim}] for this model, got shape "
+                             f"{tuple(txt.shape)}; was the prompt encoded with the matching text encoder?")
+
+    def _check_cache(self, ref_kv: ReferenceKV, batch: int):
+        n_blocks = len(self.double_blocks) + len(self.single_blocks)
+        if len(ref_kv.blocks) != n_blocks:
+            raise Flux2Error(f"the reference KV cache has {len(ref_kv.blocks)} blocks but this model has {n_blocks}; "
+                             "it was made by another model: rebuild it with this model's reference_kv")
+        if ref_kv.batch not in (1, batch):
+            raise Flux2Error(f"the reference KV cache has batch {ref_kv.batch} but the image tokens have batch "
+                             f"{batch}; build it from batch-1 references to share it")
