@@ -1,0 +1,152 @@
+"""Noise and the Euler sampler.
+
+The sampler is one loop (``euler``) over a velocity function; schedules live in ``schedules.py``. ``denoise`` builds
+the velocity function for every FLUX.2 case and runs the loop:
+
+* distilled (Klein 4B/9B): one forward per step, no CFG;
+* base models: classifier-free guidance, with the [uncond, cond] pair batched into one forward;
+* references joined to the image tokens (Klein 4B/9B/base), or cached as reference K/V (Klein 9B-KV);
+* FLUX.2-dev: a guidance value fed to the model's guidance embedding.
+
+Dtypes follow the reference: the latent ``x`` is in the compute dtype (bf16 for real models), the model sees the
+sigma rounded to that dtype, and each step ``x + (sigma_next - sigma) * v`` runs in that dtype with the step size
+taken from the float32 schedule. In float32 this is also exactly what diffusers does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import rope
+from .errors import Flux2Error
+from .transformer import ReferenceKV
+
+LATENT_CHANNELS = 128    # 32 AE channels x 2 x 2 patch
+PIXELS_PER_LATENT = 16   # 8x AE downscale x 2x2 patch
+
+
+# --- noise ------------------------------------------------------------------------------------------------------
+
+def latent_size(height: int, width: int) -> tuple[int, int]:
+    """(h, w) of the latent grid for an image of height x width pixels; both must be multiples of 16."""
+    for name, value in (("height", height), ("width", width)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < PIXELS_PER_LATENT:
+            raise Flux2Error(f"{name} must be a whole number of pixels >= {PIXELS_PER_LATENT}, got {value!r}")
+    if height % PIXELS_PER_LATENT or width % PIXELS_PER_LATENT:
+        raise Flux2Error(f"image size {width}x{height} (WxH) is not a multiple of {PIXELS_PER_LATENT}; "
+                         f"use e.g. {round(width / 16) * 16 or 16}x{round(height / 16) * 16 or 16}")
+    return height // PIXELS_PER_LATENT, width // PIXELS_PER_LATENT
+
+
+def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", dtype=torch.float32,
+               bfl_cuda_noise: bool = False) -> Tensor:
+    """Gaussian noise [batch, 128, height/16, width/16]; item i is drawn with its own seed ``seed + i``.
+
+    So item i of a batch equals a batch-1 run with seed ``seed + i``. By default each item comes from a CPU
+    generator in float32 (the diffusers and ComfyUI convention: the same on every device). ``bfl_cuda_noise``
+    draws it as the reference CLI does: ``randn(..., dtype=bfloat16)`` from a generator on ``device`` (CUDA in the
+    reference; other devices give other numbers).
+    """
+    h, w = latent_size(height, width)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed + batch - 1 < 2 ** 63:
+        raise Flux2Error(f"seed must be a whole number in [0, 2^63 - batch], got {seed!r}")
+    if batch < 1:
+        raise Flux2Error(f"batch must be >= 1, got {batch}")
+    gen_device, gen_dtype = (device, torch.bfloat16) if bfl_cuda_noise else ("cpu", torch.float32)
+    items = [torch.randn((1, LATENT_CHANNELS, h, w), dtype=gen_dtype, device=gen_device,
+                         generator=torch.Generator(gen_device).manual_seed(seed + i)) for i in range(batch)]
+    return torch.cat(items).to(device=device, dtype=dtype)
+
+
+def add_noise(latent: Tensor, noise: Tensor, sigma: float) -> Tensor:
+    """The flow-matching forward process: (1 - sigma) * latent + sigma * noise (image-to-image start point)."""
+    return (1 - sigma) * latent + sigma * noise
+
+
+# --- the Euler loop ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Step:
+    """What the per-step callback gets, after step ``index`` (0-based) of ``total``."""
+
+    index: int
+    total: int
+    sigma: float          # the noise level the step started from
+    sigma_next: float     # ... and went to
+    x: Tensor             # latent [B, 128, h, w] at sigma_next
+    denoised: Tensor      # the model's clean-latent estimate at this step, x_start - sigma * v (for previews)
+
+
+Velocity = Callable[[Tensor, Tensor], Tensor]   # (x [B, 128, h, w], t [B] in x's dtype) -> v like x
+
+
+def euler(velocity: Velocity, x: Tensor, sigmas: list[float], callback: Callable[[Step], None] | None = None
+          ) -> Tensor:
+    """Integrate dx/dsigma = v from sigmas[0] to sigmas[-1]; x [B, 128, h, w] is in the compute dtype.
+
+    ``callback(Step)`` runs after every step; it may raise to interrupt.
+    """
+    total = len(sigmas) - 1
+    for i, (sigma, sigma_next) in enumerate(itertools.pairwise(sigmas)):
+        t = torch.full((x.shape[0],), sigma, dtype=x.dtype, device=x.device)
+        v = velocity(x, t)
+        x_next = x + (sigma_next - sigma) * v
+        if callback is not None:
+            callback(Step(i, total, sigma, sigma_next, x_next, x - sigma * v))
+        x = x_next
+    return x
+
+
+# --- FLUX.2 velocity ----------------------------------------------------------------------------------------------
+
+def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt: Tensor | None = None,
+            cfg: float = 1.0, ref: Tensor | None = None, ref_ids: Tensor | None = None,
+            ref_kv: ReferenceKV | None = None, kv: bool = False, guidance: float | None = None,
+            callback: Callable[[Step], None] | None = None) -> Tensor:
+    """Run the Euler loop with a FLUX.2 transformer. Returns the latent at sigmas[-1].
+
+    x: latent [B, 128, h, w] at sigmas[0], in the compute dtype. txt: prompt embeddings [1 or B, Ltxt, C].
+    negative_txt given: CFG, v = v_neg + cfg * (v_txt - v_neg), both halves in one forward of batch 2B.
+    ref [1 or B, Lref, 128] with int64 ref_ids [1, Lref, 4]: reference tokens joined after the image tokens.
+    kv=True: the KV scheme instead; the reference K/V are computed once here from ref/ref_ids, or ``ref_kv`` is
+    passed in (computed earlier by ``model.reference_kv``), and reused at every step.
+    guidance: FLUX.2-dev's guidance embedding value (no CFG).
+    """
+    batch, _, h, w = x.shape
+    dtype, device = x.dtype, x.device
+    sides = 1 if negative_txt is None else 2             # the model batch is [neg..., pos...] with CFG
+    n = sides * batch
+    if kv and ref is not None:
+        if ref_kv is None:
+            ref_kv = model.reference_kv(ref.to(device, dtype), ref_ids.to(device))
+        ref = ref_ids = None
+    if ref is not None and ref_kv is not None:
+        raise Flux2Error("give references either as tokens (ref, ref_ids) or as a KV cache (ref_kv), not both")
+    if ref is not None:                                   # [1 or n, Lref, 128]
+        ref, ref_ids = ref.to(device, dtype), ref_ids.to(device)
+        ref = ref.repeat(sides, 1, 1) if ref.shape[0] > 1 else ref
+    if ref_kv is not None:
+        ref_kv = ref_kv.to(device, dtype)
+
+    prompts = [txt] if negative_txt is None else [negative_txt, txt]
+    txt = torch.cat([p.expand(batch, *p.shape[1:]) for p in prompts]).to(device, dtype)   # [n, Ltxt, C]
+    txt_ids = rope.text_ids(n, txt.shape[1], device=device)
+    img_ids = rope.image_ids(n, h, w, device=device)
+    guidance_vec = None if guidance is None else torch.full((n,), guidance, dtype=dtype, device=device)
+
+    def velocity(x: Tensor, t: Tensor) -> Tensor:
+        img = rope.pack(x).repeat(sides, 1, 1)                              # [n, h*w, 128]
+        v = model(img, img_ids, t.repeat(sides), txt, txt_ids, guidance=guidance_vec,
+                  ref=ref, ref_ids=ref_ids, ref_kv=ref_kv)                   # [n, h*w, 128]
+        if sides == 2:
+            v_neg, v_pos = v.chunk(2)
+            v = v_neg + cfg * (v_pos - v_neg)
+        return rope.unpack(v, h, w)
+
+    with torch.no_grad():
+        return euler(velocity, x, sigmas, callback)
