@@ -1,0 +1,115 @@
+// FLUX.2 Klein frontend extension: live prompt token count, width/height snapped to 16, one colour family.
+// Served at /extensions/<pack folder>/js/flux2_klein.js, hence the three "../" to reach ComfyUI's scripts.
+import { app } from "../../../scripts/app.js";
+import { api } from "../../../scripts/api.js";
+import { approxTokenCount, snapTo16, tokenLabel, MAX_TOKENS, TEMPLATE_TOKENS } from "./flux2_klein_tokens.js";
+
+const PREFIX = "Flux2Klein";                       // every node id of this pack starts with this
+const FAMILY = { color: "#3a3f6b", bgcolor: "#262a4d" };
+const TEXT_WIDGETS = ["text", "prompt"];
+const SIZE_WIDGETS = ["width", "height"];
+const TOKENS_ROUTE = "/flux2_klein/tokens";       // POST {text} -> {count, limit}: exact count, if the pack serves it
+
+let routeAvailable = true;
+
+// The exact templated token count from the server, or null when the route is missing or fails.
+async function serverCount(text) {
+  if (!routeAvailable) return null;
+  try {
+    const response = await api.fetchApi(TOKENS_ROUTE, {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ text }),
+    });
+    if (response.ok) return (await response.json()).count;
+    if (response.status === 404 || response.status === 405) routeAvailable = false;
+  } catch {
+    routeAvailable = false;
+  }
+  return null;
+}
+
+function snapSizeWidgets(node) {
+  for (const widget of node.widgets ?? []) {
+    if (!SIZE_WIDGETS.includes(widget.name) || widget.type !== "number") continue;
+    widget.options.step2 = 16;                     // arrows and drags move by 16
+    widget.options.step = 160;                     // litegraph's legacy step is 10x the increment
+    const original = widget.callback;
+    widget.callback = function (value, ...rest) {
+      widget.value = snapTo16(value, widget.options.min, widget.options.max);
+      return original?.call(this, widget.value, ...rest);
+    };
+  }
+}
+
+function trackTokens(node) {
+  const widget = node.widgets?.find((w) => TEXT_WIDGETS.includes(w.name));
+  if (!widget) return;
+  let timer = null;
+  const update = () => {
+    const text = String(widget.value ?? "");
+    if (node.flux2Tokens?.text === text) return;
+    const count = approxTokenCount(text) + TEMPLATE_TOKENS;
+    node.flux2Tokens = { text, count, exact: false, label: tokenLabel(count, false), over: count > MAX_TOKENS };
+    node.setDirtyCanvas?.(true, false);
+    clearTimeout(timer);
+    timer = setTimeout(async () => {             // ask the server once typing pauses
+      const exact = await serverCount(text);
+      if (exact == null || node.flux2Tokens?.text !== text) return;
+      node.flux2Tokens = { text, count: exact, exact: true, label: tokenLabel(exact, true), over: exact > MAX_TOKENS };
+      node.setDirtyCanvas?.(true, false);
+    }, 300);
+  };
+  widget.inputEl?.addEventListener("input", update);   // the multiline textarea
+  const original = widget.callback;
+  widget.callback = function (...args) {
+    const result = original?.apply(this, args);
+    update();
+    return result;
+  };
+  node.flux2UpdateTokens = update;
+  update();
+}
+
+function drawTokens(node, ctx) {
+  const info = node.flux2Tokens;
+  if (!info || node.flags?.collapsed) return;
+  ctx.save();
+  ctx.font = "12px sans-serif";
+  ctx.textAlign = "right";
+  ctx.fillStyle = info.over ? "#ff6b6b" : "#a8b0d8";
+  ctx.fillText((info.over ? "⚠ " : "") + info.label, node.size[0] - 8, node.size[1] - 6);
+  ctx.restore();
+}
+
+app.registerExtension({
+  name: "flux2_klein.ui",
+
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (!nodeData.name?.startsWith(PREFIX)) return;
+    const onNodeCreated = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function (...args) {
+      const result = onNodeCreated?.apply(this, args);
+      this.color = FAMILY.color;
+      this.bgcolor = FAMILY.bgcolor;
+      snapSizeWidgets(this);
+      trackTokens(this);
+      return result;
+    };
+    const onConfigure = nodeType.prototype.onConfigure;
+    nodeType.prototype.onConfigure = function (...args) {   // a loaded workflow sets widget values afterwards
+      const result = onConfigure?.apply(this, args);
+      this.flux2UpdateTokens?.();
+      return result;
+    };
+    const onDrawForeground = nodeType.prototype.onDrawForeground;
+    nodeType.prototype.onDrawForeground = function (ctx, ...args) {
+      const result = onDrawForeground?.call(this, ctx, ...args);
+      this.flux2UpdateTokens?.();                   // catches values set without an event
+      drawTokens(this, ctx);
+      return result;
+    };
+  },
+
+  async setup() {
+    window.__FLUX2_KLEIN_LOADED__ = true;          // the browser tests wait for this
+  },
+});
