@@ -1,0 +1,91 @@
+"""Real-ComfyUI integration tests: one ComfyUI server per session, with this pack linked in and tiny random weights.
+
+    COMFYUI_DIR=/path/to/ComfyUI  COMFYUI_PYTHON=/path/to/comfy-venv/bin/python  scripts/test tests/comfyui
+
+COMFYUI_DIR is a ComfyUI source tree (v0.12.1+); COMFYUI_PYTHON is the Python environment the server runs in
+(default: the one running pytest). Without COMFYUI_DIR every test here is skipped. See docs/comfyui-testing.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from flux2_core.variants import TransformerParams
+from tests.comfyui.host import PACK_FOLDER, ComfyServer, Host, HostClient, write_torch_stubs
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR", "")
+SKIP_REASON = "set COMFYUI_DIR to a ComfyUI source tree (v0.12.1+) to run the real-host tests"
+
+# The tiny transformer must also load in ComfyUI's own FLUX.2 model (for the native-graph comparison), which
+# fixes heads of 128 = 4 RoPE axes of 32; context_in_dim is 3 x the tiny Qwen3's hidden size (32).
+HOST_TRANSFORMER = TransformerParams(in_channels=128, context_in_dim=96, hidden_size=128, num_heads=1, depth=1,
+                                     depth_single_blocks=2, axes_dim=(32, 32, 32, 32))
+FILES = {"transformer": "flux-2-klein-tiny.safetensors", "text_encoder": "qwen_3_tiny.safetensors",
+         "ae": "flux2-vae-tiny.safetensors"}
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = SKIP_REASON if not COMFYUI_DIR else (
+        None if (Path(COMFYUI_DIR) / "main.py").is_file() else f"COMFYUI_DIR={COMFYUI_DIR} has no main.py; {SKIP_REASON}")
+    for item in items:
+        if HERE in Path(item.fspath).resolve().parents:
+            item.add_marker(pytest.mark.comfyui)
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def write_tiny_models(models: Path) -> dict[str, str]:
+    """Random weights in ComfyUI's model folders: BFL transformer, ComfyUI Qwen3 file, BFL autoencoder."""
+    from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
+    from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
+    from tests.tiny.transformer import random_bfl_transformer_state_dict, save_bfl_transformer
+
+    for folder in ("diffusion_models", "text_encoders", "vae"):
+        (models / folder).mkdir(parents=True, exist_ok=True)
+    transformer = random_bfl_transformer_state_dict(HOST_TRANSFORMER, seed=1)
+    save_bfl_transformer(transformer, models / "diffusion_models" / FILES["transformer"])
+    save_comfyui_text_encoder(build_tiny_qwen3(seed=2), models / "text_encoders" / FILES["text_encoder"])
+    save_bfl_autoencoder(build_diffusers_autoencoder(seed=3), models / "vae" / FILES["ae"])
+    return dict(FILES)
+
+
+def write_input_images(folder: Path) -> list[str]:
+    """Three small random reference pictures of different sizes and aspect ratios."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    names = []
+    for i, (w, h) in enumerate([(128, 96), (96, 128), (112, 112)], start=1):
+        name = f"tiny_ref_{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / name)
+        names.append(name)
+    return names
+
+
+@pytest.fixture(scope="session")
+def comfy(tmp_path_factory) -> Host:
+    """A running ComfyUI with the pack in custom_nodes and tiny weights in its models folders."""
+    base = tmp_path_factory.mktemp("comfy-base")
+    files = write_tiny_models(base / "models")
+    images = write_input_images(base / "input")
+    (base / "custom_nodes").mkdir()
+    (base / "custom_nodes" / PACK_FOLDER).symlink_to(ROOT, target_is_directory=True)
+    settings = base / "user" / "default" / "comfy.settings.json"   # no first-run Templates dialog in the browser
+    settings.parent.mkdir(parents=True)
+    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    stubs = write_torch_stubs(tmp_path_factory.mktemp("stubs"))
+    server = ComfyServer(Path(COMFYUI_DIR), os.environ.get("COMFYUI_PYTHON", sys.executable), base, stubs)
+    server.start()
+    try:
+        yield Host(server, HostClient(server.address, timeout=120), base, files, images)
+    finally:
+        server.stop()

@@ -1,0 +1,157 @@
+"""A real ComfyUI server for integration tests: stubs, base directory, process, and a small client.
+
+    stubs = write_torch_stubs(tmp / "stubs")
+    server = ComfyServer(comfy_dir, python, base_dir, stubs)
+    server.start()                       # waits for GET /system_stats
+    client = HostClient(server.address)
+    prompt_id, messages = client.run(api_prompt)
+    server.stop()
+
+The server runs from a ComfyUI source tree (v0.12.1+) in its own Python environment; nothing here imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from flux2_core.errors import Flux2Error
+from flux2_core.queue_client import ComfyClient
+
+PACK_FOLDER = "flux2-klein-engine"       # the pack's folder name in custom_nodes (its registry id)
+
+# ComfyUI imports torchvision at module level; FLUX.2 needs neither it nor torchaudio, and the only torchvision on
+# PyPI for this torch may be a CUDA build that fails to import. These stubs exist only in a temp dir of the test run.
+STUB = '''"""Test-only stub: {name} is not installed for this ComfyUI test server; FLUX.2 does not use it."""
+
+
+class Missing:
+    """Stands for any name imported from the stub; using it (calling it) fails with a clear message."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return Missing(self.name + "." + attr)
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(self.name + " is a test stub: torchvision/torchaudio are not installed here")
+
+
+def __getattr__(attr):
+    if attr.startswith("__"):
+        raise AttributeError(attr)
+    return Missing("{name}." + attr)
+'''
+STUB_MODULES = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional", "torchaudio")
+
+
+def write_torch_stubs(folder: Path) -> Path:
+    """Write stub packages for STUB_MODULES under folder (put it on the server's PYTHONPATH)."""
+    for module in STUB_MODULES:
+        package = folder.joinpath(*module.split("."))
+        package.mkdir(parents=True, exist_ok=True)
+        (package / "__init__.py").write_text(STUB.format(name=module))
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+class ComfyServer:
+    def __init__(self, comfy_dir: Path, python: str, base_dir: Path, stubs: Path, extra_args=()):
+        self.comfy_dir, self.python, self.base_dir, self.stubs = Path(comfy_dir), python, Path(base_dir), stubs
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = self.base_dir / "server.log"
+        self.extra_args = list(extra_args)
+        self.process = None
+
+    def command(self) -> list[str]:
+        return [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+                "--disable-auto-launch", "--disable-api-nodes", "--disable-assets-autoscan",
+                "--base-directory", str(self.base_dir),
+                "--database-url", f"sqlite:///{self.base_dir / 'user' / 'comfyui.db'}", *self.extra_args]
+
+    def start(self, timeout: float = 180.0) -> None:
+        env = dict(os.environ, PYTHONPATH=str(self.stubs), PYTHONUNBUFFERED="1")
+        (self.base_dir / "user").mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command(), cwd=self.comfy_dir, env=env, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        client = ComfyClient(self.address, timeout=5)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                client.get_json("/system_stats")
+                return
+            except (Flux2Error, OSError):
+                time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"ComfyUI did not answer /system_stats within {timeout:.0f} s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def rss_mib(self) -> float:
+        return rss_mib(self.process.pid)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=15)
+
+
+class HostClient(ComfyClient):
+    """queue_client's ComfyClient plus what the tests need: one call per prompt, object_info, images as bytes."""
+
+    def run(self, prompt: dict, **extra) -> tuple[str, list[dict]]:
+        """Submit a prompt and wait for it: returns (prompt_id, its websocket messages). Raises on an error."""
+        ws = self.connect()
+        try:
+            prompt_id = self.submit(prompt, extra or None)
+            return prompt_id, self.follow(ws, prompt_id)
+        finally:
+            ws.close()
+
+    def object_info(self) -> dict:
+        return self.get_json("/object_info")
+
+    def image_bytes(self, prompt_id: str) -> list[bytes]:
+        return [self.download(image) for image in self.images(prompt_id)]
+
+
+@dataclass
+class Host:
+    """What the session fixture yields: the running server, a client, its base directory and the tiny files."""
+
+    server: ComfyServer
+    client: HostClient
+    base: Path
+    files: dict[str, str]        # "transformer" / "text_encoder" / "ae" -> file name in its models folder
+    images: list[str]            # input images (names in base/input) for LoadImage nodes
