@@ -1,0 +1,170 @@
+"""In-memory caches that let a repeated run skip work: prompt embeddings and 9B-KV reference keys/values.
+
+    prompts = PromptCache()
+    prompts.warm(encoder)                          # the empty negative prompt, encoded once up front
+    out = prompts.encode(encoder, ["a red fox"])   # a PromptEmbeds, like encoder.encode; later calls hit the cache
+
+    refs = ReferenceKVCache()
+    ref_kv = refs.get(model, ref, ref_ids)         # model.reference_kv(ref, ref_ids) the first time, then reused
+
+Both are least-recently-used caches bounded by entry count and bytes. Keys hold a *fingerprint* of the model (shapes,
+dtypes, device and a few values of every tensor), not its ``id``: a reloaded copy of the same weights hits, a
+different checkpoint (or weights patched in place, e.g. by a LoRA) misses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .errors import Flux2Error
+
+SAMPLES_PER_TENSOR = 16   # values read from each end of every tensor for a fingerprint
+
+
+def fingerprint(module: nn.Module) -> str:
+    """A short hash of a module's tensors: names, shapes, dtypes, device and the first and last few values of each.
+
+    Reads 2 x 16 values per tensor in one device-to-host copy, so it is cheap even for a 9B model on a GPU.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    samples = []
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.device};".encode())
+        flat = t.detach().reshape(-1)
+        if flat.numel():
+            ends = torch.cat([flat[:SAMPLES_PER_TENSOR], flat[-SAMPLES_PER_TENSOR:]])
+            samples.append(ends.float())
+    if samples:
+        h.update(torch.cat(samples).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def tensor_digest(*tensors: Tensor) -> str:
+    """A hash of the exact contents (shape, dtype and bytes) of some tensors, e.g. reference latents and their ids."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        t = t.detach().contiguous().cpu()
+        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class LRUCache:
+    """A dict that forgets its least recently used entries beyond ``max_items`` entries or ``max_bytes`` bytes.
+
+    ``size(value)`` gives an entry's bytes. An entry larger than ``max_bytes`` on its own is not stored.
+    """
+
+    def __init__(self, max_items: int, max_bytes: int | None, size: Callable[[Any], int]):
+        if max_items < 1:
+            raise Flux2Error(f"a cache needs room for at least one entry, got max_items={max_items}")
+        self.max_items, self.max_bytes, self.size = max_items, max_bytes, size
+        self.entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self.nbytes = 0
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.entries
+
+    def get(self, key: Hashable) -> Any | None:
+        if key not in self.entries:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.entries.move_to_end(key)
+        return self.entries[key]
+
+    def put(self, key: Hashable, value: Any) -> None:
+        if key in self.entries:
+            self.nbytes -= self.size(self.entries.pop(key))
+        nbytes = self.size(value)
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            return
+        self.entries[key] = value
+        self.nbytes += nbytes
+        while len(self.entries) > self.max_items or (self.max_bytes is not None and self.nbytes > self.max_bytes):
+            _, old = self.entries.popitem(last=False)
+            self.nbytes -= self.size(old)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.nbytes = 0
+
+
+# --- prompt embeddings ----------------------------------------------------------------------------------------------
+
+class PromptCache:
+    """Prompt embeddings by (encoder fingerprint, encoder settings, text, caller's settings).
+
+    ``encode`` returns what ``encoder.encode`` returns (a ``PromptEmbeds``), encoding only the prompts it has not seen
+    (in one batch). ``storage``: where cached embeddings live ("cpu" frees GPU memory; None keeps the encoder's
+    device). Returned embeddings are on the encoder's device.
+    """
+
+    def __init__(self, max_items: int = 64, max_bytes: int | None = 1 << 30, storage: str | torch.device | None = None):
+        self.cache = LRUCache(max_items, max_bytes, size=lambda entry: entry[0].nbytes)
+        self.storage = storage
+
+    def encoder_key(self, encoder) -> tuple:
+        """Who encodes, and how: the weights' fingerprint, the spec (layers, length), dtype and device."""
+        return (fingerprint(encoder.model), encoder.spec, str(encoder.dtype), str(encoder.device))
+
+    def encode(self, encoder, prompts: Iterable[str], settings: Hashable = ()):
+        """Like ``encoder.encode(prompts)``, from the cache where possible. ``settings``: anything else that changes
+        the embeddings (a template, a LoRA name...), as a hashable value."""
+        from .text_encoder import PromptEmbeds
+
+        prompts = list(prompts) if not isinstance(prompts, str) else prompts
+        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+            raise Flux2Error(f"prompts must be a list of strings, got {prompts!r}")
+        base = self.encoder_key(encoder) + (settings,)
+        found = {p: self.cache.get(base + (p,)) for p in dict.fromkeys(prompts)}
+        missing = [p for p, entry in found.items() if entry is None]
+        if missing:
+            out = encoder.encode(missing)
+            for i, p in enumerate(missing):
+                embeds = out.embeds[i:i + 1]
+                entry = (embeds.to(self.storage) if self.storage is not None else embeds.clone(),
+                         out.token_counts[i], out.dropped[i])
+                found[p] = entry
+                self.cache.put(base + (p,), entry)
+        entries = [found[p] for p in prompts]
+        embeds = torch.cat([e[0] for e in entries]).to(encoder.device)
+        return PromptEmbeds(embeds, [e[1] for e in entries], [e[2] for e in entries])
+
+    def warm(self, encoder, prompts: Iterable[str] = ("",), settings: Hashable = ()) -> None:
+        """Encode prompts ahead of use; by default the empty negative prompt of CFG (base models)."""
+        self.encode(encoder, list(prompts), settings)
+
+
+# --- 9B-KV reference keys and values --------------------------------------------------------------------------------
+
+class ReferenceKVCache:
+    """``model.reference_kv(ref, ref_ids)`` results, by (model fingerprint, reference contents, dtype, device).
+
+    A repeated edit with the same reference image (same latents, same ids) and the same model gets the cached K/V and
+    skips the reference pass entirely. One 1024^2 reference costs about 2 GiB on Klein 9B (bf16), hence the defaults:
+    at most ``max_items`` = 2 entries and ``max_bytes`` = 8 GiB.
+    """
+
+    def __init__(self, max_items: int = 2, max_bytes: int | None = 8 << 30):
+        self.cache = LRUCache(max_items, max_bytes, size=lambda kv: kv.nbytes)
+
+    def get(self, model, ref: Tensor, ref_ids: Tensor, guidance: Tensor | None = None):
+        """The ``ReferenceKV`` for references ref [B, Lref, 128] with ids [B, Lref, 4] (computed once, then reused)."""
+        extra = () if guidance is None else (tensor_digest(guidance),)
+        key = (fingerprint(model), tensor_digest(ref, ref_ids), str(ref.dtype), str(ref.device)) + extra
+        kv = self.cache.get(key)
+        if kv is None:
+            kv = model.reference_kv(ref, ref_ids, guidance)
+            self.cache.put(key, kv)
+        return kv
