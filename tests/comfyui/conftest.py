@@ -82,8 +82,9 @@ def comfy(tmp_path_factory) -> Host:
     settings = base / "user" / "default" / "comfy.settings.json"   # no first-run Templates dialog in the browser
     settings.parent.mkdir(parents=True)
     settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
-    stubs = write_torch_stubs(tmp_path_factory.mktemp("stubs"))
-    server = ComfyServer(Path(COMFYUI_DIR), os.environ.get("COMFYUI_PYTHON", sys.executable), base, stubs)
+    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    stubs = write_torch_stubs(tmp_path_factory.mktemp("stubs"), python)
+    server = ComfyServer(Path(COMFYUI_DIR), python, base, stubs)
     server.start()
     try:
         yield Host(server, HostClient(server.address, timeout=120), base, files, images)

@@ -1,6 +1,6 @@
 """A real ComfyUI server for integration tests: stubs, base directory, process, and a small client.
 
-    stubs = write_torch_stubs(tmp / "stubs")
+    stubs = write_torch_stubs(tmp / "stubs", python)
     server = ComfyServer(comfy_dir, python, base_dir, stubs)
     server.start()                       # waits for GET /system_stats
     client = HostClient(server.address)
@@ -50,15 +50,20 @@ def __getattr__(attr):
         raise AttributeError(attr)
     return Missing("{name}." + attr)
 '''
-STUB_MODULES = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional", "torchaudio")
+STUB_MODULES = {"torchvision": ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"),
+                "torchaudio": ("torchaudio",)}
 
 
-def write_torch_stubs(folder: Path) -> Path:
-    """Write stub packages for STUB_MODULES under folder (put it on the server's PYTHONPATH)."""
-    for module in STUB_MODULES:
-        package = folder.joinpath(*module.split("."))
-        package.mkdir(parents=True, exist_ok=True)
-        (package / "__init__.py").write_text(STUB.format(name=module))
+def write_torch_stubs(folder: Path, python: str) -> Path:
+    """Stub packages under folder (for the server's PYTHONPATH) for those of STUB_MODULES that do not import."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for top, modules in STUB_MODULES.items():
+        if subprocess.run([python, "-c", f"import {top}"], capture_output=True, check=False, timeout=120).returncode == 0:
+            continue
+        for module in modules:
+            package = folder.joinpath(*module.split("."))
+            package.mkdir(parents=True, exist_ok=True)
+            (package / "__init__.py").write_text(STUB.format(name=module))
     return folder
 
 
