@@ -167,11 +167,12 @@ class ComfyClient:
             body["extra_data"] = extra_data
         return self.post_json("/prompt", body)["prompt_id"]
 
-    def follow(self, ws: WebSocket, prompt_id: str, on_message=None) -> list[dict]:
+    def follow(self, ws: WebSocket, prompt_id: str, on_message=None, on_preview=None) -> list[dict]:
         """Read websocket messages until the prompt finishes; returns its JSON messages in order.
 
-        on_message(message) is called for each JSON message of this prompt. Raises Flux2Error on an execution error
-        or an interrupt. Binary frames (latent previews) are skipped.
+        on_message(message) is called for each JSON message of this prompt, on_preview(frame) for each binary frame
+        (a latent preview: 4-byte event type, 4-byte image format, image bytes). Raises Flux2Error on an execution
+        error or an interrupt.
         """
         messages = []
         while True:
@@ -179,6 +180,8 @@ class ComfyClient:
             if raw is None:
                 raise Flux2Error("the server closed the websocket before the prompt finished")
             if isinstance(raw, bytes):
+                if on_preview:
+                    on_preview(raw)
                 continue
             message = json.loads(raw)
             data = message.get("data") or {}

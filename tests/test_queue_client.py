@@ -57,7 +57,6 @@ class FakeComfy(ThreadingHTTPServer):
         self.steps, self.fail = steps, fail
         self.prompts, self.pongs, self.views = [], [], []
         self.ws = {}                    # client_id -> socket
-        self.connected = threading.Event()
         self.done = threading.Event()
 
     def push(self, client_id, prompt_id):
@@ -115,7 +114,6 @@ class Handler(BaseHTTPRequestHandler):
                               f"Sec-WebSocket-Accept: {accept}\r\n\r\n").encode())
             self.wfile.flush()
             self.server.ws[query["clientId"]] = self.connection
-            self.server.connected.set()
             self.server.done.wait(10)           # keep the connection open until the test ends
             self.close_connection = True
         elif url.path.startswith("/history/"):
@@ -135,8 +133,9 @@ class Handler(BaseHTTPRequestHandler):
             if "bad" in json.dumps(body["prompt"]):
                 return self.reply(400, {"error": {"type": "prompt_outputs_failed_validation"}, "node_errors": {}})
             self.server.prompts.append(body)
-            self.reply(200, {"prompt_id": "p-1", "number": 0, "node_errors": {}})
-            self.server.push(body["client_id"], "p-1")
+            prompt_id = f"p-{len(self.server.prompts)}"
+            self.reply(200, {"prompt_id": prompt_id, "number": 0, "node_errors": {}})
+            self.server.push(body["client_id"], prompt_id)
         else:
             self.reply(404, {"error": "not found"})
 
@@ -163,15 +162,21 @@ def address(server):
 
 def test_queue_submits_follows_progress_and_downloads(fake, tmp_path, capsys):
     server = fake(steps=3)
-    seen = []
-    paths = queue_client.queue(WORKFLOW, address(server), str(tmp_path), timeout=10, on_message=seen.append)
+    seen, previews = [], []
+    client = queue_client.ComfyClient(address(server), timeout=10)
+    ws = client.connect()
+    prompt_id = client.submit(WORKFLOW)
+    client.follow(ws, prompt_id, seen.append, previews.append)
+    ws.close()
+    assert previews == [struct.pack(">II", 1, 1) + b"jpeg"] * 3
+    paths = queue_client.queue(WORKFLOW, address(server), str(tmp_path), timeout=10, on_message=None)
 
     assert server.prompts[0]["prompt"] == WORKFLOW
     assert [m["type"] for m in seen] == ["execution_start", "executing", "progress", "progress", "progress",
                                          "executed", "execution_success"]
     assert [m["data"]["value"] for m in seen if m["type"] == "progress"] == [1, 2, 3]
     assert seen[-2]["data"]["output"]["pad"] == "x" * 300
-    assert server.pongs == [(queue_client.OP_PONG, b"are you there")]   # masked pong echoing the ping payload
+    assert server.pongs == [(queue_client.OP_PONG, b"are you there")] * 2   # masked pongs echoing the ping payload
     assert [Path(p).name for p in paths] == ["klein_00001_.png", "klein_00002_.png"]
     assert Path(paths[1]).read_bytes() == PNG + b"klein_00002_.png"
     assert server.views[1] == {"filename": "klein_00002_.png", "subfolder": "sub", "type": "output"}
