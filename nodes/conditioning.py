@@ -1,0 +1,104 @@
+"""Conditioning: the prompt (Qwen3 embeddings) and reference images (AE latents), as ComfyUI CONDITIONING.
+
+A CONDITIONING is a list of [embeds [B, 512, 3*D], dict]. References go in the dict under ``reference_latents``
+(a list of [1, 128, h, w] latents, as ComfyUI's ReferenceLatent stores them), so our nodes and ComfyUI's mix both
+ways; reference i gets RoPE time offset t = 10 * (i + 1) in our denoiser and in ComfyUI's FLUX.2 model alike.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from comfy_api.latest import io, ui
+from PIL import Image
+
+from ..flux2_core import references
+from ..flux2_core.errors import Flux2Error
+from . import host, types
+
+log = logging.getLogger("flux2_klein")
+SOURCES = "flux2_klein_reference_images"   # our key beside reference_latents: the images we encoded (None: not ours)
+
+
+class PromptEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Flux2KleinPromptEncode", display_name="FLUX.2 Klein Prompt Encode",
+            category=f"{types.CATEGORY}/conditioning",
+            description="Encodes a prompt with the Qwen3 text encoder into FLUX.2 conditioning (512 tokens, hidden "
+                        "states 9/18/27). Shows the token count; text beyond 512 tokens (template included) is cut.",
+            inputs=[types.TextEncoder.Input("text_encoder", tooltip="From FLUX.2 Klein Load Text Encoder."),
+                    io.String.Input("prompt", multiline=True, dynamic_prompts=True,
+                                    tooltip="What to draw, or for an edit what to change. Empty for the negative of "
+                                            "base models.")],
+            outputs=[io.Conditioning.Output(display_name="conditioning",
+                                            tooltip="ComfyUI CONDITIONING: embeddings [1, 512, 3 x hidden].")])
+
+    @classmethod
+    def execute(cls, text_encoder: host.Managed, prompt: str) -> io.NodeOutput:
+        encoder = text_encoder.core
+        text_encoder.ready()
+        out = encoder.encode([prompt])
+        tokens, dropped, limit = out.token_counts[0], out.dropped[0], encoder.spec.max_length
+        meta = {"encoder": encoder.spec.name, "tokens": tokens, "dropped": dropped}
+        conditioning = [[out.embeds.to(host.intermediate_device()), {types.META: meta}]]
+        info = f"{tokens} / {limit} tokens"
+        if dropped:
+            info += f": {dropped} tokens beyond {limit} were cut off"
+            log.warning("FLUX.2 Klein prompt has %d tokens; the last %d (beyond %d) were cut off", tokens, dropped, limit)
+        return io.NodeOutput(conditioning, ui=ui.PreviewText(info))
+
+
+class Reference(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Flux2KleinReference", display_name="FLUX.2 Klein Reference Image",
+            category=f"{types.CATEGORY}/conditioning",
+            description="Adds reference images for editing: each image is prepared as the reference implementation "
+                        "does (at most 2024x2024 pixels when it is the only reference, 1024x1024 each when there are "
+                        "several; centre-cropped to multiples of 16), encoded, and appended to the conditioning's "
+                        "reference latents. Chain it for more references; a batch adds one reference per image.",
+            inputs=[io.Conditioning.Input("conditioning", tooltip="The prompt conditioning (positive)."),
+                    io.Image.Input("image", tooltip="Reference image(s); each side at least 64 px, aspect at most 8:1."),
+                    types.AutoEncoder.Input("ae", tooltip="The FLUX.2 autoencoder.")],
+            outputs=[io.Conditioning.Output(display_name="conditioning",
+                                            tooltip="The conditioning with the references appended.")])
+
+    @classmethod
+    def execute(cls, conditioning, image: torch.Tensor, ae: host.Managed) -> io.NodeOutput:
+        first = conditioning[0][1]
+        latents, sources = list(first.get("reference_latents", [])), list(first.get(SOURCES, []))
+        sources += [None] * (len(latents) - len(sources))       # latents appended by other nodes have no source
+        new = [to_pil(item) for item in image]
+        cap = references.SINGLE_REFERENCE_PIXELS if len(latents) + len(new) == 1 else references.MULTI_REFERENCE_PIXELS
+        ae.ready()
+        if len(latents) == 1 and new and sources[0] is not None and too_big(sources[0], cap):
+            latents[0] = encode(ae, sources[0], cap, 0)   # the first of several: redo it at the smaller cap
+        latents += [encode(ae, im, cap, len(latents) + i) for i, im in enumerate(new)]
+        sources += new
+        out = [[embeds, {**d, "reference_latents": latents, SOURCES: sources}] for embeds, d in conditioning]
+        return io.NodeOutput(out)
+
+
+def to_pil(image: torch.Tensor) -> Image.Image:
+    """One ComfyUI IMAGE item [H, W, C] in 0..1 -> RGB PIL image (exact for images that came from 8-bit files)."""
+    if image.ndim != 3 or image.shape[-1] < 3:
+        raise Flux2Error(f"a reference image must be [H, W, 3] (a ComfyUI IMAGE), got {list(image.shape)}")
+    pixels = (image[..., :3].float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+    return Image.fromarray(np.ascontiguousarray(pixels))
+
+
+def too_big(image: Image.Image, cap: int) -> bool:
+    return image.size[0] * image.size[1] > cap
+
+
+def encode(ae: host.Managed, image: Image.Image, cap: int, index: int) -> torch.Tensor:
+    """BFL's reference preparation of reference ``index`` at pixel cap ``cap``, then its latent [1, 128, h, w]."""
+    references.check_reference(image, index)
+    prepared = references.center_crop_16(references.cap_pixels(image, cap))
+    with torch.no_grad():
+        return ae.core.encode(references.image_to_tensor(prepared)).to(host.intermediate_device())

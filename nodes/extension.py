@@ -1,0 +1,16 @@
+"""The list of our nodes, as the ComfyExtension that the pack's comfy_entrypoint returns."""
+
+from comfy_api.latest import ComfyExtension, io
+
+from .autoencoder import AEDecode, AEEncode
+from .conditioning import PromptEncode, Reference
+from .loaders import AutoEncoderLoader, ModelLoader, TextEncoderLoader
+from .sampling import Denoise, Noise, Scheduler
+
+NODES = [ModelLoader, TextEncoderLoader, AutoEncoderLoader, PromptEncode, Reference, Noise, Scheduler, Denoise,
+         AEEncode, AEDecode]
+
+
+class Flux2KleinExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return NODES

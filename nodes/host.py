@@ -1,0 +1,194 @@
+"""The one place that talks to ComfyUI: model folders, devices and dtypes, model management, and the per-step
+progress / preview / interrupt of the denoiser. The node files call these few functions and flux2_core, nothing else.
+
+Our models live under ComfyUI's model management like its own: each core module is wrapped in a ``ModelPatcher``
+with a load device (the GPU) and an offload device (usually the CPU), and ``ready`` asks ComfyUI to load it before
+use; ComfyUI offloads it again when another model needs the memory, and honours --lowvram / --novram / --cpu.
+
+Partial loading (the model does not fit the free GPU memory): ComfyUI keeps some layers on the offload device and
+streams their weights in at each call; it can do that only for layers of its own "castable" classes. So
+``manage`` turns our plain ``nn.Linear`` / ``Conv2d`` / ``GroupNorm`` / ``LayerNorm`` / ``Embedding`` layers into
+ComfyUI's subclasses of the same layers (same parameters, same maths; they only add the weight streaming), and
+makes every other layer that holds parameters (RMS norms) follow its input to the device it runs on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import comfy.model_management as mm
+import comfy.model_patcher
+import comfy.ops
+import comfy.utils
+import folder_paths
+import latent_preview
+import torch
+from comfy import latent_formats
+from torch import nn
+
+from ..flux2_core.errors import Flux2Error
+from ..flux2_core.variants import Variant
+
+log = logging.getLogger("flux2_klein")
+
+WEIGHT_SUFFIXES = (".safetensors", ".sft")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_CHOICES = ["auto", *DTYPES]
+
+
+# --- model folders ----------------------------------------------------------------------------------------------
+
+def model_choices(folder: str) -> list[str]:
+    """What a loader lists for ComfyUI's model folder ``folder``: safetensors files, and model folders (a diffusers
+    pipeline or component folder: one with model_index.json or config.json) as one entry each."""
+    folders = sorted({d for base in folder_paths.get_folder_paths(folder) for d in _model_folders(base)})
+    inside = tuple(os.path.join(d, "") for d in folders)
+    files = [f for f in folder_paths.get_filename_list(folder)
+             if f.lower().endswith(WEIGHT_SUFFIXES) and not f.startswith(inside)]
+    return folders + files
+
+
+def _model_folders(base: str) -> list[str]:
+    found = []
+    for root, dirs, files in os.walk(base, followlinks=True):
+        if root != base and ("model_index.json" in files or "config.json" in files):
+            found.append(os.path.relpath(root, base))
+            dirs.clear()                      # a pipeline folder's components are not listed on their own
+    return found
+
+
+def resolve(folder: str, name: str) -> str:
+    """The full path of a file or model folder listed by ``model_choices``."""
+    for base in folder_paths.get_folder_paths(folder):
+        path = os.path.join(base, name)
+        if os.path.exists(path):
+            return path
+    raise Flux2Error(f"{name!r} is not in ComfyUI's models/{folder} folder (or its extra paths); "
+                     f"put the file there and refresh the browser")
+
+
+# --- devices and dtypes -----------------------------------------------------------------------------------------
+
+def devices(kind: str) -> tuple[torch.device, torch.device]:
+    """(load device, offload device) ComfyUI picks for a model of this kind: transformer, text_encoder or ae."""
+    if kind == "transformer":
+        return mm.get_torch_device(), mm.unet_offload_device()
+    if kind == "text_encoder":
+        return mm.text_encoder_device(), mm.text_encoder_offload_device()
+    return mm.vae_device(), mm.vae_offload_device()
+
+
+def pick_dtype(choice: str, kind: str, device: torch.device) -> torch.dtype:
+    """The dtype a loader's option names; "auto": bfloat16 where the device runs it well, else float32 (the
+    autoencoder follows ComfyUI's VAE dtype rules, so --fp32-vae / --bf16-vae apply)."""
+    if choice != "auto":
+        return DTYPES[choice]
+    if kind == "ae":
+        return mm.vae_dtype(device, [torch.bfloat16, torch.float32])
+    return torch.bfloat16 if mm.should_use_bf16(device) else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def intermediate_device() -> torch.device:
+    """Where node outputs (latents, images, conditioning) live between nodes (the CPU unless --gpu-only)."""
+    return mm.intermediate_device()
+
+
+# --- model management -------------------------------------------------------------------------------------------
+
+CASTABLE = {nn.Linear: comfy.ops.disable_weight_init.Linear, nn.Conv2d: comfy.ops.disable_weight_init.Conv2d,
+            nn.GroupNorm: comfy.ops.disable_weight_init.GroupNorm, nn.LayerNorm: comfy.ops.disable_weight_init.LayerNorm,
+            nn.Embedding: comfy.ops.disable_weight_init.Embedding}
+
+
+class Holder(nn.Module):
+    """What the ModelPatcher manages: the core module as its only child (ComfyUI sets ``.device`` on the module it
+    manages, and some core modules define ``device`` as a read-only property)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+
+# One holder class per kind, so ComfyUI's log says "Requested to load Flux2KleinTransformer".
+HOLDERS = {kind: type(name, (Holder,), {}) for kind, name in [
+    ("transformer", "Flux2KleinTransformer"), ("text_encoder", "Flux2KleinTextEncoder"), ("ae", "Flux2KleinAE")]}
+
+
+@dataclass
+class Managed:
+    """A core model under ComfyUI's model management; what our model types carry between nodes."""
+
+    core: object                       # Flux2Transformer, PromptEncoder or AutoEncoder
+    patcher: comfy.model_patcher.ModelPatcher
+    dtype: torch.dtype
+    variant: Variant | None = None     # transformers only
+
+    def ready(self, memory: int = 0) -> torch.device:
+        """Load (or keep) the model on its device with ``memory`` bytes to spare for activations; the device."""
+        mm.load_models_gpu([self.patcher], memory_required=memory)
+        return self.patcher.load_device
+
+
+def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str = "", variant=None) -> Managed:
+    """Put ``module`` (the nn.Module inside ``core``) under ComfyUI's model management.
+
+    anchor: the layer whose device the core reads to decide where to run (PromptEncoder, AutoEncoder); it stays a
+    plain layer that ComfyUI loads whole or not at all, so the model runs where that layer is.
+    """
+    for name, layer in module.named_modules():
+        if type(layer) in CASTABLE and name != anchor:
+            layer.__class__ = CASTABLE[type(layer)]      # a subclass with the same state: see the module docstring
+        elif next(layer.children(), None) is None and next(layer.parameters(recurse=False), None) is not None:
+            layer.register_forward_pre_hook(_follow_input)   # a leaf layer with parameters, e.g. an RMS norm
+    load_device, offload_device = devices(kind)
+    patcher = comfy.model_patcher.ModelPatcher(HOLDERS[kind](module), load_device=load_device, offload_device=offload_device)
+    return Managed(core, patcher, dtype, variant)
+
+
+def transformer_memory(params, noise: torch.Tensor, ref: torch.Tensor | None, cfg: bool, dtype: torch.dtype) -> int:
+    """A generous estimate of the denoiser's activation memory in bytes (what ComfyUI frees beside the weights):
+    about 24 hidden-wide activations per token in the widest block, for every item of the (CFG-doubled) batch."""
+    batch, _, h, w = noise.shape
+    tokens = 512 + h * w + (0 if ref is None else ref.shape[1])
+    return 24 * tokens * params.hidden_size * dtype.itemsize * batch * (2 if cfg else 1)
+
+
+def ae_memory(height: int, width: int, dtype: torch.dtype) -> int:
+    """Activation memory of encoding or decoding one height x width image: about 2200 values per pixel."""
+    return 2200 * height * width * dtype.itemsize
+
+
+def _follow_input(layer: nn.Module, args) -> None:
+    """Move a small non-castable layer (a norm) to its input's device when ComfyUI left it on the offload device."""
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if x is not None and any(p.device != x.device for p in layer.parameters(recurse=False)):
+        layer.to(x.device)
+
+
+# --- the denoiser's steps ---------------------------------------------------------------------------------------
+
+class StepReporter:
+    """The denoiser's per-step callback: stop if the user cancelled, advance the node's progress bar, and send a
+    latent preview of the model's clean-image estimate (ComfyUI's previewer for FLUX.2 latents: latent2rgb or TAESD,
+    as --preview-method or the browser's setting asks; none by default)."""
+
+    def __init__(self, steps: int, device: torch.device):
+        self.bar = comfy.utils.ProgressBar(steps)
+        self.previewer = latent_preview.get_previewer(device, latent_formats.Flux2())
+
+    def __call__(self, step) -> None:          # step: flux2_core.sampling.Step
+        mm.throw_exception_if_processing_interrupted()
+        preview = None
+        if self.previewer is not None:
+            preview = self.previewer.decode_latent_to_preview_image("JPEG", step.denoised.float())
+        self.bar.update_absolute(step.index + 1, step.total, preview)
+
+
+def check_interrupt() -> None:
+    mm.throw_exception_if_processing_interrupted()

@@ -1,0 +1,90 @@
+"""Loaders: the transformer, the Qwen3 text encoder and the autoencoder, from ComfyUI's model folders.
+
+Each accepts every layout flux2_core.weights loads (BFL / ComfyUI single files, fp8 files, diffusers folders) and
+hands the model on under ComfyUI's model management (nodes/host.py).
+"""
+
+from __future__ import annotations
+
+from comfy_api.latest import io, ui
+
+from ..flux2_core import weights
+from . import host, types
+
+DTYPE_TOOLTIP = ("Weight and compute dtype. auto: bfloat16 on GPUs that run it well, else float32. "
+                 "fp8 files are dequantized to this dtype on load.")
+
+
+def dtype_input() -> io.Combo.Input:
+    return io.Combo.Input("dtype", options=host.DTYPE_CHOICES, default="auto", tooltip=DTYPE_TOOLTIP)
+
+
+class ModelLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Flux2KleinModelLoader", display_name="FLUX.2 Klein Load Model", category=f"{types.CATEGORY}/loaders",
+            description="Loads a FLUX.2 Klein transformer (4B, 9B, 9B-KV, base) from models/diffusion_models. The "
+                        "variant is read from the weights and the file name ('base' / 'kv' in the name).",
+            inputs=[io.Combo.Input("model_name", options=host.model_choices("diffusion_models"),
+                                   tooltip="A flux-2-klein-*.safetensors file (BFL or ComfyUI, fp8 too) or a diffusers "
+                                           "folder, under models/diffusion_models."),
+                    dtype_input()],
+            outputs=[types.Model.Output(display_name="model", tooltip="The transformer and its variant.")])
+
+    @classmethod
+    def execute(cls, model_name: str, dtype: str) -> io.NodeOutput:
+        load_device, offload_device = host.devices("transformer")
+        dtype = host.pick_dtype(dtype, "transformer", load_device)
+        model, variant = weights.load_transformer(host.resolve("diffusion_models", model_name), offload_device, dtype)
+        kind = "CFG" if variant.uses_cfg else "distilled"
+        info = (f"{variant.name} ({kind}; defaults: {variant.default_steps} steps, cfg {variant.default_cfg}), "
+                f"{host.dtype_name(dtype)}")
+        return io.NodeOutput(host.manage(model, model, "transformer", dtype, variant=variant), ui=ui.PreviewText(info))
+
+
+class TextEncoderLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Flux2KleinTextEncoderLoader", display_name="FLUX.2 Klein Load Text Encoder",
+            category=f"{types.CATEGORY}/loaders",
+            description="Loads the Qwen3 text encoder from models/text_encoders: Qwen3-4B for Klein 4B, Qwen3-8B for "
+                        "Klein 9B. Only the layers FLUX.2 uses (up to hidden state 27) are read.",
+            inputs=[io.Combo.Input("text_encoder_name", options=host.model_choices("text_encoders"),
+                                   tooltip="qwen_3_4b.safetensors / qwen_3_8b*.safetensors (ComfyUI files, fp8 too) "
+                                           "or a Hugging Face Qwen3 folder, under models/text_encoders."),
+                    dtype_input()],
+            outputs=[types.TextEncoder.Output(display_name="text_encoder", tooltip="The Qwen3 prompt encoder.")])
+
+    @classmethod
+    def execute(cls, text_encoder_name: str, dtype: str) -> io.NodeOutput:
+        load_device, offload_device = host.devices("text_encoder")
+        dtype = host.pick_dtype(dtype, "text_encoder", load_device)
+        encoder = weights.load_text_encoder(host.resolve("text_encoders", text_encoder_name), offload_device, dtype)
+        info = f"{encoder.spec.name}, {host.dtype_name(dtype)}"
+        managed = host.manage(encoder, encoder.model, "text_encoder", dtype, anchor="embed_tokens")
+        return io.NodeOutput(managed, ui=ui.PreviewText(info))
+
+
+class AutoEncoderLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Flux2KleinAELoader", display_name="FLUX.2 Klein Load Autoencoder", category=f"{types.CATEGORY}/loaders",
+            description="Loads the FLUX.2 autoencoder (flux2-vae.safetensors / ae.safetensors or a diffusers vae "
+                        "folder) from models/vae. Its latents are ComfyUI's FLUX.2 latents.",
+            inputs=[io.Combo.Input("ae_name", options=host.model_choices("vae"),
+                                   tooltip="flux2-vae.safetensors (ComfyUI), ae.safetensors (BFL) or a diffusers "
+                                           "folder, under models/vae."),
+                    io.Combo.Input("dtype", options=host.DTYPE_CHOICES, default="auto",
+                                   tooltip="auto follows ComfyUI's VAE dtype (bfloat16 on recent GPUs, else float32; "
+                                           "--fp32-vae forces float32). The reference runs the autoencoder in float32.")],
+            outputs=[types.AutoEncoder.Output(display_name="ae", tooltip="The FLUX.2 autoencoder.")])
+
+    @classmethod
+    def execute(cls, ae_name: str, dtype: str) -> io.NodeOutput:
+        load_device, offload_device = host.devices("ae")
+        dtype = host.pick_dtype(dtype, "ae", load_device)
+        ae = weights.load_autoencoder(host.resolve("vae", ae_name), offload_device, dtype)
+        return io.NodeOutput(host.manage(ae, ae, "ae", dtype, anchor="encoder.conv_in"))

@@ -1,0 +1,149 @@
+"""Sampling: noise, the schedule (SIGMAS) and the Euler denoiser.
+
+Latents are ComfyUI LATENT dicts {"samples": [B, 128, H/16, W/16]} in ComfyUI's FLUX.2 latent space.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from comfy_api.latest import io
+
+from ..flux2_core import rope, sampling, schedules, weights
+from ..flux2_core.errors import Flux2Error
+from . import host, types
+
+log = logging.getLogger("flux2_klein")
+SIZE = {"default": 1024, "min": 16, "max": 8192, "step": 16}
+SCHEDULES = ["flux2", "linear", "power"]
+
+
+class Noise(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Flux2KleinNoise", display_name="FLUX.2 Klein Noise", category=f"{types.CATEGORY}/sampling",
+            description="Gaussian starting noise for an image of width x height. Item i of a batch is drawn with "
+                        "seed + i on the CPU, so it equals a single image made with that seed, on any device.",
+            inputs=[io.Int.Input("seed", default=0, min=0, max=2**53 - 1, control_after_generate=True,
+                                 tooltip="Random seed; item i of the batch uses seed + i."),
+                    io.Int.Input("width", **SIZE, tooltip="Image width in pixels (a multiple of 16)."),
+                    io.Int.Input("height", **SIZE, tooltip="Image height in pixels (a multiple of 16)."),
+                    io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="Images to make at once.")],
+            outputs=[io.Latent.Output(display_name="noise", tooltip="LATENT noise [batch, 128, height/16, width/16].")])
+
+    @classmethod
+    def execute(cls, seed: int, width: int, height: int, batch_size: int) -> io.NodeOutput:
+        noise = sampling.make_noise(batch_size, height, width, seed, device=host.intermediate_device())
+        return io.NodeOutput({"samples": noise})
+
+
+class Scheduler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Flux2KleinScheduler", display_name="FLUX.2 Klein Scheduler", category=f"{types.CATEGORY}/sampling",
+            description="The noise levels (SIGMAS) of each step, from 1 to 0. flux2: the reference schedule, shifted "
+                        "by an empirical mu that depends on the image size and the step count; linear: evenly "
+                        "spaced; power: (1 - i/steps) ** rho.",
+            inputs=[io.Int.Input("steps", default=4, min=1, max=200,
+                                 tooltip="Denoising steps: 4 for distilled Klein, about 50 for base models."),
+                    io.Int.Input("width", **SIZE, tooltip="Image width in pixels (ignored when a latent is connected)."),
+                    io.Int.Input("height", **SIZE, tooltip="Image height in pixels (ignored when a latent is connected)."),
+                    io.Combo.Input("schedule", options=SCHEDULES, default="flux2", tooltip="Which schedule (see above)."),
+                    io.Float.Input("rho", default=2.0, min=0.1, max=10.0, step=0.1,
+                                   tooltip="Exponent of the power schedule (1 = linear); the others ignore it."),
+                    io.Latent.Input("latent", optional=True,
+                                    tooltip="Take the image size from this latent (e.g. the noise) instead.")],
+            outputs=[io.Sigmas.Output(display_name="sigmas", tooltip="steps + 1 noise levels, 1 ... 0.")])
+
+    @classmethod
+    def execute(cls, steps: int, width: int, height: int, schedule: str, rho: float, latent=None) -> io.NodeOutput:
+        h, w = latent["samples"].shape[-2:] if latent is not None else sampling.latent_size(height, width)
+        if schedule == "flux2":
+            sigmas = schedules.flux2_schedule(steps, h * w)
+        elif schedule == "linear":
+            sigmas = schedules.linear_schedule(steps)
+        else:
+            sigmas = schedules.power_schedule(steps, rho)
+        return io.NodeOutput(torch.tensor(sigmas, dtype=torch.float32))
+
+
+class Denoise(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Flux2KleinDenoise", display_name="FLUX.2 Klein Denoise (Euler)",
+            category=f"{types.CATEGORY}/sampling",
+            description="Runs the Euler flow-matching sampler. With a negative and cfg != 1: classifier-free "
+                        "guidance (base models). Reference latents of the positive conditioning are used (for both "
+                        "CFG branches); KV models cache them. With a latent and denoise < 1: image-to-image.",
+            inputs=[types.Model.Input("model", tooltip="From FLUX.2 Klein Load Model."),
+                    io.Conditioning.Input("positive", tooltip="The prompt (and references)."),
+                    io.Latent.Input("noise", tooltip="Starting noise (FLUX.2 Klein Noise)."),
+                    io.Sigmas.Input("sigmas", tooltip="Noise levels, from FLUX.2 Klein Scheduler or any scheduler."),
+                    io.Float.Input("cfg", default=1.0, min=0.0, max=30.0, step=0.1, round=0.01,
+                                   tooltip="Guidance scale. Distilled Klein: 1 (no negative needed); base: about 4 "
+                                           "with a negative (an empty prompt)."),
+                    io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01,
+                                   tooltip="Image-to-image strength: runs the last denoise x steps from the latent "
+                                           "noised to that level; 1 ignores the latent."),
+                    io.Conditioning.Input("negative", optional=True,
+                                          tooltip="Negative prompt for CFG (base models); unused when cfg = 1."),
+                    io.Latent.Input("latent", optional=True,
+                                    tooltip="Image latent to start from (FLUX.2 Klein AE Encode or VAE Encode).")],
+            outputs=[io.Latent.Output(display_name="latent", tooltip="The denoised latent.")])
+
+    @classmethod
+    def execute(cls, model: host.Managed, positive, noise, sigmas, cfg: float, denoise: float,
+                negative=None, latent=None) -> io.NodeOutput:
+        variant = model.variant
+        sigmas = schedules.check_sigmas(sigmas)
+        if denoise < 1:
+            if latent is None:
+                raise Flux2Error("denoise < 1 is image-to-image: connect the image's latent, or set denoise to 1")
+            sigmas = schedules.truncate_for_strength(sigmas, denoise)
+        noise = noise["samples"]
+        start = torch.zeros_like(noise) if latent is None else image_latent(latent["samples"], noise)
+        txt, refs = prompt_embeds(positive, variant), positive[0][1].get("reference_latents", [])
+        cfg_on = negative is not None and cfg != 1 and not variant.params.use_guidance_embed
+        ref, ref_ids = reference_tokens(refs)
+        device = model.ready(host.transformer_memory(variant.params, noise, ref, cfg_on, model.dtype))
+        x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)
+        out = sampling.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant) if cfg_on else None,
+                               cfg=cfg, ref=ref, ref_ids=ref_ids, kv=variant.use_kv_cache,
+                               guidance=cfg if variant.params.use_guidance_embed else None,
+                               callback=host.StepReporter(len(sigmas) - 1, device))
+        return io.NodeOutput({"samples": out.float().to(host.intermediate_device())})
+
+
+def image_latent(latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The image-to-image start latent, checked against the noise and broadcast over its batch."""
+    if latent.shape[1:] != noise.shape[1:] or latent.shape[0] not in (1, noise.shape[0]):
+        raise Flux2Error(f"the latent {list(latent.shape)} does not fit the noise {list(noise.shape)}: make the noise "
+                         f"the latent's size (width {latent.shape[-1] * 16}, height {latent.shape[-2] * 16})")
+    return latent.to(noise).expand_as(noise)
+
+
+def prompt_embeds(conditioning, variant) -> torch.Tensor:
+    """The embeddings [1 or B, L, C] of a CONDITIONING, checked against the model's text width."""
+    if len(conditioning) > 1:
+        log.warning("FLUX.2 Klein Denoise uses the first of %d conditioning entries", len(conditioning))
+    embeds = conditioning[0][0]
+    needed = variant.params.context_in_dim
+    if embeds.ndim != 3 or embeds.shape[-1] != needed:
+        encoder = weights.ENCODER_FILES.get(variant.text_encoder.name, f"a text encoder of hidden size {needed // 3}")
+        raise Flux2Error(f"the prompt embeddings are {embeds.shape[-1]} wide but this model ({variant.name}) takes "
+                         f"{needed}: encode the prompt with the {encoder}")
+    return embeds
+
+
+def reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Reference latents (each [n, 128, h, w]; every item one reference) -> tokens [1, Lref, 128] and ids, with
+    reference i at t = 10 * (i + 1)."""
+    items = [z[i:i + 1] for z in latents for i in range(z.shape[0])]
+    if not items:
+        return None, None
+    tokens = torch.cat([rope.pack(z) for z in items], dim=1)
+    return tokens, rope.reference_ids([tuple(z.shape[-2:]) for z in items])

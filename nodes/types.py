@@ -1,0 +1,11 @@
+"""Our node types. Models travel as our own types (each carries a ``host.Managed``); everything else uses
+ComfyUI's types (IMAGE, LATENT, CONDITIONING, SIGMAS) so our nodes mix with ComfyUI's FLUX.2 nodes."""
+
+from comfy_api.latest import io
+
+Model = io.Custom("FLUX2_KLEIN_MODEL")                  # Managed(Flux2Transformer) + its Variant
+TextEncoder = io.Custom("FLUX2_KLEIN_TEXT_ENCODER")     # Managed(PromptEncoder)
+AutoEncoder = io.Custom("FLUX2_KLEIN_AE")               # Managed(AutoEncoder)
+
+CATEGORY = "FLUX.2 Klein"
+META = "flux2_klein"      # our key in a CONDITIONING entry's dict: what encoded the prompt, token counts
