@@ -1,0 +1,61 @@
+"""Opt-in ``torch.compile`` of the transformer's blocks.
+
+    compile_blocks(model)          # in place; the first forward compiles (seconds to minutes), later ones reuse it
+
+Each double and single block is compiled on its own (``nn.Module.compile``), not the whole model: all blocks of a kind
+share one compiled graph (their weights are graph inputs), so the compile cost is two graphs, not 25 or 32. What is
+outside the blocks (embedders, RoPE table, modulation, final layer) runs eagerly: it is a few small ops per step.
+
+What triggers a new compile, and what does not:
+
+* a new denoising step: no (the sigma only changes the modulation tensors' values);
+* a new prompt: no (text is always 512 tokens, so every shape is the same);
+* a new resolution, batch size, reference count, or the KV path: yes, once per distinct set of shapes
+  (``dynamic=False``, the fastest kernels). ``dynamic=None`` instead lets torch switch to shape-generic kernels after
+  the first such change, so later sizes reuse them.
+
+torch keeps at most ``torch._dynamo.config.recompile_limit`` (8) graphs per block kind and then runs that block
+eagerly, with a warning; ``compile_blocks`` raises the limit to ``max_shapes``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import Flux2Error
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The double then single blocks of a ``Flux2Transformer``."""
+    if not hasattr(model, "double_blocks") or not hasattr(model, "single_blocks"):
+        raise Flux2Error(f"compile_blocks needs a Flux2Transformer, got {type(model).__name__}")
+    return [*model.double_blocks, *model.single_blocks]
+
+
+def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None, dynamic: bool | None = False,
+                   fullgraph: bool = True, max_shapes: int = 16) -> nn.Module:
+    """Compile every block of ``model`` in place (lazily: at its first call). Returns ``model``.
+
+    ``mode``: a torch.compile mode, e.g. "max-autotune-no-cudagraphs" on a GPU. ``fullgraph=True`` makes any graph
+    break an error rather than a silent slowdown.
+    """
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), max_shapes))
+    options = {"backend": backend, "dynamic": dynamic, "fullgraph": fullgraph}
+    if mode is not None:
+        options["mode"] = mode
+    for block in blocks(model):
+        block.compile(**options)
+    return model
+
+
+def is_compiled(model: nn.Module) -> bool:
+    return all(getattr(block, "_compiled_call_impl", None) is not None for block in blocks(model))
+
+
+def uncompile_blocks(model: nn.Module) -> nn.Module:
+    """Undo ``compile_blocks``: the blocks run eagerly again (compiled code stays cached in torch)."""
+    for block in blocks(model):
+        block._compiled_call_impl = None
+    return model

@@ -1,0 +1,108 @@
+"""Compiled blocks: two graphs for the whole model, none more for later steps or new prompts, and the same outputs
+as eager. The fast tests count graphs with dynamo's CompileCounter backend (it runs the captured graphs as they are);
+the slow one compiles for real with inductor."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from flux2_core import rope
+from flux2_core.compile import compile_blocks, is_compiled, uncompile_blocks
+from flux2_core.errors import Flux2Error
+from flux2_core.transformer import Flux2Transformer
+from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
+
+CTX = TINY_TRANSFORMER.context_in_dim
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def tiny_model() -> Flux2Transformer:
+    model = Flux2Transformer(TINY_TRANSFORMER)
+    model.load_state_dict(random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=0))
+    return model.eval()
+
+
+def euler(model, x, txt, sigmas, **kw):
+    """A plain Euler loop over packed tokens x [B, h*w, 128] of a 4x4 latent."""
+    batch = x.shape[0]
+    img_ids, txt_ids = rope.image_ids(batch, 4, 4), rope.text_ids(batch, txt.shape[1])
+    for sigma, sigma_next in itertools.pairwise(sigmas):
+        x = x + (sigma_next - sigma) * model(x, img_ids, torch.full((batch,), sigma), txt, txt_ids, **kw)
+    return x
+
+
+def test_steps_and_new_prompts_do_not_recompile():
+    g = torch.Generator().manual_seed(0)
+    eager, model = tiny_model(), tiny_model()
+    counter = CompileCounter()
+    compile_blocks(model, backend=counter)
+    assert is_compiled(model)
+    x, txt = torch.randn(1, 16, 128, generator=g), torch.randn(1, 8, CTX, generator=g)
+    sigmas = [1.0, 0.75, 0.5, 0.0]
+    with torch.no_grad():
+        out = euler(model, x, txt, sigmas)
+        assert counter.frame_count == 2                    # one graph per block kind, over 3 steps and 4 blocks
+        other_prompt = torch.randn(1, 8, CTX, generator=g)
+        out2 = euler(model, torch.randn(1, 16, 128, generator=g), other_prompt, [0.9, 0.1, 0.0])
+        assert counter.frame_count == 2                    # new prompt, noise and sigmas: nothing new
+        assert torch.equal(out, euler(eager, x, txt, sigmas))
+        assert not torch.equal(out, out2)
+
+
+def test_new_shapes_compile_once_each_and_kv_path_works():
+    g = torch.Generator().manual_seed(0)
+    eager, model = tiny_model(), tiny_model()
+    counter = CompileCounter()
+    compile_blocks(model, backend=counter)
+    txt = torch.randn(2, 8, CTX, generator=g)
+    with torch.no_grad():
+        euler(model, torch.randn(1, 16, 128, generator=g), txt[:1], [1.0, 0.0])
+        euler(model, torch.randn(2, 16, 128, generator=g), txt, [1.0, 0.0])          # batch 2: a new shape
+        assert counter.frame_count == 4
+        euler(model, torch.randn(1, 16, 128, generator=g), txt[:1], [0.5, 0.0])      # back to batch 1: cached
+        assert counter.frame_count == 4
+
+        ref, ref_ids = torch.randn(1, 6, 128, generator=g), rope.reference_ids([(2, 3)])
+        kv, kv_eager = model.reference_kv(ref, ref_ids), eager.reference_kv(ref, ref_ids)
+        x = torch.randn(1, 16, 128, generator=g)
+        assert torch.equal(euler(model, x, txt[:1], [1.0, 0.5, 0.0], ref_kv=kv),
+                           euler(eager, x, txt[:1], [1.0, 0.5, 0.0], ref_kv=kv_eager))
+    uncompile_blocks(model)
+    assert not is_compiled(model)
+
+
+def test_compile_blocks_needs_a_flux2_transformer():
+    with pytest.raises(Flux2Error, match="Flux2Transformer"):
+        compile_blocks(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("FLUX2_SLOW_TESTS"), reason="compiles with inductor (about a minute on 2 CPU "
+                    "cores); set FLUX2_SLOW_TESTS=1 to run it")
+def test_inductor_matches_eager_without_recompiling():
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(0)
+    eager, model = tiny_model(), tiny_model()
+    compile_blocks(model)
+    x, txt = torch.randn(1, 16, 128, generator=g), torch.randn(1, 8, CTX, generator=g)
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        expected = euler(eager, x, txt, [1.0, 0.6, 0.0])
+        got = euler(model, x, txt, [1.0, 0.6, 0.0])
+        assert counters["stats"]["unique_graphs"] - before == 2
+        euler(model, x, torch.randn(1, 8, CTX, generator=g), [0.8, 0.4, 0.0])
+        assert counters["stats"]["unique_graphs"] - before == 2
+    # inductor fuses and reorders float32 ops, so bit-equality is not expected; 1e-5 is far below the 1e-4 parity bound.
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
