@@ -65,7 +65,6 @@ from .variants import QWEN3_4B, QWEN3_8B, AutoEncoderParams, TransformerParams, 
 # bytes per element of the safetensors dtype codes (sub-byte codes such as F4 are not size-checked)
 ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
               "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
-FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle"}
 MAX_HEADER = 100 * 2**20
 
@@ -257,6 +256,8 @@ def describe(ckpt: Checkpoint) -> str:
         hidden = ckpt.tensors[q_proj].shape[-1]
         if q_norm:
             return f"{qwen3_name(hidden)} text encoder (hidden size {hidden})"
+        if has("layers.0.self_attn.k_proj.bias"):
+            return f"a Qwen2.5 text encoder (hidden size {hidden})"
         return f"a {'Mistral' if hidden == 5120 else 'Llama/Mistral-style'} text encoder (hidden size {hidden})"
     if has("text_model.encoder.layers.0.mlp.fc1.weight"):
         return "a CLIP text encoder"
@@ -365,6 +366,18 @@ def table_recipes(table: list, swapped: set[str] = frozenset(), levels: int = 0)
     return recipe
 
 
+def bfl_autoencoder_recipes(keys: set[str]) -> Callable[[str], Recipe]:
+    """BFL names; VAEs saved by ComfyUI keep the two 1x1 quant convs at the top level (``quant_conv.*``)."""
+    top = {"encoder.quant_conv.": "quant_conv.", "decoder.post_quant_conv.": "post_quant_conv."}
+
+    def recipe(key: str) -> Recipe:
+        for ours, theirs in top.items():
+            if key.startswith(ours) and theirs + key[len(ours):] in keys:
+                return Recipe((theirs + key[len(ours):],))
+        return Recipe((key,))
+    return recipe
+
+
 def diffusers_autoencoder_recipes(keys: set[str]) -> Callable[[str], Recipe]:
     levels = len({m.group(1) for k in keys if (m := re.match(r"decoder\.up_blocks\.(\d+)\.", k))})
     return table_recipes(AUTOENCODER_FROM_DIFFUSERS, levels=levels)
@@ -376,7 +389,7 @@ TRANSFORMER_LAYOUTS = [
            lambda keys: table_recipes(TRANSFORMER_FROM_DIFFUSERS, SWAPPED_FROM_DIFFUSERS)),
 ]
 AUTOENCODER_LAYOUTS = [
-    Layout("BFL", "encoder.down.0.block.0.conv1.weight", same_names),
+    Layout("BFL", "encoder.down.0.block.0.conv1.weight", bfl_autoencoder_recipes),
     Layout("diffusers", "encoder.down_blocks.0.resnets.0.conv1.weight", diffusers_autoencoder_recipes),
 ]
 OPTIONAL_KEYS = {"bn.num_batches_tracked"}       # not every AE file has it; it is unused, so 0 is fine
@@ -396,12 +409,14 @@ COMFY_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)   # nvfp4 codes
 
 
-def comfy_formats(ckpt: Checkpoint) -> dict[str, str]:
-    """ComfyUI's per-layer quantisation formats (layer key -> format), from metadata and ``.comfy_quant`` tensors.
+def comfy_formats(ckpt: Checkpoint, prefix: str) -> dict[str, str]:
+    """ComfyUI's quantisation formats of the layers behind ``prefix`` (layer key, prefix stripped -> format), from
+    the ``_quantization_metadata`` safetensors metadata and ``.comfy_quant`` tensors.
 
     Refuses formats that cannot be dequantized here, and files quantised with other tools (GPTQ, bitsandbytes).
     """
-    for key in ckpt.tensors:
+    keys = [k for k in ckpt.tensors if k.startswith(prefix)]
+    for key in keys:
         for suffix, tool in UNSUPPORTED_SUFFIXES.items():
             if key.endswith(suffix):
                 raise Flux2Error(f"{ckpt.path} is quantised with {tool} ({key}), which is not supported; use the "
@@ -414,10 +429,11 @@ def comfy_formats(ckpt: Checkpoint) -> dict[str, str]:
         except (json.JSONDecodeError, AttributeError):
             raise Flux2Error(f"{ckpt.path}: its _quantization_metadata is not valid JSON; download it again") from None
         formats.update({k: v.get("format") if isinstance(v, dict) else v for k, v in layers.items()})
-    for key, info in ckpt.tensors.items():
+    for key in keys:
         if key.endswith(".comfy_quant"):
-            raw = _read_small(info)
+            raw = _read_small(ckpt.tensors[key])
             formats[key[: -len(".comfy_quant")]] = json.loads(bytes(raw.tolist()).decode()).get("format")
+    formats = {k[len(prefix):]: v for k, v in formats.items() if k.startswith(prefix)}
     for layer, fmt in formats.items():
         if fmt not in COMFY_FP8:
             hint = " (ComfyUI's nvfp4 layout)" if fmt == "nvfp4" else ""
@@ -507,7 +523,7 @@ class Source:
 def open_source(path, subfolder: str, layouts: list[Layout], what: str, loader: str) -> Source:
     ckpt = open_checkpoint(path, subfolder)
     layout, prefix = find_layout(ckpt, layouts, what, loader)
-    formats = {k[len(prefix):]: v for k, v in comfy_formats(ckpt).items() if k.startswith(prefix)}
+    formats = comfy_formats(ckpt, prefix)
     keys = {k[len(prefix):] for k in ckpt.tensors if k.startswith(prefix)}
     keys = {k for k in keys if not k.endswith(DROPPED_SUFFIXES) and k != "scaled_fp8"}
     return Source(ckpt, layout, prefix, keys, layout.recipes(keys), formats)

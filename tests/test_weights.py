@@ -186,10 +186,13 @@ def ae(tmp_path_factory):
     root = tmp / "pipe"
     save_diffusers_autoencoder(vae, root / "vae")
     no_counter = {k: v for k, v in sd.items() if k != "bn.num_batches_tracked"}
+    top_level = {k.replace("encoder.quant_conv.", "quant_conv.").replace("decoder.post_quant_conv.", "post_quant_conv."): v
+                 for k, v in sd.items()}
     files = {
         "bfl": bfl,
         "comfyui-vae-prefix": save_prefixed(sd, tmp / "flux2-vae-prefixed.safetensors", "vae."),
         "comfyui-no-counter": save_prefixed(no_counter, tmp / "flux2-vae.safetensors"),
+        "comfyui-top-level-quant-convs": save_prefixed(top_level, tmp / "comfy-saved-vae.safetensors"),
         "diffusers-folder": root / "vae",
         "diffusers-root": root,
     }
@@ -203,8 +206,8 @@ def ae(tmp_path_factory):
     return SimpleNamespace(sd=sd, files=files, tmp=tmp, image=image, latent=latent, decoded=decoded)
 
 
-@pytest.mark.parametrize("layout", ["bfl", "comfyui-vae-prefix", "comfyui-no-counter", "diffusers-folder",
-                                    "diffusers-root"])
+@pytest.mark.parametrize("layout", ["bfl", "comfyui-vae-prefix", "comfyui-no-counter",
+                                    "comfyui-top-level-quant-convs", "diffusers-folder", "diffusers-root"])
 def test_autoencoder_layouts_load_the_same_weights(ae, layout):
     model = weights.load_autoencoder(ae.files[layout], device="cpu")
     assert model.params.ch == 32 and model.params.ch_mult == (1, 1, 2, 2)
@@ -270,14 +273,25 @@ def test_text_encoder_layouts_load_the_same_weights(te, layout):
         assert torch.equal(tensor, full[key]), key
 
 
-@pytest.mark.parametrize("layout", ["diffusers-root", "comfyui"])
-def test_text_encoder_matches_diffusers(te, layout):
-    """Embeddings equal diffusers' Flux2KleinPipeline on the same weights; the folder's own tokenizer is found."""
-    encoder = weights.load_text_encoder(te.files[layout], device="cpu")
+def test_text_encoder_matches_diffusers(te):
+    """Embeddings equal diffusers' Flux2KleinPipeline on the same weights and tokenizer."""
+    encoder = weights.load_text_encoder(te.files["comfyui"], device="cpu", tokenizer=te.tokenizer)
     got = encoder.encode(PROMPTS).embeds
     diff = rel_diff(got, te.want)
-    print(f"text encoder {layout}: max rel diff vs diffusers {diff:.2e}")
+    print(f"text encoder: max rel diff vs diffusers {diff:.2e}")
     assert got.shape == te.want.shape == (2, 512, 96) and diff <= BOUND
+
+
+def test_text_encoder_tokenizer_comes_from_the_folder(te, monkeypatch):
+    """A folder's tokenizer is looked up beside its weights (tokenizer.py finds text_encoder/../tokenizer/);
+    a single file gets the built-in tokenizer."""
+    asked = []
+    monkeypatch.setattr(weights, "load_tokenizer", lambda folder: asked.append(folder) or te.tokenizer)
+    assert weights.load_text_encoder(te.files["diffusers-root"], device="cpu").tokenizer is te.tokenizer
+    assert asked == [te.files["diffusers-folder"]]
+    monkeypatch.setattr("flux2_core.text_encoder.load_tokenizer", lambda: "built-in")
+    assert weights.load_text_encoder(te.files["comfyui"], device="cpu").tokenizer == "built-in"
+    assert len(asked) == 1
 
 
 def test_text_encoder_fits(dit, te):
@@ -344,6 +358,36 @@ def test_bfl_fp8_and_nvfp4_match_diffusers_dequantization(dit, tmp_path):
     model, _ = weights.load_transformer(save_prefixed(sd, tmp_path / "flux-2-klein-tiny-fp8.safetensors"),
                                         device="cpu")
     assert_same_state(model, expected)
+
+
+def test_text_encoder_fp8mixed_and_block_fp8(te, tmp_path):
+    """ComfyUI's qwen_3_8b_fp8mixed layout (per-tensor scales, metadata naming full keys) and Hugging Face's
+    fine-grained fp8 (Qwen3-*-FP8: ``weight_scale_inv`` per block, block size in config.json) both dequantize."""
+    layers = ["model.layers.0.mlp.up_proj", "model.layers.26.self_attn.o_proj"]
+    sd, meta = comfy_fp8(comfyui_state_dict(te.model), layers)
+    encoder = weights.load_text_encoder(save_prefixed(sd, tmp_path / "qwen_3_tiny_fp8mixed.safetensors", "", meta),
+                                        device="cpu", tokenizer=te.tokenizer)
+    got = encoder.model.state_dict()
+    for layer in layers:
+        want = sd[layer + ".weight"].float() * sd[layer + ".weight_scale"]
+        assert torch.equal(got[layer[len("model."):] + ".weight"], want)
+
+    folder = tmp_path / "Qwen3-tiny-FP8"
+    shutil.copytree(te.files["diffusers-folder"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    (folder / "config.json").write_text(json.dumps(config))
+    sd = load_file(str(folder / "model.safetensors"))
+    layer = "model.layers.3.mlp.down_proj"                              # [32, 64]: 2 x 4 blocks of 16 x 16
+    weight = sd[layer + ".weight"]
+    scale = weight.abs().reshape(2, 16, 4, 16).amax(dim=(1, 3)) / 448          # one scale per block
+    sd[layer + ".weight"] = (weight / scale.repeat_interleave(16, 0).repeat_interleave(16, 1)).to(torch.float8_e4m3fn)
+    sd[layer + ".weight_scale_inv"] = scale
+    save_file(sd, str(folder / "model.safetensors"))
+    encoder = weights.load_text_encoder(folder, device="cpu", tokenizer=te.tokenizer)
+    want = sd[layer + ".weight"].float() * scale.repeat_interleave(16, 0).repeat_interleave(16, 1)
+    assert torch.equal(encoder.model.state_dict()["layers.3.mlp.down_proj.weight"], want)
+    assert rel_diff(want, weight) < 0.07
 
 
 def test_nvfp4_codes_by_hand():
@@ -505,3 +549,15 @@ def test_explicit_variant(dit):
         weights.load_transformer(dit.files["bfl"], device="cpu", variant="klein-4b")
     with pytest.raises(Flux2Error, match="unknown variant"):
         weights.load_transformer(dit.files["bfl"], device="cpu", variant="klein-2b")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_defaults_to_bf16_and_reads_straight_to_the_device(dit, dit_inputs):
+    model, _ = weights.load_transformer(dit.files["comfyui"])
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    x = {k: v.cuda() for k, v in dit_inputs.items()}
+    x["img"], x["txt"], x["timesteps"] = x["img"].bfloat16(), x["txt"].bfloat16(), x["timesteps"].bfloat16()
+    reference, _ = weights.load_transformer(dit.files["bfl"], device="cpu", dtype=torch.bfloat16)
+    cpu = run_ours(reference, {k: v.cpu() for k, v in x.items()})
+    assert rel_diff(run_ours(model, x).cpu(), cpu) < 2e-2
