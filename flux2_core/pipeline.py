@@ -1,0 +1,159 @@
+"""The whole generation, composed from the stages (used by the CLI, the nodes and the tests):
+
+    prompt(s) -> PromptEncoder -> embeds ─┐
+    seed -> noise [B,128,h,w] ────────────┤
+    steps, size -> sigmas ────────────────┼─> denoise (Euler) -> latent -> AE decode -> uint8 images [B,H,W,3]
+    references -> prep -> AE -> tokens ───┘
+
+    models = load_models("flux-2-klein-4b.safetensors", "qwen_3_4b.safetensors", "flux2-vae.safetensors")
+    result = generate(models, "a red fox in snow", width=1024, height=768, seed=1)
+    result.images        # uint8 [1, 768, 1024, 3]
+
+Choices (the reference's, unless said otherwise):
+* Output size: ``width``/``height``; a missing one comes from the input image, else from the first reference after
+  its preprocessing (capped and cropped to multiples of 16), else 1024. Sizes that are not multiples of 16 are an
+  error (no silent snapping).
+* Steps and CFG default to the variant's (4 / 1.0 distilled, 50 / 4.0 base). CFG runs only for base models with
+  cfg != 1; distilled Klein ignores cfg; FLUX.2-dev feeds it to the guidance embedding.
+* Noise: item i of a batch uses seed + i (so it equals a single run with that seed).
+* Image-to-image: ``image`` with ``strength`` in (0, 1]; see ``schedules.truncate_for_strength``.
+* The transformer computes in its weights' dtype; the autoencoder in its own (float32 like the reference).
+* Images: clamp(-1, 1), then (127.5 * (x + 1)) truncated to uint8, as the reference CLI does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+from torch import Tensor
+
+from .autoencoder import AutoEncoder
+from .errors import Flux2Error
+from .references import as_pil, center_crop_16, encode_references, image_to_tensor, prepare_references
+from .sampling import add_noise, denoise, latent_size, make_noise
+from .schedules import check_sigmas, flux2_schedule, truncate_for_strength
+from .text_encoder import PromptEncoder
+from .transformer import Flux2Transformer, ReferenceKV
+from .variants import Variant
+
+DEFAULT_SIZE = 1024
+
+
+@dataclass
+class Models:
+    transformer: Flux2Transformer
+    variant: Variant
+    autoencoder: AutoEncoder
+    prompt_encoder: PromptEncoder
+
+
+def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: torch.dtype | None = None,
+                variant: str | None = None) -> Models:
+    """Load the three models from files or folders (any layout ``weights`` reads) and check they fit together.
+
+    dtype: the transformer's and text encoder's (default bf16 on CUDA, float32 on CPU); the AE stays float32.
+    """
+    from . import weights
+
+    model, chosen = weights.load_transformer(transformer, device, dtype, variant=variant)
+    encoder = weights.load_text_encoder(text_encoder, device, dtype)
+    weights.check_text_encoder_fits(chosen, encoder)
+    ae = weights.load_autoencoder(autoencoder, device, torch.float32)
+    return Models(model, chosen, ae, encoder)
+
+
+@dataclass
+class Result:
+    images: Tensor                 # uint8 [B, H, W, 3]
+    latents: Tensor                # float32 [B, 128, H/16, W/16], the denoised latents before decoding
+    seeds: list[int]               # the seed of each image
+    settings: dict                 # what was used (for metadata): prompt, size, steps, cfg, seed, ...
+    warnings: list[str] = field(default_factory=list)
+
+
+def to_uint8(x: Tensor) -> Tensor:
+    """Decoded images [B, 3, H, W] (about [-1, 1]) -> uint8 [B, H, W, 3], truncating like the reference's .byte()."""
+    return (127.5 * (x.float().clamp(-1, 1) + 1)).to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+
+def output_size(width: int | None, height: int | None, sources: list[Image.Image]) -> tuple[int, int]:
+    """(width, height): given values first, then the first of ``sources`` (input image, references), else 1024."""
+    base = sources[0].size if sources else (DEFAULT_SIZE, DEFAULT_SIZE)
+    return width or base[0], height or base[1]
+
+
+@torch.no_grad()
+def generate(models: Models, prompt: str, *, references=(), width: int | None = None, height: int | None = None,
+             steps: int | None = None, cfg: float | None = None, negative: str = "", seed: int = 0, batch: int = 1,
+             sigmas: list[float] | None = None, image: Image.Image | None = None, strength: float = 1.0,
+             reference_kv: ReferenceKV | None = None, noise: Tensor | None = None, bfl_cuda_noise: bool = False,
+             callback=None) -> Result:
+    """Generate ``batch`` images for ``prompt`` (see the module docstring for every default).
+
+    references: PIL images (any number). sigmas: a custom schedule (overrides steps). image/strength:
+    image-to-image. reference_kv: a precomputed KV cache of these references (KV models). noise: an explicit
+    [batch, 128, H/16, W/16] start noise instead of the seeded one. callback(Step) runs after every step.
+    """
+    variant, model, ae = models.variant, models.transformer, models.autoencoder
+    device, dtype = model.img_in.weight.device, model.img_in.weight.dtype
+    if not isinstance(prompt, str):
+        raise Flux2Error(f"prompt must be a string, got {type(prompt).__name__}")
+    warnings = []
+
+    # sizes, schedule, guidance
+    refs = prepare_references(references) if references else []
+    init = center_crop_16(as_pil(image).convert("RGB")) if image is not None else None
+    width, height = output_size(width, height, [im for im in [init, *refs] if im is not None])
+    h, w = latent_size(height, width)
+    if sigmas is not None:
+        sigmas = check_sigmas(sigmas)
+    else:
+        sigmas = flux2_schedule(variant.default_steps if steps is None else steps, h * w)
+    if init is not None:
+        sigmas = truncate_for_strength(sigmas, strength)
+    cfg = variant.default_cfg if cfg is None else float(cfg)
+    use_cfg = variant.uses_cfg and not variant.params.use_guidance_embed and cfg != 1.0
+    if not variant.uses_cfg and cfg != 1.0 and not variant.params.use_guidance_embed:
+        warnings.append(f"cfg {cfg} is ignored: {variant.name} is guidance-distilled (one pass per step, no CFG)")
+
+    # noise
+    if noise is None:
+        noise = make_noise(batch, height, width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise)
+    elif tuple(noise.shape) != (batch, 128, h, w):
+        raise Flux2Error(f"noise must be [{batch}, 128, {h}, {w}] for batch {batch} at {width}x{height}, "
+                         f"got {list(noise.shape)}")
+    noise = noise.to(device, torch.float32)
+
+    # prompt(s)
+    embeds = models.prompt_encoder.encode([prompt])
+    if embeds.dropped[0]:
+        warnings.append(f"the prompt is {embeds.token_counts[0]} tokens; the last {embeds.dropped[0]} were cut off "
+                        f"(the limit is 512 including the chat template)")
+    negative_txt = models.prompt_encoder.encode([negative]).embeds if use_cfg else None
+
+    # start latent
+    if init is not None:
+        if init.size != (width, height):
+            init = init.resize((width, height), Image.Resampling.LANCZOS)
+        x = add_noise(ae.encode(image_to_tensor(init)).to(device), noise, sigmas[0])
+    else:
+        x = noise
+
+    # references and denoising
+    ref = ref_ids = None
+    if refs:
+        ref, ref_ids = encode_references(ae, refs, dtype)
+    latents = denoise(model, x.to(dtype), sigmas, embeds.embeds, negative_txt=negative_txt, cfg=cfg,
+                      ref=ref, ref_ids=ref_ids, ref_kv=reference_kv, kv=variant.use_kv_cache and bool(refs),
+                      guidance=cfg if variant.params.use_guidance_embed else None, callback=callback)
+
+    images = torch.cat([to_uint8(ae.decode(latents[i:i + 1])) for i in range(batch)])
+    settings = {"prompt": prompt, "negative": negative if use_cfg else None, "width": width, "height": height,
+                "steps": len(sigmas) - 1, "cfg": cfg, "seed": seed, "batch": batch, "variant": variant.name,
+                "references": len(refs), "strength": strength if init is not None else None,
+                "sigmas": [round(s, 6) for s in sigmas]}
+    return Result(images, latents.float(), [seed + i for i in range(batch)], settings, warnings)
+
+

@@ -1,0 +1,245 @@
+"""End to end, prompt to uint8 image, against diffusers 0.42.1 Flux2KleinPipeline (distilled and base) and
+Flux2KleinKVPipeline on the same tiny random Qwen3, transformer and VAE, fed the same noise: final float32 latents
+within 1e-4 relative, uint8 images within one level (diffusers rounds, the reference truncates)."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flux2_core.autoencoder import AutoEncoder
+from flux2_core.errors import Flux2Error
+from flux2_core.pipeline import Models, generate, to_uint8
+from flux2_core.sampling import make_noise
+from flux2_core.text_encoder import build_qwen3_encoder
+from flux2_core.tokenizer import build_qwen3_tokenizer
+from flux2_core.transformer import Flux2Transformer
+from flux2_core.variants import VARIANTS
+from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder
+from tests.tiny.text_encoder import build_tiny_qwen3, comfyui_state_dict
+from tests.tiny.transformer import (
+    TINY_TRANSFORMER,
+    diffusers_transformer_from_bfl_file,
+    random_bfl_transformer_state_dict,
+    save_bfl_transformer,
+)
+
+PROMPT = "A cat holding a sign that says hello world"
+FAMILIES = {"distilled": "klein-4b", "base": "klein-base-4b", "kv": "klein-9b-kv"}
+
+
+def tiny_variant(family):
+    """The registry entry of the family (defaults, CFG, KV) with the tiny architecture."""
+    return replace(VARIANTS[FAMILIES[family]], name=f"tiny-{family}", params=TINY_TRANSFORMER, files=())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    sd = random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=3)
+    transformer = Flux2Transformer(TINY_TRANSFORMER)
+    transformer.load_state_dict(sd)
+    vae = build_diffusers_autoencoder(seed=4)
+    ae = AutoEncoder(TINY_AE_PARAMS)
+    ae.load_state_dict(bfl_state_dict(vae))
+    te = build_tiny_qwen3(seed=5)
+    encoder = MemoEncoder(build_qwen3_encoder(comfyui_state_dict(te), config=te.config, device="cpu",
+                                              dtype=torch.float32))
+    ours = {family: Models(transformer.eval(), tiny_variant(family), ae.eval(), encoder)
+            for family in FAMILIES}
+    theirs = {"transformer": diffusers_transformer_from_bfl_file(save_bfl_transformer(sd, tmp / "t.safetensors"),
+                                                                 TINY_TRANSFORMER, tmp / "cfg"),
+              "vae": vae, "text_encoder": te, "tokenizer": build_qwen3_tokenizer()}
+    return ours, theirs
+
+
+class MemoEncoder:
+    """Our PromptEncoder, encoding each distinct prompt once (the tiny Qwen3 on 512 tokens is the slow part)."""
+
+    def __init__(self, encoder):
+        self.encoder, self.memo = encoder, {}
+
+    def encode(self, prompts):
+        key = tuple(prompts)
+        if key not in self.memo:
+            self.memo[key] = self.encoder.encode(prompts)
+        return self.memo[key]
+
+
+DIFFUSERS_EMBEDS = {}
+
+
+def diffusers_embeds(pipe, prompt):
+    """diffusers' own prompt embeddings (encode_prompt), computed once per prompt."""
+    if prompt not in DIFFUSERS_EMBEDS:
+        DIFFUSERS_EMBEDS[prompt] = pipe.encode_prompt(prompt=prompt, device="cpu", max_sequence_length=512)[0]
+    return DIFFUSERS_EMBEDS[prompt]
+
+
+def photo(w, h, seed):
+    """A smooth random image (a low-resolution noise field upscaled), more photo-like than white noise."""
+    rng = np.random.default_rng(seed)
+    small = Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8))
+    return small.resize((w, h), Image.Resampling.BICUBIC)
+
+
+def run_diffusers(theirs, kind, noise, width, height, steps, cfg=1.0, images=None):
+    """(final normalised latents [B,128,h,w], float images [B,3,H,W] in [0,1]) from the diffusers pipeline."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinKVPipeline, Flux2KleinPipeline
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential")
+    last = {}
+
+    def grab(pipe, i, t, kwargs):
+        last["latents"] = kwargs["latents"].clone()
+        return {}
+
+    if kind == "kv":
+        pipe = Flux2KleinKVPipeline(scheduler=scheduler, **theirs)
+        extra = {}
+    else:
+        pipe = Flux2KleinPipeline(scheduler=scheduler, **theirs, is_distilled=kind == "distilled")
+        extra = {"guidance_scale": cfg}
+        if kind == "base" and cfg > 1:
+            extra["negative_prompt_embeds"] = diffusers_embeds(pipe, "")
+    pipe.set_progress_bar_config(disable=True)
+    images = pipe(image=images, prompt_embeds=diffusers_embeds(pipe, PROMPT), height=height, width=width,
+                  num_inference_steps=steps, latents=noise.clone(), num_images_per_prompt=noise.shape[0],
+                  output_type="pt", callback_on_step_end=grab, **extra).images
+    b, _, h, w = noise.shape
+    return last["latents"].transpose(1, 2).reshape(b, 128, h, w), images
+
+
+def check_against_diffusers(result, expected_latents, expected_images):
+    err = (result.latents - expected_latents).abs().max().item()
+    scale = expected_latents.abs().max().item()
+    assert err <= 1e-4 * scale, f"latents: max diff {err:.3g} vs max {scale:.3g}"
+    rounded = (expected_images.permute(0, 2, 3, 1) * 255).round().to(torch.int16)
+    levels = (result.images.to(torch.int16) - rounded).abs().max().item()
+    assert result.images.dtype == torch.uint8 and result.images.shape == rounded.shape
+    assert levels <= 1, f"uint8 images differ by {levels} levels"
+    return err / scale, levels
+
+
+CASES = {
+    # name: (family, width, height, steps, cfg, batch, reference sizes)
+    "distilled": ("distilled", 64, 48, 4, None, 2, []),
+    "base-cfg4": ("base", 48, 48, 3, 4.0, 1, []),
+    "one-reference": ("distilled", 48, 64, 3, None, 1, [(96, 80)]),
+    "three-references": ("distilled", 64, 64, 3, None, 1, [(96, 80), (64, 128), (150, 70)]),
+    "kv-references": ("kv", 64, 48, 4, None, 1, [(80, 80), (64, 96)]),
+    "base-cfg-reference": ("base", 48, 48, 2, 3.0, 1, [(64, 80)]),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matches_diffusers(tiny, name):
+    ours, theirs = tiny
+    family, width, height, steps, cfg, batch, ref_sizes = CASES[name]
+    refs = [photo(w, h, seed=i) for i, (w, h) in enumerate(ref_sizes)]
+    noise = make_noise(batch, height, width, seed=42)
+    expected = run_diffusers(theirs, family, noise, width, height, steps, cfg or 1.0, refs or None)
+    result = generate(ours[family], PROMPT, references=refs, width=width, height=height, steps=steps, cfg=cfg,
+                      seed=42, batch=batch)
+    check_against_diffusers(result, *expected)
+    assert result.settings["steps"] == steps and result.settings["references"] == len(refs)
+
+
+def test_batch_equals_single_runs(tiny):
+    models = tiny[0]["base"]
+    args = {"width": 48, "height": 32, "steps": 1, "cfg": 2.5, "negative": "blurry"}
+    batch = generate(models, PROMPT, seed=7, batch=3, **args)
+    assert batch.seeds == [7, 8, 9]
+    for i in range(3):
+        single = generate(models, PROMPT, seed=7 + i, **args)
+        torch.testing.assert_close(batch.latents[i:i + 1], single.latents, rtol=0, atol=1e-5)
+        assert (batch.images[i].int() - single.images[0].int()).abs().max() <= 1
+
+
+def test_negative_prompt_is_used(tiny):
+    models = tiny[0]["base"]
+    args = {"width": 32, "height": 32, "steps": 2, "cfg": 4.0, "seed": 1}
+    empty = generate(models, PROMPT, **args)
+    other = generate(models, PROMPT, negative="ugly", **args)
+    assert (empty.latents - other.latents).abs().max() > 1e-3
+    assert other.settings["negative"] == "ugly"
+
+
+def test_size_defaults_to_first_reference(tiny):
+    models = tiny[0]["distilled"]
+    result = generate(models, PROMPT, references=[photo(100, 70, 0), photo(64, 64, 1)], steps=1)
+    assert result.images.shape == (1, 64, 96, 3)          # 100x70 cropped to 96x64
+    assert (result.settings["width"], result.settings["height"]) == (96, 64)
+
+
+def test_image_to_image_matches_diffusers_inpainting_with_a_full_mask(tiny):
+    # Flux2KleinInpaintPipeline with an all-white mask repaints everything, and it also passes the image as a
+    # reference: image-to-image at the same strength with the image as the reference
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinInpaintPipeline
+    ours, theirs = tiny
+    image = photo(80, 64, seed=9)
+    pipe = Flux2KleinInpaintPipeline(FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True,
+                                                                     time_shift_type="exponential"),
+                                     **theirs, is_distilled=True)
+    pipe.set_progress_bar_config(disable=True)
+    for strength, steps_run in [(0.5, 2), (0.6, 3)]:   # 4 steps; skip int(4 - 4 * strength)
+        last = {}
+        expected = pipe(image=image, mask_image=Image.new("L", image.size, 255), height=64, width=80,
+                        prompt_embeds=diffusers_embeds(pipe, PROMPT), strength=strength, num_inference_steps=4,
+                        generator=torch.Generator().manual_seed(3), output_type="pt",
+                        callback_on_step_end=lambda p, i, t, kw, last=last: last.update(kw) or {}).images
+        result = generate(ours["distilled"], PROMPT, image=image, references=[image], strength=strength, steps=4,
+                          seed=3)
+        assert result.settings["steps"] == steps_run and result.settings["strength"] == strength
+        check_against_diffusers(result, last["latents"].transpose(1, 2).reshape(1, 128, 4, 5), expected)
+    # strength 1 ignores the image: plain text-to-image
+    full = generate(ours["distilled"], PROMPT, image=image, strength=1.0, steps=4, seed=3)
+    t2i = generate(ours["distilled"], PROMPT, width=80, height=64, steps=4, seed=3)
+    torch.testing.assert_close(full.latents, t2i.latents, rtol=0, atol=1e-6)
+
+
+def test_custom_sigmas(tiny):
+    models = tiny[0]["distilled"]
+    result = generate(models, PROMPT, width=32, height=32, sigmas=[1.0, 0.6, 0.0])
+    assert result.settings["steps"] == 2 and result.settings["sigmas"] == [1.0, 0.6, 0.0]
+
+
+def test_to_uint8_truncates():
+    x = torch.tensor([-2.0, -1.0, 0.0, 0.999, 1.0, 3.0]).view(1, 3, 1, 2)
+    # 127.5 * (clamp(x) + 1): 0, 0, 127.5 -> 127, 254.87 -> 254, 255, 255
+    assert to_uint8(x).flatten().tolist() == [0, 127, 255, 0, 254, 255]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"width": 50, "height": 64}, "multiple of 16"),
+    ({"width": 64, "height": 64, "steps": 0}, "steps"),
+    ({"references": [Image.new("RGB", (40, 200))]}, "at least 64"),
+    ({"references": [Image.new("RGB", (64, 900))]}, "aspect ratio"),
+    ({"width": 64, "height": 64, "sigmas": [0.0, 1.0]}, "decrease"),
+    ({"image": Image.new("RGB", (64, 64)), "strength": 0.0}, "strength"),
+])
+def test_bad_inputs(tiny, kwargs, message):
+    with pytest.raises(Flux2Error, match=message):
+        generate(tiny[0]["distilled"], PROMPT, **kwargs)
+
+
+def test_distilled_ignores_cfg_with_a_warning(tiny):
+    models = tiny[0]["distilled"]
+    a = generate(models, PROMPT, width=32, height=32, steps=1, cfg=5.0)
+    b = generate(models, PROMPT, width=32, height=32, steps=1)
+    assert torch.equal(a.latents, b.latents) and any("ignored" in w for w in a.warnings)
+
+
+def test_kv_uses_a_precomputed_cache(tiny):
+    models = tiny[0]["kv"]
+    refs = [photo(64, 64, 2)]
+    first = generate(models, PROMPT, references=refs, width=32, height=32, steps=2)
+    from flux2_core.references import encode_references
+    ref, ref_ids = encode_references(models.autoencoder, refs)
+    cache = models.transformer.reference_kv(ref, ref_ids)
+    again = generate(models, PROMPT, references=refs, width=32, height=32, steps=2, reference_kv=cache)
+    assert torch.equal(first.latents, again.latents)
+    joint = generate(replace(models, variant=tiny[0]["distilled"].variant), PROMPT, references=refs, width=32,
+                     height=32, steps=2)
+    assert not torch.equal(first.latents, joint.latents)
