@@ -44,7 +44,8 @@ class PromptEncode(io.ComfyNode):
         out = encoder.encode([prompt])
         tokens, dropped, limit = out.token_counts[0], out.dropped[0], encoder.spec.max_length
         meta = {"encoder": encoder.spec.name, "tokens": tokens, "dropped": dropped}
-        conditioning = [[out.embeds.to(host.intermediate_device()), {types.META: meta}]]
+        # pooled_output None: FLUX.2 has no pooled vector, but ComfyUI's FLUX models read the key.
+        conditioning = [[out.embeds.to(host.intermediate_device()), {"pooled_output": None, types.META: meta}]]
         info = f"{tokens} / {limit} tokens"
         if dropped:
             info += f": {dropped} tokens beyond {limit} were cut off"

@@ -128,14 +128,16 @@ class Managed:
     patcher: comfy.model_patcher.ModelPatcher
     dtype: torch.dtype
     variant: Variant | None = None     # transformers only
+    full_load: bool = False            # never load partially (layers ComfyUI cannot stream, e.g. fp8 ones)
 
     def ready(self, memory: int = 0) -> torch.device:
         """Load (or keep) the model on its device with ``memory`` bytes to spare for activations; the device."""
-        mm.load_models_gpu([self.patcher], memory_required=memory)
+        mm.load_models_gpu([self.patcher], memory_required=memory, force_full_load=self.full_load)
         return self.patcher.load_device
 
 
-def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str = "", variant=None) -> Managed:
+def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str = "", variant=None,
+           full_load: bool = False) -> Managed:
     """Put ``module`` (the nn.Module inside ``core``) under ComfyUI's model management.
 
     anchor: the layer whose device the core reads to decide where to run (PromptEncoder, AutoEncoder); it stays a
@@ -148,7 +150,7 @@ def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str =
             layer.register_forward_pre_hook(_follow_input)   # a leaf layer with parameters, e.g. an RMS norm
     load_device, offload_device = devices(kind)
     patcher = comfy.model_patcher.ModelPatcher(HOLDERS[kind](module), load_device=load_device, offload_device=offload_device)
-    return Managed(core, patcher, dtype, variant)
+    return Managed(core, patcher, dtype, variant, full_load)
 
 
 def transformer_memory(params, noise: torch.Tensor, ref: torch.Tensor | None, cfg: bool, dtype: torch.dtype) -> int:

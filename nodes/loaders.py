@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..flux2_core import weights
+from ..flux2_core import quant, weights
 from . import host, types
 
 DTYPE_TOOLTIP = ("Weight and compute dtype. auto: bfloat16 on GPUs that run it well, else float32. "
                  "fp8 files are dequantized to this dtype on load.")
+FP8 = "fp8_e4m3fn"
+FP8_TOOLTIP = (f" {FP8}: the blocks' weights stored in fp8 (about half the memory of bfloat16), computed in the auto "
+               "dtype; results differ slightly. Loaded whole, never partially.")
 
 
-def dtype_input() -> io.Combo.Input:
-    return io.Combo.Input("dtype", options=host.DTYPE_CHOICES, default="auto", tooltip=DTYPE_TOOLTIP)
+def dtype_input(extra=(), tooltip: str = "") -> io.Combo.Input:
+    return io.Combo.Input("dtype", options=[*host.DTYPE_CHOICES, *extra], default="auto", tooltip=DTYPE_TOOLTIP + tooltip)
 
 
 class ModelLoader(io.ComfyNode):
@@ -29,18 +32,21 @@ class ModelLoader(io.ComfyNode):
             inputs=[io.Combo.Input("model_name", options=host.model_choices("diffusion_models"),
                                    tooltip="A flux-2-klein-*.safetensors file (BFL or ComfyUI, fp8 too) or a diffusers "
                                            "folder, under models/diffusion_models."),
-                    dtype_input()],
+                    dtype_input([FP8], FP8_TOOLTIP)],
             outputs=[types.Model.Output(display_name="model", tooltip="The transformer and its variant.")])
 
     @classmethod
     def execute(cls, model_name: str, dtype: str) -> io.NodeOutput:
         load_device, offload_device = host.devices("transformer")
-        dtype = host.pick_dtype(dtype, "transformer", load_device)
+        fp8, dtype = dtype == FP8, host.pick_dtype("auto" if dtype == FP8 else dtype, "transformer", load_device)
         model, variant = weights.load_transformer(host.resolve("diffusion_models", model_name), offload_device, dtype)
+        if fp8:
+            quant.quantize_transformer(model)
         kind = "CFG" if variant.uses_cfg else "distilled"
         info = (f"{variant.name} ({kind}; defaults: {variant.default_steps} steps, cfg {variant.default_cfg}), "
-                f"{host.dtype_name(dtype)}")
-        return io.NodeOutput(host.manage(model, model, "transformer", dtype, variant=variant), ui=ui.PreviewText(info))
+                f"{FP8 + ' weights, ' if fp8 else ''}{host.dtype_name(dtype)}")
+        managed = host.manage(model, model, "transformer", dtype, variant=variant, full_load=fp8)
+        return io.NodeOutput(managed, ui=ui.PreviewText(info))
 
 
 class TextEncoderLoader(io.ComfyNode):

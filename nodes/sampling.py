@@ -30,11 +30,15 @@ class Noise(io.ComfyNode):
                                  tooltip="Random seed; item i of the batch uses seed + i."),
                     io.Int.Input("width", **SIZE, tooltip="Image width in pixels (a multiple of 16)."),
                     io.Int.Input("height", **SIZE, tooltip="Image height in pixels (a multiple of 16)."),
-                    io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="Images to make at once.")],
+                    io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="Images to make at once."),
+                    io.Latent.Input("latent", optional=True,
+                                    tooltip="Take width and height from this latent instead (image-to-image).")],
             outputs=[io.Latent.Output(display_name="noise", tooltip="LATENT noise [batch, 128, height/16, width/16].")])
 
     @classmethod
-    def execute(cls, seed: int, width: int, height: int, batch_size: int) -> io.NodeOutput:
+    def execute(cls, seed: int, width: int, height: int, batch_size: int, latent=None) -> io.NodeOutput:
+        if latent is not None:
+            height, width = (16 * n for n in latent["samples"].shape[-2:])
         noise = sampling.make_noise(batch_size, height, width, seed, device=host.intermediate_device())
         return io.NodeOutput({"samples": noise})
 
@@ -121,8 +125,8 @@ class Denoise(io.ComfyNode):
 def image_latent(latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The image-to-image start latent, checked against the noise and broadcast over its batch."""
     if latent.shape[1:] != noise.shape[1:] or latent.shape[0] not in (1, noise.shape[0]):
-        raise Flux2Error(f"the latent {list(latent.shape)} does not fit the noise {list(noise.shape)}: make the noise "
-                         f"the latent's size (width {latent.shape[-1] * 16}, height {latent.shape[-2] * 16})")
+        raise Flux2Error(f"the latent {list(latent.shape)} does not fit the noise {list(noise.shape)}: connect the "
+                         f"latent to the noise node (same size) and give it batch_size {latent.shape[0]} (or 1 latent)")
     return latent.to(noise).expand_as(noise)
 
 

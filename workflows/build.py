@@ -1,0 +1,208 @@
+"""Writes the pack's workflows: a UI file (``<name>.json``, shown in ComfyUI's template browser) and its API twin
+(``api/<name>.json``, for POST /prompt and the headless client) from one description per workflow below.
+
+    python workflows/build.py --server 127.0.0.1:8188      # a running ComfyUI with this pack installed
+
+The node definitions (widget order, socket types, display names) are read from the server's /object_info, so the
+UI files match what the frontend itself would save. The template browser lists only ``workflows/*.json``; the API
+twins live one folder down so they do not show up there as broken templates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.request
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).parent
+PACK = "flux2-klein-engine"
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+HF = "https://huggingface.co"
+MODELS = {   # file -> (folder, download URL); the files ComfyUI's own FLUX.2 Klein templates use
+    "flux-2-klein-4b.safetensors": ("diffusion_models",
+                                    f"{HF}/Comfy-Org/flux2-klein/resolve/main/split_files/diffusion_models/flux-2-klein-4b.safetensors"),
+    "flux-2-klein-base-4b.safetensors": ("diffusion_models", (f"{HF}/Comfy-Org/flux2-klein/resolve/main/split_files/"
+                                                             "diffusion_models/flux-2-klein-base-4b.safetensors")),
+    "qwen_3_4b.safetensors": ("text_encoders",
+                              f"{HF}/Comfy-Org/flux2-klein/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors"),
+    "flux2-vae.safetensors": ("vae", f"{HF}/Comfy-Org/flux2-dev/resolve/main/split_files/vae/flux2-vae.safetensors"),
+}
+MODEL_INPUTS = ("model_name", "text_encoder_name", "ae_name")
+
+# --- the workflows: node id -> (class, inputs, column, row); an input (id, slot) is a link, anything else a widget --
+
+def loaders(model: str) -> dict:
+    return {1: ("Flux2KleinModelLoader", {"model_name": model, "dtype": "auto"}, 0, 0),
+            2: ("Flux2KleinTextEncoderLoader", {"text_encoder_name": "qwen_3_4b.safetensors", "dtype": "auto"}, 0, 1),
+            3: ("Flux2KleinAELoader", {"ae_name": "flux2-vae.safetensors", "dtype": "auto"}, 0, 2)}
+
+
+def sampler(positive, cfg=1.0, steps=4, negative=None, latent=None, denoise=1.0, noise_latent=None, seed=42) -> dict:
+    denoise_inputs = {"model": (1, 0), "positive": positive, "noise": (5, 0), "sigmas": (6, 0), "cfg": cfg,
+                      "denoise": denoise}
+    denoise_inputs |= {"negative": negative} if negative else {}
+    denoise_inputs |= {"latent": latent} if latent else {}
+    noise_inputs = {"seed": seed, "width": 1024, "height": 1024, "batch_size": 1}
+    noise_inputs |= {"latent": noise_latent} if noise_latent else {}
+    return {5: ("Flux2KleinNoise", noise_inputs, 2, 0),
+            6: ("Flux2KleinScheduler", {"steps": steps, "width": 1024, "height": 1024, "schedule": "flux2", "rho": 2.0,
+                                        "latent": (5, 0)}, 2, 1),
+            7: ("Flux2KleinDenoise", denoise_inputs, 3, 0),
+            8: ("Flux2KleinAEDecode", {"ae": (3, 0), "latent": (7, 0)}, 4, 0),
+            9: ("SaveImage", {"images": (8, 0), "filename_prefix": "flux2-klein"}, 5, 0)}
+
+
+def prompt(text: str, node: int = 4, row: int = 0) -> dict:
+    return {node: ("Flux2KleinPromptEncode", {"text_encoder": (2, 0), "prompt": text}, 1, row)}
+
+
+def reference(node: int, image_node: int, file: str, conditioning, row: int) -> dict:
+    return {image_node: ("LoadImage", {"image": file}, 1, row),
+            node: ("Flux2KleinReference", {"conditioning": conditioning, "image": (image_node, 0), "ae": (3, 0)}, 2, row)}
+
+
+WORKFLOWS = {
+    "flux2-klein-text-to-image": {
+        "note": "Text to image with the distilled FLUX.2 Klein 4B: 4 steps, no CFG (cfg 1, no negative).",
+        "nodes": loaders("flux-2-klein-4b.safetensors") | prompt(
+            "A red fox sitting in fresh snow at dawn, soft golden light, photorealistic, shallow depth of field")
+        | sampler((4, 0))},
+    "flux2-klein-base-text-to-image": {
+        "note": "Text to image with FLUX.2 Klein Base 4B: 50 steps with classifier-free guidance (cfg 4) against a "
+             "negative prompt.",
+        "nodes": loaders("flux-2-klein-base-4b.safetensors") | prompt(
+            "A cozy reading nook by a rainy window, warm lamp light, watercolor illustration")
+        | prompt("blurry, low quality, distorted, watermark, text", node=10, row=1)
+        | sampler((4, 0), cfg=4.0, steps=50, negative=(10, 0))},
+    "flux2-klein-edit": {
+        "note": "Edit one image with the distilled FLUX.2 Klein 4B. Put the photo to edit in ComfyUI's input folder as "
+             "flux2-klein-edit-input.png (or pick any image in Load Image). Alone, a reference is kept under about "
+             "4 megapixels (2024 x 2024) and centre-cropped to multiples of 16; the output size is the noise node's.",
+        "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("Turn the scene into a snowy winter evening; keep the "
+                                                              "composition and the people unchanged")
+        | reference(11, 10, "flux2-klein-edit-input.png", (4, 0), 1) | sampler((11, 0))},
+    "flux2-klein-edit-3-references": {
+        "note": "Combine three reference images with the distilled FLUX.2 Klein 4B. Put them in ComfyUI's input folder "
+             "as flux2-klein-reference-1.png (e.g. a person), -2.png (e.g. a jacket) and -3.png (e.g. a place). With "
+             "several references each is kept under about 1 megapixel (1024 x 1024); reference i is told apart by "
+             "its time offset 10 x i.",
+        "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("The person from image 1 wearing the jacket from image "
+                                                              "2, standing in the place from image 3")
+        | reference(11, 10, "flux2-klein-reference-1.png", (4, 0), 1)
+        | reference(13, 12, "flux2-klein-reference-2.png", (11, 0), 2)
+        | reference(15, 14, "flux2-klein-reference-3.png", (13, 0), 3) | sampler((15, 0))},
+    "flux2-klein-image-to-image": {
+        "note": "Image to image with the distilled FLUX.2 Klein 4B: the input image is encoded, noised to the "
+             "denoise strength (0.6: the last 60% of the steps run) and denoised toward the prompt. Put the image "
+             "in ComfyUI's input folder as flux2-klein-img2img-input.png; sides are cropped to multiples of 16 and "
+             "the output has the input's size.",
+        "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("An oil painting in the style of the impressionists")
+        | {10: ("LoadImage", {"image": "flux2-klein-img2img-input.png"}, 1, 1),
+           11: ("Flux2KleinAEEncode", {"ae": (3, 0), "image": (10, 0)}, 1, 2)}
+        | sampler((4, 0), latent=(11, 0), denoise=0.6, noise_latent=(11, 0))},
+}
+
+# --- building the two formats --------------------------------------------------------------------------------------
+
+
+def is_link(value) -> bool:
+    return isinstance(value, tuple)
+
+
+def input_specs(info: dict) -> list[tuple[str, str, dict]]:
+    """(name, type, options) of a node class's inputs, in the order the frontend lays them out."""
+    specs = []
+    for group in ("required", "optional"):
+        for name in info["input_order"].get(group, []):
+            kind, *rest = info["input"][group][name]
+            specs.append((name, "COMBO" if isinstance(kind, list) else kind, rest[0] if rest else {}))
+    return specs
+
+
+def api_prompt(nodes: dict, object_info: dict) -> dict:
+    """The API format: every input of every node, links as [source id, slot]."""
+    return {str(i): {"class_type": cls,
+                     "inputs": {k: [str(v[0]), v[1]] if is_link(v) else v for k, v in inputs.items()},
+                     "_meta": {"title": object_info[cls]["display_name"]}}
+            for i, (cls, inputs, _, _) in sorted(nodes.items())}
+
+
+def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
+    """The UI (LiteGraph 0.4) format: positioned nodes, socket inputs/outputs, widget values, link tuples."""
+    nodes, links, sockets, widgets = spec["nodes"], [], {}, {}
+    for i in sorted(nodes):                       # pass 1: each node's sockets and widget values; the links
+        cls, inputs, _, _ = nodes[i]
+        sockets[i], widgets[i] = [], []
+        for input_name, kind, options in input_specs(object_info[cls]):
+            value = inputs.get(input_name)
+            if kind in WIDGET_TYPES and not is_link(value):
+                widgets[i].append(value if input_name in inputs else options.get("default"))
+                widgets[i] += ["randomize"] if options.get("control_after_generate") else []
+                widgets[i] += ["image"] if options.get("image_upload") else []
+                continue
+            link = None
+            if is_link(value):
+                link = len(links) + 1
+                source_type = object_info[nodes[value[0]][0]]["output"][value[1]]
+                links.append([link, value[0], value[1], i, len(sockets[i]), source_type])
+            sockets[i].append({"name": input_name, "type": kind, "link": link})
+    order, ui_nodes = topological(nodes), []
+    for i in sorted(nodes):                       # pass 2: the nodes, with the links leaving each output
+        cls, inputs, col, row = nodes[i]
+        info = object_info[cls]
+        outputs = [{"name": out_name, "type": out_type, "links": [k[0] for k in links if k[1:3] == [i, slot]]}
+                   for slot, (out_name, out_type) in enumerate(zip(info["output_name"], info["output"]))]
+        ours = cls.startswith("Flux2Klein")
+        properties = {"Node name for S&R": cls, "cnr_id": PACK if ours else "comfy-core",
+                      "ver": "0.1.0" if ours else "0.12.1"}
+        models = [inputs[k] for k in MODEL_INPUTS if k in inputs]
+        if models:
+            properties["models"] = [{"name": m, "url": MODELS[m][1], "directory": MODELS[m][0]} for m in models]
+        ui_nodes.append({"id": i, "type": cls, "pos": [40 + 380 * col, 40 + 260 * row],
+                         "size": [340, 60 + 26 * len(widgets[i])], "flags": {}, "order": order.index(i), "mode": 0,
+                         "inputs": sockets[i], "outputs": outputs, "properties": properties,
+                         "widgets_values": widgets[i]})
+    note_id = max(nodes) + 1
+    ui_nodes.append({"id": note_id, "type": "MarkdownNote", "pos": [40, 1100], "size": [720, 220], "flags": {},
+                     "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "title": "About this workflow",
+                     "properties": {}, "widgets_values": [note_text(spec)]})
+    return {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK}/{name}")), "revision": 0, "last_node_id": note_id,
+            "last_link_id": len(links), "nodes": ui_nodes, "links": links, "groups": [], "config": {},
+            "extra": {"ds": {"scale": 0.75, "offset": [0, 0]}}, "version": 0.4}
+
+
+def note_text(spec: dict) -> str:
+    files = sorted({v for cls, inputs, _, _ in spec["nodes"].values() for k, v in inputs.items() if k in MODEL_INPUTS})
+    lines = [spec["note"], "", "**Models** (ComfyUI's models folder):", ""]
+    lines += [f"* `{MODELS[f][0]}/{f}`" for f in files]
+    return "\n".join(lines)
+
+
+def topological(nodes: dict) -> list[int]:
+    done: list[int] = []
+    while len(done) < len(nodes):
+        for i in sorted(nodes):
+            deps = [v[0] for v in nodes[i][1].values() if is_link(v)]
+            if i not in done and all(d in done for d in deps):
+                done.append(i)
+    return done
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server", default="127.0.0.1:8188")
+    args = parser.parse_args()
+    with urllib.request.urlopen(f"http://{args.server}/object_info") as response:
+        object_info = json.load(response)
+    (HERE / "api").mkdir(exist_ok=True)
+    for name, spec in WORKFLOWS.items():
+        for path, data in ((HERE / f"{name}.json", ui_workflow(name, spec, object_info)),
+                           (HERE / "api" / f"{name}.json", api_prompt(spec["nodes"], object_info))):
+            path.write_text(json.dumps(data, indent=2) + "\n")
+            print("wrote", path.relative_to(HERE.parent))
+
+
+if __name__ == "__main__":
+    main()
