@@ -538,11 +538,16 @@ class TensorReader:
         self.block = (int(block[0]), int(block[1]))
 
     def raw(self, key: str) -> torch.Tensor:
-        """One tensor as stored, by its full file key."""
+        """One tensor as stored, by its full file key, in memory of its own.
+
+        On the CPU, safetensors hands out views of the memory-mapped file (unaligned, and changed or gone when the
+        file is replaced), so they are copied; on a GPU the tensor is read straight into device memory.
+        """
         info = self.source.ckpt.tensors[key]
         if info.file not in self.handles:
             self.handles[info.file] = safe_open(str(info.file), framework="pt", device=str(self.device))
-        return self.handles[info.file].get_tensor(info.name)
+        tensor = self.handles[info.file].get_tensor(info.name)
+        return tensor.clone() if tensor.device.type == "cpu" else tensor
 
     def __call__(self, key: str) -> torch.Tensor:
         """One tensor by its key behind the prefix; a quantised weight comes back dequantized (float32)."""

@@ -106,9 +106,12 @@ def test_transformer_layouts_load_the_same_weights(dit, dit_inputs, layout):
         want = dit.theirs(hidden_states=dit_inputs["img"], img_ids=dit_inputs["img_ids"],
                           encoder_hidden_states=dit_inputs["txt"], txt_ids=dit_inputs["txt_ids"],
                           timestep=dit_inputs["timesteps"], guidance=None, return_dict=False)[0]
-    diff = rel_diff(run_ours(model, dit_inputs), want)
-    print(f"transformer {layout}: max rel diff vs diffusers {diff:.2e}")
-    assert diff <= BOUND
+    got = run_ours(model, dit_inputs)
+    bfl_model, _ = weights.load_transformer(dit.files["bfl"], device="cpu")
+    same = rel_diff(got, run_ours(bfl_model, dit_inputs))
+    diff = rel_diff(got, want)
+    print(f"transformer {layout}: max rel diff vs diffusers {diff:.2e}, vs the BFL file {same:.1e}")
+    assert diff <= BOUND and same <= 1e-6
 
 
 def test_transformer_dtype_and_meta_assignment(dit):
@@ -220,8 +223,11 @@ def test_autoencoder_layouts_load_the_same_weights(ae, layout):
         latent = model.encode(ae.image)
         decoded = model.decode(latent)
     d_enc, d_dec = rel_diff(latent, ae.latent), rel_diff(decoded, ae.decoded)
-    print(f"autoencoder {layout}: encode {d_enc:.2e}, decode {d_dec:.2e}")
-    assert d_enc <= BOUND and d_dec <= BOUND
+    bfl_model = weights.load_autoencoder(ae.files["bfl"], device="cpu")
+    with torch.no_grad():
+        same = max(rel_diff(latent, bfl_model.encode(ae.image)), rel_diff(decoded, bfl_model.decode(latent)))
+    print(f"autoencoder {layout}: encode {d_enc:.2e}, decode {d_dec:.2e} vs diffusers; {same:.1e} vs the BFL file")
+    assert d_enc <= BOUND and d_dec <= BOUND and same <= 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -561,3 +567,29 @@ def test_cuda_defaults_to_bf16_and_reads_straight_to_the_device(dit, dit_inputs)
     reference, _ = weights.load_transformer(dit.files["bfl"], device="cpu", dtype=torch.bfloat16)
     cpu = run_ours(reference, {k: v.cpu() for k, v in x.items()})
     assert rel_diff(run_ours(model, x).cpu(), cpu) < 2e-2
+
+
+def test_all_in_one_checkpoint(dit, ae, te, tmp_path):
+    """A ComfyUI all-in-one checkpoint (model.diffusion_model. / vae. / text_encoders.qwen3_4b.transformer.):
+    each loader takes its own part and ignores the others."""
+    parts = {**{"model.diffusion_model." + k: v for k, v in dit.sd.items()},
+             **{"vae." + k: v for k, v in ae.sd.items()},
+             **comfyui_state_dict(te.model, "text_encoders.qwen3_4b.transformer.")}
+    path = save_prefixed(parts, tmp_path / "flux2-klein-tiny-all-in-one.safetensors")
+    model, _ = weights.load_transformer(path, device="cpu")
+    assert_same_state(model, dit.sd)
+    assert_same_state(weights.load_autoencoder(path, device="cpu"), ae.sd)
+    encoder = weights.load_text_encoder(path, device="cpu", tokenizer=te.tokenizer)
+    assert torch.equal(encoder.model.embed_tokens.weight, te.model.model.embed_tokens.weight)
+
+
+def test_loaded_weights_do_not_share_the_file(dit, tmp_path):
+    """A loaded model keeps its own memory: overwriting the file in place (a re-download) leaves it unchanged."""
+    path = shutil.copy(dit.files["comfyui"], tmp_path / "flux-2-klein-tiny.safetensors")
+    model, _ = weights.load_transformer(path, device="cpu")
+    header = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+    with open(path, "r+b") as f:
+        f.seek(header)
+        f.write(bytes(path.stat().st_size - header))
+    assert_same_state(model, dit.sd)
+    assert all(p.data_ptr() % 16 == 0 for p in model.parameters())
