@@ -85,7 +85,8 @@ WORKFLOWS = {
         | reference(11, 10, "flux2-klein-edit-input.png", (4, 0), 1) | sampler((11, 0))},
     "flux2-klein-edit-3-references": {
         "note": "Combine three reference images with the distilled FLUX.2 Klein 4B. Put them in ComfyUI's input folder "
-             "as flux2-klein-reference-1.png (e.g. a person), -2.png (e.g. a jacket) and -3.png (e.g. a place). With "
+             "as flux2-klein-reference-1.png (e.g. a person), flux2-klein-reference-2.png (e.g. a jacket) and "
+                "flux2-klein-reference-3.png (e.g. a place). With "
              "several references each is kept under about 1 megapixel (1024 x 1024); reference i is told apart by "
              "its time offset 10 x i.",
         "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("The person from image 1 wearing the jacket from image "
