@@ -569,17 +569,17 @@ class TensorReader:
         return tensor
 
 
-def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                    ignore: Callable[[str], bool] = lambda key: False) -> dict[str, torch.Tensor]:
+def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: torch.device,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Our state dict from the file: every key of ``expected`` (a meta state dict), checked, read, cast.
 
-    Floating tensors are cast to ``dtype``; integer buffers (num_batches_tracked) keep theirs. File keys that no
-    recipe uses are an error unless ``ignore(key)`` says they are known extras (e.g. text-encoder layers > 27).
+    Floating tensors are cast to ``dtype``; integer buffers (num_batches_tracked) keep theirs. A file key that no
+    recipe uses is an error, as is a missing one (except ``OPTIONAL_KEYS``).
     """
     missing = [s for k in expected if k not in OPTIONAL_KEYS or source.has(k)
                for s in source.recipe(k).sources if s not in source.keys]
     used = {s for k in expected for s in source.recipe(k).sources}
-    unexpected = sorted(k for k in source.keys - used if not ignore(k))
+    unexpected = sorted(source.keys - used)
     if missing or unexpected:
         raise Flux2Error(mismatch_message(source, sorted(set(missing)), unexpected))
     read = TensorReader(source, device)
