@@ -81,7 +81,7 @@ def to_uint8(x: Tensor) -> Tensor:
 def output_size(width: int | None, height: int | None, sources: list[Image.Image]) -> tuple[int, int]:
     """(width, height): given values first, then the first of ``sources`` (input image, references), else 1024."""
     base = sources[0].size if sources else (DEFAULT_SIZE, DEFAULT_SIZE)
-    return width or base[0], height or base[1]
+    return (base[0] if width is None else width), (base[1] if height is None else height)
 
 
 @torch.no_grad()

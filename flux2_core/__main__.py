@@ -1,0 +1,7 @@
+"""``python -m flux2_core``: the main job (see cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,251 @@
+"""The main job: ``flux2-klein`` / ``python -m flux2_core``, PNGs from a prompt and optional reference images.
+
+    python -m flux2_core --demo --prompt "a red fox in the snow"                 # tiny random weights, no files
+    python -m flux2_core --models ~/ComfyUI/models --prompt "a red fox" --seed 1
+    python -m flux2_core --transformer flux-2-klein-4b.safetensors --text-encoder qwen_3_4b.safetensors \\
+                         --ae flux2-vae.safetensors --prompt "make it night" --ref photo.png
+    python -m flux2_core queue workflow.api.json --server 127.0.0.1:8188         # see queue_client.py
+
+``generate`` is the default command. Weights come from a ComfyUI models folder (``--models``: diffusion_models/,
+text_encoders/, vae/ with the usual file names) or from explicit paths, which win. Every PNG carries the generation
+settings as JSON in a tEXt chunk named ``parameters``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from .errors import Flux2Error
+from .variants import QWEN3_4B, QWEN3_8B, VARIANTS, Variant
+
+# ComfyUI model folders (and their legacy names) and the usual file names in them.
+TRANSFORMER_FOLDERS = ("diffusion_models", "unet")
+TEXT_ENCODER_FOLDERS = ("text_encoders", "clip")
+AE_FOLDERS = ("vae",)
+TEXT_ENCODER_FILES = {QWEN3_4B.name: ("qwen_3_4b.safetensors",),
+                      QWEN3_8B.name: ("qwen_3_8b.safetensors", "qwen_3_8b_fp8mixed.safetensors")}
+AE_FILES = ("flux2-vae.safetensors", "ae.safetensors")
+KLEIN = [name for name in VARIANTS if name != "dev"]   # what --models searches for, in this order
+DEMO_SIZE = 256
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flux2-klein", description="FLUX.2 Klein: PNGs from a prompt and optional "
+                                "reference images. Commands: generate (default), queue (send a workflow to ComfyUI).")
+    p.add_argument("--prompt", required=True, help="what to generate (or how to edit the references)")
+    p.add_argument("--ref", action="append", default=[], metavar="IMG", help="a reference image (repeatable)")
+    p.add_argument("--width", type=int, help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
+    p.add_argument("--height", type=int, help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
+    p.add_argument("--steps", type=int, help="sampling steps (default: the model's, 4 distilled / 50 base)")
+    p.add_argument("--cfg", type=float, help="guidance scale for base models (default 4; distilled models ignore it)")
+    p.add_argument("--negative", default="", help="negative prompt for base models with CFG (default empty)")
+    p.add_argument("--seed", type=int, help="seed of the first image; image i uses seed + i (default: random)")
+    p.add_argument("--batch", type=int, default=1, help="number of images (default 1)")
+    p.add_argument("--image", metavar="IMG", help="image-to-image: start from this image")
+    p.add_argument("--strength", type=float, default=1.0, help="image-to-image denoise strength in (0, 1]")
+    p.add_argument("--out", default="output", help="folder for the PNGs (default output/)")
+    p.add_argument("--models", metavar="DIR", help="a ComfyUI models folder to find the weights in")
+    p.add_argument("--transformer", metavar="PATH", help="FLUX.2 Klein diffusion model file or diffusers folder")
+    p.add_argument("--text-encoder", metavar="PATH", help="Qwen3 text encoder file or folder")
+    p.add_argument("--ae", metavar="PATH", help="FLUX.2 autoencoder file (flux2-vae.safetensors / ae.safetensors)")
+    p.add_argument("--variant", choices=sorted(VARIANTS), help="model variant (default: detected from the weights)")
+    p.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                   help="transformer and text-encoder dtype (default bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--bfl-noise", action="store_true",
+                   help="draw noise like the reference CLI (bf16 on the device) instead of float32 on the CPU")
+    p.add_argument("--demo", action="store_true",
+                   help="tiny built-in RANDOM weights: checks the install, makes noise-like pictures")
+    return p
+
+
+# --- finding weights ------------------------------------------------------------------------------------------------
+
+def _first_file(models: Path, folders: tuple[str, ...], names: tuple[str, ...]) -> Path | None:
+    for name in names:
+        for folder in folders:
+            if (models / folder / name).is_file():
+                return models / folder / name
+    return None
+
+
+def _needed(variant: Variant) -> list[str]:
+    return [f"  {TRANSFORMER_FOLDERS[0]}/{' or '.join(variant.files)}",
+            f"  {TEXT_ENCODER_FOLDERS[0]}/{' or '.join(TEXT_ENCODER_FILES[variant.text_encoder.name])}",
+            f"  {AE_FOLDERS[0]}/{' or '.join(AE_FILES)}"]
+
+
+def find_weights(models: str | None, variant: str | None, transformer: str | None = None,
+                 text_encoder: str | None = None, ae: str | None = None) -> tuple[Path, Path, Path]:
+    """(transformer, text encoder, autoencoder) paths: the explicit ones, the rest from the ComfyUI models folder.
+
+    Without a variant the first Klein model found decides (klein-4b, klein-9b, klein-9b-kv, base 4B, base 9B), and
+    the text encoder must be the one it needs. Raises Flux2Error listing exactly the files that are missing.
+    """
+    folder = Path(models).expanduser() if models else None
+    if folder is not None and not folder.is_dir():
+        raise Flux2Error(f"--models {models}: no such folder; pass ComfyUI's models folder (the one holding "
+                         "diffusion_models/, text_encoders/ and vae/)")
+    candidates = [VARIANTS[variant]] if variant else [VARIANTS[name] for name in KLEIN]
+    chosen = candidates[0]
+    if transformer is None and folder is not None:
+        for v in candidates:
+            if found := _first_file(folder, TRANSFORMER_FOLDERS, v.files):
+                transformer, chosen = found, v
+                break
+    if folder is not None:
+        text_encoder = text_encoder or _first_file(folder, TEXT_ENCODER_FOLDERS,
+                                                   TEXT_ENCODER_FILES[chosen.text_encoder.name])
+        ae = ae or _first_file(folder, AE_FOLDERS, AE_FILES)
+    missing = [what for what, path in (("--transformer", transformer), ("--text-encoder", text_encoder),
+                                       ("--ae", ae)) if path is None]
+    if missing:
+        where = f"in {folder}" if folder else "(no --models folder given)"
+        options = "\n".join(f"for {v.name}:\n" + "\n".join(_needed(v)) for v in candidates)
+        raise Flux2Error(f"missing weights {where}: {', '.join(missing)}. Put these files in a ComfyUI models folder "
+                         f"and pass --models DIR (one file per line is enough), or pass the paths with --transformer, "
+                         f"--text-encoder and --ae; or try --demo (random weights, no files needed).\n{options}")
+    return Path(transformer), Path(text_encoder), Path(ae)
+
+
+# --- progress and output ---------------------------------------------------------------------------------------------
+
+class Progress:
+    """A step counter on stderr: tqdm when it is installed, else a plain line rewritten in place."""
+
+    def __init__(self):
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        self.tqdm, self.bar = tqdm, None
+
+    def __call__(self, step) -> None:
+        if self.tqdm is not None:
+            if self.bar is None:
+                self.bar = self.tqdm(total=step.total, desc="sampling", unit="step", file=sys.stderr)
+            self.bar.update(1)
+            if step.index + 1 == step.total:
+                self.bar.close()
+                self.bar = None
+            return
+        end = "\n" if step.index + 1 == step.total else ""
+        print(f"\rsampling: step {step.index + 1}/{step.total} (sigma {step.sigma_next:.3f})", end=end,
+              file=sys.stderr, flush=True)
+
+
+def free_path(folder: Path, stem: str) -> Path:
+    path, n = folder / f"{stem}.png", 1
+    while path.exists():
+        path, n = folder / f"{stem}_{n}.png", n + 1
+    return path
+
+
+def save_png(image, path: Path, parameters: dict) -> None:
+    """uint8 [H, W, 3] -> PNG with ``parameters`` as JSON in a tEXt chunk."""
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("parameters", json.dumps(parameters, ensure_ascii=False))
+    info.add_text("Software", "flux2-klein-engine")
+    Image.fromarray(image.numpy()).save(path, pnginfo=info)
+
+
+def open_image(path: str):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except FileNotFoundError:
+        raise Flux2Error(f"image {path}: no such file") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise Flux2Error(f"image {path} could not be read ({e}); pass a PNG, JPEG or WebP file") from None
+
+
+# --- the command --------------------------------------------------------------------------------------------------
+
+def check_early(args, refs) -> None:
+    """The cheap checks of ``generate``, made before any weights are loaded (which can take minutes)."""
+    from .references import check_reference
+    from .sampling import latent_size
+
+    if args.width is not None or args.height is not None:
+        latent_size(16 if args.height is None else args.height, 16 if args.width is None else args.width)
+    if args.steps is not None and args.steps < 1:
+        raise Flux2Error(f"--steps must be >= 1, got {args.steps}; distilled Klein uses 4, base uses 50")
+    if args.batch < 1:
+        raise Flux2Error(f"--batch must be >= 1, got {args.batch}")
+    if not 0 < args.strength <= 1:
+        raise Flux2Error(f"--strength must be in (0, 1], got {args.strength}; 1 ignores the --image")
+    for i, ref in enumerate(refs):
+        check_reference(ref, i)
+
+
+def generate_command(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from .pipeline import generate, load_models
+
+    refs = [open_image(p) for p in args.ref]
+    image = open_image(args.image) if args.image else None
+    check_early(args, refs)
+    seed = args.seed if args.seed is not None else random.randrange(2 ** 31)
+    width, height = args.width, args.height
+    started = time.time()
+    if args.demo:
+        from .demo import demo_models
+
+        print("DEMO MODE: tiny built-in RANDOM weights. The pictures are noise; this only checks that every stage "
+              "runs. Use --models or --transformer/--text-encoder/--ae for real images.")
+        models, files = demo_models(args.variant or "klein-4b", args.device or "cpu"), {"weights": "demo (random)"}
+        if not refs and image is None:
+            width, height = width or DEMO_SIZE, height or DEMO_SIZE
+    else:
+        paths = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae)
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        print(f"loading {paths[0].name}, {paths[1].name}, {paths[2].name}", file=sys.stderr)
+        models = load_models(*paths, device=args.device, dtype=dtype, variant=args.variant)
+        files = {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
+
+    result = generate(models, args.prompt, references=refs, width=width, height=height, steps=args.steps,
+                      cfg=args.cfg, negative=args.negative, seed=seed, batch=args.batch, image=image,
+                      strength=args.strength, bfl_cuda_noise=args.bfl_noise, callback=Progress())
+    for warning in result.warnings:
+        print(f"note: {warning}", file=sys.stderr)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for img, img_seed in zip(result.images, result.seeds):
+        parameters = {**result.settings, "seed": img_seed, **files}
+        parameters.pop("batch")
+        path = free_path(out, f"flux2_{img_seed}")
+        save_png(img, path, parameters)
+        print(path)
+    print(f"{len(result.seeds)} image(s) in {time.time() - started:.1f}s", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["queue"]:
+        from .queue_client import main as queue_main
+
+        return queue_main(argv[1:])
+    if argv[:1] == ["generate"]:
+        argv = argv[1:]
+    elif argv and not argv[0].startswith("-"):
+        print(f"flux2-klein: unknown command {argv[0]!r}; use generate (the default) or queue", file=sys.stderr)
+        return 2
+    try:
+        return generate_command(argv)
+    except Flux2Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

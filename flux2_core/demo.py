@@ -1,0 +1,69 @@
+"""Tiny random models for ``--demo``: the whole pipeline runs on them in a second or two, with no weight files.
+
+Same architectures as the real models, much smaller: a 2+2-block transformer 64 wide, a 4-level autoencoder with
+channels (32, 32, 64, 64), and a Qwen3 32 wide with 27 layers and the full vocabulary; the tokenizer is the real
+Qwen3 tokenizer. The weights are drawn from a fixed seed, so every run gives the same pictures: noise-like, since the
+weights are random. Nothing is downloaded or written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from .autoencoder import AutoEncoder
+from .pipeline import Models
+from .text_encoder import build_qwen3_encoder
+from .transformer import Flux2Transformer
+from .variants import QWEN3_4B, VARIANTS, AutoEncoderParams, TransformerParams
+
+DEMO_TEXT_WIDTH = 32
+DEMO_TRANSFORMER = TransformerParams(context_in_dim=3 * DEMO_TEXT_WIDTH, hidden_size=64, num_heads=2, depth=2,
+                                     depth_single_blocks=2, axes_dim=(8, 8, 8, 8))
+DEMO_AUTOENCODER = AutoEncoderParams(ch=32, ch_mult=(1, 1, 2, 2))
+DEMO_QWEN3 = {"vocab_size": 151936, "hidden_size": DEMO_TEXT_WIDTH, "intermediate_size": 64, "num_hidden_layers": 27,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1_000_000.0,
+              "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "tie_word_embeddings": True}
+DEMO_SEED = 2026
+
+
+def random_weights(shapes: dict[str, torch.Size], generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Matrices and conv kernels N(0, 1/fan_in); norm scales around 1; biases and BatchNorm stats small."""
+    out = {}
+    for key, shape in shapes.items():
+        if key.endswith("num_batches_tracked"):
+            out[key] = torch.zeros(shape, dtype=torch.int64)
+        elif key.endswith("running_var"):
+            out[key] = 0.5 + torch.rand(shape, generator=generator)
+        elif len(shape) >= 2:
+            out[key] = torch.randn(shape, generator=generator) / shape[1:].numel() ** 0.5
+        elif key.endswith(("bias", "running_mean")):
+            out[key] = 0.1 * torch.randn(shape, generator=generator)
+        else:   # RMSNorm / GroupNorm scales
+            out[key] = 1 + 0.1 * torch.randn(shape, generator=generator)
+    return out
+
+
+def _shapes(module: torch.nn.Module) -> dict[str, torch.Size]:
+    return {k: v.shape for k, v in module.state_dict().items()}
+
+
+def demo_models(variant: str = "klein-4b", device="cpu") -> Models:
+    """Models with tiny random weights; ``variant`` picks the sampling defaults (steps, CFG, KV) of that family."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
+
+    g = torch.Generator().manual_seed(DEMO_SEED)
+    with torch.device("meta"):
+        transformer, ae = Flux2Transformer(DEMO_TRANSFORMER), AutoEncoder(DEMO_AUTOENCODER)
+        qwen_config = Qwen3Config(**DEMO_QWEN3)
+        qwen = Qwen3Model(qwen_config)
+    transformer.load_state_dict(random_weights(_shapes(transformer), g), assign=True)
+    ae.load_state_dict(random_weights(_shapes(ae), g), assign=True)
+    encoder = build_qwen3_encoder(random_weights(_shapes(qwen), g), config=qwen_config, device=device,
+                                  dtype=torch.float32)
+    chosen = VARIANTS[variant]
+    chosen = replace(chosen, name=f"demo ({chosen.name} defaults)", params=DEMO_TRANSFORMER, files=(),
+                     text_encoder=replace(QWEN3_4B, name="demo", hidden_size=DEMO_TEXT_WIDTH))
+    return Models(transformer.to(device).eval(), chosen, ae.to(device).eval(), encoder)

@@ -1,0 +1,149 @@
+"""The main job: `python -m flux2_core --demo` in a subprocess (PNGs with metadata), weights found in a ComfyUI models
+folder (tiny real files), the list of missing files, early errors, and the `queue` route."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from flux2_core import cli
+from flux2_core.errors import Flux2Error
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, cwd):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "flux2_core", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def png_parameters(path):
+    with Image.open(path) as im:
+        return im.size, json.loads(im.text["parameters"])
+
+
+def test_demo_writes_pngs_with_metadata(tmp_path, monkeypatch):
+    ref = tmp_path / "ref.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (70, 100, 3), dtype=np.uint8)).save(ref)
+    proc = run_cli("--demo", "--prompt", "a red fox", "--seed", "5", "--batch", "2", "--ref", str(ref),
+                   "--steps", "2", "--out", "pics", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "RANDOM weights" in proc.stdout.splitlines()[0]
+    paths = [Path(line) for line in proc.stdout.splitlines()[1:]]
+    assert [p.name for p in paths] == ["flux2_5.png", "flux2_6.png"]
+    for path, seed in zip(paths, [5, 6]):
+        size, params = png_parameters(tmp_path / path)
+        assert size == (96, 64)                           # the reference's size, cropped to multiples of 16
+        assert params["prompt"] == "a red fox" and params["seed"] == seed and params["steps"] == 2
+        assert (params["width"], params["height"], params["references"]) == (96, 64, 1)
+        assert params["weights"] == "demo (random)"
+    assert "step 2/2" in proc.stderr or "2/2" in proc.stderr   # progress on stderr (plain or tqdm)
+    # the same run again, in-process: a new file name, the same pixels (deterministic weights and seeds)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["generate", "--demo", "--prompt", "a red fox", "--seed", "6", "--ref", str(ref),
+                     "--steps", "2", "--out", "pics"]) == 0
+    a, b = (np.asarray(Image.open(tmp_path / "pics" / n)) for n in ("flux2_6.png", "flux2_6_1.png"))
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--width", "100", "--height", "64"], "multiple of 16"),
+    (["--width", "0"], "width"),
+    (["--steps", "0"], "steps"),
+    (["--batch", "0"], "batch"),
+    (["--strength", "1.5"], "strength"),
+])
+def test_bad_settings_fail_before_loading(args, message, capsys):
+    assert cli.main(["--prompt", "x", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err
+
+
+@pytest.mark.parametrize("size,message", [((40, 200), "at least 64"), ((64, 700), "aspect ratio")])
+def test_bad_references(tmp_path, capsys, size, message):
+    Image.new("RGB", size).save(tmp_path / "bad.png")
+    assert cli.main(["--prompt", "x", "--ref", str(tmp_path / "bad.png")]) == 2
+    assert message in capsys.readouterr().err
+    assert cli.main(["--prompt", "x", "--ref", str(tmp_path / "missing.png")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_missing_weights_lists_the_files(tmp_path, capsys):
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "flux2-vae.safetensors").write_bytes(b"")
+    assert cli.main(["--models", str(tmp_path), "--prompt", "x", "--variant", "klein-9b"]) == 2
+    err = capsys.readouterr().err
+    assert "--transformer, --text-encoder" in err and "--ae" not in err.split(".")[0]
+    assert "diffusion_models/flux-2-klein-9b.safetensors or flux-2-klein-9b-fp8.safetensors" in err
+    assert "text_encoders/qwen_3_8b.safetensors or qwen_3_8b_fp8mixed.safetensors" in err
+    assert "--demo" in err
+    assert cli.main(["--prompt", "x"]) == 2                 # nothing given at all
+    err = capsys.readouterr().err
+    assert "text_encoders/qwen_3_4b.safetensors" in err and "vae/flux2-vae.safetensors or ae.safetensors" in err
+
+
+def test_find_weights_in_a_comfyui_folder(tmp_path):
+    for rel in ["unet/flux-2-klein-base-9b-fp8.safetensors", "clip/qwen_3_8b_fp8mixed.safetensors",
+                "vae/ae.safetensors", "diffusion_models/flux-2-klein-base-4b.safetensors"]:
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_bytes(b"")
+    t, te, ae = cli.find_weights(str(tmp_path), "klein-base-9b")
+    assert (t.name, te.name, ae.name) == ("flux-2-klein-base-9b-fp8.safetensors", "qwen_3_8b_fp8mixed.safetensors",
+                                         "ae.safetensors")
+    with pytest.raises(Flux2Error, match="qwen_3_4b"):      # auto: base 4B is found first, its encoder is missing
+        cli.find_weights(str(tmp_path), None)
+    t, te, _ = cli.find_weights(str(tmp_path), None, text_encoder="/elsewhere/qwen.safetensors")
+    assert t.name == "flux-2-klein-base-4b.safetensors" and str(te) == "/elsewhere/qwen.safetensors"
+    with pytest.raises(Flux2Error, match="no such folder"):
+        cli.find_weights(str(tmp_path / "nope"), None)
+
+
+def test_generate_from_a_models_folder(tmp_path, capsys):
+    """Tiny real weight files under ComfyUI's names: found, loaded by flux2_core.weights, and run."""
+    import torch
+
+    from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
+    from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
+    from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_comfyui_transformer
+
+    for folder in ("diffusion_models", "text_encoders", "vae"):
+        (tmp_path / folder).mkdir()
+    save_comfyui_transformer(random_bfl_transformer_state_dict(TINY_TRANSFORMER),
+                             tmp_path / "diffusion_models" / "flux-2-klein-4b.safetensors")
+    save_comfyui_text_encoder(build_tiny_qwen3(), tmp_path / "text_encoders" / "qwen_3_4b.safetensors")
+    save_bfl_autoencoder(build_diffusers_autoencoder(), tmp_path / "vae" / "flux2-vae.safetensors")
+    out = tmp_path / "out"
+    code = cli.main(["--models", str(tmp_path), "--prompt", "a fox", "--width", "48", "--height", "32",
+                     "--seed", "9", "--device", "cpu", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    size, params = png_parameters(out / "flux2_9.png")
+    assert size == (48, 32)
+    assert params["transformer"] == "flux-2-klein-4b.safetensors" and params["steps"] == 4
+    assert params["ae"] == "flux2-vae.safetensors" and params["text_encoder"] == "qwen_3_4b.safetensors"
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_queue_is_routed(monkeypatch):
+    from flux2_core import queue_client
+    seen = []
+    monkeypatch.setattr(queue_client, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["queue", "wf.json", "--seed", "3"]) == 0
+    assert seen == [["wf.json", "--seed", "3"]]
+    assert cli.main(["paint", "--prompt", "x"]) == 2
+
+
+def test_plain_progress_without_tqdm(monkeypatch, capsys):
+    from flux2_core.sampling import Step
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    progress = cli.Progress()
+    for i in range(2):
+        progress(Step(i, 2, 1.0 - i / 2, 0.5 - i / 2, None, None))
+    err = capsys.readouterr().err
+    assert "step 1/2" in err and err.endswith("step 2/2 (sigma 0.000)\n")
