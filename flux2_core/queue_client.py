@@ -196,7 +196,7 @@ class ComfyClient:
                                  f"{data.get('exception_type')}: {data.get('exception_message')}")
             if kind == "execution_interrupted":
                 raise Flux2Error(f"the prompt was interrupted at node {data.get('node_id')}")
-            if kind == "execution_success" or (kind == "executing" and data.get("node") is None):
+            if kind == "executing" and data.get("node") is None:   # sent after the history entry is stored
                 return messages
 
     def images(self, prompt_id: str) -> list[dict]:

@@ -173,9 +173,9 @@ def test_queue_submits_follows_progress_and_downloads(fake, tmp_path, capsys):
 
     assert server.prompts[0]["prompt"] == WORKFLOW
     assert [m["type"] for m in seen] == ["execution_start", "executing", "progress", "progress", "progress",
-                                         "executed", "execution_success"]
+                                         "executed", "execution_success", "executing"]
     assert [m["data"]["value"] for m in seen if m["type"] == "progress"] == [1, 2, 3]
-    assert seen[-2]["data"]["output"]["pad"] == "x" * 300
+    assert seen[-3]["data"]["output"]["pad"] == "x" * 300
     assert server.pongs == [(queue_client.OP_PONG, b"are you there")] * 2   # masked pongs echoing the ping payload
     assert [Path(p).name for p in paths] == ["klein_00001_.png", "klein_00002_.png"]
     assert Path(paths[1]).read_bytes() == PNG + b"klein_00002_.png"

@@ -27,8 +27,8 @@ SKIP_REASON = "set COMFYUI_DIR to a ComfyUI source tree (v0.12.1+) to run the re
 # fixes heads of 128 = 4 RoPE axes of 32; context_in_dim is 3 x the tiny Qwen3's hidden size (32).
 HOST_TRANSFORMER = TransformerParams(in_channels=128, context_in_dim=96, hidden_size=128, num_heads=1, depth=1,
                                      depth_single_blocks=2, axes_dim=(32, 32, 32, 32))
-FILES = {"transformer": "flux-2-klein-tiny.safetensors", "text_encoder": "qwen_3_tiny.safetensors",
-         "ae": "flux2-vae-tiny.safetensors"}
+FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "flux-2-klein-base-tiny.safetensors",
+         "text_encoder": "qwen_3_tiny.safetensors", "ae": "flux2-vae-tiny.safetensors"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,7 +42,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def write_tiny_models(models: Path) -> dict[str, str]:
-    """Random weights in ComfyUI's model folders: BFL transformer, ComfyUI Qwen3 file, BFL autoencoder."""
+    """Random weights in ComfyUI's model folders: BFL transformer (also as a base model), ComfyUI Qwen3 file, BFL
+    autoencoder. Returns {role: file name}."""
     from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
     from tests.tiny.transformer import random_bfl_transformer_state_dict, save_bfl_transformer
@@ -51,6 +52,8 @@ def write_tiny_models(models: Path) -> dict[str, str]:
         (models / folder).mkdir(parents=True, exist_ok=True)
     transformer = random_bfl_transformer_state_dict(HOST_TRANSFORMER, seed=1)
     save_bfl_transformer(transformer, models / "diffusion_models" / FILES["transformer"])
+    # the same weights under a "base" name: the variant (CFG or distilled) comes from the file name
+    os.link(models / "diffusion_models" / FILES["transformer"], models / "diffusion_models" / FILES["transformer_base"])
     save_comfyui_text_encoder(build_tiny_qwen3(seed=2), models / "text_encoders" / FILES["text_encoder"])
     save_bfl_autoencoder(build_diffusers_autoencoder(seed=3), models / "vae" / FILES["ae"])
     return dict(FILES)

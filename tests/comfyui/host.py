@@ -132,20 +132,31 @@ class ComfyServer:
             self.process.wait(timeout=15)
 
 
-class HostClient(ComfyClient):
-    """queue_client's ComfyClient plus what the tests need: one call per prompt, object_info, images as bytes."""
+@dataclass
+class Run:
+    prompt_id: str
+    messages: list[dict]         # this prompt's JSON websocket messages, in order
+    previews: list[bytes]        # binary preview frames received while it ran
 
-    def run(self, prompt: dict, **extra) -> tuple[str, list[dict]]:
-        """Submit a prompt and wait for it: returns (prompt_id, its websocket messages). Raises on an error."""
+    def of_type(self, kind: str) -> list[dict]:
+        return [m["data"] for m in self.messages if m["type"] == kind]
+
+
+class HostClient(ComfyClient):
+    """queue_client's ComfyClient plus what the tests need: one call per prompt, history, images as bytes."""
+
+    def run(self, prompt: dict, **extra_data) -> Run:
+        """Submit a prompt and wait for it. Raises Flux2Error on an execution error or an interrupt."""
         ws = self.connect()
         try:
-            prompt_id = self.submit(prompt, extra or None)
-            return prompt_id, self.follow(ws, prompt_id)
+            previews = []
+            prompt_id = self.submit(prompt, extra_data or None)
+            return Run(prompt_id, self.follow(ws, prompt_id, on_preview=previews.append), previews)
         finally:
             ws.close()
 
-    def object_info(self) -> dict:
-        return self.get_json("/object_info")
+    def history(self, prompt_id: str) -> dict:
+        return self.get_json(f"/history/{prompt_id}")[prompt_id]
 
     def image_bytes(self, prompt_id: str) -> list[bytes]:
         return [self.download(image) for image in self.images(prompt_id)]
@@ -158,5 +169,5 @@ class Host:
     server: ComfyServer
     client: HostClient
     base: Path
-    files: dict[str, str]        # "transformer" / "text_encoder" / "ae" -> file name in its models folder
+    files: dict[str, str]        # "transformer" / "transformer_base" / "text_encoder" / "ae" -> file name
     images: list[str]            # input images (names in base/input) for LoadImage nodes

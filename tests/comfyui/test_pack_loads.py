@@ -23,7 +23,7 @@ def test_pack_imports_without_failure(comfy):
 
 
 def test_every_node_is_registered_with_metadata(comfy):
-    info = comfy.client.object_info()
+    info = comfy.client.get_json("/object_info")
     ours = {name: node for name, node in info.items() if node["python_module"] == f"custom_nodes.{PACK_FOLDER}"}
     declared = declared_node_ids()
     assert declared, "no node_id found in nodes/*.py"

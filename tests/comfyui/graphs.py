@@ -1,0 +1,103 @@
+"""API-format graphs for the real-host tests: ours (every stage one of our nodes) and ComfyUI's native FLUX.2 sampler.
+
+Both share the loaders, the prompt encode and the noise of our pack, so the two samplers see identical inputs.
+
+    prompt = ours(files, "a red fox", seed=1, width=64, height=64, steps=4)                 # -> SaveImage
+    prompt = ours(files, "a red fox", output="latent")                                      # -> SaveLatent
+    prompt = native(files, "a red fox", output="latent")          # UNETLoader + BasicGuider/CFGGuider + SamplerCustomAdvanced
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+
+def link(node: str, slot: int = 0) -> list:
+    return [node, slot]
+
+
+def common(files: dict, prompt: str, seed: int, width: int, height: int, steps: int, negative: str | None,
+           references: list[str], model_file: str | None) -> dict:
+    """Loaders, prompt(s), references, noise and schedule: ids 1..9 (+ 20.. for references)."""
+    graph = {
+        "1": {"class_type": "Flux2KleinModelLoader",
+              "inputs": {"model_name": model_file or files["transformer"], "dtype": "float32"}},
+        "2": {"class_type": "Flux2KleinTextEncoderLoader",
+              "inputs": {"text_encoder_name": files["text_encoder"], "dtype": "float32"}},
+        "3": {"class_type": "Flux2KleinAELoader", "inputs": {"ae_name": files["ae"], "dtype": "float32"}},
+        "4": {"class_type": "Flux2KleinPromptEncode", "inputs": {"text_encoder": link("2"), "prompt": prompt}},
+        "6": {"class_type": "Flux2KleinNoise", "inputs": {"seed": seed, "width": width, "height": height,
+                                                          "batch_size": 1}},
+        "7": {"class_type": "Flux2KleinScheduler", "inputs": {"steps": steps, "width": width, "height": height,
+                                                              "schedule": "flux2", "rho": 2.0}},
+    }
+    if negative is not None:
+        graph["5"] = {"class_type": "Flux2KleinPromptEncode", "inputs": {"text_encoder": link("2"), "prompt": negative}}
+    positive = "4"
+    for i, image in enumerate(references):
+        load, ref = str(20 + 2 * i), str(21 + 2 * i)
+        graph[load] = {"class_type": "LoadImage", "inputs": {"image": image}}
+        graph[ref] = {"class_type": "Flux2KleinReference",
+                      "inputs": {"conditioning": link(positive), "image": link(load), "ae": link("3")}}
+        positive = ref
+    graph["positive"] = positive          # popped by the callers
+    return graph
+
+
+def finish(graph: dict, latent_node: list, output: str) -> dict:
+    if output == "latent":
+        graph["9"] = {"class_type": "SaveLatent", "inputs": {"samples": latent_node, "filename_prefix": "flux2test"}}
+    else:
+        graph["9"] = {"class_type": "Flux2KleinAEDecode", "inputs": {"ae": link("3"), "latent": latent_node}}
+        graph["10"] = {"class_type": "SaveImage", "inputs": {"images": link("9"), "filename_prefix": "flux2test"}}
+    return graph
+
+
+def ours(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: int = 64, steps: int = 4,
+         cfg: float = 1.0, negative: str | None = None, references=(), output: str = "image",
+         model_file: str | None = None) -> dict:
+    graph = common(files, prompt, seed, width, height, steps, negative, list(references), model_file)
+    positive = graph.pop("positive")
+    inputs = {"model": link("1"), "positive": link(positive), "noise": link("6"), "sigmas": link("7"), "cfg": cfg,
+              "denoise": 1.0}
+    if negative is not None:
+        inputs["negative"] = link("5")
+    graph["8"] = {"class_type": "Flux2KleinDenoise", "inputs": inputs}
+    return finish(graph, link("8"), output)
+
+
+def native(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: int = 64, steps: int = 4,
+           cfg: float = 1.0, negative: str | None = None, references=(), output: str = "latent",
+           model_file: str | None = None) -> dict:
+    """ComfyUI's own FLUX.2 model and Euler sampler on our conditioning and sigmas.
+
+    The noise is ComfyUI's RandomNoise on an empty FLUX.2 latent: torch.manual_seed(seed) then a CPU float32
+    randn, the same numbers as our Noise node draws for batch 1.
+    """
+    graph = common(files, prompt, seed, width, height, steps, negative, list(references), model_file)
+    positive = graph.pop("positive")
+    del graph["1"]
+    graph["11"] = {"class_type": "UNETLoader",
+                   "inputs": {"unet_name": model_file or files["transformer"], "weight_dtype": "default"}}
+    if negative is None:
+        graph["12"] = {"class_type": "BasicGuider", "inputs": {"model": link("11"), "conditioning": link(positive)}}
+    else:
+        graph["12"] = {"class_type": "CFGGuider", "inputs": {"model": link("11"), "positive": link(positive),
+                                                             "negative": link("5"), "cfg": cfg}}
+    graph["13"] = {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}}
+    graph["14"] = {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}}
+    graph["15"] = {"class_type": "EmptyFlux2LatentImage", "inputs": {"width": width, "height": height, "batch_size": 1}}
+    graph["8"] = {"class_type": "SamplerCustomAdvanced",
+                  "inputs": {"noise": link("14"), "guider": link("12"), "sampler": link("13"), "sigmas": link("7"),
+                             "latent_image": link("15")}}
+    return finish(graph, link("8"), output)
+
+
+def saved_latent(base: Path, history_entry: dict):
+    """The tensor a SaveLatent node wrote (a safetensors file under the server's output folder)."""
+    records = [r for node in history_entry["outputs"].values() for r in node.get("latents", [])]
+    assert len(records) == 1, history_entry["outputs"]
+    record = records[0]
+    return load_file(str(base / "output" / record["subfolder"] / record["filename"]))["latent_tensor"]

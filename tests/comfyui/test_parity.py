@@ -1,0 +1,93 @@
+"""Our denoiser inside ComfyUI against flux2_core called directly, and against ComfyUI's native FLUX.2 sampler.
+
+Same tiny weights, prompt, seed and sigmas everywhere, float32 on CPU. The first comparison must be exact up to
+float32 rounding (the node is a thin wrapper); the second runs ComfyUI's own FLUX.2 model (comfy.ldm.flux) and
+Euler sampler on our conditioning, so it checks that our latents, references and RoPE ids mean what ComfyUI's mean.
+The measured differences are printed (run pytest with -s to see them).
+"""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flux2_core import pipeline
+from tests.comfyui import graphs
+
+SIZE = {"width": 64, "height": 48}
+CASES = {  # name -> graph options; all run ours and the direct engine
+    "distilled": {"prompt": "a red fox in the snow", "seed": 3, "steps": 4},
+    "base_cfg": {"prompt": "a red fox in the snow", "seed": 4, "steps": 5, "cfg": 4.0, "negative": "",
+                 "base": True},
+    "one_reference": {"prompt": "make it night", "seed": 5, "steps": 4, "references": 1},
+    "three_references": {"prompt": "put them together", "seed": 6, "steps": 3, "references": 3},
+}
+NATIVE_CASES = ["distilled", "base_cfg", "one_reference", "three_references"]
+
+
+@pytest.fixture(scope="module")
+def direct_models(comfy):
+    models = comfy.base / "models"
+    load = lambda transformer: pipeline.load_models(
+        models / "diffusion_models" / transformer, models / "text_encoders" / comfy.files["text_encoder"],
+        models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32)
+    return {"distilled": load(comfy.files["transformer"]), "base": load(comfy.files["transformer_base"])}
+
+
+def graph_options(comfy, case: dict) -> dict:
+    options = {k: v for k, v in case.items() if k not in ("base", "references")}
+    options["references"] = comfy.images[:case.get("references", 0)]
+    options["model_file"] = comfy.files["transformer_base" if case.get("base") else "transformer"]
+    return {**options, **SIZE}
+
+
+def run_latent(comfy, build, case: dict) -> torch.Tensor:
+    run = comfy.client.run(build(comfy.files, **graph_options(comfy, case), output="latent"))
+    return graphs.saved_latent(comfy.base, comfy.client.history(run.prompt_id)).float()
+
+
+def direct(comfy, direct_models, case: dict) -> pipeline.Result:
+    references = [Image.open(comfy.base / "input" / name) for name in comfy.images[:case.get("references", 0)]]
+    return pipeline.generate(direct_models["base" if case.get("base") else "distilled"], case["prompt"],
+                             references=references, steps=case["steps"], cfg=case.get("cfg", 1.0),
+                             negative=case.get("negative", ""), seed=case["seed"], **SIZE)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    diff = (a - b).abs().max().item()
+    return diff, diff / b.abs().max().item()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_our_denoiser_in_comfyui_equals_flux2_core(comfy, direct_models, name):
+    case = CASES[name]
+    ours = run_latent(comfy, graphs.ours, case)
+    expected = direct(comfy, direct_models, case).latents
+    diff, rel = relative(ours, expected)
+    print(f"\n[{name}] ComfyUI node vs flux2_core: max|diff| {diff:.3g} (relative {rel:.3g})")
+    assert ours.shape == expected.shape == (1, 128, SIZE["height"] // 16, SIZE["width"] // 16)
+    assert rel <= 1e-5
+
+
+def test_decoded_image_equals_flux2_core(comfy, direct_models):
+    case = CASES["distilled"]
+    run = comfy.client.run(graphs.ours(comfy.files, **graph_options(comfy, case), output="image"))
+    (png,) = comfy.client.image_bytes(run.prompt_id)
+    ours = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+    expected = direct(comfy, direct_models, case).images[0].numpy().astype(int)
+    assert ours.shape == expected.shape == (SIZE["height"], SIZE["width"], 3)
+    assert np.abs(ours - expected).max() <= 1          # the same value, up to rounding at a level boundary
+
+
+@pytest.mark.parametrize("name", NATIVE_CASES)
+def test_comfyui_native_flux2_graph_agrees(comfy, name):
+    """ComfyUI's UNETLoader + BasicGuider/CFGGuider + SamplerCustomAdvanced(euler) + RandomNoise on our prompt
+    conditioning (with our reference latents) and our sigmas, against our denoiser."""
+    case = CASES[name]
+    ours = run_latent(comfy, graphs.ours, case)
+    native = run_latent(comfy, graphs.native, case)
+    diff, rel = relative(native, ours)
+    print(f"\n[{name}] ComfyUI native FLUX.2 vs ours: max|diff| {diff:.3g} (relative {rel:.3g})")
+    assert rel <= 1e-4
