@@ -6,7 +6,9 @@ Real checkpoints use the entries of ``VARIANTS``; tests build tiny ``Transformer
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+
+from .errors import Flux2Error
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,12 @@ def get_variant(name: str) -> Variant:
     try:
         return VARIANTS[name]
     except KeyError:
-        raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
+        raise Flux2Error(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
+
+
+def _same_architecture(a: TransformerParams, b: TransformerParams) -> bool:
+    """Equal in every field but the RoPE axes (a file does not record them; tests use other splits)."""
+    return all(getattr(a, f.name) == getattr(b, f.name) for f in fields(a) if f.name != "axes_dim")
 
 
 def variant_for_params(params: TransformerParams, hint: str = "") -> Variant:
@@ -122,7 +129,7 @@ def variant_for_params(params: TransformerParams, hint: str = "") -> Variant:
     hint = hint.lower()
     family = "base" if "base" in hint else "kv" if "kv" in hint else "distilled"
     for v in VARIANTS.values():
-        if replace(v.params, axes_dim=params.axes_dim) != params:
+        if not _same_architecture(v.params, params):
             continue
         if v.name == "dev" or {"base": v.name.startswith("klein-base"), "kv": v.use_kv_cache,
                                 "distilled": not v.use_kv_cache and not v.name.startswith("klein-base")}[family]:

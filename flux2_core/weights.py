@@ -38,7 +38,6 @@ Quantised files are dequantized on load to the compute dtype (``weight.float() *
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -694,19 +693,6 @@ def transformer_params(source: Source) -> TransformerParams:
                          f"params= explicitly") from None
 
 
-def _variant_for_params(params: TransformerParams, hint: str) -> Variant:
-    """``variants.variant_for_params``, also for head dims other than 128 (tiny test models).
-
-    Workaround: ``variant_for_params`` rebuilds each registry entry with our RoPE axes, which fails validation when
-    they do not sum to 128. No registry entry can match such params, so ask with a 128-wide stand-in (which gets the
-    hinted family's "custom" variant) and put the real params back.
-    """
-    if params.head_dim == 128:
-        return variant_for_params(params, hint)
-    stand_in = TransformerParams(context_in_dim=params.context_in_dim, hidden_size=128, num_heads=1)
-    return dataclasses.replace(variant_for_params(stand_in, hint), params=params)
-
-
 def variant_hint(source: Source) -> str:
     """A hint for base / KV / distilled: diffusers' model_index.json, else the file or folder names."""
     index = _read_json(source.ckpt.root / "model_index.json") if source.ckpt.root else {}
@@ -750,11 +736,8 @@ def _transformer_spec(source: Source, params: TransformerParams | None,
                       variant: str | None) -> tuple[TransformerParams, Variant]:
     params = params or transformer_params(source)
     if not variant:
-        return params, _variant_for_params(params, variant_hint(source))
-    try:
-        chosen = get_variant(variant)
-    except ValueError as e:
-        raise Flux2Error(str(e)) from None
+        return params, variant_for_params(params, variant_hint(source))
+    chosen = get_variant(variant)
     if chosen.params.hidden_size != params.hidden_size or chosen.params.context_in_dim != params.context_in_dim:
         raise Flux2Error(f"variant {variant!r} is {chosen.params.hidden_size} wide with {chosen.params.context_in_dim}"
                          f"-wide text input, but {source.ckpt.path} is {params.hidden_size} / "
