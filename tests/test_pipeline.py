@@ -243,3 +243,23 @@ def test_kv_uses_a_precomputed_cache(tiny):
     joint = generate(replace(models, variant=tiny[0]["distilled"].variant), PROMPT, references=refs, width=32,
                      height=32, steps=2)
     assert not torch.equal(first.latents, joint.latents)
+
+
+def test_bf16_transformer_follows_the_reference_dtypes(tiny):
+    """A bf16 transformer: the model sees bf16 sigmas and bf16 tokens, the AE stays float32; the result stays close
+    to the float32 run."""
+    import copy
+    models = tiny[0]["base"]
+    half = replace(models, transformer=copy.deepcopy(models.transformer).to(torch.bfloat16))
+    seen = []
+    hook = half.transformer.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append((args[0].dtype, args[2].dtype, kwargs["ref"].dtype)), with_kwargs=True)
+    args = {"references": [photo(64, 64, 1)], "width": 32, "height": 32, "steps": 2, "cfg": 2.0, "seed": 4}
+    try:
+        low = generate(half, PROMPT, **args)
+    finally:
+        hook.remove()
+    assert seen == [(torch.bfloat16,) * 3] * 2
+    full = generate(models, PROMPT, **args)
+    assert low.latents.dtype == torch.float32
+    assert (low.latents - full.latents).abs().max() <= 0.05 * full.latents.abs().max()
