@@ -38,10 +38,6 @@ Quantised files are dequantized on load to the compute dtype (``weight.float() *
 
 from __future__ import annotations
 
-import json
-import math
-import re
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,432 +47,27 @@ from safetensors import safe_open
 from torch import nn
 
 from .autoencoder import AutoEncoder
+from .checkpoint import Checkpoint, TensorInfo, open_checkpoint, read_json
+from .dequantize import COMFY_FP8, DROPPED_SUFFIXES, SCALE_SUFFIXES, comfy_formats, dequantize, dequantize_nvfp4
 from .errors import Flux2Error
+from .key_mapping import (
+    AUTOENCODER_LAYOUTS,
+    OPTIONAL_KEYS,
+    TRANSFORMER_LAYOUTS,
+    Layout,
+    Recipe,
+    describe,
+    find_layout,
+    qwen3_name,
+    same_names,
+)
 from .text_encoder import PromptEncoder, build_qwen3_encoder
 from .tokenizer import load_tokenizer
 from .transformer import Flux2Transformer
 from .variants import QWEN3_4B, QWEN3_8B, AutoEncoderParams, TransformerParams, Variant, get_variant, variant_for_params
 
 # ---------------------------------------------------------------------------------------------------------------
-# 1. safetensors headers: read and check, never unpickle
-# ---------------------------------------------------------------------------------------------------------------
-
-# bytes per element of the safetensors dtype codes (sub-byte codes such as F4 are not size-checked)
-ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-              "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
-PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle"}
-MAX_HEADER = 100 * 2**20
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    file: Path
-    name: str                  # the key as stored in the file
-    dtype: str                 # safetensors dtype code: "BF16", "F8_E4M3", ...
-    shape: tuple[int, ...]
-
-
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """The tensors of one .safetensors file and its metadata, after checking that the file is whole."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        start = f.read(8)
-        length = struct.unpack("<Q", start)[0] if len(start) == 8 else -1
-        raw = f.read(length) if 0 < length <= min(size - 8, MAX_HEADER) else b""
-    try:
-        header = json.loads(raw) if raw[:1] == b"{" else None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        header = None
-    if not isinstance(header, dict):
-        refuse_other_format(path, start)
-        raise Flux2Error(f"{path} is not a valid .safetensors file (its header cannot be read): the file is corrupt "
-                         f"or only partly downloaded; download it again")
-    metadata = header.pop("__metadata__", None) or {}
-    data_size = size - 8 - length
-    tensors = {}
-    for name, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(n) for n in entry["shape"]), entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise Flux2Error(f"{path} is corrupt: the header entry for {name!r} is malformed; download it again") from None
-        if end > data_size:
-            raise Flux2Error(f"{path} is truncated: tensor {name!r} ends at byte {end:,} of the data but the file holds "
-                             f"only {data_size:,}; the download was probably interrupted, download it again")
-        if dtype in ITEM_BYTES and end - begin != ITEM_BYTES[dtype] * math.prod(shape):
-            raise Flux2Error(f"{path} is corrupt: tensor {name!r} ({dtype} {list(shape)}) has {end - begin:,} bytes")
-        tensors[name] = TensorInfo(path, name, dtype, shape)
-    return tensors, metadata
-
-
-def refuse_other_format(path: Path, start: bytes) -> None:
-    """Raise a Flux2Error naming the format when a weights file is pickle-based or GGUF (nothing is loaded)."""
-    if start[:4] == b"GGUF":
-        raise Flux2Error(f"{path} is a GGUF file; GGUF weights are not supported here. Use the .safetensors release "
-                         f"(bf16 or fp8) of these weights")
-    pickled = start[:1] == b"\x80" and start[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")    # pickle protocol 2-5
-    if start[:4] == b"PK\x03\x04" or pickled or path.suffix.lower() in PICKLE_SUFFIXES:     # torch.save is a zip
-        raise Flux2Error(f"{path} is a pickle-based checkpoint (.ckpt/.pt/.bin), not a .safetensors file. Pickle files "
-                         f"can run arbitrary code when opened, so they are never loaded here: download the "
-                         f".safetensors version of these weights (or convert the file once with a tool you trust)")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 2. finding the files: a single file, a model folder, or a diffusers pipeline root
-# ---------------------------------------------------------------------------------------------------------------
-
-STANDARD_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
-
-
-@dataclass
-class Checkpoint:
-    path: Path                          # what the caller gave
-    files: list[Path]
-    tensors: dict[str, TensorInfo]      # every key of every file, as stored
-    metadata: dict[str, str]            # safetensors metadata (merged over shards)
-    config: dict                        # the folder's config.json ({} for a single file)
-    root: Path | None                   # the pipeline root holding model_index.json, if any
-
-
-def open_checkpoint(path: str | Path, subfolder: str) -> Checkpoint:
-    """Find and check the safetensors files at ``path`` (a file, a model folder or a pipeline root)."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise Flux2Error(f"weights not found: {path} does not exist; check the path (or the file name in the model "
-                         f"folder)")
-    folder = None
-    if path.is_file():
-        files = [path]
-    else:
-        folder = path / subfolder if (path / subfolder).is_dir() else path      # a diffusers pipeline root
-        files = _folder_files(folder)
-    tensors, metadata = {}, {}
-    for file in files:
-        found, meta = read_header(file)
-        tensors.update(found)
-        metadata.update(meta)
-    config = _read_json(folder / "config.json") if folder else {}
-    root = next((p for p in ([folder, folder.parent] if folder else [path.parent])
-                 if (p / "model_index.json").is_file()), None)
-    return Checkpoint(path, files, tensors, metadata, config, root)
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith((".safetensors", ".sft")))
-
-
-def _folder_files(folder: Path) -> list[Path]:
-    """The files of one model folder: those its index names, else its one .safetensors file."""
-    indexes = sorted(folder.glob("*.safetensors.index.json"))
-    if indexes:
-        index = next((i for i in indexes if i.name[: -len(".index.json")] in STANDARD_NAMES), indexes[0])
-        weight_map = _read_json(index).get("weight_map", {})
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if not files or missing:
-            raise Flux2Error(f"{index} names shards that are not in {folder}: {', '.join(missing[:5]) or 'none'}; "
-                             f"download the missing files")
-        return files
-    files = _weight_files(folder)
-    standard = [f for f in files if f.name in STANDARD_NAMES]
-    if len(standard) == 1 or len(files) == 1:
-        return standard or files
-    if files:
-        raise Flux2Error(f"{folder} holds several .safetensors files ({', '.join(f.name for f in files[:5])}) and no "
-                         f"*.safetensors.index.json; pass the path of one file")
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
-    if pickles:
-        raise Flux2Error(f"{folder} has only pickle-based weights ({', '.join(pickles[:3])}), which are never loaded "
-                         f"here because they can run code; download the .safetensors version")
-    raise Flux2Error(f"{folder} holds no .safetensors weights; pass a .safetensors file or a model folder")
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Flux2Error(f"{path} is not valid JSON ({e}); download it again") from None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 3. layouts: which naming the file uses, behind which prefix, and what a file is when it is not what we want
-# ---------------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Recipe:
-    """Where one of our keys comes from: file keys (concatenated along dim 0 when several: fused q/k/v)."""
-    sources: tuple[str, ...]
-    swap_halves: bool = False          # diffusers' final-layer modulation is (scale, shift), BFL's (shift, scale)
-
-
-@dataclass(frozen=True)
-class Layout:
-    name: str                                              # e.g. "BFL", "diffusers"
-    signature: str                                         # a key only this layout has (after the prefix)
-    recipes: Callable[[set[str]], Callable[[str], Recipe]]  # file keys -> (our key -> recipe)
-
-
-def same_names(keys: set[str]) -> Callable[[str], Recipe]:
-    return lambda key: Recipe((key,))
-
-
-def find_layout(ckpt: Checkpoint, layouts: list[Layout], what: str, loader: str) -> tuple[Layout, str]:
-    """The layout whose signature key the checkpoint has, and the prefix in front of it ("" when none)."""
-    for layout in layouts:
-        prefixes = [k[: -len(layout.signature)] for k in ckpt.tensors if k.endswith(layout.signature)]
-        prefixes = [p for p in prefixes if p == "" or p.endswith(".")]
-        if prefixes:
-            return layout, min(prefixes, key=len)
-    raise Flux2Error(f"{ckpt.path} is not {what}: it looks like {describe(ckpt)}. {loader}")
-
-
-def describe(ckpt: Checkpoint) -> str:
-    """A short description of what a checkpoint holds, from its keys (for error messages)."""
-    keys = set(ckpt.tensors)
-
-    def has(suffix: str) -> str | None:
-        return next((k for k in keys if k.endswith(suffix)), None)
-
-    if not keys:
-        return "an empty file (no tensors)"
-    if any("lora" in k.lower() for k in keys):
-        return "a LoRA (its keys mention lora); load it as a LoRA on top of a model, not as a model"
-    if has("double_stream_modulation_img.lin.weight") or has("double_stream_modulation_img.linear.weight"):
-        return "a FLUX.2 transformer (diffusion model)"
-    if has("double_blocks.0.img_mod.lin.weight") or has("transformer_blocks.0.norm1.linear.weight"):
-        return "a FLUX.1 transformer; FLUX.2 Klein needs its own flux-2-klein-*.safetensors"
-    if has("decoder.conv_in.weight"):
-        if has("bn.running_mean"):
-            return "a FLUX.2 autoencoder (VAE)"
-        return "an autoencoder without FLUX.2's latent BatchNorm (a FLUX.1 or Stable Diffusion VAE)"
-    q_norm, q_proj = has("layers.0.self_attn.q_norm.weight"), has("layers.0.self_attn.q_proj.weight")
-    if q_proj:
-        hidden = ckpt.tensors[q_proj].shape[-1]
-        if q_norm:
-            return f"{qwen3_name(hidden)} text encoder (hidden size {hidden})"
-        if has("layers.0.self_attn.k_proj.bias"):
-            return f"a Qwen2.5 text encoder (hidden size {hidden})"
-        return f"a {'Mistral' if hidden == 5120 else 'Llama/Mistral-style'} text encoder (hidden size {hidden})"
-    if has("text_model.encoder.layers.0.mlp.fc1.weight"):
-        return "a CLIP text encoder"
-    if has("encoder.block.0.layer.0.SelfAttention.k.weight"):
-        return "a T5 text encoder"
-    if has("input_blocks.0.0.weight"):
-        return "a Stable Diffusion UNet"
-    return f"an unrecognised checkpoint (keys such as {', '.join(sorted(keys)[:3])})"
-
-
-def qwen3_name(hidden: int) -> str:
-    names = {1024: "a Qwen3-0.6B", 2048: "a Qwen3-1.7B", 2560: "a Qwen3-4B", 4096: "a Qwen3-8B", 5120: "a Qwen3-14B"}
-    return names.get(hidden, "a Qwen3")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 4. key mapping tables: our (BFL) key <- the file's key(s)
-# ---------------------------------------------------------------------------------------------------------------
-# Placeholders: {i} {j} block indices, {r} the reversed decoder level, {p} weight|bias, {e} encoder|decoder,
-# {m} a resnet layer, {b} a BatchNorm buffer. A tuple of sources is concatenated along dim 0.
-
-PLACEHOLDERS = {"i": r"\d+", "j": r"\d+", "p": "weight|bias", "e": "encoder|decoder",
-                "m": "norm1|conv1|norm2|conv2", "b": "running_mean|running_var|num_batches_tracked"}
-
-TRANSFORMER_FROM_DIFFUSERS = [
-    ("img_in.weight", "x_embedder.weight"),
-    ("txt_in.weight", "context_embedder.weight"),
-    ("time_in.in_layer.weight", "time_guidance_embed.timestep_embedder.linear_1.weight"),
-    ("time_in.out_layer.weight", "time_guidance_embed.timestep_embedder.linear_2.weight"),
-    ("guidance_in.in_layer.weight", "time_guidance_embed.guidance_embedder.linear_1.weight"),
-    ("guidance_in.out_layer.weight", "time_guidance_embed.guidance_embedder.linear_2.weight"),
-    ("double_stream_modulation_img.lin.weight", "double_stream_modulation_img.linear.weight"),
-    ("double_stream_modulation_txt.lin.weight", "double_stream_modulation_txt.linear.weight"),
-    ("single_stream_modulation.lin.weight", "single_stream_modulation.linear.weight"),
-    ("double_blocks.{i}.img_attn.qkv.weight", ("transformer_blocks.{i}.attn.to_q.weight",
-                                               "transformer_blocks.{i}.attn.to_k.weight",
-                                               "transformer_blocks.{i}.attn.to_v.weight")),
-    ("double_blocks.{i}.txt_attn.qkv.weight", ("transformer_blocks.{i}.attn.add_q_proj.weight",
-                                               "transformer_blocks.{i}.attn.add_k_proj.weight",
-                                               "transformer_blocks.{i}.attn.add_v_proj.weight")),
-    ("double_blocks.{i}.img_attn.norm.query_norm.scale", "transformer_blocks.{i}.attn.norm_q.weight"),
-    ("double_blocks.{i}.img_attn.norm.key_norm.scale", "transformer_blocks.{i}.attn.norm_k.weight"),
-    ("double_blocks.{i}.txt_attn.norm.query_norm.scale", "transformer_blocks.{i}.attn.norm_added_q.weight"),
-    ("double_blocks.{i}.txt_attn.norm.key_norm.scale", "transformer_blocks.{i}.attn.norm_added_k.weight"),
-    ("double_blocks.{i}.img_attn.proj.weight", "transformer_blocks.{i}.attn.to_out.0.weight"),
-    ("double_blocks.{i}.txt_attn.proj.weight", "transformer_blocks.{i}.attn.to_add_out.weight"),
-    ("double_blocks.{i}.img_mlp.0.weight", "transformer_blocks.{i}.ff.linear_in.weight"),
-    ("double_blocks.{i}.img_mlp.2.weight", "transformer_blocks.{i}.ff.linear_out.weight"),
-    ("double_blocks.{i}.txt_mlp.0.weight", "transformer_blocks.{i}.ff_context.linear_in.weight"),
-    ("double_blocks.{i}.txt_mlp.2.weight", "transformer_blocks.{i}.ff_context.linear_out.weight"),
-    ("single_blocks.{i}.linear1.weight", "single_transformer_blocks.{i}.attn.to_qkv_mlp_proj.weight"),
-    ("single_blocks.{i}.linear2.weight", "single_transformer_blocks.{i}.attn.to_out.weight"),
-    ("single_blocks.{i}.norm.query_norm.scale", "single_transformer_blocks.{i}.attn.norm_q.weight"),
-    ("single_blocks.{i}.norm.key_norm.scale", "single_transformer_blocks.{i}.attn.norm_k.weight"),
-    ("final_layer.linear.weight", "proj_out.weight"),
-    ("final_layer.adaLN_modulation.1.weight", "norm_out.linear.weight"),      # halves swapped
-]
-SWAPPED_FROM_DIFFUSERS = {"final_layer.adaLN_modulation.1.weight"}
-
-# diffusers numbers decoder levels from the deepest (up_blocks.0), BFL from the shallowest (up.0): {r} = levels-1-i.
-# Attention q/k/v/out are 1x1 convs [C,C,1,1] in BFL and Linears [C,C] in diffusers; shapes are fitted on load.
-AUTOENCODER_FROM_DIFFUSERS = [
-    ("encoder.quant_conv.{p}", "quant_conv.{p}"),
-    ("decoder.post_quant_conv.{p}", "post_quant_conv.{p}"),
-    ("{e}.conv_in.{p}", "{e}.conv_in.{p}"),
-    ("{e}.conv_out.{p}", "{e}.conv_out.{p}"),
-    ("{e}.norm_out.{p}", "{e}.conv_norm_out.{p}"),
-    ("encoder.down.{i}.block.{j}.{m}.{p}", "encoder.down_blocks.{i}.resnets.{j}.{m}.{p}"),
-    ("encoder.down.{i}.block.{j}.nin_shortcut.{p}", "encoder.down_blocks.{i}.resnets.{j}.conv_shortcut.{p}"),
-    ("encoder.down.{i}.downsample.conv.{p}", "encoder.down_blocks.{i}.downsamplers.0.conv.{p}"),
-    ("decoder.up.{i}.block.{j}.{m}.{p}", "decoder.up_blocks.{r}.resnets.{j}.{m}.{p}"),
-    ("decoder.up.{i}.block.{j}.nin_shortcut.{p}", "decoder.up_blocks.{r}.resnets.{j}.conv_shortcut.{p}"),
-    ("decoder.up.{i}.upsample.conv.{p}", "decoder.up_blocks.{r}.upsamplers.0.conv.{p}"),
-    ("{e}.mid.block_1.{m}.{p}", "{e}.mid_block.resnets.0.{m}.{p}"),
-    ("{e}.mid.block_2.{m}.{p}", "{e}.mid_block.resnets.1.{m}.{p}"),
-    ("{e}.mid.attn_1.norm.{p}", "{e}.mid_block.attentions.0.group_norm.{p}"),
-    ("{e}.mid.attn_1.q.{p}", "{e}.mid_block.attentions.0.to_q.{p}"),
-    ("{e}.mid.attn_1.k.{p}", "{e}.mid_block.attentions.0.to_k.{p}"),
-    ("{e}.mid.attn_1.v.{p}", "{e}.mid_block.attentions.0.to_v.{p}"),
-    ("{e}.mid.attn_1.proj_out.{p}", "{e}.mid_block.attentions.0.to_out.0.{p}"),
-    ("bn.{b}", "bn.{b}"),
-]
-
-
-def _template_regex(template: str) -> re.Pattern:
-    pattern = re.escape(template)
-    for name, alternatives in PLACEHOLDERS.items():
-        pattern = pattern.replace(re.escape("{" + name + "}"), f"(?P<{name}>{alternatives})")
-    return re.compile(pattern)
-
-
-def table_recipes(table: list, swapped: set[str] = frozenset(), levels: int = 0) -> Callable[[str], Recipe]:
-    """our key -> Recipe, from a table of (our template, file template or tuple of them)."""
-    compiled = [(_template_regex(ours), theirs) for ours, theirs in table]
-
-    def recipe(key: str) -> Recipe:
-        for pattern, theirs in compiled:
-            match = pattern.fullmatch(key)
-            if match:
-                fields = match.groupdict()
-                if "i" in fields:
-                    fields["r"] = str(levels - 1 - int(fields["i"]))
-                sources = (theirs,) if isinstance(theirs, str) else theirs
-                return Recipe(tuple(s.format(**fields) for s in sources), key in swapped)
-        raise KeyError(f"no mapping for {key!r}")       # a missing table row: a bug here, not bad input
-    return recipe
-
-
-def bfl_autoencoder_recipes(keys: set[str]) -> Callable[[str], Recipe]:
-    """BFL names; VAEs saved by ComfyUI keep the two 1x1 quant convs at the top level (``quant_conv.*``)."""
-    top = {"encoder.quant_conv.": "quant_conv.", "decoder.post_quant_conv.": "post_quant_conv."}
-
-    def recipe(key: str) -> Recipe:
-        for ours, theirs in top.items():
-            if key.startswith(ours) and theirs + key[len(ours):] in keys:
-                return Recipe((theirs + key[len(ours):],))
-        return Recipe((key,))
-    return recipe
-
-
-def diffusers_autoencoder_recipes(keys: set[str]) -> Callable[[str], Recipe]:
-    levels = len({m.group(1) for k in keys if (m := re.match(r"decoder\.up_blocks\.(\d+)\.", k))})
-    return table_recipes(AUTOENCODER_FROM_DIFFUSERS, levels=levels)
-
-
-TRANSFORMER_LAYOUTS = [
-    Layout("BFL", "double_stream_modulation_img.lin.weight", same_names),
-    Layout("diffusers", "double_stream_modulation_img.linear.weight",
-           lambda keys: table_recipes(TRANSFORMER_FROM_DIFFUSERS, SWAPPED_FROM_DIFFUSERS)),
-]
-AUTOENCODER_LAYOUTS = [
-    Layout("BFL", "encoder.down.0.block.0.conv1.weight", bfl_autoencoder_recipes),
-    Layout("diffusers", "encoder.down_blocks.0.resnets.0.conv1.weight", diffusers_autoencoder_recipes),
-]
-OPTIONAL_KEYS = {"bn.num_batches_tracked"}       # not every AE file has it; it is unused, so 0 is fine
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 5. quantised weights
-# ---------------------------------------------------------------------------------------------------------------
-
-SCALE_SUFFIXES = (".weight_scale", ".scale_weight", ".weight_scale_inv")
-DROPPED_SUFFIXES = (".input_scale", ".scale_input", ".comfy_quant", ".weight_scale_2") + SCALE_SUFFIXES
-UNSUPPORTED_SUFFIXES = {".qweight": "GPTQ/AWQ", ".qzeros": "GPTQ/AWQ", ".g_idx": "GPTQ", ".SCB": "bitsandbytes int8",
-                        ".absmax": "bitsandbytes", ".quant_map": "bitsandbytes",
-                        ".quant_state.bitsandbytes__nf4": "bitsandbytes nf4",
-                        ".quant_state.bitsandbytes__fp4": "bitsandbytes fp4"}
-COMFY_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)   # nvfp4 codes
-
-
-def comfy_formats(ckpt: Checkpoint, prefix: str) -> dict[str, str]:
-    """ComfyUI's quantisation formats of the layers behind ``prefix`` (layer key, prefix stripped -> format), from
-    the ``_quantization_metadata`` safetensors metadata and ``.comfy_quant`` tensors.
-
-    Refuses formats that cannot be dequantized here, and files quantised with other tools (GPTQ, bitsandbytes).
-    """
-    keys = [k for k in ckpt.tensors if k.startswith(prefix)]
-    for key in keys:
-        for suffix, tool in UNSUPPORTED_SUFFIXES.items():
-            if key.endswith(suffix):
-                raise Flux2Error(f"{ckpt.path} is quantised with {tool} ({key}), which is not supported; use the "
-                                 f"bf16 or fp8 .safetensors release of these weights")
-    formats = {}
-    meta = ckpt.metadata.get("_quantization_metadata")
-    if meta:
-        try:
-            layers = json.loads(meta).get("layers", {})
-        except (json.JSONDecodeError, AttributeError):
-            raise Flux2Error(f"{ckpt.path}: its _quantization_metadata is not valid JSON; download it again") from None
-        formats.update({k: v.get("format") if isinstance(v, dict) else v for k, v in layers.items()})
-    for key in keys:
-        if key.endswith(".comfy_quant"):
-            raw = _read_small(ckpt.tensors[key])
-            formats[key[: -len(".comfy_quant")]] = json.loads(bytes(raw.tolist()).decode()).get("format")
-    formats = {k[len(prefix):]: v for k, v in formats.items() if k.startswith(prefix)}
-    for layer, fmt in formats.items():
-        if fmt not in COMFY_FP8:
-            hint = " (ComfyUI's nvfp4 layout)" if fmt == "nvfp4" else ""
-            raise Flux2Error(f"{ckpt.path}: layer {layer} uses the quantisation format {fmt!r}{hint}, which cannot be "
-                             f"loaded here; supported are bf16/fp16/fp32 and fp8 (float8_e4m3fn, float8_e5m2) files")
-    return formats
-
-
-def _read_small(info: TensorInfo) -> torch.Tensor:
-    with safe_open(str(info.file), framework="pt", device="cpu") as f:
-        return f.get_tensor(info.name)
-
-
-def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int]) -> torch.Tensor:
-    """float8 weight [N, K] (or any shape for a per-tensor scale) -> float32 weight * scale.
-
-    scale: None or one number (per tensor), [N] or [N, 1] (per row), or [ceil(N/bn), ceil(K/bk)] (per block).
-    """
-    w = weight.float()
-    if scale is None or scale.numel() == 1:
-        return w if scale is None else w * scale.float().reshape(())
-    scale = scale.float()
-    if scale.numel() == w.shape[0]:
-        return w * scale.reshape(-1, *([1] * (w.ndim - 1)))
-    if w.ndim == 2 and scale.ndim == 2 and scale.shape == (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])):
-        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-        return w * full[: w.shape[0], : w.shape[1]]
-    raise Flux2Error(f"a float8 weight {list(w.shape)} has a scale of shape {list(scale.shape)}, which is not a known "
-                     f"quantisation (per tensor, per row or per {block[0]}x{block[1]} block)")
-
-
-def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """BFL nvfp4: packed E2M1 codes [N, K/2] (even element in the low nibble), float8 scales [N, K/16] -> float32."""
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)     # [N, K]
-    values = torch.tensor(E2M1, device=packed.device)[codes.long()]
-    scale = block_scale.float() * global_scale.float()                                          # [N, K/16]
-    if scale.shape != (codes.shape[0], codes.shape[1] // 16):
-        raise Flux2Error(f"an nvfp4 weight [{codes.shape[0]}, {codes.shape[1]}] has block scales "
-                         f"{list(block_scale.shape)}; expected [{codes.shape[0]}, {codes.shape[1] // 16}]")
-    return values * scale.repeat_interleave(16, dim=1)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 6. reading our state dict: recipes -> tensors on the target device, dequantized, cast, shape-fitted
+# 1. reading our state dict: recipes -> tensors on the target device, dequantized, cast, shape-fitted
 # ---------------------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -628,7 +219,7 @@ def mismatch_message(source: Source, missing: list[str], unexpected: list[str]) 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 7. building on meta and assigning
+# 2. building on meta and assigning
 # ---------------------------------------------------------------------------------------------------------------
 
 def default_device_dtype(device, dtype) -> tuple[torch.device, torch.dtype]:
@@ -671,7 +262,7 @@ def need_shape(source: Source, key: str) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 8. the transformer
+# 3. the transformer
 # ---------------------------------------------------------------------------------------------------------------
 
 def transformer_params(source: Source) -> TransformerParams:
@@ -695,7 +286,7 @@ def transformer_params(source: Source) -> TransformerParams:
 
 def variant_hint(source: Source) -> str:
     """A hint for base / KV / distilled: diffusers' model_index.json, else the file or folder names."""
-    index = _read_json(source.ckpt.root / "model_index.json") if source.ckpt.root else {}
+    index = read_json(source.ckpt.root / "model_index.json") if source.ckpt.root else {}
     if "KV" in index.get("_class_name", ""):
         return "kv"
     if "is_distilled" in index:
@@ -746,7 +337,7 @@ def _transformer_spec(source: Source, params: TransformerParams | None,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 9. the autoencoder
+# 4. the autoencoder
 # ---------------------------------------------------------------------------------------------------------------
 
 def autoencoder_params(source: Source) -> AutoEncoderParams:
@@ -779,7 +370,7 @@ def load_autoencoder(path: str | Path, device=None, dtype: torch.dtype | None = 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 10. the text encoder
+# 5. the text encoder
 # ---------------------------------------------------------------------------------------------------------------
 
 TEXT_ENCODER_LAYOUTS = [Layout("Hugging Face Qwen3", "layers.0.self_attn.q_norm.weight", same_names)]

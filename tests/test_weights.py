@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flux2_core import rope, weights
+from flux2_core import dequantize, rope, weights
 from flux2_core.errors import Flux2Error
 from flux2_core.variants import KLEIN_4B, KLEIN_9B, get_variant
 from tests.tiny.autoencoder import (
@@ -400,18 +400,18 @@ def test_nvfp4_codes_by_hand():
     """E2M1 codes: 0x21 -> (0.5, 1.0) (low nibble first); 0xF8 -> (-0.0, -6.0); 16 values share one block scale."""
     packed = torch.tensor([[0x21, 0xF8] + [0x00] * 6], dtype=torch.uint8)          # [1, 8] -> 16 values
     block = torch.tensor([[2.0]]).to(torch.float8_e4m3fn)
-    out = weights.dequantize_nvfp4(packed, block, torch.tensor(0.5))
+    out = dequantize.dequantize_nvfp4(packed, block, torch.tensor(0.5))
     assert out.tolist() == [[0.5, 1.0, -0.0, -6.0] + [0.0] * 12]
 
 
 def test_block_and_row_scales_by_hand():
     w = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]).to(torch.float8_e4m3fn)
-    rows = weights.dequantize(w, torch.tensor([1.0, 10.0, 100.0]), (128, 128))
+    rows = dequantize.dequantize(w, torch.tensor([1.0, 10.0, 100.0]), (128, 128))
     assert rows.tolist() == [[1, 2, 3], [40, 50, 60], [700, 800, 900]]
-    blocks = weights.dequantize(w, torch.tensor([[1.0, 2.0], [3.0, 4.0]]), (2, 2))    # 2x2 blocks, edges cut
+    blocks = dequantize.dequantize(w, torch.tensor([[1.0, 2.0], [3.0, 4.0]]), (2, 2))    # 2x2 blocks, edges cut
     assert blocks.tolist() == [[1, 2, 6], [4, 5, 12], [21, 24, 36]]
     with pytest.raises(Flux2Error, match="not a known quantisation"):
-        weights.dequantize(w, torch.ones(2), (128, 128))
+        dequantize.dequantize(w, torch.ones(2), (128, 128))
 
 
 @pytest.mark.parametrize("case, message", [

@@ -1,0 +1,91 @@
+"""Quantised checkpoints (fp8, nvfp4): their formats recognised and weights dequantized to the compute dtype."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors import safe_open
+
+from .checkpoint import Checkpoint, TensorInfo
+from .errors import Flux2Error
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantised weights
+# ---------------------------------------------------------------------------------------------------------------
+
+SCALE_SUFFIXES = (".weight_scale", ".scale_weight", ".weight_scale_inv")
+DROPPED_SUFFIXES = (".input_scale", ".scale_input", ".comfy_quant", ".weight_scale_2") + SCALE_SUFFIXES
+UNSUPPORTED_SUFFIXES = {".qweight": "GPTQ/AWQ", ".qzeros": "GPTQ/AWQ", ".g_idx": "GPTQ", ".SCB": "bitsandbytes int8",
+                        ".absmax": "bitsandbytes", ".quant_map": "bitsandbytes",
+                        ".quant_state.bitsandbytes__nf4": "bitsandbytes nf4",
+                        ".quant_state.bitsandbytes__fp4": "bitsandbytes fp4"}
+COMFY_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)   # nvfp4 codes
+
+
+def comfy_formats(ckpt: Checkpoint, prefix: str) -> dict[str, str]:
+    """ComfyUI's quantisation formats of the layers behind ``prefix`` (layer key, prefix stripped -> format), from
+    the ``_quantization_metadata`` safetensors metadata and ``.comfy_quant`` tensors.
+
+    Refuses formats that cannot be dequantized here, and files quantised with other tools (GPTQ, bitsandbytes).
+    """
+    keys = [k for k in ckpt.tensors if k.startswith(prefix)]
+    for key in keys:
+        for suffix, tool in UNSUPPORTED_SUFFIXES.items():
+            if key.endswith(suffix):
+                raise Flux2Error(f"{ckpt.path} is quantised with {tool} ({key}), which is not supported; use the "
+                                 f"bf16 or fp8 .safetensors release of these weights")
+    formats = {}
+    meta = ckpt.metadata.get("_quantization_metadata")
+    if meta:
+        try:
+            layers = json.loads(meta).get("layers", {})
+        except (json.JSONDecodeError, AttributeError):
+            raise Flux2Error(f"{ckpt.path}: its _quantization_metadata is not valid JSON; download it again") from None
+        formats.update({k: v.get("format") if isinstance(v, dict) else v for k, v in layers.items()})
+    for key in keys:
+        if key.endswith(".comfy_quant"):
+            raw = _read_small(ckpt.tensors[key])
+            formats[key[: -len(".comfy_quant")]] = json.loads(bytes(raw.tolist()).decode()).get("format")
+    formats = {k[len(prefix):]: v for k, v in formats.items() if k.startswith(prefix)}
+    for layer, fmt in formats.items():
+        if fmt not in COMFY_FP8:
+            hint = " (ComfyUI's nvfp4 layout)" if fmt == "nvfp4" else ""
+            raise Flux2Error(f"{ckpt.path}: layer {layer} uses the quantisation format {fmt!r}{hint}, which cannot be "
+                             f"loaded here; supported are bf16/fp16/fp32 and fp8 (float8_e4m3fn, float8_e5m2) files")
+    return formats
+
+
+def _read_small(info: TensorInfo) -> torch.Tensor:
+    with safe_open(str(info.file), framework="pt", device="cpu") as f:
+        return f.get_tensor(info.name)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int]) -> torch.Tensor:
+    """float8 weight [N, K] (or any shape for a per-tensor scale) -> float32 weight * scale.
+
+    scale: None or one number (per tensor), [N] or [N, 1] (per row), or [ceil(N/bn), ceil(K/bk)] (per block).
+    """
+    w = weight.float()
+    if scale is None or scale.numel() == 1:
+        return w if scale is None else w * scale.float().reshape(())
+    scale = scale.float()
+    if scale.numel() == w.shape[0]:
+        return w * scale.reshape(-1, *([1] * (w.ndim - 1)))
+    if w.ndim == 2 and scale.ndim == 2 and scale.shape == (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])):
+        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        return w * full[: w.shape[0], : w.shape[1]]
+    raise Flux2Error(f"a float8 weight {list(w.shape)} has a scale of shape {list(scale.shape)}, which is not a known "
+                     f"quantisation (per tensor, per row or per {block[0]}x{block[1]} block)")
+
+
+def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """BFL nvfp4: packed E2M1 codes [N, K/2] (even element in the low nibble), float8 scales [N, K/16] -> float32."""
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)     # [N, K]
+    values = torch.tensor(E2M1, device=packed.device)[codes.long()]
+    scale = block_scale.float() * global_scale.float()                                          # [N, K/16]
+    if scale.shape != (codes.shape[0], codes.shape[1] // 16):
+        raise Flux2Error(f"an nvfp4 weight [{codes.shape[0]}, {codes.shape[1]}] has block scales "
+                         f"{list(block_scale.shape)}; expected [{codes.shape[0]}, {codes.shape[1] // 16}]")
+    return values * scale.repeat_interleave(16, dim=1)
