@@ -46,12 +46,12 @@ def sampler(positive, cfg=1.0, steps=4, negative=None, latent=None, denoise=1.0,
     denoise_inputs |= {"latent": latent} if latent else {}
     noise_inputs = {"seed": seed, "width": 1024, "height": 1024, "batch_size": 1}
     noise_inputs |= {"latent": noise_latent} if noise_latent else {}
-    return {5: ("Flux2KleinNoise", noise_inputs, 2, 0),
+    return {5: ("Flux2KleinNoise", noise_inputs, 3, 0),
             6: ("Flux2KleinScheduler", {"steps": steps, "width": 1024, "height": 1024, "schedule": "flux2", "rho": 2.0,
-                                        "latent": (5, 0)}, 2, 1),
-            7: ("Flux2KleinDenoise", denoise_inputs, 3, 0),
-            8: ("Flux2KleinAEDecode", {"ae": (3, 0), "latent": (7, 0)}, 4, 0),
-            9: ("SaveImage", {"images": (8, 0), "filename_prefix": "flux2-klein"}, 5, 0)}
+                                        "latent": (5, 0)}, 3, 1),
+            7: ("Flux2KleinDenoise", denoise_inputs, 4, 0),
+            8: ("Flux2KleinAEDecode", {"ae": (3, 0), "latent": (7, 0)}, 5, 0),
+            9: ("SaveImage", {"images": (8, 0), "filename_prefix": "flux2-klein"}, 6, 0)}
 
 
 def prompt(text: str, node: int = 4, row: int = 0) -> dict:
@@ -123,11 +123,17 @@ def input_specs(info: dict) -> list[tuple[str, str, dict]]:
 
 
 def api_prompt(nodes: dict, object_info: dict) -> dict:
-    """The API format: every input of every node, links as [source id, slot]."""
-    return {str(i): {"class_type": cls,
-                     "inputs": {k: [str(v[0]), v[1]] if is_link(v) else v for k, v in inputs.items()},
-                     "_meta": {"title": object_info[cls]["display_name"]}}
-            for i, (cls, inputs, _, _) in sorted(nodes.items())}
+    """The API format, as the frontend's graphToPrompt writes it: widget values in widget order, then the links as
+    [source id, slot] in socket order."""
+    prompt = {}
+    for i, (cls, inputs, _, _) in sorted(nodes.items()):
+        names = [name for name, _, _ in input_specs(object_info[cls]) if name in inputs]
+        ordered = [n for n in names if not is_link(inputs[n])] + [n for n in names if is_link(inputs[n])]
+        prompt[str(i)] = {"class_type": cls,
+                          "inputs": {n: [str(inputs[n][0]), inputs[n][1]] if is_link(inputs[n]) else inputs[n]
+                                     for n in ordered},
+                          "_meta": {"title": object_info[cls]["display_name"]}}
+    return prompt
 
 
 def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
@@ -161,17 +167,17 @@ def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
         models = [inputs[k] for k in MODEL_INPUTS if k in inputs]
         if models:
             properties["models"] = [{"name": m, "url": MODELS[m][1], "directory": MODELS[m][0]} for m in models]
-        ui_nodes.append({"id": i, "type": cls, "pos": [40 + 380 * col, 40 + 260 * row],
+        ui_nodes.append({"id": i, "type": cls, "pos": [40 + 380 * col, 40 + 340 * row],
                          "size": [340, 60 + 26 * len(widgets[i])], "flags": {}, "order": order.index(i), "mode": 0,
                          "inputs": sockets[i], "outputs": outputs, "properties": properties,
                          "widgets_values": widgets[i]})
     note_id = max(nodes) + 1
-    ui_nodes.append({"id": note_id, "type": "MarkdownNote", "pos": [40, 1100], "size": [720, 220], "flags": {},
+    ui_nodes.append({"id": note_id, "type": "MarkdownNote", "pos": [40, 1060], "size": [340, 320], "flags": {},
                      "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "title": "About this workflow",
                      "properties": {}, "widgets_values": [note_text(spec)]})
     return {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK}/{name}")), "revision": 0, "last_node_id": note_id,
             "last_link_id": len(links), "nodes": ui_nodes, "links": links, "groups": [], "config": {},
-            "extra": {"ds": {"scale": 0.75, "offset": [0, 0]}}, "version": 0.4}
+            "extra": {"ds": {"scale": 0.7, "offset": [30, 80]}}, "version": 0.4}
 
 
 def note_text(spec: dict) -> str:
