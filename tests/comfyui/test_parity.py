@@ -30,9 +30,11 @@ NATIVE_CASES = ["distilled", "base_cfg", "one_reference", "three_references"]
 @pytest.fixture(scope="module")
 def direct_models(comfy):
     models = comfy.base / "models"
-    load = lambda transformer: pipeline.load_models(
-        models / "diffusion_models" / transformer, models / "text_encoders" / comfy.files["text_encoder"],
-        models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32)
+
+    def load(transformer):
+        return pipeline.load_models(models / "diffusion_models" / transformer,
+                                    models / "text_encoders" / comfy.files["text_encoder"],
+                                    models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32)
     return {"distilled": load(comfy.files["transformer"]), "base": load(comfy.files["transformer_base"])}
 
 
