@@ -143,7 +143,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
 
     # references and denoising
     ref = ref_ids = None
-    if refs:
+    if refs and reference_kv is None:       # a given cache already holds these references
         ref, ref_ids = encode_references(ae, refs, dtype)
     latents = denoise(model, x.to(dtype), sigmas, embeds.embeds, negative_txt=negative_txt, cfg=cfg,
                       ref=ref, ref_ids=ref_ids, ref_kv=reference_kv, kv=variant.use_kv_cache and bool(refs),
