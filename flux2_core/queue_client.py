@@ -1,6 +1,6 @@
 """Headless ComfyUI client: queue an API-format workflow, follow its progress, download its images.
 
-    python -m flux2_core queue workflows/klein_t2i.api.json --server 127.0.0.1:8188 \\
+    python -m flux2_core queue workflows/api/flux2-klein-text-to-image.json --server 127.0.0.1:8188 \\
         --prompt "a red fox in the snow" --seed 7 --set 12.steps=8 --out output/
 
 Standard library only (HTTP through urllib, a small websocket client on a socket). Nothing here imports ComfyUI
@@ -285,7 +285,7 @@ def load_workflow(path: str) -> dict:
     if not isinstance(workflow, dict) or "nodes" in workflow or not all(
             isinstance(n, dict) and "class_type" in n for n in workflow.values()):
         raise Flux2Error(f"{path} is not an API-format workflow ({{id: {{class_type, inputs}}}}); "
-                         "use the *.api.json twin, or export with 'Export (API)' in ComfyUI")
+                         "use its twin in workflows/api/, or export with 'Export (API)' in ComfyUI")
     return workflow
 
 
@@ -319,7 +319,7 @@ def queue(workflow: dict, server: str, out_dir: str, timeout: float = 600.0, on_
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flux2_core queue",
                                      description="Queue an API-format workflow on a running ComfyUI server.")
-    parser.add_argument("workflow", help="an API-format workflow, e.g. workflows/klein_t2i.api.json")
+    parser.add_argument("workflow", help="an API-format workflow, e.g. workflows/api/flux2-klein-text-to-image.json")
     parser.add_argument("--server", default="127.0.0.1:8188", help="HOST:PORT of ComfyUI (default 127.0.0.1:8188)")
     parser.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE",
                         help="set one input of one node (repeatable); VALUE is JSON or a plain string")

@@ -8,8 +8,10 @@ COMFYUI_DIR is a ComfyUI source tree (v0.12.1+); COMFYUI_PYTHON is the Python en
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,6 +29,8 @@ SKIP_REASON = "set COMFYUI_DIR to a ComfyUI source tree (v0.12.1+) to run the re
 # fixes heads of 128 = 4 RoPE axes of 32; context_in_dim is 3 x the tiny Qwen3's hidden size (32).
 HOST_TRANSFORMER = TransformerParams(in_channels=128, context_in_dim=96, hidden_size=128, num_heads=1, depth=1,
                                      depth_single_blocks=2, axes_dim=(32, 32, 32, 32))
+WORKFLOW_MODELS = {"model_name": ("diffusion_models", "transformer"), "text_encoder_name": ("text_encoders", "text_encoder"),
+                   "ae_name": ("vae", "ae")}    # loader input -> (models folder, tiny file)
 FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "flux-2-klein-base-tiny.safetensors",
          "text_encoder": "qwen_3_tiny.safetensors", "ae": "flux2-vae-tiny.safetensors"}
 
@@ -59,6 +63,26 @@ def write_tiny_models(models: Path) -> dict[str, str]:
     return dict(FILES)
 
 
+def stage_workflow_files(base: Path, files: dict[str, str], pictures: list[str]) -> None:
+    """Give every model file and input image that workflows/api/*.json name a tiny stand-in, under its own name.
+
+    Hard links, not symlinks: the loaders read the variant hint ('base') from the file's own name.
+    """
+    stand_ins = itertools.cycle(pictures)
+    for path in sorted((ROOT / "workflows" / "api").glob("*.json")):
+        for node in json.loads(path.read_text()).values():
+            for name, value in node["inputs"].items():
+                if name in WORKFLOW_MODELS:
+                    folder, role = WORKFLOW_MODELS[name]
+                    target = base / "models" / folder / value
+                    if not target.exists():
+                        os.link(base / "models" / folder / files[role], target)
+                elif node["class_type"] == "LoadImage" and name == "image":
+                    target = base / "input" / value
+                    if not target.exists():
+                        shutil.copyfile(base / "input" / next(stand_ins), target)
+
+
 def write_input_images(folder: Path) -> list[str]:
     """Three small random reference pictures of different sizes and aspect ratios."""
     import numpy as np
@@ -80,6 +104,7 @@ def comfy(tmp_path_factory) -> Host:
     base = tmp_path_factory.mktemp("comfy-base")
     files = write_tiny_models(base / "models")
     images = write_input_images(base / "input")
+    stage_workflow_files(base, files, images)
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / PACK_FOLDER).symlink_to(ROOT, target_is_directory=True)
     settings = base / "user" / "default" / "comfy.settings.json"   # no first-run Templates dialog in the browser
