@@ -104,21 +104,24 @@ class Denoise(io.ComfyNode):
                 negative=None, latent=None) -> io.NodeOutput:
         variant = model.variant
         sigmas = schedules.check_sigmas(sigmas)
-        if denoise < 1:
+        if denoise < 1:                                   # image-to-image: run only the tail of the schedule
             if latent is None:
                 raise Flux2Error("denoise < 1 is image-to-image: connect the image's latent, or set denoise to 1")
             sigmas = schedules.truncate_for_strength(sigmas, denoise)
-        noise = noise["samples"]
+        noise = noise["samples"]                                                  # [B, 128, h, w]
         start = torch.zeros_like(noise) if latent is None else image_latent(latent["samples"], noise)
-        txt, refs = prompt_embeds(positive, variant), positive[0][1].get("reference_latents", [])
-        cfg_on = negative is not None and cfg != 1 and not variant.params.use_guidance_embed
-        ref, ref_ids = reference_tokens(refs)
+        txt = prompt_embeds(positive, variant)
+        ref, ref_ids = reference_tokens(positive[0][1].get("reference_latents", []))   # both CFG branches use them
+        guidance = cfg if variant.params.use_guidance_embed else None             # FLUX.2-dev: embedded guidance
+        cfg_on = negative is not None and cfg != 1 and guidance is None
+        if variant.uses_cfg and negative is None:
+            log.warning("%s is a CFG model but no negative is connected: running without guidance", variant.name)
+
         device = model.ready(host.transformer_memory(variant.params, noise, ref, cfg_on, model.dtype))
-        x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)
-        out = sampling.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant) if cfg_on else None,
-                               cfg=cfg, ref=ref, ref_ids=ref_ids, kv=variant.use_kv_cache,
-                               guidance=cfg if variant.params.use_guidance_embed else None,
-                               callback=host.StepReporter(len(sigmas) - 1, device))
+        x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)   # = noise when sigmas[0] is 1
+        out = sampling.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant) if cfg_on
+                               else None, cfg=cfg, ref=ref, ref_ids=ref_ids, kv=variant.use_kv_cache,
+                               guidance=guidance, callback=host.StepReporter(len(sigmas) - 1, device))
         return io.NodeOutput({"samples": out.float().to(host.intermediate_device())})
 
 
@@ -126,7 +129,8 @@ def image_latent(latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The image-to-image start latent, checked against the noise and broadcast over its batch."""
     if latent.shape[1:] != noise.shape[1:] or latent.shape[0] not in (1, noise.shape[0]):
         raise Flux2Error(f"the latent {list(latent.shape)} does not fit the noise {list(noise.shape)}: connect the "
-                         f"latent to the noise node (same size) and give it batch_size {latent.shape[0]} (or 1 latent)")
+                         f"latent to the noise node's latent input (same size), and make the noise batch the latent's "
+                         f"batch or use a single latent")
     return latent.to(noise).expand_as(noise)
 
 
