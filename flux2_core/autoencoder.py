@@ -8,6 +8,8 @@ The BatchNorm is only a holder for ``running_mean``/``running_var``; it is alway
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -178,11 +180,80 @@ class Decoder(nn.Module):
         self.conv_out = nn.Conv2d(chans[0], p.out_ch, 3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        h = self.conv_in(self.post_quant_conv(z))
-        h = self.mid(h)
+        return self.upsample(self.head(z))
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        """z [B,z,h,w] -> [B,512,h,w]: the input convs and the mid block (whose attention sees every position)."""
+        return self.mid(self.conv_in(self.post_quant_conv(z)))
+
+    def upsample(self, h: torch.Tensor) -> torch.Tensor:
+        """[B,512,h,w] -> image [B,3,8h,8w]: the levels and the output conv. Only convolutions and GroupNorms."""
         for level in reversed(self.up):
             h = level(h)
         return self.conv_out(swish(self.norm_out(h)))
+
+    @property
+    def halo(self) -> int:
+        """How far (in latent cells of ``upsample``'s input, rounded up) one output pixel of ``upsample`` sees.
+
+        Every 3x3 conv at 2^k times the latent resolution reaches 2^-k cells: the ResnetBlocks' two convs per block, the
+        conv after each 2x upsample and the output conv.
+        """
+        reach, levels = 0.0, len(self.up)
+        for k, level in enumerate(reversed(self.up)):              # k = 0 at the latent resolution
+            reach += 2 * len(level.block) / 2 ** k
+            if isinstance(level.upsample, Upsample):
+                reach += 1 / 2 ** (k + 1)
+        reach += 1 / 2 ** (levels - 1)                                # conv_out at full resolution
+        return math.ceil(reach)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory and tiles
+# ---------------------------------------------------------------------------------------------------------------
+
+DECODE_BYTES_PER_PIXEL = 10      # peak decode memory per output pixel per base channel per byte (see decode_bytes)
+DEFAULT_TILE = 64                # latent cells = 1024 px
+MIN_TILE = 8                     # latent cells = 128 px
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes that a decode may still use on ``device``: free plus cached-but-unused on CUDA, MemAvailable on Linux
+    CPUs; None where unknown (then decodes are never tiled automatically)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration):
+            return None
+    return None
+
+
+def tile_spans(n: int, tile: int, overlap: int) -> list[tuple[int, int]]:
+    """Cover 0..n with spans of length ``tile`` (or one span of n) evenly spaced, neighbours overlapping >= overlap."""
+    if n <= tile:
+        return [(0, n)]
+    count = math.ceil((n - overlap) / (tile - overlap))
+    starts = [round(i * (n - tile) / (count - 1)) for i in range(count)]
+    return [(s, s + tile) for s in starts]
+
+
+def _ramp(start: int, end: int, n: int, fade: int, scale: int) -> torch.Tensor:
+    """Blend weights [(end-start)*scale] of one tile along one axis: linear fades of ``fade`` pixels on the sides that
+    border another tile (not the image edge), 1 elsewhere. Never 0, so every pixel has weight."""
+    weights = torch.ones((end - start) * scale)
+    fade = min(fade, len(weights))
+    if fade == 0:
+        return weights
+    up = (torch.arange(fade) + 0.5) / fade
+    if start > 0:
+        weights[:fade] = torch.minimum(weights[:fade], up)
+    if end < n:
+        weights[-fade:] = torch.minimum(weights[-fade:], up.flip(0))
+    return weights
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -246,11 +317,74 @@ class AutoEncoder(nn.Module):
         mean = moments[:, : self.params.z_channels]                     # posterior mean; log-variance unused
         return self.normalize(patchify(mean))                            # [B,128,H/16,W/16]
 
-    def decode(self, z: torch.Tensor) -> torch.Tensor:
-        """Latent [B,128,h,w] -> image [B,3,16h,16w], roughly in [-1,1] (not clamped), in the weights' dtype."""
+    def decode(self, z: torch.Tensor, tiled: bool | None = None) -> torch.Tensor:
+        """Latent [B,128,h,w] -> image [B,3,16h,16w], roughly in [-1,1] (not clamped), in the weights' dtype.
+
+        ``tiled=None`` decides from memory: the whole batch at once if ``decode_bytes`` fits in the device's free
+        memory, else one image at a time, else ``decode_tiled`` with the largest tile that fits. True / False force it.
+        """
         self._check_latent(z)
+        batch, _, h, w = z.shape
+        free = free_memory(self.device) if tiled is None else None
+        if tiled or (free is not None and self.decode_bytes(1, h, w) > free):
+            return self.decode_tiled(z, tile=None if free is None else self.tile_that_fits(free, h, w))
+        if free is not None and batch > 1 and self.decode_bytes(batch, h, w) > free:
+            return torch.cat([self.decode(z[i:i + 1], tiled=False) for i in range(batch)])
         z = unpatchify(self.denormalize(z.to(self.device)))             # [B,32,2h,2w]
         return self.decoder(z.to(self.dtype))
+
+    # tiled decode -------------------------------------------------------------------------------------------------
+
+    def decode_bytes(self, batch: int, h: int, w: int) -> int:
+        """Estimated peak extra memory of decoding [batch,128,h,w] latents in one piece.
+
+        The decoder's full-resolution levels dominate: ``DECODE_BYTES_PER_PIXEL`` x pixels x base channels x itemsize,
+        where the factor was measured as 7.7-8.4 on CPU (float32, several sizes and widths) and rounded up to leave room
+        for convolution workspaces.
+        """
+        pixels = batch * h * w * self.pixels_per_latent ** 2
+        return DECODE_BYTES_PER_PIXEL * pixels * self.params.ch * self.dtype.itemsize
+
+    def tile_that_fits(self, free: int, h: int, w: int) -> int:
+        """The largest tile side (latent cells) whose decode, halo included, fits in ``free`` bytes (at least 8)."""
+        tile = max(h, w)
+        halo = math.ceil(self.decoder.halo / 2)
+        while tile > MIN_TILE and self.decode_bytes(1, min(h, tile + 2 * halo), min(w, tile + 2 * halo)) > free:
+            tile = max(MIN_TILE, tile * 3 // 4)
+        return tile
+
+    def decode_tiled(self, z: torch.Tensor, tile: int | None = None, overlap: int = 4) -> torch.Tensor:
+        """``decode`` in overlapping tiles of ``tile`` x ``tile`` latent cells (16 px each), blended linearly.
+
+        The mid block (whose attention sees every position) runs on the whole latent, which is small; only the
+        upsampling levels, where the memory goes, run per tile. Each tile is decoded with a margin of ``decoder.halo``
+        cells of context on every side, which is the reach of all its convolutions, then cropped to the tile, and
+        neighbouring tiles are cross-faded over their ``overlap`` cells. Without GroupNorm this would be exactly the full
+        decode; with it, each tile normalises with its own statistics instead of the whole image's, which is the one
+        difference (small for large tiles, and the cross-fade hides seams). ``tile=None``: 64 cells (1024 px).
+        """
+        self._check_latent(z)
+        tile = tile or DEFAULT_TILE
+        if tile < 1 or overlap < 0 or overlap >= tile:
+            raise Flux2Error(f"decode_tiled needs tile >= 1 and 0 <= overlap < tile (latent cells), got tile={tile}, "
+                             f"overlap={overlap}")
+        batch, _, h, w = z.shape
+        scale, halo = self.pixels_per_latent, math.ceil(self.decoder.halo / 2)   # halo in z cells (2 decoder cells)
+        z = unpatchify(self.denormalize(z.to(self.device))).to(self.dtype)        # [B,32,2h,2w]
+        mid = self.decoder.head(z)                                               # [B,512,2h,2w]
+
+        out = torch.zeros(batch, self.params.out_ch, h * scale, w * scale, device=self.device)
+        weight = torch.zeros(1, 1, h * scale, w * scale, device=self.device)
+        for y0, y1 in tile_spans(h, tile, overlap):
+            for x0, x1 in tile_spans(w, tile, overlap):
+                ya, yb, xa, xb = max(0, y0 - halo), min(h, y1 + halo), max(0, x0 - halo), min(w, x1 + halo)
+                pixels = self.decoder.upsample(mid[:, :, 2 * ya:2 * yb, 2 * xa:2 * xb])   # tile + halo
+                pixels = pixels[:, :, (y0 - ya) * scale:(y1 - ya) * scale, (x0 - xa) * scale:(x1 - xa) * scale]
+                ramp = (_ramp(y0, y1, h, overlap * scale, scale)[:, None] *
+                        _ramp(x0, x1, w, overlap * scale, scale)[None, :]).to(self.device)
+                out[:, :, y0 * scale:y1 * scale, x0 * scale:x1 * scale] += pixels.float() * ramp
+                weight[:, :, y0 * scale:y1 * scale, x0 * scale:x1 * scale] += ramp
+        return (out / weight).to(self.dtype)
 
     # input checks -------------------------------------------------------------------------------------------------
 
