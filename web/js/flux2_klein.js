@@ -8,23 +8,21 @@ const PREFIX = "Flux2Klein";                       // every node id of this pack
 const FAMILY = { color: "#3a3f6b", bgcolor: "#262a4d" };
 const TEXT_WIDGETS = ["text", "prompt"];
 const SIZE_WIDGETS = ["width", "height"];
-const TOKENS_ROUTE = "/flux2_klein/tokens";       // POST {text} -> {count, limit}: exact count, if the pack serves it
+// Exact counts: POST {text} -> {count, limit}, served when the server announces the feature flag below.
+const TOKENS_ROUTE = "/flux2_klein/tokens";
+const TOKENS_FEATURE = "flux2_klein_tokens";
 
-let routeAvailable = true;
-
-// The exact templated token count from the server, or null when the route is missing or fails.
+// The exact templated token count from the server, or null (no such route on this server, or it failed).
 async function serverCount(text) {
-  if (!routeAvailable) return null;
+  if (!api.serverSupportsFeature?.(TOKENS_FEATURE)) return null;
   try {
     const response = await api.fetchApi(TOKENS_ROUTE, {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ text }),
     });
-    if (response.ok) return (await response.json()).count;
-    if (response.status === 404 || response.status === 405) routeAvailable = false;
+    return response.ok ? (await response.json()).count : null;
   } catch {
-    routeAvailable = false;
+    return null;
   }
-  return null;
 }
 
 function snapSizeWidgets(node) {

@@ -1,0 +1,76 @@
+"""The pack in ComfyUI's real frontend (headless Chromium): the extension loads cleanly, the UI workflows convert to their
+API twins with the frontend's own app.graphToPrompt(), and the extension's token count, snapping and colours work.
+
+Needs chromium (or CHROMIUM=path) and playwright-core (PLAYWRIGHT_CORE=folder holding node_modules/playwright-core,
+default /work/node_tools); skipped with the reason otherwise.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.comfyui.host import PACK_FOLDER
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+NODE = shutil.which("node")
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+PLAYWRIGHT = Path(os.environ.get("PLAYWRIGHT_CORE", "/work/node_tools")) / "node_modules"
+UI_NAMES = sorted(p.stem for p in (ROOT / "workflows").glob("*.json"))
+
+
+@pytest.fixture(scope="module")
+def page(comfy, tmp_path_factory):
+    """What browser_check.cjs found in the page (one browser session for the module)."""
+    if not (NODE and CHROMIUM and (PLAYWRIGHT / "playwright-core").is_dir()):
+        pytest.skip(f"headless browser tests need node, chromium and playwright-core (found node={NODE}, "
+                    f"chromium={CHROMIUM}, playwright-core in {PLAYWRIGHT}: {(PLAYWRIGHT / 'playwright-core').is_dir()})")
+    screenshot = tmp_path_factory.mktemp("browser") / "canvas.png"
+    done = subprocess.run([NODE, str(HERE / "browser_check.cjs"), f"http://{comfy.server.address}", PACK_FOLDER,
+                           json.dumps(UI_NAMES), CHROMIUM, str(screenshot)], capture_output=True, text=True,
+                          timeout=300, check=False, env=dict(os.environ, NODE_PATH=str(PLAYWRIGHT)))
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["loaded"], "the extension's setup() never ran:\n" + "\n".join(found["errors"])
+    return found
+
+
+def ours_or_uncaught(error: str) -> bool:
+    """Every uncaught error and console error counts, except the frontend's own requests for optional files
+    a fresh user directory lacks (user.css, favicon, userdata listings): those 404s are not about this pack."""
+    if not error.startswith("Failed to load resource"):
+        return True
+    return f"/extensions/{PACK_FOLDER}/" in error or "flux2" in error.lower()
+
+
+def test_extension_loads_without_console_errors(page):
+    errors = [e for e in page["errors"] if ours_or_uncaught(e)]
+    assert errors == [], "\n".join(errors)
+    declared = {p.stem for p in ROOT.glob("nodes/*.py")}   # sanity: the nodes exist
+    assert declared and len(page["registered"]) == 10, page["registered"]
+
+
+@pytest.mark.parametrize("name", UI_NAMES)
+def test_ui_workflow_converts_to_its_api_twin(page, name):
+    converted = {nid: {"class_type": n["class_type"], "inputs": n["inputs"]} for nid, n in page["prompts"][name].items()}
+    twin = json.loads((ROOT / "workflows" / "api" / f"{name}.json").read_text())
+    assert converted == {nid: {"class_type": n["class_type"], "inputs": n["inputs"]} for nid, n in twin.items()}
+
+
+def test_nodes_share_one_colour_family(page):
+    assert len(page["colours"]) > 10 and len({tuple(c) for c in page["colours"]}) == 1, page["colours"]
+
+
+def test_live_token_count_and_warning(page):
+    short, long = page["short"], page["long"]
+    assert short["label"].endswith(" / 512 tokens") and not short["over"]
+    assert 12 + 4 <= short["count"] <= 12 + 8                 # 6 prompt tokens + 12 of the chat template
+    assert long["over"] and "past the limit are dropped" in long["label"]
+
+
+def test_width_and_height_snap_to_16(page):
+    assert page["snapped"] == [1008, 1024]
