@@ -16,8 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
-from flux2_core.variants import TransformerParams
+from flux2_core.autoencoder import AutoEncoder
+from flux2_core.variants import AutoEncoderParams, TransformerParams
 from tests.comfyui.host import PACK_FOLDER, ComfyServer, Host, HostClient, write_torch_stubs
 
 HERE = Path(__file__).resolve().parent
@@ -32,7 +35,8 @@ HOST_TRANSFORMER = TransformerParams(in_channels=128, context_in_dim=96, hidden_
 WORKFLOW_MODELS = {"model_name": ("diffusion_models", "transformer"), "text_encoder_name": ("text_encoders", "text_encoder"),
                    "ae_name": ("vae", "ae")}    # loader input -> (models folder, tiny file)
 FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "flux-2-klein-base-tiny.safetensors",
-         "text_encoder": "qwen_3_tiny.safetensors", "ae": "flux2-vae-tiny.safetensors"}
+         "text_encoder": "qwen_3_tiny.safetensors", "ae": "flux2-vae-tiny.safetensors",
+         "ae_full": "flux2-vae-full-size-random.safetensors"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
 
 def write_tiny_models(models: Path) -> dict[str, str]:
     """Random weights in ComfyUI's model folders: BFL transformer (also as a base model), ComfyUI Qwen3 file, BFL
-    autoencoder. Returns {role: file name}."""
+    autoencoders (tiny, and one of the real size). Returns {role: file name}."""
     from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
     from tests.tiny.transformer import random_bfl_transformer_state_dict, save_bfl_transformer
@@ -60,7 +64,27 @@ def write_tiny_models(models: Path) -> dict[str, str]:
     os.link(models / "diffusion_models" / FILES["transformer"], models / "diffusion_models" / FILES["transformer_base"])
     save_comfyui_text_encoder(build_tiny_qwen3(seed=2), models / "text_encoders" / FILES["text_encoder"])
     save_bfl_autoencoder(build_diffusers_autoencoder(seed=3), models / "vae" / FILES["ae"])
+    save_file(full_size_autoencoder(seed=4), str(models / "vae" / FILES["ae_full"]))
     return dict(FILES)
+
+
+def full_size_autoencoder(seed: int) -> dict[str, torch.Tensor]:
+    """Random weights of the real FLUX.2 autoencoder architecture (84 M parameters, bfloat16, BFL keys): ComfyUI's
+    VAELoader builds a fixed architecture, so mixing its VAE nodes with ours needs the full size."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoEncoder(AutoEncoderParams()).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for key, shape in shapes.items():
+        if key.endswith("num_batches_tracked"):
+            sd[key] = torch.tensor(1000)
+        elif key.endswith("running_var"):
+            sd[key] = 0.5 + torch.rand(shape, generator=g)
+        elif len(shape) == 1:                      # norm scales around 1; biases and running means around 0
+            sd[key] = float(key.endswith(".weight")) + 0.1 * torch.randn(shape, generator=g)
+        else:                                      # conv weights N(0, 1/fan_in)
+            sd[key] = torch.randn(shape, generator=g) / shape[1:].numel() ** 0.5
+    return {k: v if v.dtype == torch.int64 else v.to(torch.bfloat16) for k, v in sd.items()}
 
 
 def stage_workflow_files(base: Path, files: dict[str, str], pictures: list[str]) -> None:

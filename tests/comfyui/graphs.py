@@ -95,9 +95,16 @@ def native(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: 
     return finish(graph, link("8"), output)
 
 
+def saved_latents(base: Path, history_entry: dict) -> dict:
+    """{node id: tensor} of what the SaveLatent nodes wrote (safetensors files under the server's output folder)."""
+    out = {}
+    for node, outputs in history_entry["outputs"].items():
+        for record in outputs.get("latents", []):
+            out[node] = load_file(str(base / "output" / record["subfolder"] / record["filename"]))["latent_tensor"]
+    return out
+
+
 def saved_latent(base: Path, history_entry: dict):
-    """The tensor a SaveLatent node wrote (a safetensors file under the server's output folder)."""
-    records = [r for node in history_entry["outputs"].values() for r in node.get("latents", [])]
-    assert len(records) == 1, history_entry["outputs"]
-    record = records[0]
-    return load_file(str(base / "output" / record["subfolder"] / record["filename"]))["latent_tensor"]
+    """The tensor of the one SaveLatent node of a prompt."""
+    (latent,) = saved_latents(base, history_entry).values()
+    return latent
