@@ -4,7 +4,7 @@
     server = ComfyServer(comfy_dir, python, base_dir, stubs)
     server.start()                       # waits for GET /system_stats
     client = HostClient(server.address)
-    prompt_id, messages = client.run(api_prompt)
+    run = client.run(api_prompt)         # prompt_id, websocket messages, preview frames
     server.stop()
 
 The server runs from a ComfyUI source tree (v0.12.1+) in its own Python environment; nothing here imports ComfyUI.
