@@ -80,12 +80,14 @@ def rope_table(ids: Tensor, axes_dim: tuple[int, ...], theta: float) -> Tensor:
 
 
 def _rotate(x: Tensor, table: Tensor) -> Tensor:
-    """x [B, H, L, D] rotated pairwise in float32 by table [B, L, D/2, 2], cast back to x's dtype."""
-    pairs = x.float().unflatten(-1, (-1, 2))          # [B, H, L, D/2, 2]
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    cos, sin = table[:, None, ..., 0], table[:, None, ..., 1]   # [B, 1, L, D/2]
-    out = torch.stack([cos * x0 - sin * x1, sin * x0 + cos * x1], dim=-1)
-    return out.flatten(-2).to(x.dtype)
+    """x [B, H, L, D] rotated pairwise in float32 by table [B, L, D/2, 2], cast back to x's dtype.
+
+    Each pair (x0, x1) is the complex number x0 + i·x1 and the table entry (cos, sin) is cos + i·sin, so the rotation
+    (cos·x0 - sin·x1, sin·x0 + cos·x1) is one complex multiply: a single pass over x instead of six.
+    """
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))      # [B, H, L, D/2] complex
+    rotated = pairs * torch.view_as_complex(table)[:, None]              # table: [B, 1, L, D/2] complex
+    return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
 
 
 def apply_rope(q: Tensor, k: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:

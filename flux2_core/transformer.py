@@ -49,6 +49,29 @@ def timestep_embedding(t: Tensor, dim: int = TIME_EMBED_DIM, max_period: float =
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1).to(t.dtype)
 
 
+# float32 matmuls on CPU go through oneDNN (the kernel torch.compile picks on CPU) rather than the default BLAS: on
+# AMD CPUs MKL's sgemm runs a generic code path (70-95 GFLOP/s on our 2-core EPYC test machine; oneDNN: 200).
+ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [..., in] @ weight [out, in]ᵀ (no bias): oneDNN for float32 on CPU without autograd, else F.linear."""
+    if (ONEDNN_LINEAR and x.is_cpu and x.dtype == weight.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
+
+
+class Linear(nn.Linear):
+    """A bias-free nn.Linear (same parameter) computed by ``linear``."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight)
+
+
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     """(1 + scale) · LayerNorm(x) + shift, with a plain LayerNorm (no affine, eps 1e-6)."""
     return (1 + scale) * F.layer_norm(x, x.shape[-1:], eps=1e-6) + shift
@@ -115,9 +138,9 @@ class SelfAttention(nn.Module):
     def __init__(self, hidden: int, heads: int):
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.qkv = Linear(hidden, 3 * hidden)
         self.norm = QKNorm(hidden // heads)
-        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.proj = Linear(hidden, hidden)
 
     def qkv_heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return split_heads(self.qkv(x), self.norm, self.heads)
@@ -130,8 +153,8 @@ class SwiGLU(nn.Module):
 
 def mlp(hidden: int, mlp_hidden: int) -> nn.Sequential:
     """Lin(H, 2M) -> SwiGLU -> Lin(M, H); the Sequential indices give BFL's keys ``.0`` and ``.2``."""
-    return nn.Sequential(nn.Linear(hidden, 2 * mlp_hidden, bias=False), SwiGLU(),
-                         nn.Linear(mlp_hidden, hidden, bias=False))
+    return nn.Sequential(Linear(hidden, 2 * mlp_hidden), SwiGLU(),
+                         Linear(mlp_hidden, hidden))
 
 
 class Modulation(nn.Module):
@@ -140,7 +163,7 @@ class Modulation(nn.Module):
     def __init__(self, hidden: int, n: int):
         super().__init__()
         self.n = n
-        self.lin = nn.Linear(hidden, n * hidden, bias=False)
+        self.lin = Linear(hidden, n * hidden)
 
     def forward(self, vec: Tensor) -> tuple[Tensor, ...]:
         return self.lin(F.silu(vec))[:, None, :].chunk(self.n, dim=-1)
@@ -149,8 +172,8 @@ class Modulation(nn.Module):
 class MLPEmbedder(nn.Module):
     def __init__(self, in_dim: int, hidden: int):
         super().__init__()
-        self.in_layer = nn.Linear(in_dim, hidden, bias=False)
-        self.out_layer = nn.Linear(hidden, hidden, bias=False)
+        self.in_layer = Linear(in_dim, hidden)
+        self.out_layer = Linear(hidden, hidden)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out_layer(F.silu(self.in_layer(x)))
@@ -193,8 +216,8 @@ class SingleStreamBlock(nn.Module):
         super().__init__()
         self.heads = p.num_heads
         self.split = [3 * p.hidden_size, 2 * p.mlp_hidden]
-        self.linear1 = nn.Linear(p.hidden_size, sum(self.split), bias=False)
-        self.linear2 = nn.Linear(p.hidden_size + p.mlp_hidden, p.hidden_size, bias=False)
+        self.linear1 = Linear(p.hidden_size, sum(self.split))
+        self.linear2 = Linear(p.hidden_size + p.mlp_hidden, p.hidden_size)
         self.norm = QKNorm(p.head_dim)
 
     def forward(self, x: Tensor, pe: Tensor, mod: tuple[Tensor, ...], n_txt: int,
@@ -213,8 +236,8 @@ class SingleStreamBlock(nn.Module):
 class LastLayer(nn.Module):
     def __init__(self, hidden: int, out_channels: int):
         super().__init__()
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden, bias=False))
-        self.linear = nn.Linear(hidden, out_channels, bias=False)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(hidden, 2 * hidden))
+        self.linear = Linear(hidden, out_channels)
 
     def forward(self, x: Tensor, vec: Tensor) -> Tensor:
         shift, scale = self.adaLN_modulation(vec)[:, None, :].chunk(2, dim=-1)   # order: shift, then scale
@@ -267,8 +290,8 @@ class Flux2Transformer(nn.Module):
     def __init__(self, params: TransformerParams):
         super().__init__()
         p = self.params = params
-        self.img_in = nn.Linear(p.in_channels, p.hidden_size, bias=False)
-        self.txt_in = nn.Linear(p.context_in_dim, p.hidden_size, bias=False)
+        self.img_in = Linear(p.in_channels, p.hidden_size)
+        self.txt_in = Linear(p.context_in_dim, p.hidden_size)
         self.time_in = MLPEmbedder(TIME_EMBED_DIM, p.hidden_size)
         if p.use_guidance_embed:
             self.guidance_in = MLPEmbedder(TIME_EMBED_DIM, p.hidden_size)
