@@ -27,6 +27,12 @@ def group_norm(channels: int, groups: int) -> nn.GroupNorm:
     return nn.GroupNorm(groups, channels, eps=1e-6, affine=True)
 
 
+def conv_layout(x: torch.Tensor) -> torch.Tensor:
+    """The memory layout the convolutions run fastest in: channels-last on CPU (oneDNN's native layout; 1.3x faster
+    decode measured on a 2-core AMD EPYC), unchanged elsewhere. The values are the same."""
+    return x.contiguous(memory_format=torch.channels_last) if x.is_cpu and x.ndim == 4 else x
+
+
 def patchify(z: torch.Tensor) -> torch.Tensor:
     """[B,C,H,W] -> [B,4C,H/2,W/2]; output channel = c*4 + pi*2 + pj for the pixel (2i+pi, 2j+pj)."""
     return rearrange(z, "b c (h pi) (w pj) -> b (c pi pj) h w", pi=2, pj=2)
@@ -313,7 +319,7 @@ class AutoEncoder(nn.Module):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Image [B,3,H,W] in [-1,1], H and W multiples of 16 -> latent [B,128,H/16,W/16] (float32)."""
         self._check_image(x)
-        moments = self.encoder(x.to(self.device, self.dtype))           # [B,64,H/8,W/8]
+        moments = self.encoder(conv_layout(x.to(self.device, self.dtype)))   # [B,64,H/8,W/8]
         mean = moments[:, : self.params.z_channels]                     # posterior mean; log-variance unused
         return self.normalize(patchify(mean))                            # [B,128,H/16,W/16]
 
@@ -331,7 +337,7 @@ class AutoEncoder(nn.Module):
         if free is not None and batch > 1 and self.decode_bytes(batch, h, w) > free:
             return torch.cat([self.decode(z[i:i + 1], tiled=False) for i in range(batch)])
         z = unpatchify(self.denormalize(z.to(self.device)))             # [B,32,2h,2w]
-        return self.decoder(z.to(self.dtype))
+        return self.decoder(conv_layout(z.to(self.dtype)))
 
     # tiled decode -------------------------------------------------------------------------------------------------
 
@@ -371,7 +377,7 @@ class AutoEncoder(nn.Module):
         batch, _, h, w = z.shape
         scale, halo = self.pixels_per_latent, math.ceil(self.decoder.halo / 2)   # halo in z cells (2 decoder cells)
         z = unpatchify(self.denormalize(z.to(self.device))).to(self.dtype)        # [B,32,2h,2w]
-        mid = self.decoder.head(z)                                               # [B,512,2h,2w]
+        mid = self.decoder.head(conv_layout(z))                                  # [B,512,2h,2w]
 
         out = torch.zeros(batch, self.params.out_ch, h * scale, w * scale, device=self.device)
         weight = torch.zeros(1, 1, h * scale, w * scale, device=self.device)
