@@ -42,6 +42,21 @@ class PromptEmbeds:
     dropped: list[int]         # tokens cut off by truncation to max_length (0 when the prompt fits)
 
 
+def render_prompt(tokenizer, prompt: str) -> str:
+    """The prompt in Qwen3's chat template, as the text encoder reads it:
+    "<|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n"."""
+    if not isinstance(prompt, str):
+        raise Flux2Error(f"a prompt must be a string, got {type(prompt).__name__}")
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=False)
+
+
+def count_prompt_tokens(tokenizer, prompt: str) -> int:
+    """Tokens of the rendered prompt (chat template included) before truncation to 512: PromptEmbeds.token_counts,
+    and the exact count the web extension shows under the prompt."""
+    return len(tokenizer(render_prompt(tokenizer, prompt))["input_ids"])
+
+
 class PromptEncoder:
     """Turns prompts into FLUX.2 text embeddings with a (truncated) transformers ``Qwen3Model``."""
 
@@ -73,13 +88,11 @@ class PromptEncoder:
             raise Flux2Error("no prompt to encode: pass at least one (an empty string is a valid prompt)")
         ids, mask, counts = [], [], []
         for prompt in prompts:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True, enable_thinking=False)
-            tokens = self.tokenizer(text, padding="max_length", truncation=True, max_length=self.spec.max_length,
-                                    return_tensors="pt")
+            tokens = self.tokenizer(render_prompt(self.tokenizer, prompt), padding="max_length", truncation=True,
+                                    max_length=self.spec.max_length, return_tensors="pt")
             ids.append(tokens["input_ids"])
             mask.append(tokens["attention_mask"])
-            counts.append(len(self.tokenizer(text)["input_ids"]))
+            counts.append(count_prompt_tokens(self.tokenizer, prompt))
         return torch.cat(ids), torch.cat(mask), counts
 
     @torch.no_grad()

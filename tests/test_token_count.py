@@ -1,0 +1,58 @@
+"""count_prompt_tokens: the exact token count the web extension shows (through the server route) is the one the
+prompt encoder reports, template included, for short, long (> 512) and non-ASCII prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flux2_core.errors import Flux2Error
+from flux2_core.text_encoder import build_qwen3_encoder, count_prompt_tokens, render_prompt
+from flux2_core.tokenizer import build_qwen3_tokenizer
+from tests.tiny.text_encoder import build_tiny_qwen3
+
+LONG = "a red fox in the snow, " * 90     # 7 tokens a repeat (words, comma), 1 for the last space: 631 + 12
+PROMPTS = ["", "a red fox in the snow", LONG, "Ein Café in Zürich, 東京の夜景 🌃, ночь, مرحبا", "line one\n\nline two"]
+# Qwen3's chat template around a prompt, as ids (Qwen/Qwen3-4B tokenizer_config.json):
+# "<|im_start|>user\n" before it, "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n" after it.
+TEMPLATE_IDS = 3 + 9
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_qwen3_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def encoder(tokenizer):
+    return build_qwen3_encoder(build_tiny_qwen3().state_dict(), device="cpu", dtype=torch.float32,
+                               tokenizer=tokenizer)
+
+
+def test_count_is_the_prompt_plus_the_template(tokenizer):
+    counts = [count_prompt_tokens(tokenizer, p) for p in PROMPTS]
+    assert counts == [TEMPLATE_IDS + len(tokenizer.encode(p)) for p in PROMPTS]
+    assert counts[0] == 12 and counts[1] == 12 + 6 and counts[2] == 12 + 631    # "a| red| fox| in| the| snow"
+
+
+def test_count_equals_the_encoders_token_counts(encoder, tokenizer):
+    out = encoder.encode(PROMPTS)
+    assert out.token_counts == [count_prompt_tokens(tokenizer, p) for p in PROMPTS]
+    assert out.dropped == [max(0, count_prompt_tokens(tokenizer, p) - 512) for p in PROMPTS]
+    assert out.dropped[2] == 643 - 512
+
+
+def test_count_is_never_truncated(encoder, tokenizer):
+    encoder.tokenize([LONG])                 # leaves nothing behind: the next count is the full one
+    tokenizer(render_prompt(tokenizer, LONG), truncation=True, max_length=512)
+    assert count_prompt_tokens(tokenizer, LONG) == 643
+
+
+def test_render_prompt_is_the_klein_template(tokenizer):
+    assert render_prompt(tokenizer, "a cat") == ("<|im_start|>user\na cat<|im_end|>\n<|im_start|>assistant\n"
+                                                 "<think>\n\n</think>\n\n")
+
+
+def test_a_prompt_that_is_not_a_string_is_refused(tokenizer):
+    with pytest.raises(Flux2Error, match="must be a string"):
+        count_prompt_tokens(tokenizer, None)
