@@ -9,5 +9,9 @@ WEB_DIRECTORY = "./web"
 
 
 async def comfy_entrypoint():
-    from .nodes.extension import Flux2KleinExtension  # imported here: only ComfyUI has comfy_api
+    # imported here: only ComfyUI has comfy_api and server
+    from .nodes import routes
+    from .nodes.extension import Flux2KleinExtension
+
+    routes.register()         # POST /flux2_klein/tokens: the exact prompt token count for the web extension
     return Flux2KleinExtension()

@@ -1,5 +1,6 @@
-"""The one place that talks to ComfyUI: model folders, devices and dtypes, model management, and the per-step
-progress / preview / interrupt of the denoiser. The node files call these few functions and flux2_core, nothing else.
+"""The one place that talks to ComfyUI: model folders, devices and dtypes, model management, the per-step
+progress / preview / interrupt of the denoiser, and the pack's HTTP route. The node files call these few functions and
+flux2_core, nothing else.
 
 Our models live under ComfyUI's model management like its own: each core module is wrapped in a ``ModelPatcher``
 with a load device (the GPU) and an offload device (usually the CPU), and ``ready`` asks ComfyUI to load it before
@@ -26,6 +27,8 @@ import folder_paths
 import latent_preview
 import torch
 from comfy import latent_formats
+from comfy_api import feature_flags
+from server import PromptServer
 from torch import nn
 
 from ..flux2_core.errors import Flux2Error
@@ -194,3 +197,15 @@ class StepReporter:
 
 def check_interrupt() -> None:
     mm.throw_exception_if_processing_interrupted()
+
+
+# --- the server -------------------------------------------------------------------------------------------------
+
+def add_route(method: str, path: str, handler, feature: str) -> None:
+    """Serve ``handler`` (an aiohttp handler) at ``path`` on ComfyUI's server, also under /api like every route, and
+    announce it to browsers with the server feature flag ``feature``. Call before the server starts (from the pack's
+    comfy_entrypoint); a second call for the same feature does nothing."""
+    if feature_flags.SERVER_FEATURE_FLAGS.get(feature):
+        return
+    PromptServer.instance.routes.route(method, path)(handler)
+    feature_flags.SERVER_FEATURE_FLAGS[feature] = True

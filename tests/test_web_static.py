@@ -113,3 +113,10 @@ def test_token_label_warns_past_512():
     got = run_node("console.log(JSON.stringify([h.tokenLabel(40, false), h.tokenLabel(512, true), "
                    "h.tokenLabel(600, true)]))")
     assert got == ["≈ 40 / 512 tokens", "512 / 512 tokens", "600 / 512 tokens: 88 past the limit are dropped"]
+
+
+def test_token_route_and_feature_flag_match_the_server_side():
+    # nodes/routes.py imports ComfyUI, so its constants are read from the source (tests/comfyui/ checks them live)
+    server = dict(re.findall(r'^(ROUTE|FEATURE) = "([^"]+)"$', (ROOT / "nodes" / "routes.py").read_text(), re.MULTILINE))
+    client = dict(re.findall(r'^const TOKENS_(ROUTE|FEATURE) = "([^"]+)";$', EXTENSION.read_text(), re.MULTILINE))
+    assert server == client == {"ROUTE": "/flux2_klein/tokens", "FEATURE": "flux2_klein_tokens"}

@@ -1,12 +1,21 @@
 // Drives ComfyUI's real frontend in headless Chromium for tests/comfyui/test_browser.py; prints one JSON object.
-//   node browser_check.cjs <server url> <pack folder> <workflow names as JSON> <chromium> <screenshot path>
+//   node browser_check.cjs <server url> <pack folder> <workflow names as JSON> <chromium> <screenshot path> \
+//        <prompts as JSON: {short, long, fallback}>
 // Needs playwright-core on NODE_PATH.
 const { chromium } = require("playwright-core");
 
-const [url, pack, names, executablePath, screenshot] = process.argv.slice(2);
+const [url, pack, names, executablePath, screenshot, prompts] = process.argv.slice(2);
 
-async function inPage({ pack, names }) {
+async function inPage({ pack, names, prompts }) {   // runs in the page: it sees only its arguments and window
+  const TOKENS_ROUTE = "/flux2_klein/tokens";
+  const TOKENS_FEATURE = "flux2_klein_tokens";
   const app = window.app;
+  const api = window.comfyAPI.api.api;
+  const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+  const until = async (check, ms) => {
+    for (const end = Date.now() + ms; !check() && Date.now() < end;) await sleep(50);
+    return check();
+  };
   const ours = (node) => node.type?.startsWith("Flux2Klein");
   const result = { registered: Object.keys(LiteGraph.registered_node_types).filter((t) => t.startsWith("Flux2Klein")),
                    prompts: {}, colours: [] };
@@ -19,7 +28,14 @@ async function inPage({ pack, names }) {
     result.colours.push(...app.graph.nodes.filter(ours).map((n) => [n.color, n.bgcolor]));
   }
 
-  // a new prompt node: live token estimate, and its warning past 512
+  // a new prompt node: the estimate at once, the server's exact count once typing pauses, the warning past 512
+  result.feature = await until(() => api.serverSupportsFeature(TOKENS_FEATURE), 15000);
+  const requests = [];
+  const fetchApi = api.fetchApi;
+  api.fetchApi = function (route, options) {
+    if (route === TOKENS_ROUTE) requests.push(JSON.parse(options.body).text);
+    return fetchApi.call(this, route, options);
+  };
   app.graph.clear();
   const encode = LiteGraph.createNode("Flux2KleinPromptEncode");
   app.graph.add(encode);
@@ -30,8 +46,23 @@ async function inPage({ pack, names }) {
     text.inputEl?.dispatchEvent(new Event("input"));
     return { ...encode.flux2Tokens };
   };
-  result.short = type("a red fox in the snow");
-  result.long = type("a red fox in the snow, ".repeat(90));
+  const answered = async (value) => {            // the label while typing, and after the server answered
+    const typed = type(value);
+    await until(() => encode.flux2Tokens?.exact && encode.flux2Tokens.text === value, 30000);
+    return { typed, answered: { ...encode.flux2Tokens } };
+  };
+  await answered("");                             // the node's first request, before the checks below
+  requests.length = 0;
+  for (let n = 1; n < prompts.short.length; n += 4) type(prompts.short.slice(0, n));   // fast typing ...
+  result.short = await answered(prompts.short);   // ... asks once, for the last text
+  result.long = await answered(prompts.long);
+  result.requests = [...requests];
+  api.serverFeatureFlags[TOKENS_FEATURE] = false; // a server without the route: the estimate stays
+  result.fallback = type(prompts.fallback);
+  await sleep(1000);
+  result.fallback = { typed: result.fallback, later: { ...encode.flux2Tokens } };
+  api.serverFeatureFlags[TOKENS_FEATURE] = true;
+  api.fetchApi = fetchApi;
 
   // a new noise node: width/height snap to multiples of 16
   const noise = LiteGraph.createNode("Flux2KleinNoise");
@@ -64,7 +95,7 @@ async function inPage({ pack, names }) {
       console.log(JSON.stringify({ loaded, errors }));
       return;
     }
-    const result = await page.evaluate(inPage, { pack, names: JSON.parse(names) });
+    const result = await page.evaluate(inPage, { pack, names: JSON.parse(names), prompts: JSON.parse(prompts) });
     await page.screenshot({ path: screenshot });
     console.log(JSON.stringify({ loaded, ...result, errors }));
   } finally {

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from flux2_core.text_encoder import count_prompt_tokens
+from flux2_core.tokenizer import load_tokenizer
 from tests.comfyui.host import PACK_FOLDER
 
 HERE = Path(__file__).resolve().parent
@@ -21,6 +23,8 @@ NODE = shutil.which("node")
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 PLAYWRIGHT = Path(os.environ.get("PLAYWRIGHT_CORE", "/work/node_tools")) / "node_modules"
 UI_NAMES = sorted(p.stem for p in (ROOT / "workflows").glob("*.json"))
+PROMPTS = {"short": "a red fox in the snow", "long": "a red fox in the snow, " * 90,   # long: over 512 tokens
+           "fallback": "a lighthouse on a cliff at dusk"}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,8 @@ def page(comfy, tmp_path_factory):
                     f"chromium={CHROMIUM}, playwright-core in {PLAYWRIGHT}: {(PLAYWRIGHT / 'playwright-core').is_dir()})")
     screenshot = tmp_path_factory.mktemp("browser") / "canvas.png"
     done = subprocess.run([NODE, str(HERE / "browser_check.cjs"), f"http://{comfy.server.address}", PACK_FOLDER,
-                           json.dumps(UI_NAMES), CHROMIUM, str(screenshot)], capture_output=True, text=True,
+                           json.dumps(UI_NAMES), CHROMIUM, str(screenshot), json.dumps(PROMPTS)],
+                          capture_output=True, text=True,
                           timeout=300, check=False, env=dict(os.environ, NODE_PATH=str(PLAYWRIGHT)))
     assert done.returncode == 0, done.stderr[-4000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
@@ -65,11 +70,24 @@ def test_nodes_share_one_colour_family(page):
     assert len(page["colours"]) > 10 and len({tuple(c) for c in page["colours"]}) == 1, page["colours"]
 
 
-def test_live_token_count_and_warning(page):
+def test_live_token_count_is_exact_once_the_server_answered(page):
+    exact = {name: count_prompt_tokens(load_tokenizer(), PROMPTS[name]) for name in ("short", "long")}
+    assert exact["short"] == 12 + 6 and exact["long"] > 512   # "a| red| fox| in| the| snow" + the chat template
+    assert page["feature"] is True
     short, long = page["short"], page["long"]
-    assert short["label"].endswith(" / 512 tokens") and not short["over"]
-    assert 12 + 4 <= short["count"] <= 12 + 8                 # 6 prompt tokens + 12 of the chat template
-    assert long["over"] and "past the limit are dropped" in long["label"]
+    assert short["typed"]["label"].startswith("≈ ") and not short["typed"]["exact"]      # the estimate at once
+    assert 12 + 4 <= short["typed"]["count"] <= 12 + 8
+    assert short["answered"] == {"text": PROMPTS["short"], "count": exact["short"], "exact": True,
+                                 "label": f"{exact['short']} / 512 tokens", "over": False}
+    assert long["answered"]["count"] == exact["long"] and long["answered"]["exact"] and long["answered"]["over"]
+    assert long["answered"]["label"] == f"{exact['long']} / 512 tokens: {exact['long'] - 512} past the limit are dropped"
+    assert page["requests"] == [PROMPTS["short"], PROMPTS["long"]]   # debounced: fast typing asks once
+
+
+def test_live_token_count_falls_back_to_the_estimate(page):
+    fallback = page["fallback"]
+    assert fallback["later"] == fallback["typed"] and not fallback["later"]["exact"]
+    assert fallback["later"]["label"].startswith("≈ ") and fallback["later"]["text"] == PROMPTS["fallback"]
 
 
 def test_width_and_height_snap_to_16(page):
