@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from flux2_core.variants import FLUX2_AE, KLEIN_4B, KLEIN_9B, AutoEncoderParams, TransformerParams
 
+OURS_OPTIONS = ("ours_fp8", "ours_compile", "ours_encoder_onednn")
 PROMPT = "A red fox standing in fresh snow at dawn, soft golden light, detailed fur, shallow depth of field"
 
 
@@ -243,6 +244,19 @@ def run_ours(models, meter: Meter, args, refs=(), reference_kv=None):
     return pack(result.latents)
 
 
+def apply_options(models, args) -> None:
+    """Our opt-in speed-ups, as the --ours-* flags ask."""
+    from flux2_core.compile import compile_blocks, onednn_linears
+    from flux2_core.quant import quantize_transformer
+
+    if args.ours_fp8:
+        quantize_transformer(models.transformer)
+    if args.ours_compile:
+        compile_blocks(models.transformer)
+    if args.ours_encoder_onednn:
+        onednn_linears(models.prompt_encoder.model)
+
+
 def load_diffusers(folder: Path, device: torch.device, dtype: torch.dtype):
     from diffusers import Flux2KleinPipeline
 
@@ -284,19 +298,23 @@ def transformer_flops(p: TransformerParams, n_img: int, n_txt: int = 512, batch:
 
 
 def matmul_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
-    """Best of a few square matmuls (2048 on CPU, 8192 on CUDA) in ``dtype``."""
+    """The best of torch.mm and our ``linear`` (oneDNN on CPU) on square matrices (2048 on CPU, 8192 on CUDA)."""
+    from flux2_core.transformer import linear
+
     n, inner = (8192, 10) if device.type == "cuda" else (2048, 1)
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     best = float("inf")
-    for _ in range(8):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        for _ in range(inner):
-            torch.mm(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, (time.perf_counter() - t) / inner)
+    with torch.inference_mode():
+        for fn in (torch.mm, linear):
+            for _ in range(6):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t = time.perf_counter()
+                for _ in range(inner):
+                    fn(a, b)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                best = min(best, (time.perf_counter() - t) / inner)
     return 2 * n ** 3 / best
 
 
@@ -307,6 +325,7 @@ def worker(args) -> None:
     t = time.perf_counter()
     if args.worker == "ours":
         model, run = load_ours(Path(args.weights), device, dtype, None), run_ours
+        apply_options(model, args)
     else:
         model, run = load_diffusers(Path(args.weights), device, dtype), run_diffusers
     meter = Meter(device)
@@ -408,6 +427,7 @@ def spawn(args, side: str, out: Path, folder: Path, flops: bool = False) -> dict
     cmd = [sys.executable, __file__, "--worker", side, "--weights", str(folder), "--out", str(out),
            "--config", args.config[0], "--steps", str(args.steps), "--size", str(args.size),
            "--repeats", str(args.repeats), "--device", args.device] + (["--flops"] if flops else [])
+    cmd += [f"--{name.replace('_', '-')}" for name in OURS_OPTIONS if getattr(args, name)]
     if args.cfg is not None:
         cmd += ["--cfg", str(args.cfg)]
     subprocess.run(cmd, check=True, cwd=ROOT)
@@ -451,6 +471,10 @@ def main(argv=None) -> None:
     ap.add_argument("--weights", help="reuse (or keep) the random-weight folder here")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", help="write the summaries to this file")
+    ap.add_argument("--ours-fp8", action="store_true", help="ours: fp8 weight storage for the transformer blocks")
+    ap.add_argument("--ours-compile", action="store_true", help="ours: torch.compile the transformer blocks")
+    ap.add_argument("--ours-encoder-onednn", action="store_true",
+                    help="ours: oneDNN linears in the text encoder too (compile.onednn_linears)")
     ap.add_argument("--cfg", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -463,7 +487,8 @@ def main(argv=None) -> None:
         args.size = args.size or CONFIGS[args.config].size
         return kv_worker(args) if args.worker == "ours-kv" else worker(args)
 
-    results = {"machine": machine(), "mode": args.mode, "steps": args.steps, "configs": {}}
+    results = {"machine": machine(), "mode": args.mode, "steps": args.steps, "configs": {},
+               "ours_options": [o for o in OURS_OPTIONS if getattr(args, o)]}
     print(results["machine"])
     for name in list(args.config):
         cfg = CONFIGS[name]
@@ -491,9 +516,10 @@ def main(argv=None) -> None:
             diff = ((lat["ours"] - lat["diffusers"]).abs().max() / lat["diffusers"].abs().max()).item()
             ours, theirs = summarize(reports["ours"]), summarize(reports["diffusers"])
             flops, rate = reports["ours"][0]["flops"], reports["ours"][0]["matmul_flops_per_s"]
+            options = ", ".join(o.replace("_", "-") for o in OURS_OPTIONS if getattr(args, o)) or "none"
             print(f"\n{name}: {args.size}x{args.size}, {args.steps} steps, mode {args.mode}, {cfg.dtype}; "
-                  f"{args.rounds} processes x {args.repeats} runs per side; final latents differ by {diff:.1e} "
-                  f"(relative to max|diffusers|)")
+                  f"ours' options: {options}; {args.rounds} processes x {args.repeats} runs per side; "
+                  f"final latents differ by {diff:.1e} (relative to max|diffusers|)")
             print_comparison(ours, theirs, flops, rate, args.steps)
             results["configs"][name] = {"ours": asdict(ours), "diffusers": asdict(theirs), "latent_rel_diff": diff,
                                         "flops_per_step": flops, "matmul_flops_per_s": rate,

@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import Flux2Error
+from .transformer import linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max          # 448
@@ -76,7 +76,7 @@ class Fp8Linear(nn.Module):
         """x [..., in] -> [..., out] in x's dtype."""
         if self.fp8_matmul and _scaled_mm_ok(x, self.weight):
             return _fp8_matmul(x, self.weight, self.weight_scale)
-        y = F.linear(x, self.weight.to(x.dtype))                  # the e4m3 -> bf16/fp32 cast is exact
+        y = linear(x, self.weight.to(x.dtype))                    # the e4m3 -> bf16/fp32 cast is exact
         return y.mul_(self.weight_scale)                           # per output: multiplied in float32, stored in place
 
     def extra_repr(self) -> str:

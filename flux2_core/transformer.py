@@ -54,11 +54,22 @@ def timestep_embedding(t: Tensor, dim: int = TIME_EMBED_DIM, max_period: float =
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@torch.library.custom_op("flux2_core::onednn_linear", mutates_args=())
+def onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T by oneDNN; an opaque op to torch.compile, which would otherwise want the weight frozen."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [..., in] @ weight [out, in]ᵀ (no bias): oneDNN for float32 on CPU without autograd, else F.linear."""
     if (ONEDNN_LINEAR and x.is_cpu and x.dtype == weight.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        return onednn_linear(x, weight)
     return F.linear(x, weight)
 
 

@@ -106,3 +106,18 @@ def test_inductor_matches_eager_without_recompiling():
         assert counters["stats"]["unique_graphs"] - before == 2
     # inductor fuses and reorders float32 ops, so bit-equality is not expected; 1e-5 is far below the 1e-4 parity bound.
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_onednn_linears_keeps_weights_and_outputs():
+    from flux2_core.compile import onednn_linears
+    from flux2_core.transformer import Linear
+
+    g = torch.Generator().manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.SiLU(), torch.nn.Linear(32, 8))
+    x = torch.randn(3, 5, 16, generator=g)
+    keys, expected = list(module.state_dict()), module(x).detach()
+    assert onednn_linears(module) == 1                                 # the biased layer is left alone
+    assert isinstance(module[0], Linear) and type(module[2]) is torch.nn.Linear
+    assert list(module.state_dict()) == keys
+    with torch.no_grad():                                              # without autograd: the oneDNN path
+        torch.testing.assert_close(module(x), expected, rtol=0, atol=1e-6 * expected.abs().max().item())
