@@ -347,11 +347,10 @@ def worker(args) -> None:
 def kv_worker(args) -> None:
     """Ours only: a single-reference edit on the 9B-KV scheme (reference K/V once per run) vs the joint scheme
     (reference tokens through every block at every step), and a repeated KV edit whose reference K/V come from a
-    ``ReferenceKVCache`` (the AE still encodes the reference, to find it in the cache)."""
+    ``ReferenceKVCache`` keyed by the image (a hit runs neither the AE encoder nor the reference pass)."""
     from PIL import Image
 
     from flux2_core.cache import ReferenceKVCache
-    from flux2_core.references import encode_references, prepare_references
     from flux2_core.variants import get_variant
 
     device = torch.device(args.device)
@@ -373,8 +372,7 @@ def kv_worker(args) -> None:
                 kv = None
                 if name == "kv-cached":
                     meter.mark("ref-lookup")
-                    tokens, ids = encode_references(models.autoencoder, prepare_references([ref]), dtype)
-                    kv = cache.get(models.transformer, tokens, ids)
+                    kv = cache.get_for_images(models.transformer, models.autoencoder, [ref], dtype)
                 run_ours(models, meter, args, refs=[ref], reference_kv=kv)
                 entry[name] = {"total": time.perf_counter() - t, "times": meter.times, "peaks": meter.peaks}
             if i:

@@ -6,6 +6,7 @@
 
     refs = ReferenceKVCache()
     ref_kv = refs.get(model, ref, ref_ids)         # model.reference_kv(ref, ref_ids) the first time, then reused
+    ref_kv = refs.get_for_images(model, ae, images, dtype)   # keyed by the images: a hit skips the AE encode too
 
 Both are least-recently-used caches bounded by entry count and bytes. Keys hold a *fingerprint* of the model (shapes,
 dtypes, device and a few values of every tensor), not its ``id``: a reloaded copy of the same weights hits, a
@@ -42,6 +43,15 @@ def fingerprint(module: nn.Module) -> str:
             samples.append(ends.float())
     if samples:
         h.update(torch.cat(samples).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def image_digest(images) -> str:
+    """A hash of PIL images' exact pixels (mode, size and bytes), in order."""
+    h = hashlib.blake2b(digest_size=16)
+    for im in images:
+        h.update(f"{im.mode}:{im.size};".encode())
+        h.update(im.tobytes())
     return h.hexdigest()
 
 
@@ -166,5 +176,19 @@ class ReferenceKVCache:
         kv = self.cache.get(key)
         if kv is None:
             kv = model.reference_kv(ref, ref_ids, guidance)
+            self.cache.put(key, kv)
+        return kv
+
+    def get_for_images(self, model, autoencoder, images, dtype: torch.dtype | None = None):
+        """The ``ReferenceKV`` of reference images (PIL, any number), keyed by their pixels and both models' weights;
+        on a miss they are encoded with ``references.encode_references`` and run through ``model.reference_kv``, on a
+        hit neither the autoencoder nor the transformer runs."""
+        from .references import encode_references
+
+        key = ("images", fingerprint(model), fingerprint(autoencoder), image_digest(images), str(dtype))
+        kv = self.cache.get(key)
+        if kv is None:
+            ref, ref_ids = encode_references(autoencoder, images, dtype)
+            kv = model.reference_kv(ref, ref_ids)
             self.cache.put(key, kv)
         return kv

@@ -168,3 +168,27 @@ def test_tensor_digest_sees_dtype_shape_and_values():
     y = x.clone()
     y[5] = 5.000001
     assert tensor_digest(x) != tensor_digest(y)
+
+
+def test_reference_kv_cache_by_images_skips_the_autoencoder_too():
+    from PIL import Image
+
+    from flux2_core.autoencoder import AutoEncoder
+    from flux2_core.references import encode_references
+    from tests.tiny.autoencoder import TINY_AE_PARAMS
+
+    g = torch.Generator().manual_seed(0)
+    model, ae = tiny_model(0), AutoEncoder(TINY_AE_PARAMS).eval()
+    encodes, passes = count_calls(ae.encoder), count_calls(model.double_blocks[0])
+    image = Image.fromarray((torch.rand(64, 80, 3, generator=g) * 255).byte().numpy())
+    cache = ReferenceKVCache()
+    with torch.no_grad():
+        kv = cache.get_for_images(model, ae, [image])
+        assert (encodes[0], passes[0]) == (1, 1)
+        assert cache.get_for_images(model, ae, [image.copy()]) is kv             # same pixels: nothing runs
+        assert (encodes[0], passes[0]) == (1, 1)
+        ref, ref_ids = encode_references(ae, [image])
+        assert torch.equal(kv.blocks[-1][1], model.reference_kv(ref, ref_ids).blocks[-1][1])
+        other = image.copy()
+        other.putpixel((0, 0), (0, 0, 0) if image.getpixel((0, 0)) != (0, 0, 0) else (1, 1, 1))
+        assert cache.get_for_images(model, ae, [other]) is not kv               # one pixel changed: recomputed
