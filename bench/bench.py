@@ -249,8 +249,8 @@ def apply_options(models, args) -> None:
     from flux2_core.compile import compile_blocks, onednn_linears
     from flux2_core.quant import quantize_transformer
 
-    if args.ours_fp8:
-        quantize_transformer(models.transformer)
+    if args.ours_fp8:                   # on CUDA the matmuls run in fp8 too (torch._scaled_mm)
+        quantize_transformer(models.transformer, fp8_matmul=models.transformer.img_in.weight.is_cuda)
     if args.ours_compile:
         compile_blocks(models.transformer)
     if args.ours_encoder_onednn:
@@ -469,7 +469,8 @@ def main(argv=None) -> None:
     ap.add_argument("--weights", help="reuse (or keep) the random-weight folder here")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", help="write the summaries to this file")
-    ap.add_argument("--ours-fp8", action="store_true", help="ours: fp8 weight storage for the transformer blocks")
+    ap.add_argument("--ours-fp8", action="store_true",
+                    help="ours: fp8 weight storage for the transformer blocks (and fp8 matmuls on CUDA)")
     ap.add_argument("--ours-compile", action="store_true", help="ours: torch.compile the transformer blocks")
     ap.add_argument("--ours-encoder-onednn", action="store_true",
                     help="ours: oneDNN linears in the text encoder too (compile.onednn_linears)")
