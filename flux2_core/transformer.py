@@ -83,6 +83,17 @@ class Linear(nn.Linear):
         return linear(x, self.weight)
 
 
+class VectorLinear(Linear):
+    """A Linear for per-item vectors [B, in] (timestep embedding, modulations), applied one item at a time.
+
+    Matmul libraries pick other kernels for one row than for several, so a batched call would make an image depend
+    on its batch (by 1e-6, which can flip a pixel); one row each keeps item i of a batch equal to a batch-1 run.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([linear(row, self.weight) for row in x.split(1)]) if x.shape[0] > 1 else linear(x, self.weight)
+
+
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     """(1 + scale) · LayerNorm(x) + shift, with a plain LayerNorm (no affine, eps 1e-6)."""
     return (1 + scale) * F.layer_norm(x, x.shape[-1:], eps=1e-6) + shift
@@ -174,7 +185,7 @@ class Modulation(nn.Module):
     def __init__(self, hidden: int, n: int):
         super().__init__()
         self.n = n
-        self.lin = Linear(hidden, n * hidden)
+        self.lin = VectorLinear(hidden, n * hidden)
 
     def forward(self, vec: Tensor) -> tuple[Tensor, ...]:
         return self.lin(F.silu(vec))[:, None, :].chunk(self.n, dim=-1)
@@ -183,8 +194,8 @@ class Modulation(nn.Module):
 class MLPEmbedder(nn.Module):
     def __init__(self, in_dim: int, hidden: int):
         super().__init__()
-        self.in_layer = Linear(in_dim, hidden)
-        self.out_layer = Linear(hidden, hidden)
+        self.in_layer = VectorLinear(in_dim, hidden)
+        self.out_layer = VectorLinear(hidden, hidden)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out_layer(F.silu(self.in_layer(x)))
@@ -247,7 +258,7 @@ class SingleStreamBlock(nn.Module):
 class LastLayer(nn.Module):
     def __init__(self, hidden: int, out_channels: int):
         super().__init__()
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(hidden, 2 * hidden))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), VectorLinear(hidden, 2 * hidden))
         self.linear = Linear(hidden, out_channels)
 
     def forward(self, x: Tensor, vec: Tensor) -> Tensor:
