@@ -321,7 +321,7 @@ def matmul_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
 def worker(args) -> None:
     """One side in one process: load, warm up, time ``repeats`` generations; JSON to ``args.out``."""
     device = torch.device(args.device)
-    dtype = getattr(torch, CONFIGS[args.config].dtype)
+    dtype = getattr(torch, args.dtype or CONFIGS[args.config].dtype)
     t = time.perf_counter()
     if args.worker == "ours":
         model, run = load_ours(Path(args.weights), device, dtype, None), run_ours
@@ -354,7 +354,7 @@ def kv_worker(args) -> None:
     from flux2_core.variants import get_variant
 
     device = torch.device(args.device)
-    dtype = getattr(torch, CONFIGS[args.config].dtype)
+    dtype = getattr(torch, args.dtype or CONFIGS[args.config].dtype)
     models = load_ours(Path(args.weights), device, dtype, None)
     noise = torch.rand(args.size, args.size, 3, generator=torch.Generator().manual_seed(0))
     ref = Image.fromarray((noise * 255).byte().numpy())
@@ -425,6 +425,7 @@ def spawn(args, side: str, out: Path, folder: Path, flops: bool = False) -> dict
     cmd = [sys.executable, __file__, "--worker", side, "--weights", str(folder), "--out", str(out),
            "--config", args.config[0], "--steps", str(args.steps), "--size", str(args.size),
            "--repeats", str(args.repeats), "--device", args.device] + (["--flops"] if flops else [])
+    cmd += ["--dtype", args.dtype] if args.dtype else []
     cmd += [f"--{name.replace('_', '-')}" for name in OURS_OPTIONS if getattr(args, name)]
     if args.cfg is not None:
         cmd += ["--cfg", str(args.cfg)]
@@ -468,6 +469,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=2, help="timed generations per process (after one warm-up)")
     ap.add_argument("--weights", help="reuse (or keep) the random-weight folder here")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the config's dtype")
     ap.add_argument("--json", help="write the summaries to this file")
     ap.add_argument("--ours-fp8", action="store_true",
                     help="ours: fp8 weight storage for the transformer blocks (and fp8 matmuls on CUDA)")
@@ -490,7 +492,7 @@ def main(argv=None) -> None:
                "ours_options": [o for o in OURS_OPTIONS if getattr(args, o)]}
     print(results["machine"])
     for name in list(args.config):
-        cfg = CONFIGS[name]
+        cfg = replace(CONFIGS[name], dtype=args.dtype or CONFIGS[name].dtype)
         args.size = args.size or cfg.size
         if args.mode == "base":
             args.cfg = 4.0
