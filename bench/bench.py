@@ -246,7 +246,8 @@ def run_ours(models, meter: Meter, args, refs=(), reference_kv=None):
 
 def apply_options(models, args) -> None:
     """Our opt-in speed-ups, as the --ours-* flags ask."""
-    from flux2_core.compile import compile_blocks, onednn_linears
+    from flux2_core.compile import compile_blocks
+    from flux2_core.linear import onednn_linears
     from flux2_core.quant import quantize_transformer
 
     if args.ours_fp8:                   # on CUDA the matmuls run in fp8 too (torch._scaled_mm)
@@ -299,7 +300,7 @@ def transformer_flops(p: TransformerParams, n_img: int, n_txt: int = 512, batch:
 
 def matmul_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
     """The best of torch.mm and our ``linear`` (oneDNN on CPU) on square matrices (2048 on CPU, 8192 on CUDA)."""
-    from flux2_core.transformer import linear
+    from flux2_core.linear import linear
 
     n, inner = (8192, 10) if device.type == "cuda" else (2048, 1)
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
@@ -475,7 +476,7 @@ def main(argv=None) -> None:
                     help="ours: fp8 weight storage for the transformer blocks (and fp8 matmuls on CUDA)")
     ap.add_argument("--ours-compile", action="store_true", help="ours: torch.compile the transformer blocks")
     ap.add_argument("--ours-encoder-onednn", action="store_true",
-                    help="ours: oneDNN linears in the text encoder too (compile.onednn_linears)")
+                    help="ours: oneDNN linears in the text encoder too (linear.onednn_linears)")
     ap.add_argument("--cfg", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

@@ -1,8 +1,5 @@
 """Opt-in speed-ups for a loaded model on its device: ``torch.compile`` of the transformer's blocks, and oneDNN
-linears for other modules on CPU.
-
     compile_blocks(model)          # in place; the first forward compiles (seconds to minutes), later ones reuse it
-    onednn_linears(encoder.model)  # e.g. the Qwen3 text encoder: its bias-free nn.Linear layers computed by oneDNN
 
 Each double and single block is compiled on its own (``nn.Module.compile``), not the whole model: all blocks of a kind
 share one compiled graph (their weights are graph inputs), so the compile cost is two graphs, not 25 or 32. What is
@@ -26,7 +23,6 @@ import torch
 from torch import nn
 
 from .errors import Flux2Error
-from .transformer import Linear
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -62,14 +58,3 @@ def uncompile_blocks(model: nn.Module) -> nn.Module:
     for block in blocks(model):
         block._compiled_call_impl = None
     return model
-
-
-def onednn_linears(module: nn.Module) -> int:
-    """Make every bias-free ``nn.Linear`` in ``module`` compute like the transformer's ``Linear`` (oneDNN for float32
-    on CPU, see ``transformer.linear``), in place: same parameters, same state dict. Returns how many were changed."""
-    changed = 0
-    for layer in module.modules():
-        if type(layer) is nn.Linear and layer.bias is None:
-            layer.__class__ = Linear
-            changed += 1
-    return changed

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import Flux2Error
-from .transformer import linear
+from .linear import linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max          # 448

@@ -31,6 +31,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from .errors import Flux2Error
+from .linear import Linear, VectorLinear
 from .rope import apply_rope, rope_table
 from .variants import TransformerParams
 
@@ -47,51 +48,6 @@ def timestep_embedding(t: Tensor, dim: int = TIME_EMBED_DIM, max_period: float =
     freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
     args = t.float()[:, None] * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1).to(t.dtype)
-
-
-# float32 matmuls on CPU go through oneDNN (the kernel torch.compile picks on CPU) rather than the default BLAS: on
-# AMD CPUs MKL's sgemm runs a generic code path (70-95 GFLOP/s on our 2-core EPYC test machine; oneDNN: 200).
-ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-@torch.library.custom_op("flux2_core::onednn_linear", mutates_args=())
-def onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight.T by oneDNN; an opaque op to torch.compile, which would otherwise want the weight frozen."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
-@onednn_linear.register_fake
-def _(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x [..., in] @ weight [out, in]ᵀ (no bias): oneDNN for float32 on CPU without autograd, else F.linear."""
-    if (ONEDNN_LINEAR and x.is_cpu and x.dtype == weight.dtype == torch.float32
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return onednn_linear(x, weight)
-    return F.linear(x, weight)
-
-
-class Linear(nn.Linear):
-    """A bias-free nn.Linear (same parameter) computed by ``linear``."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight)
-
-
-class VectorLinear(Linear):
-    """A Linear for per-item vectors [B, in] (timestep embedding, modulations), applied one item at a time.
-
-    Matmul libraries pick other kernels for one row than for several, so a batched call would make an image depend
-    on its batch (by 1e-6, which can flip a pixel); one row each keeps item i of a batch equal to a batch-1 run.
-    """
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.cat([linear(row, self.weight) for row in x.split(1)]) if x.shape[0] > 1 else linear(x, self.weight)
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:

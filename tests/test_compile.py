@@ -109,7 +109,7 @@ def test_inductor_matches_eager_without_recompiling():
 
 
 def test_onednn_linears_keeps_weights_and_outputs():
-    from flux2_core.compile import onednn_linears
+    from flux2_core.linear import onednn_linears
     from flux2_core.transformer import Linear
 
     g = torch.Generator().manual_seed(0)
