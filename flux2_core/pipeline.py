@@ -8,6 +8,7 @@
     models = load_models("flux-2-klein-4b.safetensors", "qwen_3_4b.safetensors", "flux2-vae.safetensors")
     result = generate(models, "a red fox in snow", width=1024, height=768, seed=1)
     result.images        # uint8 [1, 768, 1024, 3]
+    again = generate(models, "a red fox in snow", seed=2)   # the prompt's embeddings come from models.prompt_cache
 
 Choices (the reference's, unless said otherwise):
 * Output size: ``width``/``height``; a missing one comes from the input image, else from the first reference after
@@ -19,24 +20,36 @@ Choices (the reference's, unless said otherwise):
 * Image-to-image: ``image`` with ``strength`` in (0, 1]; see ``schedules.truncate_for_strength``.
 * The transformer computes in its weights' dtype; the autoencoder in its own (float32 like the reference).
 * Images: clamp(-1, 1), then (127.5 * (x + 1)) truncated to uint8, as the reference CLI does.
+
+Repeated calls in one process reuse work through the caches ``Models`` carries (``cache.py``; None turns one off):
+``prompt_cache`` keeps prompt embeddings (a repeated prompt, and the empty negative of CFG models, which
+``load_models`` encodes up front, skip the text encoder); ``reference_cache`` keeps 9B-KV reference keys/values by
+the reference images' pixels (a repeated edit of the same references skips their AE encode and reference pass).
+Results are identical with and without the caches.
+
+Text-encoder offload (``offload_encoder``): True keeps the encoder on the CPU between encodes and moves it to the
+device only to encode a prompt the cache does not hold; "auto" does so on CUDA when the free memory, counted as if
+the encoder were on the device, is less than the denoiser's working memory (``denoise_memory``).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
 from torch import Tensor
 
-from .autoencoder import AutoEncoder
+from .autoencoder import AutoEncoder, free_memory
+from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
 from .references import as_pil, center_crop_16, encode_references, image_to_tensor, prepare_references
 from .sampling import add_noise, denoise, latent_size, make_noise
 from .schedules import check_sigmas, flux2_schedule, truncate_for_strength
-from .text_encoder import PromptEncoder
+from .text_encoder import PromptEmbeds, PromptEncoder
 from .transformer import Flux2Transformer, ReferenceKV
-from .variants import Variant
+from .variants import TransformerParams, Variant
 
 DEFAULT_SIZE = 1024
 
@@ -47,6 +60,15 @@ class Models:
     variant: Variant
     autoencoder: AutoEncoder
     prompt_encoder: PromptEncoder
+    # What repeated generate calls reuse (None: no caching). Embeddings are kept on the CPU; the reference K/V of
+    # the last edit stay on the device (about 2 GiB for one 1024^2 reference on Klein 9B in bf16).
+    prompt_cache: PromptCache | None = field(default_factory=lambda: PromptCache(storage="cpu"))
+    reference_cache: ReferenceKVCache | None = field(default_factory=lambda: ReferenceKVCache(max_items=1))
+
+    @property
+    def device(self) -> torch.device:
+        """Where the transformer runs; the text encoder runs there too (it may rest on the CPU in between)."""
+        return self.transformer.img_in.weight.device
 
 
 def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: torch.dtype | None = None,
@@ -54,6 +76,7 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     """Load the three models from files or folders (any layout ``weights`` reads) and check they fit together.
 
     dtype: the transformer's and text encoder's (default bf16 on CUDA, float32 on CPU); the AE stays float32.
+    CFG (base) models get the empty negative prompt encoded into the prompt cache right away.
     """
     from . import weights
 
@@ -61,7 +84,88 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     encoder = weights.load_text_encoder(text_encoder, device, dtype)
     weights.check_text_encoder_fits(chosen, encoder)
     ae = weights.load_autoencoder(autoencoder, device, torch.float32)
-    return Models(model, chosen, ae, encoder)
+    models = Models(model, chosen, ae, encoder)
+    if chosen.uses_cfg:
+        models.prompt_cache.warm(encoder)
+    return models
+
+
+def optimize_transformer(models: Models, *, fp8: bool = False, compile: bool = False) -> Models:
+    """Opt-in transformer speed-ups, in place: ``fp8`` stores the blocks' weights in fp8 (``quant.py``; half the
+    memory of bf16, computed in the model's dtype, results differ slightly); ``compile`` compiles the blocks with
+    torch.compile (``compile.py``; the first step of each new image size pays the compile)."""
+    from . import compile as compiling
+    from . import quant
+
+    if fp8:
+        quant.quantize_transformer(models.transformer)
+    if compile:
+        compiling.compile_blocks(models.transformer)
+    return models
+
+
+# --- the text encoder: cache and offload ----------------------------------------------------------------------------
+
+def module_bytes(module: torch.nn.Module) -> int:
+    return sum(t.nbytes for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def denoise_memory(params: TransformerParams, tokens: int, batch: int, dtype: torch.dtype) -> int:
+    """A generous estimate of the denoiser's activation memory in bytes: about 24 hidden-wide activations per token
+    (text, image and reference tokens) in the widest block, for each item of the model batch (CFG doubles it)."""
+    return 24 * tokens * params.hidden_size * dtype.itemsize * batch
+
+
+def should_offload(choice, encoder: PromptEncoder, device: torch.device, needed: int,
+                   free=free_memory) -> bool:
+    """Whether the text encoder rests on the CPU: ``choice`` True / False as given; "auto": on CUDA, when the free
+    memory of ``device`` (``free(device)`` bytes, counted as if the encoder were there) is below ``needed``."""
+    if choice not in ("auto", True, False):
+        raise Flux2Error(f"offload_encoder must be 'auto', True or False, got {choice!r}")
+    if choice != "auto":
+        return bool(choice)
+    available = free(device) if device.type == "cuda" else None
+    if available is None:
+        return False
+    if encoder.device != device:
+        available -= module_bytes(encoder.model)
+    return available < needed
+
+
+class EncoderOnCall:
+    """The text encoder as the prompt cache sees it: it rests on ``rest`` (the CPU when offloaded, else ``device``)
+    and visits ``device`` only to encode what the cache does not hold. The cache key is the encoder's where it
+    rests, so it stays the same from one call to the next."""
+
+    def __init__(self, encoder: PromptEncoder, device: torch.device, rest: torch.device):
+        self.encoder, self.run_device, self.rest = encoder, device, rest
+        self.model, self.spec = encoder.model, encoder.spec
+        self.model.to(rest)
+
+    @property
+    def device(self) -> torch.device:
+        return self.encoder.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.encoder.dtype
+
+    def encode(self, prompts: list[str]) -> PromptEmbeds:
+        self.model.to(self.run_device)
+        try:
+            return self.encoder.encode(prompts)
+        finally:
+            self.model.to(self.rest)
+
+
+def encode_prompts(models: Models, prompts: list[str], offload: bool) -> PromptEmbeds:
+    """Embeddings [len(prompts), 512, C] from the prompt cache, the encoder run (on the models' device) only for
+    prompts it does not hold; with ``offload`` the encoder rests on the CPU afterwards."""
+    device = models.device
+    encoder = EncoderOnCall(models.prompt_encoder, device, torch.device("cpu") if offload else device)
+    if models.prompt_cache is None:
+        return encoder.encode(prompts)
+    return models.prompt_cache.encode(encoder, prompts)
 
 
 @dataclass
@@ -89,12 +193,13 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
              steps: int | None = None, cfg: float | None = None, negative: str = "", seed: int = 0, batch: int = 1,
              sigmas: list[float] | None = None, image: Image.Image | None = None, strength: float = 1.0,
              reference_kv: ReferenceKV | None = None, noise: Tensor | None = None, bfl_cuda_noise: bool = False,
-             callback=None) -> Result:
+             offload_encoder="auto", callback=None) -> Result:
     """Generate ``batch`` images for ``prompt`` (see the module docstring for every default).
 
     references: PIL images (any number). sigmas: a custom schedule (overrides steps). image/strength:
-    image-to-image. reference_kv: a precomputed KV cache of these references (KV models). noise: an explicit
-    [batch, 128, H/16, W/16] start noise instead of the seeded one. callback(Step) runs after every step.
+    image-to-image. reference_kv: precomputed K/V of these references (KV models; else models.reference_cache is
+    used). noise: an explicit [batch, 128, H/16, W/16] start noise instead of the seeded one. offload_encoder:
+    "auto", True or False (see the module docstring). callback(Step) runs after every step.
     """
     variant, model, ae = models.variant, models.transformer, models.autoencoder
     device, dtype = model.img_in.weight.device, model.img_in.weight.dtype
@@ -126,12 +231,16 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
                          f"got {list(noise.shape)}")
     noise = noise.to(device, torch.float32)
 
-    # prompt(s)
-    embeds = models.prompt_encoder.encode([prompt])
+    # prompt(s): [prompt] or [prompt, negative] from the prompt cache
+    ref_tokens = sum((im.width // 16) * (im.height // 16) for im in refs)
+    needed = denoise_memory(variant.params, models.prompt_encoder.spec.max_length + h * w + ref_tokens,
+                            batch * (2 if use_cfg else 1), dtype)
+    offload = should_offload(offload_encoder, models.prompt_encoder, device, needed)
+    embeds = encode_prompts(models, [prompt, negative] if use_cfg else [prompt], offload)
     if embeds.dropped[0]:
         warnings.append(f"the prompt is {embeds.token_counts[0]} tokens; the last {embeds.dropped[0]} were cut off "
                         f"(the limit is 512 including the chat template)")
-    negative_txt = models.prompt_encoder.encode([negative]).embeds if use_cfg else None
+    txt, negative_txt = embeds.embeds[:1], (embeds.embeds[1:] if use_cfg else None)
 
     # start latent
     if init is not None:
@@ -141,12 +250,16 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     else:
         x = noise
 
-    # references and denoising
+    # references (KV models: their K/V from the cache, which skips the AE encode and the reference pass on a hit)
+    kv = variant.use_kv_cache and bool(refs)
+    if kv and reference_kv is None and models.reference_cache is not None:
+        reference_kv = models.reference_cache.get_for_images(model, ae, refs, dtype)
     ref = ref_ids = None
-    if refs and reference_kv is None:       # a given cache already holds these references
+    if refs and reference_kv is None:
         ref, ref_ids = encode_references(ae, refs, dtype)
-    latents = denoise(model, x.to(dtype), sigmas, embeds.embeds, negative_txt=negative_txt, cfg=cfg,
-                      ref=ref, ref_ids=ref_ids, ref_kv=reference_kv, kv=variant.use_kv_cache and bool(refs),
+
+    latents = denoise(model, x.to(dtype), sigmas, txt, negative_txt=negative_txt, cfg=cfg,
+                      ref=ref, ref_ids=ref_ids, ref_kv=reference_kv, kv=kv,
                       guidance=cfg if variant.params.use_guidance_embed else None, callback=callback)
 
     images = torch.cat([to_uint8(ae.decode(latents[i:i + 1])) for i in range(batch)])

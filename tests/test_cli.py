@@ -147,3 +147,42 @@ def test_plain_progress_without_tqdm(monkeypatch, capsys):
         progress(Step(i, 2, 1.0 - i / 2, 0.5 - i / 2, None, None))
     err = capsys.readouterr().err
     assert "step 1/2" in err and err.endswith("step 2/2 (sigma 0.000)\n")
+
+
+def test_demo_with_fp8_weights(tmp_path, monkeypatch, capsys):
+    from flux2_core import quant
+
+    quantized = []
+    original = quant.quantize_transformer
+    monkeypatch.setattr(quant, "quantize_transformer", lambda model: quantized.append(model) or original(model))
+    monkeypatch.chdir(tmp_path)
+    argv = ["--demo", "--prompt", "a red fox", "--seed", "3", "--width", "64", "--height", "64", "--steps", "2"]
+    assert cli.main([*argv, "--fp8", "--out", "fp8"]) == 0, capsys.readouterr().err
+    assert cli.main([*argv, "--out", "full"]) == 0
+    (model,) = quantized
+    fp8 = [m for m in model.modules() if isinstance(m, quant.Fp8Linear)]
+    assert fp8 and all(m.weight.dtype == quant.FP8 for m in fp8)       # the blocks really ran with fp8 weights
+    _, params = png_parameters(tmp_path / "fp8" / "flux2_3.png")
+    assert params["transformer_weights"] == "fp8"
+    a, b = (np.asarray(Image.open(tmp_path / d / "flux2_3.png"), dtype=np.int16) for d in ("fp8", "full"))
+    assert 0 < np.abs(a - b).mean() < 2                                # close to the full-precision picture (0.7)
+
+
+@pytest.mark.parametrize("flag,offload", [([], "auto"), (["--offload-encoder", "yes"], True),
+                                          (["--offload-encoder", "no"], False)])
+def test_compile_and_offload_flags_reach_the_engine(tmp_path, monkeypatch, flag, offload):
+    """--compile calls compile.compile_blocks on the transformer (stubbed here: compiling takes minutes on a CPU);
+    --offload-encoder reaches generate."""
+    from flux2_core import compile as compiling
+    from flux2_core import pipeline
+
+    compiled, seen = [], []
+    monkeypatch.setattr(compiling, "compile_blocks", lambda model: compiled.append(model) or model)
+    original = pipeline.generate
+    monkeypatch.setattr(pipeline, "generate", lambda *a, **kw: seen.append(kw["offload_encoder"]) or original(*a, **kw))
+    monkeypatch.chdir(tmp_path)
+    argv = ["--demo", "--prompt", "x", "--width", "32", "--height", "32", "--steps", "1", *flag]
+    assert cli.main(argv) == 0
+    assert compiled == [] and seen == [offload]
+    assert cli.main([*argv, "--compile"]) == 0
+    assert len(compiled) == 1 and type(compiled[0]).__name__ == "Flux2Transformer" and seen == [offload] * 2

@@ -9,7 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
+from flux2_core import pipeline
 from flux2_core.autoencoder import AutoEncoder
+from flux2_core.cache import PromptCache, ReferenceKVCache
 from flux2_core.errors import Flux2Error
 from flux2_core.pipeline import Models, generate, to_uint8
 from flux2_core.sampling import make_noise
@@ -17,8 +19,8 @@ from flux2_core.text_encoder import build_qwen3_encoder
 from flux2_core.tokenizer import build_qwen3_tokenizer
 from flux2_core.transformer import Flux2Transformer
 from flux2_core.variants import VARIANTS
-from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder
-from tests.tiny.text_encoder import build_tiny_qwen3, comfyui_state_dict
+from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder, save_bfl_autoencoder
+from tests.tiny.text_encoder import build_tiny_qwen3, comfyui_state_dict, save_comfyui_text_encoder
 from tests.tiny.transformer import (
     TINY_TRANSFORMER,
     diffusers_transformer_from_bfl_file,
@@ -45,27 +47,14 @@ def tiny(tmp_path_factory):
     ae = AutoEncoder(TINY_AE_PARAMS)
     ae.load_state_dict(bfl_state_dict(vae))
     te = build_tiny_qwen3(seed=5)
-    encoder = MemoEncoder(build_qwen3_encoder(comfyui_state_dict(te), config=te.config, device="cpu",
-                                              dtype=torch.float32))
-    ours = {family: Models(transformer.eval(), tiny_variant(family), ae.eval(), encoder)
+    encoder = build_qwen3_encoder(comfyui_state_dict(te), config=te.config, device="cpu", dtype=torch.float32)
+    prompts = PromptCache()          # shared: each distinct prompt is encoded once (the tiny Qwen3 is the slow part)
+    ours = {family: Models(transformer.eval(), tiny_variant(family), ae.eval(), encoder, prompt_cache=prompts)
             for family in FAMILIES}
     theirs = {"transformer": diffusers_transformer_from_bfl_file(save_bfl_transformer(sd, tmp / "t.safetensors"),
                                                                  TINY_TRANSFORMER, tmp / "cfg"),
               "vae": vae, "text_encoder": te, "tokenizer": build_qwen3_tokenizer()}
     return ours, theirs
-
-
-class MemoEncoder:
-    """Our PromptEncoder, encoding each distinct prompt once (the tiny Qwen3 on 512 tokens is the slow part)."""
-
-    def __init__(self, encoder):
-        self.encoder, self.memo = encoder, {}
-
-    def encode(self, prompts):
-        key = tuple(prompts)
-        if key not in self.memo:
-            self.memo[key] = self.encoder.encode(prompts)
-        return self.memo[key]
 
 
 DIFFUSERS_EMBEDS = {}
@@ -263,3 +252,123 @@ def test_bf16_transformer_follows_the_reference_dtypes(tiny):
     full = generate(models, PROMPT, **args)
     assert low.latents.dtype == torch.float32
     assert (low.latents - full.latents).abs().max() <= 0.05 * full.latents.abs().max()
+
+
+# --- caches and text-encoder offload --------------------------------------------------------------------------------
+
+def counting(monkeypatch, obj, name: str) -> list:
+    """Wrap ``obj.name`` (a method) so every call is recorded; returns the list of calls' first arguments."""
+    calls, original = [], getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(args[0] if args else None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, wrapper)
+    return calls
+
+
+def test_repeated_prompts_skip_the_text_encoder(tiny, monkeypatch):
+    base = tiny[0]["base"]
+    cached = replace(base, prompt_cache=PromptCache())
+    uncached = replace(base, prompt_cache=None)
+    encodes = counting(monkeypatch, base.prompt_encoder, "encode")
+    args = {"width": 32, "height": 32, "steps": 2, "cfg": 3.0, "negative": ""}
+
+    first = generate(cached, PROMPT, seed=1, **args)
+    assert encodes == [[PROMPT, ""]]                        # prompt and negative in one batch
+    second = generate(cached, PROMPT, seed=2, **args)       # a new seed: no encoder run at all
+    third = generate(cached, "a dog", seed=2, **args)       # a new prompt: only it is encoded, the negative is kept
+    assert encodes == [[PROMPT, ""], ["a dog"]]
+
+    for result, prompt, seed in [(first, PROMPT, 1), (second, PROMPT, 2), (third, "a dog", 2)]:
+        assert torch.equal(result.latents, generate(uncached, prompt, seed=seed, **args).latents)
+    assert len(encodes) == 5                                # the uncached runs encode every time
+
+
+def test_load_models_precomputes_the_empty_negative_of_cfg_models(tiny, tmp_path, monkeypatch):
+    sd = random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=3)
+    files = [save_bfl_transformer(sd, tmp_path / "flux-2-klein-base-tiny.safetensors"),
+             save_comfyui_text_encoder(build_tiny_qwen3(seed=5), tmp_path / "qwen_3_tiny.safetensors"),
+             save_bfl_autoencoder(build_diffusers_autoencoder(seed=4), tmp_path / "ae.safetensors")]
+    models = pipeline.load_models(*files, device="cpu", dtype=torch.float32)
+    assert models.variant.uses_cfg and len(models.prompt_cache.cache) == 1     # the empty negative, encoded
+    encodes = counting(monkeypatch, models.prompt_encoder, "encode")
+    result = generate(models, PROMPT, width=32, height=32, steps=1, cfg=4.0, seed=1)
+    assert encodes == [[PROMPT]]
+    same = generate(tiny[0]["base"], PROMPT, width=32, height=32, steps=1, cfg=4.0, seed=1)   # same weights
+    torch.testing.assert_close(result.latents, same.latents, rtol=0, atol=1e-5)
+
+
+def test_repeated_kv_edit_skips_the_reference_encode_and_pass(tiny, monkeypatch):
+    kv = tiny[0]["kv"]
+    cached = replace(kv, reference_cache=ReferenceKVCache())
+    uncached = replace(kv, reference_cache=None)
+    passes = counting(monkeypatch, kv.transformer, "reference_kv")
+    encodes = counting(monkeypatch, kv.autoencoder, "encode")
+    refs = [photo(64, 64, 2), photo(80, 64, 3)]
+    args = {"references": refs, "width": 32, "height": 32, "steps": 2}
+
+    first = generate(cached, PROMPT, seed=1, **args)
+    assert (len(passes), len(encodes)) == (1, 2)
+    second = generate(cached, "make it night", seed=2, **args)       # new prompt and seed, same references
+    assert (len(passes), len(encodes)) == (1, 2)                    # no AE encode, no reference pass
+    other = generate(cached, PROMPT, seed=1, references=[refs[1], refs[0]], width=32, height=32, steps=2)
+    assert (len(passes), len(encodes)) == (2, 4)                    # other references (order matters): computed
+
+    assert torch.equal(first.latents, generate(uncached, PROMPT, seed=1, **args).latents)
+    assert torch.equal(second.latents, generate(uncached, "make it night", seed=2, **args).latents)
+    assert not torch.equal(other.latents, first.latents)
+    assert (len(passes), len(encodes)) == (4, 8)                    # the uncached runs pay every time
+
+
+CUDA = torch.device("cuda")    # only a name here: the memory query is faked, nothing runs on it
+
+
+@pytest.mark.parametrize("choice,encoder_on_device,free,needed,expected", [
+    (True, True, 1 << 40, 0, True),              # asked: always
+    (False, True, 0, 1 << 40, False),            # asked not to: never
+    ("auto", True, 900, 800, False),             # enough free memory
+    ("auto", True, 700, 800, True),              # short
+    ("auto", False, 1000, 1000, True),           # the encoder (100 bytes) now sits on the CPU: 1000 - 100 < 1000
+    ("auto", False, 1100, 1000, False),          # 1100 - 100 >= 1000: it may stay on the device
+    ("auto", True, None, 1, False),              # unknown free memory: keep it
+])
+def test_offload_decision(tiny, choice, encoder_on_device, free, needed, expected):
+    fake = type("Encoder", (), {"device": CUDA if encoder_on_device else torch.device("cpu"),
+                                "model": torch.nn.Linear(5, 5, bias=False)})()     # 25 float32 = 100 bytes
+    asked = []
+    decision = pipeline.should_offload(choice, fake, CUDA, needed, free=lambda d: asked.append(d) or free)
+    assert decision is expected
+    assert asked == ([CUDA] if choice == "auto" else [])
+    # on the CPU "auto" never offloads (there is nowhere to offload to), whatever the free memory
+    assert pipeline.should_offload("auto", fake, torch.device("cpu"), 1 << 60, free=lambda d: 0) is False
+    with pytest.raises(Flux2Error, match="offload_encoder"):
+        pipeline.should_offload("sometimes", fake, CUDA, 0)
+
+
+def test_offloaded_encoder_visits_the_device_only_on_a_cache_miss(tiny, monkeypatch):
+    """The encoder rests on the CPU and is moved to the device only to encode a prompt the cache lacks. The moves
+    are recorded, not made (there is no GPU here), so the encoder really runs on the CPU."""
+    encoder = tiny[0]["base"].prompt_encoder
+    moves = []
+    monkeypatch.setattr(encoder.model, "to", lambda device: moves.append(device) or encoder.model)
+    cache, cpu = PromptCache(), torch.device("cpu")
+
+    def encode(prompts):
+        return cache.encode(pipeline.EncoderOnCall(encoder, CUDA, cpu), prompts)
+
+    first = encode(["a fox"])
+    assert moves == [cpu, CUDA, cpu]                        # rest, visit the device to encode, rest again
+    again = encode(["a fox"])
+    assert moves == [cpu, CUDA, cpu, cpu]                   # a hit: it stays on the CPU
+    assert torch.equal(first.embeds, again.embeds)
+    encode(["a fox", "a cat"])
+    assert moves[4:] == [cpu, CUDA, cpu]                    # a miss: one visit for the new prompt
+
+
+def test_offload_gives_the_same_images(tiny):
+    models = replace(tiny[0]["distilled"], prompt_cache=None)
+    args = {"width": 32, "height": 32, "steps": 1, "seed": 5}
+    assert torch.equal(generate(models, PROMPT, offload_encoder=True, **args).latents,
+                       generate(models, PROMPT, offload_encoder=False, **args).latents)
