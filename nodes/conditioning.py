@@ -3,6 +3,10 @@
 A CONDITIONING is a list of [embeds [B, 512, 3*D], dict]. References go in the dict under ``reference_latents``
 (a list of [1, 128, h, w] latents, as ComfyUI's ReferenceLatent stores them), so our nodes and ComfyUI's mix both
 ways; reference i gets RoPE time offset t = 10 * (i + 1) in our denoiser and in ComfyUI's FLUX.2 model alike.
+
+ComfyUI re-runs a node whenever an input upstream changed; our process-wide caches make that cheap: prompt embeddings
+(``PROMPTS``: a prompt that comes back after other edits is not encoded again) and reference latents (``LATENTS``: a
+new prompt re-runs the reference node, but the same image is not encoded again). A hit loads no model.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 from comfy_api.latest import io, ui
 from PIL import Image
 
-from ..flux2_core import references
+from ..flux2_core import cache, references
 from ..flux2_core.errors import Flux2Error
 from . import host, types
 
@@ -39,18 +43,42 @@ class PromptEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, text_encoder: host.Managed, prompt: str) -> io.NodeOutput:
-        encoder = text_encoder.core
-        text_encoder.ready()
-        out = encoder.encode([prompt])
+        encoder, misses = text_encoder.core, PROMPTS.cache.misses
+        out = PROMPTS.encode(LoadOnMiss(text_encoder), [prompt])
         tokens, dropped, limit = out.token_counts[0], out.dropped[0], encoder.spec.max_length
         meta = {"encoder": encoder.spec.name, "tokens": tokens, "dropped": dropped}
         # pooled_output None: FLUX.2 has no pooled vector, but ComfyUI's FLUX models read the key.
-        conditioning = [[out.embeds.to(host.intermediate_device()), {"pooled_output": None, types.META: meta}]]
+        conditioning = [[out.embeds, {"pooled_output": None, types.META: meta}]]
         info = f"{tokens} / {limit} tokens"
         if dropped:
             info += f": {dropped} tokens beyond {limit} were cut off"
             log.warning("FLUX.2 Klein prompt has %d tokens; the last %d (beyond %d) were cut off", tokens, dropped, limit)
+        if PROMPTS.cache.misses == misses:
+            info += " (cached)"
         return io.NodeOutput(conditioning, ui=ui.PreviewText(info))
+
+
+class ManagedPromptCache(cache.PromptCache):
+    """cache.PromptCache for encoders under ComfyUI's model management: keyed by ``host.Managed.key`` (the weights
+    as loaded), not by where the weights are now, which changes as ComfyUI loads and offloads the encoder."""
+
+    def encoder_key(self, encoder: LoadOnMiss) -> tuple:
+        return encoder.managed.key + (encoder.spec,)
+
+
+class LoadOnMiss:
+    """A managed text encoder as the prompt cache sees it: loaded onto its device only to encode what the cache
+    lacks; embeddings are handed out on ComfyUI's intermediate device."""
+
+    def __init__(self, managed: host.Managed):
+        self.managed, self.spec, self.device = managed, managed.core.spec, host.intermediate_device()
+
+    def encode(self, prompts: list[str]):
+        self.managed.ready()
+        return self.managed.core.encode(prompts)
+
+
+PROMPTS = ManagedPromptCache(storage="cpu")
 
 
 class Reference(io.ComfyNode):
@@ -76,7 +104,6 @@ class Reference(io.ComfyNode):
         sources += [None] * (len(latents) - len(sources))       # latents appended by other nodes have no source
         new = [to_pil(item) for item in image]
         cap = references.SINGLE_REFERENCE_PIXELS if len(latents) + len(new) == 1 else references.MULTI_REFERENCE_PIXELS
-        ae.ready()
         if len(latents) == 1 and new and sources[0] is not None and too_big(sources[0], cap):
             latents[0] = encode(ae, sources[0], cap, 0)   # the first of several: redo it at the smaller cap
         latents += [encode(ae, im, cap, len(latents) + i) for i, im in enumerate(new)]
@@ -98,8 +125,18 @@ def too_big(image: Image.Image, cap: int) -> bool:
 
 
 def encode(ae: host.Managed, image: Image.Image, cap: int, index: int) -> torch.Tensor:
-    """BFL's reference preparation of reference ``index`` at pixel cap ``cap``, then its latent [1, 128, h, w]."""
+    """BFL's reference preparation of reference ``index`` at pixel cap ``cap``, then its latent [1, 128, h, w]
+    (from ``LATENTS`` when this autoencoder has encoded these pixels before)."""
     references.check_reference(image, index)
     prepared = references.center_crop_16(references.cap_pixels(image, cap))
-    with torch.no_grad():
-        return ae.core.encode(references.image_to_tensor(prepared)).to(host.intermediate_device())
+    key = ae.key + (cache.image_digest([prepared]),)
+    latent = LATENTS.get(key)
+    if latent is None:
+        ae.ready()
+        with torch.no_grad():
+            latent = ae.core.encode(references.image_to_tensor(prepared)).cpu()
+        LATENTS.put(key, latent)
+    return latent.to(host.intermediate_device(), copy=True)        # a copy: the cached one stays as it is
+
+
+LATENTS = cache.LRUCache(max_items=16, max_bytes=256 << 20, size=lambda latent: latent.nbytes)   # on the CPU

@@ -5,10 +5,10 @@ from comfy_api.latest import ComfyExtension, io
 from .autoencoder import AEDecode, AEEncode
 from .conditioning import PromptEncode, Reference
 from .loaders import AutoEncoderLoader, ModelLoader, TextEncoderLoader
-from .sampling import Denoise, Noise, Scheduler
+from .sampling import Compile, Denoise, Noise, Scheduler
 
 NODES = [ModelLoader, TextEncoderLoader, AutoEncoderLoader, PromptEncode, Reference, Noise, Scheduler, Denoise,
-         AEEncode, AEDecode]
+         AEEncode, AEDecode, Compile]
 
 
 class Flux2KleinExtension(ComfyExtension):

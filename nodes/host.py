@@ -31,7 +31,9 @@ from comfy_api import feature_flags
 from server import PromptServer
 from torch import nn
 
+from ..flux2_core.cache import fingerprint
 from ..flux2_core.errors import Flux2Error
+from ..flux2_core.pipeline import denoise_memory
 from ..flux2_core.variants import Variant
 
 log = logging.getLogger("flux2_klein")
@@ -132,11 +134,19 @@ class Managed:
     dtype: torch.dtype
     variant: Variant | None = None     # transformers only
     full_load: bool = False            # never load partially (layers ComfyUI cannot stream, e.g. fp8 ones)
+    fingerprint: str = ""              # cache.fingerprint of the weights as loaded
+    compiled: bool = False             # transformers: run the blocks torch.compiled (FLUX.2 Klein Compile)
 
     def ready(self, memory: int = 0) -> torch.device:
         """Load (or keep) the model on its device with ``memory`` bytes to spare for activations; the device."""
         mm.load_models_gpu([self.patcher], memory_required=memory, force_full_load=self.full_load)
         return self.patcher.load_device
+
+    @property
+    def key(self) -> tuple:
+        """What our caches key this model's results by: its weights as loaded, its dtype and ComfyUI's patches.
+        Unlike a fingerprint of the weights where they are now, it stays the same as ComfyUI loads and offloads."""
+        return (self.fingerprint, str(self.dtype), str(self.patcher.patches_uuid))
 
 
 def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str = "", variant=None,
@@ -153,15 +163,15 @@ def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str =
             layer.register_forward_pre_hook(_follow_input)   # a leaf layer with parameters, e.g. an RMS norm
     load_device, offload_device = devices(kind)
     patcher = comfy.model_patcher.ModelPatcher(HOLDERS[kind](module), load_device=load_device, offload_device=offload_device)
-    return Managed(core, patcher, dtype, variant, full_load)
+    return Managed(core, patcher, dtype, variant, full_load, fingerprint(module))
 
 
 def transformer_memory(params, noise: torch.Tensor, ref: torch.Tensor | None, cfg: bool, dtype: torch.dtype) -> int:
-    """A generous estimate of the denoiser's activation memory in bytes (what ComfyUI frees beside the weights):
-    about 24 hidden-wide activations per token in the widest block, for every item of the (CFG-doubled) batch."""
+    """The denoiser's activation memory in bytes (what ComfyUI frees beside the weights): pipeline.denoise_memory for
+    the text, image and reference tokens of the (CFG-doubled) batch."""
     batch, _, h, w = noise.shape
     tokens = 512 + h * w + (0 if ref is None else ref.shape[1])
-    return 24 * tokens * params.hidden_size * dtype.itemsize * batch * (2 if cfg else 1)
+    return denoise_memory(params, tokens, batch * (2 if cfg else 1), dtype)
 
 
 def ae_memory(height: int, width: int, dtype: torch.dtype) -> int:

@@ -1,16 +1,21 @@
-"""Sampling: noise, the schedule (SIGMAS) and the Euler denoiser.
+"""Sampling: noise, the schedule (SIGMAS), the Euler denoiser, and the opt-in compile of its model.
 
 Latents are ComfyUI LATENT dicts {"samples": [B, 128, H/16, W/16]} in ComfyUI's FLUX.2 latent space.
+
+KV models (Klein 9B-KV) keep the reference keys/values of the last edit in ``REFERENCE_KV``, keyed by the model and
+the reference latents: re-running an edit with a new prompt or seed but the same references skips the reference pass.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
-from ..flux2_core import rope, sampling, schedules, weights
+from ..flux2_core import cache, rope, sampling, schedules, weights
+from ..flux2_core import compile as compiling
 from ..flux2_core.errors import Flux2Error
 from . import host, types
 
@@ -82,7 +87,9 @@ class Denoise(io.ComfyNode):
             category=f"{types.CATEGORY}/sampling",
             description="Runs the Euler flow-matching sampler. With a negative and cfg != 1: classifier-free "
                         "guidance (base models). Reference latents of the positive conditioning are used (for both "
-                        "CFG branches); KV models cache them. With a latent and denoise < 1: image-to-image.",
+                        "CFG branches); KV models compute their keys/values once and reuse them while the references "
+                        "stay the same (a new prompt or seed skips the reference pass). With a latent and "
+                        "denoise < 1: image-to-image.",
             inputs=[types.Model.Input("model", tooltip="From FLUX.2 Klein Load Model."),
                     io.Conditioning.Input("positive", tooltip="The prompt (and references)."),
                     io.Latent.Input("noise", tooltip="Starting noise (FLUX.2 Klein Noise)."),
@@ -118,11 +125,57 @@ class Denoise(io.ComfyNode):
             log.warning("%s is a CFG model but no negative is connected: running without guidance", variant.name)
 
         device = model.ready(host.transformer_memory(variant.params, noise, ref, cfg_on, model.dtype))
+        set_compiled(model)
         x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)   # = noise when sigmas[0] is 1
+        ref_kv, info = reference_kv(model, ref, ref_ids, device) if variant.use_kv_cache else (None, None)
+        if ref_kv is not None:
+            ref = ref_ids = None                                                  # the K/V stand for them
         out = sampling.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant) if cfg_on
-                               else None, cfg=cfg, ref=ref, ref_ids=ref_ids, kv=variant.use_kv_cache,
+                               else None, cfg=cfg, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv, kv=variant.use_kv_cache,
                                guidance=guidance, callback=host.StepReporter(len(sigmas) - 1, device))
-        return io.NodeOutput({"samples": out.float().to(host.intermediate_device())})
+        return io.NodeOutput({"samples": out.float().to(host.intermediate_device())},
+                             ui=ui.PreviewText(info) if info else None)
+
+
+class Compile(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Flux2KleinCompile", display_name="FLUX.2 Klein Compile", category=f"{types.CATEGORY}/sampling",
+            description="Runs the model's transformer blocks through torch.compile in the denoiser. The first run at "
+                        "a new image size, batch or reference count compiles (about a minute on a GPU, longer on a "
+                        "CPU); later steps, prompts and seeds reuse it and run faster. Needs a working Triton (GPU) or "
+                        "C++ compiler (CPU).",
+            inputs=[types.Model.Input("model", tooltip="From FLUX.2 Klein Load Model.")],
+            outputs=[types.Model.Output(display_name="model", tooltip="The same model, marked to run compiled.")])
+
+    @classmethod
+    def execute(cls, model: host.Managed) -> io.NodeOutput:
+        return io.NodeOutput(dataclasses.replace(model, compiled=True))
+
+
+def set_compiled(model: host.Managed) -> None:
+    """Compile the blocks when this model came through the Compile node, else run them eagerly: the transformer is
+    shared by every branch that uses the loader's output, so each denoiser sets the mode it needs."""
+    if model.compiled and not compiling.is_compiled(model.core):
+        compiling.compile_blocks(model.core)
+    elif not model.compiled and compiling.is_compiled(model.core):
+        compiling.uncompile_blocks(model.core)
+
+
+def reference_kv(model: host.Managed, ref, ref_ids, device) -> tuple:
+    """(ReferenceKV or None, a note for the node): the references' K/V from ``REFERENCE_KV``, computed on a miss."""
+    if ref is None:
+        return None, None
+    hits = REFERENCE_KV.cache.hits
+    ref_kv = REFERENCE_KV.get(model.core, ref.to(device, model.dtype), ref_ids.to(device))
+    if REFERENCE_KV.cache.hits > hits:
+        log.info("FLUX.2 Klein: reference K/V reused from the previous edit (no reference pass)")
+        return ref_kv, "reference K/V: reused (no reference pass)"
+    return ref_kv, "reference K/V: computed"
+
+
+REFERENCE_KV = cache.ReferenceKVCache(max_items=1)       # on the model's device: ~2 GiB per 1024^2 reference on 9B
 
 
 def image_latent(latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

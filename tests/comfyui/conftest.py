@@ -35,6 +35,7 @@ HOST_TRANSFORMER = TransformerParams(in_channels=128, context_in_dim=96, hidden_
 WORKFLOW_MODELS = {"model_name": ("diffusion_models", "transformer"), "text_encoder_name": ("text_encoders", "text_encoder"),
                    "ae_name": ("vae", "ae")}    # loader input -> (models folder, tiny file)
 FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "flux-2-klein-base-tiny.safetensors",
+         "transformer_kv": "flux-2-klein-9b-kv-tiny.safetensors",
          "text_encoder": "qwen_3_tiny.safetensors", "ae": "flux2-vae-tiny.safetensors",
          "ae_full": "flux2-vae-full-size-random.safetensors"}
 
@@ -60,8 +61,9 @@ def write_tiny_models(models: Path) -> dict[str, str]:
         (models / folder).mkdir(parents=True, exist_ok=True)
     transformer = random_bfl_transformer_state_dict(HOST_TRANSFORMER, seed=1)
     save_bfl_transformer(transformer, models / "diffusion_models" / FILES["transformer"])
-    # the same weights under a "base" name: the variant (CFG or distilled) comes from the file name
-    os.link(models / "diffusion_models" / FILES["transformer"], models / "diffusion_models" / FILES["transformer_base"])
+    # the same weights under "base" and "kv" names: the variant (CFG, distilled, KV) comes from the file name
+    for role in ("transformer_base", "transformer_kv"):
+        os.link(models / "diffusion_models" / FILES["transformer"], models / "diffusion_models" / FILES[role])
     save_comfyui_text_encoder(build_tiny_qwen3(seed=2), models / "text_encoders" / FILES["text_encoder"])
     save_bfl_autoencoder(build_diffusers_autoencoder(seed=3), models / "vae" / FILES["ae"])
     save_file(full_size_autoencoder(seed=4), str(models / "vae" / FILES["ae_full"]))
