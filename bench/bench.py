@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from flux2_core.variants import FLUX2_AE, KLEIN_4B, KLEIN_9B, AutoEncoderParams, TransformerParams
 
-OURS_OPTIONS = ("ours_fp8", "ours_compile", "ours_encoder_onednn")
+OURS_OPTIONS = ("ours_fp8", "ours_compile")
 PROMPT = "A red fox standing in fresh snow at dawn, soft golden light, detailed fur, shallow depth of field"
 
 
@@ -217,7 +217,9 @@ def load_ours(folder: Path, device: torch.device, dtype: torch.dtype, variant: s
     transformer, chosen = weights.load_transformer(folder / "transformer", device, dtype, variant=variant)
     encoder = weights.load_text_encoder(folder / "text_encoder", device, dtype)
     ae = weights.load_autoencoder(folder / "vae", device, dtype)   # diffusers runs its VAE in the pipeline dtype too
-    return Models(transformer, chosen, ae, encoder)
+    # No caches: every timed run encodes its prompt and references afresh, as diffusers does (the kv mode measures
+    # the reference cache on its own).
+    return Models(transformer, chosen, ae, encoder, prompt_cache=None, reference_cache=None)
 
 
 def run_ours(models, meter: Meter, args, refs=(), reference_kv=None):
@@ -247,15 +249,12 @@ def run_ours(models, meter: Meter, args, refs=(), reference_kv=None):
 def apply_options(models, args) -> None:
     """Our opt-in speed-ups, as the --ours-* flags ask."""
     from flux2_core.compile import compile_blocks
-    from flux2_core.linear import onednn_linears
     from flux2_core.quant import quantize_transformer
 
     if args.ours_fp8:                   # on CUDA the matmuls run in fp8 too (torch._scaled_mm)
         quantize_transformer(models.transformer, fp8_matmul=models.transformer.img_in.weight.is_cuda)
     if args.ours_compile:
         compile_blocks(models.transformer)
-    if args.ours_encoder_onednn:
-        onednn_linears(models.prompt_encoder.model)
 
 
 def load_diffusers(folder: Path, device: torch.device, dtype: torch.dtype):
@@ -475,8 +474,6 @@ def main(argv=None) -> None:
     ap.add_argument("--ours-fp8", action="store_true",
                     help="ours: fp8 weight storage for the transformer blocks (and fp8 matmuls on CUDA)")
     ap.add_argument("--ours-compile", action="store_true", help="ours: torch.compile the transformer blocks")
-    ap.add_argument("--ours-encoder-onednn", action="store_true",
-                    help="ours: oneDNN linears in the text encoder too (linear.onednn_linears)")
     ap.add_argument("--cfg", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

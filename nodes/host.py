@@ -157,13 +157,22 @@ def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str =
     plain layer that ComfyUI loads whole or not at all, so the model runs where that layer is.
     """
     for name, layer in module.named_modules():
-        if type(layer) in CASTABLE and name != anchor:
-            layer.__class__ = CASTABLE[type(layer)]      # a subclass with the same state: see the module docstring
+        castable = _castable(layer)
+        if castable is not None and name != anchor:
+            layer.__class__ = castable                   # a subclass with the same state: see the module docstring
         elif next(layer.children(), None) is None and next(layer.parameters(recurse=False), None) is not None:
             layer.register_forward_pre_hook(_follow_input)   # a leaf layer with parameters, e.g. an RMS norm
     load_device, offload_device = devices(kind)
     patcher = comfy.model_patcher.ModelPatcher(HOLDERS[kind](module), load_device=load_device, offload_device=offload_device)
     return Managed(core, patcher, dtype, variant, full_load, fingerprint(module))
+
+
+def _castable(layer: nn.Module) -> type | None:
+    """ComfyUI's castable class for a layer of a plain torch type or of our own subclass of one (flux2_core.linear's
+    Linear: its CPU kernel choice gives way to ComfyUI's weight streaming); None for anything else."""
+    if hasattr(layer, "comfy_cast_weights"):
+        return None                                      # already ComfyUI's
+    return next((castable for base, castable in CASTABLE.items() if isinstance(layer, base)), None)
 
 
 def transformer_memory(params, noise: torch.Tensor, ref: torch.Tensor | None, cfg: bool, dtype: torch.dtype) -> int:
