@@ -18,8 +18,12 @@ FP8_TOOLTIP = (f" {FP8}: the blocks' weights stored in fp8 (about half the memor
                "dtype; results differ slightly. Loaded whole, never partially.")
 
 
-def dtype_input(extra=(), tooltip: str = "") -> io.Combo.Input:
-    return io.Combo.Input("dtype", options=[*host.DTYPE_CHOICES, *extra], default="auto", tooltip=DTYPE_TOOLTIP + tooltip)
+AE_DTYPE_TOOLTIP = ("auto follows ComfyUI's VAE dtype (bfloat16 on recent GPUs, else float32; --fp32-vae forces "
+                    "float32). The reference runs the autoencoder in float32.")
+
+
+def dtype_input(extra=(), tooltip: str = DTYPE_TOOLTIP) -> io.Combo.Input:
+    return io.Combo.Input("dtype", options=[*host.DTYPE_CHOICES, *extra], default="auto", tooltip=tooltip)
 
 
 class ModelLoader(io.ComfyNode):
@@ -32,7 +36,7 @@ class ModelLoader(io.ComfyNode):
             inputs=[io.Combo.Input("model_name", options=host.model_choices("diffusion_models"),
                                    tooltip="A flux-2-klein-*.safetensors file (BFL or ComfyUI, fp8 too) or a diffusers "
                                            "folder, under models/diffusion_models."),
-                    dtype_input([FP8], FP8_TOOLTIP)],
+                    dtype_input([FP8], DTYPE_TOOLTIP + FP8_TOOLTIP)],
             outputs=[types.Model.Output(display_name="model", tooltip="The transformer and its variant.")])
 
     @classmethod
@@ -83,9 +87,7 @@ class AutoEncoderLoader(io.ComfyNode):
             inputs=[io.Combo.Input("ae_name", options=host.model_choices("vae"),
                                    tooltip="flux2-vae.safetensors (ComfyUI), ae.safetensors (BFL) or a diffusers "
                                            "folder, under models/vae."),
-                    io.Combo.Input("dtype", options=host.DTYPE_CHOICES, default="auto",
-                                   tooltip="auto follows ComfyUI's VAE dtype (bfloat16 on recent GPUs, else float32; "
-                                           "--fp32-vae forces float32). The reference runs the autoencoder in float32.")],
+                    dtype_input(tooltip=AE_DTYPE_TOOLTIP)],
             outputs=[types.AutoEncoder.Output(display_name="ae", tooltip="The FLUX.2 autoencoder.")])
 
     @classmethod
