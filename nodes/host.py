@@ -207,7 +207,7 @@ class StepReporter:
         self.previewer = latent_preview.get_previewer(device, latent_formats.Flux2())
 
     def __call__(self, step) -> None:          # step: flux2_core.sampling.Step
-        mm.throw_exception_if_processing_interrupted()
+        check_interrupt()
         preview = None
         if self.previewer is not None:
             preview = self.previewer.decode_latent_to_preview_image("JPEG", step.denoised.float())
