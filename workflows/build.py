@@ -86,9 +86,8 @@ WORKFLOWS = {
     "flux2-klein-edit-3-references": {
         "note": "Combine three reference images with the distilled FLUX.2 Klein 4B. Put them in ComfyUI's input folder "
              "as flux2-klein-reference-1.png (e.g. a person), flux2-klein-reference-2.png (e.g. a jacket) and "
-                "flux2-klein-reference-3.png (e.g. a place). With "
-             "several references each is kept under about 1 megapixel (1024 x 1024); reference i is told apart by "
-             "its time offset 10 x i.",
+             "flux2-klein-reference-3.png (e.g. a place). With several references each is kept under about 1 "
+             "megapixel (1024 x 1024); reference i is told apart by its time offset 10 x i.",
         "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("The person from image 1 wearing the jacket from image "
                                                               "2, standing in the place from image 3")
         | reference(11, 10, "flux2-klein-reference-1.png", (4, 0), 1)
