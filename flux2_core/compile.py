@@ -1,4 +1,5 @@
-"""Opt-in speed-ups for a loaded model on its device: ``torch.compile`` of the transformer's blocks, and oneDNN
+"""Opt-in ``torch.compile`` of a loaded transformer's blocks, on its device:
+
     compile_blocks(model)          # in place; the first forward compiles (seconds to minutes), later ones reuse it
 
 Each double and single block is compiled on its own (``nn.Module.compile``), not the whole model: all blocks of a kind
