@@ -5,8 +5,8 @@
 
 Because the scale belongs to an output row, it is applied to the *output*: ``y = (x @ w8ᵀ) · scale``. The cast of
 e4m3 to bf16 / fp32 is exact, so the only rounding beyond the matmul is one float32 multiply per output, written in
-place; no float32 copy of a weight or an output is ever made. Weights take 1 byte per value instead of 2 (bf16): Klein 4B's blocks
-shrink from about 7.5 GB to 3.8 GB.
+place. The weight is cast to the compute dtype for each call and never kept so: weights take 1 byte per value instead
+of 2 (bf16), and Klein 4B's blocks shrink from about 7.5 GB to 3.8 GB.
 
 On CUDA with ``fp8_matmul=True`` the matmul itself runs in fp8 (``torch._scaled_mm``, Hopper / Ada and newer): the
 activations are quantized per token on the fly, which is faster and changes results slightly.
@@ -119,10 +119,6 @@ def quantize_transformer(model: nn.Module, per_row: bool = True, fp8_matmul: boo
     for name in names:
         _set_submodule(model, name, Fp8Linear.from_linear(model.get_submodule(name), per_row, fp8_matmul))
     return names
-
-
-def is_fp8_state_dict(state_dict: dict[str, Tensor]) -> bool:
-    return any(t.dtype in FP8_DTYPES for t in state_dict.values())
 
 
 def prepare_fp8(model: nn.Module, state_dict: dict[str, Tensor], fp8_matmul: bool = False) -> dict[str, Tensor]:
