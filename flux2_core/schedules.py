@@ -105,7 +105,7 @@ def truncate_for_strength(sigmas: list[float], strength: float) -> list[float]:
     if not 0.0 < strength <= 1.0:
         raise Flux2Error(f"denoise strength must be in (0, 1], got {strength}; 1 ignores the input image")
     steps = len(sigmas) - 1
-    start = int(max(steps - min(steps * strength, steps), 0))
+    start = int(steps - steps * strength)
     if start >= steps:
         raise Flux2Error(f"denoise strength {strength} with {steps} steps leaves no step to run; "
                          f"raise the strength to at least {1 / steps:.3g} or use more steps")
