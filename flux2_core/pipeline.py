@@ -202,7 +202,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     "auto", True or False (see the module docstring). callback(Step) runs after every step.
     """
     variant, model, ae = models.variant, models.transformer, models.autoencoder
-    device, dtype = model.img_in.weight.device, model.img_in.weight.dtype
+    device, dtype = models.device, model.img_in.weight.dtype
     if not isinstance(prompt, str):
         raise Flux2Error(f"prompt must be a string, got {type(prompt).__name__}")
     warnings = []
