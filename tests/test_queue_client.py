@@ -110,10 +110,12 @@ class Handler(BaseHTTPRequestHandler):
         if url.path == "/ws":
             accept = base64.b64encode(hashlib.sha1((self.headers["Sec-WebSocket-Key"] + queue_client.WS_GUID)
                                                    .encode()).digest()).decode()
+            # Register before answering: once the client reads the 101 it may POST at once, and the POST handler
+            # pushes to this socket.
+            self.server.ws[query["clientId"]] = self.connection
             self.wfile.write(("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                               f"Sec-WebSocket-Accept: {accept}\r\n\r\n").encode())
             self.wfile.flush()
-            self.server.ws[query["clientId"]] = self.connection
             self.server.done.wait(10)           # keep the connection open until the test ends
             self.close_connection = True
         elif url.path.startswith("/history/"):
