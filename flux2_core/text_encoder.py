@@ -18,12 +18,12 @@ FLUX.2 transformer sees all 512 tokens. Layers 28..36 and the final norm never m
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from .dequantize import DROPPED_SUFFIXES
 from .errors import Flux2Error
 from .linear import onednn_linears
 from .tokenizer import load_tokenizer
@@ -31,9 +31,6 @@ from .variants import QWEN3_4B, QWEN3_8B, TextEncoderSpec
 
 # Known Qwen3 sizes, by hidden width.
 SPECS_BY_HIDDEN = {QWEN3_4B.hidden_size: QWEN3_4B, QWEN3_8B.hidden_size: QWEN3_8B}
-
-# Keys that quantized checkpoints (ComfyUI fp8mixed / scaled fp8 / nvfp4) add next to a weight.
-_QUANT_KEY = re.compile(r"(\.weight_scale(_2)?|\.scale_weight|\.input_scale|\.scale_input|\.comfy_quant|scaled_fp8)$")
 
 
 @dataclass
@@ -126,7 +123,7 @@ def qwen3_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     if "layers.0.self_attn.q_norm.weight" not in sd:
         raise Flux2Error("this text encoder has no q_norm in its attention, so it is not Qwen3 (Qwen2.5, Llama and "
                          "Mistral have none). FLUX.2 Klein needs Qwen3-4B (Klein 4B) or Qwen3-8B (Klein 9B)")
-    quantized = [k for k in sd if _QUANT_KEY.search(k)]
+    quantized = [k for k in sd if k.endswith((*DROPPED_SUFFIXES, "scaled_fp8"))]   # scales beside weights
     if quantized:
         raise Flux2Error(f"the text-encoder weights are quantized ({quantized[0]}, …): dequantize them to a float "
                          "dtype before building the encoder (flux2_core.weights does this for supported formats)")
