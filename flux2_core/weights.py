@@ -9,7 +9,8 @@
 | text encoder | HF / diffusers ``text_encoder/`` folder (one file or shards + index); ComfyUI                     |
 |              | ``text_encoders/qwen_3_4b.safetensors`` (HF keys, maybe ``text_encoders.qwen3_4b.transformer.``)  |
 
-A load goes in five steps:
+A load goes in five steps (1 lives in checkpoint.py, 2 and the recipes in key_mapping.py, the fp8 / nvfp4 maths in
+dequantize.py; this file runs them and holds 3 to 5):
 
 1. find the files (one file, or a folder's single file / index + shards) and check every safetensors header;
 2. find the key prefix (ComfyUI nests models under ``model.diffusion_model.``, ``vae.``, ``text_encoders.…``) and
