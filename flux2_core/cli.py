@@ -21,14 +21,12 @@ import time
 from pathlib import Path
 
 from .errors import Flux2Error
-from .variants import QWEN3_4B, QWEN3_8B, VARIANTS, Variant
+from .variants import VARIANTS, Variant
 
 # ComfyUI model folders (and their legacy names) and the usual file names in them.
 TRANSFORMER_FOLDERS = ("diffusion_models", "unet")
 TEXT_ENCODER_FOLDERS = ("text_encoders", "clip")
 AE_FOLDERS = ("vae",)
-TEXT_ENCODER_FILES = {QWEN3_4B.name: ("qwen_3_4b.safetensors",),
-                      QWEN3_8B.name: ("qwen_3_8b.safetensors", "qwen_3_8b_fp8mixed.safetensors")}
 AE_FILES = ("flux2-vae.safetensors", "ae.safetensors")
 KLEIN = [name for name in VARIANTS if name != "dev"]   # what --models searches for, in this order
 DEMO_SIZE = 256
@@ -88,7 +86,7 @@ def _first_file(models: Path, folders: tuple[str, ...], names: tuple[str, ...]) 
 
 def _needed(variant: Variant) -> list[str]:
     return [f"  {TRANSFORMER_FOLDERS[0]}/{' or '.join(variant.files)}",
-            f"  {TEXT_ENCODER_FOLDERS[0]}/{' or '.join(TEXT_ENCODER_FILES[variant.text_encoder.name])}",
+            f"  {TEXT_ENCODER_FOLDERS[0]}/{' or '.join(variant.text_encoder.files)}",
             f"  {AE_FOLDERS[0]}/{' or '.join(AE_FILES)}"]
 
 
@@ -111,8 +109,7 @@ def find_weights(models: str | None, variant: str | None, transformer: str | Non
                 transformer, chosen = found, v
                 break
     if folder is not None:
-        text_encoder = text_encoder or _first_file(folder, TEXT_ENCODER_FOLDERS,
-                                                   TEXT_ENCODER_FILES[chosen.text_encoder.name])
+        text_encoder = text_encoder or _first_file(folder, TEXT_ENCODER_FOLDERS, chosen.text_encoder.files)
         ae = ae or _first_file(folder, AE_FOLDERS, AE_FILES)
     missing = [what for what, path in (("--transformer", transformer), ("--text-encoder", text_encoder),
                                        ("--ae", ae)) if path is None]

@@ -62,10 +62,11 @@ class TextEncoderSpec:
     hidden_size: int        # one layer's width; the model's context_in_dim is 3x this
     output_layers: tuple[int, ...] = (9, 18, 27)
     max_length: int = 512
+    files: tuple[str, ...] = ()   # usual file names (ComfyUI text_encoders/), for finding weights
 
 
-QWEN3_4B = TextEncoderSpec("qwen3-4b", 2560)
-QWEN3_8B = TextEncoderSpec("qwen3-8b", 4096)
+QWEN3_4B = TextEncoderSpec("qwen3-4b", 2560, files=("qwen_3_4b.safetensors",))
+QWEN3_8B = TextEncoderSpec("qwen3-8b", 4096, files=("qwen_3_8b.safetensors", "qwen_3_8b_fp8mixed.safetensors"))
 MISTRAL_SMALL = TextEncoderSpec("mistral-small-3.2", 5120, output_layers=(10, 20, 30))
 
 

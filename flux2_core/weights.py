@@ -375,8 +375,8 @@ def load_autoencoder(path: str | Path, device=None, dtype: torch.dtype | None = 
 # ---------------------------------------------------------------------------------------------------------------
 
 TEXT_ENCODER_LAYOUTS = [Layout("Hugging Face Qwen3", "layers.0.self_attn.q_norm.weight", same_names)]
-ENCODER_FILES = {QWEN3_4B.name: "Qwen3-4B text encoder (qwen_3_4b.safetensors)",
-                 QWEN3_8B.name: "Qwen3-8B text encoder (qwen_3_8b.safetensors or qwen_3_8b_fp8mixed.safetensors)",
+ENCODER_FILES = {QWEN3_4B.name: f"Qwen3-4B text encoder ({' or '.join(QWEN3_4B.files)})",
+                 QWEN3_8B.name: f"Qwen3-8B text encoder ({' or '.join(QWEN3_8B.files)})",
                  "mistral-small-3.2": "Mistral-Small-3.2 text encoder"}
 
 
