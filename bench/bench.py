@@ -63,6 +63,12 @@ CONFIGS = {
         {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 36, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": True},
         AutoEncoderParams(ch=32), 512, "float32"),
+    # The driver's own check (tests/test_bench.py): every code path of a GPU run, in seconds on a CPU.
+    "tiny": Config(
+        TransformerParams(context_in_dim=3 * 64, hidden_size=128, num_heads=1, depth=1, depth_single_blocks=1),
+        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 28, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 32, "tie_word_embeddings": True},
+        AutoEncoderParams(ch=8, num_groups=4), 64, "float32"),
     "klein-4b": Config(KLEIN_4B, QWEN3_4B, FLUX2_AE, 1024, "bfloat16"),
     "klein-9b": Config(KLEIN_9B, QWEN3_8B, FLUX2_AE, 1024, "bfloat16"),
 }

@@ -57,10 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformer and text-encoder dtype (default bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--bfl-noise", action="store_true",
                    help="draw noise like the reference CLI (bf16 on the device) instead of float32 on the CPU")
-    p.add_argument("--fp8", action="store_true",
-                   help="store the transformer blocks' weights in fp8 (e4m3, one scale per row): about half the "
-                        "memory of bf16 (Klein 4B: 7.5 -> 3.8 GB), computed in the --dtype; images differ slightly; "
-                        "loading still needs the full-precision weights' memory once")
+    p.add_argument("--fp8", nargs="?", choices=["auto", "yes", "no"], const="yes", default="auto",
+                   help="transformer weights in fp8 (e4m3, one scale per row), computed in the --dtype. --fp8 (yes): "
+                        "every block, quantized as it loads: about half the memory of bf16 (Klein 4B: 7.5 -> 3.8 GB), "
+                        "images differ slightly. auto (default): an fp8 file's fp8 layers stay fp8, with its own "
+                        "scales. no: an fp8 file is dequantized to the --dtype")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the transformer blocks: the first step pays the compile (about a minute on a "
                         "GPU, several on a CPU), later steps of the same size run faster; worth it for many steps or "
@@ -202,6 +203,7 @@ def generate_command(argv: list[str]) -> int:
     import torch
 
     from .pipeline import generate, load_models, optimize_transformer
+    from .quant import count_fp8
 
     refs = [open_image(p) for p in args.ref]
     image = open_image(args.image) if args.image else None
@@ -215,16 +217,18 @@ def generate_command(argv: list[str]) -> int:
         print("DEMO MODE: tiny built-in RANDOM weights. The pictures are noise; this only checks that every stage "
               "runs. Use --models or --transformer/--text-encoder/--ae for real images.")
         models, files = demo_models(args.variant or "klein-4b", args.device or "cpu"), {"weights": "demo (random)"}
+        optimize_transformer(models, fp8=args.fp8 == "yes")
         if not refs and image is None:
             width, height = width or DEMO_SIZE, height or DEMO_SIZE
     else:
         paths = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae)
         dtype = getattr(torch, args.dtype) if args.dtype else None
         print(f"loading {paths[0].name}, {paths[1].name}, {paths[2].name}", file=sys.stderr)
-        models = load_models(*paths, device=args.device, dtype=dtype, variant=args.variant)
+        models = load_models(*paths, device=args.device, dtype=dtype, variant=args.variant,
+                             fp8={"auto": None, "yes": True, "no": False}[args.fp8])
         files = {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
-    optimize_transformer(models, fp8=args.fp8, compile=args.compile)
-    if args.fp8:
+    optimize_transformer(models, compile=args.compile)
+    if count_fp8(models.transformer):
         files["transformer_weights"] = "fp8"
 
     offload = {"auto": "auto", "yes": True, "no": False}[args.offload_encoder]

@@ -72,15 +72,17 @@ class Models:
 
 
 def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: torch.dtype | None = None,
-                variant: str | None = None) -> Models:
+                variant: str | None = None, fp8: bool | None = None) -> Models:
     """Load the three models from files or folders (any layout ``weights`` reads) and check they fit together.
 
     dtype: the transformer's and text encoder's (default bf16 on CUDA, float32 on CPU); the AE stays float32.
-    CFG (base) models get the empty negative prompt encoded into the prompt cache right away.
+    fp8: the transformer's weight storage (``weights.load_transformer``: None keeps an fp8 file's fp8 layers, True
+    stores every block in fp8, False none). CFG (base) models get the empty negative prompt encoded into the prompt
+    cache right away.
     """
     from . import weights
 
-    model, chosen = weights.load_transformer(transformer, device, dtype, variant=variant)
+    model, chosen = weights.load_transformer(transformer, device, dtype, variant=variant, fp8=fp8)
     encoder = weights.load_text_encoder(text_encoder, device, dtype)
     weights.check_text_encoder_fits(chosen, encoder)
     ae = weights.load_autoencoder(autoencoder, device, torch.float32)
@@ -92,8 +94,9 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
 
 def optimize_transformer(models: Models, *, fp8: bool = False, compile: bool = False) -> Models:
     """Opt-in transformer speed-ups, in place: ``fp8`` stores the blocks' weights in fp8 (``quant.py``; half the
-    memory of bf16, computed in the model's dtype, results differ slightly); ``compile`` compiles the blocks with
-    torch.compile (``compile.py``; the first step of each new image size pays the compile)."""
+    memory of bf16, computed in the model's dtype, results differ slightly; for a model already in memory; files
+    load straight to fp8 with ``load_models(fp8=True)``); ``compile`` compiles the blocks with torch.compile
+    (``compile.py``; the first step of each new image size pays the compile)."""
     from . import compile as compiling
     from . import quant
 

@@ -12,8 +12,7 @@ On CUDA with ``fp8_matmul=True`` the matmul itself runs in fp8 (``torch._scaled_
 activations are quantized per token on the fly, which is faster and changes results slightly.
 
     quantize_transformer(model)                    # a loaded bf16 Flux2Transformer -> fp8 block weights, in place
-    sd = prepare_fp8(model, state_dict)            # a BFL / ComfyUI fp8 file: swap the Linears, normalise scale keys
-    model.load_state_dict(sd)
+    load_transformer(path, fp8=None)               # weights.py: an fp8 file's layers stay fp8, with the file's scales
 """
 
 from __future__ import annotations
@@ -24,25 +23,20 @@ import torch
 from torch import Tensor, nn
 
 from .errors import Flux2Error
-from .linear import linear
+from .linear import VectorLinear, linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max          # 448
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-# Scale names beside ``<layer>.weight`` in fp8 files: BFL (per row) and ComfyUI (per tensor, new and old naming).
-SCALE_KEYS = (".weight_scale", ".scale_weight")
-# Keys that only matter to other runtimes' fp8 matmuls or loaders; dropped.
-IGNORED_SUFFIXES = (".input_scale", ".scale_input", ".comfy_quant", ".weight_scale_2")
-
 
 def quantize_fp8(weight: Tensor, per_row: bool = True) -> tuple[Tensor, Tensor]:
     """weight [out, in] -> (w8 [out, in] float8_e4m3fn, float32 scale [out] or []) with max|w8| = 448 per row/tensor."""
     w = weight.detach().float()
-    amax = w.abs().amax(dim=1) if per_row else w.abs().amax()
+    amax = torch.linalg.vector_norm(w, float("inf"), dim=1 if per_row else None)     # max |w|, no |w| copy
     scale = (amax / FP8_MAX).clamp(min=1e-12)
-    w8 = (w / (scale[:, None] if per_row else scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return w8, scale
+    w = w / (scale[:, None] if per_row else scale)                 # one float32 temporary (weights can be large)
+    return w.clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def dequantize_fp8(w8: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -58,9 +52,10 @@ class Fp8Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, per_row: bool = True, fp8_matmul: bool = False,
-                 device=None, storage: torch.dtype = FP8):
+                 device=None, storage: torch.dtype = FP8, item_by_item: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.fp8_matmul = in_features, out_features, fp8_matmul
+        self.item_by_item = item_by_item          # one batch item at a time, as linear.VectorLinear (batch invariance)
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=storage, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features if per_row else (), device=device))
 
@@ -68,12 +63,18 @@ class Fp8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, per_row: bool = True, fp8_matmul: bool = False) -> Fp8Linear:
         if linear.bias is not None:
             raise Flux2Error("Fp8Linear has no bias; FLUX.2 transformer linears have none")
-        out = cls(linear.in_features, linear.out_features, per_row, fp8_matmul, device=linear.weight.device)
+        out = cls(linear.in_features, linear.out_features, per_row, fp8_matmul, device=linear.weight.device,
+                  item_by_item=isinstance(linear, VectorLinear))
         out.weight, out.weight_scale = quantize_fp8(linear.weight, per_row)
         return out
 
     def forward(self, x: Tensor) -> Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
+        if self.item_by_item and x.shape[0] > 1:
+            return torch.cat([self.matmul(item) for item in x.split(1)])
+        return self.matmul(x)
+
+    def matmul(self, x: Tensor) -> Tensor:
         if self.fp8_matmul and _scaled_mm_ok(x, self.weight):
             return _fp8_matmul(x, self.weight, self.weight_scale)
         y = linear(x, self.weight.to(x.dtype))                    # the e4m3 -> bf16/fp32 cast is exact
@@ -121,42 +122,19 @@ def quantize_transformer(model: nn.Module, per_row: bool = True, fp8_matmul: boo
     return names
 
 
-def prepare_fp8(model: nn.Module, state_dict: dict[str, Tensor], fp8_matmul: bool = False) -> dict[str, Tensor]:
-    """Make ``model`` ready to load an fp8 state dict (model keys, e.g. BFL's, already without any file prefix).
+def empty_fp8_layers(model: nn.Module, names: list[str], fp8_matmul: bool = False) -> None:
+    """Replace the named ``nn.Linear`` layers by ``Fp8Linear`` layers of the same size and device, with per-row
+    scales and no weights yet: on a model built on the meta device, ready to be assigned fp8 weights
+    (``weights.load_transformer``)."""
+    for name in names:
+        layer = model.get_submodule(name)
+        _set_submodule(model, name, Fp8Linear(layer.in_features, layer.out_features, True, fp8_matmul,
+                                              device=layer.weight.device, item_by_item=isinstance(layer, VectorLinear)))
 
-    Every ``<layer>.weight`` stored as float8 turns ``<layer>`` (an ``nn.Linear``) into an ``Fp8Linear`` of that storage
-    dtype, with a per-row or per-tensor scale as the file has it (none: 1). Returns the state dict with the scales
-    under ``<layer>.weight_scale`` (ComfyUI's ``scale_weight`` renamed) and other runtimes' extra keys dropped, ready for
-    ``model.load_state_dict``.
-    """
-    out = {}
-    for key, tensor in state_dict.items():
-        if key.endswith(IGNORED_SUFFIXES) or key == "scaled_fp8":
-            continue
-        scale_suffix = next((s for s in SCALE_KEYS if key.endswith(s)), None)
-        if scale_suffix is not None:
-            scale = tensor.float()
-            out[key[: -len(scale_suffix)] + ".weight_scale"] = scale.reshape(()) if scale.numel() == 1 else scale
-        else:
-            out[key] = tensor
-    for key, tensor in out.items():
-        if tensor.dtype not in FP8_DTYPES:
-            continue
-        name = key.removesuffix(".weight")
-        try:
-            layer = model.get_submodule(name)
-        except AttributeError:
-            raise Flux2Error(f"the fp8 weight {key} has no matching layer in this model; "
-                             f"is the file for another model?") from None
-        if not isinstance(layer, (nn.Linear, Fp8Linear)) or tuple(tensor.shape) != (layer.out_features,
-                                                                                 layer.in_features):
-            raise Flux2Error(f"the fp8 weight {key} {tuple(tensor.shape)} does not fit layer {name} ({layer}); "
-                             "is the file for another model?")
-        scale = out.setdefault(name + ".weight_scale", torch.ones(()))
-        fp8 = Fp8Linear(layer.in_features, layer.out_features, per_row=scale.ndim == 1, fp8_matmul=fp8_matmul,
-                        device=tensor.device, storage=tensor.dtype)
-        _set_submodule(model, name, fp8)
-    return out
+
+def count_fp8(model: nn.Module) -> int:
+    """How many of the model's layers store their weights in fp8."""
+    return sum(isinstance(m, Fp8Linear) for m in model.modules())
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -17,13 +17,15 @@ dequantize.py; this file runs them and holds 3 to 5):
    the layout (BFL or diffusers naming) from one signature key;
 3. read the architecture from tensor shapes and build the module on the meta device (no memory);
 4. for every key the module expects, a *recipe* names the file tensors it comes from (a rename, a q/k/v concat, a
-   halves swap); they are read straight to the target device, dequantized if fp8, cast, reshaped (Linear <-> 1x1 conv);
+   halves swap); they are read straight to the target device, dequantized (or kept in fp8), cast, reshaped (Linear
+   <-> 1x1 conv);
 5. ``load_state_dict(strict=True, assign=True)``: the module's parameters *are* the tensors read, so nothing is
    allocated twice.
 
 Nothing is ever unpickled: .ckpt / .pt / .bin files are refused with a message saying to use a .safetensors file.
 
-Quantised files are dequantized on load to the compute dtype (``weight.float() * scale``, then cast):
+Quantised files (a transformer's fp8 layers stay fp8 unless ``load_transformer(fp8=False)``; see there) are
+otherwise dequantized on load to the compute dtype (``weight.float() * scale``, then cast):
 
 * ComfyUI fp8 / "fp8mixed": float8 weights with a per-tensor ``.weight_scale`` (listed in the
   ``_quantization_metadata`` safetensors metadata or in ``.comfy_quant`` tensors), and the older ``scaled_fp8``
@@ -40,6 +42,7 @@ Quantised files are dequantized on load to the compute dtype (``weight.float() *
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +51,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .autoencoder import AutoEncoder
-from .checkpoint import Checkpoint, TensorInfo, open_checkpoint, read_json
+from .checkpoint import TORCH_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json, read_tensor
 from .dequantize import COMFY_FP8, DROPPED_SUFFIXES, SCALE_SUFFIXES, comfy_formats, dequantize, dequantize_nvfp4
 from .errors import Flux2Error
 from .key_mapping import (
@@ -62,6 +65,7 @@ from .key_mapping import (
     qwen3_name,
     same_names,
 )
+from .quant import FP8_DTYPES, empty_fp8_layers, in_blocks, quantize_fp8
 from .text_encoder import PromptEncoder, build_qwen3_encoder
 from .tokenizer import load_tokenizer
 from .transformer import Flux2Transformer
@@ -100,6 +104,12 @@ class Source:
         return next((self.prefix + layer + s for s in SCALE_SUFFIXES
                      if self.prefix + layer + s in self.ckpt.tensors), None)
 
+    def stores_fp8(self, key: str) -> bool:
+        """Whether every file tensor behind our key is float8 (ComfyUI's uint8 containers of fp8 included)."""
+        sources = self.recipe(key).sources
+        return all(s in self.keys and (self.info(s).dtype in FP8_CODES or (
+            self.info(s).dtype == "U8" and s.removesuffix(".weight") in self.formats)) for s in sources)
+
     def is_nvfp4(self, layer: str) -> bool:
         return self.prefix + layer + ".weight_scale_2" in self.ckpt.tensors
 
@@ -120,24 +130,40 @@ def open_source(path, subfolder: str, layouts: list[Layout], what: str, loader: 
     return Source(ckpt, layout, prefix, keys, layout.recipes(keys), formats)
 
 
+FP8_CODES = ("F8_E4M3", "F8_E5M2")        # safetensors' names of the float8 dtypes
+
+
 class TensorReader:
     """Reads file tensors straight to one device, dequantizing fp8 / nvfp4 weights to float32."""
 
     def __init__(self, source: Source, device: torch.device):
-        self.source, self.device, self.handles = source, device, {}
+        self.source, self.device, self.handles, self.files = source, device, {}, ExitStack()
         block = source.ckpt.config.get("quantization_config", {}).get("weight_block_size") or (128, 128)
         self.block = (int(block[0]), int(block[1]))
+
+    def close(self) -> None:
+        """Close the files read on the CPU (safetensors' handles close themselves)."""
+        self.files.close()
+        self.handles.clear()
 
     def raw(self, key: str) -> torch.Tensor:
         """One tensor as stored, by its full file key, in memory of its own.
 
-        On the CPU, safetensors hands out views of the memory-mapped file (unaligned, and changed or gone when the
-        file is replaced), so they are copied; on a GPU the tensor is read straight into device memory.
+        On the CPU it is read from the file into a new tensor (``checkpoint.read_tensor``; safetensors would hand
+        out views of a memory map, unaligned and gone when the file is replaced); on a GPU safetensors reads it
+        straight into device memory.
         """
         info = self.source.ckpt.tensors[key]
-        if info.file not in self.handles:
-            self.handles[info.file] = safe_open(str(info.file), framework="pt", device=str(self.device))
-        tensor = self.handles[info.file].get_tensor(info.name)
+        on_cpu = self.device.type == "cpu" and info.dtype in TORCH_DTYPES and info.offset >= 0
+        if (info.file, on_cpu) not in self.handles:
+            if on_cpu:
+                file = self.files.enter_context(open(info.file, "rb", buffering=0))   # noqa: SIM115 (closed by close)
+            else:
+                file = safe_open(str(info.file), framework="pt", device=str(self.device))
+            self.handles[info.file, on_cpu] = file
+        if on_cpu:
+            return read_tensor(info, self.handles[info.file, on_cpu])
+        tensor = self.handles[info.file, on_cpu].get_tensor(info.name)
         return tensor.clone() if tensor.device.type == "cpu" else tensor
 
     def __call__(self, key: str) -> torch.Tensor:
@@ -149,9 +175,8 @@ class TensorReader:
         scale = self.source.scale_key(layer)
         if self.source.is_nvfp4(layer):
             return dequantize_nvfp4(tensor, self.raw(scale), self.raw(self.source.prefix + layer + ".weight_scale_2"))
-        if layer in self.source.formats and tensor.dtype == torch.uint8:     # fp8 kept in a uint8 container
-            tensor = tensor.view(COMFY_FP8[self.source.formats[layer]])
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        tensor = self.as_float8(layer, tensor)
+        if tensor.dtype in FP8_DTYPES:
             return dequantize(tensor, self.raw(scale) if scale else None, self.block)
         if scale or not tensor.is_floating_point():
             raise Flux2Error(f"{self.source.ckpt.path}: {self.source.prefix + key} is stored as {tensor.dtype}"
@@ -159,33 +184,69 @@ class TensorReader:
                              f"bf16 or fp8 .safetensors release of these weights")
         return tensor
 
+    def as_float8(self, layer: str, tensor: torch.Tensor) -> torch.Tensor:
+        """ComfyUI may keep fp8 weights in a uint8 container; its metadata names their format."""
+        if layer in self.source.formats and tensor.dtype == torch.uint8:
+            return tensor.view(COMFY_FP8[self.source.formats[layer]])
+        return tensor
+
+    def full(self, recipe: Recipe) -> torch.Tensor:
+        """One of our tensors as the recipe assembles it from file tensors (dequantized, concatenated, halves swapped)."""
+        parts = [self(s) for s in recipe.sources]
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if recipe.swap_halves:
+            first, second = tensor.chunk(2, dim=0)
+            tensor = torch.cat([second, first], dim=0)
+        return tensor
+
+    def fp8(self, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Linear weight [out, in] as float8 values and a float32 scale per row [out], for a ``quant.Fp8Linear``.
+
+        Where the file stores the layer in float8 with no scale, one per tensor or one per row, these are the file's
+        own values and scales (nothing is rounded again); any other weight (full precision, nvfp4, block-scaled,
+        split over several file tensors) is assembled in float32 and quantized per row (``quant.quantize_fp8``).
+        """
+        if len(recipe.sources) == 1 and not recipe.swap_halves and self.source.stores_fp8(recipe.sources[0]):
+            layer = recipe.sources[0][: -len(".weight")]
+            weight = self.as_float8(layer, self.raw(self.source.prefix + recipe.sources[0]))
+            scale_key = self.source.scale_key(layer)
+            scale = self.raw(scale_key).float() if scale_key else torch.ones((), device=weight.device)
+            rows = weight.shape[0]
+            per_row = scale.shape in ((rows,), (rows, 1))
+            if weight.ndim == 2 and (scale.numel() == 1 or per_row):
+                return weight, scale.reshape(-1).expand(rows).contiguous()
+        return quantize_fp8(self.full(recipe), per_row=True)
+
 
 def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: torch.device,
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Our state dict from the file: every key of ``expected`` (a meta state dict), checked, read, cast.
 
-    Floating tensors are cast to ``dtype``; integer buffers (num_batches_tracked) keep theirs. A file key that no
-    recipe uses is an error, as is a missing one (except ``OPTIONAL_KEYS``).
+    Floating tensors are cast to ``dtype``; integer buffers (num_batches_tracked) keep theirs; the layers that
+    ``expected`` has as fp8 (``quant.Fp8Linear``: a float8 ``weight`` and its ``weight_scale``) get float8 values and
+    per-row scales (``TensorReader.fp8``). A file key that no recipe uses is an error, as is a missing one (except
+    ``OPTIONAL_KEYS``).
     """
-    missing = [s for k in expected if k not in OPTIONAL_KEYS or source.has(k)
+    scales = {k for k in expected if k.endswith(".weight_scale")
+              and expected.get(k.removesuffix("_scale"), torch.empty(0)).dtype in FP8_DTYPES}
+    wanted = {k: like for k, like in expected.items() if k not in scales}
+    missing = [s for k in wanted if k not in OPTIONAL_KEYS or source.has(k)
                for s in source.recipe(k).sources if s not in source.keys]
-    used = {s for k in expected for s in source.recipe(k).sources}
+    used = {s for k in wanted for s in source.recipe(k).sources}
     unexpected = sorted(source.keys - used)
     if missing or unexpected:
         raise Flux2Error(mismatch_message(source, sorted(set(missing)), unexpected))
-    read = TensorReader(source, device)
     state = {}
-    for key, like in expected.items():
-        if not source.has(key):                       # an optional key the file lacks
-            state[key] = torch.zeros(like.shape, dtype=like.dtype, device=device)
-            continue
-        recipe = source.recipe(key)
-        parts = [read(s) for s in recipe.sources]
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if recipe.swap_halves:
-            first, second = tensor.chunk(2, dim=0)
-            tensor = torch.cat([second, first], dim=0)
-        state[key] = fit(tensor, like, key, source).to(dtype if like.is_floating_point() else like.dtype)
+    with closing(TensorReader(source, device)) as read:
+        for key, like in wanted.items():
+            if not source.has(key):                       # an optional key the file lacks
+                state[key] = torch.zeros(like.shape, dtype=like.dtype, device=device)
+            elif like.dtype in FP8_DTYPES:                # an fp8 layer: float8 weight [out, in] + float32 scale [out]
+                weight, scale = read.fp8(source.recipe(key))
+                state[key], state[key + "_scale"] = fit(weight, like, key, source), scale
+            else:
+                tensor = fit(read.full(source.recipe(key)), like, key, source)
+                state[key] = tensor.to(dtype if like.is_floating_point() else like.dtype)
     return state
 
 
@@ -303,19 +364,36 @@ def inspect_transformer(path: str | Path, params: TransformerParams | None = Non
 
 
 def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
-                     params: TransformerParams | None = None,
-                     variant: str | None = None) -> tuple[Flux2Transformer, Variant]:
+                     params: TransformerParams | None = None, variant: str | None = None,
+                     fp8: bool | None = None) -> tuple[Flux2Transformer, Variant]:
     """A FLUX.2 transformer and its variant from a BFL / ComfyUI file or a diffusers folder.
 
     The architecture comes from tensor shapes (``params`` overrides it, e.g. for the RoPE axes of test models);
     the variant (distilled, base, KV) from the architecture plus diffusers' model_index.json or the file name,
     unless ``variant`` names a registry entry. Default device: cuda if available; dtype: bf16 on cuda, else fp32.
+
+    fp8 (weight storage; the compute dtype is ``dtype`` either way, see ``quant.Fp8Linear``):
+    None   the layers an fp8 file stores in float8 stay so, with the file's own values and scales; the rest in dtype;
+    True   those and every other block layer (``quant.in_blocks``) in fp8, quantized per row as they are read, so
+           the full-precision model is never in memory;
+    False  everything dequantized to dtype.
     """
+    if fp8 not in (None, True, False):
+        raise Flux2Error(f"fp8 must be None (as the file stores it), True or False, got {fp8!r}")
     device, dtype = default_device_dtype(device, dtype)
     source = _transformer_source(path)
     params, chosen = _transformer_spec(source, params, variant)
     model = build_on_meta(lambda: Flux2Transformer(params))
+    empty_fp8_layers(model, fp8_layer_names(source, model, fp8))
     return assign(model, read_state_dict(source, model.state_dict(), device, dtype)), chosen
+
+
+def fp8_layer_names(source: Source, model: nn.Module, fp8: bool | None) -> list[str]:
+    """The model's Linear layers to store in fp8 (see ``load_transformer``)."""
+    if fp8 is False:
+        return []
+    return [name for name, layer in model.named_modules() if isinstance(layer, nn.Linear)
+            and (source.stores_fp8(name + ".weight") or (fp8 and in_blocks(name, layer)))]
 
 
 def _transformer_source(path) -> Source:
@@ -393,9 +471,9 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     source = open_source(path, "text_encoder", TEXT_ENCODER_LAYOUTS, "a Qwen3 text encoder",
                          "FLUX.2 Klein 4B needs Qwen3-4B (qwen_3_4b.safetensors), Klein 9B needs Qwen3-8B.")
     last = max(QWEN3_4B.output_layers)
-    read = TensorReader(source, device)
-    state = {key: _cast(read(key), dtype) for key in sorted(source.keys)
-             if key != "norm.weight" and not (key.startswith("layers.") and int(key.split(".")[1]) >= last)}
+    with closing(TensorReader(source, device)) as read:
+        state = {key: _cast(read(key), dtype) for key in sorted(source.keys)
+                 if key != "norm.weight" and not (key.startswith("layers.") and int(key.split(".")[1]) >= last)}
     if tokenizer is None and source.ckpt.path.is_dir():
         tokenizer = load_tokenizer(source.ckpt.files[0].parent)
     try:

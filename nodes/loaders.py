@@ -14,8 +14,11 @@ from . import host, types
 DTYPE_TOOLTIP = ("Weight and compute dtype. auto: bfloat16 on GPUs that run it well, else float32. "
                  "fp8 files are dequantized to this dtype on load.")
 FP8 = "fp8_e4m3fn"
-FP8_TOOLTIP = (f" {FP8}: the blocks' weights stored in fp8 (about half the memory of bfloat16), computed in the auto "
-               "dtype; results differ slightly. Loaded whole, never partially.")
+MODEL_DTYPE_TOOLTIP = ("Weight and compute dtype. auto: bfloat16 on GPUs that run it well, else float32; the layers an "
+                       "fp8 file stores in fp8 stay fp8, with the file's scales. bfloat16 / float16 / float32: "
+                       f"everything in that dtype (fp8 files dequantized). {FP8}: every block's weights in fp8 "
+                       "(about half the memory of bfloat16), quantized as they load, computed in the auto dtype; "
+                       "results differ slightly. Models holding fp8 layers are loaded whole, never partially.")
 
 
 AE_DTYPE_TOOLTIP = ("auto follows ComfyUI's VAE dtype (bfloat16 on recent GPUs, else float32; --fp32-vae forces "
@@ -36,20 +39,21 @@ class ModelLoader(io.ComfyNode):
             inputs=[io.Combo.Input("model_name", options=host.model_choices("diffusion_models"),
                                    tooltip="A flux-2-klein-*.safetensors file (BFL or ComfyUI, fp8 too) or a diffusers "
                                            "folder, under models/diffusion_models."),
-                    dtype_input([FP8], DTYPE_TOOLTIP + FP8_TOOLTIP)],
+                    dtype_input([FP8], MODEL_DTYPE_TOOLTIP)],
             outputs=[types.Model.Output(display_name="model", tooltip="The transformer and its variant.")])
 
     @classmethod
     def execute(cls, model_name: str, dtype: str) -> io.NodeOutput:
         load_device, offload_device = host.devices("transformer")
-        fp8, dtype = dtype == FP8, host.pick_dtype("auto" if dtype == FP8 else dtype, "transformer", load_device)
-        model, variant = weights.load_transformer(host.resolve("diffusion_models", model_name), offload_device, dtype)
-        if fp8:
-            quant.quantize_transformer(model)
+        fp8 = {"auto": None, FP8: True}.get(dtype, False)          # see weights.load_transformer
+        dtype = host.pick_dtype("auto" if dtype == FP8 else dtype, "transformer", load_device)
+        model, variant = weights.load_transformer(host.resolve("diffusion_models", model_name), offload_device, dtype,
+                                                  fp8=fp8)
+        fp8_layers = quant.count_fp8(model)
         kind = "CFG" if variant.uses_cfg else "distilled"
         info = (f"{variant.name} ({kind}; defaults: {variant.default_steps} steps, cfg {variant.default_cfg}), "
-                f"{FP8 + ' weights, ' if fp8 else ''}{host.dtype_name(dtype)}")
-        managed = host.manage(model, model, "transformer", dtype, variant=variant, full_load=fp8)
+                f"{f'{fp8_layers} layers in fp8, ' if fp8_layers else ''}{host.dtype_name(dtype)}")
+        managed = host.manage(model, model, "transformer", dtype, variant=variant, full_load=fp8_layers > 0)
         return io.NodeOutput(managed, ui=ui.PreviewText(info))
 
 

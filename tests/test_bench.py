@@ -55,3 +55,25 @@ def test_meter_splits_time_between_stages():
     assert meter.times["a"] >= 0.02 and 0.01 <= meter.times["b"] < meter.times["a"]
     if sys.platform.startswith("linux"):
         assert meter.peaks["a"] > 0 and meter.highest >= meter.peaks["a"]
+
+
+def test_driver_runs_end_to_end_on_the_tiny_config(tmp_path, capsys):
+    """The whole driver as a GPU session would run it (random weights written as a diffusers folder, both sides in
+    their own processes, the stage tables, MFU, the JSON; then the KV mode), on the tiny config: ours and diffusers
+    must have computed the same latents."""
+    import json
+
+    out = tmp_path / "results.json"
+    bench.main(["--config", "tiny", "--rounds", "1", "--repeats", "1", "--steps", "2", "--device", "cpu",
+                "--weights", str(tmp_path), "--json", str(out)])
+    result = json.loads(out.read_text())["configs"]["tiny"]
+    assert result["latent_rel_diff"] < 1e-5
+    assert {"encode", "step0", "step1", "decode", "total"} <= set(result["ours"]["median"])
+    assert result["flops_per_step"] == bench.transformer_flops(bench.CONFIGS["tiny"].transformer, 16)
+    printed = capsys.readouterr().out
+    assert "of the measured matmul" in printed and "step1" in printed
+
+    bench.main(["--config", "tiny", "--mode", "kv", "--repeats", "1", "--steps", "2", "--device", "cpu",
+                "--weights", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "kv-cached" in printed and "speed-up vs joint" in printed

@@ -104,20 +104,32 @@ def test_find_weights_in_a_comfyui_folder(tmp_path):
         cli.find_weights(str(tmp_path / "nope"), None)
 
 
-def test_generate_from_a_models_folder(tmp_path, capsys):
-    """Tiny real weight files under ComfyUI's names: found, loaded by flux2_core.weights, and run."""
-    import torch
-
+def write_models_folder(folder, fp8_file: bool = False):
+    """Tiny real weight files under ComfyUI's names (the transformer as a BFL fp8 file: per-row scales, if asked)."""
+    from flux2_core.quant import quantize_transformer
+    from flux2_core.transformer import Flux2Transformer
     from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
     from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_comfyui_transformer
 
-    for folder in ("diffusion_models", "text_encoders", "vae"):
-        (tmp_path / folder).mkdir()
-    save_comfyui_transformer(random_bfl_transformer_state_dict(TINY_TRANSFORMER),
-                             tmp_path / "diffusion_models" / "flux-2-klein-4b.safetensors")
-    save_comfyui_text_encoder(build_tiny_qwen3(), tmp_path / "text_encoders" / "qwen_3_4b.safetensors")
-    save_bfl_autoencoder(build_diffusers_autoencoder(), tmp_path / "vae" / "flux2-vae.safetensors")
+    for sub in ("diffusion_models", "text_encoders", "vae"):
+        (folder / sub).mkdir()
+    sd = random_bfl_transformer_state_dict(TINY_TRANSFORMER)
+    if fp8_file:
+        model = Flux2Transformer(TINY_TRANSFORMER)
+        model.load_state_dict(sd)
+        quantize_transformer(model)
+        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_comfyui_transformer(sd, folder / "diffusion_models" / "flux-2-klein-4b.safetensors")
+    save_comfyui_text_encoder(build_tiny_qwen3(), folder / "text_encoders" / "qwen_3_4b.safetensors")
+    save_bfl_autoencoder(build_diffusers_autoencoder(), folder / "vae" / "flux2-vae.safetensors")
+
+
+def test_generate_from_a_models_folder(tmp_path, capsys):
+    """Tiny real weight files under ComfyUI's names: found, loaded by flux2_core.weights, and run."""
+    import torch
+
+    write_models_folder(tmp_path)
     out = tmp_path / "out"
     code = cli.main(["--models", str(tmp_path), "--prompt", "a fox", "--width", "48", "--height", "32",
                      "--seed", "9", "--device", "cpu", "--out", str(out)])
@@ -127,7 +139,19 @@ def test_generate_from_a_models_folder(tmp_path, capsys):
     assert size == (48, 32)
     assert params["transformer"] == "flux-2-klein-4b.safetensors" and params["steps"] == 4
     assert params["ae"] == "flux2-vae.safetensors" and params["text_encoder"] == "qwen_3_4b.safetensors"
+    assert "transformer_weights" not in params
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize("fp8_file,flag,stored", [(False, [], None), (False, ["--fp8"], "fp8"),
+                                                   (True, [], "fp8"), (True, ["--fp8", "no"], None)])
+def test_fp8_flag_and_fp8_files(tmp_path, capsys, fp8_file, flag, stored):
+    """--fp8 stores a full-precision file's blocks in fp8; an fp8 file stays fp8 unless --fp8 no; the PNG says so."""
+    write_models_folder(tmp_path, fp8_file)
+    argv = ["--models", str(tmp_path), "--prompt", "a fox", "--width", "32", "--height", "32", "--steps", "1",
+            "--seed", "2", "--device", "cpu", "--out", str(tmp_path / "out"), *flag]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert png_parameters(tmp_path / "out" / "flux2_2.png")[1].get("transformer_weights") == stored
 
 
 def test_queue_is_routed(monkeypatch):

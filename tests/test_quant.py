@@ -1,8 +1,10 @@
 """fp8 weight storage: quantization error within e4m3's rounding bound, Fp8Linear equal to a Linear over the
 dequantized weight, a quantized transformer equal to the same transformer holding the dequantized weights, and fp8
-files (BFL per-row, ComfyUI per-tensor) loading back to the same outputs."""
+files (BFL per-row, ComfyUI per-tensor, diffusers split q/k/v) loading as fp8 with the file's own values."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -10,9 +12,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from flux2_core import rope
-from flux2_core.errors import Flux2Error
-from flux2_core.quant import FP8, Fp8Linear, dequantize_fp8, prepare_fp8, quantize_fp8, quantize_transformer
+from flux2_core.quant import FP8, Fp8Linear, count_fp8, dequantize_fp8, quantize_fp8, quantize_transformer
 from flux2_core.transformer import Flux2Transformer
+from flux2_core.weights import load_transformer
+from tests.tiny.layouts import comfy_fp8, save_prefixed
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
 
 # e4m3: 3 mantissa bits, so rounding to nearest is off by at most 2^-4 of the value; below 2^-6 (the smallest normal)
@@ -89,32 +92,100 @@ def test_block_weights_take_a_quarter_of_float32():
     assert after * 4 == before
 
 
-@pytest.mark.parametrize("layout", ["bfl", "comfyui"])
-def test_fp8_file_loads_back_to_the_same_outputs(tmp_path, layout):
-    """BFL fp8 files: ``weight`` e4m3 + per-row ``weight_scale``; ComfyUI: per-tensor ``scale_weight`` (+ extra keys)."""
+def fp8_file(tmp_path, layout: str) -> tuple[torch.nn.Module, str]:
+    """A tiny transformer quantized as each fp8 layout stores it, written to a file; returns (the model, path).
+
+    bfl: ``weight`` e4m3 + per-row ``weight_scale`` [N] (+ ``input_scale``); comfyui: ComfyUI's fp8mixed, per-tensor
+    ``weight_scale`` [] named in the ``_quantization_metadata``, behind ``model.diffusion_model.``; comfyui-old: the
+    older ``scaled_fp8`` files with ``scale_weight`` [1]."""
     model = tiny_model()
     quantize_transformer(model, per_row=layout == "bfl")
-    sd = dict(model.state_dict())
-    if layout == "comfyui":
-        sd = {k.replace(".weight_scale", ".scale_weight"): v.reshape(1) if k.endswith("weight_scale") else v
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    names = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    meta, prefix = None, ""
+    if layout == "bfl":
+        sd.update({n + ".input_scale": torch.ones(()) for n in names})
+    elif layout == "comfyui":
+        sd.update({n + ".input_scale": torch.ones(()) for n in names})
+        meta = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {
+            n: {"format": "float8_e4m3fn"} for n in names}})}
+        prefix = "model.diffusion_model."
+    else:
+        sd = {k.replace(".weight_scale", ".scale_weight"): v.reshape(1) if k.endswith(".weight_scale") else v
               for k, v in sd.items()}
         sd["scaled_fp8"] = torch.zeros(2, dtype=FP8)
-        sd["single_blocks.0.linear1.input_scale"] = torch.ones(())
-    save_file(sd, str(tmp_path / "fp8.safetensors"))
+    return model, save_prefixed(sd, tmp_path / f"flux-2-klein-tiny-{layout}-fp8.safetensors", prefix, meta)
 
-    fresh = Flux2Transformer(TINY_TRANSFORMER).eval()
-    fresh.load_state_dict(prepare_fp8(fresh, load_file(str(tmp_path / "fp8.safetensors"))))
-    assert isinstance(fresh.single_blocks[0].linear1, Fp8Linear) and isinstance(fresh.img_in, torch.nn.Linear)
+
+@pytest.mark.parametrize("layout", ["bfl", "comfyui", "comfyui-old"])
+def test_fp8_file_stays_fp8_with_its_own_values_and_scales(tmp_path, layout):
+    model, path = fp8_file(tmp_path, layout)
+    loaded, _ = load_transformer(path, "cpu", torch.float32)
+    names = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    assert [n for n, m in loaded.named_modules() if isinstance(m, Fp8Linear)] == names
+    for name in names:                                   # the file's bytes, and its scale on every row
+        ours, theirs = loaded.get_submodule(name), model.get_submodule(name)
+        assert ours.weight.dtype == FP8 and torch.equal(ours.weight.view(torch.uint8), theirs.weight.view(torch.uint8))
+        assert torch.equal(ours.weight_scale, theirs.weight_scale.expand(ours.out_features))
+    assert type(loaded.img_in) is type(model.img_in) and loaded.img_in.weight.dtype == torch.float32
     with torch.no_grad():
-        assert torch.equal(fresh(*tiny_inputs()), model(*tiny_inputs()))
+        out = loaded(*tiny_inputs())
+        assert torch.equal(out, model(*tiny_inputs()))
+        assert torch.equal(out[1:], loaded(*[t[1:] for t in tiny_inputs()]))     # batch invariant, as in float
+
+    dequantized, _ = load_transformer(path, "cpu", torch.float32, fp8=False)     # fp8=False: plain float32 layers
+    assert count_fp8(dequantized) == 0
+    with torch.no_grad():
+        expected = dequantized(*tiny_inputs())
+        assert (loaded(*tiny_inputs()) - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
-def test_fp8_weight_for_a_missing_layer_is_an_error():
-    model = tiny_model()
-    with pytest.raises(Flux2Error, match="no matching layer"):
-        prepare_fp8(model, {"double_blocks.9.img_attn.qkv.weight": torch.zeros(192, 64, dtype=FP8)})
-    with pytest.raises(Flux2Error, match="does not fit"):
-        prepare_fp8(model, {"double_blocks.0.img_attn.qkv.weight": torch.zeros(64, 64, dtype=FP8)})
+def test_fp8_true_quantizes_what_the_file_stores_in_full_precision(tmp_path):
+    """A float32 file with fp8=True: the block layers quantized per row while reading, exactly as quantize_transformer
+    does after a full load; an fp8mixed file: its fp8 layers kept as they are, its other block layers quantized."""
+    sd = random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=0)
+    path = save_prefixed(sd, tmp_path / "flux-2-klein-tiny.safetensors")
+    loaded, _ = load_transformer(path, "cpu", torch.float32, fp8=True)
+    expected = tiny_model()
+    names = quantize_transformer(expected)
+    assert [n for n, m in loaded.named_modules() if isinstance(m, Fp8Linear)] == names
+    got, want = loaded.state_dict(), expected.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k].view(torch.uint8) if got[k].dtype == FP8 else got[k],
+                                                     want[k].view(torch.uint8) if want[k].dtype == FP8 else want[k])
+                                         for k in want)
+    assert count_fp8(load_transformer(path, "cpu", torch.float32)[0]) == 0     # None: a float file stays float
+
+    kept = "single_blocks.1.linear1"
+    mixed, meta = comfy_fp8(sd, [kept])
+    path = save_prefixed(mixed, tmp_path / "flux-2-klein-tiny-fp8mixed.safetensors", "", meta)
+    loaded, _ = load_transformer(path, "cpu", torch.float32, fp8=True)
+    assert count_fp8(loaded) == len(names)
+    layer = loaded.get_submodule(kept)
+    assert torch.equal(layer.weight.view(torch.uint8), mixed[kept + ".weight"].view(torch.uint8))
+    assert torch.equal(layer.weight_scale, mixed[kept + ".weight_scale"].expand(layer.out_features))
+    assert count_fp8(load_transformer(path, "cpu", torch.float32)[0]) == 1         # None: only the file's fp8 layer
+
+
+def test_fp8_layers_split_over_several_file_tensors_are_quantized_per_row(tmp_path):
+    """diffusers keeps q, k and v apart: fp8 parts (here plain float8, no scale) are joined in float32 and
+    quantized again per row, within e4m3's rounding of the joined values."""
+    from tests.tiny.transformer import diffusers_transformer_from_bfl_file, save_diffusers_transformer
+
+    sd = random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=0)
+    bfl = save_prefixed(sd, tmp_path / "flux-2-klein-tiny.safetensors")
+    save_diffusers_transformer(diffusers_transformer_from_bfl_file(bfl, TINY_TRANSFORMER, tmp_path / "config"),
+                               tmp_path / "transformer")
+    file = tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"
+    state = load_file(str(file))
+    parts = [f"transformer_blocks.0.attn.to_{x}.weight" for x in "qkv"]
+    state.update({k: (state[k] * 8).to(FP8) for k in parts})
+    save_file(state, str(file))
+    loaded, _ = load_transformer(tmp_path / "transformer", "cpu", torch.float32)
+    layer = loaded.get_submodule("double_blocks.0.img_attn.qkv")
+    assert isinstance(layer, Fp8Linear) and count_fp8(loaded) == 1
+    joined = torch.cat([state[k].float() for k in parts])
+    err = (dequantize_fp8(layer.weight, layer.weight_scale) - joined).abs()
+    assert (err <= E4M3_REL * joined.abs() + E4M3_ABS * layer.weight_scale[:, None]).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 matmul (torch._scaled_mm) needs a CUDA GPU")

@@ -321,10 +321,11 @@ FP8_LAYERS = ["double_blocks.0.img_attn.qkv", "single_blocks.1.linear1", "final_
 
 
 def test_comfyui_fp8mixed_is_dequantized(dit, tmp_path):
-    """Quantised layers load as float8 * per-tensor scale (ComfyUI's QUANTIZATION.md); the others unchanged."""
+    """With fp8=False quantised layers load as float8 * per-tensor scale (ComfyUI's QUANTIZATION.md); the others
+    unchanged. (Kept in fp8, the default, in test_quant.py.)"""
     sd, meta = comfy_fp8(dit.sd, FP8_LAYERS)
     path = save_prefixed(sd, tmp_path / "flux-2-klein-tiny-fp8mixed.safetensors", "model.diffusion_model.", meta)
-    model, _ = weights.load_transformer(path, device="cpu")
+    model, _ = weights.load_transformer(path, device="cpu", fp8=False)
     expected = dict(dit.sd)
     for layer in FP8_LAYERS:
         expected[layer + ".weight"] = sd[layer + ".weight"].float() * sd[layer + ".weight_scale"]
@@ -336,14 +337,14 @@ def test_comfyui_per_layer_comfy_quant_and_old_scaled_fp8(dit, tmp_path):
     sd, _ = comfy_fp8(dit.sd, FP8_LAYERS[:1])
     layer = FP8_LAYERS[0]
     sd[layer + ".comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
-    model, _ = weights.load_transformer(save_prefixed(sd, tmp_path / "a.safetensors"), device="cpu")
+    model, _ = weights.load_transformer(save_prefixed(sd, tmp_path / "a.safetensors"), device="cpu", fp8=False)
     want = sd[layer + ".weight"].float() * sd[layer + ".weight_scale"]
     assert torch.equal(model.state_dict()[layer + ".weight"], want)
 
     old = {k: v for k, v in sd.items() if not k.endswith((".comfy_quant", ".input_scale"))}
     old[layer + ".scale_weight"] = old.pop(layer + ".weight_scale")
     old["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
-    model, _ = weights.load_transformer(save_prefixed(old, tmp_path / "b.safetensors"), device="cpu")
+    model, _ = weights.load_transformer(save_prefixed(old, tmp_path / "b.safetensors"), device="cpu", fp8=False)
     assert torch.equal(model.state_dict()[layer + ".weight"], want)
 
 
@@ -362,7 +363,7 @@ def test_bfl_fp8_and_nvfp4_match_diffusers_dequantization(dit, tmp_path):
                fp4_layer + ".weight_scale_2": global_scale, fp4_layer + ".input_scale": torch.ones(())})
     expected[fp4_layer + ".weight"] = dequantize_nvfp4(q, block, global_scale)
     model, _ = weights.load_transformer(save_prefixed(sd, tmp_path / "flux-2-klein-tiny-fp8.safetensors"),
-                                        device="cpu")
+                                        device="cpu", fp8=False)
     assert_same_state(model, expected)
 
 
@@ -593,3 +594,28 @@ def test_loaded_weights_do_not_share_the_file(dit, tmp_path):
         f.write(bytes(path.stat().st_size - header))
     assert_same_state(model, dit.sd)
     assert all(p.data_ptr() % 16 == 0 for p in model.parameters())
+
+
+def test_cpu_reads_equal_safetensors_own_for_every_dtype(tmp_path):
+    """checkpoint.read_tensor (plain reads at the header's offsets) against safetensors' load_file, dtype by dtype,
+    with scalars and empty tensors; a file cut after its header was read is an error, not garbage."""
+    from flux2_core.checkpoint import TORCH_DTYPES, read_header, read_tensor
+
+    g = torch.Generator().manual_seed(0)
+    sd = {f"t_{code}": (torch.randn(5, 7, generator=g) * 50).to(dtype) for code, dtype in TORCH_DTYPES.items()}
+    sd.update(scalar=torch.tensor(3.5, dtype=torch.bfloat16), empty=torch.zeros(0, 4), odd=torch.arange(3, dtype=torch.int8))
+    path = tmp_path / "all.safetensors"
+    save_file(sd, str(path))
+    expected = load_file(str(path))
+    infos, _ = read_header(path)
+    with open(path, "rb", buffering=0) as f:
+        for name, info in infos.items():
+            got = read_tensor(info, f)
+            assert got.dtype == expected[name].dtype and got.shape == expected[name].shape, name
+            assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got, expected[name].view(
+                torch.uint8) if got.dtype.itemsize == 1 else expected[name]), name
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 10)
+    last = max((i for i in infos.values() if i.name != "empty"), key=lambda i: i.offset)
+    with open(path, "rb", buffering=0) as f, pytest.raises(Flux2Error, match="ended inside tensor"):
+        read_tensor(last, f)

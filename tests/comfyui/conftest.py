@@ -36,6 +36,7 @@ WORKFLOW_MODELS = {"model_name": ("diffusion_models", "transformer"), "text_enco
                    "ae_name": ("vae", "ae")}    # loader input -> (models folder, tiny file)
 FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "flux-2-klein-base-tiny.safetensors",
          "transformer_kv": "flux-2-klein-9b-kv-tiny.safetensors",
+         "transformer_fp8": "flux-2-klein-tiny-fp8mixed.safetensors",
          "text_encoder": "qwen_3_tiny.safetensors", "ae": "flux2-vae-tiny.safetensors",
          "ae_full": "flux2-vae-full-size-random.safetensors"}
 
@@ -51,9 +52,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def write_tiny_models(models: Path) -> dict[str, str]:
-    """Random weights in ComfyUI's model folders: BFL transformer (also as a base model), ComfyUI Qwen3 file, BFL
-    autoencoders (tiny, and one of the real size). Returns {role: file name}."""
+    """Random weights in ComfyUI's model folders: BFL transformer (also as a base, a KV and an fp8mixed model),
+    ComfyUI Qwen3 file, BFL autoencoders (tiny, and one of the real size). Returns {role: file name}."""
     from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
+    from tests.tiny.layouts import comfy_fp8
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
     from tests.tiny.transformer import random_bfl_transformer_state_dict, save_bfl_transformer
 
@@ -64,6 +66,12 @@ def write_tiny_models(models: Path) -> dict[str, str]:
     # the same weights under "base" and "kv" names: the variant (CFG, distilled, KV) comes from the file name
     for role in ("transformer_base", "transformer_kv"):
         os.link(models / "diffusion_models" / FILES["transformer"], models / "diffusion_models" / FILES[role])
+    # and as ComfyUI's "fp8mixed" files: the blocks' linear weights float8 with per-tensor scales, named in metadata
+    blocks = [k.removesuffix(".weight") for k, v in transformer.items() if v.ndim == 2
+              and k.startswith(("double_blocks.", "single_blocks.", "double_stream_modulation", "single_stream_mod"))]
+    fp8, meta = comfy_fp8(transformer, blocks)
+    save_file({k: v.contiguous() for k, v in fp8.items()}, str(models / "diffusion_models" / FILES["transformer_fp8"]),
+              metadata=meta)
     save_comfyui_text_encoder(build_tiny_qwen3(seed=2), models / "text_encoders" / FILES["text_encoder"])
     save_bfl_autoencoder(build_diffusers_autoencoder(seed=3), models / "vae" / FILES["ae"])
     save_file(full_size_autoencoder(seed=4), str(models / "vae" / FILES["ae_full"]))

@@ -4,6 +4,7 @@ Both share the loaders, the prompt encode and the noise of our pack, so the two 
 
     prompt = ours(files, "a red fox", seed=1, width=64, height=64, steps=4)                 # -> SaveImage
     prompt = ours(files, "a red fox", output="latent")                                      # -> SaveLatent
+    prompt = ours(files, "a red fox", model_file=files["transformer_fp8"], model_dtype="auto")
     prompt = native(files, "a red fox", output="latent")          # UNETLoader + BasicGuider/CFGGuider + SamplerCustomAdvanced
 """
 
@@ -19,11 +20,11 @@ def link(node: str, slot: int = 0) -> list:
 
 
 def common(files: dict, prompt: str, seed: int, width: int, height: int, steps: int, negative: str | None,
-           references: list[str], model_file: str | None) -> dict:
+           references: list[str], model_file: str | None, model_dtype: str = "float32") -> dict:
     """Loaders, prompt(s), references, noise and schedule: ids 1..9 (+ 20.. for references)."""
     graph = {
         "1": {"class_type": "Flux2KleinModelLoader",
-              "inputs": {"model_name": model_file or files["transformer"], "dtype": "float32"}},
+              "inputs": {"model_name": model_file or files["transformer"], "dtype": model_dtype}},
         "2": {"class_type": "Flux2KleinTextEncoderLoader",
               "inputs": {"text_encoder_name": files["text_encoder"], "dtype": "float32"}},
         "3": {"class_type": "Flux2KleinAELoader", "inputs": {"ae_name": files["ae"], "dtype": "float32"}},
@@ -57,8 +58,8 @@ def finish(graph: dict, latent_node: list, output: str) -> dict:
 
 def ours(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: int = 64, steps: int = 4,
          cfg: float = 1.0, negative: str | None = None, references=(), output: str = "image",
-         model_file: str | None = None) -> dict:
-    graph = common(files, prompt, seed, width, height, steps, negative, list(references), model_file)
+         model_file: str | None = None, model_dtype: str = "float32") -> dict:
+    graph = common(files, prompt, seed, width, height, steps, negative, list(references), model_file, model_dtype)
     positive = graph.pop("positive")
     inputs = {"model": link("1"), "positive": link(positive), "noise": link("6"), "sigmas": link("7"), "cfg": cfg,
               "denoise": 1.0}

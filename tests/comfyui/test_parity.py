@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from flux2_core import pipeline
+from flux2_core import pipeline, quant
 from tests.comfyui import graphs
 
 SIZE = {"width": 64, "height": 48}
@@ -93,3 +93,31 @@ def test_comfyui_native_flux2_graph_agrees(comfy, name):
     diff, rel = relative(native, ours)
     print(f"\n[{name}] ComfyUI native FLUX.2 vs ours: max|diff| {diff:.3g} (relative {rel:.3g})")
     assert rel <= 1e-4
+
+
+def test_fp8_file_stays_fp8_and_agrees_with_comfyui_native(comfy):
+    """An fp8mixed file on dtype auto: our loader keeps its fp8 layers (computed in float32 on this CPU), the result
+    equals flux2_core loading the same file, and ComfyUI's own loader and sampler on that file agree."""
+    case = CASES["distilled"]
+    fp8 = {**graph_options(comfy, case), "model_file": comfy.files["transformer_fp8"]}
+    run = comfy.client.run(graphs.ours(comfy.files, **fp8, model_dtype="auto", output="latent"))
+    ours = graphs.saved_latent(comfy.base, comfy.client.history(run.prompt_id)).float()
+    info = " ".join(str(v) for v in comfy.client.history(run.prompt_id)["outputs"]["1"].get("text", []))
+    assert "layers in fp8" in info, info
+    models = comfy.base / "models"
+    direct_fp8 = pipeline.load_models(models / "diffusion_models" / comfy.files["transformer_fp8"],
+                                      models / "text_encoders" / comfy.files["text_encoder"],
+                                      models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32)
+    assert quant.count_fp8(direct_fp8.transformer) > 0
+    expected = pipeline.generate(direct_fp8, case["prompt"], steps=case["steps"], seed=case["seed"], **SIZE).latents
+    diff, rel = relative(ours, expected)
+    print(f"\n[fp8mixed] ComfyUI node vs flux2_core: max|diff| {diff:.3g} (relative {rel:.3g})")
+    assert rel <= 1e-5
+
+    run = comfy.client.run(graphs.native(comfy.files, **fp8, output="latent"))
+    native = graphs.saved_latent(comfy.base, comfy.client.history(run.prompt_id)).float()
+    diff, rel = relative(native, ours)
+    print(f"[fp8mixed] ComfyUI native FLUX.2 vs ours: max|diff| {diff:.3g} (relative {rel:.3g})")
+    assert rel <= 1e-4
+    full = run_latent(comfy, graphs.ours, case)             # and fp8 is near the full-precision weights, not equal
+    assert 0 < relative(ours, full)[1] < 0.2

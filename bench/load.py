@@ -1,0 +1,138 @@
+"""Time and peak memory of loading a transformer file, per weight storage (``weights.load_transformer(fp8=...)``).
+
+    python bench/load.py                        # CPU: a 1.0 B-parameter Klein-shaped model (hidden 2048, 3+12 blocks)
+    python bench/load.py --config klein-4b      # the real Klein 4B shapes (on CUDA: read straight to the GPU)
+
+One bf16 file and one fp8 file (BFL layout: e4m3 weights with per-row scales) of random weights are written once;
+each case then loads in a fresh process, which reports its wall time and peak memory: the resident set's high-water
+mark on CPU (the process's own, interpreter and torch included: a baseline is printed), allocated memory on CUDA.
+
+    bf16 file, fp8=False    the plain load: every weight in bf16
+    bf16 file, fp8=True     blocks quantized to fp8 as they are read (never the whole bf16 model in memory)
+    bf16 file, then quantize_transformer: the old way to the same fp8 model (the bf16 model first)
+    fp8 file, fp8=None      the file's fp8 layers kept as stored
+    fp8 file, fp8=False     dequantized to bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flux2_core.variants import KLEIN_4B, KLEIN_9B, TransformerParams
+
+CONFIGS = {
+    "medium": TransformerParams(context_in_dim=7680, hidden_size=2048, num_heads=16, depth=3, depth_single_blocks=12),
+    "klein-4b": KLEIN_4B,
+    "klein-9b": KLEIN_9B,
+}
+CASES = {  # name -> (file, fp8 argument, quantize after loading)
+    "bf16 file, fp8=False": ("bf16", False, False),
+    "bf16 file, fp8=True": ("bf16", True, False),
+    "bf16 file + quantize_transformer": ("bf16", False, True),
+    "fp8 file, fp8=None (kept)": ("fp8", None, False),
+    "fp8 file, fp8=False": ("fp8", False, False),
+}
+
+
+def peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def write_files(folder: Path, params: TransformerParams) -> None:
+    """Random bf16 weights (the demo's init rule) and their BFL fp8 version, one tensor at a time."""
+    from safetensors.torch import save_file
+
+    from flux2_core.demo import random_weights
+    from flux2_core.quant import in_blocks, quantize_fp8
+    from flux2_core.transformer import Flux2Transformer
+
+    with torch.device("meta"):
+        model = Flux2Transformer(params)
+    g = torch.Generator().manual_seed(0)
+    bf16, fp8 = {}, {}
+    blocks = {n + ".weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and in_blocks(n, m)}
+    for key, like in model.state_dict().items():
+        value = random_weights({key: like.shape}, g)[key].to(torch.bfloat16)
+        bf16[key] = value
+        if key in blocks:
+            fp8[key], fp8[key.removesuffix("weight") + "weight_scale"] = quantize_fp8(value)
+        else:
+            fp8[key] = value
+    save_file(bf16, str(folder / "bf16.safetensors"))
+    save_file(fp8, str(folder / "fp8.safetensors"))
+
+
+def worker(args) -> None:
+    device = torch.device(args.device)
+    report = {"baseline": peak_bytes(device)}
+    if args.case == "baseline":
+        print(json.dumps(report))
+        return
+    from flux2_core import quant, weights
+
+    file, fp8, quantize_after = CASES[args.case]
+    t = time.perf_counter()
+    model, _ = weights.load_transformer(Path(args.folder) / f"{file}.safetensors", device, torch.bfloat16,
+                                        params=CONFIGS[args.config], fp8=fp8)
+    if quantize_after:
+        quant.quantize_transformer(model)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    report.update(seconds=time.perf_counter() - t, peak=peak_bytes(device),
+                  weights=sum(t.nbytes for t in [*model.parameters(), *model.buffers()]),
+                  fp8_layers=quant.count_fp8(model))
+    print(json.dumps(report))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="medium")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=2, help="processes per case (the best time, the highest peak)")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--folder", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:
+        return worker(args)
+
+    params = CONFIGS[args.config]
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        write_files(Path(tmp), params)
+        sizes = {f: (Path(tmp) / f"{f}.safetensors").stat().st_size for f in ("bf16", "fp8")}
+        print(f"{args.config}: files written in {time.perf_counter() - t:.0f} s (bf16 {sizes['bf16'] / 2**30:.2f} GiB, "
+              f"fp8 {sizes['fp8'] / 2**30:.2f} GiB); device {args.device}, torch {torch.__version__}")
+
+        def run(case: str) -> dict:
+            cmd = [sys.executable, __file__, "--case", case, "--folder", tmp, "--config", args.config,
+                   "--device", args.device]
+            return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+        base = run("baseline")["baseline"]
+        print(f"{'case':<34} {'time s':>7} {'peak GiB':>9} {'weights GiB':>12} {'fp8 layers':>11}")
+        print(f"{'(process before loading)':<34} {'':>7} {base / 2**30:9.2f}")
+        for case in CASES:
+            reports = [run(case) for _ in range(args.rounds)]
+            best, peak = min(r["seconds"] for r in reports), max(r["peak"] for r in reports)
+            r = reports[0]
+            print(f"{case:<34} {best:7.2f} {peak / 2**30:9.2f} {r['weights'] / 2**30:12.2f} {r['fp8_layers']:11d}")
+
+
+if __name__ == "__main__":
+    main()
