@@ -105,10 +105,13 @@ class Source:
                      if self.prefix + layer + s in self.ckpt.tensors), None)
 
     def stores_fp8(self, key: str) -> bool:
-        """Whether every file tensor behind our key is float8 (ComfyUI's uint8 containers of fp8 included)."""
-        sources = self.recipe(key).sources
-        return all(s in self.keys and (self.info(s).dtype in FP8_CODES or (
-            self.info(s).dtype == "U8" and s.removesuffix(".weight") in self.formats)) for s in sources)
+        """Whether every file tensor behind our key is float8."""
+        return all(self.is_float8(s) for s in self.recipe(key).sources)
+
+    def is_float8(self, file_key: str) -> bool:
+        """Whether a file tensor (key behind the prefix) is float8, ComfyUI's uint8 containers of fp8 included."""
+        return file_key in self.keys and (self.info(file_key).dtype in FP8_CODES or (
+            self.info(file_key).dtype == "U8" and file_key.removesuffix(".weight") in self.formats))
 
     def is_nvfp4(self, layer: str) -> bool:
         return self.prefix + layer + ".weight_scale_2" in self.ckpt.tensors
@@ -134,7 +137,8 @@ FP8_CODES = ("F8_E4M3", "F8_E5M2")        # safetensors' names of the float8 dty
 
 
 class TensorReader:
-    """Reads file tensors straight to one device, dequantizing fp8 / nvfp4 weights to float32."""
+    """Reads file tensors straight to one device: dequantizing fp8 / nvfp4 weights to float32 (``__call__``), or
+    handing fp8 weights over as stored (``fp8``)."""
 
     def __init__(self, source: Source, device: torch.device):
         self.source, self.device, self.handles, self.files = source, device, {}, ExitStack()
@@ -206,7 +210,7 @@ class TensorReader:
         own values and scales (nothing is rounded again); any other weight (full precision, nvfp4, block-scaled,
         split over several file tensors) is assembled in float32 and quantized per row (``quant.quantize_fp8``).
         """
-        if len(recipe.sources) == 1 and not recipe.swap_halves and self.source.stores_fp8(recipe.sources[0]):
+        if len(recipe.sources) == 1 and not recipe.swap_halves and self.source.is_float8(recipe.sources[0]):
             layer = recipe.sources[0][: -len(".weight")]
             weight = self.as_float8(layer, self.raw(self.source.prefix + recipe.sources[0]))
             scale_key = self.source.scale_key(layer)

@@ -167,8 +167,8 @@ def test_fp8_true_quantizes_what_the_file_stores_in_full_precision(tmp_path):
 
 
 def test_fp8_layers_split_over_several_file_tensors_are_quantized_per_row(tmp_path):
-    """diffusers keeps q, k and v apart: fp8 parts (here plain float8, no scale) are joined in float32 and
-    quantized again per row, within e4m3's rounding of the joined values."""
+    """diffusers names layers otherwise and keeps q, k and v apart: a renamed fp8 layer (here plain float8, no scale)
+    keeps its values; fp8 parts are joined in float32 and quantized again per row, within e4m3's rounding."""
     from tests.tiny.transformer import diffusers_transformer_from_bfl_file, save_diffusers_transformer
 
     sd = random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=0)
@@ -178,11 +178,15 @@ def test_fp8_layers_split_over_several_file_tensors_are_quantized_per_row(tmp_pa
     file = tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"
     state = load_file(str(file))
     parts = [f"transformer_blocks.0.attn.to_{x}.weight" for x in "qkv"]
-    state.update({k: (state[k] * 8).to(FP8) for k in parts})
+    renamed = "transformer_blocks.0.attn.to_out.0.weight"               # one file tensor: kept as it is
+    state.update({k: (state[k] * 8).to(FP8) for k in [*parts, renamed]})
     save_file(state, str(file))
     loaded, _ = load_transformer(tmp_path / "transformer", "cpu", torch.float32)
+    proj = loaded.get_submodule("double_blocks.0.img_attn.proj")
+    assert isinstance(proj, Fp8Linear) and torch.equal(proj.weight.view(torch.uint8), state[renamed].view(torch.uint8))
+    assert torch.equal(proj.weight_scale, torch.ones(proj.out_features))
     layer = loaded.get_submodule("double_blocks.0.img_attn.qkv")
-    assert isinstance(layer, Fp8Linear) and count_fp8(loaded) == 1
+    assert isinstance(layer, Fp8Linear) and count_fp8(loaded) == 2
     joined = torch.cat([state[k].float() for k in parts])
     err = (dequantize_fp8(layer.weight, layer.weight_scale) - joined).abs()
     assert (err <= E4M3_REL * joined.abs() + E4M3_ABS * layer.weight_scale[:, None]).all()
