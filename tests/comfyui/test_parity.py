@@ -121,3 +121,18 @@ def test_fp8_file_stays_fp8_and_agrees_with_comfyui_native(comfy):
     assert rel <= 1e-4
     full = run_latent(comfy, graphs.ours, case)             # and fp8 is near the full-precision weights, not equal
     assert 0 < relative(ours, full)[1] < 0.2
+
+
+def test_fp8_option_quantizes_a_full_precision_file(comfy):
+    """dtype fp8_e4m3fn on a float file: the blocks quantized while loading, as flux2_core's load_models(fp8=True)."""
+    case = CASES["distilled"]
+    run = comfy.client.run(graphs.ours(comfy.files, **graph_options(comfy, case), model_dtype="fp8_e4m3fn",
+                                       output="latent"))
+    ours = graphs.saved_latent(comfy.base, comfy.client.history(run.prompt_id)).float()
+    models = comfy.base / "models"
+    direct_fp8 = pipeline.load_models(models / "diffusion_models" / comfy.files["transformer"],
+                                      models / "text_encoders" / comfy.files["text_encoder"],
+                                      models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32, fp8=True)
+    expected = pipeline.generate(direct_fp8, case["prompt"], steps=case["steps"], seed=case["seed"], **SIZE).latents
+    assert relative(ours, expected)[1] <= 1e-5
+    assert 0 < relative(ours, run_latent(comfy, graphs.ours, case))[1] < 0.2
