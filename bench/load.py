@@ -55,26 +55,21 @@ def peak_bytes(device: torch.device) -> int:
 
 
 def write_files(folder: Path, params: TransformerParams) -> None:
-    """Random bf16 weights (the demo's init rule) and their BFL fp8 version, one tensor at a time."""
+    """Random bf16 weights (bench.py's, the demo's init rule) and their BFL fp8 version of the block layers."""
     from safetensors.torch import save_file
 
-    from flux2_core.demo import random_weights
+    from bench import random_state  # bench/bench.py (this folder is first on sys.path)
     from flux2_core.quant import in_blocks, quantize_fp8
     from flux2_core.transformer import Flux2Transformer
 
     with torch.device("meta"):
         model = Flux2Transformer(params)
-    g = torch.Generator().manual_seed(0)
-    bf16, fp8 = {}, {}
-    blocks = {n + ".weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and in_blocks(n, m)}
-    for key, like in model.state_dict().items():
-        value = random_weights({key: like.shape}, g)[key].to(torch.bfloat16)
-        bf16[key] = value
-        if key in blocks:
-            fp8[key], fp8[key.removesuffix("weight") + "weight_scale"] = quantize_fp8(value)
-        else:
-            fp8[key] = value
+    bf16 = random_state(model, seed=0, device="cpu", dtype=torch.bfloat16)
     save_file(bf16, str(folder / "bf16.safetensors"))
+    fp8 = dict(bf16)
+    for name, layer in model.named_modules():
+        if isinstance(layer, torch.nn.Linear) and in_blocks(name, layer):
+            fp8[name + ".weight"], fp8[name + ".weight_scale"] = quantize_fp8(bf16[name + ".weight"])
     save_file(fp8, str(folder / "fp8.safetensors"))
 
 

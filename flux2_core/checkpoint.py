@@ -31,7 +31,7 @@ class TensorInfo:
     name: str                  # the key as stored in the file
     dtype: str                 # safetensors dtype code: "BF16", "F8_E4M3", ...
     shape: tuple[int, ...]
-    offset: int = -1           # where its bytes start in the file
+    offset: int                # where its bytes start in the file
 
 
 # safetensors dtype codes -> torch dtypes (the ones ``read_tensor`` reads itself; F4 and the like go through safetensors)

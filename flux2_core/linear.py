@@ -54,7 +54,12 @@ class VectorLinear(Linear):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.cat([linear(row, self.weight) for row in x.split(1)]) if x.shape[0] > 1 else linear(x, self.weight)
+        return item_by_item(lambda item: linear(item, self.weight), x)
+
+
+def item_by_item(fn, x: Tensor) -> Tensor:
+    """``fn`` applied to each batch item of x [B, ...] on its own (one call when B is 1), results concatenated."""
+    return torch.cat([fn(item) for item in x.split(1)]) if x.shape[0] > 1 else fn(x)
 
 
 def onednn_linears(module: nn.Module) -> int:

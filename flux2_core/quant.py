@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import Flux2Error
-from .linear import VectorLinear, linear
+from .linear import VectorLinear, item_by_item, linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max          # 448
@@ -52,11 +52,11 @@ class Fp8Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, per_row: bool = True, fp8_matmul: bool = False,
-                 device=None, storage: torch.dtype = FP8, item_by_item: bool = False):
+                 device=None, item_by_item: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.fp8_matmul = in_features, out_features, fp8_matmul
         self.item_by_item = item_by_item          # one batch item at a time, as linear.VectorLinear (batch invariance)
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=storage, device=device))
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features if per_row else (), device=device))
 
     @classmethod
@@ -70,9 +70,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
-        if self.item_by_item and x.shape[0] > 1:
-            return torch.cat([self.matmul(item) for item in x.split(1)])
-        return self.matmul(x)
+        return item_by_item(self.matmul, x) if self.item_by_item else self.matmul(x)
 
     def matmul(self, x: Tensor) -> Tensor:
         if self.fp8_matmul and _scaled_mm_ok(x, self.weight):

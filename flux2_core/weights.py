@@ -133,7 +133,7 @@ def open_source(path, subfolder: str, layouts: list[Layout], what: str, loader: 
     return Source(ckpt, layout, prefix, keys, layout.recipes(keys), formats)
 
 
-FP8_CODES = ("F8_E4M3", "F8_E5M2")        # safetensors' names of the float8 dtypes
+FP8_CODES = {code for code, dtype in TORCH_DTYPES.items() if dtype in FP8_DTYPES}   # safetensors' float8 names
 
 
 class TensorReader:
@@ -158,7 +158,7 @@ class TensorReader:
         straight into device memory.
         """
         info = self.source.ckpt.tensors[key]
-        on_cpu = self.device.type == "cpu" and info.dtype in TORCH_DTYPES and info.offset >= 0
+        on_cpu = self.device.type == "cpu" and info.dtype in TORCH_DTYPES
         if (info.file, on_cpu) not in self.handles:
             if on_cpu:
                 file = self.files.enter_context(open(info.file, "rb", buffering=0))   # noqa: SIM115 (closed by close)
@@ -231,8 +231,7 @@ def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: t
     per-row scales (``TensorReader.fp8``). A file key that no recipe uses is an error, as is a missing one (except
     ``OPTIONAL_KEYS``).
     """
-    scales = {k for k in expected if k.endswith(".weight_scale")
-              and expected.get(k.removesuffix("_scale"), torch.empty(0)).dtype in FP8_DTYPES}
+    scales = {k + "_scale" for k, like in expected.items() if like.dtype in FP8_DTYPES}   # read with their weights
     wanted = {k: like for k, like in expected.items() if k not in scales}
     missing = [s for k in wanted if k not in OPTIONAL_KEYS or source.has(k)
                for s in source.recipe(k).sources if s not in source.keys]

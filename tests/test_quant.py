@@ -4,8 +4,6 @@ files (BFL per-row, ComfyUI per-tensor, diffusers split q/k/v) loading as fp8 wi
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +13,7 @@ from flux2_core import rope
 from flux2_core.quant import FP8, Fp8Linear, count_fp8, dequantize_fp8, quantize_fp8, quantize_transformer
 from flux2_core.transformer import Flux2Transformer
 from flux2_core.weights import load_transformer
-from tests.tiny.layouts import comfy_fp8, save_prefixed
+from tests.tiny.layouts import comfy_fp8, comfy_fp8_metadata, save_prefixed
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
 
 # e4m3: 3 mantissa bits, so rounding to nearest is off by at most 2^-4 of the value; below 2^-6 (the smallest normal)
@@ -107,8 +105,7 @@ def fp8_file(tmp_path, layout: str) -> tuple[torch.nn.Module, str]:
         sd.update({n + ".input_scale": torch.ones(()) for n in names})
     elif layout == "comfyui":
         sd.update({n + ".input_scale": torch.ones(()) for n in names})
-        meta = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {
-            n: {"format": "float8_e4m3fn"} for n in names}})}
+        meta = comfy_fp8_metadata(names)
         prefix = "model.diffusion_model."
     else:
         sd = {k.replace(".weight_scale", ".scale_weight"): v.reshape(1) if k.endswith(".weight_scale") else v

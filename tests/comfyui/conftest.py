@@ -54,6 +54,7 @@ def pytest_collection_modifyitems(config, items):
 def write_tiny_models(models: Path) -> dict[str, str]:
     """Random weights in ComfyUI's model folders: BFL transformer (also as a base, a KV and an fp8mixed model),
     ComfyUI Qwen3 file, BFL autoencoders (tiny, and one of the real size). Returns {role: file name}."""
+    from flux2_core.quant import in_blocks
     from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
     from tests.tiny.layouts import comfy_fp8
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
@@ -68,7 +69,7 @@ def write_tiny_models(models: Path) -> dict[str, str]:
         os.link(models / "diffusion_models" / FILES["transformer"], models / "diffusion_models" / FILES[role])
     # and as ComfyUI's "fp8mixed" files: the blocks' linear weights float8 with per-tensor scales, named in metadata
     blocks = [k.removesuffix(".weight") for k, v in transformer.items() if v.ndim == 2
-              and k.startswith(("double_blocks.", "single_blocks.", "double_stream_modulation", "single_stream_mod"))]
+              and in_blocks(k.removesuffix(".weight"), None)]
     fp8, meta = comfy_fp8(transformer, blocks)
     save_file({k: v.contiguous() for k, v in fp8.items()}, str(models / "diffusion_models" / FILES["transformer_fp8"]),
               metadata=meta)

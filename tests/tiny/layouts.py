@@ -37,8 +37,13 @@ def comfy_fp8(state_dict: dict[str, torch.Tensor], layers: list[str]) -> tuple[d
         out[layer + ".weight"] = (weight / scale).to(torch.float8_e4m3fn)
         out[layer + ".weight_scale"] = scale.reshape(())
         out[layer + ".input_scale"] = torch.tensor(1.0)
+    return out, comfy_fp8_metadata(layers)
+
+
+def comfy_fp8_metadata(layers: list[str]) -> dict[str, str]:
+    """The safetensors metadata naming ``layers`` as float8_e4m3fn (ComfyUI's ``_quantization_metadata``)."""
     meta = {"format_version": "1.0", "layers": {layer: {"format": "float8_e4m3fn"} for layer in layers}}
-    return out, {"_quantization_metadata": json.dumps(meta)}
+    return {"_quantization_metadata": json.dumps(meta)}
 
 
 def write_sparse_safetensors(path: str | Path, shapes: dict[str, tuple[int, ...]], dtype: str = "BF16") -> Path:
