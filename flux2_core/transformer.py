@@ -307,7 +307,7 @@ class Flux2Transformer(nn.Module):
         return self.final_layer(out[:, :n_img], vec)
 
     @torch.no_grad()
-    def reference_kv(self, ref: Tensor, ref_ids: Tensor, guidance: Tensor | None = None) -> ReferenceKV:
+    def reference_kv(self, ref: Tensor, ref_ids: Tensor) -> ReferenceKV:
         """Every block's reference (k, v) for the KV scheme: the references alone, at t = 0, with no text.
 
         ref [B, Lref, in_channels] (usually B = 1), ref_ids [B, Lref, 4]. Returns a ReferenceKV for ``forward``.
@@ -317,10 +317,10 @@ class Flux2Transformer(nn.Module):
         ref_ids = _batched(ref_ids, batch, "ref_ids")
         no_txt = ref.new_zeros(batch, 0, self.params.context_in_dim)
         no_txt_ids = ref_ids.new_zeros(batch, 0, ref_ids.shape[-1])
-        vec = self._vector(ref.new_zeros(batch), guidance, ref.dtype)
+        vec = self._vector(ref.new_zeros(batch), None, ref.dtype)
         kv = []
         self._run_blocks(ref, ref_ids, no_txt, no_txt_ids, vec, kv_out=kv)
-        return ReferenceKV([(k.clone(), v.clone()) for k, v in kv], ref.shape[1])
+        return ReferenceKV(kv, ref.shape[1])
 
     def _vector(self, timesteps: Tensor, guidance: Tensor | None, dtype: torch.dtype) -> Tensor:
         """The conditioning vector vec [B, H] from sigmas (and guidance for FLUX.2-dev)."""
@@ -333,7 +333,8 @@ class Flux2Transformer(nn.Module):
 
     def _run_blocks(self, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor, vec: Tensor,
                     ref_kv: ReferenceKV | None = None, kv_out: list | None = None) -> Tensor:
-        """All blocks. Returns the hidden image tokens [B, Limg, H]; appends each block's img (k, v) to kv_out."""
+        """All blocks. Returns the hidden image tokens [B, Limg, H]; appends a copy of each block's img (k, v) to
+        kv_out (a copy as each block ends: a single block's v is a view of its whole linear1 output, 9x larger)."""
         mod_img = self.double_stream_modulation_img(vec)
         mod_txt = self.double_stream_modulation_txt(vec)
         mod_single = self.single_stream_modulation(vec)
@@ -345,13 +346,13 @@ class Flux2Transformer(nn.Module):
         for block, block_kv in zip(self.double_blocks, cached):
             img, txt, kv = block(img, txt, pe, mod_img, mod_txt, block_kv)
             if kv_out is not None:
-                kv_out.append(kv)
+                kv_out.append((kv[0].clone(), kv[1].clone()))
 
         x = torch.cat([txt, img], dim=1)
         for block, block_kv in zip(self.single_blocks, cached[len(self.double_blocks):]):
             x, kv = block(x, pe, mod_single, n_txt, block_kv)
             if kv_out is not None:
-                kv_out.append(kv)
+                kv_out.append((kv[0].clone(), kv[1].clone()))
         return x[:, n_txt:]
 
     def _check_tokens(self, img: Tensor, txt: Tensor | None):

@@ -147,6 +147,8 @@ def test_reference_kv_helpers(ours, inputs):
     cache = ours.reference_kv(inputs["ref"], inputs["ref_ids"])
     heads, head_dim = TINY_TRANSFORMER.num_heads, TINY_TRANSFORMER.head_dim
     assert all(k.shape == v.shape == (1, heads, cache.num_tokens, head_dim) for k, v in cache.blocks)
+    # each K and V holds only its own memory, not the larger block output it was sliced from
+    assert all(t.untyped_storage().nbytes() == t.nbytes for kv in cache.blocks for t in kv)
     half = cache.to(dtype=torch.bfloat16)
     assert isinstance(half, ReferenceKV) and half.dtype == torch.bfloat16 and half.device == cache.device
     assert half.nbytes * 2 == cache.nbytes == 2 * len(cache.blocks) * heads * cache.num_tokens * head_dim * 4
