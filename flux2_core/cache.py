@@ -105,10 +105,6 @@ class LRUCache:
             _, old = self.entries.popitem(last=False)
             self.nbytes -= self.size(old)
 
-    def clear(self) -> None:
-        self.entries.clear()
-        self.nbytes = 0
-
 
 # --- prompt embeddings ----------------------------------------------------------------------------------------------
 
@@ -169,13 +165,16 @@ class ReferenceKVCache:
     def __init__(self, max_items: int = 2, max_bytes: int | None = 8 << 30):
         self.cache = LRUCache(max_items, max_bytes, size=lambda kv: kv.nbytes)
 
-    def get(self, model, ref: Tensor, ref_ids: Tensor, guidance: Tensor | None = None):
-        """The ``ReferenceKV`` for references ref [B, Lref, 128] with ids [B, Lref, 4] (computed once, then reused)."""
-        extra = () if guidance is None else (tensor_digest(guidance),)
-        key = (fingerprint(model), tensor_digest(ref, ref_ids), str(ref.dtype), str(ref.device)) + extra
+    def get(self, model, ref: Tensor, ref_ids: Tensor, model_key: Hashable | None = None):
+        """The ``ReferenceKV`` for references ref [B, Lref, 128] with ids [B, Lref, 4] (computed once, then reused).
+
+        ``model_key`` names the model's weights when the caller already knows them (default: ``fingerprint(model)``,
+        which reads a few values of every tensor)."""
+        model_key = fingerprint(model) if model_key is None else model_key
+        key = (model_key, tensor_digest(ref, ref_ids), str(ref.dtype), str(ref.device))
         kv = self.cache.get(key)
         if kv is None:
-            kv = model.reference_kv(ref, ref_ids, guidance)
+            kv = model.reference_kv(ref, ref_ids)
             self.cache.put(key, kv)
         return kv
 

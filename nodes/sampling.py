@@ -168,7 +168,7 @@ def reference_kv(model: host.Managed, ref, ref_ids, device) -> tuple:
     if ref is None:
         return None, None
     hits = REFERENCE_KV.cache.hits
-    ref_kv = REFERENCE_KV.get(model.core, ref.to(device, model.dtype), ref_ids.to(device))
+    ref_kv = REFERENCE_KV.get(model.core, ref.to(device, model.dtype), ref_ids.to(device), model_key=model.key)
     if REFERENCE_KV.cache.hits > hits:
         log.info("FLUX.2 Klein: reference K/V reused from the previous edit (no reference pass)")
         return ref_kv, "reference K/V: reused (no reference pass)"
