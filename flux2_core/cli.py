@@ -217,7 +217,6 @@ def generate_command(argv: list[str]) -> int:
         print("DEMO MODE: tiny built-in RANDOM weights. The pictures are noise; this only checks that every stage "
               "runs. Use --models or --transformer/--text-encoder/--ae for real images.")
         models, files = demo_models(args.variant or "klein-4b", args.device or "cpu"), {"weights": "demo (random)"}
-        optimize_transformer(models, fp8=args.fp8 == "yes")
         if not refs and image is None:
             width, height = width or DEMO_SIZE, height or DEMO_SIZE
     else:
@@ -227,7 +226,7 @@ def generate_command(argv: list[str]) -> int:
         models = load_models(*paths, device=args.device, dtype=dtype, variant=args.variant,
                              fp8={"auto": None, "yes": True, "no": False}[args.fp8])
         files = {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
-    optimize_transformer(models, compile=args.compile)
+    optimize_transformer(models, fp8=args.demo and args.fp8 == "yes", compile=args.compile)   # files: fp8 on load
     if count_fp8(models.transformer):
         files["transformer_weights"] = "fp8"
 

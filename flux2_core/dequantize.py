@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import torch
-from safetensors import safe_open
 
-from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint import Checkpoint, TensorInfo, read_tensor
 from .errors import Flux2Error
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -15,7 +14,8 @@ from .errors import Flux2Error
 # ---------------------------------------------------------------------------------------------------------------
 
 SCALE_SUFFIXES = (".weight_scale", ".scale_weight", ".weight_scale_inv")
-DROPPED_SUFFIXES = (".input_scale", ".scale_input", ".comfy_quant", ".weight_scale_2") + SCALE_SUFFIXES
+# keys beside the weights that are not weights (``scaled_fp8``: the marker of ComfyUI's older fp8 files)
+DROPPED_SUFFIXES = (".input_scale", ".scale_input", ".comfy_quant", ".weight_scale_2", "scaled_fp8") + SCALE_SUFFIXES
 UNSUPPORTED_SUFFIXES = {".qweight": "GPTQ/AWQ", ".qzeros": "GPTQ/AWQ", ".g_idx": "GPTQ", ".SCB": "bitsandbytes int8",
                         ".absmax": "bitsandbytes", ".quant_map": "bitsandbytes",
                         ".quant_state.bitsandbytes__nf4": "bitsandbytes nf4",
@@ -58,8 +58,8 @@ def comfy_formats(ckpt: Checkpoint, prefix: str) -> dict[str, str]:
 
 
 def _read_small(info: TensorInfo) -> torch.Tensor:
-    with safe_open(str(info.file), framework="pt", device="cpu") as f:
-        return f.get_tensor(info.name)
+    with open(info.file, "rb") as f:
+        return read_tensor(info, f)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int]) -> torch.Tensor:

@@ -35,6 +35,7 @@ the encoder were on the device, is less than the denoiser's working memory (``de
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +46,7 @@ from .autoencoder import AutoEncoder, free_memory
 from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
 from .references import as_pil, center_crop_16, encode_references, image_to_tensor, prepare_references
-from .sampling import add_noise, denoise, latent_size, make_noise
+from .sampling import LATENT_CHANNELS, add_noise, denoise, latent_size, make_noise
 from .schedules import check_sigmas, flux2_schedule, truncate_for_strength
 from .text_encoder import PromptEmbeds, PromptEncoder
 from .transformer import Flux2Transformer, ReferenceKV
@@ -229,13 +230,13 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     # noise
     if noise is None:
         noise = make_noise(batch, height, width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise)
-    elif tuple(noise.shape) != (batch, 128, h, w):
-        raise Flux2Error(f"noise must be [{batch}, 128, {h}, {w}] for batch {batch} at {width}x{height}, "
+    elif tuple(noise.shape) != (batch, LATENT_CHANNELS, h, w):
+        raise Flux2Error(f"noise must be [{batch}, {LATENT_CHANNELS}, {h}, {w}] for batch {batch} at {width}x{height}, "
                          f"got {list(noise.shape)}")
     noise = noise.to(device, torch.float32)
 
     # prompt(s): [prompt] or [prompt, negative] from the prompt cache
-    ref_tokens = sum((im.width // 16) * (im.height // 16) for im in refs)
+    ref_tokens = sum(math.prod(latent_size(im.height, im.width)) for im in refs)
     needed = denoise_memory(variant.params, models.prompt_encoder.spec.max_length + h * w + ref_tokens,
                             batch * (2 if use_cfg else 1), dtype)
     offload = should_offload(offload_encoder, models.prompt_encoder, device, needed)

@@ -17,8 +17,6 @@ activations are quantized per token on the fly, which is faster and changes resu
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
@@ -60,11 +58,16 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(out_features if per_row else (), device=device))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, per_row: bool = True, fp8_matmul: bool = False) -> Fp8Linear:
+    def like(cls, linear: nn.Linear, per_row: bool = True, fp8_matmul: bool = False) -> Fp8Linear:
+        """An Fp8Linear of ``linear``'s size, device and kind (per-item vector layers stay per item), weights unset."""
         if linear.bias is not None:
             raise Flux2Error("Fp8Linear has no bias; FLUX.2 transformer linears have none")
-        out = cls(linear.in_features, linear.out_features, per_row, fp8_matmul, device=linear.weight.device,
-                  item_by_item=isinstance(linear, VectorLinear))
+        return cls(linear.in_features, linear.out_features, per_row, fp8_matmul, device=linear.weight.device,
+                   item_by_item=isinstance(linear, VectorLinear))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, per_row: bool = True, fp8_matmul: bool = False) -> Fp8Linear:
+        out = cls.like(linear, per_row, fp8_matmul)
         out.weight, out.weight_scale = quantize_fp8(linear.weight, per_row)
         return out
 
@@ -99,7 +102,7 @@ def _fp8_matmul(x: Tensor, w8: Tensor, w_scale: Tensor) -> Tensor:
     return y.reshape(*x.shape[:-1], w8.shape[0])
 
 
-def in_blocks(name: str, linear: nn.Linear) -> bool:
+def in_blocks(name: str) -> bool:
     """The default choice of layers to quantize: the blocks and the shared modulations (over 95% of the weights).
 
     The embedders (img_in, txt_in, time_in) and the final layer stay in the compute dtype.
@@ -107,27 +110,24 @@ def in_blocks(name: str, linear: nn.Linear) -> bool:
     return name.startswith(("double_blocks.", "single_blocks.", "double_stream_modulation", "single_stream_modulation"))
 
 
-def quantize_transformer(model: nn.Module, per_row: bool = True, fp8_matmul: bool = False,
-                         include: Callable[[str, nn.Linear], bool] = in_blocks) -> list[str]:
-    """Replace the chosen ``nn.Linear`` layers of a loaded model by ``Fp8Linear`` in place. Returns their names.
+def quantize_transformer(model: nn.Module, per_row: bool = True, fp8_matmul: bool = False) -> list[str]:
+    """Replace the block ``nn.Linear`` layers (``in_blocks``) of a loaded model by ``Fp8Linear`` in place. Returns
+    their names.
 
     Do this after moving the model to its device and compute dtype (a later ``model.to(dtype)`` would cast the fp8
     weights too, as they are floating-point buffers).
     """
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and include(n, m)]
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and in_blocks(n)]
     for name in names:
         _set_submodule(model, name, Fp8Linear.from_linear(model.get_submodule(name), per_row, fp8_matmul))
     return names
 
 
-def empty_fp8_layers(model: nn.Module, names: list[str], fp8_matmul: bool = False) -> None:
-    """Replace the named ``nn.Linear`` layers by ``Fp8Linear`` layers of the same size and device, with per-row
-    scales and no weights yet: on a model built on the meta device, ready to be assigned fp8 weights
-    (``weights.load_transformer``)."""
+def empty_fp8_layers(model: nn.Module, names: list[str]) -> None:
+    """Replace the named ``nn.Linear`` layers by empty ``Fp8Linear`` layers (``Fp8Linear.like``, per-row scales): on a
+    model built on the meta device, ready to be assigned fp8 weights (``weights.load_transformer``)."""
     for name in names:
-        layer = model.get_submodule(name)
-        _set_submodule(model, name, Fp8Linear(layer.in_features, layer.out_features, True, fp8_matmul,
-                                              device=layer.weight.device, item_by_item=isinstance(layer, VectorLinear)))
+        _set_submodule(model, name, Fp8Linear.like(model.get_submodule(name)))
 
 
 def count_fp8(model: nn.Module) -> int:

@@ -106,6 +106,11 @@ class PromptEncoder:
         return PromptEmbeds(embeds, counts, dropped)
 
 
+def is_used(key: str, num_layers: int) -> bool:
+    """Whether FLUX.2 uses this Qwen3 weight (a key without prefix): not the final norm, no layer from num_layers on."""
+    return key != "norm.weight" and not (key.startswith("layers.") and int(key.split(".")[1]) >= num_layers)
+
+
 def qwen3_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state dict with ``Qwen3Model`` key names (``embed_tokens.weight``, ``layers.N.…``, ``norm.weight``).
 
@@ -123,7 +128,7 @@ def qwen3_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     if "layers.0.self_attn.q_norm.weight" not in sd:
         raise Flux2Error("this text encoder has no q_norm in its attention, so it is not Qwen3 (Qwen2.5, Llama and "
                          "Mistral have none). FLUX.2 Klein needs Qwen3-4B (Klein 4B) or Qwen3-8B (Klein 9B)")
-    quantized = [k for k in sd if k.endswith((*DROPPED_SUFFIXES, "scaled_fp8"))]   # scales beside weights
+    quantized = [k for k in sd if k.endswith(DROPPED_SUFFIXES)]   # scales beside weights
     if quantized:
         raise Flux2Error(f"the text-encoder weights are quantized ({quantized[0]}, …): dequantize them to a float "
                          "dtype before building the encoder (flux2_core.weights does this for supported formats)")
@@ -171,8 +176,7 @@ def build_qwen3_model(state_dict: dict[str, torch.Tensor], config, num_layers: i
     config._attn_implementation = "sdpa"
 
     sd = qwen3_state_dict(state_dict)
-    keep = {k: v for k, v in sd.items() if not k.startswith("layers.") or int(k.split(".")[1]) < num_layers}
-    keep.pop("norm.weight", None)
+    keep = {k: v for k, v in sd.items() if is_used(k, num_layers)}
     with torch.device("meta"):
         model = Qwen3Model(config)
     model.norm = nn.Identity()     # hidden state 27 is the raw output of layer 27, never normed

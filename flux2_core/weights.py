@@ -66,7 +66,7 @@ from .key_mapping import (
     same_names,
 )
 from .quant import FP8_DTYPES, empty_fp8_layers, in_blocks, quantize_fp8
-from .text_encoder import PromptEncoder, build_qwen3_encoder
+from .text_encoder import PromptEncoder, build_qwen3_encoder, is_used
 from .tokenizer import load_tokenizer
 from .transformer import Flux2Transformer
 from .variants import QWEN3_4B, QWEN3_8B, AutoEncoderParams, TransformerParams, Variant, get_variant, variant_for_params
@@ -129,7 +129,7 @@ def open_source(path, subfolder: str, layouts: list[Layout], what: str, loader: 
     layout, prefix = find_layout(ckpt, layouts, what, loader)
     formats = comfy_formats(ckpt, prefix)
     keys = {k[len(prefix):] for k in ckpt.tensors if k.startswith(prefix)}
-    keys = {k for k in keys if not k.endswith(DROPPED_SUFFIXES) and k != "scaled_fp8"}
+    keys = {k for k in keys if not k.endswith(DROPPED_SUFFIXES)}
     return Source(ckpt, layout, prefix, keys, layout.recipes(keys), formats)
 
 
@@ -396,7 +396,7 @@ def fp8_layer_names(source: Source, model: nn.Module, fp8: bool | None) -> list[
     if fp8 is False:
         return []
     return [name for name, layer in model.named_modules() if isinstance(layer, nn.Linear)
-            and (source.stores_fp8(name + ".weight") or (fp8 and in_blocks(name, layer)))]
+            and (source.stores_fp8(name + ".weight") or (fp8 and in_blocks(name)))]
 
 
 def _transformer_source(path) -> Source:
@@ -475,8 +475,7 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
                          "FLUX.2 Klein 4B needs Qwen3-4B (qwen_3_4b.safetensors), Klein 9B needs Qwen3-8B.")
     last = max(QWEN3_4B.output_layers)
     with closing(TensorReader(source, device)) as read:
-        state = {key: _cast(read(key), dtype) for key in sorted(source.keys)
-                 if key != "norm.weight" and not (key.startswith("layers.") and int(key.split(".")[1]) >= last)}
+        state = {key: _cast(read(key), dtype) for key in sorted(source.keys) if is_used(key, last)}
     if tokenizer is None and source.ckpt.path.is_dir():
         tokenizer = load_tokenizer(source.ckpt.files[0].parent)
     try:
