@@ -46,12 +46,9 @@ CASES = {  # name -> (file, fp8 argument, quantize after loading)
 
 
 def peak_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    from bench import proc_status  # bench/bench.py (this folder is first on sys.path)
+
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else proc_status("VmHWM")
 
 
 def write_files(folder: Path, params: TransformerParams) -> None:
@@ -68,7 +65,7 @@ def write_files(folder: Path, params: TransformerParams) -> None:
     save_file(bf16, str(folder / "bf16.safetensors"))
     fp8 = dict(bf16)
     for name, layer in model.named_modules():
-        if isinstance(layer, torch.nn.Linear) and in_blocks(name, layer):
+        if isinstance(layer, torch.nn.Linear) and in_blocks(name):
             fp8[name + ".weight"], fp8[name + ".weight_scale"] = quantize_fp8(bf16[name + ".weight"])
     save_file(fp8, str(folder / "fp8.safetensors"))
 
@@ -80,6 +77,7 @@ def worker(args) -> None:
         print(json.dumps(report))
         return
     from flux2_core import quant, weights
+    from flux2_core.pipeline import module_bytes
 
     file, fp8, quantize_after = CASES[args.case]
     t = time.perf_counter()
@@ -90,7 +88,7 @@ def worker(args) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report.update(seconds=time.perf_counter() - t, peak=peak_bytes(device),
-                  weights=sum(t.nbytes for t in [*model.parameters(), *model.buffers()]),
+                  weights=module_bytes(model),
                   fp8_layers=quant.count_fp8(model))
     print(json.dumps(report))
 

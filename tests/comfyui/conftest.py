@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from flux2_core.autoencoder import AutoEncoder
+from flux2_core.demo import random_weights
 from flux2_core.variants import AutoEncoderParams, TransformerParams
 from tests.comfyui.host import PACK_FOLDER, ComfyServer, Host, HostClient, write_torch_stubs
 
@@ -69,7 +70,7 @@ def write_tiny_models(models: Path) -> dict[str, str]:
         os.link(models / "diffusion_models" / FILES["transformer"], models / "diffusion_models" / FILES[role])
     # and as ComfyUI's "fp8mixed" files: the blocks' linear weights float8 with per-tensor scales, named in metadata
     blocks = [k.removesuffix(".weight") for k, v in transformer.items() if v.ndim == 2
-              and in_blocks(k.removesuffix(".weight"), None)]
+              and in_blocks(k.removesuffix(".weight"))]
     fp8, meta = comfy_fp8(transformer, blocks)
     save_file({k: v.contiguous() for k, v in fp8.items()}, str(models / "diffusion_models" / FILES["transformer_fp8"]),
               metadata=meta)
@@ -84,17 +85,7 @@ def full_size_autoencoder(seed: int) -> dict[str, torch.Tensor]:
     VAELoader builds a fixed architecture, so mixing its VAE nodes with ours needs the full size."""
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in AutoEncoder(AutoEncoderParams()).state_dict().items()}
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for key, shape in shapes.items():
-        if key.endswith("num_batches_tracked"):
-            sd[key] = torch.tensor(1000)
-        elif key.endswith("running_var"):
-            sd[key] = 0.5 + torch.rand(shape, generator=g)
-        elif len(shape) == 1:                      # norm scales around 1; biases and running means around 0
-            sd[key] = float(key.endswith(".weight")) + 0.1 * torch.randn(shape, generator=g)
-        else:                                      # conv weights N(0, 1/fan_in)
-            sd[key] = torch.randn(shape, generator=g) / shape[1:].numel() ** 0.5
+    sd = random_weights(shapes, torch.Generator().manual_seed(seed))     # the demo's init rule
     return {k: v if v.dtype == torch.int64 else v.to(torch.bfloat16) for k, v in sd.items()}
 
 

@@ -82,19 +82,18 @@ def rss_mib(pid: int) -> float:
 
 
 class ComfyServer:
-    def __init__(self, comfy_dir: Path, python: str, base_dir: Path, stubs: Path, extra_args=()):
+    def __init__(self, comfy_dir: Path, python: str, base_dir: Path, stubs: Path):
         self.comfy_dir, self.python, self.base_dir, self.stubs = Path(comfy_dir), python, Path(base_dir), stubs
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = self.base_dir / "server.log"
-        self.extra_args = list(extra_args)
         self.process = None
 
     def command(self) -> list[str]:
         return [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
                 "--disable-auto-launch", "--disable-api-nodes", "--disable-assets-autoscan",
                 "--base-directory", str(self.base_dir),
-                "--database-url", f"sqlite:///{self.base_dir / 'user' / 'comfyui.db'}", *self.extra_args]
+                "--database-url", f"sqlite:///{self.base_dir / 'user' / 'comfyui.db'}"]
 
     def start(self, timeout: float = 180.0) -> None:
         env = dict(os.environ, PYTHONPATH=str(self.stubs), PYTHONUNBUFFERED="1")
