@@ -1,6 +1,6 @@
 """Every API workflow of workflows/api/ runs in the real server through the headless client and yields images.
 
-The model files and input images the workflows name exist as tiny stand-ins (see conftest.stage_workflow_files);
+The model files and input images the workflows name exist as tiny stand-ins (see base_dir.stage_workflow_files);
 only the image size is made small (--set NODE.width/height=64), so each run takes seconds on a CPU.
 """
 

@@ -1,0 +1,122 @@
+"""The base directory of a test ComfyUI: tiny random models in its model folders, input pictures, the stand-ins the
+workflows name, the pack in custom_nodes, and settings that keep the browser's first-run dialog away.
+
+    files, images = build_base(base, pack)       # pack: the folder to place as custom_nodes/<PACK_FOLDER>
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from flux2_core.autoencoder import AutoEncoder
+from flux2_core.demo import random_weights
+from flux2_core.variants import AutoEncoderParams, TransformerParams
+from tests.comfyui.host import PACK_FOLDER
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The tiny transformer must also load in ComfyUI's own FLUX.2 model (for the native-graph comparison), which
+# fixes heads of 128 = 4 RoPE axes of 32; context_in_dim is 3 x the tiny Qwen3's hidden size (32).
+HOST_TRANSFORMER = TransformerParams(in_channels=128, context_in_dim=96, hidden_size=128, num_heads=1, depth=1,
+                                     depth_single_blocks=2, axes_dim=(32, 32, 32, 32))
+WORKFLOW_MODELS = {"model_name": ("diffusion_models", "transformer"), "text_encoder_name": ("text_encoders", "text_encoder"),
+                   "ae_name": ("vae", "ae")}    # loader input -> (models folder, tiny file)
+FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "flux-2-klein-base-tiny.safetensors",
+         "transformer_kv": "flux-2-klein-9b-kv-tiny.safetensors",
+         "transformer_fp8": "flux-2-klein-tiny-fp8mixed.safetensors",
+         "text_encoder": "qwen_3_tiny.safetensors", "ae": "flux2-vae-tiny.safetensors",
+         "ae_full": "flux2-vae-full-size-random.safetensors"}
+
+
+def write_tiny_models(models: Path) -> dict[str, str]:
+    """Random weights in ComfyUI's model folders: BFL transformer (also as a base, a KV and an fp8mixed model),
+    ComfyUI Qwen3 file, BFL autoencoders (tiny, and one of the real size). Returns {role: file name}."""
+    from flux2_core.quant import in_blocks
+    from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
+    from tests.tiny.layouts import comfy_fp8
+    from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
+    from tests.tiny.transformer import random_bfl_transformer_state_dict, save_bfl_transformer
+
+    for folder in ("diffusion_models", "text_encoders", "vae"):
+        (models / folder).mkdir(parents=True, exist_ok=True)
+    transformer = random_bfl_transformer_state_dict(HOST_TRANSFORMER, seed=1)
+    save_bfl_transformer(transformer, models / "diffusion_models" / FILES["transformer"])
+    # the same weights under "base" and "kv" names: the variant (CFG, distilled, KV) comes from the file name
+    for role in ("transformer_base", "transformer_kv"):
+        os.link(models / "diffusion_models" / FILES["transformer"], models / "diffusion_models" / FILES[role])
+    # and as ComfyUI's "fp8mixed" files: the blocks' linear weights float8 with per-tensor scales, named in metadata
+    blocks = [k.removesuffix(".weight") for k, v in transformer.items() if v.ndim == 2
+              and in_blocks(k.removesuffix(".weight"))]
+    fp8, meta = comfy_fp8(transformer, blocks)
+    save_file({k: v.contiguous() for k, v in fp8.items()}, str(models / "diffusion_models" / FILES["transformer_fp8"]),
+              metadata=meta)
+    save_comfyui_text_encoder(build_tiny_qwen3(seed=2), models / "text_encoders" / FILES["text_encoder"])
+    save_bfl_autoencoder(build_diffusers_autoencoder(seed=3), models / "vae" / FILES["ae"])
+    save_file(full_size_autoencoder(seed=4), str(models / "vae" / FILES["ae_full"]))
+    return dict(FILES)
+
+
+def full_size_autoencoder(seed: int) -> dict[str, torch.Tensor]:
+    """Random weights of the real FLUX.2 autoencoder architecture (84 M parameters, bfloat16, BFL keys): ComfyUI's
+    VAELoader builds a fixed architecture, so mixing its VAE nodes with ours needs the full size."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoEncoder(AutoEncoderParams()).state_dict().items()}
+    sd = random_weights(shapes, torch.Generator().manual_seed(seed))     # the demo's init rule
+    return {k: v if v.dtype == torch.int64 else v.to(torch.bfloat16) for k, v in sd.items()}
+
+
+def stage_workflow_files(base: Path, files: dict[str, str], pictures: list[str]) -> None:
+    """Give every model file and input image that workflows/api/*.json name a tiny stand-in, under its own name.
+
+    Hard links, not symlinks: the loaders read the variant hint ('base') from the file's own name.
+    """
+    stand_ins = itertools.cycle(pictures)
+    for path in sorted((ROOT / "workflows" / "api").glob("*.json")):
+        for node in json.loads(path.read_text()).values():
+            for name, value in node["inputs"].items():
+                if name in WORKFLOW_MODELS:
+                    folder, role = WORKFLOW_MODELS[name]
+                    target = base / "models" / folder / value
+                    if not target.exists():
+                        os.link(base / "models" / folder / files[role], target)
+                elif node["class_type"] == "LoadImage" and name == "image":
+                    target = base / "input" / value
+                    if not target.exists():
+                        shutil.copyfile(base / "input" / next(stand_ins), target)
+
+
+def write_input_images(folder: Path) -> list[str]:
+    """Three small random reference pictures of different sizes and aspect ratios."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    names = []
+    for i, (w, h) in enumerate([(128, 96), (96, 128), (112, 112)], start=1):
+        name = f"tiny_ref_{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / name)
+        names.append(name)
+    return names
+
+
+def build_base(base: Path, pack: Path, link: bool = True) -> tuple[dict[str, str], list[str]]:
+    """Fill ``base`` for a server: models, inputs, workflow stand-ins, settings, and ``pack`` in custom_nodes (a
+    symlink, or the folder itself when ``link`` is False: it is already there). Returns (files by role, input images)."""
+    files = write_tiny_models(base / "models")
+    images = write_input_images(base / "input")
+    stage_workflow_files(base, files, images)
+    (base / "custom_nodes").mkdir(exist_ok=True)
+    if link:
+        (base / "custom_nodes" / PACK_FOLDER).symlink_to(pack, target_is_directory=True)
+    settings = base / "user" / "default" / "comfy.settings.json"   # no first-run Templates dialog in the browser
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    return files, images
