@@ -209,6 +209,7 @@ def generate_command(argv: list[str]) -> int:
     image = open_image(args.image) if args.image else None
     check_early(args, refs)
     seed = args.seed if args.seed is not None else random.randrange(2 ** 31)
+    offload = {"auto": "auto", "yes": True, "no": False}[args.offload_encoder]
     width, height = args.width, args.height
     started = time.time()
     if args.demo:
@@ -224,13 +225,12 @@ def generate_command(argv: list[str]) -> int:
         dtype = getattr(torch, args.dtype) if args.dtype else None
         print(f"loading {paths[0].name}, {paths[1].name}, {paths[2].name}", file=sys.stderr)
         models = load_models(*paths, device=args.device, dtype=dtype, variant=args.variant,
-                             fp8={"auto": None, "yes": True, "no": False}[args.fp8])
+                             fp8={"auto": None, "yes": True, "no": False}[args.fp8], offload_encoder=offload)
         files = {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
     optimize_transformer(models, fp8=args.demo and args.fp8 == "yes", compile=args.compile)   # files: fp8 on load
     if count_fp8(models.transformer):
         files["transformer_weights"] = "fp8"
 
-    offload = {"auto": "auto", "yes": True, "no": False}[args.offload_encoder]
     result = generate(models, args.prompt, references=refs, width=width, height=height, steps=args.steps,
                       cfg=args.cfg, negative=args.negative, seed=seed, batch=args.batch, image=image,
                       strength=args.strength, bfl_cuda_noise=args.bfl_noise, offload_encoder=offload,

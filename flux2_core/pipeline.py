@@ -29,7 +29,9 @@ Results are identical with and without the caches.
 
 Text-encoder offload (``offload_encoder``): True keeps the encoder on the CPU between encodes and moves it to the
 device only to encode a prompt the cache does not hold; "auto" does so on CUDA when the free memory, counted as if
-the encoder were on the device, is less than the denoiser's working memory (``denoise_memory``).
+the encoder were on the device, is less than the denoiser's working memory (``denoise_memory``). ``load_models``
+applies the same rule when loading, so an offloaded encoder is never on the device before it encodes; when the
+encoder and the transformer do not fit the device together, the transformer waits on the CPU during the encode.
 """
 
 from __future__ import annotations
@@ -73,23 +75,30 @@ class Models:
 
 
 def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: torch.dtype | None = None,
-                variant: str | None = None, fp8: bool | None = None) -> Models:
+                variant: str | None = None, fp8: bool | None = None, offload_encoder="auto") -> Models:
     """Load the three models from files or folders (any layout ``weights`` reads) and check they fit together.
 
     dtype: the transformer's and text encoder's (default bf16 on CUDA, float32 on CPU); the AE stays float32.
     fp8: the transformer's weight storage (``weights.load_transformer``: None keeps an fp8 file's fp8 layers, True
-    stores every block in fp8, False none). CFG (base) models get the empty negative prompt encoded into the prompt
-    cache right away.
+    stores every block in fp8, False none). offload_encoder: where the text encoder is loaded to rest: True the
+    CPU, False the device, "auto" (on CUDA) the CPU unless it fits beside the transformer with a 1024^2 image's
+    working memory to spare; it never visits the device before its first encode. CFG (base) models get the empty
+    negative prompt encoded into the prompt cache right away.
     """
     from . import weights
 
     model, chosen = weights.load_transformer(transformer, device, dtype, variant=variant, fp8=fp8)
-    encoder = weights.load_text_encoder(text_encoder, device, dtype)
+    device, dtype = model.img_in.weight.device, model.img_in.weight.dtype          # as the transformer resolved them
+    cpu = torch.device("cpu")
+    encoder = weights.load_text_encoder(text_encoder, cpu if device.type == "cuda" else device, dtype)
     weights.check_text_encoder_fits(chosen, encoder)
+    tokens = encoder.spec.max_length + math.prod(latent_size(DEFAULT_SIZE, DEFAULT_SIZE))
+    if not should_offload(offload_encoder, encoder, device, denoise_memory(chosen.params, tokens, 1, dtype)):
+        encoder.model.to(device)
     ae = weights.load_autoencoder(autoencoder, device, torch.float32)
     models = Models(model, chosen, ae, encoder)
     if chosen.uses_cfg:
-        models.prompt_cache.warm(encoder)
+        models.prompt_cache.warm(EncoderOnCall(encoder, device, encoder.device, aside=model))
     return models
 
 
@@ -120,15 +129,14 @@ def denoise_memory(params: TransformerParams, tokens: int, batch: int, dtype: to
     return 24 * tokens * params.hidden_size * dtype.itemsize * batch
 
 
-def should_offload(choice, encoder: PromptEncoder, device: torch.device, needed: int,
-                   free=free_memory) -> bool:
+def should_offload(choice, encoder: PromptEncoder, device: torch.device, needed: int, free=None) -> bool:
     """Whether the text encoder rests on the CPU: ``choice`` True / False as given; "auto": on CUDA, when the free
     memory of ``device`` (``free(device)`` bytes, counted as if the encoder were there) is below ``needed``."""
     if choice not in ("auto", True, False):
         raise Flux2Error(f"offload_encoder must be 'auto', True or False, got {choice!r}")
     if choice != "auto":
         return bool(choice)
-    available = free(device) if device.type == "cuda" else None
+    available = (free or free_memory)(device) if device.type == "cuda" else None
     if available is None:
         return False
     if encoder.device != device:
@@ -136,13 +144,23 @@ def should_offload(choice, encoder: PromptEncoder, device: torch.device, needed:
     return available < needed
 
 
+ENCODE_MARGIN = 256 << 20     # bytes for one 512-token encode's activations (Qwen3-8B in bf16: well under this)
+
+
 class EncoderOnCall:
     """The text encoder as the prompt cache sees it: it rests on ``rest`` (the CPU when offloaded, else ``device``)
     and visits ``device`` only to encode what the cache does not hold. The cache key is the encoder's where it
-    rests, so it stays the same from one call to the next."""
+    rests, so it stays the same from one call to the next.
 
-    def __init__(self, encoder: PromptEncoder, device: torch.device, rest: torch.device):
-        self.encoder, self.run_device, self.rest = encoder, device, rest
+    aside: a module (the transformer) that steps aside to ``rest`` while the encoder visits when both do not fit
+    the device at once (``free(device)`` bytes below the encoder's weights plus ENCODE_MARGIN): Klein 9B's 18 GB
+    transformer and 16 GB encoder take turns on a 24 GB card, as ComfyUI's model management would have them.
+    """
+
+    def __init__(self, encoder: PromptEncoder, device: torch.device, rest: torch.device,
+                 aside: torch.nn.Module | None = None, free=None):
+        self.encoder, self.run_device, self.rest, self.aside = encoder, device, rest, aside
+        self.free = free or free_memory
         self.model, self.spec = encoder.model, encoder.spec
         self.model.to(rest)
 
@@ -154,19 +172,32 @@ class EncoderOnCall:
     def dtype(self) -> torch.dtype:
         return self.encoder.dtype
 
+    def must_make_room(self) -> bool:
+        if self.aside is None or self.rest == self.run_device:
+            return False
+        available = self.free(self.run_device)
+        return available is not None and available < module_bytes(self.model) + ENCODE_MARGIN
+
     def encode(self, prompts: list[str]) -> PromptEmbeds:
+        aside = self.must_make_room()
+        if aside:
+            self.aside.to(self.rest)
         self.model.to(self.run_device)
         try:
             return self.encoder.encode(prompts)
         finally:
             self.model.to(self.rest)
+            if aside:
+                self.aside.to(self.run_device)
 
 
 def encode_prompts(models: Models, prompts: list[str], offload: bool) -> PromptEmbeds:
     """Embeddings [len(prompts), 512, C] from the prompt cache, the encoder run (on the models' device) only for
-    prompts it does not hold; with ``offload`` the encoder rests on the CPU afterwards."""
+    prompts it does not hold; with ``offload`` the encoder rests on the CPU afterwards (and the transformer steps
+    aside while it encodes if the two do not fit the device together)."""
     device = models.device
-    encoder = EncoderOnCall(models.prompt_encoder, device, torch.device("cpu") if offload else device)
+    rest = torch.device("cpu") if offload else device
+    encoder = EncoderOnCall(models.prompt_encoder, device, rest, aside=models.transformer)
     if models.prompt_cache is None:
         return encoder.encode(prompts)
     return models.prompt_cache.encode(encoder, prompts)

@@ -372,3 +372,63 @@ def test_offload_gives_the_same_images(tiny):
     args = {"width": 32, "height": 32, "steps": 1, "seed": 5}
     assert torch.equal(generate(models, PROMPT, offload_encoder=True, **args).latents,
                        generate(models, PROMPT, offload_encoder=False, **args).latents)
+
+
+@pytest.mark.parametrize("free,swapped", [(10 ** 9, False), (1000, True), (None, False)])
+def test_transformer_steps_aside_while_an_encoder_that_does_not_fit_beside_it_encodes(tiny, monkeypatch, free, swapped):
+    """Klein 9B on a 24 GB card: the offloaded encoder (16 GB) cannot visit while the transformer (18 GB) is there,
+    so the transformer waits on the CPU during the encode. The moves are recorded, not made (no GPU here)."""
+    models = tiny[0]["distilled"]
+    moves, cpu = [], torch.device("cpu")
+    for name, module in [("encoder", models.prompt_encoder.model), ("transformer", models.transformer)]:
+        monkeypatch.setattr(module, "to", lambda device, name=name, module=module: moves.append((name, device)) or module)
+    asked = []
+    on_call = pipeline.EncoderOnCall(models.prompt_encoder, CUDA, cpu, aside=models.transformer,
+                                     free=lambda d: asked.append(d) or free)
+    moves.clear()
+    embeds = on_call.encode([PROMPT])
+    visit = [("encoder", CUDA), ("encoder", cpu)]
+    assert moves == ([("transformer", cpu), *visit, ("transformer", CUDA)] if swapped else visit)
+    assert asked == [CUDA]
+    assert torch.equal(embeds.embeds, models.prompt_encoder.encode([PROMPT]).embeds)
+    # an encoder that rests on the device never asks the transformer to move
+    moves.clear()
+    pipeline.EncoderOnCall(models.prompt_encoder, CUDA, CUDA, aside=models.transformer, free=lambda d: 0).encode([PROMPT])
+    assert [m for m in moves if m[0] == "transformer"] == []
+
+
+@pytest.mark.parametrize("choice,free,on_device", [(True, 10 ** 12, False), (False, 0, True),
+                                                   ("auto", 10 ** 12, True), ("auto", 10 ** 6, False)])
+def test_load_models_loads_the_text_encoder_where_it_will_rest(tmp_path, monkeypatch, choice, free, on_device):
+    """On CUDA the encoder is read into CPU memory and moved to the device only if it is to rest there: an offloaded
+    encoder never takes device memory (the CLI used to load it onto the GPU first, so 9B could not start on 24 GB).
+    The transformer is made to look as if it were on CUDA; the memory query is faked and the moves recorded."""
+    from types import SimpleNamespace
+
+    from flux2_core import weights
+
+    files = [save_bfl_transformer(random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=3),
+                                  tmp_path / "flux-2-klein-tiny.safetensors"),
+             save_comfyui_text_encoder(build_tiny_qwen3(seed=5), tmp_path / "qwen_3_tiny.safetensors"),
+             save_bfl_autoencoder(build_diffusers_autoencoder(seed=4), tmp_path / "ae.safetensors")]
+    real_transformer, real_encoder, real_ae = weights.load_transformer, weights.load_text_encoder, weights.load_autoencoder
+    loaded_to, moves = [], []
+
+    def on_cuda(path, device, dtype, **kwargs):                     # asked for CUDA, built on the CPU
+        _, variant = real_transformer(path, "cpu", dtype, **kwargs)
+        return SimpleNamespace(img_in=SimpleNamespace(weight=SimpleNamespace(device=CUDA, dtype=torch.float32))), variant
+
+    def encoder_at(path, device, dtype):
+        loaded_to.append(torch.device(device))
+        encoder = real_encoder(path, device, dtype)
+        monkeypatch.setattr(encoder.model, "to", lambda d: moves.append(torch.device(d)) or encoder.model)
+        return encoder
+
+    monkeypatch.setattr(weights, "load_transformer", on_cuda)
+    monkeypatch.setattr(weights, "load_text_encoder", encoder_at)
+    monkeypatch.setattr(weights, "load_autoencoder", lambda path, device, dtype: real_ae(path, "cpu", dtype))
+    monkeypatch.setattr(pipeline, "free_memory", lambda device: free)
+    models = pipeline.load_models(*files, device="cuda", dtype=torch.float32, offload_encoder=choice)
+    assert loaded_to == [torch.device("cpu")]
+    assert moves == ([CUDA] if on_device else [])
+    assert models.prompt_encoder is not None
