@@ -154,6 +154,11 @@ class PromptCache:
 
 # --- 9B-KV reference keys and values --------------------------------------------------------------------------------
 
+def reference_kv_key(model_key: Hashable, ref: Tensor, ref_ids: Tensor) -> tuple:
+    """What reference K/V are cached by: the model, the exact reference tokens and ids, their dtype and device."""
+    return (model_key, tensor_digest(ref, ref_ids), str(ref.dtype), str(ref.device))
+
+
 class ReferenceKVCache:
     """``model.reference_kv(ref, ref_ids)`` results, by (model fingerprint, reference contents, dtype, device).
 
@@ -170,8 +175,7 @@ class ReferenceKVCache:
 
         ``model_key`` names the model's weights when the caller already knows them (default: ``fingerprint(model)``,
         which reads a few values of every tensor)."""
-        model_key = fingerprint(model) if model_key is None else model_key
-        key = (model_key, tensor_digest(ref, ref_ids), str(ref.dtype), str(ref.device))
+        key = reference_kv_key(fingerprint(model) if model_key is None else model_key, ref, ref_ids)
         kv = self.cache.get(key)
         if kv is None:
             kv = model.reference_kv(ref, ref_ids)

@@ -34,6 +34,7 @@ from torch import nn
 from ..flux2_core.cache import fingerprint
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.pipeline import denoise_memory
+from ..flux2_core.transformer import ReferenceKV
 from ..flux2_core.variants import Variant
 
 log = logging.getLogger("flux2_klein")
@@ -144,9 +145,11 @@ class Managed:
 
     @property
     def key(self) -> tuple:
-        """What our caches key this model's results by: its weights as loaded, its dtype and ComfyUI's patches.
-        Unlike a fingerprint of the weights where they are now, it stays the same as ComfyUI loads and offloads."""
-        return (self.fingerprint, str(self.dtype), str(self.patcher.patches_uuid))
+        """What our caches key this model's results by: its weights as loaded, its dtype and ComfyUI's patches (by
+        their id, when there are any: every new ModelPatcher gets a new id, so the same file loaded again by another
+        graph keeps its key). Unlike a fingerprint of the weights where they are now, it stays the same as ComfyUI
+        loads and offloads."""
+        return (self.fingerprint, str(self.dtype), str(self.patcher.patches_uuid) if self.patcher.patches else "")
 
 
 def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str = "", variant=None,
@@ -165,6 +168,41 @@ def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str =
     load_device, offload_device = devices(kind)
     patcher = comfy.model_patcher.ModelPatcher(HOLDERS[kind](module), load_device=load_device, offload_device=offload_device)
     return Managed(core, patcher, dtype, variant, full_load, fingerprint(module))
+
+
+class Flux2KleinReferenceKV(nn.Module):
+    """9B-KV reference keys and values as a model of their own for ComfyUI's model management ("Flux2KleinReferenceKV"
+    in its log): counted in its memory, moved to the offload device when ComfyUI needs the memory or the user frees
+    it, and freed with the last reference to it. The tensors are parameters of this one leaf module, which ComfyUI
+    loads whole (force_full_load)."""
+
+    def __init__(self, kv: ReferenceKV):
+        super().__init__()
+        self.num_tokens, self.count = kv.num_tokens, len(kv.blocks)
+        for i, (k, v) in enumerate(kv.blocks):
+            self.register_parameter(f"k{i}", nn.Parameter(k, requires_grad=False))
+            self.register_parameter(f"v{i}", nn.Parameter(v, requires_grad=False))
+
+    def kv(self) -> ReferenceKV:
+        """The keys and values where they are now (ComfyUI moves the parameters, so read them after loading)."""
+        return ReferenceKV([(getattr(self, f"k{i}").detach(), getattr(self, f"v{i}").detach())
+                            for i in range(self.count)], self.num_tokens)
+
+
+def manage_reference_kv(kv: ReferenceKV) -> comfy.model_patcher.ModelPatcher:
+    """Reference K/V (freshly computed, on the transformer's device) under ComfyUI's model management; ComfyUI
+    counts them as loaded from the first ``reference_kv_ready``."""
+    load_device, offload_device = devices("transformer")
+    return comfy.model_patcher.ModelPatcher(Flux2KleinReferenceKV(kv), load_device=load_device,
+                                            offload_device=offload_device)
+
+
+def reference_kv_ready(patcher: comfy.model_patcher.ModelPatcher, model: Managed, memory: int) -> ReferenceKV:
+    """Managed reference K/V on the device (loaded there if ComfyUI had offloaded them), with the transformer still
+    loaded beside them (``memory``: its activation memory, as for ``Managed.ready``)."""
+    mm.load_models_gpu([patcher], force_full_load=True)
+    device = model.ready(memory)            # making room for the K/V may have pushed (part of) the transformer out
+    return patcher.model.kv().to(device)     # no copy unless ComfyUI had to give their memory to the transformer
 
 
 def _castable(layer: nn.Module) -> type | None:

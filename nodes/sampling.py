@@ -4,6 +4,8 @@ Latents are ComfyUI LATENT dicts {"samples": [B, 128, H/16, W/16]} in ComfyUI's 
 
 KV models (Klein 9B-KV) keep the reference keys/values of the last edit in ``REFERENCE_KV``, keyed by the model and
 the reference latents: re-running an edit with a new prompt or seed but the same references skips the reference pass.
+The K/V are a model under ComfyUI's model management (``host.Flux2KleinReferenceKV``): counted, offloaded and freed by
+ComfyUI like the models themselves.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from comfy_api.latest import io, ui
 from ..flux2_core import cache, rope, sampling, schedules, weights
 from ..flux2_core import compile as compiling
 from ..flux2_core.errors import Flux2Error
+from ..flux2_core.transformer import reference_kv_bytes
 from . import host, types
 
 log = logging.getLogger("flux2_klein")
@@ -124,10 +127,15 @@ class Denoise(io.ComfyNode):
         if variant.uses_cfg and negative is None:
             log.warning("%s is a CFG model but no negative is connected: running without guidance", variant.name)
 
-        device = model.ready(host.transformer_memory(variant.params, noise, ref, cfg_on, model.dtype))
+        memory = host.transformer_memory(variant.params, noise, ref, cfg_on, model.dtype)
+        kv_key = cache.reference_kv_key(model.key, ref.to(model.dtype), ref_ids) if (
+            variant.use_kv_cache and ref is not None) else None
+        if kv_key is not None and kv_key not in REFERENCE_KV:                     # the reference pass will make them
+            memory += reference_kv_bytes(variant.params, ref.shape[1], model.dtype)
+        device = model.ready(memory)
         set_compiled(model)
         x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)   # = noise when sigmas[0] is 1
-        ref_kv, info = reference_kv(model, ref, ref_ids, device) if variant.use_kv_cache else (None, None)
+        ref_kv, info = reference_kv(model, kv_key, ref, ref_ids, device, memory) if kv_key else (None, None)
         if ref_kv is not None:
             ref = ref_ids = None                                                  # the K/V stand for them
         out = sampling.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant) if cfg_on
@@ -163,19 +171,20 @@ def set_compiled(model: host.Managed) -> None:
         compiling.uncompile_blocks(model.core)
 
 
-def reference_kv(model: host.Managed, ref, ref_ids, device) -> tuple:
-    """(ReferenceKV or None, a note for the node): the references' K/V from ``REFERENCE_KV``, computed on a miss."""
-    if ref is None:
-        return None, None
-    hits = REFERENCE_KV.cache.hits
-    ref_kv = REFERENCE_KV.get(model.core, ref.to(device, model.dtype), ref_ids.to(device), model_key=model.key)
-    if REFERENCE_KV.cache.hits > hits:
+def reference_kv(model: host.Managed, key: tuple, ref, ref_ids, device, memory: int) -> tuple:
+    """(ReferenceKV, a note for the node): the references' K/V from ``REFERENCE_KV``, computed on a miss."""
+    if key in REFERENCE_KV:
         log.info("FLUX.2 Klein: reference K/V reused from the previous edit (no reference pass)")
-        return ref_kv, "reference K/V: reused (no reference pass)"
-    return ref_kv, "reference K/V: computed"
+        return host.reference_kv_ready(REFERENCE_KV[key], model, memory), "reference K/V: reused (no reference pass)"
+    REFERENCE_KV.clear()                    # the previous edit's K/V: ComfyUI drops a model nobody holds any more
+    kv = model.core.reference_kv(ref.to(device, model.dtype), ref_ids.to(device))
+    REFERENCE_KV[key] = host.manage_reference_kv(kv)
+    return host.reference_kv_ready(REFERENCE_KV[key], model, memory), "reference K/V: computed"
 
 
-REFERENCE_KV = cache.ReferenceKVCache(max_items=1)       # on the model's device: ~2 GiB per 1024^2 reference on 9B
+# the last edit's reference K/V (ModelPatcher of a host.Flux2KleinReferenceKV) by cache.reference_kv_key; at most one:
+# about 2 GiB per 1024^2 reference on Klein 9B in bf16
+REFERENCE_KV: dict[tuple, object] = {}
 
 
 def image_latent(latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

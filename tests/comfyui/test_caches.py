@@ -3,6 +3,8 @@
 * KV edits (a Klein 9B-KV model): a second run with the same reference image, a new prompt and a new seed does not
   run the reference pass (the Denoise node says so, and the server log); its latent equals a run that computed the
   reference K/V afresh.
+* The K/V are a model under ComfyUI's model management: loaded as one ("Requested to load Flux2KleinReferenceKV"),
+  unloaded with the models when the user frees memory, and loaded back for the next edit with the same reference.
 * Prompts: a prompt that comes back after another one is not encoded again (the encode node says "(cached)").
 * Compile: the blocks run through torch.compile (inductor on the CPU) and give the eager latent; a later plain run
   is eager again.
@@ -49,6 +51,34 @@ def test_repeated_kv_edit_skips_the_reference_pass(comfy):
     fresh, text = edit("make it snow", 2, a)                  # a again, computed afresh: the same latent as the reuse
     assert text == COMPUTED
     assert torch.equal(again, fresh)
+
+
+def test_reference_kv_live_under_comfyuis_model_management(comfy):
+    a = comfy.images[2]
+    loads = "Requested to load Flux2KleinReferenceKV"
+
+    def edit(prompt: str, seed: int) -> tuple[torch.Tensor, str]:
+        latent, outputs = run(comfy, graphs.ours(comfy.files, prompt, seed=seed, steps=2, references=[a],
+                                                 model_file=comfy.files["transformer_kv"], output="latent"))
+        return latent, outputs["8"]["text"][0]
+
+    before = comfy.server.log().count(loads)
+    _, text = edit("a kv management test", 5)
+    assert text == COMPUTED                                     # no other test uses this reference picture
+    loaded = comfy.server.log().count(loads)
+    assert loaded == before + 1                                 # the new K/V: registered as a model
+    reused, text = edit("another kv management test", 6)
+    assert text == REUSED and comfy.server.log().count(loads) == loaded      # still loaded: nothing to do
+    # "Unload models": ComfyUI unloads every model it manages after the current prompt (a cheap prompt makes sure
+    # that has happened before the next edit is queued; its other graph also makes the loader read the file again)
+    comfy.client.post_json("/free", {"unload_models": True})
+    comfy.client.run({"1": {"class_type": "Flux2KleinNoise", "inputs": {"seed": 0, "width": 16, "height": 16,
+                                                                          "batch_size": 1}},
+                      "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": "free"}}})
+    again, text = edit("another kv management test", 6)
+    assert text == REUSED                          # still cached (on the offload device meanwhile), for the same weights
+    assert comfy.server.log().count(loads) == loaded + 1        # and loaded back as a model
+    assert torch.equal(again, reused)
 
 
 def test_a_prompt_that_comes_back_is_not_encoded_again(comfy):
