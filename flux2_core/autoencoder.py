@@ -77,7 +77,11 @@ class AttnBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, _, height, width = x.shape
         h = self.norm(x)
-        q, k, v = (rearrange(conv(h), "b c h w -> b 1 (h w) c") for conv in (self.q, self.k, self.v))
+        # q, k, v [B,1,HW,C] made contiguous: a channels-first conv output rearranged so is a view whose channel
+        # stride is HW, and SDPA's fused kernels (flash / memory-efficient on CUDA, flash on CPU) need stride 1 there.
+        # Without them it runs the math kernel, which materialises the [B,1,HW,HW] scores (16 GiB in float32 for the
+        # 65536 mid-block positions of a 2048^2 decode). On CPU the convs run channels-last and this copies nothing.
+        q, k, v = (rearrange(conv(h), "b c h w -> b 1 (h w) c").contiguous() for conv in (self.q, self.k, self.v))
         h = F.scaled_dot_product_attention(q, k, v)                      # [B,1,HW,C]
         h = rearrange(h, "b 1 (h w) c -> b c h w", h=height, w=width)
         return x + self.proj_out(h)
@@ -219,6 +223,8 @@ class Decoder(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 DECODE_BYTES_PER_PIXEL = 10      # peak decode memory per output pixel per base channel per byte (see decode_bytes)
+ENCODE_BYTES_PER_PIXEL = 9       # the same for encode, per input pixel (see encode_bytes)
+MID_TENSORS = 8                  # [B, HW, 512] activations alive at once in the mid block (see mid_bytes)
 DEFAULT_TILE = 64                # latent cells = 1024 px
 MIN_TILE = 8                     # latent cells = 128 px
 
@@ -333,7 +339,7 @@ class AutoEncoder(nn.Module):
         batch, _, h, w = z.shape
         free = free_memory(self.device) if tiled is None else None
         if tiled or (free is not None and self.decode_bytes(1, h, w) > free):
-            return self.decode_tiled(z, tile=None if free is None else self.tile_that_fits(free, h, w))
+            return self.decode_tiled(z, tile=None if free is None else self.tile_that_fits(free, h, w, batch))
         if free is not None and batch > 1 and self.decode_bytes(batch, h, w) > free:
             return torch.cat([self.decode(z[i:i + 1], tiled=False) for i in range(batch)])
         z = unpatchify(self.denormalize(z.to(self.device)))             # [B,32,2h,2w]
@@ -341,21 +347,51 @@ class AutoEncoder(nn.Module):
 
     # tiled decode -------------------------------------------------------------------------------------------------
 
-    def decode_bytes(self, batch: int, h: int, w: int) -> int:
-        """Estimated peak extra memory of decoding [batch,128,h,w] latents in one piece.
+    def mid_bytes(self, batch: int, h: int, w: int) -> int:
+        """Peak memory of a mid block (encoder or decoder) for [batch,128,h,w] latents; it is never tiled.
 
-        The decoder's full-resolution levels dominate: ``DECODE_BYTES_PER_PIXEL`` x pixels x base channels x itemsize,
-        where the factor was measured as 7.7-8.4 on CPU (float32, several sizes and widths) and rounded up to leave room
-        for convolution workspaces.
+        It works on HW = 2h x 2w positions of 512 channels (the VAE's 8x-down grid). With q, k, v contiguous, SDPA runs
+        a fused kernel that never holds the [HW, HW] scores, so the cost is linear: the block's input, the
+        ResnetBlock's output, q, k, v, the attention output, ``proj_out`` and the residual sum, ``MID_TENSORS`` x
+        [batch, HW, 512] (measured on CPU with the profiler: 7 beside the input at 64x64 positions).
+        """
+        positions = batch * 4 * h * w
+        return MID_TENSORS * positions * self.params.ch * self.params.ch_mult[-1] * self.dtype.itemsize
+
+    def decode_bytes(self, batch: int, h: int, w: int) -> int:
+        """Estimated peak extra memory of decoding [batch,128,h,w] latents in one piece: the larger of the mid block's
+        (``mid_bytes``) and the upsampling levels', which run after it.
+
+        The levels dominate: ``DECODE_BYTES_PER_PIXEL`` x pixels x base channels x itemsize, where the factor was measured
+        as 7.7-8.4 on CPU (float32, several sizes and widths; 6.1 counting only tensors) and rounded up to leave room
+        for convolution workspaces. The mid block needs 20x less (32 values per output pixel against 1280).
         """
         pixels = batch * h * w * self.pixels_per_latent ** 2
-        return DECODE_BYTES_PER_PIXEL * pixels * self.params.ch * self.dtype.itemsize
+        levels = DECODE_BYTES_PER_PIXEL * pixels * self.params.ch * self.dtype.itemsize
+        return max(levels, self.mid_bytes(batch, h, w))
 
-    def tile_that_fits(self, free: int, h: int, w: int) -> int:
-        """The largest tile side (latent cells) whose decode, halo included, fits in ``free`` bytes (at least 8)."""
-        tile = max(h, w)
+    def encode_bytes(self, batch: int, height: int, width: int) -> int:
+        """Estimated peak extra memory of encoding [batch,3,height,width] images: the larger of the full-resolution
+        levels' (``ENCODE_BYTES_PER_PIXEL`` x pixels x base channels x itemsize; 5.1 measured counting only tensors on
+        CPU, with the decode's headroom for workspaces) and the mid block's (``mid_bytes``, which runs after them)."""
+        levels = ENCODE_BYTES_PER_PIXEL * batch * height * width * self.params.ch * self.dtype.itemsize
+        n = self.pixels_per_latent
+        return max(levels, self.mid_bytes(batch, height // n, width // n))
+
+    def tiled_decode_bytes(self, batch: int, h: int, w: int, tile: int) -> int:
+        """Estimated peak extra memory of ``decode_tiled`` with ``tile``: the mid block on the whole latent first, then,
+        while the tiles run, its output [batch,512,2h,2w] and the float32 sums ``out`` [batch,3,H,W] and ``weight``
+        [1,1,H,W] are held beside one tile's levels (tile plus halo on each side)."""
         halo = math.ceil(self.decoder.halo / 2)
-        while tile > MIN_TILE and self.decode_bytes(1, min(h, tile + 2 * halo), min(w, tile + 2 * halo)) > free:
+        pixels = h * w * self.pixels_per_latent ** 2
+        held = (self.mid_bytes(batch, h, w) // MID_TENSORS + (batch * self.params.out_ch + 1) * pixels * 4)
+        return max(self.mid_bytes(batch, h, w),
+                   held + self.decode_bytes(batch, min(h, tile + 2 * halo), min(w, tile + 2 * halo)))
+
+    def tile_that_fits(self, free: int, h: int, w: int, batch: int = 1) -> int:
+        """The largest tile side (latent cells) whose ``tiled_decode_bytes`` fit in ``free`` bytes (at least 8)."""
+        tile = max(h, w)
+        while tile > MIN_TILE and self.tiled_decode_bytes(batch, h, w, tile) > free:
             tile = max(MIN_TILE, tile * 3 // 4)
         return tile
 

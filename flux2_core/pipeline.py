@@ -124,9 +124,19 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 
 def denoise_memory(params: TransformerParams, tokens: int, batch: int, dtype: torch.dtype) -> int:
-    """A generous estimate of the denoiser's activation memory in bytes: about 24 hidden-wide activations per token
-    (text, image and reference tokens) in the widest block, for each item of the model batch (CFG doubles it)."""
-    return 24 * tokens * params.hidden_size * dtype.itemsize * batch
+    """The denoiser's peak activation memory in bytes for ``tokens`` (text, image and reference) per item of the model
+    batch (CFG doubles it).
+
+    The peak is in a single block, as it concatenates [attention out, SwiGLU] for linear2. Per token, with H hidden
+    and M = mlp_ratio·H (3H): its linear1 output [L, 3H + 2M] (q, k, v and the MLP input are views of it), the
+    concatenation [L, H + M], the SwiGLU [L, M], and about 8 H-wide tensors (x, the double-stream outputs, the
+    rotated q and k, the attention out, the modulation's temporaries); beside them the float32 RoPE table
+    [L, head_dim/2, 2]. For Klein (M = 3H) that is 24 H-wide values per token, 23.5 measured on CPU
+    (tests/test_pipeline.py).
+    """
+    h, m = params.hidden_size, params.mlp_hidden
+    values = (3 * h + 2 * m) + (h + m) + m + 8 * h
+    return batch * tokens * (values * dtype.itemsize + params.head_dim * 4)
 
 
 def should_offload(choice, encoder: PromptEncoder, device: torch.device, needed: int, free=None) -> bool:

@@ -86,19 +86,31 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {self.weight.dtype}, {kind} scale"
 
 
+def _on_cuda(x: Tensor) -> bool:
+    return x.is_cuda
+
+
 def _scaled_mm_ok(x: Tensor, w8: Tensor) -> bool:
-    """torch._scaled_mm needs CUDA, 16-aligned sizes, e4m3 weights and a bf16/fp16 output."""
-    return (x.is_cuda and hasattr(torch, "_scaled_mm") and w8.dtype == FP8 and x.dtype in (torch.bfloat16, torch.float16)
+    """torch._scaled_mm needs CUDA, 16-aligned sizes and e4m3 weights; we also ask for bf16 activations.
+
+    Its output is then bf16, which every cuBLAS with fp8 support writes; fp16 output is missing from some versions
+    (an error at run time, not a fallback). fp16 and fp32 activations take the dequantizing path instead of running
+    in bf16 and casting back: that would round the activations to bf16's 8-bit mantissa, coarser than what the user
+    picked fp16 (11 bits) or fp32 for, and the dequantizing path is exact in the weights.
+    """
+    return (_on_cuda(x) and hasattr(torch, "_scaled_mm") and w8.dtype == FP8 and x.dtype == torch.bfloat16
             and x.shape[-1] % 16 == 0 and w8.shape[0] % 16 == 0)
 
 
 def _fp8_matmul(x: Tensor, w8: Tensor, w_scale: Tensor) -> Tensor:
-    """fp8 x fp8 matmul: x quantized per token (row-wise scales), w8 with row-wise (or broadcast) scales."""
+    """fp8 x fp8 matmul of bf16 x [..., K]: x quantized per token (row-wise scales), w8 [N, K] with row-wise (or
+    broadcast) scales. Returns bf16 [..., N]."""
     rows = x.reshape(-1, x.shape[-1])                                          # [M, K]
     x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)   # [M, 1]
     x8 = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     w_scale = w_scale.float().expand(w8.shape[0])[None, :].contiguous()        # [1, N]
-    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype, use_fast_accum=True)
+    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16,
+                         use_fast_accum=True)
     return y.reshape(*x.shape[:-1], w8.shape[0])
 
 

@@ -7,7 +7,8 @@
     single blocks: one parallel attention + MLP block over cat(txt, img)
     out      = final_layer(img tokens, vec)                  -> velocity [B, Limg, 128]
 
-No Linear has a bias. q and k get a per-head RMSNorm, then RoPE. Attention has no mask.
+No Linear has a bias. q and k get a per-head RMSNorm, then RoPE (one function, ``QKNorm``, so that a compiled block
+fuses them). Attention has no mask.
 
 References are extra image tokens with their own ids (t = 10, 20, ...). Two ways to use them:
 
@@ -61,16 +62,15 @@ def swiglu(x: Tensor) -> Tensor:
     return F.silu(gate) * value
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, pe: Tensor, n_txt: int,
+def attention(q: Tensor, k: Tensor, v: Tensor, n_txt: int,
               ref_kv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """Joint attention of tokens [txt, rest]; the one attention of every block.
 
-    q, k, v: [B, heads, L, head_dim] (q, k already RMS-normed); pe: rope_table [B, L, head_dim/2, 2].
+    q, k, v: [B, heads, L, head_dim] (q, k already RMS-normed and rotated, ``QKNorm``).
     ref_kv:  cached reference (k, v) [B or 1, heads, Lref, head_dim], inserted as extra keys/values between the
              txt and the rest, so the keys are [txt, ref, rest]; no queries are added.
-    Returns the output [B, L, heads*head_dim] and this call's (k, v) after RoPE.
+    Returns the output [B, L, heads*head_dim] and this call's (k, v).
     """
-    q, k = apply_rope(q, k, pe)
     keys, values = k, v
     if ref_kv is not None:
         k_ref, v_ref = (x.expand(q.shape[0], -1, -1, -1) for x in ref_kv)
@@ -94,19 +94,24 @@ class RMSNorm(nn.Module):
 
 
 class QKNorm(nn.Module):
+    """The per-head RMSNorm of q and k, then RoPE: both are per token, so this can run on any slice of the tokens
+    (each stream of a double block before the joint concatenation) and equals doing it after."""
+
     def __init__(self, head_dim: int):
         super().__init__()
         self.query_norm = RMSNorm(head_dim)
         self.key_norm = RMSNorm(head_dim)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return self.query_norm(q).to(v.dtype), self.key_norm(k).to(v.dtype)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> tuple[Tensor, Tensor]:
+        """q, k, v [B, heads, L, D], pe: rope_table [B, L, D/2, 2] of those L tokens -> q, k in v's dtype."""
+        return apply_rope(self.query_norm(q).to(v.dtype), self.key_norm(k).to(v.dtype), pe)
 
 
-def split_heads(qkv: Tensor, norm: QKNorm, heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Fused projection [B, L, 3·heads·D] (all q | all k | all v) -> normed q, k and v, each [B, heads, L, D]."""
+def split_heads(qkv: Tensor, norm: QKNorm, heads: int, pe: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused projection [B, L, 3·heads·D] (all q | all k | all v) -> q, k (normed and rotated by pe [B, L, D/2, 2])
+    and v, each [B, heads, L, D]."""
     q, k, v = rearrange(qkv, "B L (K H D) -> K B H L D", K=3, H=heads)
-    q, k = norm(q, k, v)
+    q, k = norm(q, k, v, pe)
     return q, k, v
 
 
@@ -120,8 +125,8 @@ class SelfAttention(nn.Module):
         self.norm = QKNorm(hidden // heads)
         self.proj = Linear(hidden, hidden)
 
-    def qkv_heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return split_heads(self.qkv(x), self.norm, self.heads)
+    def qkv_heads(self, x: Tensor, pe: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return split_heads(self.qkv(x), self.norm, self.heads, pe)
 
 
 class SwiGLU(nn.Module):
@@ -176,11 +181,11 @@ class DoubleStreamBlock(nn.Module):
                 ref_kv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
         """img [B, Limg, H], txt [B, Ltxt, H], pe for [txt, img]. Returns img, txt and the img tokens' (k, v)."""
         n_txt = txt.shape[1]
-        img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(img, mod_img[0], mod_img[1]))
-        txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(txt, mod_txt[0], mod_txt[1]))
+        img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(img, mod_img[0], mod_img[1]), pe[:, n_txt:])
+        txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(txt, mod_txt[0], mod_txt[1]), pe[:, :n_txt])
         q, k, v = (torch.cat(pair, dim=2) for pair in [(txt_q, img_q), (txt_k, img_k), (txt_v, img_v)])
 
-        out, (k, v) = attention(q, k, v, pe, n_txt, ref_kv)
+        out, (k, v) = attention(q, k, v, n_txt, ref_kv)
 
         img = _stream_update(img, out[:, n_txt:], self.img_attn, self.img_mlp, mod_img)
         txt = _stream_update(txt, out[:, :n_txt], self.txt_attn, self.txt_mlp, mod_txt)
@@ -203,9 +208,9 @@ class SingleStreamBlock(nn.Module):
         """x [B, Ltxt + Limg, H] = cat(txt, img). Returns x and the img tokens' (k, v)."""
         shift, scale, gate = mod
         qkv, mlp_in = torch.split(self.linear1(modulate(x, shift, scale)), self.split, dim=-1)
-        q, k, v = split_heads(qkv, self.norm, self.heads)
+        q, k, v = split_heads(qkv, self.norm, self.heads, pe)
 
-        out, (k, v) = attention(q, k, v, pe, n_txt, ref_kv)
+        out, (k, v) = attention(q, k, v, n_txt, ref_kv)
 
         x = x + gate * self.linear2(torch.cat([out, swiglu(mlp_in)], dim=-1))
         return x, (k[:, :, n_txt:], v[:, :, n_txt:])
@@ -349,16 +354,20 @@ class Flux2Transformer(nn.Module):
         cached = ref_kv.blocks if ref_kv is not None else [None] * (len(self.double_blocks) + len(self.single_blocks))
         n_txt = txt.shape[1]
 
+        # each block's (k, v) is dropped (or copied) at once: left bound while the next block runs, a single block's
+        # v would keep its linear1 output alive beside the next one's (a quarter of the peak activation memory)
         for block, block_kv in zip(self.double_blocks, cached):
             img, txt, kv = block(img, txt, pe, mod_img, mod_txt, block_kv)
             if kv_out is not None:
                 kv_out.append((kv[0].clone(), kv[1].clone()))
+            del kv
 
         x = torch.cat([txt, img], dim=1)
         for block, block_kv in zip(self.single_blocks, cached[len(self.double_blocks):]):
             x, kv = block(x, pe, mod_single, n_txt, block_kv)
             if kv_out is not None:
                 kv_out.append((kv[0].clone(), kv[1].clone()))
+            del kv
         return x[:, n_txt:]
 
     def _check_tokens(self, img: Tensor, txt: Tensor | None):

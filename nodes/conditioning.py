@@ -132,7 +132,7 @@ def encode(ae: host.Managed, image: Image.Image, cap: int, index: int) -> torch.
     key = ae.key + (cache.image_digest([prepared]),)
     latent = LATENTS.get(key)
     if latent is None:
-        ae.ready(host.ae_memory(prepared.height, prepared.width, ae.dtype))
+        ae.ready(host.ae_memory(ae.core, prepared.height, prepared.width))
         with torch.no_grad():
             latent = ae.core.encode(references.image_to_tensor(prepared)).cpu()
         LATENTS.put(key, latent)

@@ -221,9 +221,11 @@ def transformer_memory(params, noise: torch.Tensor, ref: torch.Tensor | None, cf
     return denoise_memory(params, tokens, batch * (2 if cfg else 1), dtype)
 
 
-def ae_memory(height: int, width: int, dtype: torch.dtype) -> int:
-    """Activation memory of encoding or decoding one height x width image: about 2200 values per pixel."""
-    return 2200 * height * width * dtype.itemsize
+def ae_memory(core, height: int, width: int, decode: bool = False) -> int:
+    """Activation memory of encoding (or decoding) one height x width image with the AutoEncoder ``core``: its own
+    estimate, mid-block attention included (``AutoEncoder.encode_bytes`` / ``decode_bytes``)."""
+    n = core.pixels_per_latent
+    return core.decode_bytes(1, height // n, width // n) if decode else core.encode_bytes(1, height, width)
 
 
 def _follow_input(layer: nn.Module, args) -> None:

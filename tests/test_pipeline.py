@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from flux2_core import pipeline
+from flux2_core import pipeline, rope
 from flux2_core.autoencoder import AutoEncoder
 from flux2_core.cache import PromptCache, ReferenceKVCache
 from flux2_core.errors import Flux2Error
@@ -18,7 +18,7 @@ from flux2_core.sampling import make_noise
 from flux2_core.text_encoder import build_qwen3_encoder
 from flux2_core.tokenizer import build_qwen3_tokenizer
 from flux2_core.transformer import Flux2Transformer
-from flux2_core.variants import VARIANTS
+from flux2_core.variants import VARIANTS, TransformerParams
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder, save_bfl_autoencoder
 from tests.tiny.text_encoder import build_tiny_qwen3, comfyui_state_dict, save_comfyui_text_encoder
 from tests.tiny.transformer import (
@@ -432,3 +432,32 @@ def test_load_models_loads_the_text_encoder_where_it_will_rest(tmp_path, monkeyp
     assert loaded_to == [torch.device("cpu")]
     assert moves == ([CUDA] if on_device else [])
     assert models.prompt_encoder is not None
+
+
+# hidden 256 with Klein's head_dim (128) and mlp_ratio (3); two single blocks, as the peak needs one before it.
+MEMORY_PARAMS = TransformerParams(in_channels=128, context_in_dim=96, hidden_size=256, num_heads=2, depth=1,
+                                  depth_single_blocks=2, mlp_ratio=3.0, axes_dim=(32, 32, 32, 32), theta=2000)
+
+
+@pytest.mark.parametrize("batch,n_txt,grid,dtype", [(1, 64, (16, 16), torch.float32), (2, 32, (16, 32), torch.float32),
+                                                    (1, 64, (32, 32), torch.bfloat16)])
+def test_denoise_memory_covers_the_measured_forward_peak(batch, n_txt, grid, dtype):
+    """The transformer forward's peak activation memory, measured with the profiler on the CPU (inputs and weights
+    excluded), is at most ``denoise_memory`` and not far below it (the estimate is within 1.5x)."""
+    from tests.memory import peak_bytes
+
+    g = torch.Generator().manual_seed(0)
+    model = Flux2Transformer(MEMORY_PARAMS).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    model.to(dtype)
+    h, w = grid
+    img = torch.randn(batch, h * w, 128, generator=g).to(dtype)
+    txt = torch.randn(batch, n_txt, 96, generator=g).to(dtype)
+    img_ids, txt_ids = rope.image_ids(batch, h, w), rope.text_ids(batch, n_txt)
+    with torch.no_grad():
+        peak = peak_bytes(lambda: model(img, img_ids, torch.full((batch,), 0.5).to(dtype), txt, txt_ids))
+    estimate = pipeline.denoise_memory(MEMORY_PARAMS, n_txt + h * w, batch, dtype)
+    print(f"denoise_memory: measured {peak / 1e6:.2f} MB, estimate {estimate / 1e6:.2f} MB")
+    assert peak <= estimate <= 1.5 * peak, (peak, estimate)

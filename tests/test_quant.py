@@ -202,3 +202,38 @@ def test_fp8_matmul_on_cuda_is_close_to_dequantized_bf16():
     # with random signs that is about 2^-4 / sqrt(3) / 16 * sqrt(256) ~ 4% of the typical output, far less at most.
     err = (fp8(x).float() - expected).abs().max() / expected.abs().max()
     assert err < 0.05, err.item()
+
+
+def test_fp8_matmul_gate_takes_bf16_activations_only(monkeypatch):
+    """On CUDA (faked: the gate's device check says yes) only bf16 activations with 16-aligned sizes go to
+    torch._scaled_mm; fp16 (whose output some cuBLAS versions cannot write) and fp32 do not."""
+    from flux2_core import quant
+
+    monkeypatch.setattr(quant, "_on_cuda", lambda x: True)
+    w8 = torch.zeros(32, 64, dtype=FP8, device="meta")
+    assert quant._scaled_mm_ok(torch.empty(4, 64, dtype=torch.bfloat16, device="meta"), w8)
+    for dtype in (torch.float16, torch.float32):
+        assert not quant._scaled_mm_ok(torch.empty(4, 64, dtype=dtype, device="meta"), w8)
+    assert not quant._scaled_mm_ok(torch.empty(4, 56, dtype=torch.bfloat16, device="meta"), w8[:, :56])  # K % 16
+    assert not quant._scaled_mm_ok(torch.empty(4, 64, dtype=torch.bfloat16, device="meta"), w8.to(torch.float8_e5m2))
+    monkeypatch.setattr(quant, "_on_cuda", lambda x: False)
+    assert not quant._scaled_mm_ok(torch.empty(4, 64, dtype=torch.bfloat16, device="meta"), w8)
+
+
+def test_fp16_activations_use_the_dequantizing_path(monkeypatch):
+    """fp8_matmul=True with fp16 activations on 'CUDA' (faked): the layer never calls the fp8 matmul and gives the
+    matmul over the dequantized weight, in fp16."""
+    from flux2_core import quant
+
+    def no_fp8(*args):
+        raise AssertionError("fp16 activations must not reach torch._scaled_mm")
+
+    monkeypatch.setattr(quant, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(quant, "_fp8_matmul", no_fp8)
+    g = torch.Generator().manual_seed(0)
+    layer = Fp8Linear.from_linear(torch.nn.Linear(64, 32, bias=False), fp8_matmul=True)
+    x = torch.randn(4, 64, generator=g)
+    got = layer(x.half())
+    want = x @ dequantize_fp8(layer.weight, layer.weight_scale).t()
+    assert got.dtype == torch.float16
+    assert (got.float() - want).abs().max() <= 2e-3 * want.abs().max()          # fp16 rounding of x and of y

@@ -1,5 +1,8 @@
 """Position ids, packing and RoPE against diffusers 0.42.1's Flux2 helpers and hand-written values."""
 
+import os
+import warnings
+
 import pytest
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
@@ -66,3 +69,43 @@ def test_rope_table_and_rotation_match_diffusers():
 
     q16 = q.to(torch.bfloat16)
     assert rope.apply_rope(q16, q16, table)[0].dtype == torch.bfloat16
+
+
+def rotation_matrices(table: torch.Tensor) -> torch.Tensor:
+    """float64 2x2 rotation matrices [[cos, -sin], [sin, cos]] [B, L, D/2, 2, 2] from the table's (cos, sin)."""
+    cos, sin = table.double().unbind(-1)
+    return torch.stack([torch.stack([cos, -sin], -1), torch.stack([sin, cos], -1)], -2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_equals_a_float64_rotation_matrix_per_pair(dtype):
+    """Each channel pair (2j, 2j+1) of every token is multiplied by its own rotation matrix; computed here in float64
+    with einsum and compared with the float32 result rounded to the input's dtype."""
+    ids = torch.cat([rope.text_ids(2, 3), rope.image_ids(2, 2, 3, t=10)], dim=1)            # [2, 9, 4]
+    table = rope.rope_table(ids, (4, 4, 4, 4), 10_000)                                      # [2, 9, 8, 2]
+    x = torch.randn(2, 3, 9, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    pairs = x.double().unflatten(-1, (8, 2))                                                # [B, H, L, D/2, 2]
+    want = torch.einsum("blpij,bhlpj->bhlpi", rotation_matrices(table), pairs).flatten(-2)
+    got = rope.rotate(x, table)
+    assert got.dtype == dtype and got.shape == x.shape
+    # float32 arithmetic: a few ulps of |x|; bfloat16 output: the float64 result rounded, at most one bf16 ulp off.
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8
+    assert ((got.double() - want).abs() <= tol * want.abs().clamp(min=x.double().abs().max() / 8)).all()
+    assert not torch.equal(got, x)                                                          # it did rotate
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("FLUX2_SLOW_TESTS"), reason="compiles with inductor (about 20 s on 2 CPU "
+                    "cores); set FLUX2_SLOW_TESTS=1 to run it")
+def test_rope_compiles_to_inductor_code_without_complex_fallbacks():
+    """fullgraph inductor compile of apply_rope: no graph break, no 'complex operators' fallback warning, same values."""
+    torch._dynamo.reset()
+    table = rope.rope_table(rope.image_ids(1, 4, 4), (8, 8, 8, 8), 2000)
+    q, k = torch.randn(2, 1, 2, 16, 32, generator=torch.Generator().manual_seed(0)).unbind(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(rope.apply_rope, fullgraph=True)(q, k, table)
+    assert not [w for w in caught if "complex" in str(w.message)]
+    want = rope.apply_rope(q, k, table)
+    assert all((a - b).abs().max() <= 1e-6 * b.abs().max() for a, b in zip(got, want))
+    torch._dynamo.reset()
