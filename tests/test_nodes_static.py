@@ -55,11 +55,7 @@ def test_entry_point_is_v3_only():
     spec = importlib.util.spec_from_file_location("pack_under_test", ROOT / "__init__.py",
                                                   submodule_search_locations=[str(ROOT)])
     pack = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = pack                      # as ComfyUI does, so the pack's relative imports resolve
-    try:
-        spec.loader.exec_module(pack)                  # importable without ComfyUI: nodes load inside the entry point
-    finally:
-        del sys.modules[spec.name]
+    spec.loader.exec_module(pack)                      # importable without ComfyUI: nodes load inside the entry point
     assert pack.WEB_DIRECTORY == "./web"
     assert asyncio.iscoroutinefunction(pack.comfy_entrypoint)
     assert not hasattr(pack, "NODE_CLASS_MAPPINGS") and not hasattr(pack, "NODE_DISPLAY_NAME_MAPPINGS")
