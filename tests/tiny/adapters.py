@@ -76,7 +76,7 @@ def lora_state_dict(lora: dict, fmt: str, alpha: float | None = None) -> tuple[d
     """The LoRA written as format ``fmt`` (a LORA_FORMATS name); alpha as ``.alpha`` keys, or for the diffusers
     formats without alpha keys ("diffusers", "diffsynth") as PEFT metadata ``lora_adapter_metadata``."""
     prefix, down_name, up_name, naming = LORA_FORMATS[fmt]
-    sd, metadata = {}, {}
+    sd, metadata, names_written = {}, {}, []
     for module, (down, up) in lora.items():
         if naming.startswith("bfl"):
             pieces = [(module, up)]
@@ -87,6 +87,7 @@ def lora_state_dict(lora: dict, fmt: str, alpha: float | None = None) -> tuple[d
             pieces = list(zip(names, up.chunk(len(names))))   # q/k/v: the same down, a third of up's rows each
         for name, up_part in pieces:
             path = prefix + (name.replace(".", "_") if naming.endswith("_") else name)
+            names_written.append(name)
             sd[f"{path}.{down_name}"] = down.clone()
             sd[f"{path}.{up_name}"] = up_part.clone()
             if alpha is not None and fmt not in ("diffusers", "diffsynth"):
@@ -94,7 +95,7 @@ def lora_state_dict(lora: dict, fmt: str, alpha: float | None = None) -> tuple[d
     if alpha is not None and fmt in ("diffusers", "diffsynth"):
         rank = next(iter(lora.values()))[0].shape[0]
         metadata = {"lora_adapter_metadata": json.dumps({"transformer.r": rank, "transformer.lora_alpha": alpha,
-                                                          "transformer.target_modules": ["to_q"]})}
+                                                          "transformer.target_modules": names_written})}
     return sd, metadata
 
 
