@@ -144,7 +144,7 @@ class MatchReport:
     """What an adapter file's keys matched: tensors per block group, and every key that matched nothing (why)."""
     name: str
     tensors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0))   # group -> matched keys
-    modules: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0))   # group -> patches
+    modules: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0))   # group -> patches (file modules)
     unmatched: dict[str, str] = field(default_factory=dict)                             # key -> why
     formats: list[str] = field(default_factory=list)                                    # as seen, in key order
     kinds: list[str] = field(default_factory=list)                                      # lora, lokr, ... (+dora)
@@ -152,11 +152,11 @@ class MatchReport:
     def summary(self, limit: int = 5) -> str:
         groups = ", ".join(f"{g} {self.tensors[g]}" for g in GROUPS if self.tensors[g])
         line = (f"{self.name}: {'/'.join(self.kinds) or 'nothing'} ({'; '.join(self.formats)}), "
-                f"{sum(self.tensors.values())} tensors on {sum(self.modules.values())} weights: {groups or 'none'}")
+                f"{sum(self.tensors.values())} tensors in {sum(self.modules.values())} modules: {groups or 'none'}")
         if self.unmatched:
             keys = list(self.unmatched)
             more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-            line += f"; {len(keys)} keys matched nothing: {', '.join(keys[:limit])}{more}"
+            line += f"; {len(keys)} key{'s' * (len(keys) > 1)} matched nothing: {', '.join(keys[:limit])}{more}"
         return line
 
 

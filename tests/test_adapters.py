@@ -89,6 +89,17 @@ def lokr_file(decompose, alpha):
     return adapter_state_dict(modules, "diffusion_model."), {}
 
 
+def lycoris_lokr_file():
+    """D′: LyCORIS on the diffusers model (SimpleTuner), q/k/v separate, "." -> "_" behind lycoris_."""
+    modules = {"transformer_blocks.0.attn.to_q": random_lokr((H, H), (), seed=1),
+               "transformer_blocks.1.attn.add_v_proj": random_lokr((H, H), (), seed=2),
+               "transformer_blocks.0.ff.linear_in": random_lokr((2 * M, H), (), seed=3),
+               "transformer_blocks.1.ff_context.linear_out": random_lokr((H, M), (), seed=4),
+               "single_transformer_blocks.0.attn.to_qkv_mlp_proj": random_lokr((3 * H + 2 * M, H), (), seed=5),
+               "single_transformer_blocks.1.attn.to_out": random_lokr((H, H + M), (), seed=6)}
+    return adapter_state_dict(modules, "lycoris_", underscore=True), {}
+
+
 DIFFUSERS_CASES = {
     "ai-toolkit, no alpha": lambda: lora_state_dict(
         random_lora(P, [m for m in MODULES if m != "final_layer.adaLN_modulation.1"], 4, seed=1), "ai-toolkit"),
@@ -98,6 +109,7 @@ DIFFUSERS_CASES = {
         random_lora(P, MODULES, 4, seed=3), "diffusers", alpha=8.0),
     "LoKr full factors (alpha unused)": lambda: lokr_file((), 7.0),
     "LoKr decomposed w2 (s = alpha/rank)": lambda: lokr_file(("w2",), 3.0),
+    "LyCORIS LoKr on diffusers names": lycoris_lokr_file,
 }
 
 
@@ -310,7 +322,7 @@ def test_match_report_counts_and_unmatched_keys():
     assert len(adapter.patches) == 5
     line = report.summary()
     assert line.startswith("mixed.safetensors: lora (kohya/musubi (lora_unet_); text encoder")
-    assert "19 tensors on 7 weights: double blocks 6, single blocks 3, other 6, text encoder 4" in line
+    assert "19 tensors in 7 modules: double blocks 6, single blocks 3, other 6, text encoder 4" in line
     assert "4 keys matched nothing: " in line and "some_training_step" in line
     assert "and 1 more" in read_adapter(sd | junk, P).report.summary(limit=3)
 
