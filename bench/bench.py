@@ -261,7 +261,7 @@ def apply_options(models, args) -> None:
         quantize_transformer(models.transformer)
         print(use_fp8_matmul(models.transformer, "auto", models.device, models.transformer.img_in.weight.dtype)[1])
     if args.ours_compile:
-        compile_blocks(models.transformer)
+        compile_blocks(models.transformer, backend=args.compile_backend)
 
 
 def load_diffusers(folder: Path, device: torch.device, dtype: torch.dtype):
@@ -434,6 +434,7 @@ def spawn(args, side: str, out: Path, folder: Path, flops: bool = False) -> dict
            "--repeats", str(args.repeats), "--device", args.device] + (["--flops"] if flops else [])
     cmd += ["--dtype", args.dtype] if args.dtype else []
     cmd += [f"--{name.replace('_', '-')}" for name in OURS_OPTIONS if getattr(args, name)]
+    cmd += ["--compile-backend", args.compile_backend]
     if args.cfg is not None:
         cmd += ["--cfg", str(args.cfg)]
     subprocess.run(cmd, check=True, cwd=ROOT)
@@ -481,6 +482,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ours-fp8", action="store_true",
                     help="ours: fp8 weight storage for the transformer blocks (and fp8 matmuls on CUDA)")
     ap.add_argument("--ours-compile", action="store_true", help="ours: torch.compile the transformer blocks")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend for --ours-compile (default inductor; 'eager' checks the path quickly)")
     ap.add_argument("--cfg", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -507,6 +510,8 @@ def main(argv=None) -> None:
                 t = time.perf_counter()
                 write_weights(folder, cfg, distilled=args.mode != "base", device=args.device)
                 print(f"{name}: random weights written in {time.perf_counter() - t:.1f} s")
+            else:       # kept weights (--weights): the same random weights serve both modes; the index says which
+                set_distilled(folder, args.mode != "base")
             run_args = argparse.Namespace(**{**vars(args), "config": [name]})
             if args.mode == "kv":
                 rep = spawn(run_args, "ours-kv", Path(tmp) / "kv.json", folder)
@@ -532,6 +537,14 @@ def main(argv=None) -> None:
                                         "load_s": {s: [r["load_s"] for r in reports[s]] for s in reports}}
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def set_distilled(folder: Path, distilled: bool) -> None:
+    """Mark a kept weights folder distilled or base in its model_index.json (both sides read the variant there)."""
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    if index.get("is_distilled") != distilled:
+        index_path.write_text(json.dumps({**index, "is_distilled": distilled}))
 
 
 def print_kv(name: str, rep: dict) -> None:

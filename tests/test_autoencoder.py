@@ -2,6 +2,7 @@
 
 The diffusers side does what ``Flux2KleinPipeline`` does: encode = ``vae.encode(x).latent_dist.mode()``, patchify,
 ``(z - running_mean) / sqrt(running_var + eps)``; decode = ``z * std + mean``, unpatchify, ``vae.decode``.
+Ours runs in the device mode's dtype and device (``tests/device.py``), diffusers in float32 on the same device.
 """
 
 from __future__ import annotations
@@ -13,14 +14,19 @@ from safetensors.torch import load_file
 from flux2_core.autoencoder import AutoEncoder, patchify, unpatchify
 from flux2_core.errors import Flux2Error
 from flux2_core.variants import FLUX2_AE
+from tests.device import DEVICE, DTYPE, to, tolerance
 from tests.tiny.autoencoder import TINY_AE_PARAMS, build_diffusers_autoencoder, save_bfl_autoencoder
 
 pytest.importorskip("diffusers")
 
 
+BOUND = tolerance("autoencoder")
+
+
 def rel_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|ours - ref| / max|ref|; the parity bound is 1e-4."""
+    """max|ours - ref| / max|ref|; the parity bound is BOUND (1e-4 in float32)."""
     assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    ours, ref = ours.float(), ref.float()
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
@@ -44,34 +50,38 @@ def pipeline_bn(vae):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """(diffusers VAE, our AutoEncoder loaded from the BFL-format file written from the same weights)."""
+    """(diffusers VAE in float32, our AutoEncoder in DTYPE loaded from the BFL-format file of the same weights)."""
     vae = build_diffusers_autoencoder(seed=0)
     path = save_bfl_autoencoder(vae, tmp_path_factory.mktemp("ae") / "ae.safetensors")
     ours = AutoEncoder(TINY_AE_PARAMS).eval()
     ours.load_state_dict(load_file(str(path)), strict=True)
-    return vae, ours
+    return vae.to(DEVICE), to(ours)
 
 
 def test_encode_matches_diffusers(models):
     vae, ours = models
-    x = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(1)) * 2 - 1    # non-square, batch 2
+    x = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(1)).to(DEVICE) * 2 - 1   # non-square, batch 2
     with torch.no_grad():
         mean, std = pipeline_bn(vae)
         ref = (pipeline_patchify(vae.encode(x).latent_dist.mode()) - mean) / std
         got = ours.encode(x)
-    assert got.shape == (2, 128, 4, 6)
-    assert rel_diff(got, ref) <= 1e-4
+    assert got.shape == (2, 128, 4, 6) and got.device.type == DEVICE.type
+    diff = rel_diff(got, ref)
+    print(f"encode: max rel diff {diff:.2e}")
+    assert diff <= BOUND
 
 
 def test_decode_matches_diffusers(models):
     vae, ours = models
-    z = torch.randn(2, 128, 4, 6, generator=torch.Generator().manual_seed(2))
+    z = torch.randn(2, 128, 4, 6, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     with torch.no_grad():
         mean, std = pipeline_bn(vae)
         ref = vae.decode(pipeline_unpatchify(z * std + mean)).sample
         got = ours.decode(z)
-    assert got.shape == (2, 3, 64, 96)
-    assert rel_diff(got, ref) <= 1e-4
+    assert got.shape == (2, 3, 64, 96) and got.dtype == DTYPE
+    diff = rel_diff(got, ref)
+    print(f"decode: max rel diff {diff:.2e}")
+    assert diff <= BOUND
 
 
 def test_patchify_channel_order():
@@ -85,7 +95,8 @@ def test_patchify_channel_order():
 
 
 def test_normalize_formula_and_inverse(models):
-    """BatchNorm eval with BFL's eps 1e-4, checked on near-zero variances where the eps dominates."""
+    """BatchNorm eval with BFL's eps 1e-4, checked on near-zero variances where the eps dominates (the formula: float32
+    on the CPU in every mode)."""
     _, ours = models
     ae = AutoEncoder(TINY_AE_PARAMS).eval()
     ae.load_state_dict(ours.state_dict())
@@ -95,14 +106,16 @@ def test_normalize_formula_and_inverse(models):
     expected = (z - ae.bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(var.view(1, -1, 1, 1) + 1e-4)
     assert torch.allclose(ae.normalize(z), expected, rtol=1e-6, atol=1e-6)
     assert torch.allclose(ae.denormalize(ae.normalize(z)), z, atol=1e-5)
-    assert torch.allclose(ours.denormalize(ours.normalize(z)), z, atol=1e-5)
+    # the model under test, in DTYPE on DEVICE: normalize and denormalize are inverses to its own rounding
+    z = z.to(DEVICE)
+    assert torch.allclose(ours.denormalize(ours.normalize(z)), z, atol=1e-5)     # both in float32
 
 
 def test_runs_in_weight_dtype(models):
     _, ours = models
-    half = AutoEncoder(TINY_AE_PARAMS).eval().to(torch.bfloat16)
+    half = AutoEncoder(TINY_AE_PARAMS).eval().to(DEVICE, torch.bfloat16)
     half.load_state_dict(ours.state_dict())
-    x = torch.rand(1, 3, 32, 48) * 2 - 1                           # float32 input is cast to bf16
+    x = torch.rand(1, 3, 32, 48, device=DEVICE) * 2 - 1            # float32 input is cast to bf16
     with torch.no_grad():
         z = half.encode(x)
         img = half.decode(z)
@@ -113,11 +126,11 @@ def test_runs_in_weight_dtype(models):
 def test_size_and_channel_errors(models):
     _, ours = models
     with pytest.raises(Flux2Error, match="multiple of 16"):
-        ours.encode(torch.zeros(1, 3, 64, 72))
+        ours.encode(torch.zeros(1, 3, 64, 72, device=DEVICE))
     with pytest.raises(Flux2Error, match="RGB"):
-        ours.encode(torch.zeros(1, 4, 64, 64))
+        ours.encode(torch.zeros(1, 4, 64, 64, device=DEVICE))
     with pytest.raises(Flux2Error, match="128"):
-        ours.decode(torch.zeros(1, 16, 4, 4))
+        ours.decode(torch.zeros(1, 16, 4, 4, device=DEVICE))
 
 
 def test_real_config_keys_on_meta():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -57,23 +58,54 @@ def test_meter_splits_time_between_stages():
         assert meter.peaks["a"] > 0 and meter.highest >= meter.peaks["a"]
 
 
-def test_driver_runs_end_to_end_on_the_tiny_config(tmp_path, capsys):
-    """The whole driver as a GPU session would run it (random weights written as a diffusers folder, both sides in
-    their own processes, the stage tables, MFU, the JSON; then the KV mode), on the tiny config: ours and diffusers
-    must have computed the same latents."""
+def test_gpu_check_smoke_run_writes_every_section(tmp_path):
+    """bench/gpu-check --cpu-smoke: the stages of the GPU check (install, device-mode tests, the bench's distilled
+    and KV runs on the tiny config, both sides in their own processes; with FLUX2_SLOW_TESTS=1 also its fp8, compile
+    and base runs) end ok, and the one report holds the machine, the test counts and every bench figure; ours and
+    diffusers computed the same latents. The distilled and KV stages are what the bench driver always had to pass."""
+    import json
+    import os
+    import re
+    import subprocess
+
+    slow = bool(os.environ.get("FLUX2_SLOW_TESTS"))
+    only = [] if slow else ["--only", "tests", "--only", "distilled", "--only", "KV"]
+    run = subprocess.run([sys.executable, "bench/gpu-check", "--cpu-smoke", "--out", str(tmp_path), *only],
+                         check=False, cwd=Path(bench.__file__).parents[1], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    report = (tmp_path / "gpu-check-smoke.md").read_text()
+    stages = {"machine": True, "install": True, "tests": True, "bench tiny distilled": True, "bench tiny fp8": slow,
+              "bench tiny compile": slow, "bench tiny base CFG": slow, "bench tiny-KV edit": True}
+    for stage, selected in stages.items():
+        status = "ok" if selected else re.escape("not selected (--only)")
+        assert f"\n## {stage}\n" in report and re.search(rf"\| {re.escape(stage)} \| {status} \|", report), stage
+    assert "- torch: " + torch.__version__ in report and "- device: CPU" in report
+    assert "FLUX2_TEST_DEVICE=cpu FLUX2_TEST_DTYPE=bfloat16" in report
+
+    figures = [json.loads(block) for block in re.findall(r"```json\n(.*?)\n```", report, re.DOTALL)]
+    tests, runs = figures[0], {r["mode"] + "".join(r.get("ours_options", [])): r for r in figures[1:]}
+    assert tests["passed"] == tests["tests"] == 4 and tests["failures"] == tests["errors"] == 0
+    assert set(runs) == ({"distilled", "distilledours_fp8", "distilledours_compile", "base", "kv"} if slow
+                         else {"distilled", "kv"})
+    for name, r in runs.items():
+        if name == "kv":
+            continue
+        result = r["configs"]["tiny"]
+        assert {"encode", "step0", "step1", "decode", "total"} <= set(result["ours"]["median"])
+        assert result["flops_per_step"] == bench.transformer_flops(bench.CONFIGS["tiny"].transformer, 16,
+                                                                   batch=2 if name == "base" else 1)
+        if name == "distilledours_fp8":        # e4m3 weights change the numbers; every other run must agree
+            assert 1e-5 < result["latent_rel_diff"] < 0.1
+        else:
+            assert result["latent_rel_diff"] < 1e-5
+    assert "of the measured matmul" in report and "kv-cached" in report and "speed-up vs joint" in report
+
+
+def test_kept_weights_follow_the_mode(tmp_path):
+    """A weights folder kept between runs (--weights) is marked base or distilled for the run at hand."""
     import json
 
-    out = tmp_path / "results.json"
-    bench.main(["--config", "tiny", "--rounds", "1", "--repeats", "1", "--steps", "2", "--device", "cpu",
-                "--weights", str(tmp_path), "--json", str(out)])
-    result = json.loads(out.read_text())["configs"]["tiny"]
-    assert result["latent_rel_diff"] < 1e-5
-    assert {"encode", "step0", "step1", "decode", "total"} <= set(result["ours"]["median"])
-    assert result["flops_per_step"] == bench.transformer_flops(bench.CONFIGS["tiny"].transformer, 16)
-    printed = capsys.readouterr().out
-    assert "of the measured matmul" in printed and "step1" in printed
-
-    bench.main(["--config", "tiny", "--mode", "kv", "--repeats", "1", "--steps", "2", "--device", "cpu",
-                "--weights", str(tmp_path)])
-    printed = capsys.readouterr().out
-    assert "kv-cached" in printed and "speed-up vs joint" in printed
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline", "is_distilled": True}))
+    bench.set_distilled(tmp_path, False)
+    assert json.loads((tmp_path / "model_index.json").read_text()) == {"_class_name": "Flux2KleinPipeline",
+                                                                      "is_distilled": False}

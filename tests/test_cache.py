@@ -1,5 +1,6 @@
 """Prompt-embedding and reference-KV caches: hits skip the model, results equal an uncached run, keys separate what
-must differ (weights, settings, references), and the LRU bounds hold."""
+must differ (weights, settings, references), and the LRU bounds hold. The models run in the device mode's dtype and
+device (``tests/device.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from flux2_core import rope
 from flux2_core.cache import LRUCache, PromptCache, ReferenceKVCache, fingerprint, tensor_digest
 from flux2_core.transformer import Flux2Transformer
+from tests.device import DEVICE, DTYPE, to
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
 
 
@@ -33,7 +35,7 @@ def encoder():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         sd = {k: 0.2 * torch.randn_like(v) for k, v in Qwen3Model(config).state_dict().items()}
-    return build_qwen3_encoder(sd, config, dtype=torch.float32)
+    return build_qwen3_encoder(sd, config, device=DEVICE, dtype=DTYPE)
 
 
 def test_prompt_cache_skips_the_encoder_and_returns_what_it_would(encoder):
@@ -109,14 +111,19 @@ def test_lru_bounds_by_items_and_bytes():
 def tiny_model(seed: int) -> Flux2Transformer:
     model = Flux2Transformer(TINY_TRANSFORMER)
     model.load_state_dict(random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=seed))
-    return model.eval()
+    return to(model).eval()
+
+
+def randn(*shape, generator=None):
+    """Random inputs drawn on the CPU, in DTYPE on DEVICE."""
+    return to(torch.randn(*shape, generator=generator))
 
 
 def test_reference_kv_cache_skips_the_reference_pass():
     g = torch.Generator().manual_seed(0)
     model = tiny_model(0)
     calls = count_calls(model.double_blocks[0])
-    ref, ref_ids = torch.randn(1, 12, 128, generator=g), rope.reference_ids([(3, 4)])
+    ref, ref_ids = randn(1, 12, 128, generator=g), rope.reference_ids([(3, 4)], device=DEVICE)
     cache = ReferenceKVCache()
 
     kv = cache.get(model, ref, ref_ids)
@@ -126,21 +133,22 @@ def test_reference_kv_cache_skips_the_reference_pass():
 
     # Denoising with the cached K/V is exactly denoising with freshly computed K/V.
     other_ref = ref.clone()
-    other_ref[0, 0, 0] += 1e-3                                          # another reference image: recomputed
+    other_ref[0, 0, 0] = torch.nextafter(ref[0, 0, 0], ref.new_tensor(float("inf")))   # one ulp off: recomputed
     assert cache.get(model, other_ref, ref_ids) is not kv
-    other_ids = rope.reference_ids([(4, 3)])                            # same latents, other grid: recomputed
+    other_ids = rope.reference_ids([(4, 3)], device=DEVICE)                            # same latents, other grid: recomputed
     assert cache.get(model, ref, other_ids) is not kv
     assert calls[0] == 3
 
     # Denoising with the cached K/V is exactly denoising with freshly computed K/V.
-    img, txt = torch.randn(2, 16, 128, generator=g), torch.randn(2, 5, TINY_TRANSFORMER.context_in_dim, generator=g)
-    args = (img, rope.image_ids(2, 4, 4), torch.tensor([0.7, 0.7]), txt, rope.text_ids(2, 5))
+    img, txt = randn(2, 16, 128, generator=g), randn(2, 5, TINY_TRANSFORMER.context_in_dim, generator=g)
+    args = (img, rope.image_ids(2, 4, 4, device=DEVICE), to(torch.tensor([0.7, 0.7])), txt,
+            rope.text_ids(2, 5, device=DEVICE))
     with torch.no_grad():
         assert torch.equal(model(*args, ref_kv=kv), model(*args, ref_kv=model.reference_kv(ref, ref_ids)))
 
 
 def test_reference_kv_cache_keys_on_the_model():
-    ref, ref_ids = torch.randn(1, 12, 128), rope.reference_ids([(3, 4)])
+    ref, ref_ids = randn(1, 12, 128), rope.reference_ids([(3, 4)], device=DEVICE)
     a, b = tiny_model(0), tiny_model(1)
     cache = ReferenceKVCache()
     kv_a = cache.get(a, ref, ref_ids)
@@ -152,11 +160,11 @@ def test_reference_kv_cache_keys_on_the_model():
 
 def test_reference_kv_cache_is_bounded_in_bytes():
     model = tiny_model(0)
-    ref_ids = rope.reference_ids([(3, 4)])
-    one = model.reference_kv(torch.randn(1, 12, 128), ref_ids).nbytes
+    ref_ids = rope.reference_ids([(3, 4)], device=DEVICE)
+    one = model.reference_kv(randn(1, 12, 128), ref_ids).nbytes
     cache = ReferenceKVCache(max_items=8, max_bytes=2 * one)
     for i in range(3):
-        cache.get(model, torch.full((1, 12, 128), float(i)), ref_ids)
+        cache.get(model, torch.full((1, 12, 128), float(i), dtype=DTYPE, device=DEVICE), ref_ids)
     assert len(cache.cache) == 2 and cache.cache.nbytes == 2 * one
 
 
@@ -178,17 +186,17 @@ def test_reference_kv_cache_by_images_skips_the_autoencoder_too():
     from tests.tiny.autoencoder import TINY_AE_PARAMS
 
     g = torch.Generator().manual_seed(0)
-    model, ae = tiny_model(0), AutoEncoder(TINY_AE_PARAMS).eval()
+    model, ae = tiny_model(0), AutoEncoder(TINY_AE_PARAMS).to(DEVICE).eval()     # the AE in float32, as loaded
     encodes, passes = count_calls(ae.encoder), count_calls(model.double_blocks[0])
     image = Image.fromarray((torch.rand(64, 80, 3, generator=g) * 255).byte().numpy())
     cache = ReferenceKVCache()
     with torch.no_grad():
-        kv = cache.get_for_images(model, ae, [image])
+        kv = cache.get_for_images(model, ae, [image], DTYPE)
         assert (encodes[0], passes[0]) == (1, 1)
-        assert cache.get_for_images(model, ae, [image.copy()]) is kv             # same pixels: nothing runs
+        assert cache.get_for_images(model, ae, [image.copy()], DTYPE) is kv      # same pixels: nothing runs
         assert (encodes[0], passes[0]) == (1, 1)
-        ref, ref_ids = encode_references(ae, [image])
+        ref, ref_ids = encode_references(ae, [image], DTYPE)
         assert torch.equal(kv.blocks[-1][1], model.reference_kv(ref, ref_ids).blocks[-1][1])
         other = image.copy()
         other.putpixel((0, 0), (0, 0, 0) if image.getpixel((0, 0)) != (0, 0, 0) else (1, 1, 1))
-        assert cache.get_for_images(model, ae, [other]) is not kv               # one pixel changed: recomputed
+        assert cache.get_for_images(model, ae, [other], DTYPE) is not kv        # one pixel changed: recomputed

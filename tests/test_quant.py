@@ -1,6 +1,8 @@
 """fp8 weight storage: quantization error within e4m3's rounding bound, Fp8Linear equal to a Linear over the
 dequantized weight, a quantized transformer equal to the same transformer holding the dequantized weights, and fp8
-files (BFL per-row, ComfyUI per-tensor, diffusers split q/k/v) loading as fp8 with the file's own values."""
+files (BFL per-row, ComfyUI per-tensor, diffusers split q/k/v) loading as fp8 with the file's own values. The models
+and layers run in the device mode's dtype and device (``tests/device.py``); the quantization arithmetic itself is
+float32 in every mode."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from flux2_core.errors import Flux2Error
 from flux2_core.quant import FP8, Fp8Linear, count_fp8, dequantize_fp8, quantize_fp8, quantize_transformer
 from flux2_core.transformer import Flux2Transformer
 from flux2_core.weights import load_transformer
+from tests.device import DEVICE, DTYPE, assert_close, relative_error, to
 from tests.tiny.layouts import comfy_fp8, comfy_fp8_metadata, save_prefixed
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
 
@@ -22,21 +25,24 @@ from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_stat
 E4M3_REL, E4M3_ABS = 2.0 ** -4, 2.0 ** -10
 
 
-def tiny_model() -> Flux2Transformer:
+def tiny_model(dtype: torch.dtype = DTYPE) -> Flux2Transformer:
     model = Flux2Transformer(TINY_TRANSFORMER)
     model.load_state_dict(random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=0))
-    return model.eval()
+    return to(model, dtype).eval()
 
 
 def tiny_inputs(batch: int = 2):
+    """Inputs in DTYPE on DEVICE (drawn on the CPU: the same numbers in every mode)."""
     g = torch.Generator().manual_seed(1)
-    return (torch.randn(batch, 16, 128, generator=g), rope.image_ids(batch, 4, 4), torch.tensor([0.7] * batch),
-            torch.randn(batch, 6, TINY_TRANSFORMER.context_in_dim, generator=g), rope.text_ids(batch, 6))
+    return tuple(to(x) for x in (
+        torch.randn(batch, 16, 128, generator=g), rope.image_ids(batch, 4, 4), torch.tensor([0.7] * batch),
+        torch.randn(batch, 6, TINY_TRANSFORMER.context_in_dim, generator=g), rope.text_ids(batch, 6)))
 
 
 @pytest.mark.parametrize("per_row", [True, False])
 def test_quantization_error_is_within_e4m3_rounding(per_row):
     w = torch.randn(48, 80, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 48)[:, None]
+    w = w.to(DEVICE)
     w8, scale = quantize_fp8(w, per_row)
     assert w8.dtype == FP8 and scale.shape == ((48,) if per_row else ())
     s = scale[:, None] if per_row else scale
@@ -51,11 +57,13 @@ def test_fp8_linear_equals_linear_over_dequantized_weight(per_row):
     g = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(64, 96, bias=False)
     torch.nn.init.normal_(linear.weight, generator=g)
-    fp8 = Fp8Linear.from_linear(linear, per_row)
-    x = torch.randn(3, 7, 64, generator=g)
-    expected = F.linear(x, dequantize_fp8(fp8.weight, fp8.weight_scale))
-    torch.testing.assert_close(fp8(x), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
-    assert fp8.weight.nbytes * 4 == linear.weight.nbytes
+    fp8 = Fp8Linear.from_linear(to(linear), per_row)
+    x = to(torch.randn(3, 7, 64, generator=g))
+    expected = F.linear(x, dequantize_fp8(fp8.weight, fp8.weight_scale, DTYPE))
+    assert fp8(x).dtype == DTYPE
+    # one layer: in low precision the dequantized weight rounded to DTYPE against fp8 * scale in one kernel
+    assert_close(fp8(x), expected, "transformer", rtol=0, atol=1e-5 * expected.abs().max().item())
+    assert fp8.weight.nbytes * DTYPE.itemsize == linear.weight.nbytes
 
 
 def test_quantized_transformer_equals_transformer_with_dequantized_weights():
@@ -74,21 +82,20 @@ def test_quantized_transformer_equals_transformer_with_dequantized_weights():
             reference.get_submodule(name).weight.copy_(dequantize_fp8(layer.weight, layer.weight_scale))
     with torch.no_grad():
         ours, expected = model(*tiny_inputs()), reference(*tiny_inputs())
-    bound = 1e-4 * expected.abs().max().item()
-    assert (ours - expected).abs().max().item() <= bound
-    # And fp8 is close to, but not the same as, the original float32 model.
-    rel = ((ours - original).abs().max() / original.abs().max()).item()
+    assert_close(ours, expected, "transformer", rtol=0, atol=1e-4 * expected.abs().max().item())
+    # And fp8 is close to, but not the same as, the original model.
+    rel = relative_error(ours, original)
     assert 0 < rel < 0.1, rel
 
 
-def test_block_weights_take_a_quarter_of_float32():
+def test_block_weights_take_one_byte_per_weight():
     model = tiny_model()
     before = sum(model.get_submodule(n).weight.nbytes for n, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and n.startswith(("double_blocks", "single_blocks")))
     quantize_transformer(model)
     after = sum(m.weight.nbytes for n, m in model.named_modules() if isinstance(m, Fp8Linear)
                 and n.startswith(("double_blocks", "single_blocks")))
-    assert after * 4 == before
+    assert after * DTYPE.itemsize == before           # a quarter of float32, half of bf16
 
 
 def fp8_file(tmp_path, layout: str) -> tuple[torch.nn.Module, str]:
@@ -118,24 +125,25 @@ def fp8_file(tmp_path, layout: str) -> tuple[torch.nn.Module, str]:
 @pytest.mark.parametrize("layout", ["bfl", "comfyui", "comfyui-old"])
 def test_fp8_file_stays_fp8_with_its_own_values_and_scales(tmp_path, layout):
     model, path = fp8_file(tmp_path, layout)
-    loaded, _ = load_transformer(path, "cpu", torch.float32)
+    loaded, _ = load_transformer(path, DEVICE, DTYPE)
     names = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
     assert [n for n, m in loaded.named_modules() if isinstance(m, Fp8Linear)] == names
     for name in names:                                   # the file's bytes, and its scale on every row
         ours, theirs = loaded.get_submodule(name), model.get_submodule(name)
         assert ours.weight.dtype == FP8 and torch.equal(ours.weight.view(torch.uint8), theirs.weight.view(torch.uint8))
         assert torch.equal(ours.weight_scale, theirs.weight_scale.expand(ours.out_features))
-    assert type(loaded.img_in) is type(model.img_in) and loaded.img_in.weight.dtype == torch.float32
+    assert type(loaded.img_in) is type(model.img_in) and loaded.img_in.weight.dtype == DTYPE
     with torch.no_grad():
         out = loaded(*tiny_inputs())
         assert torch.equal(out, model(*tiny_inputs()))
-        assert torch.equal(out[1:], loaded(*[t[1:] for t in tiny_inputs()]))     # batch invariant, as in float
+        # batch invariant, as in float (in low precision, other kernels for another batch may round otherwise)
+        assert_close(out[1:], loaded(*[t[1:] for t in tiny_inputs()]), "transformer", rtol=0, atol=0)
 
-    dequantized, _ = load_transformer(path, "cpu", torch.float32, fp8=False)     # fp8=False: plain float32 layers
+    dequantized, _ = load_transformer(path, DEVICE, DTYPE, fp8=False)            # fp8=False: plain float layers
     assert count_fp8(dequantized) == 0
     with torch.no_grad():
         expected = dequantized(*tiny_inputs())
-        assert (loaded(*tiny_inputs()) - expected).abs().max() <= 1e-5 * expected.abs().max()
+        assert_close(loaded(*tiny_inputs()), expected, "transformer", rtol=0, atol=1e-5 * expected.abs().max().item())
 
 
 def test_fp8_true_quantizes_what_the_file_stores_in_full_precision(tmp_path):
@@ -143,25 +151,25 @@ def test_fp8_true_quantizes_what_the_file_stores_in_full_precision(tmp_path):
     does after a full load; an fp8mixed file: its fp8 layers kept as they are, its other block layers quantized."""
     sd = random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=0)
     path = save_prefixed(sd, tmp_path / "flux-2-klein-tiny.safetensors")
-    loaded, _ = load_transformer(path, "cpu", torch.float32, fp8=True)
-    expected = tiny_model()
+    loaded, _ = load_transformer(path, DEVICE, DTYPE, fp8=True)
+    expected = tiny_model(torch.float32)     # quantized from the file's float32 values, not from their DTYPE rounding
     names = quantize_transformer(expected)
     assert [n for n, m in loaded.named_modules() if isinstance(m, Fp8Linear)] == names
     got, want = loaded.state_dict(), expected.state_dict()
-    assert set(got) == set(want) and all(torch.equal(got[k].view(torch.uint8) if got[k].dtype == FP8 else got[k],
-                                                     want[k].view(torch.uint8) if want[k].dtype == FP8 else want[k])
+    assert set(got) == set(want) and all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))
+                                         if want[k].dtype == FP8 else torch.equal(got[k], want[k].to(got[k].dtype))
                                          for k in want)
-    assert count_fp8(load_transformer(path, "cpu", torch.float32)[0]) == 0     # None: a float file stays float
+    assert count_fp8(load_transformer(path, DEVICE, DTYPE)[0]) == 0     # None: a float file stays float
 
     kept = "single_blocks.1.linear1"
     mixed, meta = comfy_fp8(sd, [kept])
     path = save_prefixed(mixed, tmp_path / "flux-2-klein-tiny-fp8mixed.safetensors", "", meta)
-    loaded, _ = load_transformer(path, "cpu", torch.float32, fp8=True)
+    loaded, _ = load_transformer(path, DEVICE, DTYPE, fp8=True)
     assert count_fp8(loaded) == len(names)
     layer = loaded.get_submodule(kept)
-    assert torch.equal(layer.weight.view(torch.uint8), mixed[kept + ".weight"].view(torch.uint8))
-    assert torch.equal(layer.weight_scale, mixed[kept + ".weight_scale"].expand(layer.out_features))
-    assert count_fp8(load_transformer(path, "cpu", torch.float32)[0]) == 1         # None: only the file's fp8 layer
+    assert torch.equal(layer.weight.view(torch.uint8).cpu(), mixed[kept + ".weight"].view(torch.uint8))
+    assert torch.equal(layer.weight_scale.cpu(), mixed[kept + ".weight_scale"].expand(layer.out_features))
+    assert count_fp8(load_transformer(path, DEVICE, DTYPE)[0]) == 1         # None: only the file's fp8 layer
 
 
 def test_fp8_layers_split_over_several_file_tensors_are_quantized_per_row(tmp_path):
@@ -179,15 +187,17 @@ def test_fp8_layers_split_over_several_file_tensors_are_quantized_per_row(tmp_pa
     renamed = "transformer_blocks.0.attn.to_out.0.weight"               # one file tensor: kept as it is
     state.update({k: (state[k] * 8).to(FP8) for k in [*parts, renamed]})
     save_file(state, str(file))
-    loaded, _ = load_transformer(tmp_path / "transformer", "cpu", torch.float32)
+    loaded, _ = load_transformer(tmp_path / "transformer", DEVICE, DTYPE)
     proj = loaded.get_submodule("double_blocks.0.img_attn.proj")
-    assert isinstance(proj, Fp8Linear) and torch.equal(proj.weight.view(torch.uint8), state[renamed].view(torch.uint8))
-    assert torch.equal(proj.weight_scale, torch.ones(proj.out_features))
+    assert isinstance(proj, Fp8Linear)
+    assert torch.equal(proj.weight.view(torch.uint8).cpu(), state[renamed].view(torch.uint8))
+    assert torch.equal(proj.weight_scale.cpu(), torch.ones(proj.out_features))
     layer = loaded.get_submodule("double_blocks.0.img_attn.qkv")
     assert isinstance(layer, Fp8Linear) and count_fp8(loaded) == 2
     joined = torch.cat([state[k].float() for k in parts])
-    err = (dequantize_fp8(layer.weight, layer.weight_scale) - joined).abs()
-    assert (err <= E4M3_REL * joined.abs() + E4M3_ABS * layer.weight_scale[:, None]).all()
+    scale = layer.weight_scale.cpu()
+    err = (dequantize_fp8(layer.weight.cpu(), scale) - joined).abs()
+    assert (err <= E4M3_REL * joined.abs() + E4M3_ABS * scale[:, None]).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 matmul (torch._scaled_mm) needs a CUDA GPU")

@@ -1,4 +1,7 @@
-"""PromptEncoder against diffusers 0.42.1 ``Flux2KleinPipeline._get_qwen3_prompt_embeds`` on a tiny random Qwen3."""
+"""PromptEncoder against diffusers 0.42.1 ``Flux2KleinPipeline._get_qwen3_prompt_embeds`` on a tiny random Qwen3.
+
+Ours runs in the device mode's dtype and device (``tests/device.py``), diffusers' Qwen3 in float32 on the same device.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from flux2_core.errors import Flux2Error
 from flux2_core.text_encoder import build_qwen3_encoder, build_qwen3_model, qwen3_config_from_state_dict
 from flux2_core.tokenizer import build_qwen3_tokenizer, load_tokenizer
 from flux2_core.variants import QWEN3_4B, QWEN3_8B
+from tests.device import DEVICE, DTYPE, assert_close, relative_error, tolerance
 from tests.tiny.text_encoder import (
     TINY_QWEN3_CONFIG,
     build_tiny_qwen3,
@@ -30,7 +34,13 @@ TEMPLATE_TAIL = [151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271]
 
 @pytest.fixture(scope="module")
 def qwen3():
-    return build_tiny_qwen3()
+    """The float32 oracle on DEVICE."""
+    return build_tiny_qwen3().to(DEVICE)
+
+
+def build(state_dict, **kwargs):
+    """Our encoder in DTYPE on DEVICE."""
+    return build_qwen3_encoder(state_dict, device=DEVICE, dtype=DTYPE, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +50,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def encoder(qwen3, tokenizer):
-    return build_qwen3_encoder(qwen3.state_dict(), device="cpu", dtype=torch.float32, tokenizer=tokenizer)
+    return build(qwen3.state_dict(), tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -52,25 +62,21 @@ def reference(qwen3, tokenizer):
     hook = qwen3.register_forward_pre_hook(lambda module, args, kwargs: seen.update(kwargs), with_kwargs=True)
     try:
         embeds = Flux2KleinPipeline._get_qwen3_prompt_embeds(qwen3, tokenizer, PROMPTS, dtype=torch.float32,
-                                                               device=torch.device("cpu"))
+                                                               device=DEVICE)
     finally:
         hook.remove()
-    return embeds, seen["input_ids"], seen["attention_mask"]
-
-
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
+    return embeds, seen["input_ids"].cpu(), seen["attention_mask"].cpu()
 
 
 def test_embeddings_match_diffusers(encoder, reference):
     ref, _, _ = reference
     out = encoder.encode(PROMPTS)
     assert out.embeds.shape == ref.shape == (len(PROMPTS), 512, 3 * TINY_QWEN3_CONFIG["hidden_size"])
-    assert out.embeds.dtype == torch.float32
+    assert out.embeds.dtype == DTYPE and out.embeds.device.type == DEVICE.type
     for i, prompt in enumerate(PROMPTS):
         err = relative_error(out.embeds[i], ref[i])
         print(f"prompt {i} ({len(prompt)} chars): max|ours - diffusers| / max|diffusers| = {err:.2e}")
-        assert err <= 1e-4, prompt[:40]
+        assert err <= tolerance("text_encoder"), prompt[:40]
 
 
 def test_token_ids_match_diffusers(encoder, reference):
@@ -112,14 +118,14 @@ def test_only_27_layers_are_built_and_run(qwen3, encoder):
     for k, v in poisoned.items():
         if k.startswith(("model.layers.27.", "model.norm.", "lm_head.")):
             v.fill_(float("nan"))
-    other = build_qwen3_encoder(poisoned, device="cpu", dtype=torch.float32, tokenizer=encoder.tokenizer)
+    other = build(poisoned, tokenizer=encoder.tokenizer)
     assert torch.equal(other.encode(["a cat"]).embeds, encoder.encode(["a cat"]).embeds)
 
 
 def test_batched_equals_one_by_one(encoder):
     batch = encoder.encode(PROMPTS[:2]).embeds
     for i, prompt in enumerate(PROMPTS[:2]):
-        torch.testing.assert_close(batch[i:i + 1], encoder.encode([prompt]).embeds, rtol=1e-6, atol=1e-6)
+        assert_close(batch[i:i + 1], encoder.encode([prompt]).embeds, "text_encoder", rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("prefix", ["", "text_encoders.qwen3_4b.transformer."])
@@ -127,13 +133,12 @@ def test_comfyui_single_file(tmp_path, qwen3, encoder, prefix):
     path = save_comfyui_text_encoder(qwen3, tmp_path / "qwen_3_tiny.safetensors", prefix=prefix)
     sd = load_file(str(path))
     assert "lm_head.weight" not in sd and f"{prefix}model.layers.0.self_attn.q_norm.weight" in sd
-    loaded = build_qwen3_encoder(sd, device="cpu", dtype=torch.float32, tokenizer=encoder.tokenizer)
+    loaded = build(sd, tokenizer=encoder.tokenizer)
     assert torch.equal(loaded.encode(PROMPTS[1:2]).embeds, encoder.encode(PROMPTS[1:2]).embeds)
 
 
 def test_bare_qwen3_model_keys(qwen3, encoder):
-    loaded = build_qwen3_encoder(qwen3.model.state_dict(), device="cpu", dtype=torch.float32,
-                                 tokenizer=encoder.tokenizer)
+    loaded = build(qwen3.model.state_dict(), tokenizer=encoder.tokenizer)
     assert torch.equal(loaded.encode(PROMPTS[1:2]).embeds, encoder.encode(PROMPTS[1:2]).embeds)
 
 
@@ -141,16 +146,18 @@ def test_diffusers_folders_with_config_and_sibling_tokenizer(tmp_path, qwen3, en
     folder = save_diffusers_text_encoder(qwen3, tmp_path, tokenizer)
     config = json.loads((folder / "config.json").read_text())
     sd = load_file(str(folder / "model.safetensors"))
-    loaded = build_qwen3_encoder(sd, config=config, device="cpu", dtype=torch.float32, tokenizer=load_tokenizer(folder))
+    loaded = build(sd, config=config, tokenizer=load_tokenizer(folder))
     assert loaded.tokenizer is not tokenizer
     assert torch.equal(loaded.encode(PROMPTS[1:2]).embeds, encoder.encode(PROMPTS[1:2]).embeds)
 
 
 def test_bfloat16_is_close_to_float32(qwen3, encoder):
-    half = build_qwen3_encoder(qwen3.state_dict(), device="cpu", dtype=torch.bfloat16, tokenizer=encoder.tokenizer)
+    """Our bf16 encoder against our float32 one (both on DEVICE): within the bf16 bound of the parity test."""
+    half, full = (build_qwen3_encoder(qwen3.state_dict(), device=DEVICE, dtype=dtype, tokenizer=encoder.tokenizer)
+                  for dtype in (torch.bfloat16, torch.float32))
     out = half.encode(PROMPTS[1:2]).embeds
     assert out.dtype == torch.bfloat16
-    assert relative_error(out.float(), encoder.encode(PROMPTS[1:2]).embeds) < 0.05
+    assert relative_error(out, full.encode(PROMPTS[1:2]).embeds) < tolerance("text_encoder", torch.bfloat16)
 
 
 def qwen3_shapes(hidden, intermediate, heads, kv_heads, head_dim, layers, vocab=151936, tied=True) -> dict:
