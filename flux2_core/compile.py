@@ -14,6 +14,9 @@ What triggers a new compile, and what does not:
   (``dynamic=False``, the fastest kernels). ``dynamic=None`` instead lets torch switch to shape-generic kernels after
   the first such change, so later sizes reuse them.
 
+With streamed blocks (``offload.stream_blocks``) only the resident blocks are compiled: the hooks that copy a
+streamed block's weights in and out would break a ``fullgraph`` graph, and its step time is mostly the copy anyway.
+
 torch keeps at most ``torch._dynamo.config.recompile_limit`` (8) graphs per block kind and then runs that block
 eagerly, with a warning; ``compile_blocks`` raises the limit to ``max_shapes``.
 """
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from .errors import Flux2Error
+from .offload import streamed_blocks
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -35,7 +39,8 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None, dynamic: bool | None = False,
                    fullgraph: bool = True, max_shapes: int = 16) -> nn.Module:
-    """Compile every block of ``model`` in place (lazily: at its first call). Returns ``model``.
+    """Compile every block of ``model`` in place (lazily: at its first call), except streamed ones (see above).
+    Returns ``model``.
 
     ``mode``: a torch.compile mode, e.g. "max-autotune-no-cudagraphs" on a GPU. ``fullgraph=True`` makes any graph
     break an error rather than a silent slowdown.
@@ -45,8 +50,10 @@ def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None
     options = {"backend": backend, "dynamic": dynamic, "fullgraph": fullgraph}
     if mode is not None:
         options["mode"] = mode
+    streamed = set(streamed_blocks(model))
     for block in blocks(model):
-        block.compile(**options)
+        if block not in streamed:
+            block.compile(**options)
     return model
 
 
