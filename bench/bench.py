@@ -255,10 +255,11 @@ def run_ours(models, meter: Meter, args, refs=(), reference_kv=None):
 def apply_options(models, args) -> None:
     """Our opt-in speed-ups, as the --ours-* flags ask."""
     from flux2_core.compile import compile_blocks
-    from flux2_core.quant import quantize_transformer
+    from flux2_core.quant import quantize_transformer, use_fp8_matmul
 
-    if args.ours_fp8:                   # on CUDA the matmuls run in fp8 too (torch._scaled_mm)
-        quantize_transformer(models.transformer, fp8_matmul=models.transformer.img_in.weight.is_cuda)
+    if args.ours_fp8:                   # where the GPU has fp8 tensor cores the matmuls run in fp8 too
+        quantize_transformer(models.transformer)
+        print(use_fp8_matmul(models.transformer, "auto", models.device, models.transformer.img_in.weight.dtype)[1])
     if args.ours_compile:
         compile_blocks(models.transformer)
 

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "every block, quantized as it loads: about half the memory of bf16 (Klein 4B: 7.5 -> 3.8 GB), "
                         "images differ slightly. auto (default): an fp8 file's fp8 layers stay fp8, with its own "
                         "scales. no: an fp8 file is dequantized to the --dtype")
+    p.add_argument("--fp8-matmul", choices=["auto", "yes", "no"], default="auto",
+                   help="multiply fp8 weights in fp8 (torch._scaled_mm: activations quantized per token; faster, "
+                        "results differ slightly). auto (default): whenever the weights are fp8 and the GPU has fp8 "
+                        "tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell) with bfloat16 compute")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the transformer blocks: the first step pays the compile (about a minute on a "
                         "GPU, several on a CPU), later steps of the same size run faster; worth it for many steps or "
@@ -203,7 +207,7 @@ def generate_command(argv: list[str]) -> int:
     import torch
 
     from .pipeline import generate, load_models, optimize_transformer
-    from .quant import count_fp8
+    from .quant import count_fp8, use_fp8_matmul
 
     refs = [open_image(p) for p in args.ref]
     image = open_image(args.image) if args.image else None
@@ -230,6 +234,11 @@ def generate_command(argv: list[str]) -> int:
     optimize_transformer(models, fp8=args.demo and args.fp8 == "yes", compile=args.compile)   # files: fp8 on load
     if count_fp8(models.transformer):
         files["transformer_weights"] = "fp8"
+    fp8_matmul, note = use_fp8_matmul(models.transformer, {"auto": "auto", "yes": True, "no": False}[args.fp8_matmul],
+                                      models.device, models.transformer.img_in.weight.dtype)
+    if note:
+        print(note, file=sys.stderr)
+        files["fp8_matmul"] = "on" if fp8_matmul else "off"
 
     result = generate(models, args.prompt, references=refs, width=width, height=height, steps=args.steps,
                       cfg=args.cfg, negative=args.negative, seed=seed, batch=args.batch, image=image,

@@ -19,6 +19,11 @@ streamed block's weights in and out would break a ``fullgraph`` graph, and its s
 
 torch keeps at most ``torch._dynamo.config.recompile_limit`` (8) graphs per block kind and then runs that block
 eagerly, with a warning; ``compile_blocks`` raises the limit to ``max_shapes``.
+
+``fullgraph=True`` (the default) turns a graph break into an error. Code that moves weights inside a block's call
+breaks the graph: ComfyUI's partial loading (layers whose weights stream in at each call). Compile those with
+``fullgraph=False``: the blocks then run as several compiled pieces. Our own block streaming needs no such thing:
+its hooks run around a block's call, and only resident blocks are compiled (above).
 """
 
 from __future__ import annotations
@@ -54,15 +59,23 @@ def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None
     for block in blocks(model):
         if block not in streamed:
             block.compile(**options)
+    model.compile_options = options
     return model
 
 
-def is_compiled(model: nn.Module) -> bool:
-    return all(getattr(block, "_compiled_call_impl", None) is not None for block in blocks(model))
+def is_compiled(model: nn.Module, **options) -> bool:
+    """Whether the blocks run compiled (the resident ones, when streamed); with ``options`` (e.g. fullgraph=False),
+    compiled with those."""
+    streamed = set(streamed_blocks(model))
+    compiled = all(getattr(block, "_compiled_call_impl", None) is not None
+                   for block in blocks(model) if block not in streamed)
+    used = getattr(model, "compile_options", {})
+    return compiled and all(used.get(k) == v for k, v in options.items())
 
 
 def uncompile_blocks(model: nn.Module) -> nn.Module:
     """Undo ``compile_blocks``: the blocks run eagerly again (compiled code stays cached in torch)."""
     for block in blocks(model):
         block._compiled_call_impl = None
+    model.compile_options = {}
     return model

@@ -9,7 +9,8 @@ place. The weight is cast to the compute dtype for each call and never kept so: 
 of 2 (bf16), and Klein 4B's blocks shrink from about 7.5 GB to 3.8 GB.
 
 On CUDA with ``fp8_matmul=True`` the matmul itself runs in fp8 (``torch._scaled_mm``, Hopper / Ada and newer): the
-activations are quantized per token on the fly, which is faster and changes results slightly.
+activations are quantized per token on the fly, which is faster and changes results slightly. ``use_fp8_matmul``
+turns it on where the GPU supports it (the CLI's --fp8-matmul, the model loader node).
 
     quantize_transformer(model)                    # a loaded bf16 Flux2Transformer -> fp8 block weights, in place
     load_transformer(path, fp8=None)               # weights.py: an fp8 file's layers stay fp8, with the file's scales
@@ -112,6 +113,50 @@ def _fp8_matmul(x: Tensor, w8: Tensor, w_scale: Tensor) -> Tensor:
     y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16,
                          use_fast_accum=True)
     return y.reshape(*x.shape[:-1], w8.shape[0])
+
+
+FP8_MATMUL_CAPABILITY = (8, 9)     # Ada (sm_89), Hopper (sm_90) and newer have fp8 tensor cores
+
+
+def fp8_matmul_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why fp8 matmul (``torch._scaled_mm``) cannot run for a model on ``device`` computing in ``dtype``; None if it can."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"fp8 matmul needs an NVIDIA GPU; this model runs on {device.type}"
+    if not hasattr(torch, "_scaled_mm"):
+        return f"this torch ({torch.__version__}) has no torch._scaled_mm"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MATMUL_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (f"fp8 matmul needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); {name} is "
+                f"{capability[0]}.{capability[1]}")
+    if dtype != torch.bfloat16:
+        return f"fp8 matmul writes bfloat16; this model computes in {str(dtype).removeprefix('torch.')}"
+    return None
+
+
+def use_fp8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Turn fp8 matmul on or off for the model's fp8 layers: ``choice`` "auto" (on where the GPU supports it), True
+    (refused with the reason where it cannot run) or False. Returns (on, a note for the user: "" without fp8 layers).
+
+    The weights stay what they are either way; fp8 matmul also quantizes the activations per token, which is faster
+    on fp8 tensor cores and changes results slightly (about 1e-2 relative per layer)."""
+    if choice not in ("auto", True, False):
+        raise Flux2Error(f"fp8 matmul must be 'auto', True or False, got {choice!r}")
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    reason = fp8_matmul_unsupported(device, dtype) if choice is not False else None
+    if choice is True and not layers:
+        raise Flux2Error("fp8 matmul needs fp8 weights: load an fp8 file, or store the blocks in fp8 (--fp8)")
+    if choice is True and reason:
+        raise Flux2Error(f"cannot use fp8 matmul: {reason}; leave it on auto to compute fp8 weights in {dtype}")
+    on = choice is True or (choice == "auto" and reason is None)
+    for layer in layers:
+        layer.fp8_matmul = on
+    if not layers:
+        return False, ""
+    name = str(dtype).removeprefix("torch.")
+    return on, ("fp8 matmul: on" if on else
+                f"fp8 matmul: off ({reason or 'turned off'}); the fp8 weights compute in {name}")
 
 
 def in_blocks(name: str) -> bool:

@@ -152,6 +152,12 @@ class Managed:
         return (self.fingerprint, str(self.dtype), str(self.patcher.patches_uuid) if self.patcher.patches else "")
 
 
+def partially_loaded(model: Managed) -> bool:
+    """Whether ComfyUI keeps some of the model's layers on the offload device, streaming their weights at each call
+    (its "lowvram" loading, when the model does not fit the free memory)."""
+    return bool(getattr(model.patcher.model, "model_lowvram", False))
+
+
 def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str = "", variant=None,
            full_load: bool = False) -> Managed:
     """Put ``module`` (the nn.Module inside ``core``) under ComfyUI's model management.

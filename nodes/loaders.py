@@ -18,7 +18,9 @@ MODEL_DTYPE_TOOLTIP = ("Weight and compute dtype. auto: bfloat16 on GPUs that ru
                        "fp8 file stores in fp8 stay fp8, with the file's scales. bfloat16 / float16 / float32: "
                        f"everything in that dtype (fp8 files dequantized). {FP8}: every block's weights in fp8 "
                        "(about half the memory of bfloat16), quantized as they load, computed in the auto dtype; "
-                       "results differ slightly. Models holding fp8 layers are loaded whole, never partially.")
+                       "results differ slightly. fp8 layers multiply in fp8 on GPUs with fp8 tensor cores (Ada, "
+                       "Hopper, Blackwell; the node says whether). Models holding fp8 layers are loaded whole, never "
+                       "partially.")
 
 
 AE_DTYPE_TOOLTIP = ("auto follows ComfyUI's VAE dtype (bfloat16 on recent GPUs, else float32; --fp32-vae forces "
@@ -50,9 +52,10 @@ class ModelLoader(io.ComfyNode):
         model, variant = weights.load_transformer(host.resolve("diffusion_models", model_name), offload_device, dtype,
                                                   fp8=fp8)
         fp8_layers = quant.count_fp8(model)
+        _, fp8_note = quant.use_fp8_matmul(model, "auto", load_device, dtype)
         kind = "CFG" if variant.uses_cfg else "distilled"
         info = (f"{variant.name} ({kind}; defaults: {variant.default_steps} steps, cfg {variant.default_cfg}), "
-                f"{f'{fp8_layers} layers in fp8, ' if fp8_layers else ''}{host.dtype_name(dtype)}")
+                f"{f'{fp8_layers} layers in fp8 ({fp8_note}), ' if fp8_layers else ''}{host.dtype_name(dtype)}")
         managed = host.manage(model, model, "transformer", dtype, variant=variant, full_load=fp8_layers > 0)
         return io.NodeOutput(managed, ui=ui.PreviewText(info))
 

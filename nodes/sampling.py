@@ -164,9 +164,12 @@ class Compile(io.ComfyNode):
 
 def set_compiled(model: host.Managed) -> None:
     """Compile the blocks when this model came through the Compile node, else run them eagerly: the transformer is
-    shared by every branch that uses the loader's output, so each denoiser sets the mode it needs."""
-    if model.compiled and not compiling.is_compiled(model.core):
-        compiling.compile_blocks(model.core)
+    shared by every branch that uses the loader's output, so each denoiser sets the mode it needs. A model ComfyUI
+    loaded only partially streams weights inside the blocks' calls, which breaks a full graph: it is compiled in
+    pieces (fullgraph=False) rather than failing."""
+    fullgraph = not host.partially_loaded(model)
+    if model.compiled and not compiling.is_compiled(model.core, fullgraph=fullgraph):
+        compiling.compile_blocks(model.core, fullgraph=fullgraph)
     elif not model.compiled and compiling.is_compiled(model.core):
         compiling.uncompile_blocks(model.core)
 

@@ -151,7 +151,13 @@ def test_fp8_flag_and_fp8_files(tmp_path, capsys, fp8_file, flag, stored):
     argv = ["--models", str(tmp_path), "--prompt", "a fox", "--width", "32", "--height", "32", "--steps", "1",
             "--seed", "2", "--device", "cpu", "--out", str(tmp_path / "out"), *flag]
     assert cli.main(argv) == 0, capsys.readouterr().err
-    assert png_parameters(tmp_path / "out" / "flux2_2.png")[1].get("transformer_weights") == stored
+    params = png_parameters(tmp_path / "out" / "flux2_2.png")[1]
+    assert params.get("transformer_weights") == stored
+    # fp8 weights on the CPU: fp8 matmul stays off, and the PNG says so
+    assert params.get("fp8_matmul") == ("off" if stored else None)
+    if stored:
+        assert cli.main([*argv, "--fp8-matmul", "yes"]) == 2
+        assert "cannot use fp8 matmul: fp8 matmul needs an NVIDIA GPU" in capsys.readouterr().err
 
 
 def test_queue_is_routed(monkeypatch):

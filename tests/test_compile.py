@@ -121,3 +121,37 @@ def test_onednn_linears_keeps_weights_and_outputs():
     assert list(module.state_dict()) == keys
     with torch.no_grad():                                              # without autograd: the oneDNN path
         torch.testing.assert_close(module(x), expected, rtol=0, atol=1e-6 * expected.abs().max().item())
+
+
+def test_blocks_that_stream_weights_compile_in_pieces():
+    """ComfyUI's partial loading (and block streaming) move weights inside a layer's call, code that breaks the
+    graph. Stand-in: each linear layer fetches its weight through a call dynamo cannot trace. fullgraph=True fails
+    loudly; fullgraph=False (what the Denoise node uses for a partially loaded model) runs and equals eager."""
+    from flux2_core.linear import Linear
+
+    class Streamed(Linear):
+        def forward(self, x):
+            torch._dynamo.graph_break()                     # where a weight would be copied in from the CPU
+            return super().forward(x)
+
+    def streaming_model():
+        model = tiny_model()
+        for layer in model.modules():
+            if type(layer) is Linear:
+                layer.__class__ = Streamed
+        return model
+
+    g = torch.Generator().manual_seed(1)
+    x, txt = torch.randn(1, 16, 128, generator=g), torch.randn(1, 8, CTX, generator=g)
+    with torch.no_grad():
+        eager = euler(tiny_model(), x, txt, [1.0, 0.5, 0.0])
+        strict = compile_blocks(streaming_model(), backend=CompileCounter())
+        with pytest.raises(Exception, match="graph_break|Graph break"):
+            euler(strict, x, txt, [1.0, 0.5, 0.0])
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        pieces = compile_blocks(streaming_model(), backend=counter, fullgraph=False)
+        assert is_compiled(pieces, fullgraph=False) and not is_compiled(pieces, fullgraph=True)
+        assert torch.equal(euler(pieces, x, txt, [1.0, 0.5, 0.0]), eager)
+        assert counter.frame_count > 2                      # the blocks really ran compiled, in several pieces
+    assert not is_compiled(uncompile_blocks(pieces))

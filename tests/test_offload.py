@@ -192,6 +192,7 @@ def test_compile_skips_streamed_blocks_and_streaming_refuses_compiled_blocks(mon
     compiling.compile_blocks(model, backend="eager")
     compiled = [getattr(b, "_compiled_call_impl", None) is not None for b in blocks(model)]
     assert compiled == [b not in offload.streamed_blocks(model) for b in blocks(model)] and any(compiled)
+    assert compiling.is_compiled(model, fullgraph=True)          # the resident blocks, in one graph each
     torch._dynamo.reset()
     assert torch.equal(model(*args), want)
     # the other order: compiled blocks cannot be streamed

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from flux2_core import rope
+from flux2_core.errors import Flux2Error
 from flux2_core.quant import FP8, Fp8Linear, count_fp8, dequantize_fp8, quantize_fp8, quantize_transformer
 from flux2_core.transformer import Flux2Transformer
 from flux2_core.weights import load_transformer
@@ -237,3 +238,50 @@ def test_fp16_activations_use_the_dequantizing_path(monkeypatch):
     want = x @ dequantize_fp8(layer.weight, layer.weight_scale).t()
     assert got.dtype == torch.float16
     assert (got.float() - want).abs().max() <= 2e-3 * want.abs().max()          # fp16 rounding of x and of y
+
+
+def fake_gpu(monkeypatch, capability: tuple[int, int], name: str = "NVIDIA H100") -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+@pytest.mark.parametrize("device,capability,dtype,choice,note", [
+    ("cuda", (9, 0), torch.bfloat16, "auto", "fp8 matmul: on"),                               # Hopper
+    ("cuda", (8, 9), torch.bfloat16, "auto", "fp8 matmul: on"),                               # Ada
+    ("cuda", (8, 6), torch.bfloat16, "auto", ("fp8 matmul: off (fp8 matmul needs compute capability 8.9 or newer "
+                                             "(Ada, Hopper, Blackwell); NVIDIA RTX 3090 is 8.6); the fp8 weights "
+                                             "compute in bfloat16")),
+    ("cuda", (9, 0), torch.float16, "auto", ("fp8 matmul: off (fp8 matmul writes bfloat16; this model computes in "
+                                            "float16); the fp8 weights compute in float16")),
+    ("cpu", None, torch.float32, "auto", ("fp8 matmul: off (fp8 matmul needs an NVIDIA GPU; this model runs on cpu); "
+                                         "the fp8 weights compute in float32")),
+    ("cuda", (9, 0), torch.bfloat16, False, "fp8 matmul: off (turned off); the fp8 weights compute in bfloat16"),
+    ("cuda", (9, 0), torch.bfloat16, True, "fp8 matmul: on"),
+])
+def test_fp8_matmul_is_used_where_the_gpu_supports_it(monkeypatch, device, capability, dtype, choice, note):
+    """The GPU is faked (capability and name); nothing runs. auto turns fp8 matmul on for the fp8 layers exactly on
+    GPUs with fp8 tensor cores and bf16 compute, and the note says why not elsewhere; plain layers are left alone."""
+    from flux2_core import quant
+
+    if capability:
+        fake_gpu(monkeypatch, capability, "NVIDIA RTX 3090" if capability < (8, 9) else "NVIDIA H100")
+    model = torch.nn.Sequential(Fp8Linear.from_linear(torch.nn.Linear(32, 32, bias=False)),
+                                torch.nn.Linear(32, 16, bias=False))
+    on = note == "fp8 matmul: on"
+    assert quant.use_fp8_matmul(model, choice, torch.device(device), dtype) == (on, note)
+    assert model[0].fp8_matmul is on and not hasattr(model[1], "fp8_matmul")
+
+
+def test_fp8_matmul_refusals_say_why(monkeypatch):
+    from flux2_core import quant
+
+    fake_gpu(monkeypatch, (8, 6), "NVIDIA RTX 3090")
+    fp8_model = torch.nn.Sequential(Fp8Linear.from_linear(torch.nn.Linear(32, 32, bias=False)))
+    with pytest.raises(Flux2Error, match="cannot use fp8 matmul: fp8 matmul needs compute capability 8.9"):
+        quant.use_fp8_matmul(fp8_model, True, torch.device("cuda"), torch.bfloat16)
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False))
+    assert quant.use_fp8_matmul(plain, "auto", torch.device("cuda"), torch.bfloat16) == (False, "")
+    with pytest.raises(Flux2Error, match="needs fp8 weights"):
+        quant.use_fp8_matmul(plain, True, torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(Flux2Error, match="'auto', True or False"):
+        quant.use_fp8_matmul(fp8_model, "yes", torch.device("cuda"), torch.bfloat16)
