@@ -202,3 +202,70 @@ def test_compile_skips_streamed_blocks_and_streaming_refuses_compiled_blocks(mon
         offload.stream_blocks(model, CPU, fixed + 2 * max(block_sizes))
     compiling.uncompile_blocks(model)
     torch._dynamo.reset()
+
+
+# --- loading: pipeline.load_models and the decision -------------------------------------------------------------------
+
+CUDA = torch.device("cuda")    # only a name here: the memory query is faked, nothing runs on it
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("choice,free,expected", [
+    (True, 1 << 40, True),                    # asked: always (a budget that fits everything then streams nothing)
+    (False, 0, False),                        # asked not to: never
+    ("auto", 2000 * MIB, False),              # 2000 - 512 margin - 500 working memory >= 900 of weights
+    ("auto", 1900 * MIB, True),               # 1900 - 512 - 500 < 900: stream
+    ("auto", None, False),                    # unknown free memory: load as usual
+])
+def test_stream_decision(choice, free, expected):
+    from flux2_core import pipeline
+
+    asked = []
+    decision = pipeline.should_stream(choice, CUDA, 500 * MIB, lambda: 900 * MIB,
+                                      free=lambda d: asked.append(d) or free)
+    assert decision is expected and asked == ([CUDA] if choice == "auto" else [])
+    assert pipeline.should_stream(True, CPU, 0, lambda: 1 << 40) is False        # nowhere to stream from
+    with pytest.raises(Flux2Error, match="offload_blocks"):
+        pipeline.should_stream("yes", CUDA, 0, lambda: 0)
+
+
+@pytest.mark.parametrize("fp8", [None, True])
+def test_load_models_streams_from_cpu_memory_and_generate_runs_unchanged(tmp_path, monkeypatch, fp8):
+    """The decision is made from the headers (transformer_bytes equals the loaded model's bytes), the transformer
+    is read to the CPU, the budget comes from weight_budget(free memory, working memory), and generate gives the
+    same latents as an unstreamed load. The device is the faked one; the decision is forced (on a CPU device
+    nothing streams)."""
+    from flux2_core import pipeline, weights
+    from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
+    from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
+    from tests.tiny.transformer import save_bfl_transformer
+
+    files = [save_bfl_transformer(random_bfl_transformer_state_dict(PARAMS, seed=3),
+                                  tmp_path / "flux-2-klein-tiny.safetensors"),
+             save_comfyui_text_encoder(build_tiny_qwen3(seed=5), tmp_path / "qwen_3_tiny.safetensors"),
+             save_bfl_autoencoder(build_diffusers_autoencoder(seed=4), tmp_path / "ae.safetensors")]
+    load = {"device": "cpu", "dtype": torch.float32, "fp8": fp8, "size": (64, 32)}
+    plain = pipeline.load_models(*files, **load)
+    args = {"width": 64, "height": 32, "steps": 2, "seed": 1}
+    want = pipeline.generate(plain, "a fox", **args).latents
+
+    device = FakeDevice(monkeypatch)
+    fixed, block_sizes = sizes(plain.transformer)
+    needed = pipeline.working_memory(plain.variant, (64, 32), torch.float32)
+    free = needed + offload.STREAM_MARGIN + fixed + 2 * max(block_sizes) + block_sizes[0]
+    decided, loaded_to = [], []
+    monkeypatch.setattr(pipeline, "should_stream", lambda choice, dev, need, weight_bytes: decided.append(
+        (choice, dev, need, weight_bytes())) or True)
+    monkeypatch.setattr(pipeline, "free_memory", lambda d: free)
+    real_load = weights.load_transformer
+    monkeypatch.setattr(weights, "load_transformer", lambda path, dev, *a, **kw: loaded_to.append(dev) or real_load(
+        path, dev, *a, **kw))
+    models = pipeline.load_models(*files, **load, offload_blocks=True)
+
+    assert decided == [(True, CPU, needed, offload.module_bytes(plain.transformer))]
+    assert loaded_to == [CPU]
+    assert [blocks(models.transformer).index(b) for b in offload.streamed_blocks(models.transformer)] == [1, 2, 3, 4, 5]
+    assert device.live == fixed + block_sizes[0] and models.device == CPU
+    assert quant.count_fp8(models.transformer) == quant.count_fp8(plain.transformer)
+    assert torch.equal(pipeline.generate(models, "a fox", **args).latents, want)
+    assert device.live == fixed + block_sizes[0]
