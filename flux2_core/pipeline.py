@@ -51,7 +51,7 @@ from torch import Tensor
 from .autoencoder import AutoEncoder, free_memory
 from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
-from .offload import place
+from .offload import place, streamed_blocks
 from .references import as_pil, center_crop_16, encode_references, image_to_tensor, prepare_references
 from .sampling import LATENT_CHANNELS, add_noise, denoise, latent_size, make_noise
 from .schedules import check_sigmas, flux2_schedule, truncate_for_strength
@@ -130,6 +130,9 @@ def optimize_transformer(models: Models, *, fp8: bool = False, compile: bool = F
     from . import quant
 
     if fp8:
+        if streamed_blocks(models.transformer):    # new layers would leave the streamed copies of the old ones behind
+            raise Flux2Error("the transformer's blocks are streamed: quantize before streaming (load the file with "
+                             "fp8=True, --fp8), or unstream it first (offload.unstream)")
         quant.quantize_transformer(models.transformer)
     if compile:
         compiling.compile_blocks(models.transformer)

@@ -269,3 +269,19 @@ def test_load_models_streams_from_cpu_memory_and_generate_runs_unchanged(tmp_pat
     assert quant.count_fp8(models.transformer) == quant.count_fp8(plain.transformer)
     assert torch.equal(pipeline.generate(models, "a fox", **args).latents, want)
     assert device.live == fixed + block_sizes[0]
+
+
+def test_quantizing_a_streamed_model_is_refused(monkeypatch):
+    from flux2_core import pipeline
+
+    FakeDevice(monkeypatch)
+    model = tiny_model()
+    fixed, block_sizes = sizes(model)
+    offload.stream_blocks(model, CPU, fixed + 2 * max(block_sizes))
+    models = pipeline.Models(model, None, None, None)
+    with pytest.raises(Flux2Error, match="quantize before streaming"):
+        pipeline.optimize_transformer(models, fp8=True)
+    assert quant.count_fp8(model) == 0
+    offload.unstream(model)
+    pipeline.optimize_transformer(models, fp8=True)
+    assert quant.count_fp8(model) > 0
