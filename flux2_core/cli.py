@@ -30,6 +30,9 @@ AE_FOLDERS = ("vae",)
 AE_FILES = ("flux2-vae.safetensors", "ae.safetensors")
 KLEIN = [name for name in VARIANTS if name != "dev"]   # what --models searches for, in this order
 DEMO_SIZE = 256
+# --offload: (text encoder, transformer blocks) as pipeline.load_models' offload_encoder and offload_blocks take them
+OFFLOAD = {"auto": ("auto", "auto"), "none": (False, False), "encoder": (True, False), "blocks": (True, True)}
+YES_NO = {"auto": "auto", "yes": True, "no": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,10 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the transformer blocks: the first step pays the compile (about a minute on a "
                         "GPU, several on a CPU), later steps of the same size run faster; worth it for many steps or "
                         "a large --batch, not for one quick image")
-    p.add_argument("--offload-encoder", choices=["auto", "yes", "no"], default="auto",
-                   help="move the text encoder to the CPU after encoding, freeing its memory (Qwen3-4B about 6 GB, "
-                        "8B about 12 GB in bf16) for the denoiser; costs a copy back to the GPU for the next prompt. "
-                        "auto (default): on CUDA when free memory is short")
+    p.add_argument("--offload", choices=list(OFFLOAD), default="auto",
+                   help="what waits in CPU memory so that a smaller GPU suffices. none: everything on the GPU. "
+                        "encoder: the text encoder rests on the CPU between prompts (Qwen3-4B about 6 GB, 8B about "
+                        "12 GB in bf16), costing a copy to the GPU for each new prompt. blocks: that, and the "
+                        "transformer's blocks that do not fit beside the working memory of a --width x --height "
+                        "image (default 1024^2) stay in pinned CPU memory and are copied to the GPU as they run, "
+                        "every step (Klein 9B on a 12 GB card; slower, more so without --fp8). auto (default): on "
+                        "CUDA, each only when the free memory is short. Not used with --demo")
+    p.add_argument("--offload-encoder", choices=["auto", "yes", "no"],
+                   help="the text encoder alone, overriding --offload's choice for it: yes rests it on the CPU, no "
+                        "keeps it on the GPU, auto when free memory is short")
     p.add_argument("--demo", action="store_true",
                    help="tiny built-in RANDOM weights: checks the install, makes noise-like pictures")
     return p
@@ -202,18 +212,35 @@ def check_early(args, refs) -> None:
         check_reference(ref, i)
 
 
+def report_streaming(model, compiled: bool) -> None:
+    """Say on stderr how many blocks stream (they cost a copy every step) and that --compile skips them."""
+    from .offload import GIB, streamed_blocks, streaming
+
+    streamed = streamed_blocks(model)
+    if not streamed:
+        return
+    total = len(model.double_blocks) + len(model.single_blocks)
+    print(f"note: {len(streamed)} of {total} transformer blocks ({streaming(model).streamed_bytes / GIB:.1f} GiB) do "
+          f"not fit the GPU and are copied from CPU memory at every step (--offload)", file=sys.stderr)
+    if compiled:
+        print("note: --compile compiles only the blocks that stay on the GPU; the streamed blocks run uncompiled",
+              file=sys.stderr)
+
+
 def generate_command(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from .pipeline import generate, load_models, optimize_transformer
+    from .pipeline import DEFAULT_SIZE, generate, load_models, optimize_transformer
     from .quant import count_fp8, use_fp8_matmul
 
     refs = [open_image(p) for p in args.ref]
     image = open_image(args.image) if args.image else None
     check_early(args, refs)
     seed = args.seed if args.seed is not None else random.randrange(2 ** 31)
-    offload = {"auto": "auto", "yes": True, "no": False}[args.offload_encoder]
+    offload, offload_blocks = OFFLOAD[args.offload]
+    if args.offload_encoder is not None:
+        offload = YES_NO[args.offload_encoder]
     width, height = args.width, args.height
     started = time.time()
     if args.demo:
@@ -229,12 +256,14 @@ def generate_command(argv: list[str]) -> int:
         dtype = getattr(torch, args.dtype) if args.dtype else None
         print(f"loading {paths[0].name}, {paths[1].name}, {paths[2].name}", file=sys.stderr)
         models = load_models(*paths, device=args.device, dtype=dtype, variant=args.variant,
-                             fp8={"auto": None, "yes": True, "no": False}[args.fp8], offload_encoder=offload)
+                             fp8={"auto": None, "yes": True, "no": False}[args.fp8], offload_encoder=offload,
+                             offload_blocks=offload_blocks, size=(width or DEFAULT_SIZE, height or DEFAULT_SIZE))
         files = {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
     optimize_transformer(models, fp8=args.demo and args.fp8 == "yes", compile=args.compile)   # files: fp8 on load
+    report_streaming(models.transformer, args.compile)
     if count_fp8(models.transformer):
         files["transformer_weights"] = "fp8"
-    fp8_matmul, note = use_fp8_matmul(models.transformer, {"auto": "auto", "yes": True, "no": False}[args.fp8_matmul],
+    fp8_matmul, note = use_fp8_matmul(models.transformer, YES_NO[args.fp8_matmul],
                                       models.device, models.transformer.img_in.weight.dtype)
     if note:
         print(note, file=sys.stderr)

@@ -14,12 +14,16 @@ What triggers a new compile, and what does not:
   (``dynamic=False``, the fastest kernels). ``dynamic=None`` instead lets torch switch to shape-generic kernels after
   the first such change, so later sizes reuse them.
 
+With streamed blocks (``offload.stream_blocks``) only the resident blocks are compiled: the hooks that copy a
+streamed block's weights in and out would break a ``fullgraph`` graph, and its step time is mostly the copy anyway.
+
 torch keeps at most ``torch._dynamo.config.recompile_limit`` (8) graphs per block kind and then runs that block
 eagerly, with a warning; ``compile_blocks`` raises the limit to ``max_shapes``.
 
 ``fullgraph=True`` (the default) turns a graph break into an error. Code that moves weights inside a block's call
-breaks the graph: ComfyUI's partial loading (layers whose weights stream in at each call) and block streaming.
-Compile those with ``fullgraph=False``: the blocks then run as several compiled pieces.
+breaks the graph: ComfyUI's partial loading (layers whose weights stream in at each call). Compile those with
+``fullgraph=False``: the blocks then run as several compiled pieces. Our own block streaming needs no such thing:
+its hooks run around a block's call, and only resident blocks are compiled (above).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 
 from .errors import Flux2Error
+from .offload import streamed_blocks
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -39,7 +44,8 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None, dynamic: bool | None = False,
                    fullgraph: bool = True, max_shapes: int = 16) -> nn.Module:
-    """Compile every block of ``model`` in place (lazily: at its first call). Returns ``model``.
+    """Compile every block of ``model`` in place (lazily: at its first call), except streamed ones (see above).
+    Returns ``model``.
 
     ``mode``: a torch.compile mode, e.g. "max-autotune-no-cudagraphs" on a GPU. ``fullgraph=True`` makes any graph
     break an error rather than a silent slowdown.
@@ -49,15 +55,20 @@ def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None
     options = {"backend": backend, "dynamic": dynamic, "fullgraph": fullgraph}
     if mode is not None:
         options["mode"] = mode
+    streamed = set(streamed_blocks(model))
     for block in blocks(model):
-        block.compile(**options)
+        if block not in streamed:
+            block.compile(**options)
     model.compile_options = options
     return model
 
 
 def is_compiled(model: nn.Module, **options) -> bool:
-    """Whether the blocks run compiled; with ``options`` (e.g. fullgraph=False), compiled with those."""
-    compiled = all(getattr(block, "_compiled_call_impl", None) is not None for block in blocks(model))
+    """Whether the blocks run compiled (the resident ones, when streamed); with ``options`` (e.g. fullgraph=False),
+    compiled with those."""
+    streamed = set(streamed_blocks(model))
+    compiled = all(getattr(block, "_compiled_call_impl", None) is not None
+                   for block in blocks(model) if block not in streamed)
     used = getattr(model, "compile_options", {})
     return compiled and all(used.get(k) == v for k, v in options.items())
 

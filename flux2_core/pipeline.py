@@ -32,6 +32,10 @@ device only to encode a prompt the cache does not hold; "auto" does so on CUDA w
 the encoder were on the device, is less than the denoiser's working memory (``denoise_memory``). ``load_models``
 applies the same rule when loading, so an offloaded encoder is never on the device before it encodes; when the
 encoder and the transformer do not fit the device together, the transformer waits on the CPU during the encode.
+
+Block streaming (``load_models(offload_blocks=)``, ``offload.py``): a transformer that does not fit the device beside
+the working memory is read into CPU memory; its embedders, modulations, final layer and the blocks that fit go to the
+device, the other blocks visit it one at a time as they run. ``generate`` runs the same way on such a model.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from torch import Tensor
 from .autoencoder import AutoEncoder, free_memory
 from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
+from .offload import place, streamed_blocks
 from .references import as_pil, center_crop_16, encode_references, image_to_tensor, prepare_references
 from .sampling import LATENT_CHANNELS, add_noise, denoise, latent_size, make_noise
 from .schedules import check_sigmas, flux2_schedule, truncate_for_strength
@@ -70,32 +75,46 @@ class Models:
 
     @property
     def device(self) -> torch.device:
-        """Where the transformer runs; the text encoder runs there too (it may rest on the CPU in between)."""
+        """Where the transformer runs (its embedders stay there when blocks stream); the text encoder runs there too
+        (it may rest on the CPU in between)."""
         return self.transformer.img_in.weight.device
 
 
 def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: torch.dtype | None = None,
-                variant: str | None = None, fp8: bool | None = None, offload_encoder="auto") -> Models:
+                variant: str | None = None, fp8: bool | None = None, offload_encoder="auto", offload_blocks=False,
+                size: tuple[int, int] = (DEFAULT_SIZE, DEFAULT_SIZE)) -> Models:
     """Load the three models from files or folders (any layout ``weights`` reads) and check they fit together.
 
     dtype: the transformer's and text encoder's (default bf16 on CUDA, float32 on CPU); the AE stays float32.
     fp8: the transformer's weight storage (``weights.load_transformer``: None keeps an fp8 file's fp8 layers, True
     stores every block in fp8, False none). offload_encoder: where the text encoder is loaded to rest: True the
-    CPU, False the device, "auto" (on CUDA) the CPU unless it fits beside the transformer with a 1024^2 image's
-    working memory to spare; it never visits the device before its first encode. CFG (base) models get the empty
-    negative prompt encoded into the prompt cache right away.
+    CPU, False the device, "auto" (on CUDA) the CPU unless it fits beside the transformer with the working memory of
+    a ``size`` (width, height) image to spare; it never visits the device before its first encode. offload_blocks
+    (``should_stream``): True, or "auto" when the transformer and that working memory do not fit the free memory,
+    reads the transformer into CPU memory and streams the blocks that do not fit (``offload.py``); with
+    offload_encoder "auto" the encoder then rests on the CPU. CFG (base) models get the empty negative prompt encoded
+    into the prompt cache right away.
     """
-    from . import weights
+    from . import offload, weights
 
-    model, chosen = weights.load_transformer(transformer, device, dtype, variant=variant, fp8=fp8)
-    device, dtype = model.img_in.weight.device, model.img_in.weight.dtype          # as the transformer resolved them
-    cpu = torch.device("cpu")
+    cpu, stream = torch.device("cpu"), False
+    if offload_blocks is not False:            # decided from the headers: streamed weights are read to the CPU only
+        device, dtype = weights.default_device_dtype(device, dtype)
+        _, planned = weights.inspect_transformer(transformer, variant=variant)
+        stream = should_stream(offload_blocks, device, working_memory(planned, size, dtype),
+                               lambda: weights.transformer_bytes(transformer, dtype, variant=variant, fp8=fp8))
+    model, chosen = weights.load_transformer(transformer, cpu if stream else device, dtype, variant=variant, fp8=fp8)
+    if not stream:
+        device, dtype = model.img_in.weight.device, model.img_in.weight.dtype      # as the transformer resolved them
+    needed = working_memory(chosen, size, dtype)
     encoder = weights.load_text_encoder(text_encoder, cpu if device.type == "cuda" else device, dtype)
     weights.check_text_encoder_fits(chosen, encoder)
-    tokens = encoder.spec.max_length + math.prod(latent_size(DEFAULT_SIZE, DEFAULT_SIZE))
-    if not should_offload(offload_encoder, encoder, device, denoise_memory(chosen.params, tokens, 1, dtype)):
+    rest_choice = True if stream and offload_encoder == "auto" else offload_encoder   # blocks need the memory more
+    if not should_offload(rest_choice, encoder, device, needed):
         encoder.model.to(device)
     ae = weights.load_autoencoder(autoencoder, device, torch.float32)
+    if stream:
+        offload.stream_blocks(model, device, offload.weight_budget(free_memory(device), needed))
     models = Models(model, chosen, ae, encoder)
     if chosen.uses_cfg:
         models.prompt_cache.warm(EncoderOnCall(encoder, device, encoder.device, aside=model))
@@ -111,6 +130,9 @@ def optimize_transformer(models: Models, *, fp8: bool = False, compile: bool = F
     from . import quant
 
     if fp8:
+        if streamed_blocks(models.transformer):    # new layers would leave the streamed copies of the old ones behind
+            raise Flux2Error("the transformer's blocks are streamed: quantize before streaming (load the file with "
+                             "fp8=True, --fp8), or unstream it first (offload.unstream)")
         quant.quantize_transformer(models.transformer)
     if compile:
         compiling.compile_blocks(models.transformer)
@@ -137,6 +159,26 @@ def denoise_memory(params: TransformerParams, tokens: int, batch: int, dtype: to
     h, m = params.hidden_size, params.mlp_hidden
     values = (3 * h + 2 * m) + (h + m) + m + 8 * h
     return batch * tokens * (values * dtype.itemsize + params.head_dim * 4)
+
+
+def working_memory(variant: Variant, size: tuple[int, int], dtype: torch.dtype) -> int:
+    """``denoise_memory`` of one ``size`` = (width, height) image with a full prompt: what loading plans for."""
+    tokens = variant.text_encoder.max_length + math.prod(latent_size(size[1], size[0]))
+    return denoise_memory(variant.params, tokens, 1, dtype)
+
+
+def should_stream(choice, device: torch.device, needed: int, weight_bytes, free=None) -> bool:
+    """Whether the transformer's blocks stream (``offload.py``): never on the CPU (there is nowhere to stream from);
+    True / False as given; "auto": on CUDA, when its ``weight_bytes()`` exceed ``offload.weight_budget`` of the
+    device's free memory (``free(device)`` bytes) and ``needed`` bytes of working memory."""
+    from .offload import weight_budget
+
+    if choice not in ("auto", True, False):
+        raise Flux2Error(f"offload_blocks must be 'auto', True or False, got {choice!r}")
+    if choice is False or device.type == "cpu":
+        return False
+    available = (free or free_memory)(device) if choice == "auto" else None
+    return choice is True or (available is not None and weight_budget(available, needed) < weight_bytes())
 
 
 def should_offload(choice, encoder: PromptEncoder, device: torch.device, needed: int, free=None) -> bool:
@@ -191,14 +233,14 @@ class EncoderOnCall:
     def encode(self, prompts: list[str]) -> PromptEmbeds:
         aside = self.must_make_room()
         if aside:
-            self.aside.to(self.rest)
+            place(self.aside, self.rest)
         self.model.to(self.run_device)
         try:
             return self.encoder.encode(prompts)
         finally:
             self.model.to(self.rest)
             if aside:
-                self.aside.to(self.run_device)
+                place(self.aside, self.run_device)
 
 
 def encode_prompts(models: Models, prompts: list[str], offload: bool) -> PromptEmbeds:

@@ -384,11 +384,30 @@ def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = 
     if fp8 not in (None, True, False):
         raise Flux2Error(f"fp8 must be None (as the file stores it), True or False, got {fp8!r}")
     device, dtype = default_device_dtype(device, dtype)
+    source, model, chosen = _transformer_on_meta(path, params, variant, fp8)
+    return assign(model, read_state_dict(source, model.state_dict(), device, dtype)), chosen
+
+
+def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | None = None,
+                      fp8: bool | None = None) -> int:
+    """The bytes of weights ``load_transformer(path, dtype=dtype, variant=variant, fp8=fp8)`` makes, from the headers
+    alone (nothing is read): fp8 layers one byte per weight plus a float32 scale per row, the rest in ``dtype``. For
+    deciding where the weights go before reading them (``pipeline.load_models``: stream the blocks or not)."""
+    _, model, _ = _transformer_on_meta(path, None, variant, fp8)
+    state = model.state_dict()
+    fp8_scales = {k + "_scale" for k, t in state.items() if t.dtype in FP8_DTYPES}
+    return sum(t.numel() * (t.itemsize if t.dtype in FP8_DTYPES or k in fp8_scales else dtype.itemsize)
+               for k, t in state.items())
+
+
+def _transformer_on_meta(path, params: TransformerParams | None, variant: str | None,
+                         fp8: bool | None) -> tuple[Source, Flux2Transformer, Variant]:
+    """The file's source, the model built on the meta device with its fp8 layers, and the variant."""
     source = _transformer_source(path)
     params, chosen = _transformer_spec(source, params, variant)
     model = build_on_meta(lambda: Flux2Transformer(params))
     empty_fp8_layers(model, fp8_layer_names(source, model, fp8))
-    return assign(model, read_state_dict(source, model.state_dict(), device, dtype)), chosen
+    return source, model, chosen
 
 
 def fp8_layer_names(source: Source, model: nn.Module, fp8: bool | None) -> list[str]:

@@ -216,3 +216,55 @@ def test_compile_and_offload_flags_reach_the_engine(tmp_path, monkeypatch, flag,
     assert compiled == [] and seen == [offload]
     assert cli.main([*argv, "--compile"]) == 0
     assert len(compiled) == 1 and type(compiled[0]).__name__ == "Flux2Transformer" and seen == [offload] * 2
+
+
+@pytest.mark.parametrize("flag,encoder,blocks", [
+    ([], "auto", "auto"),
+    (["--offload", "none"], False, False),
+    (["--offload", "encoder"], True, False),
+    (["--offload", "blocks"], True, True),
+    (["--offload", "blocks", "--offload-encoder", "no"], False, True),     # the encoder's own flag wins for it
+    (["--offload-encoder", "yes"], True, "auto"),
+])
+def test_offload_flag_reaches_load_models_and_generate(tmp_path, monkeypatch, capsys, flag, encoder, blocks):
+    from flux2_core import pipeline
+
+    write_models_folder(tmp_path)
+    loaded, generated = [], []
+    real_load, real_generate = pipeline.load_models, pipeline.generate
+    monkeypatch.setattr(pipeline, "load_models", lambda *a, **kw: loaded.append(kw) or real_load(*a, **kw))
+    monkeypatch.setattr(pipeline, "generate", lambda *a, **kw: generated.append(kw) or real_generate(*a, **kw))
+    argv = ["--models", str(tmp_path), "--prompt", "a fox", "--width", "48", "--height", "32", "--steps", "1",
+            "--device", "cpu", "--out", str(tmp_path / "out"), *flag]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    ((kw,),) = [loaded]
+    assert (kw["offload_encoder"], kw["offload_blocks"], kw["size"]) == (encoder, blocks, (48, 32))
+    assert [g["offload_encoder"] for g in generated] == [encoder]
+    assert "do not fit the GPU" not in capsys.readouterr().err           # on the CPU nothing streams
+
+
+def test_streamed_blocks_are_reported_and_compile_says_it_skips_them(tmp_path, monkeypatch, capsys):
+    """A load that streams (forced here: on the CPU nothing streams) is reported; --compile says it compiles only
+    the resident blocks (compile_blocks is stubbed: inductor takes minutes on a CPU)."""
+    from flux2_core import compile as compiling
+    from flux2_core import offload, pipeline
+
+    write_models_folder(tmp_path)
+    real_load = pipeline.load_models
+
+    def streamed_load(*a, **kw):
+        models = real_load(*a, **kw)
+        blocks = [*models.transformer.double_blocks, *models.transformer.single_blocks]
+        fixed = offload.module_bytes(models.transformer) - sum(offload.module_bytes(b) for b in blocks)
+        offload.stream_blocks(models.transformer, "cpu", fixed + 2 * max(offload.module_bytes(b) for b in blocks))
+        return models
+
+    monkeypatch.setattr(pipeline, "load_models", streamed_load)
+    monkeypatch.setattr(compiling, "compile_blocks", lambda model: model)
+    argv = ["--models", str(tmp_path), "--prompt", "a fox", "--width", "32", "--height", "32", "--steps", "1",
+            "--device", "cpu", "--out", str(tmp_path / "out"), "--offload", "blocks"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "4 of 4 transformer blocks" in err and "--compile" not in err
+    assert cli.main([*argv, "--compile"]) == 0
+    assert "compiles only the blocks that stay on the GPU" in capsys.readouterr().err
