@@ -29,11 +29,13 @@ SAMPLES_PER_TENSOR = 16   # values read from each end of every tensor for a fing
 
 
 def fingerprint(module: nn.Module) -> str:
-    """A short hash of a module's tensors: names, shapes, dtypes, device and the first and last few values of each.
+    """A short hash of a module's tensors (names, shapes, dtypes, device and the first and last few values of each)
+    and of the adapters applied to it (their run-time branches leave the tensors as they are).
 
     Reads 2 x 16 values per tensor in one device-to-host copy, so it is cheap even for a 9B model on a GPU.
     """
     h = hashlib.blake2b(digest_size=16)
+    h.update(repr(getattr(module, "adapter_key", ())).encode())        # adapters applied (patching.set_adapters)
     samples = []
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.device};".encode())

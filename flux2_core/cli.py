@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-encoder", choices=["auto", "yes", "no"],
                    help="the text encoder alone, overriding --offload's choice for it: yes rests it on the CPU, no "
                         "keeps it on the GPU, auto when free memory is short")
+    p.add_argument("--lora", action="append", default=[], metavar="FILE[:STRENGTH]",
+                   help="apply a LoRA / LoKr / LoHa / DoRA file (ai-toolkit, kohya/musubi, diffusers/PEFT, ComfyUI, "
+                        "LyCORIS formats) with a strength (default 1); repeat for several. Merged into full-precision "
+                        "weights (no cost per step), run beside fp8 ones. Prints what each file matched")
     p.add_argument("--demo", action="store_true",
                    help="tiny built-in RANDOM weights: checks the install, makes noise-like pictures")
     return p
@@ -210,6 +214,19 @@ def check_early(args, refs) -> None:
         raise Flux2Error(f"--strength must be in (0, 1], got {args.strength}; 1 ignores the --image")
     for i, ref in enumerate(refs):
         check_reference(ref, i)
+    for path, _ in map(lora_argument, args.lora):
+        if not Path(path).expanduser().is_file():
+            raise Flux2Error(f"--lora {path}: no such file; give the path of a .safetensors LoRA, optionally with "
+                             f":STRENGTH (e.g. --lora style.safetensors:0.8)")
+
+
+def lora_argument(text: str) -> tuple[str, float]:
+    """--lora FILE[:STRENGTH] -> (file, strength); a strength is a number after the last colon (so C:\\x works)."""
+    path, _, strength = text.rpartition(":")
+    try:
+        return (path, float(strength)) if path else (text, 1.0)
+    except ValueError:
+        return text, 1.0
 
 
 def report_streaming(model, compiled: bool) -> None:
@@ -231,7 +248,7 @@ def generate_command(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from .pipeline import DEFAULT_SIZE, generate, load_models, optimize_transformer
+    from .pipeline import DEFAULT_SIZE, apply_adapters, generate, load_models, optimize_transformer
     from .quant import count_fp8, use_fp8_matmul
 
     refs = [open_image(p) for p in args.ref]
@@ -259,7 +276,13 @@ def generate_command(argv: list[str]) -> int:
                              fp8={"auto": None, "yes": True, "no": False}[args.fp8], offload_encoder=offload,
                              offload_blocks=offload_blocks, size=(width or DEFAULT_SIZE, height or DEFAULT_SIZE))
         files = {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
-    optimize_transformer(models, fp8=args.demo and args.fp8 == "yes", compile=args.compile)   # files: fp8 on load
+    optimize_transformer(models, fp8=args.demo and args.fp8 == "yes")       # files: fp8 on load
+    if args.lora:
+        for line in apply_adapters(models, [lora_argument(a) for a in args.lora]):
+            print(f"LoRA {line}", file=sys.stderr)
+        files["loras"] = [{"file": Path(path).name, "strength": strength}
+                          for path, strength in map(lora_argument, args.lora)]
+    optimize_transformer(models, compile=args.compile)                          # after the LoRAs: a compiled graph
     report_streaming(models.transformer, args.compile)
     if count_fp8(models.transformer):
         files["transformer_weights"] = "fp8"

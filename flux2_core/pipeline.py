@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from PIL import Image
@@ -137,6 +139,25 @@ def optimize_transformer(models: Models, *, fp8: bool = False, compile: bool = F
     if compile:
         compiling.compile_blocks(models.transformer)
     return models
+
+
+def apply_adapters(models: Models, files: Sequence[tuple[str | Path, float]], merge: bool | None = None) -> list[str]:
+    """Read adapter files (LoRA, LoKr, ... any format ``adapters.read_adapter`` knows) for these models and apply them
+    with their strengths, replacing any applied before (an empty list: the models as loaded). Transformer patches go
+    to the transformer, text-encoder patches to the text encoder (``patching.set_adapters``; ``merge`` as there).
+    Returns each adapter's match report, one line each; the caches key their entries by the applied set."""
+    from .adapters import read_adapter
+    from .cache import tensor_digest
+    from .patching import set_adapters
+
+    encoder = models.prompt_encoder.model
+    shapes = {name: t.shape for name, t in encoder.state_dict().items()}
+    read = [(read_adapter(path, models.variant.params, shapes), float(strength)) for path, strength in files]
+    key = tuple((a.name, tensor_digest(*[t for p in a.patches + a.text_encoder_patches for t in p.tensors.values()]),
+                 strength) for a, strength in read)
+    set_adapters(models.transformer, [(p, s) for a, s in read for p in a.patches], key, merge)
+    set_adapters(encoder, [(p, s) for a, s in read for p in a.text_encoder_patches], key, merge)
+    return [f"{a.report.summary()} (strength {s:g})" for a, s in read]
 
 
 # --- the text encoder: cache and offload ----------------------------------------------------------------------------

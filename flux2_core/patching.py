@@ -1,0 +1,141 @@
+"""Adapter patches applied to a model's linear layers, and undone bit for bit.
+
+    set_adapters(model, [(patch, strength), ...], key=("my_lora", 0.8))   # replaces the set applied before
+    set_adapters(model, [])                                               # the model as loaded, bit for bit
+
+How a layer takes its patches (``adapters.Patch``: ΔW for some rows of a layer's weight):
+
+* float weights (``nn.Linear`` and our subclasses): merged, W' = W + Σ strength·ΔW computed in float32 from the
+  original W, which is kept in CPU memory. Merged weights cost nothing per step, and every new set starts again from
+  the original, so no change of adapters or strengths ever drifts.
+* fp8 weights (``quant.Fp8Linear``): a run-time branch, y[..., rows] += strength·ΔW x, computed from the patch's own
+  factors (LoRA: two thin matmuls) beside the unchanged fp8 weight: re-quantizing a merged weight would round it again.
+  ``merge=True`` merges anyway (dequantize, patch, quantize per row with a new scale; the original is kept too).
+  DoRA patches always merge: they rescale the whole weight.
+
+``merge=False`` makes float layers take branches too. ``model.adapter_key`` names the applied set (``key``); the caches
+key what they keep by it (``cache.fingerprint``), so nothing computed with one set is served for another.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
+from dataclasses import replace
+
+import torch
+from torch import Tensor, nn
+
+from .adapters import Patch
+from .errors import Flux2Error
+from .quant import Fp8Linear, dequantize_fp8, quantize_fp8
+
+
+class Applied:
+    """What ``set_adapters`` leaves on a model (``model.adapters_applied``): the originals of merged layers (CPU
+    copies, by layer name) and the branch hooks, so that the next call can undo them."""
+
+    def __init__(self):
+        self.originals: dict[str, tuple[Tensor, ...]] = {}
+        self.hooks: list = []
+
+
+def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: Hashable = (),
+                 merge: bool | None = None) -> None:
+    """Apply (patch, strength) pairs to ``model``'s layers (patch.target names a layer of ``model``), after undoing
+    whatever an earlier call applied. ``merge``: None merges float layers and branches fp8 ones, True merges all,
+    False branches all but DoRA. Patches with strength 0 are left out, so they change nothing at all."""
+    if merge not in (None, True, False):
+        raise Flux2Error(f"merge must be None (by layer), True or False, got {merge!r}")
+    _undo(model)
+    by_layer: dict[str, list[tuple[Patch, float]]] = defaultdict(list)
+    for patch, strength in patches:
+        if strength != 0:
+            by_layer[patch.target].append((patch, float(strength)))
+    applied = Applied()
+    for name, items in by_layer.items():
+        layer = _layer(model, name)
+        for patch, _ in items:
+            rows = (patch.rows[1] - patch.rows[0]) if patch.rows else layer.out_features
+            if patch.shape != (rows, layer.in_features):
+                raise Flux2Error(f"the adapter's {patch.source or name} ({list(patch.shape)}) does not fit {name} of "
+                                 f"this model ({rows} rows of [{layer.out_features}, {layer.in_features}]): it was "
+                                 f"made for another model size")
+        items = [(_to(patch, layer.weight.device), strength) for patch, strength in items]
+        fp8 = isinstance(layer, Fp8Linear)
+        dora = any(p.dora_scale is not None for p, _ in items)
+        if dora or merge is True or (merge is None and not fp8):
+            applied.originals[name] = _merge(layer, items)
+        else:
+            applied.hooks.append(layer.register_forward_hook(_branches(items)))
+    model.adapters_applied = applied
+    model.adapter_key = key if by_layer else ()
+
+
+@torch.no_grad()
+def _undo(model: nn.Module) -> None:
+    applied: Applied | None = getattr(model, "adapters_applied", None)
+    if applied is None:
+        return
+    for hook in applied.hooks:
+        hook.remove()
+    for name, originals in applied.originals.items():
+        layer = model.get_submodule(name)
+        for tensor, original in zip(_stored(layer), originals):
+            tensor.copy_(original)                       # in place: the same Parameter / buffer objects stay
+    model.adapters_applied, model.adapter_key = None, ()
+
+
+def _layer(model: nn.Module, name: str) -> nn.Module:
+    try:
+        layer = model.get_submodule(name)
+    except AttributeError:
+        raise Flux2Error(f"the adapter patches {name}, which this model does not have; was the adapter read for "
+                         f"this model (adapters.read_adapter with its params)?") from None
+    if not isinstance(layer, (nn.Linear, Fp8Linear)):
+        raise Flux2Error(f"the adapter patches {name}, a {type(layer).__name__}, not a linear layer")
+    return layer
+
+
+def _to(patch: Patch, device: torch.device) -> Patch:
+    """The patch with its tensors on the layer's device (its factors are small: rank x width)."""
+    scale = None if patch.dora_scale is None else patch.dora_scale.to(device)
+    return replace(patch, tensors={k: v.to(device) for k, v in patch.tensors.items()}, dora_scale=scale)
+
+
+def _stored(layer: nn.Module) -> tuple[Tensor, ...]:
+    """The tensors a patch changes: the weight, and an fp8 layer's scale too."""
+    return (layer.weight, layer.weight_scale) if isinstance(layer, Fp8Linear) else (layer.weight,)
+
+
+@torch.no_grad()
+def _merge(layer: nn.Module, items: list[tuple[Patch, float]]) -> tuple[Tensor, ...]:
+    """Merge the patches into the layer's weight in place; returns the original tensors (CPU copies)."""
+    stored = _stored(layer)
+    originals = tuple(t.detach().to("cpu", copy=True) for t in stored)
+    if isinstance(layer, Fp8Linear):
+        weight = dequantize_fp8(layer.weight, layer.weight_scale)                # float32 [out, in]
+    else:
+        weight = layer.weight.detach().float()
+    for patch, strength in items:
+        rows = slice(*patch.rows) if patch.rows else slice(None)
+        weight[rows] = patch.merged(weight[rows], strength)
+    if isinstance(layer, Fp8Linear):
+        w8, scale = quantize_fp8(weight, per_row=layer.weight_scale.ndim == 1)
+        layer.weight.copy_(w8)
+        layer.weight_scale.copy_(scale)
+    else:
+        layer.weight.copy_(weight)
+    return originals
+
+
+def _branches(items: list[tuple[Patch, float]]):
+    """A forward hook adding strength·ΔW x to the rows each patch covers; ΔW is never built for LoRA and LoKr."""
+    def hook(layer: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        x = args[0]
+        out = out.clone()
+        for patch, strength in items:
+            rows = slice(*patch.rows) if patch.rows else slice(None)
+            out[..., rows] += strength * patch.branch(x).to(out.dtype)
+        return out
+    return hook
