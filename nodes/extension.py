@@ -2,12 +2,13 @@
 
 from comfy_api.latest import ComfyExtension, io
 
+from .adapters import LoRA
 from .autoencoder import AEDecode, AEEncode
 from .conditioning import PromptEncode, Reference
 from .loaders import AutoEncoderLoader, ModelLoader, TextEncoderLoader
 from .sampling import Compile, Denoise, Noise, Scheduler
 
-NODES = [ModelLoader, TextEncoderLoader, AutoEncoderLoader, PromptEncode, Reference, Noise, Scheduler, Denoise,
+NODES = [ModelLoader, TextEncoderLoader, AutoEncoderLoader, LoRA, PromptEncode, Reference, Noise, Scheduler, Denoise,
          AEEncode, AEDecode, Compile]
 
 

@@ -137,6 +137,8 @@ class Managed:
     full_load: bool = False            # never load partially (layers ComfyUI cannot stream, e.g. fp8 ones)
     fingerprint: str = ""              # cache.fingerprint of the weights as loaded
     compiled: bool = False             # transformers: run the blocks torch.compiled (FLUX.2 Klein Compile)
+    adapters: tuple = ()               # transformers: (file name, content digest, strength, adapters.Adapter) per
+                                       # FLUX.2 Klein LoRA node, in chain order
 
     def ready(self, memory: int = 0) -> torch.device:
         """Load (or keep) the model on its device with ``memory`` bytes to spare for activations; the device."""
@@ -149,7 +151,13 @@ class Managed:
         their id, when there are any: every new ModelPatcher gets a new id, so the same file loaded again by another
         graph keeps its key). Unlike a fingerprint of the weights where they are now, it stays the same as ComfyUI
         loads and offloads."""
-        return (self.fingerprint, str(self.dtype), str(self.patcher.patches_uuid) if self.patcher.patches else "")
+        return (self.fingerprint, str(self.dtype), str(self.patcher.patches_uuid) if self.patcher.patches else "",
+                self.adapter_key)
+
+    @property
+    def adapter_key(self) -> tuple:
+        """The LoRAs this model runs with: (file, content digest, strength) each (flux2_core.patching's key)."""
+        return tuple((name, digest, strength) for name, digest, strength, _ in self.adapters)
 
 
 def partially_loaded(model: Managed) -> bool:

@@ -6,6 +6,7 @@ Both share the loaders, the prompt encode and the noise of our pack, so the two 
     prompt = ours(files, "a red fox", output="latent")                                      # -> SaveLatent
     prompt = ours(files, "a red fox", model_file=files["transformer_fp8"], model_dtype="auto")
     prompt = native(files, "a red fox", output="latent")          # UNETLoader + BasicGuider/CFGGuider + SamplerCustomAdvanced
+    prompt = ours(files, "a red fox", loras=[(files["lora"], 0.8)])    # FLUX.2 Klein LoRA nodes (native: LoraLoaderModelOnly)
 """
 
 from __future__ import annotations
@@ -58,10 +59,15 @@ def finish(graph: dict, latent_node: list, output: str) -> dict:
 
 def ours(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: int = 64, steps: int = 4,
          cfg: float = 1.0, negative: str | None = None, references=(), output: str = "image",
-         model_file: str | None = None, model_dtype: str = "float32") -> dict:
+         model_file: str | None = None, model_dtype: str = "float32", loras=()) -> dict:
     graph = common(files, prompt, seed, width, height, steps, negative, list(references), model_file, model_dtype)
     positive = graph.pop("positive")
-    inputs = {"model": link("1"), "positive": link(positive), "noise": link("6"), "sigmas": link("7"), "cfg": cfg,
+    model = "1"
+    for i, (name, strength) in enumerate(loras):             # FLUX.2 Klein LoRA nodes, chained
+        graph[str(40 + i)] = {"class_type": "Flux2KleinLoRA",
+                              "inputs": {"model": link(model), "lora_name": name, "strength": strength}}
+        model = str(40 + i)
+    inputs = {"model": link(model), "positive": link(positive), "noise": link("6"), "sigmas": link("7"), "cfg": cfg,
               "denoise": 1.0}
     if negative is not None:
         inputs["negative"] = link("5")
@@ -71,7 +77,7 @@ def ours(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: in
 
 def native(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: int = 64, steps: int = 4,
            cfg: float = 1.0, negative: str | None = None, references=(), output: str = "latent",
-           model_file: str | None = None) -> dict:
+           model_file: str | None = None, loras=()) -> dict:
     """ComfyUI's own FLUX.2 model and Euler sampler on our conditioning and sigmas.
 
     The noise is ComfyUI's RandomNoise on an empty FLUX.2 latent: torch.manual_seed(seed) then a CPU float32
@@ -82,10 +88,15 @@ def native(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: 
     del graph["1"]
     graph["11"] = {"class_type": "UNETLoader",
                    "inputs": {"unet_name": model_file or files["transformer"], "weight_dtype": "default"}}
+    model = "11"
+    for i, (name, strength) in enumerate(loras):             # ComfyUI's own LoRA loader, chained
+        graph[str(40 + i)] = {"class_type": "LoraLoaderModelOnly",
+                              "inputs": {"model": link(model), "lora_name": name, "strength_model": strength}}
+        model = str(40 + i)
     if negative is None:
-        graph["12"] = {"class_type": "BasicGuider", "inputs": {"model": link("11"), "conditioning": link(positive)}}
+        graph["12"] = {"class_type": "BasicGuider", "inputs": {"model": link(model), "conditioning": link(positive)}}
     else:
-        graph["12"] = {"class_type": "CFGGuider", "inputs": {"model": link("11"), "positive": link(positive),
+        graph["12"] = {"class_type": "CFGGuider", "inputs": {"model": link(model), "positive": link(positive),
                                                              "negative": link("5"), "cfg": cfg}}
     graph["13"] = {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}}
     graph["14"] = {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}}

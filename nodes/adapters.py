@@ -1,0 +1,46 @@
+"""FLUX.2 Klein LoRA: a LoRA / LoKr / LoHa / DoRA file from ComfyUI's loras folder, on our model, chainable.
+
+The node only reads the file and says what it matched; the Denoise node applies the chain (flux2_core.patching:
+merged into full-precision weights, run beside fp8 ones) and restores the weights for models without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from comfy_api.latest import io, ui
+
+from ..flux2_core import adapters, cache
+from . import host, types
+
+log = logging.getLogger("flux2_klein")
+
+
+class LoRA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Flux2KleinLoRA", display_name="FLUX.2 Klein LoRA", category=f"{types.CATEGORY}/loaders",
+            description="Applies a LoRA (also LoKr, LoHa, DoRA) made for FLUX.2 Klein: ai-toolkit, kohya/musubi, "
+                        "diffusers/PEFT, ComfyUI and LyCORIS files. Chain several for a stack. The node shows how "
+                        "many tensors matched per block group and every key that matched nothing.",
+            inputs=[types.Model.Input("model", tooltip="From FLUX.2 Klein Load Model (or another LoRA node)."),
+                    io.Combo.Input("lora_name", options=host.model_choices("loras"),
+                                   tooltip="A .safetensors adapter under models/loras."),
+                    io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01,
+                                   tooltip="How strongly it applies: 0 leaves the model exactly as it was, 1 as "
+                                           "trained, negative values push the other way.")],
+            outputs=[types.Model.Output(display_name="model", tooltip="The model with this LoRA after the others.")])
+
+    @classmethod
+    def execute(cls, model: host.Managed, lora_name: str, strength: float) -> io.NodeOutput:
+        adapter = adapters.read_adapter(host.resolve("loras", lora_name), model.variant.params, name=lora_name)
+        digest = cache.tensor_digest(*[t for p in adapter.patches for t in p.tensors.values()])
+        info = f"{adapter.report.summary()} (strength {strength:g})"
+        if adapter.text_encoder_patches:
+            info += (f"; its {len(adapter.text_encoder_patches)} text-encoder modules are not applied: this node "
+                     "patches the diffusion model only")
+        log.info("FLUX.2 Klein LoRA %s", info)
+        chained = dataclasses.replace(model, adapters=(*model.adapters, (lora_name, digest, strength, adapter)))
+        return io.NodeOutput(chained, ui=ui.PreviewText(info))

@@ -1,0 +1,56 @@
+"""FLUX.2 Klein LoRA in the real server: our node chain against flux2_core with the same LoRA applied, against
+ComfyUI's own LoraLoaderModelOnly on ComfyUI's native FLUX.2 model, strength 0, and the weights restored for a run
+without it. The LoRA is an ai-toolkit file (diffusion_model. + lora_A/lora_B), which both read."""
+
+from __future__ import annotations
+
+import torch
+
+from flux2_core import pipeline
+from tests.comfyui import graphs
+
+CASE = {"prompt": "a red fox in the snow, lora test", "seed": 8, "steps": 3, "width": 64, "height": 48}
+
+
+def latent(comfy, graph) -> tuple[torch.Tensor, dict]:
+    """(saved latent, outputs) of a prompt whose denoiser (node 8) really ran, not served from ComfyUI's cache."""
+    run = comfy.client.run(graph)
+    assert not any("8" in m["nodes"] for m in run.of_type("execution_cached")), "the denoiser did not run"
+    entry = comfy.client.history(run.prompt_id)
+    return graphs.saved_latent(comfy.base, entry).float(), entry["outputs"]
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_lora_node_equals_the_engine_and_comfyuis_lora_loader(comfy):
+    lora = comfy.files["lora"]
+    other = {**CASE, "prompt": CASE["prompt"] + ", again"}
+    plain_other, _ = latent(comfy, graphs.ours(comfy.files, **other, output="latent"))
+    plain, _ = latent(comfy, graphs.ours(comfy.files, **CASE, output="latent"))
+    ours, outputs = latent(comfy, graphs.ours(comfy.files, **CASE, loras=[(lora, 0.8)], output="latent"))
+    (info,) = outputs["40"]["text"]
+    assert info.startswith(f"{lora}: lora (") and "double blocks 4, single blocks 4" in info, info
+    assert relative(ours, plain) > 1e-3                                  # the LoRA changed the result
+
+    models = comfy.base / "models"
+    direct = pipeline.load_models(models / "diffusion_models" / comfy.files["transformer"],
+                                  models / "text_encoders" / comfy.files["text_encoder"],
+                                  models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32)
+    pipeline.apply_adapters(direct, [(models / "loras" / lora, 0.8)])
+    expected = pipeline.generate(direct, CASE["prompt"], steps=CASE["steps"], seed=CASE["seed"],
+                                 width=CASE["width"], height=CASE["height"]).latents
+    print(f"\nLoRA node vs flux2_core: relative {relative(ours, expected):.3g}")
+    assert relative(ours, expected) <= 1e-5
+
+    native, _ = latent(comfy, graphs.native(comfy.files, **CASE, loras=[(lora, 0.8)], output="latent"))
+    print(f"LoRA node vs ComfyUI's LoraLoaderModelOnly + native FLUX.2: relative {relative(ours, native):.3g}")
+    assert relative(native, ours) <= 1e-4
+
+    zero, _ = latent(comfy, graphs.ours(comfy.files, **CASE, loras=[(lora, 0.0)], output="latent"))
+    assert torch.equal(zero, plain)                                      # strength 0: exactly the model without it
+    stacked, _ = latent(comfy, graphs.ours(comfy.files, **CASE, loras=[(lora, 0.5), (lora, 0.3)], output="latent"))
+    assert relative(stacked, ours) <= 1e-5                               # 0.5 + 0.3 stacked = 0.8 once
+    back, _ = latent(comfy, graphs.ours(comfy.files, **other, output="latent"))
+    assert torch.equal(back, plain_other)                                # the weights came back bit for bit
