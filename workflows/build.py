@@ -39,8 +39,9 @@ def loaders(model: str) -> dict:
             3: ("Flux2KleinAELoader", {"ae_name": "flux2-vae.safetensors", "dtype": "auto"}, 0, 2)}
 
 
-def sampler(positive, cfg=1.0, steps=4, negative=None, latent=None, denoise=1.0, noise_latent=None, seed=42) -> dict:
-    denoise_inputs = {"model": (1, 0), "positive": positive, "noise": (5, 0), "sigmas": (6, 0), "cfg": cfg,
+def sampler(positive, cfg=1.0, steps=4, negative=None, latent=None, denoise=1.0, noise_latent=None, seed=42,
+            model=(1, 0)) -> dict:
+    denoise_inputs = {"model": model, "positive": positive, "noise": (5, 0), "sigmas": (6, 0), "cfg": cfg,
                       "denoise": denoise}
     denoise_inputs |= {"negative": negative} if negative else {}
     denoise_inputs |= {"latent": latent} if latent else {}
@@ -93,6 +94,14 @@ WORKFLOWS = {
         | reference(11, 10, "flux2-klein-reference-1.png", (4, 0), 1)
         | reference(13, 12, "flux2-klein-reference-2.png", (11, 0), 2)
         | reference(15, 14, "flux2-klein-reference-3.png", (13, 0), 3) | sampler((15, 0))},
+    "flux2-klein-lora": {
+        "note": "Text to image with the distilled FLUX.2 Klein 4B and a LoRA. Put a LoRA made for Klein 4B (ai-toolkit, "
+             "kohya/musubi, diffusers, ComfyUI or LyCORIS LoKr files) in ComfyUI's models/loras folder and pick it "
+             "in the LoRA node; chain more LoRA nodes for a stack. The node shows what the file matched, and the "
+             "keys that matched nothing.",
+        "nodes": loaders("flux-2-klein-4b.safetensors")
+        | {12: ("Flux2KleinLoRA", {"model": (1, 0), "lora_name": "klein-4b-lora.safetensors", "strength": 1.0}, 1, 2)}
+        | prompt("A lighthouse on a rocky coast at sunset, dramatic clouds") | sampler((4, 0), model=(12, 0))},
     "flux2-klein-image-to-image": {
         "note": "Image to image with the distilled FLUX.2 Klein 4B: the input image is encoded, noised to the "
              "denoise strength (0.6: the last 60% of the steps run) and denoised toward the prompt. Put the image "

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HOST_TRANSFORMER = TransformerParams(in_channels=128, context_in_dim=96, hidden_size=128, num_heads=1, depth=1,
                                      depth_single_blocks=2, axes_dim=(32, 32, 32, 32))
 WORKFLOW_MODELS = {"model_name": ("diffusion_models", "transformer"), "text_encoder_name": ("text_encoders", "text_encoder"),
-                   "ae_name": ("vae", "ae")}    # loader input -> (models folder, tiny file)
+                   "ae_name": ("vae", "ae"), "lora_name": ("loras", "lora")}    # loader input -> (folder, tiny file)
 FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "flux-2-klein-base-tiny.safetensors",
          "transformer_kv": "flux-2-klein-9b-kv-tiny.safetensors",
          "transformer_fp8": "flux-2-klein-tiny-fp8mixed.safetensors",
