@@ -32,14 +32,24 @@ FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "fl
          "transformer_kv": "flux-2-klein-9b-kv-tiny.safetensors",
          "transformer_fp8": "flux-2-klein-tiny-fp8mixed.safetensors",
          "text_encoder": "qwen_3_tiny.safetensors", "ae": "flux2-vae-tiny.safetensors",
-         "ae_full": "flux2-vae-full-size-random.safetensors", "lora": "flux2-klein-tiny-lora.safetensors"}
+         "ae_full": "flux2-vae-full-size-random.safetensors", "lora": "flux2-klein-tiny-lora.safetensors",
+         "lora_kohya": "flux2-klein-tiny-lora-kohya.safetensors",
+         "lora_diffusers": "flux2-klein-tiny-lora-diffusers.safetensors",
+         "lora_lokr": "flux2-klein-tiny-lokr.safetensors"}
 
 
 def write_tiny_models(models: Path) -> dict[str, str]:
     """Random weights in ComfyUI's model folders: BFL transformer (also as a base, a KV and an fp8mixed model),
     ComfyUI Qwen3 file, BFL autoencoders (tiny, and one of the real size). Returns {role: file name}."""
     from flux2_core.quant import in_blocks
-    from tests.tiny.adapters import lora_state_dict, random_lora, save_adapter
+    from tests.tiny.adapters import (
+        adapter_state_dict,
+        lora_state_dict,
+        module_shapes,
+        random_lokr,
+        random_lora,
+        save_adapter,
+    )
     from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
     from tests.tiny.layouts import comfy_fp8
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
@@ -63,9 +73,19 @@ def write_tiny_models(models: Path) -> dict[str, str]:
     save_file(full_size_autoencoder(seed=4), str(models / "vae" / FILES["ae_full"]))
     # an ai-toolkit LoRA (diffusion_model. + lora_A/lora_B, no alpha), a format both ComfyUI and we read
     (models / "loras").mkdir(parents=True, exist_ok=True)
-    lora = random_lora(HOST_TRANSFORMER, ["double_blocks.0.img_attn.qkv", "double_blocks.0.txt_mlp.0",
-                                          "single_blocks.0.linear1", "single_blocks.1.linear2"], rank=4, seed=6)
+    targets = ["double_blocks.0.img_attn.qkv", "double_blocks.0.txt_mlp.0", "single_blocks.0.linear1",
+               "single_blocks.1.linear2"]
+    lora = random_lora(HOST_TRANSFORMER, targets, rank=4, seed=6)
     save_adapter(lora_state_dict(lora, "ai-toolkit")[0], models / "loras" / FILES["lora"])
+    # and in other formats both read: kohya with alpha, diffusers (split q/k/v), LyCORIS LoKr on BFL names
+    save_adapter(lora_state_dict(random_lora(HOST_TRANSFORMER, targets, rank=4, seed=7), "kohya", alpha=2.0)[0],
+                 models / "loras" / FILES["lora_kohya"])
+    save_adapter(lora_state_dict(random_lora(HOST_TRANSFORMER, targets, rank=4, seed=8), "diffusers")[0],
+                 models / "loras" / FILES["lora_diffusers"])
+    shapes = module_shapes(HOST_TRANSFORMER)
+    lokr = {m: random_lokr(shapes[m], ("w2",) if i % 2 else (), seed=9 + i) | {"alpha": torch.tensor(1.0)}
+            for i, m in enumerate(targets)}
+    save_adapter(adapter_state_dict(lokr, "diffusion_model."), models / "loras" / FILES["lora_lokr"])
     return dict(FILES)
 
 

@@ -4,6 +4,7 @@ without it. The LoRA is an ai-toolkit file (diffusion_model. + lora_A/lora_B), w
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flux2_core import pipeline
@@ -54,3 +55,16 @@ def test_lora_node_equals_the_engine_and_comfyuis_lora_loader(comfy):
     assert relative(stacked, ours) <= 1e-5                               # 0.5 + 0.3 stacked = 0.8 once
     back, _ = latent(comfy, graphs.ours(comfy.files, **other, output="latent"))
     assert torch.equal(back, plain_other)                                # the weights came back bit for bit
+
+
+@pytest.mark.parametrize("file", ["lora_kohya", "lora_diffusers", "lora_lokr"])
+def test_other_formats_equal_comfyuis_lora_loader(comfy, file):
+    """kohya/musubi with alpha (scale alpha/rank), diffusers/PEFT names with split q/k/v (row slices of our fused
+    weights), and a LyCORIS LoKr (one factor decomposed: alpha/rank applies; full factors: it does not)."""
+    lora = comfy.files[file]
+    plain, _ = latent(comfy, graphs.ours(comfy.files, **CASE, output="latent"))
+    ours, outputs = latent(comfy, graphs.ours(comfy.files, **CASE, loras=[(lora, 1.0)], output="latent"))
+    assert "single blocks" in outputs["40"]["text"][0] and "matched nothing" not in outputs["40"]["text"][0]
+    native, _ = latent(comfy, graphs.native(comfy.files, **CASE, loras=[(lora, 1.0)], output="latent"))
+    print(f"\n{file}: LoRA node vs ComfyUI's LoraLoaderModelOnly: relative {relative(ours, native):.3g}")
+    assert relative(ours, plain) > 1e-3 and relative(native, ours) <= 1e-4
