@@ -95,16 +95,16 @@ class Patch:
         index j = j1·b2 + j2 and output index i = i1·b1 + i2, as torch.kron orders them). Others: x ΔWᵀ.
         Not the DoRA result: a DoRA patch rescales the whole weight, see ``dora_factor``.
         """
-        t = {k: v.to(x.dtype) for k, v in self.tensors.items()}
+        t = {k: v.to(x.device, x.dtype) for k, v in self.tensors.items()}     # no copy once they are x's kind
         if self.kind == "lora":
             y = (x @ t["down"].T) @ t["up"].T * self.scale
         elif self.kind == "lokr":
-            w1, w2 = self._factor("w1").to(x.dtype), self._factor("w2").to(x.dtype)
+            w1, w2 = self._factor("w1").to(x.device, x.dtype), self._factor("w2").to(x.device, x.dtype)
             a2, b2 = w1.shape[1], w2.shape[1]
             y = w1 @ x.reshape(*x.shape[:-1], a2, b2) @ w2.T                  # [..., a1, b1]
             y = y.reshape(*x.shape[:-1], -1) * self.scale
         else:
-            return x @ self.delta(x.dtype).T                                  # delta() is in our row order
+            return x @ self.delta(x.dtype).to(x.device).T                     # delta() is in our row order
         return self._in_our_order(y, -1)
 
     def dora_factor(self, weight: Tensor, comfyui_quirk: bool = False) -> Tensor:

@@ -61,11 +61,10 @@ def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: 
                 raise Flux2Error(f"the adapter's {patch.source or name} ({list(patch.shape)}) does not fit {name} of "
                                  f"this model ({rows} rows of [{layer.out_features}, {layer.in_features}]): it was "
                                  f"made for another model size")
-        items = [(_to(patch, layer.weight.device), strength) for patch, strength in items]
         fp8 = isinstance(layer, Fp8Linear)
         dora = any(p.dora_scale is not None for p, _ in items)
         if dora or merge is True or (merge is None and not fp8):
-            applied.originals[name] = _merge(layer, items)
+            applied.originals[name] = _merge(layer, [(_to(p, layer.weight.device), s) for p, s in items])
         else:
             applied.hooks.append(layer.register_forward_hook(_branches(items)))
     model.adapters_applied = applied
@@ -98,7 +97,8 @@ def _layer(model: nn.Module, name: str) -> nn.Module:
 
 
 def _to(patch: Patch, device: torch.device) -> Patch:
-    """The patch with its tensors on the layer's device (its factors are small: rank x width)."""
+    """The patch with its tensors on the device of the weight it merges into (branches move them to their input's
+    device as they run: a streamed block's weights wait on the CPU while it computes on the GPU)."""
     scale = None if patch.dora_scale is None else patch.dora_scale.to(device)
     return replace(patch, tensors={k: v.to(device) for k, v in patch.tensors.items()}, dora_scale=scale)
 
@@ -134,7 +134,10 @@ def _branches(items: list[tuple[Patch, float]]):
     def hook(layer: nn.Module, args: tuple, out: Tensor) -> Tensor:
         x = args[0]
         out = out.clone()
-        for patch, strength in items:
+        for i, (patch, strength) in enumerate(items):
+            if next(iter(patch.tensors.values())).device != x.device:    # moved once, where the layer computes
+                patch = _to(patch, x.device)
+                items[i] = (patch, strength)
             rows = slice(*patch.rows) if patch.rows else slice(None)
             out[..., rows] += strength * patch.branch(x).to(out.dtype)
         return out

@@ -203,3 +203,23 @@ def test_cli_lora_flag(tmp_path, monkeypatch, capsys):
     assert "missing.safetensors" in capsys.readouterr().err
     assert cli.lora_argument("C:\\loras\\x.safetensors") == ("C:\\loras\\x.safetensors", 1.0)
     assert cli.lora_argument("x.safetensors:0.5") == ("x.safetensors", 0.5)
+
+
+def test_adapters_on_a_streamed_model_equal_the_resident_one():
+    """Block streaming swaps a streamed block's weights for device copies while it runs and back after; merged
+    patches live in the stored weights, branches run where the layer computes. (CPU 'device': the placement logic.)"""
+    from flux2_core import offload
+
+    a, _, _ = lora(1)
+    patches = [(p, 0.6) for p in a.patches]
+    for merge in (None, False):
+        resident, streamed = tiny_model(), tiny_model()
+        sizes = [offload.module_bytes(b) for b in [*streamed.double_blocks, *streamed.single_blocks]]
+        offload.stream_blocks(streamed, "cpu", offload.module_bytes(streamed) - sum(sizes) + 2 * max(sizes))
+        assert offload.streamed_blocks(streamed)
+        set_adapters(resident, patches, merge=merge)
+        set_adapters(streamed, patches, merge=merge)
+        want = forward(resident)
+        assert torch.equal(forward(streamed), want) and torch.equal(forward(streamed), want)   # and still after a run
+        set_adapters(streamed, [])
+        assert torch.equal(forward(streamed), forward(tiny_model()))
