@@ -22,6 +22,7 @@ PEFT LoraConfig: lora_alpha, alpha_pattern, use_rslora -> s = alpha / sqrt(r)).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -43,6 +44,7 @@ from .adapter_formats import (
     split_key,
     transformer_names,
 )
+from .cache import tensor_digest
 from .checkpoint import TORCH_DTYPES, open_checkpoint, read_tensor
 from .errors import Flux2Error
 from .variants import TransformerParams
@@ -166,6 +168,16 @@ class Adapter:
     patches: list[Patch]                    # on the transformer (our BFL module names)
     text_encoder_patches: list[Patch]       # on the Qwen3 text encoder (its parameter names, without ".weight")
     report: MatchReport
+
+    def digest(self) -> str:
+        """A hash of everything that decides what the adapter does (targets, rows, kinds, scales, tensors, DoRA
+        magnitudes): what caches key results by, with the strength, instead of a file name that can change."""
+        h = hashlib.blake2b(digest_size=16)
+        for p in self.patches + self.text_encoder_patches:
+            h.update(repr((p.target, p.rows, p.kind, p.scale, p.swap_halves, sorted(p.tensors))).encode())
+            for t in [*p.tensors.values(), *([] if p.dora_scale is None else [p.dora_scale])]:
+                h.update(tensor_digest(t).encode())
+        return h.hexdigest()
 
 
 def read_adapter(source: str | Path | Mapping[str, Tensor], params: TransformerParams,

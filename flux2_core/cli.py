@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -214,7 +215,9 @@ def check_early(args, refs) -> None:
         raise Flux2Error(f"--strength must be in (0, 1], got {args.strength}; 1 ignores the --image")
     for i, ref in enumerate(refs):
         check_reference(ref, i)
-    for path, _ in map(lora_argument, args.lora):
+    for path, strength in map(lora_argument, args.lora):
+        if not math.isfinite(strength):
+            raise Flux2Error(f"--lora {path}: the strength must be a finite number, got {strength}")
         if not Path(path).expanduser().is_file():
             raise Flux2Error(f"--lora {path}: no such file; give the path of a .safetensors LoRA, optionally with "
                              f":STRENGTH (e.g. --lora style.safetensors:0.8)")

@@ -50,6 +50,9 @@ def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None
     ``mode``: a torch.compile mode, e.g. "max-autotune-no-cudagraphs" on a GPU. ``fullgraph=True`` makes any graph
     break an error rather than a silent slowdown.
     """
+    # Compiled code must see forward hooks added, replaced or removed later (patching.set_adapters runs LoRA
+    # branches of fp8 layers as hooks): by default dynamo does not guard on hooks and would keep the old ones.
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), max_shapes))
     options = {"backend": backend, "dynamic": dynamic, "fullgraph": fullgraph}

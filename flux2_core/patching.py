@@ -31,7 +31,7 @@ from .errors import Flux2Error
 from .quant import Fp8Linear, dequantize_fp8, quantize_fp8
 
 
-class Applied:
+class AppliedAdapters:
     """What ``set_adapters`` leaves on a model (``model.adapters_applied``): the originals of merged layers (CPU
     copies, by layer name) and the branch hooks, so that the next call can undo them."""
 
@@ -44,36 +44,31 @@ def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: 
                  merge: bool | None = None) -> None:
     """Apply (patch, strength) pairs to ``model``'s layers (patch.target names a layer of ``model``), after undoing
     whatever an earlier call applied. ``merge``: None merges float layers and branches fp8 ones, True merges all,
-    False branches all but DoRA. Patches with strength 0 are left out, so they change nothing at all."""
+    False branches all but DoRA. Patches with strength 0 are left out, so they change nothing at all. Every patch is
+    checked against its layer before anything changes: a refused set leaves the model as it was."""
     if merge not in (None, True, False):
         raise Flux2Error(f"merge must be None (by layer), True or False, got {merge!r}")
-    _undo(model)
     by_layer: dict[str, list[tuple[Patch, float]]] = defaultdict(list)
     for patch, strength in patches:
         if strength != 0:
             by_layer[patch.target].append((patch, float(strength)))
-    applied = Applied()
+    layers = {name: _layer(model, name, [p for p, _ in items]) for name, items in by_layer.items()}
+    _undo(model)
+    applied = model.adapters_applied = AppliedAdapters()
+    model.adapter_key = key if by_layer else ()
     for name, items in by_layer.items():
-        layer = _layer(model, name)
-        for patch, _ in items:
-            rows = (patch.rows[1] - patch.rows[0]) if patch.rows else layer.out_features
-            if patch.shape != (rows, layer.in_features):
-                raise Flux2Error(f"the adapter's {patch.source or name} ({list(patch.shape)}) does not fit {name} of "
-                                 f"this model ({rows} rows of [{layer.out_features}, {layer.in_features}]): it was "
-                                 f"made for another model size")
+        layer = layers[name]
         fp8 = isinstance(layer, Fp8Linear)
         dora = any(p.dora_scale is not None for p, _ in items)
         if dora or merge is True or (merge is None and not fp8):
-            applied.originals[name] = _merge(layer, [(_to(p, layer.weight.device), s) for p, s in items])
+            applied.originals[name] = _merge(layer, [(_patch_on_device(p, layer.weight.device), s) for p, s in items])
         else:
             applied.hooks.append(layer.register_forward_hook(_branches(items)))
-    model.adapters_applied = applied
-    model.adapter_key = key if by_layer else ()
 
 
 @torch.no_grad()
 def _undo(model: nn.Module) -> None:
-    applied: Applied | None = getattr(model, "adapters_applied", None)
+    applied: AppliedAdapters | None = getattr(model, "adapters_applied", None)
     if applied is None:
         return
     for hook in applied.hooks:
@@ -85,7 +80,8 @@ def _undo(model: nn.Module) -> None:
     model.adapters_applied, model.adapter_key = None, ()
 
 
-def _layer(model: nn.Module, name: str) -> nn.Module:
+def _layer(model: nn.Module, name: str, patches: list[Patch]) -> nn.Module:
+    """The linear layer ``name`` of ``model``, checked to fit every patch of it."""
     try:
         layer = model.get_submodule(name)
     except AttributeError:
@@ -93,10 +89,16 @@ def _layer(model: nn.Module, name: str) -> nn.Module:
                          f"this model (adapters.read_adapter with its params)?") from None
     if not isinstance(layer, (nn.Linear, Fp8Linear)):
         raise Flux2Error(f"the adapter patches {name}, a {type(layer).__name__}, not a linear layer")
+    for patch in patches:
+        rows = (patch.rows[1] - patch.rows[0]) if patch.rows else layer.out_features
+        if patch.shape != (rows, layer.in_features):
+            raise Flux2Error(f"the adapter's {patch.source or name} ({list(patch.shape)}) does not fit {name} of this "
+                             f"model ({rows} rows of [{layer.out_features}, {layer.in_features}]): it was made for "
+                             f"another model size")
     return layer
 
 
-def _to(patch: Patch, device: torch.device) -> Patch:
+def _patch_on_device(patch: Patch, device: torch.device) -> Patch:
     """The patch with its tensors on the device of the weight it merges into (branches move them to their input's
     device as they run: a streamed block's weights wait on the CPU while it computes on the GPU)."""
     scale = None if patch.dora_scale is None else patch.dora_scale.to(device)
@@ -133,10 +135,10 @@ def _branches(items: list[tuple[Patch, float]]):
     """A forward hook adding strength·ΔW x to the rows each patch covers; ΔW is never built for LoRA and LoKr."""
     def hook(layer: nn.Module, args: tuple, out: Tensor) -> Tensor:
         x = args[0]
-        out = out.clone()
+        out = out.clone() if torch.is_grad_enabled() else out       # in place when nothing records the graph
         for i, (patch, strength) in enumerate(items):
             if next(iter(patch.tensors.values())).device != x.device:    # moved once, where the layer computes
-                patch = _to(patch, x.device)
+                patch = _patch_on_device(patch, x.device)
                 items[i] = (patch, strength)
             rows = slice(*patch.rows) if patch.rows else slice(None)
             out[..., rows] += strength * patch.branch(x).to(out.dtype)

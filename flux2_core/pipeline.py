@@ -40,7 +40,6 @@ device, the other blocks visit it one at a time as they run. ``generate`` runs t
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ from torch import Tensor
 from .autoencoder import AutoEncoder, free_memory
 from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
-from .offload import place, streamed_blocks
+from .offload import module_bytes, place, streamed_blocks
 from .references import as_pil, center_crop_16, encode_references, image_to_tensor, prepare_references
 from .sampling import LATENT_CHANNELS, add_noise, denoise, latent_size, make_noise
 from .schedules import check_sigmas, flux2_schedule, truncate_for_strength
@@ -147,24 +146,18 @@ def apply_adapters(models: Models, files: Sequence[tuple[str | Path, float]], me
     to the transformer, text-encoder patches to the text encoder (``patching.set_adapters``; ``merge`` as there).
     Returns each adapter's match report, one line each; the caches key their entries by the applied set."""
     from .adapters import read_adapter
-    from .cache import tensor_digest
     from .patching import set_adapters
 
     encoder = models.prompt_encoder.model
     shapes = {name: t.shape for name, t in encoder.state_dict().items()}
     read = [(read_adapter(path, models.variant.params, shapes), float(strength)) for path, strength in files]
-    key = tuple((a.name, tensor_digest(*[t for p in a.patches + a.text_encoder_patches for t in p.tensors.values()]),
-                 strength) for a, strength in read)
+    key = tuple((a.name, a.digest(), strength) for a, strength in read if strength != 0)
     set_adapters(models.transformer, [(p, s) for a, s in read for p in a.patches], key, merge)
     set_adapters(encoder, [(p, s) for a, s in read for p in a.text_encoder_patches], key, merge)
     return [f"{a.report.summary()} (strength {s:g})" for a, s in read]
 
 
 # --- the text encoder: cache and offload ----------------------------------------------------------------------------
-
-def module_bytes(module: torch.nn.Module) -> int:
-    return sum(t.nbytes for t in itertools.chain(module.parameters(), module.buffers()))
-
 
 def denoise_memory(params: TransformerParams, tokens: int, batch: int, dtype: torch.dtype) -> int:
     """The denoiser's peak activation memory in bytes for ``tokens`` (text, image and reference) per item of the model

@@ -18,6 +18,8 @@ turns it on where the GPU supports it (the CLI's --fp8-matmul, the model loader 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
@@ -132,6 +134,23 @@ def fp8_matmul_unsupported(device: torch.device, dtype: torch.dtype) -> str | No
                 f"{capability[0]}.{capability[1]}")
     if dtype != torch.bfloat16:
         return f"fp8 matmul writes bfloat16; this model computes in {str(dtype).removeprefix('torch.')}"
+    failure = scaled_mm_failure(str(device))
+    if failure:
+        return (f"torch._scaled_mm with per-row scales fails on {torch.cuda.get_device_name(device)} with this torch "
+                f"({torch.__version__}): {failure}")
+    return None
+
+
+@functools.cache
+def scaled_mm_failure(device: str) -> str | None:
+    """Run one tiny fp8 matmul as ``Fp8Linear`` runs them; its error (first line), or None when it works. Some torch
+    releases lack per-row scales on some GPUs that have fp8 tensor cores (sm_89 before 2025, sm_100/120 in some)."""
+    try:
+        _fp8_matmul(torch.ones(16, 16, device=device, dtype=torch.bfloat16),
+                    torch.ones(16, 16, device=device).to(FP8), torch.ones(16, device=device))
+        torch.cuda.synchronize(device)
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
     return None
 
 

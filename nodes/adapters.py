@@ -11,7 +11,7 @@ import logging
 
 from comfy_api.latest import io, ui
 
-from ..flux2_core import adapters, cache
+from ..flux2_core import adapters
 from . import host, types
 
 log = logging.getLogger("flux2_klein")
@@ -24,7 +24,8 @@ class LoRA(io.ComfyNode):
             node_id="Flux2KleinLoRA", display_name="FLUX.2 Klein LoRA", category=f"{types.CATEGORY}/loaders",
             description="Applies a LoRA (also LoKr, LoHa, DoRA) made for FLUX.2 Klein: ai-toolkit, kohya/musubi, "
                         "diffusers/PEFT, ComfyUI and LyCORIS files. Chain several for a stack. The node shows how "
-                        "many tensors matched per block group and every key that matched nothing.",
+                        "many tensors matched per block group and the keys that matched nothing (all of them in "
+                        "ComfyUI's log).",
             inputs=[types.Model.Input("model", tooltip="From FLUX.2 Klein Load Model (or another LoRA node)."),
                     io.Combo.Input("lora_name", options=host.model_choices("loras"),
                                    tooltip="A .safetensors adapter under models/loras."),
@@ -36,11 +37,14 @@ class LoRA(io.ComfyNode):
     @classmethod
     def execute(cls, model: host.Managed, lora_name: str, strength: float) -> io.NodeOutput:
         adapter = adapters.read_adapter(host.resolve("loras", lora_name), model.variant.params, name=lora_name)
-        digest = cache.tensor_digest(*[t for p in adapter.patches for t in p.tensors.values()])
         info = f"{adapter.report.summary()} (strength {strength:g})"
         if adapter.text_encoder_patches:
             info += (f"; its {len(adapter.text_encoder_patches)} text-encoder modules are not applied: this node "
                      "patches the diffusion model only")
         log.info("FLUX.2 Klein LoRA %s", info)
-        chained = dataclasses.replace(model, adapters=(*model.adapters, (lora_name, digest, strength, adapter)))
+        if adapter.report.unmatched:
+            log.warning("FLUX.2 Klein LoRA %s: keys that matched nothing: %s", lora_name, ", ".join(
+                f"{key} ({why})" for key, why in adapter.report.unmatched.items()))
+        chained = dataclasses.replace(model, adapters=(*model.adapters, (lora_name, adapter.digest(), strength,
+                                                                         adapter)))
         return io.NodeOutput(chained, ui=ui.PreviewText(info))

@@ -157,7 +157,7 @@ class Managed:
     @property
     def adapter_key(self) -> tuple:
         """The LoRAs this model runs with: (file, content digest, strength) each (flux2_core.patching's key)."""
-        return tuple((name, digest, strength) for name, digest, strength, _ in self.adapters)
+        return tuple((name, digest, strength) for name, digest, strength, _ in self.adapters if strength != 0)
 
 
 def partially_loaded(model: Managed) -> bool:

@@ -21,9 +21,9 @@ PACK_NAME = "FLUX.2 Klein Engine"
 
 
 def read_requirements(path: Path) -> list[str]:
-    """The requirement lines of a requirements.txt (comments and blank lines dropped)."""
+    """The requirement lines of a requirements.txt (comments, blank lines and pip options such as -r dropped)."""
     lines = (line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines())
-    return [line for line in lines if line]
+    return [line for line in lines if line and not line.startswith("-")]
 
 
 def requirement_problem(line: str) -> str | None:
@@ -34,6 +34,8 @@ def requirement_problem(line: str) -> str | None:
         name, specifier = re.match(r"[A-Za-z0-9._-]+", line).group(0), None
     else:
         requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            return None                               # not for this platform / Python
         name, specifier = requirement.name, requirement.specifier
     try:
         installed = metadata.version(name)

@@ -73,7 +73,8 @@ def test_every_import_of_the_pack_is_installed_by_requirements_or_comes_with_com
 def test_install_check_passes_here_and_names_what_is_missing_or_too_old(tmp_path):
     assert install_check.install_problems(ROOT) == []                # this venv has every requirement
     (tmp_path / "requirements.txt").write_text("# comment\nnumpy>=1.0  # fine\nnot-a-real-package-xyz>=1\n"
-                                               "einops>=999\n")
+                                               "einops>=999\n-r other.txt\n"
+                                               "also-not-real; sys_platform == 'nonexistent-os'\n")
     problems = install_check.install_problems(tmp_path)
     assert problems == ["not-a-real-package-xyz>=1 (not installed)",
                         f"einops>=999 ({metadata.version('einops')} is installed)"]

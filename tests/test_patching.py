@@ -200,7 +200,9 @@ def test_cli_lora_flag(tmp_path, monkeypatch, capsys):
     a, b = (np.asarray(Image.open(tmp_path / d / "flux2_3.png"), dtype=np.int16) for d in ("plain", "lora"))
     assert np.abs(a - b).mean() > 0                                          # it changed the picture
     assert cli.main([*argv, "--lora", str(tmp_path / "missing.safetensors")]) == 2
-    assert "missing.safetensors" in capsys.readouterr().err
+    assert "missing.safetensors: no such file" in capsys.readouterr().err
+    assert cli.main([*argv, "--lora", f"{path}:nan"]) == 2
+    assert "the strength must be a finite number" in capsys.readouterr().err
     assert cli.lora_argument("C:\\loras\\x.safetensors") == ("C:\\loras\\x.safetensors", 1.0)
     assert cli.lora_argument("x.safetensors:0.5") == ("x.safetensors", 0.5)
 
@@ -223,3 +225,30 @@ def test_adapters_on_a_streamed_model_equal_the_resident_one():
         assert torch.equal(forward(streamed), want) and torch.equal(forward(streamed), want)   # and still after a run
         set_adapters(streamed, [])
         assert torch.equal(forward(streamed), forward(tiny_model()))
+
+
+def test_compiled_fp8_model_follows_adapter_changes():
+    """fp8 layers take LoRAs as forward hooks; blocks compiled before or after a change must run the current ones
+    (dynamo would otherwise keep the hooks it first saw: a silently stale LoRA)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from flux2_core.compile import compile_blocks
+
+    a, _, _ = lora(1)
+
+    def fp8_model():
+        model = tiny_model()
+        quant.quantize_transformer(model)
+        return model
+
+    torch._dynamo.reset()
+    eager, compiled = fp8_model(), fp8_model()
+    compile_blocks(compiled, backend=CompileCounter())
+    try:
+        for strengths in ([], [0.9], [2.0], [0.9, -0.4], []):           # add, change, stack, remove
+            patches = [(p, s) for s in strengths for p in a.patches]
+            set_adapters(eager, patches, key=tuple(strengths))
+            set_adapters(compiled, patches, key=tuple(strengths))
+            assert torch.equal(forward(compiled), forward(eager)), strengths
+    finally:
+        torch._dynamo.reset()

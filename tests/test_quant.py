@@ -250,9 +250,12 @@ def test_fp16_activations_use_the_dequantizing_path(monkeypatch):
     assert (got.float() - want).abs().max() <= 2e-3 * want.abs().max()          # fp16 rounding of x and of y
 
 
-def fake_gpu(monkeypatch, capability: tuple[int, int], name: str = "NVIDIA H100") -> None:
+def fake_gpu(monkeypatch, capability: tuple[int, int], name: str = "NVIDIA H100", failure: str | None = None) -> None:
+    from flux2_core import quant
+
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(quant, "scaled_mm_failure", lambda device: failure)     # the probe matmul, faked too
 
 
 @pytest.mark.parametrize("device,capability,dtype,choice,note", [
@@ -295,3 +298,16 @@ def test_fp8_matmul_refusals_say_why(monkeypatch):
         quant.use_fp8_matmul(plain, True, torch.device("cuda"), torch.bfloat16)
     with pytest.raises(Flux2Error, match="'auto', True or False"):
         quant.use_fp8_matmul(fp8_model, "yes", torch.device("cuda"), torch.bfloat16)
+
+
+def test_fp8_matmul_stays_off_where_this_torch_cannot_run_it(monkeypatch):
+    """A GPU with fp8 tensor cores but a torch whose _scaled_mm lacks per-row scales there: the probe's error is
+    the reason, instead of a RuntimeError in the middle of a generation."""
+    from flux2_core import quant
+
+    fake_gpu(monkeypatch, (12, 0), "NVIDIA RTX 5090", failure="CUDA error: operation not supported")
+    model = torch.nn.Sequential(Fp8Linear.from_linear(torch.nn.Linear(32, 32, bias=False)))
+    on, note = quant.use_fp8_matmul(model, "auto", torch.device("cuda"), torch.bfloat16)
+    assert not on and not model[0].fp8_matmul
+    assert ("torch._scaled_mm with per-row scales fails on NVIDIA RTX 5090 with this torch "
+            f"({torch.__version__}): CUDA error: operation not supported") in note
