@@ -199,13 +199,6 @@ def quantize_transformer(model: nn.Module, per_row: bool = True, fp8_matmul: boo
     return names
 
 
-def empty_fp8_layers(model: nn.Module, names: list[str]) -> None:
-    """Replace the named ``nn.Linear`` layers by empty ``Fp8Linear`` layers (``Fp8Linear.like``, per-row scales): on a
-    model built on the meta device, ready to be assigned fp8 weights (``weights.load_transformer``)."""
-    for name in names:
-        _set_submodule(model, name, Fp8Linear.like(model.get_submodule(name)))
-
-
 def count_fp8(model: nn.Module) -> int:
     """How many of the model's layers store their weights in fp8."""
     return sum(isinstance(m, Fp8Linear) for m in model.modules())

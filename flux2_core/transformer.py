@@ -32,7 +32,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from .errors import Flux2Error
-from .linear import Linear, VectorLinear
+from .layers import Layers
 from .rope import apply_rope, rope_table
 from .variants import TransformerParams
 
@@ -118,12 +118,12 @@ def split_heads(qkv: Tensor, norm: QKNorm, heads: int, pe: Tensor) -> tuple[Tens
 class SelfAttention(nn.Module):
     """One stream's attention weights in a double block (the attention itself is joint)."""
 
-    def __init__(self, hidden: int, heads: int):
+    def __init__(self, hidden: int, heads: int, layers: Layers):
         super().__init__()
         self.heads = heads
-        self.qkv = Linear(hidden, 3 * hidden)
+        self.qkv = layers.linear("qkv", hidden, 3 * hidden)
         self.norm = QKNorm(hidden // heads)
-        self.proj = Linear(hidden, hidden)
+        self.proj = layers.linear("proj", hidden, hidden)
 
     def qkv_heads(self, x: Tensor, pe: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return split_heads(self.qkv(x), self.norm, self.heads, pe)
@@ -134,29 +134,29 @@ class SwiGLU(nn.Module):
         return swiglu(x)
 
 
-def mlp(hidden: int, mlp_hidden: int) -> nn.Sequential:
+def mlp(hidden: int, mlp_hidden: int, layers: Layers) -> nn.Sequential:
     """Lin(H, 2M) -> SwiGLU -> Lin(M, H); the Sequential indices give BFL's keys ``.0`` and ``.2``."""
-    return nn.Sequential(Linear(hidden, 2 * mlp_hidden), SwiGLU(),
-                         Linear(mlp_hidden, hidden))
+    return nn.Sequential(layers.linear("0", hidden, 2 * mlp_hidden), SwiGLU(),
+                         layers.linear("2", mlp_hidden, hidden))
 
 
 class Modulation(nn.Module):
     """Lin(H, n·H) on silu(vec): n chunks [B, 1, H] (shift, scale, gate, ...)."""
 
-    def __init__(self, hidden: int, n: int):
+    def __init__(self, hidden: int, n: int, layers: Layers):
         super().__init__()
         self.n = n
-        self.lin = VectorLinear(hidden, n * hidden)
+        self.lin = layers.linear("lin", hidden, n * hidden, per_item=True)
 
     def forward(self, vec: Tensor) -> tuple[Tensor, ...]:
         return self.lin(F.silu(vec))[:, None, :].chunk(self.n, dim=-1)
 
 
 class MLPEmbedder(nn.Module):
-    def __init__(self, in_dim: int, hidden: int):
+    def __init__(self, in_dim: int, hidden: int, layers: Layers):
         super().__init__()
-        self.in_layer = VectorLinear(in_dim, hidden)
-        self.out_layer = VectorLinear(hidden, hidden)
+        self.in_layer = layers.linear("in_layer", in_dim, hidden, per_item=True)
+        self.out_layer = layers.linear("out_layer", hidden, hidden, per_item=True)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out_layer(F.silu(self.in_layer(x)))
@@ -170,12 +170,12 @@ def _stream_update(x: Tensor, attn_out: Tensor, attn: SelfAttention, mlp: nn.Mod
 
 
 class DoubleStreamBlock(nn.Module):
-    def __init__(self, p: TransformerParams):
+    def __init__(self, p: TransformerParams, layers: Layers):
         super().__init__()
-        self.img_attn = SelfAttention(p.hidden_size, p.num_heads)
-        self.img_mlp = mlp(p.hidden_size, p.mlp_hidden)
-        self.txt_attn = SelfAttention(p.hidden_size, p.num_heads)
-        self.txt_mlp = mlp(p.hidden_size, p.mlp_hidden)
+        self.img_attn = SelfAttention(p.hidden_size, p.num_heads, layers.scope("img_attn"))
+        self.img_mlp = mlp(p.hidden_size, p.mlp_hidden, layers.scope("img_mlp"))
+        self.txt_attn = SelfAttention(p.hidden_size, p.num_heads, layers.scope("txt_attn"))
+        self.txt_mlp = mlp(p.hidden_size, p.mlp_hidden, layers.scope("txt_mlp"))
 
     def forward(self, img: Tensor, txt: Tensor, pe: Tensor, mod_img: tuple[Tensor, ...], mod_txt: tuple[Tensor, ...],
                 ref_kv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
@@ -195,12 +195,12 @@ class DoubleStreamBlock(nn.Module):
 class SingleStreamBlock(nn.Module):
     """Parallel block: linear1 -> (q, k, v | MLP in); linear2 on cat(attention out, SwiGLU(MLP in))."""
 
-    def __init__(self, p: TransformerParams):
+    def __init__(self, p: TransformerParams, layers: Layers):
         super().__init__()
         self.heads = p.num_heads
         self.split = [3 * p.hidden_size, 2 * p.mlp_hidden]
-        self.linear1 = Linear(p.hidden_size, sum(self.split))
-        self.linear2 = Linear(p.hidden_size + p.mlp_hidden, p.hidden_size)
+        self.linear1 = layers.linear("linear1", p.hidden_size, sum(self.split))
+        self.linear2 = layers.linear("linear2", p.hidden_size + p.mlp_hidden, p.hidden_size)
         self.norm = QKNorm(p.head_dim)
 
     def forward(self, x: Tensor, pe: Tensor, mod: tuple[Tensor, ...], n_txt: int,
@@ -217,10 +217,11 @@ class SingleStreamBlock(nn.Module):
 
 
 class LastLayer(nn.Module):
-    def __init__(self, hidden: int, out_channels: int):
+    def __init__(self, hidden: int, out_channels: int, layers: Layers):
         super().__init__()
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), VectorLinear(hidden, 2 * hidden))
-        self.linear = Linear(hidden, out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), layers.linear("adaLN_modulation.1", hidden, 2 * hidden,
+                                                                       per_item=True))
+        self.linear = layers.linear("linear", hidden, out_channels)
 
     def forward(self, x: Tensor, vec: Tensor) -> Tensor:
         shift, scale = self.adaLN_modulation(vec)[:, None, :].chunk(2, dim=-1)   # order: shift, then scale
@@ -276,20 +277,24 @@ def _batched(x: Tensor, batch: int, name: str) -> Tensor:
 class Flux2Transformer(nn.Module):
     """FLUX.2 DiT; ``state_dict()`` keys are exactly those of BFL's single-file checkpoints."""
 
-    def __init__(self, params: TransformerParams):
+    def __init__(self, params: TransformerParams, layers: Layers | None = None):
+        """``layers`` makes every linear layer (``layers.Layers``: float, or fp8 per layer); default: all float."""
         super().__init__()
         p = self.params = params
-        self.img_in = Linear(p.in_channels, p.hidden_size)
-        self.txt_in = Linear(p.context_in_dim, p.hidden_size)
-        self.time_in = MLPEmbedder(TIME_EMBED_DIM, p.hidden_size)
+        layers = layers or Layers()
+        self.img_in = layers.linear("img_in", p.in_channels, p.hidden_size)
+        self.txt_in = layers.linear("txt_in", p.context_in_dim, p.hidden_size)
+        self.time_in = MLPEmbedder(TIME_EMBED_DIM, p.hidden_size, layers.scope("time_in"))
         if p.use_guidance_embed:
-            self.guidance_in = MLPEmbedder(TIME_EMBED_DIM, p.hidden_size)
-        self.double_stream_modulation_img = Modulation(p.hidden_size, 6)
-        self.double_stream_modulation_txt = Modulation(p.hidden_size, 6)
-        self.single_stream_modulation = Modulation(p.hidden_size, 3)
-        self.double_blocks = nn.ModuleList(DoubleStreamBlock(p) for _ in range(p.depth))
-        self.single_blocks = nn.ModuleList(SingleStreamBlock(p) for _ in range(p.depth_single_blocks))
-        self.final_layer = LastLayer(p.hidden_size, p.in_channels)
+            self.guidance_in = MLPEmbedder(TIME_EMBED_DIM, p.hidden_size, layers.scope("guidance_in"))
+        self.double_stream_modulation_img = Modulation(p.hidden_size, 6, layers.scope("double_stream_modulation_img"))
+        self.double_stream_modulation_txt = Modulation(p.hidden_size, 6, layers.scope("double_stream_modulation_txt"))
+        self.single_stream_modulation = Modulation(p.hidden_size, 3, layers.scope("single_stream_modulation"))
+        self.double_blocks = nn.ModuleList(DoubleStreamBlock(p, layers.scope(f"double_blocks.{i}"))
+                                           for i in range(p.depth))
+        self.single_blocks = nn.ModuleList(SingleStreamBlock(p, layers.scope(f"single_blocks.{i}"))
+                                           for i in range(p.depth_single_blocks))
+        self.final_layer = LastLayer(p.hidden_size, p.in_channels, layers.scope("final_layer"))
 
     def forward(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
                 guidance: Tensor | None = None, ref: Tensor | None = None, ref_ids: Tensor | None = None,

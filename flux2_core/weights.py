@@ -65,7 +65,8 @@ from .key_mapping import (
     qwen3_name,
     same_names,
 )
-from .quant import FP8_DTYPES, empty_fp8_layers, in_blocks, quantize_fp8
+from .layers import Layers
+from .quant import FP8_DTYPES, in_blocks, quantize_fp8
 from .text_encoder import PromptEncoder, build_qwen3_encoder, is_used
 from .tokenizer import load_tokenizer
 from .transformer import Flux2Transformer
@@ -405,17 +406,14 @@ def _transformer_on_meta(path, params: TransformerParams | None, variant: str | 
     """The file's source, the model built on the meta device with its fp8 layers, and the variant."""
     source = _transformer_source(path)
     params, chosen = _transformer_spec(source, params, variant)
-    model = build_on_meta(lambda: Flux2Transformer(params))
-    empty_fp8_layers(model, fp8_layer_names(source, model, fp8))
+    model = build_on_meta(lambda: Flux2Transformer(params, Layers(fp8=fp8_storage(source, fp8))))
     return source, model, chosen
 
 
-def fp8_layer_names(source: Source, model: nn.Module, fp8: bool | None) -> list[str]:
-    """The model's Linear layers to store in fp8 (see ``load_transformer``)."""
-    if fp8 is False:
-        return []
-    return [name for name, layer in model.named_modules() if isinstance(layer, nn.Linear)
-            and (source.stores_fp8(name + ".weight") or (fp8 and in_blocks(name)))]
+def fp8_storage(source: Source, fp8: bool | None) -> Callable[[str], bool]:
+    """Which linear layers (by name) to store in fp8 (see ``load_transformer``): none with fp8=False; those the file
+    stores in float8; with fp8=True every block layer too (``quant.in_blocks``)."""
+    return lambda name: fp8 is not False and (source.stores_fp8(name + ".weight") or bool(fp8 and in_blocks(name)))
 
 
 def _transformer_source(path) -> Source:

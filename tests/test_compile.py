@@ -119,8 +119,7 @@ def test_inductor_matches_eager_without_recompiling():
 
 def test_onednn_linears_keeps_weights_and_outputs():
     """The oneDNN path exists for float32 on the CPU only: this test runs there in every mode."""
-    from flux2_core.linear import onednn_linears
-    from flux2_core.transformer import Linear
+    from flux2_core.linear import Linear, onednn_linears
 
     g = torch.Generator().manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.SiLU(), torch.nn.Linear(32, 8))

@@ -1,0 +1,43 @@
+"""Where the transformer's linear layers are made: the one seam for weight storage (ComfyUI's ``operations=`` idea).
+
+    model = Flux2Transformer(params)                                    # every layer float (linear.Linear)
+    model = Flux2Transformer(params, Layers(fp8=lambda name: name.startswith("single_blocks.")))
+
+The model asks for each linear layer by its full name (the BFL key without ``.weight``, e.g.
+``double_blocks.0.img_attn.qkv``), so the storage is chosen per layer, at construction, never by swapping layers in
+afterwards:
+
+    float   linear.Linear / linear.VectorLinear: an nn.Linear weight in the compute dtype (oneDNN on CPU)
+    fp8     quant.Fp8Linear: float8 weight + float32 scale, computed in the compute dtype or in fp8 (use_fp8_matmul)
+
+(GGUF blocks are the next storage.) Per-item vector layers (timestep embedding, modulations) stay per item in every
+storage, so a batch keeps equal to single runs. Adapters sit on top of any storage (``patching.set_adapters``).
+``quant.quantize_transformer`` converts a model already in memory instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from .linear import Linear, VectorLinear
+from .quant import Fp8Linear
+
+
+class Layers:
+    """Makes a model's linear layers; ``fp8(name)`` says which to store in fp8 (default: none)."""
+
+    def __init__(self, fp8: Callable[[str], bool] | None = None, prefix: str = ""):
+        self.fp8, self.prefix = fp8 or (lambda name: False), prefix
+
+    def scope(self, name: str) -> Layers:
+        """The same maker for the layers inside the submodule ``name`` (their names get ``name.`` in front)."""
+        return Layers(self.fp8, f"{self.prefix}{name}.")
+
+    def linear(self, name: str, in_features: int, out_features: int, per_item: bool = False) -> nn.Module:
+        """A bias-free linear layer [out, in] named ``name`` within this scope; ``per_item``: one batch item at a
+        time (linear.VectorLinear), for the per-item vectors [B, in] of the modulations and embedders."""
+        if self.fp8(self.prefix + name):
+            return Fp8Linear(in_features, out_features, item_by_item=per_item)
+        return (VectorLinear if per_item else Linear)(in_features, out_features)
