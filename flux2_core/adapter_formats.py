@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass
 
 from .errors import Flux2Error
-from .key_mapping import SWAPPED_FROM_DIFFUSERS, TRANSFORMER_FROM_DIFFUSERS, table_recipes
 from .variants import TransformerParams
+from .weights.key_mapping import SWAPPED_FROM_DIFFUSERS, TRANSFORMER_FROM_DIFFUSERS, table_recipes
 
 # file suffix -> role; the longest matching suffix wins (".lora_A.default.weight" before ".weight" forms)
 SUFFIXES = {

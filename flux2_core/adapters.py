@@ -45,9 +45,9 @@ from .adapter_formats import (
     transformer_names,
 )
 from .cache import tensor_digest
-from .checkpoint import TORCH_DTYPES, open_checkpoint, read_tensor
 from .errors import Flux2Error
 from .variants import TransformerParams
+from .weights.checkpoint import TORCH_DTYPES, open_checkpoint, read_tensor
 
 ROLES = {"lora": ("down", "up"), "lokr": ("w1", "w1_a", "w1_b", "w2", "w2_a", "w2_b"),
          "loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"), "diff": ("diff",)}

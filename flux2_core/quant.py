@@ -13,7 +13,7 @@ activations are quantized per token on the fly, which is faster and changes resu
 turns it on where the GPU supports it (the CLI's --fp8-matmul, the model loader node).
 
     quantize_transformer(model)                    # a loaded bf16 Flux2Transformer -> fp8 block weights, in place
-    load_transformer(path, fp8=None)               # weights.py: an fp8 file's layers stay fp8, with the file's scales
+    load_transformer(path, fp8=None)               # weights/loading.py: an fp8 file's layers stay fp8, with the file's scales
 """
 
 from __future__ import annotations

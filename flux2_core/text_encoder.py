@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .dequantize import DROPPED_SUFFIXES
 from .errors import Flux2Error
 from .linear import onednn_linears
 from .tokenizer import load_tokenizer
@@ -128,6 +127,8 @@ def qwen3_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     if "layers.0.self_attn.q_norm.weight" not in sd:
         raise Flux2Error("this text encoder has no q_norm in its attention, so it is not Qwen3 (Qwen2.5, Llama and "
                          "Mistral have none). FLUX.2 Klein needs Qwen3-4B (Klein 4B) or Qwen3-8B (Klein 9B)")
+    from .weights.dequantize import DROPPED_SUFFIXES  # here: the weights package imports this module
+
     quantized = [k for k in sd if k.endswith(DROPPED_SUFFIXES)]   # scales beside weights
     if quantized:
         raise Flux2Error(f"the text-encoder weights are quantized ({quantized[0]}, …): dequantize them to a float "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import comfy.model_patcher
 import torch
 from comfy_api.latest import io, ui
 
@@ -198,7 +197,7 @@ def reference_kv(model: host.Managed, key: tuple, ref, ref_ids, device, memory: 
 
 # the last edit's reference K/V (ModelPatcher of a host.Flux2KleinReferenceKV) by cache.reference_kv_key; at most one:
 # about 2 GiB per 1024^2 reference on Klein 9B in bf16
-REFERENCE_KV: dict[tuple, comfy.model_patcher.ModelPatcher] = {}
+REFERENCE_KV: dict[tuple, object] = {}          # values: host.manage_reference_kv's ModelPatcher
 
 
 def image_latent(latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

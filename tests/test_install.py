@@ -39,7 +39,7 @@ def third_party_imports() -> dict[str, set[str]]:
     """Top-level modules imported anywhere in the pack's code (engine, nodes, entry point) -> the files importing them,
     stdlib and relative imports left out."""
     found: dict[str, set[str]] = {}
-    files = [ROOT / "__init__.py", *sorted((ROOT / "flux2_core").glob("*.py")), *sorted((ROOT / "nodes").glob("*.py"))]
+    files = [ROOT / "__init__.py", *sorted((ROOT / "flux2_core").rglob("*.py")), *sorted((ROOT / "nodes").glob("*.py"))]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):

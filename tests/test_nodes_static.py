@@ -40,7 +40,7 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_core_never_imports_comfyui():
-    for path in sorted((ROOT / "flux2_core").glob("*.py")):
+    for path in sorted((ROOT / "flux2_core").rglob("*.py")):
         assert not imported_modules(path) & COMFY_MODULES, f"{path.name} imports ComfyUI"
 
 

@@ -1,4 +1,4 @@
-"""weights.py: every layout loads the same tiny weights to the same model, which matches diffusers' own model.
+"""flux2_core.weights: every layout loads the same tiny weights to the same model, which matches diffusers' own model.
 
 Layouts: BFL single file, ComfyUI file (with and without its prefix), diffusers folder / pipeline root / shards,
 Hugging Face text-encoder folder; fp8 files; and every bad input as a Flux2Error. Parity bound against diffusers:
@@ -16,9 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flux2_core import dequantize, rope, weights
+from flux2_core import rope, weights
 from flux2_core.errors import Flux2Error
 from flux2_core.variants import KLEIN_4B, KLEIN_9B, get_variant
+from flux2_core.weights import dequantize, loading
 from tests.tiny.autoencoder import (
     build_diffusers_autoencoder,
     save_bfl_autoencoder,
@@ -116,11 +117,11 @@ def test_transformer_layouts_load_the_same_weights(dit, dit_inputs, layout):
 
 def test_transformer_dtype_and_meta_assignment(dit):
     """Built on meta, then assigned: the parameters are the very tensors read, and nothing is left on meta."""
-    source = weights._transformer_source(dit.files["comfyui"])
-    model = weights.build_on_meta(lambda: weights.Flux2Transformer(TINY_TRANSFORMER))
+    source = loading._transformer_source(dit.files["comfyui"])
+    model = loading.build_on_meta(lambda: loading.Flux2Transformer(TINY_TRANSFORMER))
     assert all(p.is_meta for p in model.parameters())
-    state = weights.read_state_dict(source, model.state_dict(), CPU, torch.bfloat16)
-    model = weights.assign(model, state)
+    state = loading.read_state_dict(source, model.state_dict(), CPU, torch.bfloat16)
+    model = loading.assign(model, state)
     for name, tensor in model.state_dict().items():
         assert tensor.data_ptr() == state[name].data_ptr(), name
         assert tensor.dtype == torch.bfloat16 and tensor.device == CPU
@@ -292,7 +293,7 @@ def test_text_encoder_tokenizer_comes_from_the_folder(te, monkeypatch):
     """A folder's tokenizer is looked up beside its weights (tokenizer.py finds text_encoder/../tokenizer/);
     a single file gets the built-in tokenizer."""
     asked = []
-    monkeypatch.setattr(weights, "load_tokenizer", lambda folder: asked.append(folder) or te.tokenizer)
+    monkeypatch.setattr(loading, "load_tokenizer", lambda folder: asked.append(folder) or te.tokenizer)
     assert weights.load_text_encoder(te.files["diffusers-root"], device="cpu").tokenizer is te.tokenizer
     assert asked == [te.files["diffusers-folder"]]
     monkeypatch.setattr("flux2_core.text_encoder.load_tokenizer", lambda: "built-in")
@@ -599,7 +600,7 @@ def test_loaded_weights_do_not_share_the_file(dit, tmp_path):
 def test_cpu_reads_equal_safetensors_own_for_every_dtype(tmp_path):
     """checkpoint.read_tensor (plain reads at the header's offsets) against safetensors' load_file, dtype by dtype,
     with scalars and empty tensors; a file cut after its header was read is an error, not garbage."""
-    from flux2_core.checkpoint import TORCH_DTYPES, read_header, read_tensor
+    from flux2_core.weights.checkpoint import TORCH_DTYPES, read_header, read_tensor
 
     g = torch.Generator().manual_seed(0)
     sd = {f"t_{code}": (torch.randn(5, 7, generator=g) * 50).to(dtype) for code, dtype in TORCH_DTYPES.items()}

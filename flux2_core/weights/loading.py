@@ -50,10 +50,24 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .autoencoder import AutoEncoder
+from ..autoencoder import AutoEncoder
+from ..errors import Flux2Error
+from ..layers import Layers
+from ..quant import FP8_DTYPES, in_blocks, quantize_fp8
+from ..text_encoder import PromptEncoder, build_qwen3_encoder, is_used
+from ..tokenizer import load_tokenizer
+from ..transformer import Flux2Transformer
+from ..variants import (
+    QWEN3_4B,
+    QWEN3_8B,
+    AutoEncoderParams,
+    TransformerParams,
+    Variant,
+    get_variant,
+    variant_for_params,
+)
 from .checkpoint import TORCH_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json, read_tensor
 from .dequantize import COMFY_FP8, DROPPED_SUFFIXES, SCALE_SUFFIXES, comfy_formats, dequantize, dequantize_nvfp4
-from .errors import Flux2Error
 from .key_mapping import (
     AUTOENCODER_LAYOUTS,
     OPTIONAL_KEYS,
@@ -65,12 +79,6 @@ from .key_mapping import (
     qwen3_name,
     same_names,
 )
-from .layers import Layers
-from .quant import FP8_DTYPES, in_blocks, quantize_fp8
-from .text_encoder import PromptEncoder, build_qwen3_encoder, is_used
-from .tokenizer import load_tokenizer
-from .transformer import Flux2Transformer
-from .variants import QWEN3_4B, QWEN3_8B, AutoEncoderParams, TransformerParams, Variant, get_variant, variant_for_params
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. reading our state dict: recipes -> tensors on the target device, dequantized, cast, shape-fitted

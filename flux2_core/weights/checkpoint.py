@@ -12,7 +12,7 @@ from typing import BinaryIO
 
 import torch
 
-from .errors import Flux2Error
+from ..errors import Flux2Error
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. safetensors headers: read and check, never unpickle

@@ -6,8 +6,8 @@ import json
 
 import torch
 
+from ..errors import Flux2Error
 from .checkpoint import Checkpoint, TensorInfo, read_tensor
-from .errors import Flux2Error
 
 # ---------------------------------------------------------------------------------------------------------------
 # Quantised weights
