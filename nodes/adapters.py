@@ -31,20 +31,30 @@ class LoRA(io.ComfyNode):
                                    tooltip="A .safetensors adapter under models/loras."),
                     io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01,
                                    tooltip="How strongly it applies: 0 leaves the model exactly as it was, 1 as "
-                                           "trained, negative values push the other way.")],
-            outputs=[types.Model.Output(display_name="model", tooltip="The model with this LoRA after the others.")])
+                                           "trained, negative values push the other way."),
+                    types.TextEncoder.Input("text_encoder", optional=True,
+                                            tooltip="Connect it for LoRAs that also train the text encoder: their "
+                                                    "text-encoder layers then apply too (through this node's "
+                                                    "text_encoder output).")],
+            outputs=[types.Model.Output(display_name="model", tooltip="The model with this LoRA after the others."),
+                     types.TextEncoder.Output(display_name="text_encoder",
+                                              tooltip="The text encoder with this LoRA's text-encoder layers (only "
+                                                      "when one is connected to the input).")])
 
     @classmethod
-    def execute(cls, model: host.Managed, lora_name: str, strength: float) -> io.NodeOutput:
-        adapter = adapters.read_adapter(host.resolve("loras", lora_name), model.variant.params, name=lora_name)
+    def execute(cls, model: host.Managed, lora_name: str, strength: float, text_encoder=None) -> io.NodeOutput:
+        shapes = None if text_encoder is None else {k: v.shape for k, v in text_encoder.core.model.state_dict().items()}
+        adapter = adapters.read_adapter(host.resolve("loras", lora_name), model.variant.params, shapes, name=lora_name)
         info = f"{adapter.report.summary()} (strength {strength:g})"
-        if adapter.text_encoder_patches:
-            info += (f"; its {len(adapter.text_encoder_patches)} text-encoder modules are not applied: this node "
-                     "patches the diffusion model only")
+        if adapter.text_encoder_patches and text_encoder is None:
+            info += (f"; its {len(adapter.text_encoder_patches)} text-encoder modules are not applied: connect the "
+                     "text encoder to this node and encode the prompt with its text_encoder output")
         log.info("FLUX.2 Klein LoRA %s", info)
         if adapter.report.unmatched:
             log.warning("FLUX.2 Klein LoRA %s: keys that matched nothing: %s", lora_name, ", ".join(
                 f"{key} ({why})" for key, why in adapter.report.unmatched.items()))
-        chained = dataclasses.replace(model, adapters=(*model.adapters, (lora_name, adapter.digest(), strength,
-                                                                         adapter)))
-        return io.NodeOutput(chained, ui=ui.PreviewText(info))
+        entry = (lora_name, adapter.digest(), strength, adapter)
+        chained = dataclasses.replace(model, adapters=(*model.adapters, entry))
+        encoder = None if text_encoder is None else dataclasses.replace(text_encoder,
+                                                                        adapters=(*text_encoder.adapters, entry))
+        return io.NodeOutput(chained, encoder, ui=ui.PreviewText(info))

@@ -42,7 +42,10 @@ class PromptEncode(io.ComfyNode):
                                             tooltip="ComfyUI CONDITIONING: embeddings [1, 512, 3 x hidden].")])
 
     @classmethod
-    def execute(cls, text_encoder: host.Managed, prompt: str) -> io.NodeOutput:
+    def execute(cls, text_encoder: host.Managed | None, prompt: str) -> io.NodeOutput:
+        if text_encoder is None:
+            raise Flux2Error("no text encoder came in: a FLUX.2 Klein LoRA node passes one on only when a text "
+                             "encoder is connected to its own text_encoder input")
         encoder, misses = text_encoder.core, PROMPTS.cache.misses
         out = PROMPTS.encode(LoadOnMiss(text_encoder), [prompt])
         tokens, dropped, limit = out.token_counts[0], out.dropped[0], encoder.spec.max_length
@@ -75,6 +78,7 @@ class LoadOnMiss:
 
     def encode(self, prompts: list[str]):
         self.managed.ready()
+        self.managed.use_adapters(self.managed.core.model, lambda adapter: adapter.text_encoder_patches)
         return self.managed.core.encode(prompts)
 
 

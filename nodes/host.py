@@ -31,6 +31,7 @@ from comfy_api import feature_flags
 from server import PromptServer
 from torch import nn
 
+from ..flux2_core import patching
 from ..flux2_core.cache import fingerprint
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.pipeline import denoise_memory
@@ -137,8 +138,8 @@ class Managed:
     full_load: bool = False            # never load partially (layers ComfyUI cannot stream, e.g. fp8 ones)
     fingerprint: str = ""              # cache.fingerprint of the weights as loaded
     compiled: bool = False             # transformers: run the blocks torch.compiled (FLUX.2 Klein Compile)
-    adapters: tuple = ()               # transformers: (file name, content digest, strength, adapters.Adapter) per
-                                       # FLUX.2 Klein LoRA node, in chain order
+    adapters: tuple = ()               # transformers and text encoders: (file name, content digest, strength,
+                                       # adapters.Adapter) per FLUX.2 Klein LoRA node, in chain order
 
     def ready(self, memory: int = 0) -> torch.device:
         """Load (or keep) the model on its device with ``memory`` bytes to spare for activations; the device."""
@@ -153,6 +154,15 @@ class Managed:
         loads and offloads."""
         return (self.fingerprint, str(self.dtype), str(self.patcher.patches_uuid) if self.patcher.patches else "",
                 self.adapter_key)
+
+    def use_adapters(self, module: nn.Module, patches_of) -> None:
+        """Apply the LoRAs this model came with (FLUX.2 Klein LoRA nodes) to ``module``, its transformer or its
+        Qwen3, with ``patches_of(adapter)`` picking their patches for it; the weights as loaded when there are none.
+        The module is shared by every branch using the loader's output, so each user sets the LoRAs it needs;
+        flux2_core.patching restores the original weights bit for bit in between."""
+        if getattr(module, "adapter_key", ()) != self.adapter_key:
+            patching.set_adapters(module, [(patch, strength) for _, _, strength, adapter in self.adapters
+                                           for patch in patches_of(adapter)], self.adapter_key)
 
     @property
     def adapter_key(self) -> tuple:

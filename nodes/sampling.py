@@ -16,7 +16,7 @@ import logging
 import torch
 from comfy_api.latest import io, ui
 
-from ..flux2_core import cache, patching, rope, sampling, schedules, weights
+from ..flux2_core import cache, rope, sampling, schedules, weights
 from ..flux2_core import compile as compiling
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.transformer import reference_kv_bytes
@@ -133,7 +133,7 @@ class Denoise(io.ComfyNode):
         if kv_key is not None and kv_key not in REFERENCE_KV:                     # the reference pass will make them
             memory += reference_kv_bytes(variant.params, ref.shape[1], model.dtype)
         device = model.ready(memory)
-        set_adapters(model)
+        model.use_adapters(model.core, lambda adapter: adapter.patches)
         set_compiled(model)
         x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)   # = noise when sigmas[0] is 1
         ref_kv, info = reference_kv(model, kv_key, ref, ref_ids, device, memory) if kv_key else (None, None)
@@ -161,15 +161,6 @@ class Compile(io.ComfyNode):
     @classmethod
     def execute(cls, model: host.Managed) -> io.NodeOutput:
         return io.NodeOutput(dataclasses.replace(model, compiled=True))
-
-
-def set_adapters(model: host.Managed) -> None:
-    """Apply the LoRAs this model came with through FLUX.2 Klein LoRA nodes (none: the weights as loaded). The
-    transformer is shared by every branch that uses the loader's output, so each denoiser sets the ones it needs;
-    patching restores the original weights bit for bit in between."""
-    if getattr(model.core, "adapter_key", ()) != model.adapter_key:
-        patching.set_adapters(model.core, [(patch, strength) for _, _, strength, adapter in model.adapters
-                                           for patch in adapter.patches], model.adapter_key)
 
 
 def set_compiled(model: host.Managed) -> None:

@@ -35,7 +35,7 @@ FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "fl
          "ae_full": "flux2-vae-full-size-random.safetensors", "lora": "flux2-klein-tiny-lora.safetensors",
          "lora_kohya": "flux2-klein-tiny-lora-kohya.safetensors",
          "lora_diffusers": "flux2-klein-tiny-lora-diffusers.safetensors",
-         "lora_lokr": "flux2-klein-tiny-lokr.safetensors"}
+         "lora_lokr": "flux2-klein-tiny-lokr.safetensors", "lora_te": "flux2-klein-tiny-lora-with-te.safetensors"}
 
 
 def write_tiny_models(models: Path) -> dict[str, str]:
@@ -68,7 +68,8 @@ def write_tiny_models(models: Path) -> dict[str, str]:
     fp8, meta = comfy_fp8(transformer, blocks)
     save_file({k: v.contiguous() for k, v in fp8.items()}, str(models / "diffusion_models" / FILES["transformer_fp8"]),
               metadata=meta)
-    save_comfyui_text_encoder(build_tiny_qwen3(seed=2), models / "text_encoders" / FILES["text_encoder"])
+    qwen = build_tiny_qwen3(seed=2)
+    save_comfyui_text_encoder(qwen, models / "text_encoders" / FILES["text_encoder"])
     save_bfl_autoencoder(build_diffusers_autoencoder(seed=3), models / "vae" / FILES["ae"])
     save_file(full_size_autoencoder(seed=4), str(models / "vae" / FILES["ae_full"]))
     # an ai-toolkit LoRA (diffusion_model. + lora_A/lora_B, no alpha), a format both ComfyUI and we read
@@ -86,6 +87,16 @@ def write_tiny_models(models: Path) -> dict[str, str]:
     lokr = {m: random_lokr(shapes[m], ("w2",) if i % 2 else (), seed=9 + i) | {"alpha": torch.tensor(1.0)}
             for i, m in enumerate(targets)}
     save_adapter(adapter_state_dict(lokr, "diffusion_model."), models / "loras" / FILES["lora_lokr"])
+    # one that trains the text encoder too (ComfyUI-style text_encoders. keys on two Qwen3 layers)
+    te_shapes = {k.removeprefix("model."): v.shape for k, v in qwen.state_dict().items()}
+    g = torch.Generator().manual_seed(13)
+    te_lora = lora_state_dict(random_lora(HOST_TRANSFORMER, targets[:2], rank=4, seed=12), "ai-toolkit")[0]
+    for layer in ("layers.8.self_attn.q_proj", "layers.20.mlp.down_proj"):
+        out, inp = te_shapes[layer + ".weight"]
+        te_lora[f"text_encoders.qwen3_4b.transformer.model.{layer}.lora_A.weight"] = torch.randn(4, inp, generator=g)
+        te_lora[f"text_encoders.qwen3_4b.transformer.model.{layer}.lora_B.weight"] = 0.5 * torch.randn(out, 4,
+                                                                                                        generator=g)
+    save_adapter(te_lora, models / "loras" / FILES["lora_te"])
     return dict(FILES)
 
 

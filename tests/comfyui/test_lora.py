@@ -68,3 +68,27 @@ def test_other_formats_equal_comfyuis_lora_loader(comfy, file):
     native, _ = latent(comfy, graphs.native(comfy.files, **CASE, loras=[(lora, 1.0)], output="latent"))
     print(f"\n{file}: LoRA node vs ComfyUI's LoraLoaderModelOnly: relative {relative(ours, native):.3g}")
     assert relative(ours, plain) > 1e-3 and relative(native, ours) <= 1e-4
+
+
+def test_text_encoder_layers_apply_through_the_nodes_text_encoder_output(comfy):
+    """A LoRA that also trains Qwen3: with the text encoder connected to the LoRA node and the prompt encoded by its
+    text_encoder output, both parts apply and the result equals flux2_core applying the file to both models."""
+    lora = comfy.files["lora_te"]
+    graph = graphs.ours(comfy.files, **CASE, loras=[(lora, 0.7)], output="latent")
+    graph["40"]["inputs"]["text_encoder"] = graphs.link("2")
+    graph["4"]["inputs"]["text_encoder"] = graphs.link("40", 1)
+    ours, outputs = latent(comfy, graph)
+    assert "text encoder 4" in outputs["40"]["text"][0], outputs["40"]["text"][0]
+    model_only, outputs = latent(comfy, graphs.ours(comfy.files, **CASE, loras=[(lora, 0.7)], output="latent"))
+    assert "text-encoder modules are not applied" in outputs["40"]["text"][0]
+    assert relative(ours, model_only) > 1e-3                             # the text-encoder part did something
+
+    models = comfy.base / "models"
+    direct = pipeline.load_models(models / "diffusion_models" / comfy.files["transformer"],
+                                  models / "text_encoders" / comfy.files["text_encoder"],
+                                  models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32)
+    pipeline.apply_adapters(direct, [(models / "loras" / lora, 0.7)])
+    expected = pipeline.generate(direct, CASE["prompt"], steps=CASE["steps"], seed=CASE["seed"],
+                                 width=CASE["width"], height=CASE["height"]).latents
+    print(f"\nLoRA with text-encoder layers, node vs flux2_core: relative {relative(ours, expected):.3g}")
+    assert relative(ours, expected) <= 1e-5
