@@ -12,7 +12,8 @@ afterwards:
 
 (GGUF blocks are the next storage.) Per-item vector layers (timestep embedding, modulations) stay per item in every
 storage, so a batch keeps equal to single runs. Adapters sit on top of any storage (``patching.set_adapters``).
-``quant.quantize_transformer`` converts a model already in memory instead.
+A model built elsewhere (transformers' Qwen3, the text encoder) gets its layers from the same maker with ``adopt``;
+``quant.quantize_transformer`` converts a transformer already in memory.
 """
 
 from __future__ import annotations
@@ -41,3 +42,17 @@ class Layers:
         if self.fp8(self.prefix + name):
             return Fp8Linear(in_features, out_features, item_by_item=per_item)
         return (VectorLinear if per_item else Linear)(in_features, out_features)
+
+    def adopt(self, module: nn.Module) -> int:
+        """Give a model built elsewhere (transformers' Qwen3) the layers this maker makes for its bias-free
+        ``nn.Linear`` layers' names, keeping their weights: float ones become ``linear.Linear`` in place (the same
+        Parameter and state dict; oneDNN on CPU), fp8 ones are quantized per row. Returns how many it changed."""
+        changed = 0
+        for name, layer in list(module.named_modules()):
+            if type(layer) is nn.Linear and layer.bias is None:
+                if self.fp8(self.prefix + name):
+                    module.set_submodule(name, Fp8Linear.from_linear(layer))
+                else:
+                    layer.__class__ = Linear
+                changed += 1
+        return changed

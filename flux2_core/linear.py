@@ -4,8 +4,8 @@ float32 matmuls on CPU go through oneDNN (the kernel torch.compile picks on CPU)
 AMD CPUs MKL's sgemm runs a generic code path (70-95 GFLOP/s on our 2-core EPYC test machine; oneDNN: 200; see
 docs/benchmarks.md). Everything else (GPUs, bf16, autograd) uses ``F.linear``.
 
-    Linear(in, out)             # the transformer's layers (same parameter and state dict as nn.Linear)
-    onednn_linears(module)      # the same for another module's bias-free nn.Linear layers, e.g. the Qwen3 encoder
+    Linear(in, out)             # the models' float layers (same parameter and state dict as nn.Linear), made by
+                                # layers.Layers (the transformer's, and the Qwen3 encoder's through Layers.adopt)
 """
 
 from __future__ import annotations
@@ -60,14 +60,3 @@ class VectorLinear(Linear):
 def item_by_item(fn, x: Tensor) -> Tensor:
     """``fn`` applied to each batch item of x [B, ...] on its own (one call when B is 1), results concatenated."""
     return torch.cat([fn(item) for item in x.split(1)]) if x.shape[0] > 1 else fn(x)
-
-
-def onednn_linears(module: nn.Module) -> int:
-    """Make every bias-free ``nn.Linear`` in ``module`` compute like the transformer's ``Linear`` (oneDNN for float32
-    on CPU, see ``linear``), in place: same parameters, same state dict. Returns how many were changed."""
-    changed = 0
-    for layer in module.modules():
-        if type(layer) is nn.Linear and layer.bias is None:
-            layer.__class__ = Linear
-            changed += 1
-    return changed

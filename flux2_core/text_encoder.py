@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .errors import Flux2Error
-from .linear import onednn_linears
+from .layers import Layers
 from .tokenizer import load_tokenizer
 from .variants import QWEN3_4B, QWEN3_8B, TextEncoderSpec
 
@@ -191,7 +191,7 @@ def build_qwen3_model(state_dict: dict[str, torch.Tensor], config, num_layers: i
         raise Flux2Error(f"{misfit}: missing {missing[:3]}, unexpected {unexpected[:3]}")
     # The rotary table is a non-persistent buffer, so it is still on meta: compute it on the real device.
     model.rotary_emb = Qwen3RotaryEmbedding(config).to(device)
-    onednn_linears(model)          # float32 on CPU: oneDNN matmuls (see linear.py); elsewhere plain F.linear
+    Layers().adopt(model)          # our float layers: oneDNN matmuls for float32 on CPU (linear.py)
     return model.eval().requires_grad_(False)
 
 
