@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply a LoRA / LoKr / LoHa / DoRA file (ai-toolkit, kohya/musubi, diffusers/PEFT, ComfyUI, "
                         "LyCORIS formats) with a strength (default 1); repeat for several. Merged into full-precision "
                         "weights (no cost per step), run beside fp8 ones. Prints what each file matched")
+    p.add_argument("--lora-merge", action="store_true",
+                   help="merge the LoRAs into fp8 weights too (dequantized, patched and quantized again: no cost per "
+                        "step, one more fp8 rounding) instead of running them beside the fp8 weights")
     p.add_argument("--demo", action="store_true",
                    help="tiny built-in RANDOM weights: checks the install, makes noise-like pictures")
     return p
@@ -281,7 +284,7 @@ def generate_command(argv: list[str]) -> int:
         files = {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
     optimize_transformer(models, fp8=args.demo and args.fp8 == "yes")       # files: fp8 on load
     if args.lora:
-        for line in apply_adapters(models, [lora_argument(a) for a in args.lora]):
+        for line in apply_adapters(models, [lora_argument(a) for a in args.lora], merge=True if args.lora_merge else None):
             print(f"LoRA {line}", file=sys.stderr)
         files["loras"] = [{"file": Path(path).name, "strength": strength}
                           for path, strength in map(lora_argument, args.lora)]

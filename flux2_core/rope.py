@@ -82,10 +82,20 @@ def rope_table(ids: Tensor, axes_dim: tuple[int, ...], theta: float) -> Tensor:
 def rotate(x: Tensor, table: Tensor) -> Tensor:
     """x [B, H, L, D] rotated pairwise in float32 by table [B, L, D/2, 2], cast back to x's dtype.
 
-    Each pair (x0, x1) = (x[..., 2j], x[..., 2j+1]) becomes (cos·x0 - sin·x1, sin·x0 + cos·x1). Written with real
-    multiplies rather than as one complex multiply (view_as_complex): Inductor generates no code for complex tensors
-    and would leave the rotation out of the fused kernels of a compiled block.
+    Each pair (x0, x1) = (x[..., 2j], x[..., 2j+1]) becomes (cos·x0 - sin·x1, sin·x0 + cos·x1): one complex multiply
+    per pair, a single pass over x when run eagerly (the real form below takes several: 1.3 ms against 0.1 ms per
+    call for a [1, 4, 1536, 128] query on our 2-core CPU). Inductor generates no code for complex tensors, so while
+    torch.compile traces, the same rotation is written in real multiplies, which it fuses into the block's kernels.
     """
+    if torch.compiler.is_compiling():
+        return rotate_real(x, table)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))      # [B, H, L, D/2] complex
+    rotated = pairs * torch.view_as_complex(table)[:, None]              # table: [B, 1, L, D/2] complex
+    return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
+
+
+def rotate_real(x: Tensor, table: Tensor) -> Tensor:
+    """``rotate`` in real arithmetic (what a compiled block runs)."""
     x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)                 # each [B, H, L, D/2]
     cos, sin = table[:, None].unbind(-1)                                 # each [B, 1, L, D/2]
     return torch.stack([cos * x0 - sin * x1, sin * x0 + cos * x1], dim=-1).flatten(-2).to(x.dtype)

@@ -32,6 +32,10 @@ class LoRA(io.ComfyNode):
                     io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01,
                                    tooltip="How strongly it applies: 0 leaves the model exactly as it was, 1 as "
                                            "trained, negative values push the other way."),
+                    io.Boolean.Input("merge_into_fp8", default=False, optional=True,
+                                     tooltip="fp8 models: merge the LoRA into the fp8 weights (quantized again: no cost "
+                                             "per step, one more fp8 rounding) instead of running it beside them. "
+                                             "Full-precision weights always take it merged."),
                     types.TextEncoder.Input("text_encoder", optional=True,
                                             tooltip="Connect it for LoRAs that also train the text encoder: their "
                                                     "text-encoder layers then apply too (through this node's "
@@ -42,7 +46,8 @@ class LoRA(io.ComfyNode):
                                                       "when one is connected to the input).")])
 
     @classmethod
-    def execute(cls, model: host.Managed, lora_name: str, strength: float, text_encoder=None) -> io.NodeOutput:
+    def execute(cls, model: host.Managed, lora_name: str, strength: float, merge_into_fp8: bool = False,
+                text_encoder=None) -> io.NodeOutput:
         shapes = None if text_encoder is None else {k: v.shape for k, v in text_encoder.core.model.state_dict().items()}
         adapter = adapters.read_adapter(host.resolve("loras", lora_name), model.variant.params, shapes, name=lora_name)
         info = f"{adapter.report.summary()} (strength {strength:g})"
@@ -53,7 +58,7 @@ class LoRA(io.ComfyNode):
         if adapter.report.unmatched:
             log.warning("FLUX.2 Klein LoRA %s: keys that matched nothing: %s", lora_name, ", ".join(
                 f"{key} ({why})" for key, why in adapter.report.unmatched.items()))
-        entry = (lora_name, adapter.digest(), strength, adapter)
+        entry = (lora_name, adapter.digest(), strength, adapter, merge_into_fp8)
         chained = dataclasses.replace(model, adapters=(*model.adapters, entry))
         encoder = None if text_encoder is None else dataclasses.replace(text_encoder,
                                                                         adapters=(*text_encoder.adapters, entry))

@@ -139,7 +139,7 @@ class Managed:
     fingerprint: str = ""              # cache.fingerprint of the weights as loaded
     compiled: bool = False             # transformers: run the blocks torch.compiled (FLUX.2 Klein Compile)
     adapters: tuple = ()               # transformers and text encoders: (file name, content digest, strength,
-                                       # adapters.Adapter) per FLUX.2 Klein LoRA node, in chain order
+                                       # adapters.Adapter, merge into fp8) per FLUX.2 Klein LoRA node, in chain order
 
     def ready(self, memory: int = 0) -> torch.device:
         """Load (or keep) the model on its device with ``memory`` bytes to spare for activations; the device."""
@@ -161,13 +161,15 @@ class Managed:
         The module is shared by every branch using the loader's output, so each user sets the LoRAs it needs;
         flux2_core.patching restores the original weights bit for bit in between."""
         if getattr(module, "adapter_key", ()) != self.adapter_key:
-            patching.set_adapters(module, [(patch, strength) for _, _, strength, adapter in self.adapters
-                                           for patch in patches_of(adapter)], self.adapter_key)
+            merge = True if any(entry[4] for entry in self.adapters) else None      # asked to merge into fp8
+            patching.set_adapters(module, [(patch, strength) for _, _, strength, adapter, _ in self.adapters
+                                           for patch in patches_of(adapter)], self.adapter_key, merge)
 
     @property
     def adapter_key(self) -> tuple:
-        """The LoRAs this model runs with: (file, content digest, strength) each (flux2_core.patching's key)."""
-        return tuple((name, digest, strength) for name, digest, strength, _ in self.adapters if strength != 0)
+        """The LoRAs this model runs with: (file, content digest, strength, merge) each (flux2_core.patching's key)."""
+        return tuple((name, digest, strength, merge) for name, digest, strength, _, merge in self.adapters
+                     if strength != 0)
 
 
 def partially_loaded(model: Managed) -> bool:

@@ -203,6 +203,12 @@ def test_cli_lora_flag(tmp_path, monkeypatch, capsys):
     assert "missing.safetensors: no such file" in capsys.readouterr().err
     assert cli.main([*argv, "--lora", f"{path}:nan"]) == 2
     assert "the strength must be a finite number" in capsys.readouterr().err
+    seen = []
+    original = pipeline.apply_adapters
+    monkeypatch.setattr(pipeline, "apply_adapters", lambda *a, **kw: seen.append(kw.get("merge")) or original(*a, **kw))
+    for flags in ([], ["--lora-merge"]):
+        assert cli.main([*argv, "--fp8", "--lora", str(path), *flags, "--out", "fp8"]) == 0
+    assert seen == [None, True]                       # fp8 layers: a branch, unless asked to merge
     assert cli.lora_argument("C:\\loras\\x.safetensors") == ("C:\\loras\\x.safetensors", 1.0)
     assert cli.lora_argument("x.safetensors:0.5") == ("x.safetensors", 0.5)
 

@@ -77,8 +77,9 @@ def rotation_matrices(table: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.stack([cos, -sin], -1), torch.stack([sin, cos], -1)], -2)
 
 
+@pytest.mark.parametrize("rotate", [rope.rotate, rope.rotate_real], ids=["eager", "compiled form"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotate_equals_a_float64_rotation_matrix_per_pair(dtype):
+def test_rotate_equals_a_float64_rotation_matrix_per_pair(dtype, rotate):
     """Each channel pair (2j, 2j+1) of every token is multiplied by its own rotation matrix; computed here in float64
     with einsum and compared with the float32 result rounded to the input's dtype."""
     ids = torch.cat([rope.text_ids(2, 3), rope.image_ids(2, 2, 3, t=10)], dim=1)            # [2, 9, 4]
@@ -86,7 +87,7 @@ def test_rotate_equals_a_float64_rotation_matrix_per_pair(dtype):
     x = torch.randn(2, 3, 9, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
     pairs = x.double().unflatten(-1, (8, 2))                                                # [B, H, L, D/2, 2]
     want = torch.einsum("blpij,bhlpj->bhlpi", rotation_matrices(table), pairs).flatten(-2)
-    got = rope.rotate(x, table)
+    got = rotate(x, table)
     assert got.dtype == dtype and got.shape == x.shape
     # float32 arithmetic: a few ulps of |x|; bfloat16 output: the float64 result rounded, at most one bf16 ulp off.
     tol = 1e-6 if dtype == torch.float32 else 2 ** -8

@@ -92,3 +92,24 @@ def test_text_encoder_layers_apply_through_the_nodes_text_encoder_output(comfy):
                                  width=CASE["width"], height=CASE["height"]).latents
     print(f"\nLoRA with text-encoder layers, node vs flux2_core: relative {relative(ours, expected):.3g}")
     assert relative(ours, expected) <= 1e-5
+
+
+def test_fp8_model_takes_a_branch_or_merges_when_asked(comfy):
+    """On ComfyUI's fp8mixed file (kept fp8): the LoRA runs beside the fp8 weights, or is merged into them when the
+    node is asked to; each equals flux2_core doing the same on that file."""
+    lora, fp8 = comfy.files["lora"], comfy.files["transformer_fp8"]
+    models = comfy.base / "models"
+    for merge in (False, True):
+        graph = graphs.ours(comfy.files, **CASE, loras=[(lora, 0.8)], model_file=fp8, model_dtype="auto",
+                            output="latent")
+        graph["40"]["inputs"]["merge_into_fp8"] = merge
+        ours, _ = latent(comfy, graph)
+        direct = pipeline.load_models(models / "diffusion_models" / fp8,
+                                      models / "text_encoders" / comfy.files["text_encoder"],
+                                      models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32)
+        pipeline.apply_adapters(direct, [(models / "loras" / lora, 0.8)], merge=True if merge else None)
+        expected = pipeline.generate(direct, CASE["prompt"], steps=CASE["steps"], seed=CASE["seed"],
+                                     width=CASE["width"], height=CASE["height"]).latents
+        print(f"\nfp8 model, LoRA {'merged' if merge else 'as a branch'}: node vs flux2_core "
+              f"{relative(ours, expected):.3g}")
+        assert relative(ours, expected) <= 1e-5
