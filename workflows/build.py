@@ -100,7 +100,8 @@ WORKFLOWS = {
              "in the LoRA node; chain more LoRA nodes for a stack. The node shows what the file matched, and the "
              "keys that matched nothing.",
         "nodes": loaders("flux-2-klein-4b.safetensors")
-        | {12: ("Flux2KleinLoRA", {"model": (1, 0), "lora_name": "klein-4b-lora.safetensors", "strength": 1.0}, 1, 2)}
+        | {12: ("Flux2KleinLoRA", {"model": (1, 0), "lora_name": "klein-4b-lora.safetensors", "strength": 1.0,
+                                  "merge_into_fp8": False}, 1, 2)}
         | prompt("A lighthouse on a rocky coast at sunset, dramatic clouds") | sampler((4, 0), model=(12, 0))},
     "flux2-klein-image-to-image": {
         "note": "Image to image with the distilled FLUX.2 Klein 4B: the input image is encoded, noised to the "
