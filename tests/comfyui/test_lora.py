@@ -25,6 +25,17 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def direct(comfy, lora: str, strength: float, transformer: str | None = None, merge=None) -> torch.Tensor:
+    """The CASE's latent from flux2_core itself, on the server's files, with the LoRA applied to both models."""
+    models = comfy.base / "models"
+    loaded = pipeline.load_models(models / "diffusion_models" / (transformer or comfy.files["transformer"]),
+                                  models / "text_encoders" / comfy.files["text_encoder"],
+                                  models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32)
+    pipeline.apply_adapters(loaded, [(models / "loras" / lora, strength)], merge=merge)
+    return pipeline.generate(loaded, CASE["prompt"], steps=CASE["steps"], seed=CASE["seed"], width=CASE["width"],
+                             height=CASE["height"]).latents
+
+
 def test_lora_node_equals_the_engine_and_comfyuis_lora_loader(comfy):
     lora = comfy.files["lora"]
     other = {**CASE, "prompt": CASE["prompt"] + ", again"}
@@ -35,13 +46,7 @@ def test_lora_node_equals_the_engine_and_comfyuis_lora_loader(comfy):
     assert info.startswith(f"{lora}: lora (") and "double blocks 4, single blocks 4" in info, info
     assert relative(ours, plain) > 1e-3                                  # the LoRA changed the result
 
-    models = comfy.base / "models"
-    direct = pipeline.load_models(models / "diffusion_models" / comfy.files["transformer"],
-                                  models / "text_encoders" / comfy.files["text_encoder"],
-                                  models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32)
-    pipeline.apply_adapters(direct, [(models / "loras" / lora, 0.8)])
-    expected = pipeline.generate(direct, CASE["prompt"], steps=CASE["steps"], seed=CASE["seed"],
-                                 width=CASE["width"], height=CASE["height"]).latents
+    expected = direct(comfy, lora, 0.8)
     print(f"\nLoRA node vs flux2_core: relative {relative(ours, expected):.3g}")
     assert relative(ours, expected) <= 1e-5
 
@@ -83,13 +88,7 @@ def test_text_encoder_layers_apply_through_the_nodes_text_encoder_output(comfy):
     assert "text-encoder modules are not applied" in outputs["40"]["text"][0]
     assert relative(ours, model_only) > 1e-3                             # the text-encoder part did something
 
-    models = comfy.base / "models"
-    direct = pipeline.load_models(models / "diffusion_models" / comfy.files["transformer"],
-                                  models / "text_encoders" / comfy.files["text_encoder"],
-                                  models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32)
-    pipeline.apply_adapters(direct, [(models / "loras" / lora, 0.7)])
-    expected = pipeline.generate(direct, CASE["prompt"], steps=CASE["steps"], seed=CASE["seed"],
-                                 width=CASE["width"], height=CASE["height"]).latents
+    expected = direct(comfy, lora, 0.7)
     print(f"\nLoRA with text-encoder layers, node vs flux2_core: relative {relative(ours, expected):.3g}")
     assert relative(ours, expected) <= 1e-5
 
@@ -98,18 +97,12 @@ def test_fp8_model_takes_a_branch_or_merges_when_asked(comfy):
     """On ComfyUI's fp8mixed file (kept fp8): the LoRA runs beside the fp8 weights, or is merged into them when the
     node is asked to; each equals flux2_core doing the same on that file."""
     lora, fp8 = comfy.files["lora"], comfy.files["transformer_fp8"]
-    models = comfy.base / "models"
     for merge in (False, True):
         graph = graphs.ours(comfy.files, **CASE, loras=[(lora, 0.8)], model_file=fp8, model_dtype="auto",
                             output="latent")
         graph["40"]["inputs"]["merge_into_fp8"] = merge
         ours, _ = latent(comfy, graph)
-        direct = pipeline.load_models(models / "diffusion_models" / fp8,
-                                      models / "text_encoders" / comfy.files["text_encoder"],
-                                      models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32)
-        pipeline.apply_adapters(direct, [(models / "loras" / lora, 0.8)], merge=True if merge else None)
-        expected = pipeline.generate(direct, CASE["prompt"], steps=CASE["steps"], seed=CASE["seed"],
-                                     width=CASE["width"], height=CASE["height"]).latents
+        expected = direct(comfy, lora, 0.8, transformer=fp8, merge=True if merge else None)
         print(f"\nfp8 model, LoRA {'merged' if merge else 'as a branch'}: node vs flux2_core "
               f"{relative(ours, expected):.3g}")
         assert relative(ours, expected) <= 1e-5
