@@ -161,9 +161,21 @@ def test_a_budget_below_the_resident_parts_says_what_is_needed(monkeypatch):
     offload.stream_blocks(model, CPU, needed)               # exactly enough
 
 
-def test_weight_budget_rule():
-    gib = 1 << 30
-    assert offload.weight_budget(12 * gib, 1 * gib) == 11 * gib - offload.STREAM_MARGIN
+def test_any_budget_is_kept_and_used():
+    """For every budget from 'just enough' to 'everything fits': the resident weights plus two blocks in flight
+    never exceed it, and no streamed block would still have fitted (blocks are kept greedily in run order)."""
+    model = tiny_model()
+    fixed, block_sizes = sizes(model)
+    in_flight = 2 * max(block_sizes)
+    for budget in range(fixed + in_flight, fixed + sum(block_sizes) + 1, max(1, sum(block_sizes) // 40)):
+        resident, streamed = offload.split_blocks(model, budget)
+        kept = fixed + sum(offload.module_bytes(b) for b in resident)
+        assert len(resident) + len(streamed) == len(block_sizes)
+        if streamed:
+            assert kept + in_flight <= budget
+            assert all(kept + in_flight + offload.module_bytes(b) > budget for b in streamed)
+        else:
+            assert kept <= budget
 
 
 def test_place_moves_only_the_resident_parts(monkeypatch):
