@@ -153,7 +153,7 @@ def test_blocks_that_stream_weights_compile_in_pieces():
         return model
 
     g = torch.Generator().manual_seed(1)
-    x, txt = torch.randn(1, 16, 128, generator=g), torch.randn(1, 8, CTX, generator=g)
+    x, txt = randn(1, 16, 128, generator=g), randn(1, 8, CTX, generator=g)
     with torch.no_grad():
         eager = euler(tiny_model(), x, txt, [1.0, 0.5, 0.0])
         strict = compile_blocks(streaming_model(), backend=CompileCounter())
