@@ -152,12 +152,12 @@ def test_diffusers_folders_with_config_and_sibling_tokenizer(tmp_path, qwen3, en
 
 
 def test_bfloat16_is_close_to_float32(qwen3, encoder):
-    """Our bf16 encoder against our float32 one (both on DEVICE): within the bf16 bound of the parity test."""
+    """Our bf16 encoder against our float32 one (both on DEVICE): within 5%, the bound this test always had."""
     half, full = (build_qwen3_encoder(qwen3.state_dict(), device=DEVICE, dtype=dtype, tokenizer=encoder.tokenizer)
                   for dtype in (torch.bfloat16, torch.float32))
     out = half.encode(PROMPTS[1:2]).embeds
     assert out.dtype == torch.bfloat16
-    assert relative_error(out, full.encode(PROMPTS[1:2]).embeds) < tolerance("text_encoder", torch.bfloat16)
+    assert relative_error(out, full.encode(PROMPTS[1:2]).embeds) < 0.05         # bf16 through 27 layers: ~0.025
 
 
 def qwen3_shapes(hidden, intermediate, heads, kv_heads, head_dim, layers, vocab=151936, tied=True) -> dict:
