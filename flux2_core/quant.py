@@ -195,15 +195,10 @@ def quantize_transformer(model: nn.Module, per_row: bool = True, fp8_matmul: boo
     """
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and in_blocks(n)]
     for name in names:
-        _set_submodule(model, name, Fp8Linear.from_linear(model.get_submodule(name), per_row, fp8_matmul))
+        model.set_submodule(name, Fp8Linear.from_linear(model.get_submodule(name), per_row, fp8_matmul))
     return names
 
 
 def count_fp8(model: nn.Module) -> int:
     """How many of the model's layers store their weights in fp8."""
     return sum(isinstance(m, Fp8Linear) for m in model.modules())
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
