@@ -284,10 +284,10 @@ def generate_command(argv: list[str]) -> int:
         files = {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
     optimize_transformer(models, fp8=args.demo and args.fp8 == "yes")       # files: fp8 on load
     if args.lora:
-        for line in apply_adapters(models, [lora_argument(a) for a in args.lora], merge=True if args.lora_merge else None):
+        loras = [lora_argument(a) for a in args.lora]
+        for line in apply_adapters(models, loras, merge=True if args.lora_merge else None):
             print(f"LoRA {line}", file=sys.stderr)
-        files["loras"] = [{"file": Path(path).name, "strength": strength}
-                          for path, strength in map(lora_argument, args.lora)]
+        files["loras"] = [{"file": Path(path).name, "strength": strength} for path, strength in loras]
     optimize_transformer(models, compile=args.compile)                          # after the LoRAs: a compiled graph
     report_streaming(models.transformer, args.compile)
     if count_fp8(models.transformer):

@@ -52,7 +52,7 @@ from torch import Tensor
 from .autoencoder import AutoEncoder, free_memory
 from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
-from .offload import module_bytes, place, streamed_blocks
+from .offload import module_bytes, place, stream_blocks, streamed_blocks, weight_budget
 from .references import as_pil, center_crop_16, encode_references, image_to_tensor, prepare_references
 from .sampling import LATENT_CHANNELS, add_noise, denoise, latent_size, make_noise
 from .schedules import check_sigmas, flux2_schedule, truncate_for_strength
@@ -96,7 +96,7 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     offload_encoder "auto" the encoder then rests on the CPU. CFG (base) models get the empty negative prompt encoded
     into the prompt cache right away.
     """
-    from . import offload, weights
+    from . import weights
 
     cpu, stream = torch.device("cpu"), False
     if offload_blocks is not False:            # decided from the headers: streamed weights are read to the CPU only
@@ -115,7 +115,7 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
         encoder.model.to(device)
     ae = weights.load_autoencoder(autoencoder, device, torch.float32)
     if stream:
-        offload.stream_blocks(model, device, offload.weight_budget(free_memory(device), needed))
+        stream_blocks(model, device, weight_budget(free_memory(device), needed))
     models = Models(model, chosen, ae, encoder)
     if chosen.uses_cfg:
         models.prompt_cache.warm(EncoderOnCall(encoder, device, encoder.device, aside=model))
@@ -185,8 +185,6 @@ def should_stream(choice, device: torch.device, needed: int, weight_bytes, free=
     """Whether the transformer's blocks stream (``offload.py``): never on the CPU (there is nowhere to stream from);
     True / False as given; "auto": on CUDA, when its ``weight_bytes()`` exceed ``offload.weight_budget`` of the
     device's free memory (``free(device)`` bytes) and ``needed`` bytes of working memory."""
-    from .offload import weight_budget
-
     if choice not in ("auto", True, False):
         raise Flux2Error(f"offload_blocks must be 'auto', True or False, got {choice!r}")
     if choice is False or device.type == "cpu":
