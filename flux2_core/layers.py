@@ -2,6 +2,7 @@
 
     model = Flux2Transformer(params)                                    # every layer float (linear.Linear)
     model = Flux2Transformer(params, Layers(fp8=lambda name: name.startswith("single_blocks.")))
+    model = Flux2Transformer(params, Layers(ggml=file_types.get))             # a GGUF file's quantized layers
 
 The model asks for each linear layer by its full name (the BFL key without ``.weight``, e.g.
 ``double_blocks.0.img_attn.qkv``), so the storage is chosen per layer, at construction, never by swapping layers in
@@ -9,48 +10,66 @@ afterwards:
 
     float   linear.Linear / linear.VectorLinear: an nn.Linear weight in the compute dtype (oneDNN on CPU)
     fp8     quant.Fp8Linear: float8 weight + float32 scale, computed in the compute dtype or in fp8 (use_fp8_matmul)
+    GGUF    ggml_layers.GGMLLinear: a GGUF file's blocks (Q8_0 ... Q2_K), dequantized at every call
 
-(GGUF blocks are the next storage.) Per-item vector layers (timestep embedding, modulations) stay per item in every
-storage, so a batch keeps equal to single runs. Adapters sit on top of any storage (``patching.set_adapters``).
-A model built elsewhere (transformers' Qwen3, the text encoder) gets its layers from the same maker with ``adopt``;
-``quant.quantize_transformer`` converts a transformer already in memory.
+Per-item vector layers (timestep embedding, modulations) stay per item in every storage, so a batch keeps equal to
+single runs. Adapters sit on top of any storage (``patching.set_adapters``). A model built elsewhere (transformers'
+Qwen3, the text encoder) gets its layers from the same maker with ``adopt``; ``quant.quantize_transformer`` converts
+a transformer already in memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
+from .ggml_layers import GGMLEmbedding, GGMLLinear
 from .linear import Linear, VectorLinear
 from .quant import Fp8Linear
 
 
 class Layers:
-    """Makes a model's linear layers; ``fp8(name)`` says which to store in fp8 (default: none)."""
+    """Makes a model's linear layers: ``ggml(name)`` gives the GGML type of the layers kept as GGUF blocks (None for
+    the rest), ``fp8(name)`` says which others to store in fp8; default: every layer float."""
 
-    def __init__(self, fp8: Callable[[str], bool] | None = None, prefix: str = ""):
-        self.fp8, self.prefix = fp8 or (lambda name: False), prefix
+    def __init__(self, fp8: Callable[[str], bool] | None = None, prefix: str = "",
+                 ggml: Callable[[str], int | None] | None = None):
+        self.fp8, self.prefix, self.ggml = fp8 or (lambda name: False), prefix, ggml or (lambda name: None)
 
     def scope(self, name: str) -> Layers:
         """The same maker for the layers inside the submodule ``name`` (their names get ``name.`` in front)."""
-        return Layers(self.fp8, f"{self.prefix}{name}.")
+        return Layers(self.fp8, f"{self.prefix}{name}.", self.ggml)
 
     def linear(self, name: str, in_features: int, out_features: int, per_item: bool = False) -> nn.Module:
         """A bias-free linear layer [out, in] named ``name`` within this scope; ``per_item``: one batch item at a
         time (linear.VectorLinear), for the per-item vectors [B, in] of the modulations and embedders."""
+        qtype = self.ggml(self.prefix + name)
+        if qtype is not None:
+            return GGMLLinear(in_features, out_features, qtype, item_by_item=per_item)
         if self.fp8(self.prefix + name):
             return Fp8Linear(in_features, out_features, item_by_item=per_item)
         return (VectorLinear if per_item else Linear)(in_features, out_features)
 
-    def adopt(self, module: nn.Module) -> int:
+    def adopt(self, module: nn.Module, dtype: torch.dtype | None = None) -> int:
         """Give a model built elsewhere (transformers' Qwen3) the layers this maker makes for its bias-free
         ``nn.Linear`` layers' names, keeping their weights: float ones become ``linear.Linear`` in place (the same
-        Parameter and state dict; oneDNN on CPU), fp8 ones are quantized per row. Returns how many it changed."""
+        Parameter and state dict; oneDNN on CPU), fp8 ones are quantized per row. GGUF ones (and ``nn.Embedding``
+        tables the maker names) are new, empty layers: adopt those on the meta device, then load the blocks by
+        assignment; ``dtype`` is what a GGUF embedding returns. Returns how many layers it changed."""
         changed = 0
         for name, layer in list(module.named_modules()):
-            if type(layer) is nn.Linear and layer.bias is None:
-                if self.fp8(self.prefix + name):
+            qtype = self.ggml(self.prefix + name)
+            if qtype is not None and type(layer) is nn.Embedding:
+                module.set_submodule(name, GGMLEmbedding(*layer.weight.shape, qtype, dtype or torch.float32,
+                                                         device=layer.weight.device))
+                changed += 1
+            elif type(layer) is nn.Linear and layer.bias is None:
+                if qtype is not None:
+                    module.set_submodule(name, GGMLLinear(layer.in_features, layer.out_features, qtype,
+                                                          device=layer.weight.device))
+                elif self.fp8(self.prefix + name):
                     module.set_submodule(name, Fp8Linear.from_linear(layer))
                 else:
                     layer.__class__ = Linear

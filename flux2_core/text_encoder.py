@@ -75,7 +75,8 @@ class PromptEncoder:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The compute dtype (a GGUF embedding's weight is blocks; it says what its lookups return)."""
+        return getattr(self.model.embed_tokens, "dtype", self.model.embed_tokens.weight.dtype)
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(ids [B, L], attention mask [B, L], untruncated token counts), each prompt tokenized on its own."""
@@ -159,11 +160,13 @@ def qwen3_config_from_state_dict(state_dict: dict[str, torch.Tensor]):
     )
 
 
-def build_qwen3_model(state_dict: dict[str, torch.Tensor], config, num_layers: int, device, dtype) -> nn.Module:
+def build_qwen3_model(state_dict: dict[str, torch.Tensor], config, num_layers: int, device, dtype,
+                      ggml_types: dict[str, int] | None = None) -> nn.Module:
     """A transformers ``Qwen3Model`` with the first ``num_layers`` decoder layers of ``state_dict`` and no final norm.
 
-    Built on the meta device; the tensors, moved to ``device`` and ``dtype``, then become the parameters themselves
-    (no second copy). Tensors of deeper layers and the final norm are not touched.
+    Built on the meta device with our layers (``layers.Layers.adopt``: float, or GGUF blocks for the layers
+    ``ggml_types`` names, by module name); the tensors, moved to ``device`` (floats cast to ``dtype``, blocks as they
+    are), then become the parameters themselves (no second copy). Deeper layers and the final norm are not touched.
     """
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Model, Qwen3RotaryEmbedding
 
@@ -181,7 +184,9 @@ def build_qwen3_model(state_dict: dict[str, torch.Tensor], config, num_layers: i
     with torch.device("meta"):
         model = Qwen3Model(config)
     model.norm = nn.Identity()     # hidden state 27 is the raw output of layer 27, never normed
-    keep = {k: v.to(device=device, dtype=dtype) for k, v in keep.items()}
+    # our layers: oneDNN matmuls for float32 on CPU (linear.py), GGUF blocks dequantized as they run (ggml_layers.py)
+    Layers(ggml=(ggml_types or {}).get).adopt(model, dtype)
+    keep = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in keep.items()}
     misfit = f"the text-encoder weights do not fit Qwen3 ({config.hidden_size} wide, {num_layers} layers)"
     try:
         missing, unexpected = model.load_state_dict(keep, strict=False, assign=True)
@@ -191,16 +196,17 @@ def build_qwen3_model(state_dict: dict[str, torch.Tensor], config, num_layers: i
         raise Flux2Error(f"{misfit}: missing {missing[:3]}, unexpected {unexpected[:3]}")
     # The rotary table is a non-persistent buffer, so it is still on meta: compute it on the real device.
     model.rotary_emb = Qwen3RotaryEmbedding(config).to(device)
-    Layers().adopt(model)          # our float layers: oneDNN matmuls for float32 on CPU (linear.py)
     return model.eval().requires_grad_(False)
 
 
 def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device="cpu", dtype=torch.bfloat16,
-                        tokenizer=None, spec: TextEncoderSpec | None = None) -> PromptEncoder:
+                        tokenizer=None, spec: TextEncoderSpec | None = None,
+                        ggml_types: dict[str, int] | None = None) -> PromptEncoder:
     """A ``PromptEncoder`` from a Qwen3 state dict (any key layout ``qwen3_state_dict`` accepts).
 
-    ``config``: a ``Qwen3Config``, a config.json dict, or None to read it from the shapes. ``tokenizer``: None for the
-    built-in Qwen3 tokenizer. ``spec``: None picks Qwen3-4B / 8B by width (other widths get the same layers, 9/18/27).
+    ``config``: a ``Qwen3Config``, a config.json dict, or None to read it from the shapes (float tensors only; GGUF
+    blocks need it given). ``tokenizer``: None for the built-in Qwen3 tokenizer. ``ggml_types``: the layers given as
+    GGUF blocks (module name -> GGML type). ``spec``: None picks Qwen3-4B / 8B by width (other widths get the same layers, 9/18/27).
     """
     from transformers import Qwen3Config
 
@@ -210,5 +216,5 @@ def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device
         config = Qwen3Config.from_dict(config)
     if spec is None:
         spec = SPECS_BY_HIDDEN.get(config.hidden_size) or replace(QWEN3_4B, name="custom", hidden_size=config.hidden_size)
-    model = build_qwen3_model(state_dict, config, max(spec.output_layers), device, dtype)
+    model = build_qwen3_model(state_dict, config, max(spec.output_layers), device, dtype, ggml_types)
     return PromptEncoder(model, tokenizer if tokenizer is not None else load_tokenizer(), spec)

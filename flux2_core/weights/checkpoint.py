@@ -1,5 +1,5 @@
-"""Safetensors checkpoints on disk: headers read and checked (never unpickled), and the files of a model found
-(one file, a folder with one file or shards + index, or a diffusers pipeline root)."""
+"""Checkpoints on disk: safetensors headers read and checked (never unpickled), GGUF files through gguf_file.py, and the
+files of a model found (one file, a folder with one file or shards + index, or a diffusers pipeline root)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from typing import BinaryIO
 import torch
 
 from ..errors import Flux2Error
+from ..ggml import row_bytes
+from .gguf_file import is_gguf, read_gguf
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. safetensors headers: read and check, never unpickle
@@ -30,8 +32,14 @@ class TensorInfo:
     file: Path
     name: str                  # the key as stored in the file
     dtype: str                 # safetensors dtype code: "BF16", "F8_E4M3", ...
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]     # the logical shape (a GGUF tensor's too, whatever its blocks)
     offset: int                # where its bytes start in the file
+    ggml: int | None = None    # GGUF tensors: the GGML type (dtype is its name: "Q4_K", "F16", ...)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the tensor is GGML blocks (read as uint8 rows, ``ggml.dequantize`` makes the values)."""
+        return self.dtype not in TORCH_DTYPES
 
 
 # safetensors dtype codes -> torch dtypes (the ones ``read_tensor`` reads itself; F4 and the like go through safetensors)
@@ -73,14 +81,18 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 
 
 def read_tensor(info: TensorInfo, file: BinaryIO) -> torch.Tensor:
-    """One tensor's bytes read from the open ``file`` into a new CPU tensor (``info.dtype`` in TORCH_DTYPES).
+    """One tensor's bytes read from the open ``file`` into a new CPU tensor: of ``info.dtype`` (in TORCH_DTYPES), or
+    GGML blocks as uint8 rows [rows, row bytes].
 
     Plain reads, not a memory map: the process never holds the file's pages besides the tensors it keeps, so
     loading takes the memory of the weights alone (and a mapped view would need a copy anyway).
     """
     # zeros, not empty: memory first touched by torch's fill (large pages, both cores) is faster to read into than
     # memory the kernel faults in page by page during the read (2 GB: 0.63 s vs 1.0 s on our 2-core machine)
-    tensor = torch.zeros(info.shape, dtype=TORCH_DTYPES[info.dtype])
+    if info.ggml is not None and info.quantized:
+        tensor = torch.zeros(math.prod(info.shape[:-1]), row_bytes(info.ggml, info.shape[-1]), dtype=torch.uint8)
+    else:
+        tensor = torch.zeros(info.shape, dtype=TORCH_DTYPES[info.dtype])
     target = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
     file.seek(info.offset)
     done = 0
@@ -96,8 +108,7 @@ def read_tensor(info: TensorInfo, file: BinaryIO) -> torch.Tensor:
 def refuse_other_format(path: Path, start: bytes) -> None:
     """Raise a Flux2Error naming the format when a weights file is pickle-based or GGUF (nothing is loaded)."""
     if start[:4] == b"GGUF":
-        raise Flux2Error(f"{path} is a GGUF file; GGUF weights are not supported here. Use the .safetensors release "
-                         f"(bf16 or fp8) of these weights")
+        raise Flux2Error(f"{path} is a GGUF file, which is read as a model, not here: use a .safetensors file")
     pickled = start[:1] == b"\x80" and start[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")    # pickle protocol 2-5
     if start[:4] == b"PK\x03\x04" or pickled or path.suffix.lower() in PICKLE_SUFFIXES:     # torch.save is a zip
         raise Flux2Error(f"{path} is a pickle-based checkpoint (.ckpt/.pt/.bin), not a .safetensors file. Pickle files "
@@ -117,7 +128,7 @@ class Checkpoint:
     path: Path                          # what the caller gave
     files: list[Path]
     tensors: dict[str, TensorInfo]      # every key of every file, as stored
-    metadata: dict[str, str]            # safetensors metadata (merged over shards)
+    metadata: dict                      # safetensors metadata (merged over shards), or GGUF fields (gguf_file.py)
     config: dict                        # the folder's config.json ({} for a single file)
     root: Path | None                   # the pipeline root holding model_index.json, if any
 
@@ -136,7 +147,7 @@ def open_checkpoint(path: str | Path, subfolder: str) -> Checkpoint:
         files = _folder_files(folder)
     tensors, metadata = {}, {}
     for file in files:
-        found, meta = read_header(file)
+        found, meta = read_gguf(file) if is_gguf(file) else read_header(file)
         tensors.update(found)
         metadata.update(meta)
     config = read_json(folder / "config.json") if folder else {}
@@ -146,7 +157,7 @@ def open_checkpoint(path: str | Path, subfolder: str) -> Checkpoint:
 
 
 def _weight_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith((".safetensors", ".sft")))
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith((".safetensors", ".sft", ".gguf")))
 
 
 def _folder_files(folder: Path) -> list[Path]:
@@ -172,7 +183,7 @@ def _folder_files(folder: Path) -> list[Path]:
     if pickles:
         raise Flux2Error(f"{folder} has only pickle-based weights ({', '.join(pickles[:3])}), which are never loaded "
                          f"here because they can run code; download the .safetensors version")
-    raise Flux2Error(f"{folder} holds no .safetensors weights; pass a .safetensors file or a model folder")
+    raise Flux2Error(f"{folder} holds no .safetensors or .gguf weights; pass a weights file or a model folder")
 
 
 def read_json(path: Path) -> dict:

@@ -26,6 +26,8 @@ class Layout:
     name: str                                              # e.g. "BFL", "diffusers"
     signature: str                                         # a key only this layout has (after the prefix)
     recipes: Callable[[set[str]], Callable[[str], Recipe]]  # file keys -> (our key -> recipe)
+    ours: Callable[[str], str | None] = lambda key: key    # a file key -> our key it is (None: none), for loaders
+                                                           # that take what the file has (the text encoder)
 
 
 def same_names(keys: set[str]) -> Callable[[str], Recipe]:
@@ -191,6 +193,38 @@ def bfl_autoencoder_recipes(keys: set[str]) -> Callable[[str], Recipe]:
 def diffusers_autoencoder_recipes(keys: set[str]) -> Callable[[str], Recipe]:
     levels = len({m.group(1) for k in keys if (m := re.match(r"decoder\.up_blocks\.(\d+)\.", k))})
     return table_recipes(AUTOENCODER_FROM_DIFFUSERS, levels=levels)
+
+
+# llama.cpp's names for a Qwen3 (GGUF text encoders) -> Hugging Face's. Qwen3's q/k are stored unpermuted (llama.cpp
+# permutes q/k only for the "llama" architecture).
+QWEN3_FROM_LLAMA_CPP = [
+    ("embed_tokens.weight", "token_embd.weight"),
+    ("norm.weight", "output_norm.weight"),
+    ("layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
+    ("layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
+    ("layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight"),
+    ("layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight"),
+    ("layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight"),
+    ("layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
+    ("layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight"),
+    ("layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight"),
+    ("layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
+    ("layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
+    ("layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+]
+
+
+def table_names(table: list) -> Callable[[str], str | None]:
+    """file key -> our key, from a table of one-to-one (our template, file template) rows; None for other keys."""
+    compiled = [(_template_regex(theirs), ours) for ours, theirs in table]
+
+    def ours(key: str) -> str | None:
+        for pattern, template in compiled:
+            match = pattern.fullmatch(key)
+            if match:
+                return template.format(**match.groupdict())
+        return None
+    return ours
 
 
 TRANSFORMER_LAYOUTS = [

@@ -50,11 +50,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .. import ggml
 from ..autoencoder import AutoEncoder
 from ..errors import Flux2Error
 from ..layers import Layers
 from ..quant import FP8_DTYPES, in_blocks, quantize_fp8
-from ..text_encoder import PromptEncoder, build_qwen3_encoder, is_used
+from ..text_encoder import PromptEncoder, build_qwen3_encoder, is_used, qwen3_config_from_state_dict
 from ..tokenizer import load_tokenizer
 from ..transformer import Flux2Transformer
 from ..variants import (
@@ -68,9 +69,11 @@ from ..variants import (
 )
 from .checkpoint import TORCH_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json, read_tensor
 from .dequantize import COMFY_FP8, DROPPED_SUFFIXES, SCALE_SUFFIXES, comfy_formats, dequantize, dequantize_nvfp4
+from .gguf_file import architecture, describe_gguf
 from .key_mapping import (
     AUTOENCODER_LAYOUTS,
     OPTIONAL_KEYS,
+    QWEN3_FROM_LLAMA_CPP,
     TRANSFORMER_LAYOUTS,
     Layout,
     Recipe,
@@ -78,6 +81,8 @@ from .key_mapping import (
     find_layout,
     qwen3_name,
     same_names,
+    table_names,
+    table_recipes,
 )
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -122,6 +127,13 @@ class Source:
         return file_key in self.keys and (self.info(file_key).dtype in FP8_CODES or (
             self.info(file_key).dtype == "U8" and file_key.removesuffix(".weight") in self.formats))
 
+    def ggml_type(self, key: str) -> int | None:
+        """The GGML type of our key when the file keeps it as quantized GGUF blocks (one tensor), else None."""
+        sources = self.recipe(key).sources
+        if len(sources) == 1 and sources[0] in self.keys and self.info(sources[0]).quantized:
+            return self.info(sources[0]).ggml
+        return None
+
     def is_nvfp4(self, layer: str) -> bool:
         return self.prefix + layer + ".weight_scale_2" in self.ckpt.tensors
 
@@ -133,8 +145,18 @@ class Source:
         return f"{self.layout.name} layout{where}; the file looks like {describe(self.ckpt)}"
 
 
-def open_source(path, subfolder: str, layouts: list[Layout], what: str, loader: str) -> Source:
+# GGUF architectures (``general.architecture``) each model can come in: Klein DiTs as ComfyUI-GGUF reads them ("flux";
+# "" for stable-diffusion.cpp's files, which have none), Qwen3 encoders as llama.cpp writes them
+GGUF_DIT_ARCHS = ("flux", "")
+GGUF_ENCODER_ARCHS = ("qwen3",)
+
+
+def open_source(path, subfolder: str, layouts: list[Layout], what: str, loader: str,
+                gguf_archs: tuple[str, ...] = ()) -> Source:
     ckpt = open_checkpoint(path, subfolder)
+    arch = architecture(ckpt.metadata) if any(i.ggml is not None for i in ckpt.tensors.values()) else None
+    if arch is not None and arch not in gguf_archs:
+        raise Flux2Error(f"{ckpt.path} is a GGUF of {describe_gguf(arch, ckpt)}, not {what}. {loader}")
     layout, prefix = find_layout(ckpt, layouts, what, loader)
     formats = comfy_formats(ckpt, prefix)
     keys = {k[len(prefix):] for k in ckpt.tensors if k.startswith(prefix)}
@@ -167,21 +189,24 @@ class TensorReader:
         straight into device memory.
         """
         info = self.source.ckpt.tensors[key]
-        on_cpu = self.device.type == "cpu" and info.dtype in TORCH_DTYPES
-        if (info.file, on_cpu) not in self.handles:
-            if on_cpu:
+        plain = info.ggml is not None or (self.device.type == "cpu" and info.dtype in TORCH_DTYPES)
+        if (info.file, plain) not in self.handles:
+            if plain:
                 file = self.files.enter_context(open(info.file, "rb", buffering=0))   # noqa: SIM115 (closed by close)
             else:
                 file = safe_open(str(info.file), framework="pt", device=str(self.device))
-            self.handles[info.file, on_cpu] = file
-        if on_cpu:
-            return read_tensor(info, self.handles[info.file, on_cpu])
-        tensor = self.handles[info.file, on_cpu].get_tensor(info.name)
+            self.handles[info.file, plain] = file
+        if plain:                                   # GGUF tensors too: one tensor at a time through the CPU
+            return read_tensor(info, self.handles[info.file, plain]).to(self.device)
+        tensor = self.handles[info.file, plain].get_tensor(info.name)
         return tensor.clone() if tensor.device.type == "cpu" else tensor
 
     def __call__(self, key: str) -> torch.Tensor:
         """One tensor by its key behind the prefix; a quantised weight comes back dequantized (float32)."""
         tensor = self.raw(self.source.prefix + key)
+        info = self.source.info(key)
+        if info.quantized:
+            return ggml.dequantize(tensor, info.ggml, info.shape)
         if not key.endswith(".weight"):
             return tensor
         layer = key[: -len(".weight")]
@@ -212,6 +237,10 @@ class TensorReader:
             tensor = torch.cat([second, first], dim=0)
         return tensor
 
+    def blocks(self, key: str) -> torch.Tensor:
+        """Our key's GGUF blocks as the file stores them (uint8 [rows, row bytes]), for a ``ggml_layers`` layer."""
+        return self.raw(self.source.prefix + self.source.recipe(key).sources[0])
+
     def fp8(self, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
         """A Linear weight [out, in] as float8 values and a float32 scale per row [out], for a ``quant.Fp8Linear``.
 
@@ -237,7 +266,7 @@ def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: t
 
     Floating tensors are cast to ``dtype``; integer buffers (num_batches_tracked) keep theirs; the layers that
     ``expected`` has as fp8 (``quant.Fp8Linear``: a float8 ``weight`` and its ``weight_scale``) get float8 values and
-    per-row scales (``TensorReader.fp8``). A file key that no recipe uses is an error, as is a missing one (except
+    per-row scales (``TensorReader.fp8``), those it has as GGUF blocks (uint8) the file's blocks. A file key that no recipe uses is an error, as is a missing one (except
     ``OPTIONAL_KEYS``).
     """
     scales = {k + "_scale" for k, like in expected.items() if like.dtype in FP8_DTYPES}   # read with their weights
@@ -253,6 +282,8 @@ def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: t
         for key, like in wanted.items():
             if not source.has(key):                       # an optional key the file lacks
                 state[key] = torch.zeros(like.shape, dtype=like.dtype, device=device)
+            elif like.dtype == torch.uint8 and source.ggml_type(key) is not None:    # kept as GGUF blocks
+                state[key] = fit(read.blocks(key), like, key, source)
             elif like.dtype in FP8_DTYPES:                # an fp8 layer: float8 weight [out, in] + float32 scale [out]
                 weight, scale = read.fp8(source.recipe(key))
                 state[key], state[key + "_scale"] = fit(weight, like, key, source), scale
@@ -400,13 +431,14 @@ def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = 
 def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | None = None,
                       fp8: bool | None = None) -> int:
     """The bytes of weights ``load_transformer(path, dtype=dtype, variant=variant, fp8=fp8)`` makes, from the headers
-    alone (nothing is read): fp8 layers one byte per weight plus a float32 scale per row, the rest in ``dtype``. For
+    alone (nothing is read): fp8 layers one byte per weight plus a float32 scale per row, GGUF blocks their bytes,
+    the rest in ``dtype``. For
     deciding where the weights go before reading them (``pipeline.load_models``: stream the blocks or not)."""
     _, model, _ = _transformer_on_meta(path, None, variant, fp8)
     state = model.state_dict()
     fp8_scales = {k + "_scale" for k, t in state.items() if t.dtype in FP8_DTYPES}
-    return sum(t.numel() * (t.itemsize if t.dtype in FP8_DTYPES or k in fp8_scales else dtype.itemsize)
-               for k, t in state.items())
+    return sum(t.numel() * (dtype.itemsize if t.is_floating_point() and t.dtype not in FP8_DTYPES
+                            and k not in fp8_scales else t.itemsize) for k, t in state.items())
 
 
 def _transformer_on_meta(path, params: TransformerParams | None, variant: str | None,
@@ -414,7 +446,8 @@ def _transformer_on_meta(path, params: TransformerParams | None, variant: str | 
     """The file's source, the model built on the meta device with its fp8 layers, and the variant."""
     source = _transformer_source(path)
     params, chosen = _transformer_spec(source, params, variant)
-    model = build_on_meta(lambda: Flux2Transformer(params, Layers(fp8=fp8_storage(source, fp8))))
+    layers = Layers(fp8=fp8_storage(source, fp8), ggml=lambda name: source.ggml_type(name + ".weight"))
+    model = build_on_meta(lambda: Flux2Transformer(params, layers))
     return source, model, chosen
 
 
@@ -426,8 +459,8 @@ def fp8_storage(source: Source, fp8: bool | None) -> Callable[[str], bool]:
 
 def _transformer_source(path) -> Source:
     return open_source(path, "transformer", TRANSFORMER_LAYOUTS, "a FLUX.2 transformer",
-                       "Pass a FLUX.2 diffusion model: flux-2-klein-*.safetensors (ComfyUI models/diffusion_models) "
-                       "or a diffusers transformer/ folder.")
+                       "Pass a FLUX.2 diffusion model: flux-2-klein-*.safetensors or .gguf (ComfyUI "
+                       "models/diffusion_models) or a diffusers transformer/ folder.", GGUF_DIT_ARCHS)
 
 
 def _transformer_spec(source: Source, params: TransformerParams | None,
@@ -480,7 +513,9 @@ def load_autoencoder(path: str | Path, device=None, dtype: torch.dtype | None = 
 # 5. the text encoder
 # ---------------------------------------------------------------------------------------------------------------
 
-TEXT_ENCODER_LAYOUTS = [Layout("Hugging Face Qwen3", "layers.0.self_attn.q_norm.weight", same_names)]
+TEXT_ENCODER_LAYOUTS = [Layout("Hugging Face Qwen3", "layers.0.self_attn.q_norm.weight", same_names),
+                        Layout("llama.cpp GGUF", "blk.0.attn_q_norm.weight",
+                               lambda keys: table_recipes(QWEN3_FROM_LLAMA_CPP), table_names(QWEN3_FROM_LLAMA_CPP))]
 ENCODER_FILES = {QWEN3_4B.name: f"Qwen3-4B text encoder ({' or '.join(QWEN3_4B.files)})",
                  QWEN3_8B.name: f"Qwen3-8B text encoder ({' or '.join(QWEN3_8B.files)})",
                  "mistral-small-3.2": "Mistral-Small-3.2 text encoder"}
@@ -488,26 +523,50 @@ ENCODER_FILES = {QWEN3_4B.name: f"Qwen3-4B text encoder ({' or '.join(QWEN3_4B.f
 
 def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
                       tokenizer=None) -> PromptEncoder:
-    """The Qwen3 prompt encoder from a Hugging Face / diffusers ``text_encoder/`` folder or a ComfyUI file.
+    """The Qwen3 prompt encoder from a Hugging Face / diffusers ``text_encoder/`` folder, a ComfyUI file or a GGUF
+    (llama.cpp's Qwen3 files: quantized layers stay GGUF blocks, ``ggml_layers.py``).
 
     Only what FLUX.2 uses is read: the embedding and decoder layers 0..26 (hidden states 9, 18, 27); later layers,
     the final norm and ``lm_head`` stay on disk. The tokenizer is ``tokenizer`` if given, else the one in the folder
-    or a sibling ``tokenizer/`` folder, else the built-in Qwen3 tokenizer. Default device: cuda if available; dtype:
-    bf16 on cuda, else fp32.
+    or a sibling ``tokenizer/`` folder, else the built-in Qwen3 tokenizer (checked against a GGUF's vocabulary).
+    Default device: cuda if available; dtype: bf16 on cuda, else fp32.
     """
     device, dtype = default_device_dtype(device, dtype)
     source = open_source(path, "text_encoder", TEXT_ENCODER_LAYOUTS, "a Qwen3 text encoder",
-                         "FLUX.2 Klein 4B needs Qwen3-4B (qwen_3_4b.safetensors), Klein 9B needs Qwen3-8B.")
+                         "FLUX.2 Klein 4B needs Qwen3-4B (qwen_3_4b.safetensors or a Qwen3-4B GGUF), Klein 9B needs "
+                         "Qwen3-8B.", GGUF_ENCODER_ARCHS)
     last = max(QWEN3_4B.output_layers)
+    keys = sorted(k for k in map(source.layout.ours, source.keys) if k is not None and is_used(k, last))
+    ggml_types = {k.removesuffix(".weight"): source.ggml_type(k) for k in keys if source.ggml_type(k) is not None}
+    shapes = {k: torch.empty(need_shape(source, k), device="meta") for k in keys}
     with closing(TensorReader(source, device)) as read:
-        state = {key: _cast(read(key), dtype) for key in sorted(source.keys) if is_used(key, last)}
+        state = {key: read.blocks(key) if key.removesuffix(".weight") in ggml_types
+                 else _cast(read.full(source.recipe(key)), dtype) for key in keys}
     if tokenizer is None and source.ckpt.path.is_dir():
         tokenizer = load_tokenizer(source.ckpt.files[0].parent)
     try:
-        return build_qwen3_encoder(state, config=source.ckpt.config or None, device=device, dtype=dtype,
-                                   tokenizer=tokenizer)
+        config = source.ckpt.config or qwen3_config_from_state_dict(shapes)
+        encoder = build_qwen3_encoder(state, config=config, device=device, dtype=dtype, tokenizer=tokenizer,
+                                      ggml_types=ggml_types)
     except Flux2Error as e:
         raise Flux2Error(f"{source.ckpt.path}: {e} ({source.describe()})") from None
+    if "tokenizer.ggml.tokens" in source.ckpt.metadata:
+        check_vocabulary(source.ckpt.metadata["tokenizer.ggml.tokens"], encoder.tokenizer, source.ckpt.path)
+    return encoder
+
+
+def check_vocabulary(tokens: list[str], tokenizer, path: Path) -> None:
+    """Raise a Flux2Error unless a GGUF's token list agrees with the tokenizer prompts are read with, id by id (the
+    file may have more rows, as padding: Qwen3's table has 151,936 rows for 151,669 tokens)."""
+    vocab = tokenizer.get_vocab()
+    wrong = next(((i, token) for token, i in sorted(vocab.items(), key=lambda item: item[1])
+                  if i >= len(tokens) or tokens[i] != token), None)
+    if wrong is not None:
+        i, token = wrong
+        theirs = repr(tokens[i]) if i < len(tokens) else "missing"
+        raise Flux2Error(f"{path}: the file's vocabulary is not Qwen3's (token {i} is {theirs} in the file, {token!r} "
+                         f"in Qwen3's tokenizer), so it is another language model or a fine-tune with its own "
+                         f"tokenizer; FLUX.2 Klein needs the stock Qwen3-4B / Qwen3-8B (any quantization)")
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,63 @@
+"""GGUF weight storage: layers that keep a GGUF file's quantized blocks and dequantize them as they compute.
+
+    GGMLLinear(in, out, qtype)        weight: uint8 [out, row bytes] (blocks along ``in``), dequantized to the input's
+                                      dtype at every call, then one matmul: memory holds the file's bytes, not floats
+    GGMLEmbedding(vocab, dim, qtype)  weight: uint8 [vocab, row bytes]; a lookup dequantizes only the rows it reads
+                                      (Qwen3's 151,936-row table stays as small as in the file)
+
+Made by ``layers.Layers`` for the layers a GGUF file stores quantized (``ggml`` argument), never swapped in later.
+The state dict holds the blocks as the file has them (``weight``), so ComfyUI moves and counts them like any
+buffer. Adapters go on top as run-time branches (``patching.py``); blocks are never re-quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from . import ggml
+from .linear import item_by_item, linear
+
+
+class GGMLLinear(nn.Module):
+    """A bias-free Linear [out, in] whose weight is GGML blocks of type ``qtype`` (``ggml.QUANTIZED``)."""
+
+    def __init__(self, in_features: int, out_features: int, qtype: int, item_by_item: bool = False, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.qtype = in_features, out_features, int(qtype)
+        self.item_by_item = item_by_item          # per-item vectors, as linear.VectorLinear (batch invariance)
+        self.register_buffer("weight", torch.empty(out_features, ggml.row_bytes(qtype, in_features),
+                                                   dtype=torch.uint8, device=device))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
+        """The weight as floats [out, in] (exact in float32; rounded once to other dtypes)."""
+        blocks = self.weight if device is None else self.weight.to(device, non_blocking=True)
+        return ggml.dequantize(blocks, self.qtype, (self.out_features, self.in_features), dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., in] -> [..., out] in x's dtype; the weight is dequantized where x is."""
+        weight = self.dequantized(x.dtype, x.device)
+        return item_by_item(lambda item: linear(item, weight), x) if self.item_by_item else linear(x, weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {ggml.type_name(self.qtype)}"
+
+
+class GGMLEmbedding(nn.Module):
+    """An embedding table [num, dim] kept as GGML blocks; ``dtype`` is what lookups return (the model's dtype)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, qtype: int, dtype: torch.dtype = torch.float32,
+                 device=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.qtype, self.dtype = num_embeddings, embedding_dim, int(qtype), dtype
+        self.register_buffer("weight", torch.empty(num_embeddings, ggml.row_bytes(qtype, embedding_dim),
+                                                   dtype=torch.uint8, device=device))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """ids [...] -> [..., dim]: only the rows looked up are dequantized."""
+        rows = self.weight[ids.reshape(-1).to(self.weight.device)]
+        values = ggml.dequantize(rows, self.qtype, (rows.shape[0], self.embedding_dim), self.dtype)
+        return values.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {ggml.type_name(self.qtype)}, lookups in {self.dtype}"
