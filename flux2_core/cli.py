@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strength", type=float, default=1.0, help="image-to-image denoise strength in (0, 1]")
     p.add_argument("--out", default="output", help="folder for the PNGs (default output/)")
     p.add_argument("--models", metavar="DIR", help="a ComfyUI models folder to find the weights in")
-    p.add_argument("--transformer", metavar="PATH", help="FLUX.2 Klein diffusion model file or diffusers folder")
-    p.add_argument("--text-encoder", metavar="PATH", help="Qwen3 text encoder file or folder")
+    p.add_argument("--transformer", metavar="PATH", help="FLUX.2 Klein diffusion model file (.safetensors or .gguf) or "
+                   "diffusers folder")
+    p.add_argument("--text-encoder", metavar="PATH", help="Qwen3 text encoder file (.safetensors or .gguf) or folder")
     p.add_argument("--ae", metavar="PATH", help="FLUX.2 autoencoder file (flux2-vae.safetensors / ae.safetensors)")
     p.add_argument("--variant", choices=sorted(VARIANTS), help="model variant (default: detected from the weights)")
     p.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda if available)")
@@ -99,17 +100,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --- finding weights ------------------------------------------------------------------------------------------------
 
-def _first_file(models: Path, folders: tuple[str, ...], names: tuple[str, ...]) -> Path | None:
+def _first_file(models: Path, folders: tuple[str, ...], names: tuple[str, ...], gguf_stem: str = "") -> Path | None:
+    """The first of ``names`` found in the folders, else the first GGUF named ``<gguf_stem>-<quant>.gguf`` (the
+    quant starts with Q, IQ, BF or F: Q4_K_M, BF16, ...; so flux-2-klein-9b-kv-*.gguf is not a klein-9b file)."""
     for name in names:
         for folder in folders:
             if (models / folder / name).is_file():
                 return models / folder / name
+    for folder in folders:
+        found = sorted((models / folder).glob(f"{gguf_stem}-[QqIiBbFf]*.gguf")) if gguf_stem else []
+        if found:
+            return found[0]
     return None
 
 
 def _needed(variant: Variant) -> list[str]:
-    return [f"  {TRANSFORMER_FOLDERS[0]}/{' or '.join(variant.files)}",
-            f"  {TEXT_ENCODER_FOLDERS[0]}/{' or '.join(variant.text_encoder.files)}",
+    return [f"  {TRANSFORMER_FOLDERS[0]}/{' or '.join(variant.files)} (or {variant.gguf_stem}-<quant>.gguf)",
+            (f"  {TEXT_ENCODER_FOLDERS[0]}/{' or '.join(variant.text_encoder.files)} "
+             f"(or {variant.text_encoder.gguf_stem}-<quant>.gguf)"),
             f"  {AE_FOLDERS[0]}/{' or '.join(AE_FILES)}"]
 
 
@@ -128,11 +136,12 @@ def find_weights(models: str | None, variant: str | None, transformer: str | Non
     chosen = candidates[0]
     if transformer is None and folder is not None:
         for v in candidates:
-            if found := _first_file(folder, TRANSFORMER_FOLDERS, v.files):
+            if found := _first_file(folder, TRANSFORMER_FOLDERS, v.files, v.gguf_stem):
                 transformer, chosen = found, v
                 break
     if folder is not None:
-        text_encoder = text_encoder or _first_file(folder, TEXT_ENCODER_FOLDERS, chosen.text_encoder.files)
+        text_encoder = text_encoder or _first_file(folder, TEXT_ENCODER_FOLDERS, chosen.text_encoder.files,
+                                                   chosen.text_encoder.gguf_stem)
         ae = ae or _first_file(folder, AE_FOLDERS, AE_FILES)
     missing = [what for what, path in (("--transformer", transformer), ("--text-encoder", text_encoder),
                                        ("--ae", ae)) if path is None]
@@ -254,6 +263,7 @@ def generate_command(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
+    from .ggml_layers import gguf_types
     from .pipeline import DEFAULT_SIZE, apply_adapters, generate, load_models, optimize_transformer
     from .quant import count_fp8, use_fp8_matmul
 
@@ -290,8 +300,9 @@ def generate_command(argv: list[str]) -> int:
         files["loras"] = [{"file": Path(path).name, "strength": strength} for path, strength in loras]
     optimize_transformer(models, compile=args.compile)                          # after the LoRAs: a compiled graph
     report_streaming(models.transformer, args.compile)
-    if count_fp8(models.transformer):
-        files["transformer_weights"] = "fp8"
+    stored = [*gguf_types(models.transformer), *(["fp8"] if count_fp8(models.transformer) else [])]
+    if stored:
+        files["transformer_weights"] = "+".join(stored)          # e.g. "fp8", "Q4_K+Q6_K"
     fp8_matmul, note = use_fp8_matmul(models.transformer, YES_NO[args.fp8_matmul],
                                       models.device, models.transformer.img_in.weight.dtype)
     if note:

@@ -26,13 +26,16 @@ class GGMLLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.qtype = in_features, out_features, int(qtype)
         self.item_by_item = item_by_item          # per-item vectors, as linear.VectorLinear (batch invariance)
+        self.weight_patch = None                  # patching.py: adapters merged as the weight is dequantized
         self.register_buffer("weight", torch.empty(out_features, ggml.row_bytes(qtype, in_features),
                                                    dtype=torch.uint8, device=device))
 
     def dequantized(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
-        """The weight as floats [out, in] (exact in float32; rounded once to other dtypes)."""
+        """The weight as floats [out, in] (exact in float32; rounded once to other dtypes), with the adapters that
+        ``patching.set_adapters`` merges at run time (``weight_patch``)."""
         blocks = self.weight if device is None else self.weight.to(device, non_blocking=True)
-        return ggml.dequantize(blocks, self.qtype, (self.out_features, self.in_features), dtype)
+        weight = ggml.dequantize(blocks, self.qtype, (self.out_features, self.in_features), dtype)
+        return weight if self.weight_patch is None else self.weight_patch(weight)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [..., in] -> [..., out] in x's dtype; the weight is dequantized where x is."""
@@ -61,3 +64,13 @@ class GGMLEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {ggml.type_name(self.qtype)}, lookups in {self.dtype}"
+
+
+def gguf_types(model: nn.Module) -> dict[str, int]:
+    """How many of the model's layers keep GGUF blocks, by type name ({"Q4_K": 40, "Q6_K": 8}; {} for none)."""
+    counts: dict[str, int] = {}
+    for layer in model.modules():
+        if isinstance(layer, (GGMLLinear, GGMLEmbedding)):
+            name = ggml.type_name(layer.qtype)
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))

@@ -12,6 +12,8 @@ How a layer takes its patches (``adapters.Patch``: ΔW for some rows of a layer'
   factors (LoRA: two thin matmuls) beside the unchanged fp8 weight: re-quantizing a merged weight would round it again.
   ``merge=True`` merges anyway (dequantize, patch, quantize per row with a new scale; the original is kept too).
   DoRA patches always merge: they rescale the whole weight.
+* GGUF blocks (``ggml_layers.GGMLLinear``): branches too. Blocks are never re-quantized, so where a merge is asked
+  for (or DoRA) the patches are merged into the weight as it is dequantized, at every call (``weight_patch``).
 
 ``merge=False`` makes float layers take branches too. ``model.adapter_key`` names the applied set (``key``); the caches
 key what they keep by it (``cache.fingerprint``), so nothing computed with one set is served for another.
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 
 from .adapters import Patch
 from .errors import Flux2Error
+from .ggml_layers import GGMLLinear
 from .quant import Fp8Linear, dequantize_fp8, quantize_fp8
 
 
@@ -38,6 +41,7 @@ class AppliedAdapters:
     def __init__(self):
         self.originals: dict[str, tuple[Tensor, ...]] = {}
         self.hooks: list = []
+        self.weight_patched: list[GGMLLinear] = []
 
 
 def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: Hashable = (),
@@ -58,9 +62,12 @@ def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: 
     model.adapter_key = key if by_layer else ()
     for name, items in by_layer.items():
         layer = layers[name]
-        fp8 = isinstance(layer, Fp8Linear)
+        stored = isinstance(layer, (Fp8Linear, GGMLLinear))          # quantized: branch unless asked to merge
         dora = any(p.dora_scale is not None for p, _ in items)
-        if dora or merge is True or (merge is None and not fp8):
+        if isinstance(layer, GGMLLinear) and (dora or merge is True):
+            layer.weight_patch = _merged(items)
+            applied.weight_patched.append(layer)
+        elif dora or merge is True or (merge is None and not stored):
             applied.originals[name] = _merge(layer, [(_patch_on_device(p, layer.weight.device), s) for p, s in items])
         else:
             applied.hooks.append(layer.register_forward_hook(_branches(items)))
@@ -73,6 +80,8 @@ def _undo(model: nn.Module) -> None:
         return
     for hook in applied.hooks:
         hook.remove()
+    for layer in applied.weight_patched:
+        layer.weight_patch = None
     for name, originals in applied.originals.items():
         layer = model.get_submodule(name)
         for tensor, original in zip(_stored(layer), originals):
@@ -87,7 +96,7 @@ def _layer(model: nn.Module, name: str, patches: list[Patch]) -> nn.Module:
     except AttributeError:
         raise Flux2Error(f"the adapter patches {name}, which this model does not have; was the adapter read for "
                          f"this model (adapters.read_adapter with its params)?") from None
-    if not isinstance(layer, (nn.Linear, Fp8Linear)):
+    if not isinstance(layer, (nn.Linear, Fp8Linear, GGMLLinear)):
         raise Flux2Error(f"the adapter patches {name}, a {type(layer).__name__}, not a linear layer")
     for patch in patches:
         rows = (patch.rows[1] - patch.rows[0]) if patch.rows else layer.out_features
@@ -129,6 +138,20 @@ def _merge(layer: nn.Module, items: list[tuple[Patch, float]]) -> tuple[Tensor, 
     else:
         layer.weight.copy_(weight)
     return originals
+
+
+def _merged(items: list[tuple[Patch, float]]):
+    """A GGMLLinear ``weight_patch``: the patches merged into its dequantized weight [out, in] (computed in float32)."""
+    def patch_weight(weight: Tensor) -> Tensor:
+        merged = weight.float()
+        for i, (patch, strength) in enumerate(items):
+            if next(iter(patch.tensors.values())).device != weight.device:    # moved once, where the layer computes
+                patch = _patch_on_device(patch, weight.device)
+                items[i] = (patch, strength)
+            rows = slice(*patch.rows) if patch.rows else slice(None)
+            merged[rows] = patch.merged(merged[rows], strength)
+        return merged.to(weight.dtype)
+    return patch_weight
 
 
 def _branches(items: list[tuple[Patch, float]]):

@@ -63,10 +63,12 @@ class TextEncoderSpec:
     output_layers: tuple[int, ...] = (9, 18, 27)
     max_length: int = 512
     files: tuple[str, ...] = ()   # usual file names (ComfyUI text_encoders/), for finding weights
+    gguf_stem: str = ""           # GGUF files are named <stem>-<quant>.gguf (llama.cpp / unsloth: Qwen3-4B-Q4_K_M.gguf)
 
 
-QWEN3_4B = TextEncoderSpec("qwen3-4b", 2560, files=("qwen_3_4b.safetensors",))
-QWEN3_8B = TextEncoderSpec("qwen3-8b", 4096, files=("qwen_3_8b.safetensors", "qwen_3_8b_fp8mixed.safetensors"))
+QWEN3_4B = TextEncoderSpec("qwen3-4b", 2560, files=("qwen_3_4b.safetensors",), gguf_stem="Qwen3-4B")
+QWEN3_8B = TextEncoderSpec("qwen3-8b", 4096, files=("qwen_3_8b.safetensors", "qwen_3_8b_fp8mixed.safetensors"),
+                           gguf_stem="Qwen3-8B")
 MISTRAL_SMALL = TextEncoderSpec("mistral-small-3.2", 5120, output_layers=(10, 20, 30))
 
 
@@ -79,7 +81,12 @@ class Variant:
     default_cfg: float
     guidance_distilled: bool           # True: one forward per step, no CFG (cfg is ignored)
     use_kv_cache: bool = False         # 9B-KV: references at t=0, self-attending, K/V cached
-    files: tuple[str, ...] = field(default=())   # usual file names, for finding weights
+    files: tuple[str, ...] = field(default=())   # usual file names, for finding weights (the first one's stem,
+                                                 # plus -<quant>.gguf, names its GGUF files: flux-2-klein-4b-Q4_K_M.gguf)
+
+    @property
+    def gguf_stem(self) -> str:
+        return self.files[0].removesuffix(".safetensors") if self.files else ""
 
     @property
     def uses_cfg(self) -> bool:

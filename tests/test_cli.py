@@ -104,6 +104,22 @@ def test_find_weights_in_a_comfyui_folder(tmp_path):
         cli.find_weights(str(tmp_path / "nope"), None)
 
 
+def test_find_gguf_weights_by_their_quant_suffix(tmp_path):
+    """GGUF files are found by the names unsloth and stable-diffusion.cpp give them (<stem>-<quant>.gguf); a 9B-KV
+    GGUF is not taken for a 9B one; safetensors files of the usual names come first."""
+    for rel in ["unet/flux-2-klein-9b-kv-Q4_K_M.gguf", "diffusion_models/flux-2-klein-9b-Q8_0.gguf",
+                "clip/Qwen3-8B-Q6_K.gguf", "text_encoders/Qwen3-4B-Q4_K_M.gguf", "vae/flux2-vae.safetensors"]:
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_bytes(b"")
+    t, te, _ = cli.find_weights(str(tmp_path), "klein-9b")
+    assert (t.name, te.name) == ("flux-2-klein-9b-Q8_0.gguf", "Qwen3-8B-Q6_K.gguf")
+    assert cli.find_weights(str(tmp_path), "klein-9b-kv")[0].name == "flux-2-klein-9b-kv-Q4_K_M.gguf"
+    with pytest.raises(Flux2Error, match=r"flux-2-klein-4b-<quant>\.gguf"):
+        cli.find_weights(str(tmp_path), "klein-4b")
+    (tmp_path / "text_encoders/qwen_3_8b.safetensors").write_bytes(b"")
+    assert cli.find_weights(str(tmp_path), "klein-9b")[1].name == "qwen_3_8b.safetensors"
+
+
 def write_models_folder(folder, fp8_file: bool = False):
     """Tiny real weight files under ComfyUI's names (the transformer as a BFL fp8 file: per-row scales, if asked)."""
     from flux2_core.quant import quantize_transformer
@@ -158,6 +174,41 @@ def test_fp8_flag_and_fp8_files(tmp_path, capsys, fp8_file, flag, stored):
     if stored:
         assert cli.main([*argv, "--fp8-matmul", "yes"]) == 2
         assert "cannot use fp8 matmul: fp8 matmul needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_generate_from_gguf_files_equals_their_dequantized_values(tmp_path, capsys):
+    """A models folder holding a GGUF transformer and a GGUF Qwen3 (found by their names) makes the image the same
+    command makes from safetensors files of the values the GGUFs hold; the PNG names the quant types."""
+    from gguf import GGMLQuantizationType as T
+    from safetensors.torch import save_file
+
+    from flux2_core.tokenizer import build_qwen3_tokenizer
+    from tests.tiny.gguf import dit_types, encoder_types, hf_names, llama_cpp_names, save_gguf
+    from tests.tiny.text_encoder import build_tiny_qwen3, comfyui_state_dict
+    from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_bfl_transformer
+
+    write_models_folder(tmp_path)
+    tokens = [f"[PAD{i}]" for i in range(151936)]
+    for token, i in build_qwen3_tokenizer().get_vocab().items():
+        tokens[i] = token
+    hf = comfyui_state_dict(build_tiny_qwen3(seed=3))
+    _, te_values = save_gguf(llama_cpp_names(hf), tmp_path / "text_encoders" / "Qwen3-4B-Q8_0.gguf",
+                             encoder_types(T.Q8_0), arch="qwen3", tokens=tokens)
+    _, dit_values = save_gguf(random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=4),
+                              tmp_path / "diffusion_models" / "flux-2-klein-4b-Q4_1.gguf", dit_types(T.Q4_1))
+    (tmp_path / "diffusion_models" / "flux-2-klein-4b.safetensors").unlink()
+    (tmp_path / "text_encoders" / "qwen_3_4b.safetensors").unlink()
+    argv = ["--prompt", "a fox", "--width", "32", "--height", "32", "--steps", "2", "--seed", "5", "--device", "cpu"]
+    assert cli.main([*argv, "--models", str(tmp_path), "--out", str(tmp_path / "gguf")]) == 0, capsys.readouterr().err
+    save_file(hf_names(te_values, hf), str(tmp_path / "te.safetensors"))
+    floats = ["--transformer", str(save_bfl_transformer(dit_values, tmp_path / "dit.safetensors")),
+              "--text-encoder", str(tmp_path / "te.safetensors"), "--ae", str(tmp_path / "vae" / "flux2-vae.safetensors")]
+    assert cli.main([*argv, *floats, "--out", str(tmp_path / "float")]) == 0, capsys.readouterr().err
+    gguf_png, float_png = Image.open(tmp_path / "gguf" / "flux2_5.png"), Image.open(tmp_path / "float" / "flux2_5.png")
+    assert np.array_equal(np.asarray(gguf_png), np.asarray(float_png))
+    params = png_parameters(tmp_path / "gguf" / "flux2_5.png")[1]
+    assert params["transformer"] == "flux-2-klein-4b-Q4_1.gguf" and params["text_encoder"] == "Qwen3-4B-Q8_0.gguf"
+    assert params["transformer_weights"] == "Q4_1"
 
 
 def test_queue_is_routed(monkeypatch):

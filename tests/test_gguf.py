@@ -18,12 +18,15 @@ from gguf import GGUFReader, GGUFWriter
 from safetensors.torch import save_file
 
 from flux2_core import rope, weights
+from flux2_core.adapters import read_adapter
 from flux2_core.autoencoder import AutoEncoder
 from flux2_core.errors import Flux2Error
 from flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear
+from flux2_core.patching import set_adapters
 from flux2_core.pipeline import Models, generate
 from flux2_core.tokenizer import build_qwen3_tokenizer
 from flux2_core.variants import VARIANTS, TransformerParams
+from tests.tiny.adapters import adapter_state_dict, lora_state_dict, random_lora
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder
 from tests.tiny.gguf import dit_types, encoder_types, hf_names, llama_cpp_names, save_gguf
 from tests.tiny.text_encoder import TINY_QWEN3_CONFIG, build_tiny_qwen3, comfyui_state_dict
@@ -82,12 +85,15 @@ def test_dit_computes_what_its_dequantized_values_compute(tmp_path, qtype):
     assert rel_diff(run(model, inputs), run(reference, inputs)) <= BOUND
 
 
-def test_sd_cpp_file_without_architecture_and_comfy_orig_shape(tmp_path):
-    """stable-diffusion.cpp's files have no general.architecture and keep ComfyUI's key prefix."""
+def test_sd_cpp_file_without_architecture_quantizing_every_matrix(tmp_path):
+    """stable-diffusion.cpp's files have no general.architecture and keep ComfyUI's key prefix; a file that quantizes
+    the embedders and final layer too loads them dequantized (the model's dtype is read from img_in)."""
     sd = random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=2)
     prefixed = {f"model.diffusion_model.{k}": v for k, v in sd.items()}
-    path, values = save_gguf(prefixed, tmp_path / "flux-2-klein-4b-Q4_0.gguf", dit_types(T.Q4_0), arch=None)
+    path, values = save_gguf(prefixed, tmp_path / "flux-2-klein-4b-Q4_0.gguf",
+                             lambda name, shape: T.Q4_0 if len(shape) == 2 else T.F32, arch=None)
     model, _ = weights.load_transformer(path, CPU, torch.float32)
+    assert model.img_in.weight.dtype == torch.float32 and isinstance(model.single_blocks[0].linear1, GGMLLinear)
     reference, _ = weights.load_transformer(save_bfl_transformer(
         {k.removeprefix("model.diffusion_model."): v for k, v in values.items()}, tmp_path / "f.safetensors"), CPU)
     inputs = dit_inputs(TINY_TRANSFORMER)
@@ -234,3 +240,36 @@ def test_unsupported_quant_type_is_named(tmp_path):
     writer.close()
     with pytest.raises(Flux2Error, match="IQ4_XS"):
         weights.load_transformer(path, CPU)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# adapters on GGUF models
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_lora_and_dora_on_gguf_equal_the_float_model_of_its_values(tmp_path):
+    """A LoRA on GGUF layers runs as a branch, a DoRA (or merge=True) is merged as the weight is dequantized; both
+    give what the float model of the file's values gives with the adapter merged, and removal restores the model."""
+    modules = ["double_blocks.0.img_attn.qkv", "single_blocks.1.linear2", "double_stream_modulation_img.lin"]
+    raw = random_lora(TINY_TRANSFORMER, modules, rank=4, seed=11)
+    sd, _ = lora_state_dict(raw, "kohya", alpha=8.0)
+    lora = read_adapter(sd, TINY_TRANSFORMER, name="lora")
+    out = TINY_TRANSFORMER.hidden_size * 6
+    dora_scale = 1 + 0.1 * torch.randn(out, 1, generator=torch.Generator().manual_seed(12))
+    down, up = raw["double_stream_modulation_img.lin"]
+    dora = read_adapter(adapter_state_dict({"double_stream_modulation_img.lin": {
+        "lora_down.weight": down, "lora_up.weight": up, "dora_scale": dora_scale}}, "lora_unet_", underscore=True),
+        TINY_TRANSFORMER, name="dora")
+    path, values = save_gguf(random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=13), tmp_path / "q.gguf",
+                             dit_types(T.Q4_1))
+    model, _ = weights.load_transformer(path, CPU, torch.float32)
+    reference, _ = weights.load_transformer(save_bfl_transformer(values, tmp_path / "f.safetensors"), CPU)
+    inputs = dit_inputs(TINY_TRANSFORMER)
+    original = run(model, inputs)
+    for patches, merge in [(lora.patches, None), (lora.patches, True), (dora.patches, None)]:
+        set_adapters(model, [(p, 0.8) for p in patches], key=("x", merge), merge=merge)
+        set_adapters(reference, [(p, 0.8) for p in patches], key=("x", merge))
+        assert rel_diff(run(model, inputs), run(reference, inputs)) <= BOUND
+        assert all(m.weight_patch is None for m in model.modules() if isinstance(m, GGMLLinear)) == (
+            merge is None and patches is lora.patches)
+    set_adapters(model, [])
+    assert torch.equal(run(model, inputs), original)

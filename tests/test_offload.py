@@ -125,6 +125,29 @@ def test_streamed_output_is_bit_identical(monkeypatch, fp8):
     assert torch.equal(model(*args, ref_kv=model.reference_kv(args[0][:1], args[1][:1])), want_kv)
 
 
+def test_gguf_blocks_stream_and_the_output_is_bit_identical(monkeypatch, tmp_path):
+    """A GGUF model's blocks (uint8 buffers, dequantized at each call) stream like any weights."""
+    from gguf import GGMLQuantizationType
+
+    from flux2_core import weights
+    from flux2_core.ggml_layers import GGMLLinear
+    from tests.tiny.gguf import dit_types, save_gguf
+
+    path, _ = save_gguf(random_bfl_transformer_state_dict(PARAMS, seed=1), tmp_path / "q.gguf",
+                        dit_types(GGMLQuantizationType.Q4_0))
+    model, _ = weights.load_transformer(path, CPU, torch.float32)
+    device = FakeDevice(monkeypatch)
+    args = inputs(batch=2)
+    want = model(*args)
+    fixed, block_sizes = sizes(model)
+    offload.stream_blocks(model, CPU, fixed + 2 * max(block_sizes))
+    streamed = offload.streamed_blocks(model)
+    assert len(streamed) == len(block_sizes) and isinstance(streamed[0].img_attn.qkv, GGMLLinear)
+    assert not device.on_device(streamed[0])
+    assert torch.equal(model(*args), want)
+    assert device.live == fixed
+
+
 def test_unstream_restores_the_placement_and_removes_the_hooks(monkeypatch):
     device = FakeDevice(monkeypatch)
     model = tiny_model()

@@ -446,7 +446,7 @@ def _transformer_on_meta(path, params: TransformerParams | None, variant: str | 
     """The file's source, the model built on the meta device with its fp8 layers, and the variant."""
     source = _transformer_source(path)
     params, chosen = _transformer_spec(source, params, variant)
-    layers = Layers(fp8=fp8_storage(source, fp8), ggml=lambda name: source.ggml_type(name + ".weight"))
+    layers = Layers(fp8=fp8_storage(source, fp8), ggml=gguf_storage(source))
     model = build_on_meta(lambda: Flux2Transformer(params, layers))
     return source, model, chosen
 
@@ -455,6 +455,13 @@ def fp8_storage(source: Source, fp8: bool | None) -> Callable[[str], bool]:
     """Which linear layers (by name) to store in fp8 (see ``load_transformer``): none with fp8=False; those the file
     stores in float8; with fp8=True every block layer too (``quant.in_blocks``)."""
     return lambda name: fp8 is not False and (source.stores_fp8(name + ".weight") or bool(fp8 and in_blocks(name)))
+
+
+def gguf_storage(source: Source) -> Callable[[str], int | None]:
+    """Which linear layers (by name) keep a GGUF file's blocks, with their GGML type: the block and modulation layers
+    the file quantizes (``quant.in_blocks``). The embedders and the final layer are dequantized on load wherever a
+    file quantizes them (converters keep them F16): they are small, and the model reads its dtype from img_in."""
+    return lambda name: source.ggml_type(name + ".weight") if in_blocks(name) else None
 
 
 def _transformer_source(path) -> Source:
@@ -575,7 +582,7 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def check_text_encoder_fits(variant: Variant, encoder: PromptEncoder) -> None:
     """Raise a Flux2Error unless the encoder's embeddings (3 x hidden) are the width the transformer takes."""
-    hidden = encoder.model.embed_tokens.weight.shape[1]
+    hidden = encoder.model.embed_tokens.embedding_dim
     needed = variant.params.context_in_dim
     if 3 * hidden == needed:
         return
