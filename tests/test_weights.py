@@ -307,8 +307,7 @@ def test_text_encoder_fits(dit, te):
     weights.check_text_encoder_fits(tiny_variant, encoder)              # 3 x 32 == 96: fine
     with pytest.raises(Flux2Error, match=r"FLUX.2 Klein 4B.*Qwen3-4B.*qwen_3_4b.safetensors.*hidden 32"):
         weights.check_text_encoder_fits(get_variant("klein-4b"), encoder)
-    qwen3_8b = SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(
-        weight=torch.empty(151936, 4096, device="meta"))))
+    qwen3_8b = SimpleNamespace(model=SimpleNamespace(embed_tokens=torch.nn.Embedding(151936, 4096, device="meta")))
     with pytest.raises(Flux2Error, match=r"FLUX.2 Klein Base 4B.*you gave a Qwen3-8B encoder \(hidden 4096,"):
         weights.check_text_encoder_fits(get_variant("klein-base-4b"), qwen3_8b)
     weights.check_text_encoder_fits(get_variant("klein-9b-kv"), qwen3_8b)
