@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from flux2_core.variants import FLUX2_AE, KLEIN_4B, KLEIN_9B, AutoEncoderParams, TransformerParams
 
-OURS_OPTIONS = ("ours_fp8", "ours_compile")
+OURS_OPTIONS = ("ours_fp8", "ours_compile", "ours_gguf")
 PROMPT = "A red fox standing in fresh snow at dawn, soft golden light, detailed fur, shallow depth of field"
 
 
@@ -134,6 +134,23 @@ def write_weights(folder: Path, cfg: Config, distilled: bool, device: str) -> No
         "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"]}))
 
 
+GGUF_TYPES = ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0", "Q3_K", "Q2_K"]
+
+
+def write_gguf(folder: Path, qtype: str) -> Path:
+    """The folder's transformer as ``transformer-<qtype>.gguf`` in the layout ComfyUI-GGUF / unsloth files have
+    (tests/tiny/gguf.py: embedders and final layer F16, the rest ``qtype``)."""
+    from gguf import GGMLQuantizationType
+
+    from flux2_core import weights
+    from tests.tiny.gguf import dit_types, save_gguf
+
+    model, _ = weights.load_transformer(folder / "transformer", "cpu", torch.bfloat16)
+    path = folder / f"transformer-{qtype}.gguf"
+    save_gguf(model.state_dict(), path, dit_types(GGMLQuantizationType[qtype]), values=False)
+    return path
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Measuring one process: stage clock and memory
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,11 +233,12 @@ class StepClock:
 # The two sides
 # ---------------------------------------------------------------------------------------------------------------
 
-def load_ours(folder: Path, device: torch.device, dtype: torch.dtype, variant: str | None):
+def load_ours(folder: Path, device: torch.device, dtype: torch.dtype, variant: str | None, gguf: str | None = None):
     from flux2_core import weights
     from flux2_core.pipeline import Models
 
-    transformer, chosen = weights.load_transformer(folder / "transformer", device, dtype, variant=variant)
+    path = folder / f"transformer-{gguf}.gguf" if gguf else folder / "transformer"
+    transformer, chosen = weights.load_transformer(path, device, dtype, variant=variant)
     encoder = weights.load_text_encoder(folder / "text_encoder", device, dtype)
     ae = weights.load_autoencoder(folder / "vae", device, dtype)   # diffusers runs its VAE in the pipeline dtype too
     # No caches: every timed run encodes its prompt and references afresh, as diffusers does (the kv mode measures
@@ -331,7 +349,7 @@ def worker(args) -> None:
     dtype = getattr(torch, args.dtype or CONFIGS[args.config].dtype)
     t = time.perf_counter()
     if args.worker == "ours":
-        model, run = load_ours(Path(args.weights), device, dtype, None), run_ours
+        model, run = load_ours(Path(args.weights), device, dtype, None, args.ours_gguf), run_ours
         apply_options(model, args)
     else:
         model, run = load_diffusers(Path(args.weights), device, dtype), run_diffusers
@@ -482,6 +500,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ours-fp8", action="store_true",
                     help="ours: fp8 weight storage for the transformer blocks (and fp8 matmuls on CUDA)")
     ap.add_argument("--ours-compile", action="store_true", help="ours: torch.compile the transformer blocks")
+    ap.add_argument("--ours-gguf", choices=GGUF_TYPES, help="ours: the transformer from a GGUF of this type (written "
+                    "once from the same weights: Q8_0/Q4_0 quantized, K-quants random blocks: speed, not accuracy)")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend for --ours-compile (default inductor; 'eager' checks the path quickly)")
     ap.add_argument("--cfg", type=float, help=argparse.SUPPRESS)
@@ -512,6 +532,10 @@ def main(argv=None) -> None:
                 print(f"{name}: random weights written in {time.perf_counter() - t:.1f} s")
             else:       # kept weights (--weights): the same random weights serve both modes; the index says which
                 set_distilled(folder, args.mode != "base")
+            if args.ours_gguf and not (folder / f"transformer-{args.ours_gguf}.gguf").exists():
+                t = time.perf_counter()
+                write_gguf(folder, args.ours_gguf)
+                print(f"{name}: {args.ours_gguf} GGUF written in {time.perf_counter() - t:.1f} s")
             run_args = argparse.Namespace(**{**vars(args), "config": [name]})
             if args.mode == "kv":
                 rep = spawn(run_args, "ours-kv", Path(tmp) / "kv.json", folder)

@@ -12,6 +12,7 @@ mark on CPU (the process's own, interpreter and torch included: a baseline is pr
     bf16 file, then quantize_transformer: the old way to the same fp8 model (the bf16 model first)
     fp8 file, fp8=None      the file's fp8 layers kept as stored
     fp8 file, fp8=False     dequantized to bf16
+    Q8_0 / Q4_K GGUF        a GGUF of the same model (tests/tiny/gguf.py's layout), blocks kept as stored
 """
 
 from __future__ import annotations
@@ -42,7 +43,14 @@ CASES = {  # name -> (file, fp8 argument, quantize after loading)
     "bf16 file + quantize_transformer": ("bf16", False, True),
     "fp8 file, fp8=None (kept)": ("fp8", None, False),
     "fp8 file, fp8=False": ("fp8", False, False),
+    "Q8_0 GGUF": ("Q8_0", None, False),
+    "Q4_K GGUF": ("Q4_K", None, False),
 }
+GGUF_FILES = ("Q8_0", "Q4_K")
+
+
+def file_path(folder: Path, file: str) -> Path:
+    return folder / (f"{file}.gguf" if file in GGUF_FILES else f"{file}.safetensors")
 
 
 def peak_bytes(device: torch.device) -> int:
@@ -68,6 +76,11 @@ def write_files(folder: Path, params: TransformerParams) -> None:
         if isinstance(layer, torch.nn.Linear) and in_blocks(name):
             fp8[name + ".weight"], fp8[name + ".weight_scale"] = quantize_fp8(bf16[name + ".weight"])
     save_file(fp8, str(folder / "fp8.safetensors"))
+    from gguf import GGMLQuantizationType
+
+    from tests.tiny.gguf import dit_types, save_gguf
+    for qtype in GGUF_FILES:
+        save_gguf(bf16, file_path(folder, qtype), dit_types(GGMLQuantizationType[qtype]), values=False)
 
 
 def worker(args) -> None:
@@ -77,11 +90,12 @@ def worker(args) -> None:
         print(json.dumps(report))
         return
     from flux2_core import quant, weights
+    from flux2_core.ggml_layers import gguf_types
     from flux2_core.pipeline import module_bytes
 
     file, fp8, quantize_after = CASES[args.case]
     t = time.perf_counter()
-    model, _ = weights.load_transformer(Path(args.folder) / f"{file}.safetensors", device, torch.bfloat16,
+    model, _ = weights.load_transformer(file_path(Path(args.folder), file), device, torch.bfloat16,
                                         params=CONFIGS[args.config], fp8=fp8)
     if quantize_after:
         quant.quantize_transformer(model)
@@ -89,7 +103,7 @@ def worker(args) -> None:
         torch.cuda.synchronize(device)
     report.update(seconds=time.perf_counter() - t, peak=peak_bytes(device),
                   weights=module_bytes(model),
-                  fp8_layers=quant.count_fp8(model))
+                  fp8_layers=quant.count_fp8(model), gguf_layers=sum(gguf_types(model).values()))
     print(json.dumps(report))
 
 
@@ -108,9 +122,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         write_files(Path(tmp), params)
-        sizes = {f: (Path(tmp) / f"{f}.safetensors").stat().st_size for f in ("bf16", "fp8")}
-        print(f"{args.config}: files written in {time.perf_counter() - t:.0f} s (bf16 {sizes['bf16'] / 2**30:.2f} GiB, "
-              f"fp8 {sizes['fp8'] / 2**30:.2f} GiB); device {args.device}, torch {torch.__version__}")
+        sizes = {f: file_path(Path(tmp), f).stat().st_size for f in ("bf16", "fp8", *GGUF_FILES)}
+        print(f"{args.config}: files written in {time.perf_counter() - t:.0f} s ("
+              f"{', '.join(f'{f} {n / 2**30:.2f} GiB' for f, n in sizes.items())}); device {args.device}, "
+              f"torch {torch.__version__}")
 
         def run(case: str) -> dict:
             cmd = [sys.executable, __file__, "--case", case, "--folder", tmp, "--config", args.config,
@@ -118,13 +133,14 @@ def main() -> None:
             return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
         base = run("baseline")["baseline"]
-        print(f"{'case':<34} {'time s':>7} {'peak GiB':>9} {'weights GiB':>12} {'fp8 layers':>11}")
+        print(f"{'case':<34} {'time s':>7} {'peak GiB':>9} {'weights GiB':>12} {'fp8 layers':>11} {'GGUF layers':>12}")
         print(f"{'(process before loading)':<34} {'':>7} {base / 2**30:9.2f}")
         for case in CASES:
             reports = [run(case) for _ in range(args.rounds)]
             best, peak = min(r["seconds"] for r in reports), max(r["peak"] for r in reports)
             r = reports[0]
-            print(f"{case:<34} {best:7.2f} {peak / 2**30:9.2f} {r['weights'] / 2**30:12.2f} {r['fp8_layers']:11d}")
+            print(f"{case:<34} {best:7.2f} {peak / 2**30:9.2f} {r['weights'] / 2**30:12.2f} {r['fp8_layers']:11d} "
+                  f"{r['gguf_layers']:12d}")
 
 
 if __name__ == "__main__":

@@ -75,11 +75,12 @@ def encode(tensor: torch.Tensor, qtype: T, rng: np.random.Generator) -> np.ndarr
 
 
 def save_gguf(state_dict: dict[str, torch.Tensor], path: str | Path, types: Callable[[str, tuple], T],
-              arch: str | None = "flux", tokens: list[str] | None = None,
-              seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
+              arch: str | None = "flux", tokens: list[str] | None = None, seed: int = 0,
+              values: bool = True) -> tuple[Path, dict[str, torch.Tensor]]:
     """Write ``state_dict`` (names as the file should have them) as a GGUF; returns the path and every tensor's
-    float32 value as stored (``gguf.quants.dequantize``). ``arch=None`` writes no architecture field, as
-    stable-diffusion.cpp does; ``tokens`` goes in ``tokenizer.ggml.tokens``."""
+    float32 value as stored (``gguf.quants.dequantize``; {} with ``values=False``, for big benchmark models).
+    ``arch=None`` writes no architecture field, as stable-diffusion.cpp does; ``tokens`` goes in
+    ``tokenizer.ggml.tokens``."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), arch or "none")
     if arch is None:
@@ -87,17 +88,19 @@ def save_gguf(state_dict: dict[str, torch.Tensor], path: str | Path, types: Call
     if tokens is not None:
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list(tokens)
-    values = {}
+    stored = {}
     for name, tensor in state_dict.items():
         qtype = types(name, tuple(tensor.shape))
         data = encode(tensor, qtype, rng)
         writer.add_tensor(name, data, raw_dtype=qtype if qtype not in (T.F32, T.F16) else None)
-        values[name] = torch.from_numpy(np.array(quants.dequantize(data, qtype), dtype=np.float32)).reshape(tensor.shape)
+        if values:
+            value = np.array(quants.dequantize(data, qtype), dtype=np.float32)
+            stored[name] = torch.from_numpy(value).reshape(tensor.shape)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return Path(path), values
+    return Path(path), stored
 
 
 LLAMA_CPP = [(r"model\.embed_tokens\.weight", "token_embd.weight"), (r"model\.norm\.weight", "output_norm.weight"),
@@ -123,3 +126,14 @@ def hf_names(llama_values: dict[str, torch.Tensor], hf_keys) -> dict[str, torch.
     """``llama_values`` back under the Hugging Face keys they came from (to save the dequantized values as a
     safetensors Qwen3)."""
     return {key: llama_values[llama_cpp_name(key)] for key in hf_keys}
+
+
+def qwen3_tokens(vocab_size: int) -> list[str]:
+    """The ``tokenizer.ggml.tokens`` of a Qwen3 GGUF with ``vocab_size`` rows: Qwen3's own tokens by id (what
+    llama.cpp writes; the loader checks them against the built-in tokenizer), padding names for the spare rows."""
+    from flux2_core.tokenizer import build_qwen3_tokenizer
+
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    for token, i in build_qwen3_tokenizer().get_vocab().items():
+        tokens[i] = token
+    return tokens
