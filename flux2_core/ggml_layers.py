@@ -74,3 +74,16 @@ def gguf_types(model: nn.Module) -> dict[str, int]:
             name = ggml.type_name(layer.qtype)
             counts[name] = counts.get(name, 0) + 1
     return dict(sorted(counts.items()))
+
+
+# Peak bytes per value while a layer's blocks are dequantized, besides the result in the compute dtype: the unpacked
+# integers and two float32 temporaries (ggml.dequantize computes in float32, then casts once). Measured (test_gguf):
+# 6.7 (Q4_0) to 10.7 (Q3_K) bytes beside a bf16 result.
+DEQUANTIZE_BYTES_PER_VALUE = 11
+
+
+def dequantize_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Working memory a GGUF model needs beyond its activations: the largest layer's weight while it is dequantized
+    ([out, in] floats in ``dtype`` and the float32 temporaries); 0 without GGUF layers."""
+    largest = max((m.in_features * m.out_features for m in model.modules() if isinstance(m, GGMLLinear)), default=0)
+    return largest * (DEQUANTIZE_BYTES_PER_VALUE + dtype.itemsize)

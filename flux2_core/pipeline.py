@@ -52,6 +52,7 @@ from torch import Tensor
 from .autoencoder import AutoEncoder, free_memory
 from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
+from .ggml_layers import dequantize_bytes
 from .offload import module_bytes, place, stream_blocks, streamed_blocks, weight_budget
 from .references import as_pil, center_crop_16, encode_references, image_to_tensor, prepare_references
 from .sampling import LATENT_CHANNELS, add_noise, denoise, latent_size, make_noise
@@ -107,7 +108,7 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     model, chosen = weights.load_transformer(transformer, cpu if stream else device, dtype, variant=variant, fp8=fp8)
     if not stream:
         device, dtype = model.img_in.weight.device, model.img_in.weight.dtype      # as the transformer resolved them
-    needed = working_memory(chosen, size, dtype)
+    needed = working_memory(chosen, size, dtype) + dequantize_bytes(model, dtype)
     encoder = weights.load_text_encoder(text_encoder, cpu if device.type == "cuda" else device, dtype)
     weights.check_text_encoder_fits(chosen, encoder)
     rest_choice = True if stream and offload_encoder == "auto" else offload_encoder   # blocks need the memory more
@@ -333,7 +334,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     # prompt(s): [prompt] or [prompt, negative] from the prompt cache
     ref_tokens = sum(math.prod(latent_size(im.height, im.width)) for im in refs)
     needed = denoise_memory(variant.params, models.prompt_encoder.spec.max_length + h * w + ref_tokens,
-                            batch * (2 if use_cfg else 1), dtype)
+                            batch * (2 if use_cfg else 1), dtype) + dequantize_bytes(model, dtype)
     offload = should_offload(offload_encoder, models.prompt_encoder, device, needed)
     embeds = encode_prompts(models, [prompt, negative] if use_cfg else [prompt], offload)
     if embeds.dropped[0]:

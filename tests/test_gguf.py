@@ -273,3 +273,41 @@ def test_lora_and_dora_on_gguf_equal_the_float_model_of_its_values(tmp_path):
             merge is None and patches is lora.patches)
     set_adapters(model, [])
     assert torch.equal(run(model, inputs), original)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K, T.Q3_K])
+def test_dequantizing_needs_the_memory_the_estimate_gives(tmp_path, qtype):
+    """ggml_layers.dequantize_bytes bounds the peak of what dequantizing the largest layer allocates (every tensor
+    ggml.dequantize makes for it into bf16, counted while its storage lives)."""
+    import weakref
+
+    from flux2_core import ggml
+    from flux2_core.ggml_layers import dequantize_bytes
+
+    path, _ = save_gguf(random_bfl_transformer_state_dict(WIDE, seed=14), tmp_path / "k.gguf", dit_types(qtype))
+    model, _ = weights.load_transformer(path, CPU, torch.float32)
+    largest = max((m for m in model.modules() if isinstance(m, GGMLLinear)), key=lambda m: m.out_features * m.in_features)
+    memory = {"live": 0, "peak": 0, "storages": set()}
+
+    def freed(size, ptr):
+        memory["live"] -= size
+        memory["storages"].discard(ptr)
+
+    class Count(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in memory["storages"]:
+                storage = out.untyped_storage()
+                memory["storages"].add(storage.data_ptr())
+                memory["live"] += storage.nbytes()
+                memory["peak"] = max(memory["peak"], memory["live"])
+                weakref.finalize(storage, freed, storage.nbytes(), storage.data_ptr())
+            return out
+
+    with Count():
+        weight = ggml.dequantize(largest.weight, largest.qtype, (largest.out_features, largest.in_features),
+                                 torch.bfloat16)
+    values = largest.out_features * largest.in_features
+    print(f"{qtype.name} dequantize peak: {memory['peak'] / values:.1f} bytes per value")
+    assert weight.dtype == torch.bfloat16
+    assert values * 4 < memory["peak"] <= dequantize_bytes(model, torch.bfloat16)
