@@ -451,7 +451,9 @@ def spawn(args, side: str, out: Path, folder: Path, flops: bool = False) -> dict
            "--config", args.config[0], "--steps", str(args.steps), "--size", str(args.size),
            "--repeats", str(args.repeats), "--device", args.device] + (["--flops"] if flops else [])
     cmd += ["--dtype", args.dtype] if args.dtype else []
-    cmd += [f"--{name.replace('_', '-')}" for name in OURS_OPTIONS if getattr(args, name)]
+    for name in OURS_OPTIONS:                  # flags, and --ours-gguf with its type
+        value = getattr(args, name)
+        cmd += [f"--{name.replace('_', '-')}", *([value] if isinstance(value, str) else [])] if value else []
     cmd += ["--compile-backend", args.compile_backend]
     if args.cfg is not None:
         cmd += ["--cfg", str(args.cfg)]
@@ -551,7 +553,8 @@ def main(argv=None) -> None:
             diff = ((lat["ours"] - lat["diffusers"]).abs().max() / lat["diffusers"].abs().max()).item()
             ours, theirs = summarize(reports["ours"]), summarize(reports["diffusers"])
             flops, rate = reports["ours"][0]["flops"], reports["ours"][0]["matmul_flops_per_s"]
-            options = ", ".join(o.replace("_", "-") for o in OURS_OPTIONS if getattr(args, o)) or "none"
+            options = ", ".join(o.replace("_", "-") + (f" {getattr(args, o)}" if o == "ours_gguf" else "")
+                                for o in OURS_OPTIONS if getattr(args, o)) or "none"
             print(f"\n{name}: {args.size}x{args.size}, {args.steps} steps, mode {args.mode}, {cfg.dtype}; "
                   f"ours' options: {options}; {args.rounds} processes x {args.repeats} runs per side; "
                   f"final latents differ by {diff:.1e} (relative to max|diffusers|)")
