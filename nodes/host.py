@@ -41,6 +41,10 @@ from ..flux2_core.variants import Variant
 log = logging.getLogger("flux2_klein")
 
 WEIGHT_SUFFIXES = (".safetensors", ".sft")
+GGUF_SUFFIX = ".gguf"
+# The model folders whose loaders take GGUF files, each with ComfyUI-GGUF's folder name for them (registered where that
+# pack is installed, with the paths of ComfyUI's folder; extra_model_paths.yaml may add more): listed too
+GGUF_FOLDERS = {"diffusion_models": "unet_gguf", "text_encoders": "clip_gguf"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_CHOICES = ["auto", *DTYPES]
 
@@ -48,27 +52,42 @@ DTYPE_CHOICES = ["auto", *DTYPES]
 # --- model folders ----------------------------------------------------------------------------------------------
 
 def model_choices(folder: str) -> list[str]:
-    """What a loader lists for ComfyUI's model folder ``folder``: safetensors files, and model folders (a diffusers
-    pipeline or component folder: one with model_index.json or config.json) as one entry each."""
-    folders = sorted({d for base in folder_paths.get_folder_paths(folder) for d in _model_folders(base)})
+    """What a loader lists for ComfyUI's model folder ``folder``: model folders (a diffusers pipeline or component
+    folder: one with model_index.json or config.json) as one entry each, then safetensors files and, for the folders of
+    GGUF_FOLDERS, GGUF files, sorted.
+
+    GGUF files are found by our own walk: ComfyUI's file lists filter by each folder's extension set, which has no
+    .gguf, and that set is ComfyUI's (other packs read it), so it is not ours to extend."""
+    walks = [_walk(base, folder in GGUF_FOLDERS) for base in folder_paths_of(folder)]
+    folders, ggufs = {d for found, _ in walks for d in found}, {f for _, found in walks for f in found}
     inside = tuple(os.path.join(d, "") for d in folders)
-    files = [f for f in folder_paths.get_filename_list(folder)
-             if f.lower().endswith(WEIGHT_SUFFIXES) and not f.startswith(inside)]
-    return folders + files
+    files = {f for f in folder_paths.get_filename_list(folder) if f.lower().endswith(WEIGHT_SUFFIXES)} | ggufs
+    return sorted(folders) + sorted(f for f in files if not f.startswith(inside))
 
 
-def _model_folders(base: str) -> list[str]:
-    found = []
+def folder_paths_of(folder: str) -> list[str]:
+    """The paths of ComfyUI's model folder ``folder`` (diffusion_models covers models/unet, text_encoders
+    models/clip), then those of ComfyUI-GGUF's folder for it when registered, each once."""
+    names = [folder] + [name for name in [GGUF_FOLDERS.get(folder)] if name in folder_paths.folder_names_and_paths]
+    return list(dict.fromkeys(path for name in names for path in folder_paths.get_folder_paths(name)))
+
+
+def _walk(base: str, gguf: bool) -> tuple[set[str], set[str]]:
+    """(model folders, .gguf files if ``gguf``) under ``base``, as paths relative to it."""
+    folders, ggufs = set(), set()
     for root, dirs, files in os.walk(base, followlinks=True):
         if root != base and ("model_index.json" in files or "config.json" in files):
-            found.append(os.path.relpath(root, base))
+            folders.add(os.path.relpath(root, base))
             dirs.clear()                      # a pipeline folder's components are not listed on their own
-    return found
+            continue
+        ggufs |= {os.path.relpath(os.path.join(root, f), base) for f in files
+                  if gguf and f.lower().endswith(GGUF_SUFFIX)}
+    return folders, ggufs
 
 
 def resolve(folder: str, name: str) -> str:
     """The full path of a file or model folder listed by ``model_choices``."""
-    for base in folder_paths.get_folder_paths(folder):
+    for base in folder_paths_of(folder):
         path = os.path.join(base, name)
         if os.path.exists(path):
             return path

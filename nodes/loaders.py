@@ -1,7 +1,7 @@
 """Loaders: the transformer, the Qwen3 text encoder and the autoencoder, from ComfyUI's model folders.
 
-Each accepts every layout flux2_core.weights loads (BFL / ComfyUI single files, fp8 files, diffusers folders) and
-hands the model on under ComfyUI's model management (nodes/host.py).
+Each accepts every layout flux2_core.weights loads (BFL / ComfyUI single files, fp8 files, GGUF files, diffusers
+folders) and hands the model on under ComfyUI's model management (nodes/host.py).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ..flux2_core import quant, weights
+from ..flux2_core.ggml_layers import gguf_types
 from . import host, types
 
 DTYPE_TOOLTIP = ("Weight and compute dtype. auto: bfloat16 on GPUs that run it well, else float32. "
@@ -20,7 +21,8 @@ MODEL_DTYPE_TOOLTIP = ("Weight and compute dtype. auto: bfloat16 on GPUs that ru
                        "(about half the memory of bfloat16), quantized as they load, computed in the auto dtype; "
                        "results differ slightly. fp8 layers multiply in fp8 on GPUs with fp8 tensor cores (Ada, "
                        "Hopper, Blackwell; the node says whether). Models holding fp8 layers are loaded whole, never "
-                       "partially.")
+                       "partially. GGUF files keep their quantized layers as the file's blocks, dequantized to the "
+                       "compute dtype at each use (the node says which types); their other tensors take this dtype.")
 
 
 AE_DTYPE_TOOLTIP = ("auto follows ComfyUI's VAE dtype (bfloat16 on recent GPUs, else float32; --fp32-vae forces "
@@ -31,16 +33,25 @@ def dtype_input(extra=(), tooltip: str = DTYPE_TOOLTIP) -> io.Combo.Input:
     return io.Combo.Input("dtype", options=[*host.DTYPE_CHOICES, *extra], default="auto", tooltip=tooltip)
 
 
+def gguf_note(model) -> str:
+    """'15 layers GGUF Q4_K/Q6_K, ' for a model keeping GGUF blocks, else ''."""
+    types = gguf_types(model)
+    return f"{sum(types.values())} layers GGUF {'/'.join(types)}, " if types else ""
+
+
 class ModelLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
             node_id="Flux2KleinModelLoader", display_name="FLUX.2 Klein Load Model", category=f"{types.CATEGORY}/loaders",
-            description="Loads a FLUX.2 Klein transformer (4B, 9B, 9B-KV, base) from models/diffusion_models. The "
-                        "variant is read from the weights and the file name ('base' / 'kv' in the name).",
+            description="Loads a FLUX.2 Klein transformer (4B, 9B, 9B-KV, base) from models/diffusion_models (or "
+                        "models/unet), safetensors or GGUF. The variant is read from the weights and the file name "
+                        "('base' / 'kv' in the name).",
             inputs=[io.Combo.Input("model_name", options=host.model_choices("diffusion_models"),
-                                   tooltip="A flux-2-klein-*.safetensors file (BFL or ComfyUI, fp8 too) or a diffusers "
-                                           "folder, under models/diffusion_models."),
+                                   tooltip="A flux-2-klein-*.safetensors file (BFL or ComfyUI, fp8 too), a Klein GGUF "
+                                           "(flux-2-klein-4b-Q4_K_M.gguf: Q8_0 ... Q2_K) or a diffusers folder, under "
+                                           "models/diffusion_models or models/unet (and ComfyUI-GGUF's unet_gguf "
+                                           "paths)."),
                     dtype_input([FP8], MODEL_DTYPE_TOOLTIP)],
             outputs=[types.Model.Output(display_name="model", tooltip="The transformer and its variant.")])
 
@@ -55,7 +66,8 @@ class ModelLoader(io.ComfyNode):
         _, fp8_note = quant.use_fp8_matmul(model, "auto", load_device, dtype)
         kind = "CFG" if variant.uses_cfg else "distilled"
         info = (f"{variant.name} ({kind}; defaults: {variant.default_steps} steps, cfg {variant.default_cfg}), "
-                f"{f'{fp8_layers} layers in fp8 ({fp8_note}), ' if fp8_layers else ''}{host.dtype_name(dtype)}")
+                f"{f'{fp8_layers} layers in fp8 ({fp8_note}), ' if fp8_layers else ''}{gguf_note(model)}"
+                f"{host.dtype_name(dtype)}")
         managed = host.manage(model, model, "transformer", dtype, variant=variant, full_load=fp8_layers > 0)
         return io.NodeOutput(managed, ui=ui.PreviewText(info))
 
@@ -66,11 +78,15 @@ class TextEncoderLoader(io.ComfyNode):
         return io.Schema(
             node_id="Flux2KleinTextEncoderLoader", display_name="FLUX.2 Klein Load Text Encoder",
             category=f"{types.CATEGORY}/loaders",
-            description="Loads the Qwen3 text encoder from models/text_encoders: Qwen3-4B for Klein 4B, Qwen3-8B for "
-                        "Klein 9B. Only the layers FLUX.2 uses (up to hidden state 27) are read.",
+            description="Loads the Qwen3 text encoder from models/text_encoders (or models/clip), safetensors or "
+                        "GGUF: Qwen3-4B for Klein 4B, Qwen3-8B for Klein 9B. Only the layers FLUX.2 uses (up to "
+                        "hidden state 27) are read.",
             inputs=[io.Combo.Input("text_encoder_name", options=host.model_choices("text_encoders"),
-                                   tooltip="qwen_3_4b.safetensors / qwen_3_8b*.safetensors (ComfyUI files, fp8 too) "
-                                           "or a Hugging Face Qwen3 folder, under models/text_encoders."),
+                                   tooltip="qwen_3_4b.safetensors / qwen_3_8b*.safetensors (ComfyUI files, fp8 too), "
+                                           "a llama.cpp Qwen3 GGUF (Qwen3-4B-Q4_K_M.gguf: Q8_0 ... Q2_K; its "
+                                           "quantized layers stay quantized) or a Hugging Face Qwen3 folder, under "
+                                           "models/text_encoders or models/clip (and ComfyUI-GGUF's clip_gguf "
+                                           "paths)."),
                     dtype_input()],
             outputs=[types.TextEncoder.Output(display_name="text_encoder", tooltip="The Qwen3 prompt encoder.")])
 
@@ -79,7 +95,7 @@ class TextEncoderLoader(io.ComfyNode):
         load_device, offload_device = host.devices("text_encoder")
         dtype = host.pick_dtype(dtype, "text_encoder", load_device)
         encoder = weights.load_text_encoder(host.resolve("text_encoders", text_encoder_name), offload_device, dtype)
-        info = f"{encoder.spec.name}, {host.dtype_name(dtype)}"
+        info = f"{encoder.spec.name}, {gguf_note(encoder.model)}{host.dtype_name(dtype)}"
         managed = host.manage(encoder, encoder.model, "text_encoder", dtype, anchor="embed_tokens")
         return io.NodeOutput(managed, ui=ui.PreviewText(info))
 
