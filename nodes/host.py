@@ -10,7 +10,8 @@ Partial loading (the model does not fit the free GPU memory): ComfyUI keeps some
 streams their weights in at each call; it can do that only for layers of its own "castable" classes. So
 ``manage`` turns our plain ``nn.Linear`` / ``Conv2d`` / ``GroupNorm`` / ``LayerNorm`` / ``Embedding`` layers into
 ComfyUI's subclasses of the same layers (same parameters, same maths; they only add the weight streaming), and
-makes every other layer that holds parameters (RMS norms) follow its input to the device it runs on.
+makes every other layer that holds parameters (RMS norms) follow its input to the device it runs on. GGUF layers
+(flux2_core.ggml_layers) get ComfyUI's mark of a castable layer too: see ``STREAMED``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 from ..flux2_core import patching
 from ..flux2_core.cache import fingerprint
 from ..flux2_core.errors import Flux2Error
+from ..flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear, dequantize_bytes
 from ..flux2_core.pipeline import denoise_memory
 from ..flux2_core.transformer import ReferenceKV
 from ..flux2_core.variants import Variant
@@ -132,6 +134,23 @@ CASTABLE = {nn.Linear: comfy.ops.disable_weight_init.Linear, nn.Conv2d: comfy.op
             nn.Embedding: comfy.ops.disable_weight_init.Embedding}
 
 
+class _Streamed(comfy.ops.CastWeightBiasOp):
+    """ComfyUI's mark of a layer whose weights it may leave on the offload device (``comfy_cast_weights``)."""
+
+    bias = None            # ComfyUI reads ``<layer>.bias`` of every marked layer (model_patcher.get_key_weight)
+
+
+# GGUF layers hold their blocks in a buffer, and ComfyUI's ModelPatcher.load handles only the modules that have
+# parameters of their own or the castable mark (model_patcher._load_list). Unmarked, a GGUF layer would be neither
+# moved nor counted by any load but a full one, and load_models_gpu asks for a full load only when forced or on the
+# CPU: on a GPU every GGUF layer would stay in CPU memory and be copied in at each call, uncounted. Marked, it is
+# handled as ComfyUI handles its castable layers: moved to the GPU when it fits, else left on the offload device
+# (a "lowvram" weight), and counted by its blocks (module_size: the state dict, buffers included). No cast function
+# is needed: a GGUF layer copies its blocks to its input's device itself (flux2_core.ggml_layers), so GGUF models
+# stream like float ones.
+STREAMED = {layer: type(layer.__name__, (layer, _Streamed), {}) for layer in (GGMLLinear, GGMLEmbedding)}
+
+
 class Holder(nn.Module):
     """What the ModelPatcher manages: the core module as its only child (ComfyUI sets ``.device`` on the module it
     manages, and some core modules define ``device`` as a read-only property)."""
@@ -154,7 +173,8 @@ class Managed:
     patcher: comfy.model_patcher.ModelPatcher
     dtype: torch.dtype
     variant: Variant | None = None     # transformers only
-    full_load: bool = False            # never load partially (layers ComfyUI cannot stream, e.g. fp8 ones)
+    full_load: bool = False            # never load partially (layers ComfyUI cannot stream, e.g. fp8 ones; GGUF
+                                       # ones stream: STREAMED)
     fingerprint: str = ""              # cache.fingerprint of the weights as loaded
     compiled: bool = False             # transformers: run the blocks torch.compiled (FLUX.2 Klein Compile)
     adapters: tuple = ()               # transformers and text encoders: (file name, content digest, strength,
@@ -202,11 +222,13 @@ def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str =
     """Put ``module`` (the nn.Module inside ``core``) under ComfyUI's model management.
 
     anchor: the layer whose device the core reads to decide where to run (PromptEncoder, AutoEncoder); it stays a
-    plain layer that ComfyUI loads whole or not at all, so the model runs where that layer is.
+    plain layer that ComfyUI loads whole or not at all, so the model runs where that layer is. A GGUF anchor (a GGUF
+    encoder's embedding) is marked all the same: ComfyUI moves a marked layer whole or not at all too, and an
+    unmarked one never (``STREAMED``).
     """
     for name, layer in module.named_modules():
-        castable = _castable(layer)
-        if castable is not None and name != anchor:
+        castable = _castable(layer, name == anchor)
+        if castable is not None:
             layer.__class__ = castable                   # a subclass with the same state: see the module docstring
         elif next(layer.children(), None) is None and next(layer.parameters(recurse=False), None) is not None:
             layer.register_forward_pre_hook(_follow_input)   # a leaf layer with parameters, e.g. an RMS norm
@@ -250,20 +272,25 @@ def reference_kv_ready(patcher: comfy.model_patcher.ModelPatcher, model: Managed
     return patcher.model.kv().to(device)     # no copy unless ComfyUI had to give their memory to the transformer
 
 
-def _castable(layer: nn.Module) -> type | None:
+def _castable(layer: nn.Module, anchor: bool) -> type | None:
     """ComfyUI's castable class for a layer of a plain torch type or of our own subclass of one (flux2_core.linear's
-    Linear: its CPU kernel choice gives way to ComfyUI's weight streaming); None for anything else."""
+    Linear: its CPU kernel choice gives way to ComfyUI's weight streaming), the marked class of a GGUF layer
+    (``STREAMED``, anchor or not); None for anything else and for a plain anchor."""
     if hasattr(layer, "comfy_cast_weights"):
         return None                                      # already ComfyUI's
-    return next((castable for base, castable in CASTABLE.items() if isinstance(layer, base)), None)
+    if type(layer) in STREAMED:
+        return STREAMED[type(layer)]
+    return None if anchor else next((castable for base, castable in CASTABLE.items() if isinstance(layer, base)), None)
 
 
-def transformer_memory(params, noise: torch.Tensor, ref: torch.Tensor | None, cfg: bool, dtype: torch.dtype) -> int:
-    """The denoiser's activation memory in bytes (what ComfyUI frees beside the weights): pipeline.denoise_memory for
-    the text, image and reference tokens of the (CFG-doubled) batch."""
+def transformer_memory(model: nn.Module, noise: torch.Tensor, ref: torch.Tensor | None, cfg: bool,
+                       dtype: torch.dtype) -> int:
+    """The denoiser's working memory in bytes (what ComfyUI frees beside the weights) for the Flux2Transformer
+    ``model``: pipeline.denoise_memory for the text, image and reference tokens of the (CFG-doubled) batch, and a
+    GGUF model's largest layer dequantized (ggml_layers.dequantize_bytes), as pipeline.generate counts them."""
     batch, _, h, w = noise.shape
     tokens = 512 + h * w + (0 if ref is None else ref.shape[1])
-    return denoise_memory(params, tokens, batch * (2 if cfg else 1), dtype)
+    return denoise_memory(model.params, tokens, batch * (2 if cfg else 1), dtype) + dequantize_bytes(model, dtype)
 
 
 def ae_memory(core, height: int, width: int, decode: bool = False) -> int:

@@ -127,7 +127,7 @@ class Denoise(io.ComfyNode):
         if variant.uses_cfg and negative is None:
             log.warning("%s is a CFG model but no negative is connected: running without guidance", variant.name)
 
-        memory = host.transformer_memory(variant.params, noise, ref, cfg_on, model.dtype)
+        memory = host.transformer_memory(model.core, noise, ref, cfg_on, model.dtype)
         kv_key = cache.reference_kv_key(model.key, ref.to(model.dtype), ref_ids) if (
             variant.use_kv_cache and ref is not None) else None
         if kv_key is not None and kv_key not in REFERENCE_KV:                     # the reference pass will make them
