@@ -1,5 +1,6 @@
-"""The base directory of a test ComfyUI: tiny random models in its model folders, input pictures, the stand-ins the
-workflows name, the pack in custom_nodes, and settings that keep the browser's first-run dialog away.
+"""The base directory of a test ComfyUI: tiny random models in its model folders (GGUF ones too), input pictures, the
+stand-ins the workflows name, the pack in custom_nodes, settings that keep the browser's first-run dialog away, and
+an extra_model_paths.yaml registering ComfyUI-GGUF's folders (host.ComfyServer passes it to the server).
 
     files, images = build_base(base, pack)       # pack: the folder to place as custom_nodes/<PACK_FOLDER>
 """
@@ -28,6 +29,7 @@ HOST_TRANSFORMER = TransformerParams(in_channels=128, context_in_dim=96, hidden_
                                      depth_single_blocks=2, axes_dim=(32, 32, 32, 32))
 WORKFLOW_MODELS = {"model_name": ("diffusion_models", "transformer"), "text_encoder_name": ("text_encoders", "text_encoder"),
                    "ae_name": ("vae", "ae"), "lora_name": ("loras", "lora")}    # loader input -> (folder, tiny file)
+GGUF_ROLE = "{}_gguf"          # the role of a tiny GGUF stand-in: "transformer_gguf" for a workflow's .gguf model
 FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "flux-2-klein-base-tiny.safetensors",
          "transformer_kv": "flux-2-klein-9b-kv-tiny.safetensors",
          "transformer_fp8": "flux-2-klein-tiny-fp8mixed.safetensors",
@@ -35,7 +37,25 @@ FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "fl
          "ae_full": "flux2-vae-full-size-random.safetensors", "lora": "flux2-klein-tiny-lora.safetensors",
          "lora_kohya": "flux2-klein-tiny-lora-kohya.safetensors",
          "lora_diffusers": "flux2-klein-tiny-lora-diffusers.safetensors",
-         "lora_lokr": "flux2-klein-tiny-lokr.safetensors", "lora_te": "flux2-klein-tiny-lora-with-te.safetensors"}
+         "lora_lokr": "flux2-klein-tiny-lokr.safetensors", "lora_te": "flux2-klein-tiny-lora-with-te.safetensors",
+         # GGUF: the tiny models quantized, their dequantized values as safetensors (what the GGUF ones must compute),
+         # and the GGUF files again in ComfyUI's other folders for them (see write_gguf_models)
+         "transformer_gguf": "flux-2-klein-tiny-Q4_0.gguf",
+         "transformer_gguf_values": "flux-2-klein-tiny-gguf-dequantized.safetensors",
+         "text_encoder_gguf": "Qwen3-tiny-Q4_0.gguf",
+         "text_encoder_gguf_values": "qwen_3_tiny-gguf-dequantized.safetensors",
+         "transformer_gguf_unet": "gguf/flux-2-klein-tiny-unet-Q4_0.gguf",
+         "transformer_gguf_extra": "flux-2-klein-tiny-extra-Q4_0.gguf",
+         "text_encoder_gguf_extra": "Qwen3-tiny-extra-Q4_0.gguf"}
+# ComfyUI-GGUF's folders as that pack registers them (the paths of ComfyUI's folders), each with a path of its own
+EXTRA_PATHS = """comfyui-gguf:
+    unet_gguf: |
+        models/diffusion_models
+        models/unet_gguf
+    clip_gguf: |
+        models/text_encoders
+        models/clip_gguf
+"""
 
 
 def write_tiny_models(models: Path) -> dict[str, str]:
@@ -97,7 +117,38 @@ def write_tiny_models(models: Path) -> dict[str, str]:
         te_lora[f"text_encoders.qwen3_4b.transformer.model.{layer}.lora_B.weight"] = 0.5 * torch.randn(out, 4,
                                                                                                         generator=g)
     save_adapter(te_lora, models / "loras" / FILES["lora_te"])
+    write_gguf_models(models, transformer, qwen)
     return dict(FILES)
+
+
+def write_gguf_models(models: Path, transformer: dict[str, torch.Tensor], qwen) -> None:
+    """The tiny transformer and Qwen3 as GGUF files, each with two quant types as real files have (a Q4_K_M mixes
+    Q4_K and Q6_K): Q4_0, and Q8_0 for the transformer's single blocks and the encoder's embedding; beside each, its
+    dequantized values as a safetensors file. The GGUF files also go where else users keep them: models/unet (in a
+    subfolder, and under the name they have in diffusion_models: to be listed once) and the folders of EXTRA_PATHS."""
+    from gguf import GGMLQuantizationType as T
+
+    from tests.tiny.gguf import dit_types, encoder_types, hf_names, llama_cpp_names, qwen3_tokens, save_gguf
+    from tests.tiny.text_encoder import comfyui_state_dict
+    from tests.tiny.transformer import save_bfl_transformer
+
+    def dit(name: str, shape: tuple) -> T:
+        return dit_types(T.Q8_0 if name.startswith("single_blocks.") else T.Q4_0)(name, shape)
+
+    dit_file = models / "diffusion_models" / FILES["transformer_gguf"]
+    te_file = models / "text_encoders" / FILES["text_encoder_gguf"]
+    _, values = save_gguf(transformer, dit_file, dit)
+    save_bfl_transformer(values, models / "diffusion_models" / FILES["transformer_gguf_values"])
+    hf = comfyui_state_dict(qwen)
+    _, values = save_gguf(llama_cpp_names(hf), te_file, encoder_types(T.Q4_0), arch="qwen3",
+                          tokens=qwen3_tokens(qwen.config.vocab_size))
+    save_file(hf_names(values, hf), str(models / "text_encoders" / FILES["text_encoder_gguf_values"]))
+    for source, target in [(dit_file, models / "unet" / FILES["transformer_gguf"]),
+                           (dit_file, models / "unet" / FILES["transformer_gguf_unet"]),
+                           (dit_file, models / "unet_gguf" / FILES["transformer_gguf_extra"]),
+                           (te_file, models / "clip_gguf" / FILES["text_encoder_gguf_extra"])]:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.link(source, target)
 
 
 def full_size_autoencoder(seed: int) -> dict[str, torch.Tensor]:
@@ -120,6 +171,7 @@ def stage_workflow_files(base: Path, files: dict[str, str], pictures: list[str])
             for name, value in node["inputs"].items():
                 if name in WORKFLOW_MODELS:
                     folder, role = WORKFLOW_MODELS[name]
+                    role = GGUF_ROLE.format(role) if value.lower().endswith(".gguf") else role
                     target = base / "models" / folder / value
                     if not target.exists():
                         os.link(base / "models" / folder / files[role], target)
@@ -156,4 +208,5 @@ def build_base(base: Path, pack: Path, link: bool = True) -> tuple[dict[str, str
     settings = base / "user" / "default" / "comfy.settings.json"   # no first-run Templates dialog in the browser
     settings.parent.mkdir(parents=True, exist_ok=True)
     settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    (base / "extra_model_paths.yaml").write_text(EXTRA_PATHS)
     return files, images

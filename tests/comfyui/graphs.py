@@ -7,6 +7,8 @@ Both share the loaders, the prompt encode and the noise of our pack, so the two 
     prompt = ours(files, "a red fox", model_file=files["transformer_fp8"], model_dtype="auto")
     prompt = native(files, "a red fox", output="latent")          # UNETLoader + BasicGuider/CFGGuider + SamplerCustomAdvanced
     prompt = ours(files, "a red fox", loras=[(files["lora"], 0.8)])    # FLUX.2 Klein LoRA nodes (native: LoraLoaderModelOnly)
+    prompt = ours(files, "a red fox", model_file=files["transformer_gguf"],
+                  text_encoder_file=files["text_encoder_gguf"])
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ def link(node: str, slot: int = 0) -> list:
 
 
 def common(files: dict, prompt: str, seed: int, width: int, height: int, steps: int, negative: str | None,
-           references: list[str], model_file: str | None, model_dtype: str = "float32") -> dict:
+           references: list[str], model_file: str | None, model_dtype: str = "float32",
+           text_encoder_file: str | None = None) -> dict:
     """Loaders, prompt(s), references, noise and schedule: ids 1..9 (+ 20.. for references)."""
     graph = {
         "1": {"class_type": "Flux2KleinModelLoader",
               "inputs": {"model_name": model_file or files["transformer"], "dtype": model_dtype}},
         "2": {"class_type": "Flux2KleinTextEncoderLoader",
-              "inputs": {"text_encoder_name": files["text_encoder"], "dtype": "float32"}},
+              "inputs": {"text_encoder_name": text_encoder_file or files["text_encoder"], "dtype": "float32"}},
         "3": {"class_type": "Flux2KleinAELoader", "inputs": {"ae_name": files["ae"], "dtype": "float32"}},
         "4": {"class_type": "Flux2KleinPromptEncode", "inputs": {"text_encoder": link("2"), "prompt": prompt}},
         "6": {"class_type": "Flux2KleinNoise", "inputs": {"seed": seed, "width": width, "height": height,
@@ -59,8 +62,10 @@ def finish(graph: dict, latent_node: list, output: str) -> dict:
 
 def ours(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: int = 64, steps: int = 4,
          cfg: float = 1.0, negative: str | None = None, references=(), output: str = "image",
-         model_file: str | None = None, model_dtype: str = "float32", loras=()) -> dict:
-    graph = common(files, prompt, seed, width, height, steps, negative, list(references), model_file, model_dtype)
+         model_file: str | None = None, model_dtype: str = "float32", loras=(),
+         text_encoder_file: str | None = None) -> dict:
+    graph = common(files, prompt, seed, width, height, steps, negative, list(references), model_file, model_dtype,
+                   text_encoder_file)
     positive = graph.pop("positive")
     model = "1"
     for i, (name, strength) in enumerate(loras):             # FLUX.2 Klein LoRA nodes, chained

@@ -90,10 +90,12 @@ class ComfyServer:
         self.process = None
 
     def command(self) -> list[str]:
+        paths = self.base_dir / "extra_model_paths.yaml"          # base_dir.EXTRA_PATHS, where build_base wrote it
         return [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
                 "--disable-auto-launch", "--disable-api-nodes", "--disable-assets-autoscan",
                 "--base-directory", str(self.base_dir),
-                "--database-url", f"sqlite:///{self.base_dir / 'user' / 'comfyui.db'}"]
+                "--database-url", f"sqlite:///{self.base_dir / 'user' / 'comfyui.db'}",
+                *(["--extra-model-paths-config", str(paths)] if paths.exists() else [])]
 
     def start(self, timeout: float = 180.0) -> None:
         env = dict(os.environ, PYTHONPATH=str(self.stubs), PYTHONUNBUFFERED="1")
