@@ -139,7 +139,7 @@ UI_FILES = sorted((ROOT / "workflows").glob("*.json"))
 
 def test_ui_and_api_workflows_pair_up():
     api = sorted((ROOT / "workflows" / "api").glob("*.json"))
-    assert len(UI_FILES) == 6
+    assert len(UI_FILES) == 7
     assert [p.name for p in UI_FILES] == [p.name for p in api]
     for path in UI_FILES:                  # the template browser lists workflows/*.json: UI files only
         assert "nodes" in json.loads(path.read_text()), f"{path.name} is not a UI workflow"

@@ -20,7 +20,7 @@ HERE = Path(__file__).parent
 PACK = "flux2-klein-engine"
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 HF = "https://huggingface.co"
-MODELS = {   # file -> (folder, download URL); the files ComfyUI's own FLUX.2 Klein templates use
+MODELS = {   # file -> (folder, download URL); the files ComfyUI's own FLUX.2 Klein templates use, and unsloth's GGUFs
     "flux-2-klein-4b.safetensors": ("diffusion_models",
                                     f"{HF}/Comfy-Org/flux2-klein/resolve/main/split_files/diffusion_models/flux-2-klein-4b.safetensors"),
     "flux-2-klein-base-4b.safetensors": ("diffusion_models", (f"{HF}/Comfy-Org/flux2-klein/resolve/main/split_files/"
@@ -28,14 +28,17 @@ MODELS = {   # file -> (folder, download URL); the files ComfyUI's own FLUX.2 Kl
     "qwen_3_4b.safetensors": ("text_encoders",
                               f"{HF}/Comfy-Org/flux2-klein/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors"),
     "flux2-vae.safetensors": ("vae", f"{HF}/Comfy-Org/flux2-dev/resolve/main/split_files/vae/flux2-vae.safetensors"),
+    "flux-2-klein-4b-Q4_K_M.gguf": ("diffusion_models",
+                                    f"{HF}/unsloth/FLUX.2-klein-4B-GGUF/resolve/main/flux-2-klein-4b-Q4_K_M.gguf"),
+    "Qwen3-4B-Q4_K_M.gguf": ("text_encoders", f"{HF}/unsloth/Qwen3-4B-GGUF/resolve/main/Qwen3-4B-Q4_K_M.gguf"),
 }
 MODEL_INPUTS = ("model_name", "text_encoder_name", "ae_name")
 
 # --- the workflows: node id -> (class, inputs, column, row); an input (id, slot) is a link, anything else a widget --
 
-def loaders(model: str) -> dict:
+def loaders(model: str, text_encoder: str = "qwen_3_4b.safetensors") -> dict:
     return {1: ("Flux2KleinModelLoader", {"model_name": model, "dtype": "auto"}, 0, 0),
-            2: ("Flux2KleinTextEncoderLoader", {"text_encoder_name": "qwen_3_4b.safetensors", "dtype": "auto"}, 0, 1),
+            2: ("Flux2KleinTextEncoderLoader", {"text_encoder_name": text_encoder, "dtype": "auto"}, 0, 1),
             3: ("Flux2KleinAELoader", {"ae_name": "flux2-vae.safetensors", "dtype": "auto"}, 0, 2)}
 
 
@@ -103,6 +106,14 @@ WORKFLOWS = {
         | {12: ("Flux2KleinLoRA", {"model": (1, 0), "lora_name": "klein-4b-lora.safetensors", "strength": 1.0,
                                   "merge_into_fp8": False}, 1, 2)}
         | prompt("A lighthouse on a rocky coast at sunset, dramatic clouds") | sampler((4, 0), model=(12, 0))},
+    "flux2-klein-gguf": {
+        "note": "Text to image with GGUF files, for 6-12 GB cards: the distilled FLUX.2 Klein 4B and its Qwen3-4B text "
+             "encoder quantized to Q4_K_M (unsloth's files; other quantizations from Q8_0 to Q2_K work too, in "
+             "models/diffusion_models and models/text_encoders). Their quantized layers stay quantized in memory "
+             "and are dequantized as they compute; the loaders show which types a file holds.",
+        "nodes": loaders("flux-2-klein-4b-Q4_K_M.gguf", "Qwen3-4B-Q4_K_M.gguf") | prompt(
+            "A cozy mountain cabin under the northern lights, snow on the pines, long exposure photograph")
+        | sampler((4, 0))},
     "flux2-klein-image-to-image": {
         "note": "Image to image with the distilled FLUX.2 Klein 4B: the input image is encoded, noised to the "
              "denoise strength (0.6: the last 60% of the steps run) and denoised toward the prompt. Put the image "
