@@ -34,6 +34,15 @@ MODELS = {   # file -> (folder, download URL); the files ComfyUI's own FLUX.2 Kl
 }
 MODEL_INPUTS = ("model_name", "text_encoder_name", "ae_name")
 
+
+def frontend_checks(file: str) -> bool:
+    """Whether a model file goes in its loader's ``properties.models``, where the frontend checks it is there (and
+    offers the download when not). It checks against ComfyUI's own file lists, which leave .gguf files out (no
+    folder's extension set has .gguf), so it would call a GGUF file missing even when it is in place: GGUF files
+    are named in the workflow's note only, with their download URL."""
+    return not file.lower().endswith(".gguf")
+
+
 # --- the workflows: node id -> (class, inputs, column, row); an input (id, slot) is a link, anything else a widget --
 
 def loaders(model: str, text_encoder: str = "qwen_3_4b.safetensors") -> dict:
@@ -184,7 +193,7 @@ def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
         ours = cls.startswith("Flux2Klein")
         properties = {"Node name for S&R": cls, "cnr_id": PACK if ours else "comfy-core",
                       "ver": "0.1.0" if ours else "0.12.1"}
-        models = [inputs[k] for k in MODEL_INPUTS if k in inputs]
+        models = [inputs[k] for k in MODEL_INPUTS if k in inputs and frontend_checks(inputs[k])]
         if models:
             properties["models"] = [{"name": m, "url": MODELS[m][1], "directory": MODELS[m][0]} for m in models]
         ui_nodes.append({"id": i, "type": cls, "pos": [40 + 380 * col, 40 + 340 * row],
@@ -203,7 +212,7 @@ def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
 def note_text(spec: dict) -> str:
     files = sorted({v for cls, inputs, _, _ in spec["nodes"].values() for k, v in inputs.items() if k in MODEL_INPUTS})
     lines = [spec["note"], "", "**Models** (ComfyUI's models folder):", ""]
-    lines += [f"* `{MODELS[f][0]}/{f}`" for f in files]
+    lines += [f"* `{MODELS[f][0]}/{f}`" + ("" if frontend_checks(f) else f" ({MODELS[f][1]})") for f in files]
     return "\n".join(lines)
 
 
