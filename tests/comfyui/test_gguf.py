@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from PIL import Image
 
@@ -158,3 +159,24 @@ def test_comfyui_loads_and_streams_gguf_layers_like_its_own(comfy):
     assert nothing["runs_on"] == "cpu" and nothing["loaded"] == 0 and nothing["lowvram"]
     assert nothing["gguf_left_marked"] == nothing["gguf_layers"]
     assert report["encoder_none_fits_computes_the_same"]
+
+
+def test_lora_on_a_gguf_model_equals_the_engine(comfy):
+    """The FLUX.2 Klein LoRA node on a GGUF transformer (LoRA branches beside the blocks, flux2_core.patching) gives
+    what flux2_core gives with the same file and LoRA; the GGUF model without it comes back bit for bit."""
+    from tests.comfyui.test_lora import CASE as LORA_CASE
+    from tests.comfyui.test_lora import direct, latent, relative
+
+    lora, gguf = comfy.files["lora"], comfy.files["transformer_gguf"]
+    other = {**LORA_CASE, "prompt": LORA_CASE["prompt"] + ", gguf"}
+    plain, _ = latent(comfy, graphs.ours(comfy.files, **other, model_file=gguf, output="latent"))
+    ours, _ = latent(comfy, graphs.ours(comfy.files, **LORA_CASE, model_file=gguf, loras=[(lora, 0.8)],
+                                        output="latent"))
+    expected = direct(comfy, lora, 0.8, transformer=gguf)
+    print(f"\nLoRA on a GGUF model, node vs flux2_core: relative {relative(ours, expected):.3g}")
+    assert relative(ours, expected) <= 1e-5
+    back, _ = latent(comfy, graphs.ours(comfy.files, **other, model_file=gguf, output="latent"))
+    assert torch.equal(back, plain)
+    with_lora, _ = latent(comfy, graphs.ours(comfy.files, **other, model_file=gguf, loras=[(lora, 0.8)],
+                                             output="latent"))
+    assert relative(with_lora, plain) > 1e-3                    # the LoRA changes this prompt's result
