@@ -182,15 +182,12 @@ def test_generate_from_gguf_files_equals_their_dequantized_values(tmp_path, caps
     from gguf import GGMLQuantizationType as T
     from safetensors.torch import save_file
 
-    from flux2_core.tokenizer import build_qwen3_tokenizer
-    from tests.tiny.gguf import dit_types, encoder_types, hf_names, llama_cpp_names, save_gguf
+    from tests.tiny.gguf import dit_types, encoder_types, hf_names, llama_cpp_names, qwen3_tokens, save_gguf
     from tests.tiny.text_encoder import build_tiny_qwen3, comfyui_state_dict
     from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_bfl_transformer
 
     write_models_folder(tmp_path)
-    tokens = [f"[PAD{i}]" for i in range(151936)]
-    for token, i in build_qwen3_tokenizer().get_vocab().items():
-        tokens[i] = token
+    tokens = qwen3_tokens(151936)
     hf = comfyui_state_dict(build_tiny_qwen3(seed=3))
     _, te_values = save_gguf(llama_cpp_names(hf), tmp_path / "text_encoders" / "Qwen3-4B-Q8_0.gguf",
                              encoder_types(T.Q8_0), arch="qwen3", tokens=tokens)

@@ -28,7 +28,7 @@ from flux2_core.tokenizer import build_qwen3_tokenizer
 from flux2_core.variants import VARIANTS, TransformerParams
 from tests.tiny.adapters import adapter_state_dict, lora_state_dict, random_lora
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder
-from tests.tiny.gguf import dit_types, encoder_types, hf_names, llama_cpp_names, save_gguf
+from tests.tiny.gguf import dit_types, encoder_types, hf_names, llama_cpp_names, qwen3_tokens, save_gguf
 from tests.tiny.text_encoder import TINY_QWEN3_CONFIG, build_tiny_qwen3, comfyui_state_dict
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_bfl_transformer
 
@@ -138,12 +138,7 @@ def test_bf16_model_dequantizes_to_bf16(tmp_path):
 
 @pytest.fixture(scope="module")
 def vocabulary():
-    tokenizer = build_qwen3_tokenizer()
-    vocab = tokenizer.get_vocab()
-    tokens = [f"[PAD{i}]" for i in range(TINY_QWEN3_CONFIG["vocab_size"])]
-    for token, i in vocab.items():
-        tokens[i] = token
-    return tokenizer, tokens
+    return build_qwen3_tokenizer(), qwen3_tokens(TINY_QWEN3_CONFIG["vocab_size"])
 
 
 @pytest.mark.parametrize("qtype,config", [(T.Q8_0, TINY_QWEN3_CONFIG), (T.Q4_K, WIDE_QWEN3)])
