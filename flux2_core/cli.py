@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", metavar="IMG", help="image-to-image: start from this image")
     p.add_argument("--strength", type=float, default=1.0, help="image-to-image denoise strength in (0, 1]")
     p.add_argument("--out", default="output", help="folder for the PNGs (default output/)")
-    p.add_argument("--models", metavar="DIR", help="a ComfyUI models folder to find the weights in")
+    p.add_argument("--models", metavar="DIR", help="ComfyUI's models folder (the one holding diffusion_models/, "
+                   "text_encoders/ and vae/): the weights are looked up there by their usual names")
     p.add_argument("--transformer", metavar="PATH", help="FLUX.2 Klein diffusion model file (.safetensors or .gguf) or "
                    "diffusers folder")
     p.add_argument("--text-encoder", metavar="PATH", help="Qwen3 text encoder file (.safetensors or .gguf) or folder")
@@ -148,9 +149,10 @@ def find_weights(models: str | None, variant: str | None, transformer: str | Non
     if missing:
         where = f"in {folder}" if folder else "(no --models folder given)"
         options = "\n".join(f"for {v.name}:\n" + "\n".join(_needed(v)) for v in candidates)
-        raise Flux2Error(f"missing weights {where}: {', '.join(missing)}. Put these files in a ComfyUI models folder "
-                         f"and pass --models DIR (one file per line is enough), or pass the paths with --transformer, "
-                         f"--text-encoder and --ae; or try --demo (random weights, no files needed).\n{options}")
+        raise Flux2Error(f"no weights found {where} for {', '.join(missing)}. Either pass --models with the path of "
+                         f"a ComfyUI models folder that holds the files below (each in the subfolder shown), or give "
+                         f"each file with --transformer, --text-encoder and --ae. No weights at hand? --demo runs "
+                         f"with random ones.\n{options}")
     return Path(transformer), Path(text_encoder), Path(ae)
 
 
