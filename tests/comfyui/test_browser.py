@@ -1,8 +1,8 @@
 """The pack in ComfyUI's real frontend (headless Chromium): the extension loads cleanly, the UI workflows convert to their
 API twins with the frontend's own app.graphToPrompt(), and the extension's token count, snapping and colours work.
 
-Needs chromium (or CHROMIUM=path) and playwright-core (PLAYWRIGHT_CORE=folder holding node_modules/playwright-core,
-default /work/node_tools); skipped with the reason otherwise.
+Needs chromium (or CHROMIUM=path) and playwright-core (PLAYWRIGHT_CORE=folder holding node_modules/playwright-core);
+skipped with the reason otherwise.
 """
 
 import json
@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 NODE = shutil.which("node")
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-PLAYWRIGHT = Path(os.environ.get("PLAYWRIGHT_CORE", "/work/node_tools")) / "node_modules"
+PLAYWRIGHT = Path(os.environ["PLAYWRIGHT_CORE"]) / "node_modules" if os.environ.get("PLAYWRIGHT_CORE") else None
 UI_NAMES = sorted(p.stem for p in (ROOT / "workflows").glob("*.json"))
 PROMPTS = {"short": "a red fox in the snow", "long": "a red fox in the snow, " * 90,   # long: over 512 tokens
            "fallback": "a lighthouse on a cliff at dusk"}
@@ -30,9 +30,10 @@ PROMPTS = {"short": "a red fox in the snow", "long": "a red fox in the snow, " *
 @pytest.fixture(scope="module")
 def page(comfy, tmp_path_factory):
     """What browser_check.cjs found in the page (one browser session for the module)."""
-    if not (NODE and CHROMIUM and (PLAYWRIGHT / "playwright-core").is_dir()):
+    if not (NODE and CHROMIUM and PLAYWRIGHT and (PLAYWRIGHT / "playwright-core").is_dir()):
         pytest.skip(f"headless browser tests need node, chromium and playwright-core (found node={NODE}, "
-                    f"chromium={CHROMIUM}, playwright-core in {PLAYWRIGHT}: {(PLAYWRIGHT / 'playwright-core').is_dir()})")
+                    f"chromium={CHROMIUM}, PLAYWRIGHT_CORE={os.environ.get('PLAYWRIGHT_CORE')}: set it to a folder "
+                    f"holding node_modules/playwright-core)")
     screenshot = tmp_path_factory.mktemp("browser") / "canvas.png"
     done = subprocess.run([NODE, str(HERE / "browser_check.cjs"), f"http://{comfy.server.address}", PACK_FOLDER,
                            json.dumps(UI_NAMES), CHROMIUM, str(screenshot), json.dumps(PROMPTS)],
