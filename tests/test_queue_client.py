@@ -361,3 +361,15 @@ def test_a_server_that_never_answers_times_out_with_the_fix(tmp_path):
     assert time.monotonic() - started < 5
     assert str(error.value) == (f"ComfyUI at {server}: opening the websocket /ws: no answer within 0.5 s; is "
                                 "ComfyUI busy or stuck? --timeout SECONDS waits longer")
+
+
+def test_ctrl_c_says_where_a_queued_prompt_goes(monkeypatch, tmp_path, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(queue_client, "queue", interrupted)
+    api = tmp_path / "wf.api.json"
+    api.write_text(json.dumps(WORKFLOW))
+    assert queue_client.main([str(api)]) == 130
+    assert capsys.readouterr().err == ("interrupted: a prompt already queued keeps running in ComfyUI (its images go "
+                                       "to ComfyUI's output folder); cancel it in ComfyUI's queue if you do not want "
+                                       "it\n")

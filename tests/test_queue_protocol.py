@@ -316,7 +316,7 @@ DROP = "drop"                    # an answer: the connection is closed without o
 
 
 class Raw(bytes):
-    """A websocket 'frame' written to the socket as it is, under aiohttp's framing."""
+    """Bytes written to the socket as they are, under aiohttp's framing (as a websocket frame or an HTTP answer)."""
 
 
 def good_view(request):
@@ -363,7 +363,8 @@ class Scripted:
             self.queued.set()
         answer = self.script.get(kind, (404, b"not found"))
         answer = answer(request) if callable(answer) else answer
-        if answer == DROP:
+        if answer == DROP or isinstance(answer, Raw):
+            request.transport.write(answer if isinstance(answer, Raw) else b"")    # bytes as they are, then hang up
             request.transport.close()
             return web.Response()
         if kind == "view" and answer[0] == 200:
@@ -445,6 +446,9 @@ def test_a_well_behaved_server(scripted):
     ({"prompt": (502, b"Bad Gateway")}, "POST /prompt answered HTTP 502: b'Bad Gateway'"),
     ({"prompt": (301, b"")}, "POST /prompt answered HTTP 301: b''"),
     ({"prompt": DROP}, "POST /prompt: the connection broke (Server disconnected); did ComfyUI stop or restart?"),
+    ({"prompt": Raw(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{")},
+     "POST /prompt: the connection broke (Response payload is not completed"),
+    ({"prompt": Raw(b"SSH-2.0-OpenSSH_9.6\r\n")}, "POST /prompt: the answer is not HTTP (Bad status line"),
     ({"ws": [message("executing", node="5", prompt_id=PROMPT_ID), "not json"]},
      "a websocket message is not JSON: not json"),
     ({"ws": [preview(), b"\x00\x01"]}, "a binary websocket frame is not a preview or progress text: b'\\x00\\x01'"),
@@ -505,7 +509,9 @@ def test_oversize_answers_stop_at_the_limit(scripted):
 
 
 http_answers = st.one_of(st.tuples(st.sampled_from(STATUSES), st.binary(max_size=40)),
-                         st.tuples(st.just(200), json_values.map(lambda v: json.dumps(v).encode())), st.just(DROP))
+                         st.tuples(st.just(200), json_values.map(lambda v: json.dumps(v).encode())), st.just(DROP),
+                         st.binary(max_size=60).map(Raw),                       # anything but HTTP
+                         st.binary(max_size=60).map(lambda tail: Raw(b"HTTP/1.1 200 OK\r\n" + tail)))   # broken HTTP
 hostile_histories = st.lists(st.fixed_dictionaries({"filename": st.sampled_from(["a.png", "../a.png", "b.png", "..",
                                                                                   "", "a\x00.png"]) | st.text(max_size=8),
                                                     "subfolder": st.sampled_from(["", "x"])}), max_size=4).map(
