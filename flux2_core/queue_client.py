@@ -109,12 +109,15 @@ def check_status(server: str, what: str, status: int, body: bytes) -> bytes:
 def refusal(body: bytes) -> str:
     """ComfyUI's 400 answer to /prompt ({"error": {"message"}, "node_errors": {id: {"class_type", "errors":
     [{"message", "details"}]}}}) as one line per problem; any other body quoted as it is."""
+    def said(error: dict) -> str:
+        return shown(error["message"]) + (f": {shown(error['details'])}" if error.get("details") else "")
+
     try:
         answer = json.loads(body)
-        lines = [shown(answer["error"]["message"])]
+        lines = [said(answer["error"])]
         for nid, node in answer["node_errors"].items():
-            lines += [f"  node {shown(nid, 40)} ({shown(node.get('class_type'), 80)}): {shown(error.get('message'))}"
-                      + (f": {shown(error['details'])}" if error.get("details") else "") for error in node["errors"]]
+            lines += [f"  node {shown(nid, 40)} ({shown(node.get('class_type'), 80)}): {said(error)}"
+                      for error in node["errors"]]
         return "\n".join(lines)
     except (ValueError, RecursionError, TypeError, KeyError, AttributeError):    # not that shape: show it raw
         return shown(body, 2000)
@@ -253,10 +256,14 @@ def network_error(server: str, timeout: float, doing: str, error: Exception) -> 
     if isinstance(error, aiohttp.WSServerHandshakeError):
         return ServerError(server, f"{doing}: the websocket was refused (HTTP {error.status} {shown(error.message)});"
                                    " is this ComfyUI, and the right port?")
-    if isinstance(error, aiohttp.ClientConnectorError):
-        reason = "connection refused" if isinstance(error.os_error, ConnectionRefusedError) else \
-            shown(error.os_error.strerror or str(error.os_error))
+    if isinstance(error, aiohttp.ClientConnectorError):       # refused, unknown host, unreachable, TLS
+        cause = getattr(error, "os_error", None) or error
+        reason = "connection refused" if isinstance(cause, ConnectionRefusedError) else \
+            shown(getattr(cause, "strerror", None) or str(cause))
         return ServerError(server, f"{doing}: cannot connect ({reason}). {FIX_CONNECTION}")
+    if isinstance(error, aiohttp.ConnectionTimeoutError):     # nothing answered the connection (a firewall?)
+        return ServerError(server, f"{doing}: cannot connect (no answer within {min(timeout, CONNECT_TIMEOUT):g} s)"
+                                   f". {FIX_CONNECTION}")
     if isinstance(error, (TimeoutError, asyncio.TimeoutError)):        # aiohttp's timeouts are both
         return ServerError(server, f"{doing}: no answer within {timeout:g} s; is ComfyUI busy or stuck? "
                                    "--timeout SECONDS waits longer")

@@ -373,3 +373,23 @@ def test_ctrl_c_says_where_a_queued_prompt_goes(monkeypatch, tmp_path, capsys):
     assert capsys.readouterr().err == ("interrupted: a prompt already queued keeps running in ComfyUI (its images go "
                                        "to ComfyUI's output folder); cancel it in ComfyUI's queue if you do not want "
                                        "it\n")
+
+
+def test_a_connection_nobody_answers_times_out_with_the_fix(tmp_path):
+    with socket.socket() as listener:             # a full accept queue: the kernel drops further connection attempts
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        server = f"127.0.0.1:{listener.getsockname()[1]}"
+        waiting = [socket.socket() for _ in range(3)]
+        for s in waiting:
+            s.setblocking(False)
+            s.connect_ex(listener.getsockname())
+        time.sleep(0.2)
+        try:
+            with pytest.raises(queue_client.ServerError) as error:
+                queue_client.queue(WORKFLOW, server, str(tmp_path), timeout=0.5, on_message=None)
+        finally:
+            for s in waiting:
+                s.close()
+    assert str(error.value).startswith(f"ComfyUI at {server}: opening the websocket /ws: cannot connect (no answer "
+                                       "within 0.5 s). Is ComfyUI running?")
