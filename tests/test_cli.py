@@ -365,3 +365,17 @@ def test_streamed_blocks_are_reported_and_compile_says_it_skips_them(tmp_path, m
     assert "4 of 4 transformer blocks" in err and "--compile" not in err
     assert cli.main([*argv, "--compile"]) == 0
     assert "compiles only the blocks that stay on the GPU" in capsys.readouterr().err
+
+
+def test_an_out_folder_that_refuses_files_is_refused(tmp_path, monkeypatch, capsys):
+    """What a read-only mount or missing permission does (as root neither can be made here): the probe file fails."""
+    from flux2_core import outputs
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(outputs.tempfile, "TemporaryFile", refuse)
+    assert cli.main(["--demo", "--prompt", "x", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: --out {tmp_path}: cannot write there (Permission denied); choose a "
+                                       "folder you can write to\n")
+    assert cli.main(["--demo", "--prompt", "x", "--out", str(tmp_path / "new")]) == 2
+    assert f"cannot create it in {tmp_path} (Permission denied)" in capsys.readouterr().err
