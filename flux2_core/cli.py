@@ -19,9 +19,11 @@ import math
 import random
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from .errors import Flux2Error
+from .outputs import check_folder, write_new
 from .variants import VARIANTS, Variant
 
 # ComfyUI model folders (and their legacy names) and the usual file names in them.
@@ -36,9 +38,21 @@ OFFLOAD = {"auto": ("auto", "auto"), "none": (False, False), "encoder": (True, F
 YES_NO = {"auto": "auto", "yes": True, "no": False}
 
 
+def program() -> str:
+    """How the user called us, for --help: the installed script or the module."""
+    return "python -m flux2_core" if Path(sys.argv[0]).parts[-2:] == ("flux2_core", "__main__.py") else "flux2-klein"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flux2-klein", description="FLUX.2 Klein: PNGs from a prompt and optional "
-                                "reference images. Commands: generate (default), queue (send a workflow to ComfyUI).")
+    p = argparse.ArgumentParser(
+        prog=program(), formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [generate] --prompt TEXT [options]\n       %(prog)s queue WORKFLOW.json [--server HOST:PORT] "
+              "[options]",
+        description="FLUX.2 Klein: PNGs from a prompt and optional reference images.",
+        epilog="commands:\n"
+               "  generate  the default: make PNGs on this machine, with the options above\n"
+               "  queue     send an API-format workflow (workflows/api/*.json) to a running ComfyUI\n"
+               "            and download its images; its options: %(prog)s queue --help")
     p.add_argument("--prompt", required=True, help="what to generate (or how to edit the references)")
     p.add_argument("--ref", action="append", default=[], metavar="IMG", help="a reference image (repeatable)")
     p.add_argument("--width", type=int, help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
@@ -50,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="number of images (default 1)")
     p.add_argument("--image", metavar="IMG", help="image-to-image: start from this image")
     p.add_argument("--strength", type=float, default=1.0, help="image-to-image denoise strength in (0, 1]")
-    p.add_argument("--out", default="output", help="folder for the PNGs (default output/)")
+    p.add_argument("--out", default="output", help="folder for the PNGs (default output/); existing files are kept, "
+                   "a taken name gets -1, -2, ...")
     p.add_argument("--models", metavar="DIR", help="ComfyUI's models folder (the one holding diffusion_models/, "
                    "text_encoders/ and vae/): the weights are looked up there by their usual names")
     p.add_argument("--transformer", metavar="PATH", help="FLUX.2 Klein diffusion model file (.safetensors or .gguf) or "
@@ -182,22 +197,15 @@ class Progress:
               file=sys.stderr, flush=True)
 
 
-def free_path(folder: Path, stem: str) -> Path:
-    path, n = folder / f"{stem}.png", 1
-    while path.exists():
-        path, n = folder / f"{stem}_{n}.png", n + 1
-    return path
-
-
-def save_png(image, path: Path, parameters: dict) -> None:
-    """uint8 [H, W, 3] -> PNG with ``parameters`` as JSON in a tEXt chunk."""
+def save_png(image, file, parameters: dict) -> None:
+    """uint8 [H, W, 3] -> PNG (into an open binary file) with ``parameters`` as JSON in a tEXt chunk."""
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
 
     info = PngInfo()
     info.add_text("parameters", json.dumps(parameters, ensure_ascii=False))
     info.add_text("Software", "flux2-klein-engine")
-    Image.fromarray(image.numpy()).save(path, pnginfo=info)
+    Image.fromarray(image.numpy()).save(file, format="PNG", pnginfo=info)
 
 
 def open_image(path: str):
@@ -263,6 +271,7 @@ def report_streaming(model, compiled: bool) -> None:
 
 def generate_command(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    out = check_folder(args.out, "--out")          # before anything slow: a wrong --out must not cost a generation
     import torch
 
     from .ggml_layers import gguf_types
@@ -318,15 +327,11 @@ def generate_command(argv: list[str]) -> int:
     for warning in result.warnings:
         print(f"note: {warning}", file=sys.stderr)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     for img, img_seed in zip(result.images, result.seeds):
         parameters = {**result.settings, "seed": img_seed, **files}
         parameters.pop("batch")
-        path = free_path(out, f"flux2_{img_seed}")
-        save_png(img, path, parameters)
-        print(path)
-    print(f"{len(result.seeds)} image(s) in {time.time() - started:.1f}s", file=sys.stderr)
+        print(write_new(out, f"flux2_{img_seed}.png", partial(save_png, img, parameters=parameters)))
+    print(f"{len(result.seeds)} image(s) in {out} ({time.time() - started:.1f}s)", file=sys.stderr)
     return 0
 
 
@@ -335,11 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["queue"]:
         from .queue_client import main as queue_main
 
-        return queue_main(argv[1:])
+        return queue_main(argv[1:], prog=f"{program()} queue")
     if argv[:1] == ["generate"]:
         argv = argv[1:]
     elif argv and not argv[0].startswith("-"):
-        print(f"flux2-klein: unknown command {argv[0]!r}; use generate (the default) or queue", file=sys.stderr)
+        print(f"{program()}: unknown command {argv[0]!r}; use generate (the default) or queue (see --help)",
+              file=sys.stderr)
         return 2
     try:
         return generate_command(argv)

@@ -3,216 +3,394 @@
     python -m flux2_core queue workflows/api/flux2-klein-text-to-image.json --server 127.0.0.1:8188 \\
         --prompt "a red fox in the snow" --seed 7 --set 12.steps=8 --out output/
 
-Standard library only (HTTP through urllib, a small websocket client on a socket). Nothing here imports ComfyUI
-or torch. The protocol, as ComfyUI serves it:
+HTTP and the websocket go through aiohttp (ComfyUI's own web library, so every ComfyUI environment has it), driven
+synchronously. Nothing here imports ComfyUI or torch. The protocol, as ComfyUI serves it:
     POST /prompt {"prompt", "client_id"}      -> {"prompt_id", "number", "node_errors"}
-    ws /ws?clientId=X                         -> JSON messages: progress, executing, execution_error, ...
+    ws /ws?clientId=X                         -> JSON messages {"type", "data"}: progress, executing, ...;
+                                                 binary frames: a 4-byte event type, then (previews) a 4-byte format
     GET /history/<prompt_id>                  -> {prompt_id: {"outputs": {node: {"images": [...]}}, "status": ...}}
     GET /view?filename=&subfolder=&type=      -> the image bytes
+
+Every answer is untrusted: the check_* and parse_* functions below read one answer each, without a network, and
+whatever a server sends (broken or empty JSON, missing keys, odd frames, huge messages, dropped connections) ends
+in a ServerError that names the server and quotes what it sent. Images are written with outputs.write_new, which
+never replaces a file.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
+import asyncio
 import copy
-import hashlib
 import json
-import os
-import socket
+import math
+import re
 import struct
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
+from collections.abc import Iterable
+
+import aiohttp
 
 from .errors import Flux2Error
+from .outputs import check_folder, write_new
 
 OUR_PREFIX = "Flux2Klein"          # every node id of this pack starts with this
 TEXT_INPUTS = ("text", "prompt")   # the prompt-encode node's string input
 SEED_INPUTS = ("seed", "noise_seed")
 
+ANSWER_LIMIT = 64 << 20            # bytes of an HTTP answer (the biggest, /object_info, is a few MiB)
+IMAGE_LIMIT = 1 << 30              # bytes of one downloaded image
+MESSAGE_LIMIT = 64 << 20           # bytes of one websocket message (previews are tens of KiB)
+SHOWN = 300                        # characters of a bad answer quoted in an error
+CONNECT_TIMEOUT = 30.0             # seconds to open a connection (--timeout is for answers, which can take long)
+CLOSE_TIMEOUT = 2.0                # seconds to wait for the server's half of a websocket close
+PREVIEW_IMAGE, TEXT, PREVIEW_WITH_METADATA = 1, 3, 4    # binary event types (ComfyUI's protocol.py)
+FIX_CONNECTION = ("Is ComfyUI running? Check the address and port against the line ComfyUI prints at startup "
+                  "('To see the GUI go to: http://127.0.0.1:8188'); to reach it from another machine, start ComfyUI "
+                  "with --listen")
 
-# ---------------------------------------------------------------------------------------------------------------------
-# A minimal websocket client (RFC 6455): handshake, unmasked server frames in, masked client frames out.
 
-WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
+class ServerError(Flux2Error):
+    """What a ComfyUI server sent (or failed to send) that ends the job; the message names the server."""
+
+    def __init__(self, server: str, problem: str):
+        super().__init__(f"ComfyUI at {server}: {problem}")
+        self.server = server
 
 
-class WebSocket:
-    def __init__(self, host: str, port: int, path: str, timeout: float = 30.0):
-        self.sock = socket.create_connection((host, port), timeout=timeout)
-        key = base64.b64encode(os.urandom(16)).decode()
-        request = (f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                   f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n")
-        self.sock.sendall(request.encode())
-        head = self._read_until(b"\r\n\r\n").decode("latin-1")
-        status, *header_lines = head.split("\r\n")
-        headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines if h)}
-        expected = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
-        if " 101 " not in status + " " or headers.get("sec-websocket-accept") != expected:
-            self.sock.close()
-            raise ConnectionError(f"websocket handshake with {host}:{port}{path} failed: {status!r}")
+def size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n} bytes"
 
-    def _read_until(self, marker: bytes) -> bytes:
-        data = b""
-        while not data.endswith(marker):
-            byte = self.sock.recv(1)
-            if not byte:
-                raise ConnectionError("connection closed during the websocket handshake")
-            data += byte
-        return data
 
-    def _read_exact(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionError("websocket closed by the server")
-            data += chunk
-        return data
-
-    def _read_frame(self) -> tuple[bool, int, bytes]:
-        b0, b1 = self._read_exact(2)
-        fin, opcode, masked, length = bool(b0 & 0x80), b0 & 0x0F, bool(b1 & 0x80), b1 & 0x7F
-        if length == 126:
-            (length,) = struct.unpack(">H", self._read_exact(2))
-        elif length == 127:
-            (length,) = struct.unpack(">Q", self._read_exact(8))
-        mask = self._read_exact(4) if masked else None
-        payload = self._read_exact(length)
-        if mask:
-            payload = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-        return fin, opcode, payload
-
-    def send(self, opcode: int, payload: bytes = b"") -> None:
-        mask = os.urandom(4)
-        n = len(payload)
-        head = bytes([0x80 | opcode])
-        if n < 126:
-            head += bytes([0x80 | n])
-        elif n < 1 << 16:
-            head += bytes([0x80 | 126]) + struct.pack(">H", n)
-        else:
-            head += bytes([0x80 | 127]) + struct.pack(">Q", n)
-        self.sock.sendall(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
-
-    def recv(self) -> str | bytes | None:
-        """The next message: str (text), bytes (binary) or None once the server closed the connection."""
-        message, kind = b"", None
-        while True:
-            fin, opcode, payload = self._read_frame()
-            if opcode == OP_PING:
-                self.send(OP_PONG, payload)
-                continue
-            if opcode == OP_PONG:
-                continue
-            if opcode == OP_CLOSE:
-                return None
-            kind = opcode if opcode != OP_CONT else kind
-            message += payload
-            if fin:
-                return message.decode("utf-8") if kind == OP_TEXT else message
-
-    def close(self) -> None:
+def shown(value, limit: int = SHOWN) -> str:
+    """A server's value as quoted in a message: at most `limit` characters, control characters escaped (a hostile
+    server must not write escape sequences to the user's terminal)."""
+    if isinstance(value, (bytes, bytearray)):
+        return repr(bytes(value[:limit])) + (f"... ({len(value)} bytes)" if len(value) > limit else "")
+    if not isinstance(value, str):
         try:
-            self.send(OP_CLOSE, struct.pack(">H", 1000))
-        except OSError:
-            pass
-        self.sock.close()
+            value = json.dumps(value, ensure_ascii=False)
+        except (ValueError, RecursionError):
+            value = f"<a {type(value).__name__} nested too deeply to show>"
+    cut = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in value[:limit])
+    return cut + (f"... ({len(value)} characters)" if len(value) > limit else "")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The ComfyUI HTTP API.
+# Answers, checked: each function reads one answer of the server and returns what the client needs, or raises.
+
+def parse_server(server: str) -> tuple[str, str]:
+    """--server [http[s]://]HOST:PORT -> (base URL, HOST:PORT as messages name it)."""
+    text = server.strip().rstrip("/")
+    url = urllib.parse.urlsplit(text if "://" in text else f"http://{text}")
+    try:
+        port = url.port
+    except ValueError:                 # not a number, or past 65535
+        port = None
+    if (url.scheme not in ("http", "https") or not port or url.path or url.query or url.fragment or "@" in url.netloc
+            or not re.fullmatch(r"[\w.-]+|[0-9a-f:.]+", url.hostname or "")):
+        raise Flux2Error(f"--server {server!r} is not HOST:PORT; use e.g. 127.0.0.1:8188 (the address and port "
+                         "ComfyUI prints at startup)")
+    return f"{url.scheme}://{url.netloc}", url.netloc
+
+
+def check_status(server: str, what: str, status: int, body: bytes) -> bytes:
+    """The body of a 200 answer; any other status is a ServerError quoting the body (a refused prompt in full)."""
+    if status == 200:
+        return body
+    if what == "POST /prompt" and status == 400:
+        raise ServerError(server, f"refused the workflow (HTTP 400): {refusal(body)}\nFix those inputs (e.g. "
+                                  "--set NODE.INPUT=VALUE, or the workflow file) and queue it again")
+    raise ServerError(server, f"{what} answered HTTP {status}: {shown(body)}")
+
+
+def refusal(body: bytes) -> str:
+    """ComfyUI's 400 answer to /prompt ({"error": {"message"}, "node_errors": {id: {"class_type", "errors":
+    [{"message", "details"}]}}}) as one line per problem; any other body quoted as it is."""
+    def said(error: dict) -> str:
+        return shown(error["message"]) + (f": {shown(error['details'])}" if error.get("details") else "")
+
+    try:
+        answer = json.loads(body)
+        lines = [said(answer["error"])]
+        for nid, node in answer["node_errors"].items():
+            lines += [f"  node {shown(nid, 40)} ({shown(node.get('class_type'), 80)}): {said(error)}"
+                      for error in node["errors"]]
+        return "\n".join(lines)
+    except (ValueError, RecursionError, TypeError, KeyError, AttributeError):    # not that shape: show it raw
+        return shown(body, 2000)
+
+
+def parse_json(server: str, what: str, body: bytes | str):
+    """The JSON value of an answer."""
+    if not body.strip():
+        raise ServerError(server, f"{what} is empty, where JSON was expected")
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ServerError(server, f"{what} is JSON nested too deeply to read: {shown(body)}") from None
+    except ValueError:                 # not JSON, not UTF-8, or a number too long for Python's int
+        raise ServerError(server, f"{what} is not JSON: {shown(body)}") from None
+
+
+def parse_submit(server: str, body: bytes) -> str:
+    """The prompt id in POST /prompt's answer {"prompt_id", "number", "node_errors"}."""
+    answer = parse_json(server, "the answer to POST /prompt", body)
+    prompt_id = answer.get("prompt_id") if isinstance(answer, dict) else None
+    if not isinstance(prompt_id, str) or not 0 < len(prompt_id) <= 200 or not prompt_id.isprintable():
+        raise ServerError(server, f"the answer to POST /prompt has no usable prompt_id: {shown(body)}")
+    return prompt_id
+
+
+def parse_message(server: str, text: str) -> dict:
+    """A websocket text message: {"type": str, "data": {...}}."""
+    message = parse_json(server, "a websocket message", text)
+    if not (isinstance(message, dict) and isinstance(message.get("type"), str)
+            and isinstance(message.get("data"), dict)):
+        raise ServerError(server, f'a websocket message is not {{"type": ..., "data": {{...}}}}: {shown(text)}')
+    return message
+
+
+def check_binary(server: str, frame: bytes) -> bytes:
+    """A binary websocket frame as ComfyUI builds them: a 4-byte event type, then for previews a 4-byte image format
+    (1 JPEG, 2 PNG), for text and previews with metadata the 4-byte length of the part that follows it."""
+    event, second = struct.unpack(">II", frame[:8]) if len(frame) >= 8 else (None, None)
+    if (event is None or (event == PREVIEW_IMAGE and second not in (1, 2))
+            or (event in (TEXT, PREVIEW_WITH_METADATA) and 8 + second > len(frame))):
+        raise ServerError(server, f"a binary websocket frame is not a preview or progress text: {shown(frame, 40)}")
+    return frame
+
+
+def finished(server: str, message: dict) -> bool:
+    """Whether a message of our prompt ends it: `executing` with node null (sent once the history entry is stored).
+    An error or an interrupt raises."""
+    kind, data = message["type"], message["data"]
+    if kind == "execution_error":      # the workflow failed, the server did nothing wrong: the node's message first
+        raise Flux2Error(f"node {shown(data.get('node_id'), 40)} ({shown(data.get('node_type'), 80)}) failed: "
+                         f"{shown(data.get('exception_type'), 80)}: {shown(data.get('exception_message'), 2000)}")
+    if kind == "execution_interrupted":
+        raise Flux2Error(f"the prompt was interrupted at node {shown(data.get('node_id'), 40)} (in ComfyUI at "
+                         f"{server})")
+    return kind == "executing" and "node" in data and data["node"] is None
+
+
+def follow_frames(server: str, prompt_id: str, frames: Iterable[str | bytes], on_message=None,
+                  on_preview=None) -> list[dict]:
+    """Read websocket frames until the prompt finishes; returns its JSON messages in order.
+
+    on_message(message) is called for each JSON message of this prompt, on_preview(frame) for each binary frame.
+    Other clients' messages are skipped. Frames that end before the prompt does raise, as does an execution error.
+    """
+    messages = []
+    for frame in frames:
+        if isinstance(frame, bytes):
+            check_binary(server, frame)
+            if on_preview:
+                on_preview(frame)
+            continue
+        message = parse_message(server, frame)
+        if message["data"].get("prompt_id") != prompt_id:
+            continue
+        messages.append(message)
+        if on_message:
+            on_message(message)
+        if finished(server, message):
+            return messages
+    raise ServerError(server, f"the websocket closed before prompt {prompt_id} finished; did ComfyUI stop or "
+                              "restart? If it still runs the prompt, the images land in ComfyUI's output folder")
+
+
+def parse_history(server: str, prompt_id: str, body: bytes) -> list[dict]:
+    """The image records {filename, subfolder, type} in GET /history/<id>'s answer, in node order."""
+    answer = parse_json(server, f"the answer to GET /history/{prompt_id}", body)
+    entry = answer.get(prompt_id) if isinstance(answer, dict) else None
+    if entry is None:
+        raise ServerError(server, f"the answer to GET /history/{prompt_id} has no entry for that prompt: "
+                                  f"{shown(body)}")
+    outputs = entry.get("outputs") if isinstance(entry, dict) else None
+    if not isinstance(outputs, dict) or not all(isinstance(o, dict) and isinstance(o.get("images", []), list)
+                                                for o in outputs.values()):
+        raise ServerError(server, f"the history of prompt {prompt_id} has no outputs {{node: {{\"images\": [...]}}}}"
+                                  f": {shown(body)}")
+    images = []
+    for node in sorted(outputs):
+        for image in outputs[node].get("images", []):
+            if not (isinstance(image, dict) and isinstance(image.get("filename"), str)
+                    and all(isinstance(image.get(k, ""), str) for k in ("subfolder", "type"))):
+                raise ServerError(server, f"node {shown(node, 40)} of prompt {prompt_id} lists an image that is not "
+                                          f"{{filename, subfolder, type}}: {shown(image)}")
+            images.append({"filename": image["filename"], "subfolder": image.get("subfolder", ""),
+                           "type": image.get("type", "output")})
+    return images
+
+
+def file_name(server: str, image: dict) -> str:
+    """The local name for a downloaded image: the server's file name without any folder part (so no name can
+    reach outside --out), refused when nothing usable is left."""
+    name = image["filename"].replace("\\", "/").rsplit("/", 1)[-1]
+    if name in ("", ".", "..") or not name.isprintable() or len(name.encode("utf-8", "replace")) > 200:
+        raise ServerError(server, f"an image is named {shown(image['filename'])}, which is no usable file name")
+    return name
+
+
+def check_frame(server: str, kind: aiohttp.WSMsgType, data) -> str | bytes | None:
+    """What aiohttp received on the websocket -> text, bytes, or None once it closed."""
+    if kind in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+        return data
+    if kind in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
+        return None
+    if getattr(data, "code", None) == aiohttp.WSCloseCode.MESSAGE_TOO_BIG:
+        raise ServerError(server, f"sent a websocket message over {size(MESSAGE_LIMIT)}; ComfyUI's messages "
+                                  "are far smaller: is this ComfyUI?")
+    raise ServerError(server, f"sent a broken websocket frame ({shown(str(data))})")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The network, through aiohttp. Every call runs to its end before returning (the client is synchronous): HTTP on
+# an event loop made for the call, a websocket on one of its own that lives as long as it does.
+
+def network_error(server: str, timeout: float, doing: str, error: Exception) -> ServerError:
+    """A failure of aiohttp or the socket below it, said with what to check."""
+    if isinstance(error, aiohttp.WSServerHandshakeError):
+        return ServerError(server, f"{doing}: the websocket was refused (HTTP {error.status} {shown(error.message)});"
+                                   " is this ComfyUI, and the right port?")
+    if isinstance(error, aiohttp.ClientConnectorError):       # refused, unknown host, unreachable, TLS
+        cause = getattr(error, "os_error", None) or error
+        reason = "connection refused" if isinstance(cause, ConnectionRefusedError) else \
+            shown(getattr(cause, "strerror", None) or str(cause))
+        return ServerError(server, f"{doing}: cannot connect ({reason}). {FIX_CONNECTION}")
+    if isinstance(error, aiohttp.ConnectionTimeoutError):     # nothing answered the connection (a firewall?)
+        return ServerError(server, f"{doing}: cannot connect (no answer within {min(timeout, CONNECT_TIMEOUT):g} s)"
+                                   f". {FIX_CONNECTION}")
+    if isinstance(error, (TimeoutError, asyncio.TimeoutError)):        # aiohttp's timeouts are both
+        return ServerError(server, f"{doing}: no answer within {timeout:g} s; is ComfyUI busy or stuck? "
+                                   "--timeout SECONDS waits longer")
+    if isinstance(error, aiohttp.ClientResponseError):      # a status line or header that is not HTTP
+        return ServerError(server, f"{doing}: the answer is not HTTP ({shown(error.message)}); is this ComfyUI, "
+                                   "and the right port?")
+    return ServerError(server, f"{doing}: the connection broke ({shown(str(error) or type(error).__name__)}); did "
+                               "ComfyUI stop or restart?")
+
+
+NETWORK_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError)   # the last two differ on 3.10
+
 
 class ComfyClient:
+    """A synchronous client of one ComfyUI server (the CLI's and the real-host tests')."""
+
     def __init__(self, server: str, timeout: float = 600.0):
-        host, _, port = server.removeprefix("http://").rstrip("/").rpartition(":")
-        if not host or not port.isdigit():
-            raise Flux2Error(f"--server {server!r} is not HOST:PORT; use e.g. 127.0.0.1:8188")
-        self.host, self.port, self.timeout = host, int(port), timeout
+        self.base, self.server = parse_server(server)
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+            raise Flux2Error(f"--timeout {timeout} must be a number of seconds above 0")
+        self.timeout = timeout
         self.client_id = uuid.uuid4().hex
 
-    def url(self, path: str) -> str:
-        return f"http://{self.host}:{self.port}{path}"
+    def timeouts(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(sock_connect=min(self.timeout, CONNECT_TIMEOUT), sock_read=self.timeout)
 
-    def request(self, path: str, body: dict | None = None) -> bytes:
-        """GET path, or POST body as JSON. HTTP errors become Flux2Error carrying the server's answer."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url(path), data=data, headers={"Content-Type": "application/json"})
+    def _call(self, doing: str, coroutine, loop: asyncio.AbstractEventLoop | None = None):
+        """Run one aiohttp coroutine to its end; network failures become ServerErrors."""
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as response:
-                return response.read()
-        except urllib.error.HTTPError as e:
-            raise Flux2Error(f"{path} answered {e.code}: {e.read().decode('utf-8', 'replace')[:2000]}") from None
-        except urllib.error.URLError as e:
-            raise Flux2Error(f"cannot reach ComfyUI at {self.host}:{self.port} ({e.reason}); "
-                             "is the server running, and is --server right?") from None
+            return loop.run_until_complete(coroutine) if loop else asyncio.run(coroutine)
+        except NETWORK_ERRORS as e:
+            raise network_error(self.server, self.timeout, doing, e) from None
+
+    def exchange(self, path: str, body: dict | None = None, limit: int | None = None) -> tuple[str, int, bytes]:
+        """GET path, or POST body as JSON -> (what, status, answer), what being "GET /path" for messages; an answer
+        over `limit` bytes (default ANSWER_LIMIT) raises."""
+        what = f"{'GET' if body is None else 'POST'} {path}"
+        return what, *self._call(what, self._exchange(what, path, body, limit or ANSWER_LIMIT))
+
+    async def _exchange(self, what: str, path: str, body: dict | None, limit: int) -> tuple[int, bytes]:
+        async with aiohttp.ClientSession(timeout=self.timeouts()) as session, session.request(
+                what.split()[0], self.base + path, json=body, allow_redirects=False) as response:
+            if response.content_length is not None and response.content_length > limit:
+                raise ServerError(self.server, f"the answer to {what} would be {response.content_length} bytes, "
+                                               f"over the {size(limit)} this client takes")
+            data = bytearray()
+            async for chunk in response.content.iter_any():
+                data += chunk
+                if len(data) > limit:
+                    raise ServerError(self.server, f"the answer to {what} runs past the {size(limit)} this "
+                                                   f"client takes: {shown(data)}")
+            return response.status, bytes(data)
+
+    def request(self, path: str, body: dict | None = None, limit: int | None = None) -> bytes:
+        """The answer to GET path, or to POST body as JSON; any status but 200 raises."""
+        return check_status(self.server, *self.exchange(path, body, limit))
 
     def get_json(self, path: str):
-        return json.loads(self.request(path))
+        return parse_json(self.server, f"the answer to GET {path}", self.request(path))
 
     def post_json(self, path: str, body: dict):
         raw = self.request(path, body)
-        return json.loads(raw) if raw.strip() else None
+        return parse_json(self.server, f"the answer to POST {path}", raw) if raw.strip() else None
 
     def connect(self) -> WebSocket:
-        return WebSocket(self.host, self.port, f"/ws?clientId={self.client_id}", timeout=self.timeout)
+        return WebSocket(self)
 
     def submit(self, prompt: dict, extra_data: dict | None = None) -> str:
         body = {"prompt": prompt, "client_id": self.client_id}
         if extra_data:
             body["extra_data"] = extra_data
-        return self.post_json("/prompt", body)["prompt_id"]
+        return parse_submit(self.server, self.request("/prompt", body))
 
     def follow(self, ws: WebSocket, prompt_id: str, on_message=None, on_preview=None) -> list[dict]:
-        """Read websocket messages until the prompt finishes; returns its JSON messages in order.
-
-        on_message(message) is called for each JSON message of this prompt, on_preview(frame) for each binary frame
-        (a latent preview: 4-byte event type, 4-byte image format, image bytes). Raises Flux2Error on an execution
-        error or an interrupt.
-        """
-        messages = []
-        while True:
-            raw = ws.recv()
-            if raw is None:
-                raise Flux2Error("the server closed the websocket before the prompt finished")
-            if isinstance(raw, bytes):
-                if on_preview:
-                    on_preview(raw)
-                continue
-            message = json.loads(raw)
-            data = message.get("data") or {}
-            if data.get("prompt_id") != prompt_id:
-                continue
-            messages.append(message)
-            if on_message:
-                on_message(message)
-            kind = message["type"]
-            if kind == "execution_error":
-                raise Flux2Error(f"node {data.get('node_id')} ({data.get('node_type')}) failed: "
-                                 f"{data.get('exception_type')}: {data.get('exception_message')}")
-            if kind == "execution_interrupted":
-                raise Flux2Error(f"the prompt was interrupted at node {data.get('node_id')}")
-            if kind == "executing" and data.get("node") is None:   # sent after the history entry is stored
-                return messages
+        """follow_frames on this websocket: its messages until the prompt finishes."""
+        return follow_frames(self.server, prompt_id, iter(ws.recv, None), on_message, on_preview)
 
     def images(self, prompt_id: str) -> list[dict]:
         """The image records {filename, subfolder, type} of a finished prompt, in node order."""
-        entry = self.get_json(f"/history/{prompt_id}").get(prompt_id)
-        if entry is None:
-            raise Flux2Error(f"prompt {prompt_id} is not in the server's history")
-        outputs = entry.get("outputs", {})
-        return [image for node in sorted(outputs, key=str) for image in outputs[node].get("images", [])]
+        return parse_history(self.server, prompt_id, self.request(f"/history/{urllib.parse.quote(prompt_id, '')}"))
 
     def download(self, image: dict) -> bytes:
         query = urllib.parse.urlencode({k: image.get(k, "") for k in ("filename", "subfolder", "type")})
-        return self.request(f"/view?{query}")
+        return self.request(f"/view?{query}", limit=IMAGE_LIMIT)
 
     def interrupt(self) -> None:
         self.post_json("/interrupt", {})
+
+
+class WebSocket:
+    """ComfyUI's websocket for one client id. recv() -> str (a JSON message), bytes (a binary frame), None (closed);
+    aiohttp answers pings and joins fragments."""
+
+    def __init__(self, client: ComfyClient):
+        self.client, self.loop = client, asyncio.new_event_loop()
+        self.session = self.ws = None
+        try:
+            client._call("opening the websocket /ws", self._open(), self.loop)
+        except BaseException:
+            self.close()
+            raise
+
+    async def _open(self) -> None:
+        self.session = aiohttp.ClientSession(timeout=self.client.timeouts())
+        self.ws = await self.session.ws_connect(
+            f"{self.client.base}/ws?clientId={self.client.client_id}", max_msg_size=MESSAGE_LIMIT,
+            timeout=aiohttp.ClientWSTimeout(ws_receive=self.client.timeout, ws_close=CLOSE_TIMEOUT))
+
+    def recv(self) -> str | bytes | None:
+        message = self.client._call("waiting for the prompt's messages on the websocket", self.ws.receive(), self.loop)
+        return check_frame(self.client.server, message.type, message.data)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        try:
+            self.loop.run_until_complete(self._close())
+        except NETWORK_ERRORS:
+            pass                       # a connection that broke needs no goodbye
+        finally:
+            self.loop.close()
+
+    async def _close(self) -> None:
+        if self.ws is not None:
+            await self.ws.close()
+        if self.session is not None:
+            await self.session.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -241,7 +419,7 @@ def parse_value(text: str):
     """--set values are JSON when they parse as JSON (numbers, true, lists), else plain strings."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):       # not JSON (or an integer of thousands of digits)
         return text
 
 
@@ -280,10 +458,13 @@ def load_workflow(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             workflow = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise Flux2Error(f"cannot read workflow {path}: {e}") from None
-    if not isinstance(workflow, dict) or "nodes" in workflow or not all(
-            isinstance(n, dict) and "class_type" in n for n in workflow.values()):
+    except OSError as e:
+        raise Flux2Error(f"cannot read workflow {path}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:          # not JSON, not UTF-8
+        raise Flux2Error(f"workflow {path} is not a JSON file ({shown(str(e))})") from None
+    if not (isinstance(workflow, dict) and workflow and "nodes" not in workflow and all(
+            isinstance(n, dict) and isinstance(n.get("class_type"), str) and isinstance(n.get("inputs"), dict)
+            for n in workflow.values())):
         raise Flux2Error(f"{path} is not an API-format workflow ({{id: {{class_type, inputs}}}}); "
                          "use its twin in workflows/api/, or export with 'Export (API)' in ComfyUI")
     return workflow
@@ -292,50 +473,77 @@ def load_workflow(path: str) -> dict:
 def print_progress(message: dict) -> None:
     data = message["data"]
     if message["type"] == "progress":
-        print(f"  node {data['node']}: step {data['value']}/{data['max']}", flush=True)
+        print(f"  node {shown(data.get('node'), 40)}: step {shown(data.get('value'), 20)}/"
+              f"{shown(data.get('max'), 20)}", flush=True)
     elif message["type"] == "executing" and data.get("node") is not None:
-        print(f"running node {data['node']}", flush=True)
+        print(f"running node {shown(data['node'], 40)}", flush=True)
 
 
-def queue(workflow: dict, server: str, out_dir: str, timeout: float = 600.0, on_message=print_progress) -> list[str]:
-    """Submit, follow, download: returns the paths of the saved images."""
+def note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def queue(workflow: dict, server: str, out_dir: str, timeout: float = 600.0, on_message=print_progress,
+          on_saved=None) -> list[str]:
+    """Submit, follow, download: returns the paths of the saved images, and calls on_saved(path) as each is written
+    (so that an error later on does not hide the ones already saved). No file is ever replaced: an image whose name
+    is taken gets the next free one (name-1.png, ...)."""
     client = ComfyClient(server, timeout=timeout)
-    ws = client.connect()                 # connect first so no progress message is missed
+    out = check_folder(out_dir, "--out")       # before the prompt is queued: a wrong --out must not cost a run
+    ws = client.connect()                      # connect first so no progress message is missed
     try:
         prompt_id = client.submit(workflow)
+        note(f"queued prompt {prompt_id} on ComfyUI at {client.server}")
         client.follow(ws, prompt_id, on_message)
     finally:
         ws.close()
-    os.makedirs(out_dir, exist_ok=True)
+    images = client.images(prompt_id)
+    names = [file_name(client.server, image) for image in images]    # all checked before any is written
     paths = []
-    for image in client.images(prompt_id):
-        path = os.path.join(out_dir, os.path.basename(image["filename"]))
-        with open(path, "wb") as f:
-            f.write(client.download(image))
-        paths.append(path)
+    for image, name in zip(images, names):
+        data = client.download(image)
+        path = write_new(out, name, lambda f, data=data: f.write(data))
+        if path.name != name:
+            note(f"{out / name} exists; wrote {path.name} beside it")
+        paths.append(str(path))
+        if on_saved:
+            on_saved(str(path))
     return paths
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flux2_core queue",
-                                     description="Queue an API-format workflow on a running ComfyUI server.")
+def main(argv=None, prog: str = "flux2-klein queue") -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Queue an API-format workflow on a running ComfyUI server, show its progress and\n"
+                    "download its images (never replacing a file).",
+        epilog=f"example:\n  {prog} workflows/api/flux2-klein-text-to-image.json --server 127.0.0.1:8188 \\\n"
+               '      --prompt "a red fox in the snow" --seed 7 --out output/')
     parser.add_argument("workflow", help="an API-format workflow, e.g. workflows/api/flux2-klein-text-to-image.json")
-    parser.add_argument("--server", default="127.0.0.1:8188", help="HOST:PORT of ComfyUI (default 127.0.0.1:8188)")
+    parser.add_argument("--server", default="127.0.0.1:8188", metavar="HOST:PORT",
+                        help="where ComfyUI listens (default 127.0.0.1:8188; from another machine, ComfyUI must run "
+                             "with --listen)")
     parser.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE",
                         help="set one input of one node (repeatable); VALUE is JSON or a plain string")
-    parser.add_argument("--prompt", help="prompt text for the FLUX.2 Klein prompt-encode node feeding `positive`")
+    parser.add_argument("--prompt", metavar="TEXT",
+                        help="prompt text for the FLUX.2 Klein prompt-encode node feeding `positive`")
     parser.add_argument("--seed", type=int, help="seed for every node with a seed input")
-    parser.add_argument("--out", default="output", help="folder for the downloaded images (default output/)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any server answer")
+    parser.add_argument("--out", default="output", metavar="DIR", help="folder for the downloaded images (default "
+                        "output/); existing files are kept, a taken name gets -1, -2, ...")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="how long to wait for any server answer (default 600)")
     args = parser.parse_args(argv)
     try:
         workflow = apply_overrides(load_workflow(args.workflow), args.set, args.prompt, args.seed)
-        paths = queue(workflow, args.server, args.out, args.timeout)
-    except (Flux2Error, ConnectionError, TimeoutError) as e:
+        paths = queue(workflow, args.server, args.out, args.timeout, on_saved=print)
+    except Flux2Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    for path in paths:
-        print(path)
+    except KeyboardInterrupt:
+        note("interrupted: a prompt already queued keeps running in ComfyUI (its images go to ComfyUI's output "
+             "folder); cancel it in ComfyUI's queue if you do not want it")
+        return 130
+    note(f"{len(paths)} image(s) saved in {args.out}" if paths else
+         "the prompt ran, but ComfyUI lists no images for it; does the workflow end in a SaveImage node?")
     return 0
 
 

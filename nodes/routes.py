@@ -6,42 +6,84 @@
 included, before truncation); ``limit`` is the text encoder's 512. No model is loaded: only the built-in Qwen3
 tokenizer. The server announces the route with the feature flag ``flux2_klein_tokens``; without it the extension
 shows its own estimate.
+
+Any caller can reach the route, so the body is read only up to MAX_BODY and the text counted only up to MAX_TEXT
+characters (413 past either); a body that is not {"text": str} gets 400. Errors are JSON {"error": "..."}; the
+extension then keeps its own estimate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 
 from aiohttp import web
 
 from ..flux2_core.text_encoder import count_prompt_tokens
 from ..flux2_core.tokenizer import load_tokenizer
 from ..flux2_core.variants import QWEN3_4B
-from . import host
 
 ROUTE = "/flux2_klein/tokens"
 FEATURE = "flux2_klein_tokens"
 LIMIT = QWEN3_4B.max_length          # 512 for Qwen3-4B and 8B alike
+# 512 tokens are a few thousand characters; counting 16384 takes milliseconds, and JSON of that many characters
+# (up to 4 bytes each in UTF-8) fits 64 KiB.
+MAX_TEXT = 16384
+MAX_BODY = 64 * 1024
+USAGE = 'send JSON {"text": "<prompt>"}, text a string'
 
 _tokenizer: asyncio.Future | None = None
 
 
 def register() -> None:
     """Serve the route and announce it (from the pack's comfy_entrypoint, before the server starts)."""
+    # ComfyUI's server is there: imported here, so that the handler below imports (and is tested) without ComfyUI
+    from . import host
+
     host.add_route("POST", ROUTE, count_tokens, FEATURE)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    try:
-        body = await request.json()
-    except ValueError:
-        body = None
-    text = body.get("text") if isinstance(body, dict) else None
-    if not isinstance(text, str):
-        return web.json_response({"error": 'send JSON {"text": "<prompt>"}, text a string'}, status=400)
+    text = prompt_text(await read_body(request, MAX_BODY))
+    if isinstance(text, tuple):
+        status, error = text
+        return web.json_response({"error": error}, status=status)
     count = await asyncio.to_thread(count_prompt_tokens, await tokenizer(), text)
     return web.json_response({"count": count, "limit": LIMIT})
+
+
+async def read_body(request: web.Request, limit: int) -> bytes | None:
+    """The request body, or None when it is over ``limit`` bytes (a declared length over it is not even read)."""
+    if request.content_length is not None and request.content_length > limit:
+        return None
+    body = bytearray()
+    while chunk := await request.content.read(limit + 1 - len(body)):
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
+def prompt_text(body: bytes | None) -> str | tuple[int, str]:
+    """The prompt in a request body, or (HTTP status, error message) saying what is wrong with the body."""
+    if body is None:
+        return 413, f"the request is over {MAX_BODY // 1024} KiB: {USAGE} of at most {MAX_TEXT} characters"
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):      # not JSON, not UTF-8, a number of thousands of digits, nested too deep
+        return 400, f"the body is not JSON: {USAGE}"
+    text = value.get("text") if isinstance(value, dict) else None
+    if not isinstance(text, str):
+        return 400, f"the body has no text string: {USAGE}"
+    if len(text) > MAX_TEXT:
+        return 413, (f"the text has {len(text)} characters, over the {MAX_TEXT} this route counts (the text encoder "
+                     f"reads {LIMIT} tokens, a few thousand characters)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:                # JSON's "\ud800" escapes decode to halves of a character
+        return 400, f"the text holds an unpaired surrogate, which is not a character: {USAGE}"
+    return text
 
 
 async def tokenizer():

@@ -48,7 +48,7 @@ def test_demo_writes_pngs_with_metadata(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["generate", "--demo", "--prompt", "a red fox", "--seed", "6", "--ref", str(ref),
                      "--steps", "2", "--out", "pics"]) == 0
-    a, b = (np.asarray(Image.open(tmp_path / "pics" / n)) for n in ("flux2_6.png", "flux2_6_1.png"))
+    a, b = (np.asarray(Image.open(tmp_path / "pics" / n)) for n in ("flux2_6.png", "flux2_6-1.png"))
     assert np.array_equal(a, b)
 
 
@@ -208,13 +208,62 @@ def test_generate_from_gguf_files_equals_their_dequantized_values(tmp_path, caps
     assert params["transformer_weights"] == "Q4_1"
 
 
-def test_queue_is_routed(monkeypatch):
+def test_queue_is_routed(monkeypatch, capsys):
     from flux2_core import queue_client
     seen = []
-    monkeypatch.setattr(queue_client, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(queue_client, "main", lambda argv, prog: seen.append((argv, prog)) or 0)
     assert cli.main(["queue", "wf.json", "--seed", "3"]) == 0
-    assert seen == [["wf.json", "--seed", "3"]]
+    assert seen == [(["wf.json", "--seed", "3"], "flux2-klein queue")]
     assert cli.main(["paint", "--prompt", "x"]) == 2
+    assert "unknown command 'paint'; use generate (the default) or queue (see --help)" in capsys.readouterr().err
+
+
+def test_help_shows_the_queue_command_and_its_own_help():
+    """`python -m flux2_core --help` names both commands and how to see queue's options; `queue --help` lists them."""
+    main = run_cli("--help", cwd=ROOT)
+    assert main.returncode == 0, main.stderr
+    assert main.stdout.startswith("usage: python -m flux2_core [generate] --prompt TEXT [options]\n"
+                                  "       python -m flux2_core queue WORKFLOW.json [--server HOST:PORT] [options]\n")
+    assert "--prompt" in main.stdout and "python -m flux2_core queue --help" in main.stdout
+    queue = run_cli("queue", "--help", cwd=ROOT)
+    assert queue.returncode == 0, queue.stderr
+    assert queue.stdout.startswith("usage: python -m flux2_core queue [-h] [--server HOST:PORT]")
+    for option in ("--server", "--set NODE.INPUT=VALUE", "--prompt", "--seed", "--out", "--timeout"):
+        assert option in queue.stdout
+
+
+@pytest.mark.parametrize("make_out, says", [
+    (lambda tmp: (tmp / "file").write_text("x") and tmp / "file", "is a file, not a folder"),
+    (lambda tmp: (tmp / "file").write_text("x") and tmp / "file" / "pics", "file is a file"),
+    (lambda tmp: tmp / "locked" / "pics", "cannot create it in"),
+])
+def test_out_is_checked_before_any_model_loads(tmp_path, monkeypatch, capsys, make_out, says):
+    from flux2_core import demo
+
+    (tmp_path / "locked").mkdir(mode=0o500)
+    if "locked" in str(make_out(tmp_path)) and os.access(tmp_path / "locked", os.W_OK):
+        pytest.skip("running as root: permission bits do not stop writes")
+    monkeypatch.setattr(demo, "demo_models", lambda *a: pytest.fail("models were loaded despite a bad --out"))
+    out = make_out(tmp_path)
+    assert cli.main(["--demo", "--prompt", "x", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {out}") and says in err, err
+    assert not (tmp_path / "locked" / "pics").exists()
+
+
+def test_pngs_never_replace_a_file(tmp_path, monkeypatch, capsys):
+    """An older flux2_5.png (and a folder squatting on flux2_5-1.png) stay as they are; the new image takes the
+    first free name."""
+    out = tmp_path / "pics"
+    out.mkdir()
+    (out / "flux2_5.png").write_bytes(b"an older picture")
+    (out / "flux2_5-1.png").mkdir()
+    assert cli.main(["--demo", "--prompt", "x", "--seed", "5", "--steps", "1", "--width", "64", "--height", "64",
+                     "--out", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == str(out / "flux2_5-2.png")
+    assert (out / "flux2_5.png").read_bytes() == b"an older picture" and (out / "flux2_5-1.png").is_dir()
+    with Image.open(out / "flux2_5-2.png") as im:
+        assert im.size == (64, 64) and json.loads(im.text["parameters"])["seed"] == 5
 
 
 def test_plain_progress_without_tqdm(monkeypatch, capsys):
@@ -316,3 +365,17 @@ def test_streamed_blocks_are_reported_and_compile_says_it_skips_them(tmp_path, m
     assert "4 of 4 transformer blocks" in err and "--compile" not in err
     assert cli.main([*argv, "--compile"]) == 0
     assert "compiles only the blocks that stay on the GPU" in capsys.readouterr().err
+
+
+def test_an_out_folder_that_refuses_files_is_refused(tmp_path, monkeypatch, capsys):
+    """What a read-only mount or missing permission does (as root neither can be made here): the probe file fails."""
+    from flux2_core import outputs
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(outputs.tempfile, "TemporaryFile", refuse)
+    assert cli.main(["--demo", "--prompt", "x", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: --out {tmp_path}: cannot write there (Permission denied); choose a "
+                                       "folder you can write to\n")
+    assert cli.main(["--demo", "--prompt", "x", "--out", str(tmp_path / "new")]) == 2
+    assert f"cannot create it in {tmp_path} (Permission denied)" in capsys.readouterr().err

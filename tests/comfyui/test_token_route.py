@@ -4,6 +4,7 @@ flux2_core counts and what FLUX.2 Klein Prompt Encode reports in the same server
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -19,7 +20,8 @@ PROMPTS = {"short": "a red fox in the snow",
            "non-ascii": "Ein Café in Zürich, 東京の夜景 🌃, ночь, مرحبا\n\nkeep the \"quotes\""}
 
 
-def post(comfy, path: str, body: bytes) -> tuple[int, dict]:
+def post(comfy, path: str, body) -> tuple[int, dict]:
+    """POST body (bytes, or an iterable of chunks: sent chunked, without a length) -> (status, JSON answer)."""
     request = urllib.request.Request(f"http://{comfy.server.address}{path}", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
     try:
@@ -64,7 +66,31 @@ def test_route_agrees_with_the_prompt_encode_node(comfy, name):
     assert ("cut off" in label) == (answer["count"] > 512)
 
 
-@pytest.mark.parametrize("body", [b"not json", b'["a list"]', b'{"text": 7}', b"{}"])
+@pytest.mark.parametrize("body", [b"not json", b'["a list"]', b'{"text": 7}', b"{}", b"", b'{"text": null}',
+                                  b"\xff\xfe\x00{", b"[" * 60_000, b'{"text": ' + b"1" * 5000 + b"}",
+                                  b'{"text": "\\ud800 half a character"}'])
 def test_bad_requests_get_400_with_a_hint(comfy, body):
+    """Not JSON, not UTF-8, nested past Python's recursion limit, a number past its digit limit, no text string,
+    half a character: each a JSON 400 saying what to send, none a 500 with a traceback in the log."""
     status, answer = post(comfy, ROUTE, body)
-    assert status == 400 and '{"text"' in answer["error"]
+    assert status == 400 and '{"text"' in answer["error"], answer
+    assert "Error handling request" not in comfy.server.log()     # what aiohttp logs above a handler's traceback
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_64_kib_gets_413_at_once(comfy, chunked):
+    """A megabyte of text (which used to be read and counted, for minutes) is refused at the size limit: unread when
+    its length is declared, at 64 KiB when it comes in chunks."""
+    body = json.dumps({"text": "a red fox " * 100_000}).encode()
+    started = time.monotonic()
+    status, answer = post(comfy, ROUTE, iter([body[i:i + 8192] for i in range(0, len(body), 8192)]) if chunked
+                          else body)
+    assert status == 413 and answer["error"].startswith("the request is over 64 KiB"), answer
+    assert time.monotonic() - started < 10
+
+
+def test_a_text_past_the_counted_length_gets_413(comfy):
+    status, answer = post(comfy, ROUTE, json.dumps({"text": "a" * 16385}).encode())
+    assert status == 413 and answer["error"].startswith("the text has 16385 characters, over the 16384"), answer
+    status, answer = post(comfy, ROUTE, json.dumps({"text": "a" * 16384}).encode())   # the longest still counted
+    assert status == 200 and answer["count"] > 512
