@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import SafetensorError, safe_open
@@ -24,6 +26,7 @@ from safetensors.torch import save_file
 
 from flux2_core.errors import Flux2Error
 from flux2_core.weights.checkpoint import DTYPE_BITS, TORCH_DTYPES, open_checkpoint, read_header, read_tensor
+from flux2_core.weights.gguf_file import MAX_ARRAY_VALUES, MAX_ENTRIES, read_gguf
 
 SETTINGS = settings(max_examples=150, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -333,6 +336,160 @@ def test_a_path_that_is_neither_file_nor_folder(tmp_path):
     os.mkfifo(tmp_path / "pipe.safetensors")
     with pytest.raises(Flux2Error, match="is neither a file nor a folder"):
         open_checkpoint(tmp_path / "pipe.safetensors", "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF: hostile headers
+# ---------------------------------------------------------------------------------------------------------------
+
+def gguf_string(text: str | bytes) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_gguf(path: Path, fields=(), tensors=(), data: bytes = b"", counts: tuple[int, int] | None = None) -> Path:
+    """A GGUF v3 file byte by byte: ``fields`` as (key, value type, payload bytes), ``tensors`` as (name, dims,
+    GGML type, offset), then padding to 32 and ``data``; ``counts`` overrides the tensor and field counts."""
+    n_tensors, n_fields = counts or (len(tensors), len(fields))
+    out = b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_fields)
+    for key, vtype, payload in fields:
+        out += gguf_string(key) + struct.pack("<I", vtype) + payload
+    for name, dims, ttype, offset in tensors:
+        out += gguf_string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, ttype, offset)
+    path.write_bytes(out + bytes(-len(out) % 32) + data)
+    return path
+
+
+V = GGUFValueType
+F32 = GGMLQuantizationType.F32
+NESTED = struct.pack("<IQ", V.ARRAY, 1) * 5000 + struct.pack("<IQ", V.UINT32, 0)
+
+BAD_GGUF = {
+    "garbage after the magic": ({}, "not a readable GGUF file"),
+    "unknown value type": ({"fields": [("k", 99, b"")]}, r"99\)? is not a valid GGUFValueType"),
+    "key not UTF-8": ({"fields": [(b"\xff\xfe", V.UINT32, struct.pack("<I", 1))]}, "utf-8"),
+    "duplicate key": ({"fields": [("k", V.UINT32, struct.pack("<I", 1))] * 2}, "Duplicate k"),
+    "array past the end": ({"fields": [("k", V.ARRAY, struct.pack("<IQ", V.UINT8, 1000) + bytes(10))]},
+                           "the file ends at byte"),
+    "array longer than any": ({"fields": [("k", V.ARRAY, struct.pack("<IQ", V.UINT8, 2**62))]},
+                              f"claims 4,611,686,018,427,387,904 array values, more than the {MAX_ARRAY_VALUES:,}"),
+    "arrays nested 5,000 deep": ({"fields": [("k", V.ARRAY, NESTED)]}, "recursion"),
+    "string past the end": ({"fields": [("k", V.STRING, struct.pack("<Q", 2**63))]}, "the file ends at byte"),
+    "more tensors than any": ({"counts": (2**40, 0)}, f"claims 1,099,511,627,776 tensors, more than the {MAX_ENTRIES:,}"),
+    "more fields than any": ({"counts": (0, 2**64 - 1)}, "metadata fields, more than"),
+    "unknown tensor type": ({"tensors": [("w", [4], 250, 0)], "data": bytes(16)}, r"250\)? is not a valid GGMLQuantizationType"),
+    "dims past int64": ({"tensors": [("w", [2**64 - 1], F32, 0)], "data": bytes(16)}, "not a readable|is corrupt"),
+    "dims overflowing": ({"tensors": [("w", [0, 2**40, 2**40], F32, 0)], "data": bytes(16)},
+                         "not a readable|is corrupt"),
+    "many dims": ({"tensors": [("w", [1] * 70, F32, 0)], "data": bytes(16)}, "not a readable"),
+    "tensor past the end": ({"tensors": [("w", [64], F32, 0)], "data": bytes(16)}, "the file ends at byte"),
+    "offset past the end": ({"tensors": [("w", [4], F32, 2**63)], "data": bytes(16)}, "the file ends at byte"),
+    "alignment not a power of two": ({"fields": [("general.alignment", V.UINT32, struct.pack("<I", 3))]},
+                                     "alignment"),
+    "orig_shape a string": ({"fields": [("comfy.gguf.orig_shape.w", V.STRING, gguf_string("4,4"))],
+                             "tensors": [("w", [16], F32, 0)], "data": bytes(64)},
+                            "'comfy.gguf.orig_shape.w' should be a tensor shape .*not '4,4'"),
+    "orig_shape negative": ({"fields": [("comfy.gguf.orig_shape.w", V.ARRAY,
+                                         struct.pack("<IQii", V.INT32, 2, -4, -4))],
+                             "tensors": [("w", [16], F32, 0)], "data": bytes(64)}, r"not \[-4, -4\]"),
+    "architecture a number": ({"fields": [("general.architecture", V.UINT32, struct.pack("<I", 7))]},
+                              "'general.architecture' should be a str, not 7"),
+    "tokens not strings": ({"fields": [("tokenizer.ggml.tokens", V.ARRAY, struct.pack("<IQII", V.UINT32, 2, 1, 2))]},
+                           r"'tokenizer.ggml.tokens' should be a list of strings, not \[1, 2\]"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_GGUF)
+def test_each_bad_gguf_header_is_named(tmp_path, case):
+    spec, message = BAD_GGUF[case]
+    path = tmp_path / "bad.gguf"
+    if case == "garbage after the magic":
+        path.write_bytes(b"GGUF" + bytes(range(255, 155, -1)))
+    else:
+        write_gguf(path, **spec)
+    start = time.perf_counter()
+    with pytest.raises(Flux2Error, match=message) as error:
+        open_checkpoint(path, "")
+    assert time.perf_counter() - start < 5, "a hostile count was looped over"
+    assert str(path) in str(error.value) and "download it again" in str(error.value)
+
+
+def test_hand_written_gguf_reads_back(tmp_path):
+    """The writer above makes files gguf's own reader and ours read, so the bad cases differ from a good one only
+    by their fault."""
+    values = np.arange(16, dtype=np.float32)
+    path = write_gguf(tmp_path / "ok.gguf", [("general.architecture", V.STRING, gguf_string("flux")),
+                                             ("comfy.gguf.orig_shape.w", V.ARRAY, struct.pack("<IQii", V.INT32, 2, 4, 4))],
+                      [("w", [16], F32, 0)], values.tobytes())
+    tensors, metadata = read_gguf(path)
+    assert metadata == {"general.architecture": "flux"} and tensors["w"].shape == (4, 4)
+    with open(path, "rb") as f:
+        assert read_tensor(tensors["w"], f).reshape(-1).tolist() == values.tolist()
+
+
+@pytest.fixture(scope="module")
+def valid_gguf(tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
+    """A small GGUF written by gguf's writer (F32, F16 and Q8_0 tensors, a token list), and each tensor's bytes as
+    gguf's reader reads them."""
+    path = tmp_path_factory.mktemp("gguf") / "valid.gguf"
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), "flux")
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_tensor("f32", rng.standard_normal((2, 8)).astype(np.float32))
+    writer.add_tensor("f16", rng.standard_normal(8).astype(np.float16))
+    writer.add_tensor("q8", rng.integers(0, 256, (2, 34), dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, {t.name: t.data.tobytes() for t in GGUFReader(path).tensors}
+
+
+def assert_gguf_reads_within_the_file(path: Path, expected: dict[str, bytes] | None = None) -> None:
+    """read_gguf refuses the file (Flux2Error) or gives tensors whose bytes lie inside it (and equal ``expected``)."""
+    try:
+        tensors, _ = read_gguf(path)
+    except Flux2Error:
+        return
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        for name, info in tensors.items():
+            raw = read_tensor(info, f)
+            assert info.offset + raw.numel() * raw.element_size() <= size
+            if expected is not None and name in expected:
+                assert raw.reshape(-1).view(torch.uint8).numpy().tobytes() == expected[name]
+
+
+@SETTINGS
+@given(tail=st.binary(max_size=200), version=st.sampled_from([2, 3, 4, 2**32 - 1]))
+def test_random_bytes_after_the_magic(tmp_path, tail, version):
+    path = tmp_path / "fuzz.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<I", version) + tail)
+    assert_gguf_reads_within_the_file(path)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_cut_and_corrupted_gguf(valid_gguf, tmp_path, data):
+    """A GGUF cut anywhere, or with one to four bytes changed, is refused or read within its bytes (a cut that keeps
+    every tensor whole, in the last padding, reads the same tensors)."""
+    source, expected = valid_gguf
+    content = source.read_bytes()
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(content[: data.draw(st.integers(4, len(content) - 1))])
+    assert_gguf_reads_within_the_file(path, expected)
+    damaged = bytearray(content)
+    for _ in range(data.draw(st.integers(1, 4))):
+        damaged[data.draw(st.integers(4, len(content) - 1))] = data.draw(st.integers(0, 255))
+    path.write_bytes(bytes(damaged))
+    assert_gguf_reads_within_the_file(path)
+
+
+def test_the_valid_gguf_reads_as_gguf_reads_it(valid_gguf, tmp_path):
+    path, expected = valid_gguf
+    tensors, metadata = read_gguf(path)
+    assert set(tensors) == set(expected) and metadata["tokenizer.ggml.tokens"] == ["a", "b", "c"]
+    assert_gguf_reads_within_the_file(path, expected)
 
 
 def test_a_valid_dtype_torch_cannot_hold_is_named_when_read(tmp_path):
