@@ -338,6 +338,42 @@ def test_a_path_that_is_neither_file_nor_folder(tmp_path):
         open_checkpoint(tmp_path / "pipe.safetensors", "")
 
 
+def comfy_quant_file(path: Path, meta: str | None = None, quant: tuple[str, bytes] | None = None) -> Path:
+    """A one-layer fp8 file with ComfyUI's quantisation records: ``meta`` as _quantization_metadata, ``quant`` as
+    (dtype, bytes) of the layer's .comfy_quant tensor."""
+    header = {"w.weight": {"dtype": "F8_E4M3", "shape": [2, 2], "data_offsets": [0, 4]}}
+    data = bytes(4)
+    if meta is not None:
+        header["__metadata__"] = {"_quantization_metadata": meta}
+    if quant is not None:
+        dtype, raw = quant
+        n = len(raw) // (DTYPE_BITS[dtype] // 8)
+        header["w.comfy_quant"] = {"dtype": dtype, "shape": [n], "data_offsets": [4, 4 + len(raw)]}
+        data += raw
+    return write_safetensors(path, header, data)
+
+
+@pytest.mark.parametrize("meta,quant,message", [
+    ("{not json", None, "its _quantization_metadata is not a JSON object"),
+    ('{"layers": ' + "9" * 5000 + "}", None, "its _quantization_metadata is not a JSON object"),
+    ("[1, 2]", None, "its _quantization_metadata is not a JSON object"),
+    ('{"layers": ["w"]}', None, r"the layers of its _quantization_metadata are \['w'\], not a JSON object"),
+    ('{"layers": {"w": {"format": ["float8_e4m3fn"]}}}', None, r"quantisation format \['float8_e4m3fn'\]"),
+    (None, ("U8", b'{"format": "float8'), "w.comfy_quant is not a JSON object"),
+    (None, ("U8", b"\xff\xfe"), "w.comfy_quant is not a JSON object"),
+    (None, ("U8", b'["float8_e4m3fn"]'), "w.comfy_quant is not a JSON object"),
+    (None, ("F32", struct.pack("<4f", 1, 2, 3, 4)), r"w.comfy_quant is F32 \[4\], not the bytes of JSON text"),
+])
+def test_bad_comfyui_quantisation_records(tmp_path, meta, quant, message):
+    from flux2_core.weights.dequantize import comfy_formats
+
+    ckpt = open_checkpoint(comfy_quant_file(tmp_path / "fp8.safetensors", meta, quant), "")
+    with pytest.raises(Flux2Error, match=message):
+        comfy_formats(ckpt, "")
+    good = comfy_quant_file(tmp_path / "good.safetensors", quant=("U8", b'{"format": "float8_e4m3fn"}'))
+    assert comfy_formats(open_checkpoint(good, ""), "") == {"w": "float8_e4m3fn"}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GGUF: hostile headers
 # ---------------------------------------------------------------------------------------------------------------
