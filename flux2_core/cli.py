@@ -209,15 +209,10 @@ def save_png(image, file, parameters: dict) -> None:
 
 
 def open_image(path: str):
-    from PIL import Image, UnidentifiedImageError
+    """--ref / --image files: bounded, upright, 16-bit scaled RGB (``references.open_image``)."""
+    from .references import open_image as decode
 
-    try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    except FileNotFoundError:
-        raise Flux2Error(f"image {path}: no such file") from None
-    except (UnidentifiedImageError, OSError) as e:
-        raise Flux2Error(f"image {path} could not be read ({e}); pass a PNG, JPEG or WebP file") from None
+    return decode(path)
 
 
 # --- the command --------------------------------------------------------------------------------------------------

@@ -1,7 +1,19 @@
-"""Reference images: the reference implementation's preprocessing, then AE encoding into reference tokens.
+"""Reference images: decoding, the reference implementation's preprocessing, then AE encoding into reference tokens.
+
+Decoding (``open_image`` for a file, then ``as_pil`` for every image however given, the init image too):
+  * a file of more than MAX_IMAGE_PIXELS (8192 x 8192) is refused before its pixels are decoded; one that cannot be
+    decoded (missing, cut short, corrupt, not an image) is a Flux2Error naming it;
+  * the EXIF orientation is applied (``ImageOps.exif_transpose``, as diffusers' ``load_image`` does), so a photo
+    taken sideways is used upright; EXIF that cannot be read is ignored (the pixels are used as stored);
+  * 16-bit greyscale (PIL modes I;16, I;16L, I;16B, I;16N, and I, taken as 0..65535) becomes 8-bit as
+    round(v / 257), where PIL's convert would clip it to 0..255; 16-bit RGB(A) PNGs PIL itself opens as 8-bit RGB(A)
+    by their high byte (v >> 8, within 1 of v / 257);
+  * everything else converts as BFL and diffusers convert it, ``convert("RGB")``: alpha is dropped, not composited
+    (a transparent pixel keeps the colour stored under it; premultiplied La / RGBa are first unpremultiplied),
+    P takes its palette, F is on L's 0..255 scale, CMYK / YCbCr / LAB / HSV go through PIL's conversions.
 
 Preprocessing (BFL ``encode_image_refs``), per image:
-  1. convert to RGB;
+  1. convert to RGB (above);
   2. refuse a side below 64 px or an aspect ratio above 8;
   3. if larger than the pixel cap (2024^2 for a single reference, 1024^2 each when there are several), scale by
      s = sqrt(cap / (w*h)) to (int(w*s), int(h*s)) with LANCZOS;
@@ -17,24 +29,83 @@ import math
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from . import rope
 from .errors import Flux2Error
 
+MAX_IMAGE_PIXELS = 8192 * 8192          # 67 megapixels: decoded, 200 MB of RGB; references are used at <= 2024^2
+SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 MIN_SIDE = 64
 MAX_ASPECT = 8
 SINGLE_REFERENCE_PIXELS = 2024 * 2024   # "2024" as in the reference code, not 2048
 MULTI_REFERENCE_PIXELS = 1024 * 1024    # per image, when there are two or more
 
 
-def as_pil(image) -> Image.Image:
-    """A PIL image from a PIL image or a uint8 HWC array."""
+def open_image(path) -> Image.Image:
+    """An image file as an upright RGB image (see the module docstring)."""
+    try:
+        with Image.open(path) as image:
+            w, h = image.size
+            if w * h > MAX_IMAGE_PIXELS:
+                raise _too_large(path, f"{w}x{h}, {w * h:,} pixels")
+            return as_pil(image, f"image {path}")
+    except FileNotFoundError:
+        raise Flux2Error(f"image {path}: no such file") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:   # PIL's own limit, set lower
+        raise _too_large(path, str(e)) from None
+    except Flux2Error:
+        raise
+    except Exception as e:  # noqa: BLE001 (Pillow raises many types on bad files; its own fuzzers catch Exception)
+        raise Flux2Error(f"image {path} could not be read ({type(e).__name__}: {e}); pass a PNG, JPEG or WebP "
+                         f"file: if it is one, it is damaged or cut short, save or download it again") from None
+
+
+def _too_large(path, detail: str) -> Flux2Error:
+    return Flux2Error(f"image {path} is too large ({detail}): an input image may have at most "
+                      f"{MAX_IMAGE_PIXELS:,} pixels (8192 x 8192); scale it down")
+
+
+def as_pil(image, name: str = "an image") -> Image.Image:
+    """An upright RGB image from a PIL image or a uint8 array HxW or HxWxC (C = 1 to 4); see the module docstring."""
+    image = _pil(image, name)
+    try:
+        image.load()                # a lazily opened file decodes here
+    except Exception as e:  # noqa: BLE001 (Pillow raises many types on bad data; its own fuzzers catch Exception)
+        raise Flux2Error(f"{name} could not be decoded ({type(e).__name__}: {e}); it is damaged or cut short: "
+                         f"save or download it again") from None
+    return _to_rgb(_upright(image))
+
+
+def _pil(image, name: str) -> Image.Image:
     if isinstance(image, Image.Image):
         return image
-    if isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim in (2, 3):
-        return Image.fromarray(image)
-    raise Flux2Error(f"a reference image must be a PIL image or a uint8 HxWxC array, got {type(image).__name__}")
+    if isinstance(image, np.ndarray) and image.dtype == np.uint8 and (image.ndim == 2 or (
+            image.ndim == 3 and 1 <= image.shape[2] <= 4)):
+        return Image.fromarray(image[..., 0] if image.ndim == 3 and image.shape[2] == 1 else image)
+    if isinstance(image, np.ndarray):
+        raise Flux2Error(f"{name} must be a PIL image or a uint8 HxWxC array (C = 1 to 4), got a {image.dtype} "
+                         f"array of shape {list(image.shape)}")
+    raise Flux2Error(f"{name} must be a PIL image or a uint8 HxWxC array (C = 1 to 4), got {type(image).__name__}")
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """The image turned as its EXIF orientation says; EXIF that cannot be read is ignored (the pixels are valid, the
+    orientation only a hint)."""
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception:  # noqa: BLE001 (malformed EXIF: Pillow raises many types)
+        return image
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode in SIXTEEN_BIT:
+        values = np.asarray(image).astype(np.int64).clip(0, 65535)
+        # round(v / 257) in integers: v / 257 = 255 v / 65535 is never a half, so rounding up at .5 is exact
+        image = Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8))
+    elif image.mode == "La":        # premultiplied: PIL converts it only to LA (unpremultiplied)
+        image = image.convert("LA")
+    return image.convert("RGB")
 
 
 def check_reference(image: Image.Image, index: int = 0) -> None:
@@ -65,7 +136,7 @@ def center_crop_16(image: Image.Image) -> Image.Image:
 
 def prepare_references(images) -> list[Image.Image]:
     """BFL's preprocessing of a list of reference images (see the module docstring)."""
-    images = [as_pil(im).convert("RGB") for im in images]
+    images = [as_pil(im, f"reference image {i + 1}") for i, im in enumerate(images)]
     for i, im in enumerate(images):
         check_reference(im, i)
     cap = SINGLE_REFERENCE_PIXELS if len(images) == 1 else MULTI_REFERENCE_PIXELS

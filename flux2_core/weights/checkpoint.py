@@ -1,10 +1,29 @@
 """Checkpoints on disk: safetensors headers read and checked (never unpickled), GGUF files through gguf_file.py, and the
-files of a model found (one file, a folder with one file or shards + index, or a diffusers pipeline root)."""
+files of a model found (one file, a folder with one file or shards + index, or a diffusers pipeline root).
+
+A safetensors header is checked whole before any tensor is read, by the format's rules (huggingface/safetensors'
+README and its Rust reader, which ``safe_open`` uses: every file that reader refuses is refused here too, with a
+Flux2Error naming the file, the tensor and the fault):
+
+* the 8-byte length is at most 100,000,000 and within the file; the header is UTF-8 JSON starting with ``{``,
+  without duplicate keys or NaN / Infinity;
+* ``__metadata__``, when present, maps strings to strings;
+* every other key is a tensor: an object with ``dtype`` one of safetensors' codes (``DTYPE_BITS``), ``shape`` a list
+  of whole numbers >= 0 (not booleans, not 2.0) whose running product fits in int64, and ``data_offsets`` [begin,
+  end] with 0 <= begin <= end;
+* end - begin is the tensor's size, dtype bits x elements (a whole number of bytes for sub-byte codes);
+* sorted by offset, the tensors tile the data area exactly: the first begins at 0, each where the last ended, the
+  last at the end of the file (truncated, overlapping and hole-leaving files refused).
+
+Around the tensors: a folder's JSON files (``config.json``, the shard index) must hold JSON objects, and an index may
+only name shard files inside its own folder.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import reprlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,17 +33,19 @@ import torch
 
 from ..errors import Flux2Error
 from ..ggml import row_bytes
-from .gguf_file import is_gguf, read_gguf
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. safetensors headers: read and check, never unpickle
 # ---------------------------------------------------------------------------------------------------------------
 
-# bytes per element of the safetensors dtype codes (sub-byte codes such as F4 are not size-checked)
-ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-              "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+# bits per element of every dtype code safetensors knows (its ``Dtype::bitsize``); sub-byte codes (F4, F6_*) are
+# size-checked like the others and read through safetensors
+DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+              "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+              "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
 PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle"}
-MAX_HEADER = 100 * 2**20
+MAX_HEADER = 100_000_000    # safetensors' own limit (MAX_HEADER_SIZE): a file it would refuse is refused here too
+MAX_COUNT = 2**63 - 1       # torch sizes are int64: every dimension and every running product of them must fit
 
 
 @dataclass(frozen=True)
@@ -49,35 +70,145 @@ TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """The tensors of one .safetensors file and its metadata, after checking that the file is whole."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        start = f.read(8)
-        length = struct.unpack("<Q", start)[0] if len(start) == 8 else -1
-        raw = f.read(length) if 0 < length <= min(size - 8, MAX_HEADER) else b""
+    """The tensors of one .safetensors file and its metadata, after checking every field of the header against the
+    format (see the module docstring) and that the file holds exactly the bytes the header describes."""
+    size, raw = _header_bytes(path)
+    header = _parse_header(path, raw)
+    metadata = _metadata(path, header.pop("__metadata__", None))
+    entries = {name: _entry(path, name, entry) for name, entry in header.items()}
+    _check_layout(path, entries, size - 8 - len(raw))
+    return {name: TensorInfo(path, name, dtype, shape, 8 + len(raw) + begin)
+            for name, (dtype, shape, begin, _) in entries.items()}, metadata
+
+
+def invalid(path: Path, problem: str) -> Flux2Error:
+    return Flux2Error(f"{path} is not a valid .safetensors file ({problem}): it is corrupt or only partly downloaded; "
+                      f"download it again")
+
+
+def unreadable(path: Path, error: OSError) -> Flux2Error:
+    return Flux2Error(f"{path} cannot be read ({error.strerror or error}); check that it is a file you may read")
+
+
+def short(value) -> str:
+    """repr() cut short in length and depth: a hostile header's values can be megabytes long or nested deep."""
+    return _SHORT.repr(value)
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 80, 80, 40
+
+
+def _header_bytes(path: Path) -> tuple[int, bytes]:
+    """(file size, the header's bytes), or a Flux2Error saying why there is no header (or that the file is a pickle
+    or a GGUF)."""
     try:
-        header = json.loads(raw) if raw[:1] == b"{" else None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        header = None
-    if not isinstance(header, dict):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            start = f.read(8)
+            length = struct.unpack("<Q", start)[0] if len(start) == 8 else 0
+            raw = f.read(length) if length <= min(size - 8, MAX_HEADER) else b""
+    except OSError as e:
+        raise unreadable(path, e) from None
+    if raw[:1] != b"{":
         refuse_other_format(path, start)
-        raise Flux2Error(f"{path} is not a valid .safetensors file (its header cannot be read): the file is corrupt "
-                         f"or only partly downloaded; download it again")
-    metadata = header.pop("__metadata__", None) or {}
-    data_size = size - 8 - length
-    tensors = {}
-    for name, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(n) for n in entry["shape"]), entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise Flux2Error(f"{path} is corrupt: the header entry for {name!r} is malformed; download it again") from None
+        raise invalid(path, _no_header(size, len(start), length))
+    return size, raw
+
+
+def _no_header(size: int, got: int, length: int) -> str:
+    if got < 8:
+        return f"it has only {size} bytes"
+    if length > MAX_HEADER:
+        return f"its header length {length:,} is over safetensors' limit of {MAX_HEADER:,}"
+    if length > size - 8:
+        return f"its header of {length:,} bytes runs past the end of the file"
+    return "its header does not start with '{'"
+
+
+def _parse_header(path: Path, raw: bytes) -> dict:
+    """The header (it starts with "{", so it is a dict); the JSON must be UTF-8, free of duplicate keys and of NaN /
+    Infinity (not JSON)."""
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:        # JSONDecodeError, UnicodeDecodeError, over-long ints, the hooks
+        raise invalid(path, f"its header is not valid JSON: {e}") from None
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"the key {short(key)} appears twice")
+        seen.add(key)
+    return dict(pairs)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _metadata(path: Path, metadata) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise invalid(path, f"its __metadata__ must map strings to strings, not {short(metadata)}")
+    return metadata
+
+
+def _naturals(value) -> bool:
+    """Whether ``value`` is a list of whole numbers >= 0 (JSON true/false and 2.0 are not)."""
+    return isinstance(value, list) and all(type(n) is int and 0 <= n <= MAX_COUNT for n in value)
+
+
+def element_count(shape) -> int | None:
+    """The number of elements of ``shape`` (whole numbers >= 0), or None when a running product passes MAX_COUNT
+    (multiplied in order, as safetensors and torch do, so [2**40, 2**40, 0] overflows although it holds nothing)."""
+    count = 1
+    for n in shape:
+        count *= n
+        if count > MAX_COUNT:
+            return None
+    return count
+
+
+def _entry(path: Path, name: str, entry) -> tuple[str, tuple[int, ...], int, int]:
+    """One tensor's (dtype, shape, begin, end), every field checked, its byte size matching dtype x shape."""
+    def bad(problem: str) -> Flux2Error:
+        return invalid(path, f"tensor {short(name)} {problem}")
+
+    if not isinstance(entry, dict):
+        raise bad(f"is described by {short(entry)}, not by a JSON object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise bad(f"has the dtype {short(dtype)}, which is not a safetensors dtype")
+    if not _naturals(shape) or element_count(shape) is None:
+        raise bad(f"has the shape {short(shape)}, not a list of whole numbers >= 0 of at most 2**63 elements")
+    if not _naturals(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise bad(f"has the data_offsets {short(offsets)}, not [begin, end] with 0 <= begin <= end")
+    bits, span = element_count(shape) * DTYPE_BITS[dtype], offsets[1] - offsets[0]
+    if bits % 8:
+        raise bad(f"({dtype} {short(shape)}) takes {bits:,} bits, not a whole number of bytes")
+    if span != bits // 8:
+        raise bad(f"({dtype} {short(shape)}) takes {bits // 8:,} bytes, but its data_offsets span {span:,}")
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def _check_layout(path: Path, entries: dict[str, tuple], data_size: int) -> None:
+    """The tensors' bytes, in order of their offsets, fill the data area exactly: no tensor past its end (a cut
+    download), none overlapping another, no bytes that belong to no tensor (safetensors refuses such files)."""
+    done, previous = 0, None
+    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: item[1][2:]):
         if end > data_size:
-            raise Flux2Error(f"{path} is truncated: tensor {name!r} ends at byte {end:,} of the data but the file holds "
-                             f"only {data_size:,}; the download was probably interrupted, download it again")
-        if dtype in ITEM_BYTES and end - begin != ITEM_BYTES[dtype] * math.prod(shape):
-            raise Flux2Error(f"{path} is corrupt: tensor {name!r} ({dtype} {list(shape)}) has {end - begin:,} bytes")
-        tensors[name] = TensorInfo(path, name, dtype, shape, 8 + length + begin)
-    return tensors, metadata
+            raise Flux2Error(f"{path} is truncated: tensor {short(name)} ends at byte {end:,} of the data but the file "
+                             f"holds only {data_size:,}; the download was probably interrupted, download it again")
+        if begin < done:
+            raise invalid(path, f"tensor {short(name)} overlaps tensor {short(previous)}")
+        if begin > done:
+            raise invalid(path, f"the {begin - done:,} bytes before tensor {short(name)} belong to no tensor")
+        done, previous = end, name
+    if done != data_size:
+        raise invalid(path, f"its last {data_size - done:,} bytes belong to no tensor")
 
 
 def read_tensor(info: TensorInfo, file: BinaryIO) -> torch.Tensor:
@@ -135,6 +266,8 @@ class Checkpoint:
 
 def open_checkpoint(path: str | Path, subfolder: str) -> Checkpoint:
     """Find and check the safetensors files at ``path`` (a file, a model folder or a pipeline root)."""
+    from .gguf_file import is_gguf, read_gguf  # here: gguf_file builds on this module's TensorInfo
+
     path = Path(path).expanduser()
     if not path.exists():
         raise Flux2Error(f"weights not found: {path} does not exist; check the path (or the file name in the model "
@@ -142,12 +275,18 @@ def open_checkpoint(path: str | Path, subfolder: str) -> Checkpoint:
     folder = None
     if path.is_file():
         files = [path]
-    else:
+    elif path.is_dir():
         folder = path / subfolder if (path / subfolder).is_dir() else path      # a diffusers pipeline root
         files = _folder_files(folder)
+    else:
+        raise Flux2Error(f"{path} is neither a file nor a folder; pass a weights file or a model folder")
     tensors, metadata = {}, {}
     for file in files:
-        found, meta = read_gguf(file) if is_gguf(file) else read_header(file)
+        try:
+            gguf = is_gguf(file)
+        except OSError as e:
+            raise unreadable(file, e) from None
+        found, meta = read_gguf(file) if gguf else read_header(file)
         tensors.update(found)
         metadata.update(meta)
     config = read_json(folder / "config.json") if folder else {}
@@ -165,8 +304,7 @@ def _folder_files(folder: Path) -> list[Path]:
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if indexes:
         index = next((i for i in indexes if i.name[: -len(".index.json")] in STANDARD_NAMES), indexes[0])
-        weight_map = read_json(index).get("weight_map", {})
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        files = [folder / name for name in _shard_names(index)]
         missing = [f.name for f in files if not f.is_file()]
         if not files or missing:
             raise Flux2Error(f"{index} names shards that are not in {folder}: {', '.join(missing[:5]) or 'none'}; "
@@ -186,10 +324,27 @@ def _folder_files(folder: Path) -> list[Path]:
     raise Flux2Error(f"{folder} holds no .safetensors or .gguf weights; pass a weights file or a model folder")
 
 
+def _shard_names(index: Path) -> list[str]:
+    """The shard files an index names: plain file names, so a downloaded index cannot send reads outside its folder."""
+    weight_map = read_json(index).get("weight_map", {})
+    names = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
+    if not all(isinstance(n, str) and n != ".." and Path(n).name == n for n in names):
+        raise Flux2Error(f"{index} is not a valid shard index: its weight_map must map tensor names to the names of "
+                         f"files in its folder, not {short(weight_map)}; download it again")
+    return sorted(names)
+
+
 def read_json(path: Path) -> dict:
+    """A JSON object from a file; {} when there is no file."""
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise unreadable(path, e) from None
+    except (ValueError, RecursionError) as e:        # JSONDecodeError, UnicodeDecodeError, over-long ints
         raise Flux2Error(f"{path} is not valid JSON ({e}); download it again") from None
+    if not isinstance(value, dict):
+        raise Flux2Error(f"{path} holds a JSON {type(value).__name__}, but a {path.name} must hold a JSON object "
+                         f"({{...}}); download it again")
+    return value

@@ -7,7 +7,7 @@ import json
 import torch
 
 from ..errors import Flux2Error
-from .checkpoint import Checkpoint, TensorInfo, read_tensor
+from .checkpoint import Checkpoint, TensorInfo, read_tensor, short
 
 # ---------------------------------------------------------------------------------------------------------------
 # Quantised weights
@@ -39,22 +39,41 @@ def comfy_formats(ckpt: Checkpoint, prefix: str) -> dict[str, str]:
     formats = {}
     meta = ckpt.metadata.get("_quantization_metadata")
     if meta:
-        try:
-            layers = json.loads(meta).get("layers", {})
-        except (json.JSONDecodeError, AttributeError):
-            raise Flux2Error(f"{ckpt.path}: its _quantization_metadata is not valid JSON; download it again") from None
+        layers = _json_object(meta, f"{ckpt.path}: its _quantization_metadata").get("layers", {})
+        if not isinstance(layers, dict):
+            raise Flux2Error(f"{ckpt.path}: the layers of its _quantization_metadata are {short(layers)}, not a JSON "
+                             f"object; the file is corrupt, download it again")
         formats.update({k: v.get("format") if isinstance(v, dict) else v for k, v in layers.items()})
     for key in keys:
         if key.endswith(".comfy_quant"):
-            raw = _read_small(ckpt.tensors[key])
-            formats[key[: -len(".comfy_quant")]] = json.loads(bytes(raw.tolist()).decode()).get("format")
+            formats[key[: -len(".comfy_quant")]] = _comfy_quant(ckpt, key).get("format")
     formats = {k[len(prefix):]: v for k, v in formats.items() if k.startswith(prefix)}
     for layer, fmt in formats.items():
-        if fmt not in COMFY_FP8:
+        if not isinstance(fmt, str) or fmt not in COMFY_FP8:
             hint = " (ComfyUI's nvfp4 layout)" if fmt == "nvfp4" else ""
-            raise Flux2Error(f"{ckpt.path}: layer {layer} uses the quantisation format {fmt!r}{hint}, which cannot be "
-                             f"loaded here; supported are bf16/fp16/fp32 and fp8 (float8_e4m3fn, float8_e5m2) files")
+            raise Flux2Error(f"{ckpt.path}: layer {layer} uses the quantisation format {short(fmt)}{hint}, which "
+                             f"cannot be loaded here; supported are bf16/fp16/fp32 and fp8 (float8_e4m3fn, "
+                             f"float8_e5m2) files")
     return formats
+
+
+def _comfy_quant(ckpt: Checkpoint, key: str) -> dict:
+    """A ``.comfy_quant`` tensor: the bytes of a JSON object, stored as uint8 [n]."""
+    info = ckpt.tensors[key]
+    if info.dtype not in ("U8", "I8") or len(info.shape) != 1:
+        raise Flux2Error(f"{ckpt.path}: {key} is {info.dtype} {list(info.shape)}, not the bytes of JSON text (U8 [n]); "
+                         f"the file is corrupt, download it again")
+    return _json_object(_read_small(info).numpy().tobytes(), f"{ckpt.path}: {key}")
+
+
+def _json_object(text: str | bytes, where: str) -> dict:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):    # JSONDecodeError, UnicodeDecodeError, over-long ints
+        value = None
+    if not isinstance(value, dict):
+        raise Flux2Error(f"{where} is not a JSON object; the file is corrupt, download it again")
+    return value
 
 
 def _read_small(info: TensorInfo) -> torch.Tensor:

@@ -5,6 +5,16 @@ here: the block maths is ``ggml.py``, the layers keeping blocks are ``ggml_layer
 Shapes: GGUF lists dimensions innermost first, so a Linear weight [out, in] is stored as (in, out); the logical shape
 is the reverse, unless ComfyUI-GGUF's converter recorded the original one (``comfy.gguf.orig_shape.<name>``).
 A quantized tensor is rows of whole blocks along its last (innermost) dimension, read as uint8 [rows, row_bytes].
+
+A hostile or damaged header ends in a Flux2Error saying to download the file again, never in another exception:
+
+* the header is read by ``_StrictReader``: no read past the end of the file (the stock reader returns short arrays
+  there), at most ``MAX_ENTRIES`` fields and tensors and ``MAX_ARRAY_VALUES`` array values (it loops over any count
+  a file claims), and whatever it raises on bad bytes (unknown value or tensor types, duplicate keys, bad UTF-8,
+  arrays nested past Python's recursion limit) becomes a Flux2Error;
+* a tensor's shape has elements that fit int64 (``checkpoint.element_count``), as many as its GGML type's blocks
+  hold, and bytes inside the file; ComfyUI's ``orig_shape`` is a list of whole numbers >= 0;
+* the fields a loader reads (``KEPT_FIELDS``) have the type it expects (a string, a number, a list of strings).
 """
 
 from __future__ import annotations
@@ -12,13 +22,56 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
 from ..errors import Flux2Error
 from ..ggml import check_supported, row_bytes, type_name
+from .checkpoint import TensorInfo, element_count, short
 
 GGUF_MAGIC = b"GGUF"
-KEPT_FIELDS = ("general.architecture", "general.name", "general.file_type", "tokenizer.ggml.model",
-               "tokenizer.ggml.pre", "tokenizer.ggml.tokens")
+# the metadata fields a loader reads, and the type each must have
+KEPT_FIELDS = {"general.architecture": str, "general.name": str, "general.file_type": int,
+               "tokenizer.ggml.model": str, "tokenizer.ggml.pre": str, "tokenizer.ggml.tokens": list}
 ORIG_SHAPE = "comfy.gguf.orig_shape."
+MAX_ENTRIES = 2**16          # fields, and tensors, in one file: Klein 9B and Qwen3-8B have under 500 of each
+MAX_ARRAY_VALUES = 2**21     # values of all array fields together: Qwen3's tokenizer has ~455,000 (reading 2**21 ~ 20 s)
+# what GGUFReader raises on bad bytes (besides reading short arrays, which _StrictReader refuses)
+READER_ERRORS = (ValueError, IndexError, KeyError, OverflowError, TypeError, RecursionError)
+
+
+class _StrictReader(GGUFReader):
+    """GGUFReader that refuses to read past the end of the file or to loop over more fields, tensors or array values
+    than any model has (the stock reader trusts the counts a header claims)."""
+
+    def __init__(self, path: Path):
+        self.array_values = 0
+        super().__init__(path)
+
+    def _get(self, offset, dtype, count=1, *args, **kwargs):
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise ValueError(f"the file ends at byte {len(self.data):,}, but its header points to byte {end:,}")
+        return super()._get(offset, dtype, count, *args, **kwargs)
+
+    def _build_fields(self, offs, count):
+        _check_count(int(count), MAX_ENTRIES, "metadata fields")
+        return super()._build_fields(offs, count)
+
+    def _build_tensor_info(self, offs, count):
+        _check_count(int(count), MAX_ENTRIES, "tensors")
+        return super()._build_tensor_info(offs, count)
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        if raw_type == GGUFValueType.ARRAY:
+            self.array_values += int(self._get(orig_offs + 4, np.uint64)[0])     # after the item type (uint32)
+            _check_count(self.array_values, MAX_ARRAY_VALUES, "array values")
+        return super()._get_field_parts(orig_offs, raw_type)
+
+
+def _check_count(count: int, limit: int, what: str) -> None:
+    if count > limit:
+        raise ValueError(f"it claims {count:,} {what}, more than the {limit:,} any model has")
 
 
 def is_gguf(path: Path) -> bool:
@@ -29,33 +82,49 @@ def is_gguf(path: Path) -> bool:
 def read_gguf(path: Path) -> tuple[dict, dict]:
     """The tensors of a GGUF file ({name: TensorInfo}) and its metadata ({key: value} for ``KEPT_FIELDS``), after
     checking that every tensor's bytes are in the file and its type is one we dequantize."""
-    from gguf import GGUFReader
-
-    from .checkpoint import TensorInfo
-
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, OverflowError) as e:
-        raise Flux2Error(f"{path} is not a readable GGUF file ({e}): it is corrupt, cut short by an interrupted "
-                         f"download, or written by a newer GGUF version; download it again") from None
+        reader = _StrictReader(path)
+    except READER_ERRORS as e:
+        raise Flux2Error(f"{path} is not a readable GGUF file ({str(e)[:200]}): it is corrupt, cut short by an "
+                         f"interrupted download, or written by a newer GGUF version; download it again") from None
     size = path.stat().st_size
-    metadata = {key: _value(reader, key) for key in KEPT_FIELDS if key in reader.fields}
-    shapes = {name[len(ORIG_SHAPE):]: tuple(int(n) for n in _value(reader, name))
-              for name in reader.fields if name.startswith(ORIG_SHAPE)}
+    metadata = {key: _field(reader, key, kind) for key, kind in KEPT_FIELDS.items() if key in reader.fields}
+    shapes = {name[len(ORIG_SHAPE):]: _orig_shape(reader, name) for name in reader.fields if name.startswith(ORIG_SHAPE)}
     tensors = {}
     for t in reader.tensors:
         qtype = int(t.tensor_type)
-        check_supported(qtype, f"tensor {t.name!r} of {path}")
+        check_supported(qtype, f"tensor {short(t.name)} of {path}")
         shape = shapes.get(t.name) or tuple(int(n) for n in reversed(t.shape.tolist()))
-        n_bytes = row_bytes(qtype, shape[-1]) * math.prod(shape[:-1]) if shape else 0
-        if math.prod(shape) != int(t.n_elements) or n_bytes != int(t.n_bytes):
-            raise Flux2Error(f"{path} is corrupt: tensor {t.name!r} ({type_name(qtype)}, shape {list(shape)}) has "
-                             f"{int(t.n_elements):,} values in {int(t.n_bytes):,} bytes; download it again")
+        count = element_count(shape)
+        n_bytes = row_bytes(qtype, shape[-1]) * math.prod(shape[:-1]) if shape and count is not None else 0
+        if count is None or count != int(t.n_elements) or n_bytes != int(t.n_bytes):
+            raise Flux2Error(f"{path} is corrupt: tensor {short(t.name)} ({type_name(qtype)}, shape {short(list(shape))}) "
+                             f"has {int(t.n_elements):,} values in {int(t.n_bytes):,} bytes; download it again")
         if t.data_offset + n_bytes > size:
-            raise Flux2Error(f"{path} is truncated: tensor {t.name!r} ends at byte {t.data_offset + n_bytes:,} but the "
+            raise Flux2Error(f"{path} is truncated: tensor {short(t.name)} ends at byte {t.data_offset + n_bytes:,} but the "
                              f"file has {size:,}; the download was probably interrupted, download it again")
         tensors[t.name] = TensorInfo(path, t.name, type_name(qtype), shape, int(t.data_offset), qtype)
     return tensors, metadata
+
+
+def _field(reader, key: str, kind: type):
+    """A kept field's value, of the type a loader expects (a list: of strings)."""
+    value = _value(reader, key)
+    if isinstance(value, bool) or not isinstance(value, kind) or (kind is list and not all(
+            isinstance(v, str) for v in value)):
+        raise Flux2Error(f"{reader.data.filename}: the GGUF metadata field {key!r} should be a "
+                         f"{'list of strings' if kind is list else kind.__name__}, not {short(value)}; the file is "
+                         f"corrupt, download it again")
+    return value
+
+
+def _orig_shape(reader, key: str) -> tuple[int, ...]:
+    """ComfyUI-GGUF's record of a tensor's original shape: whole numbers >= 0."""
+    value = _value(reader, key)
+    if not isinstance(value, list) or not all(type(n) is int and n >= 0 for n in value):
+        raise Flux2Error(f"{reader.data.filename}: the GGUF metadata field {key!r} should be a tensor shape (whole "
+                         f"numbers >= 0), not {short(value)}; the file is corrupt, download it again")
+    return tuple(value)
 
 
 def _value(reader, key: str):

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .. import ggml
@@ -190,15 +190,19 @@ class TensorReader:
         """
         info = self.source.ckpt.tensors[key]
         plain = info.ggml is not None or (self.device.type == "cpu" and info.dtype in TORCH_DTYPES)
-        if (info.file, plain) not in self.handles:
-            if plain:
-                file = self.files.enter_context(open(info.file, "rb", buffering=0))   # noqa: SIM115 (closed by close)
-            else:
-                file = safe_open(str(info.file), framework="pt", device=str(self.device))
-            self.handles[info.file, plain] = file
         if plain:                                   # GGUF tensors too: one tensor at a time through the CPU
+            if (info.file, plain) not in self.handles:
+                file = self.files.enter_context(open(info.file, "rb", buffering=0))   # noqa: SIM115 (closed by close)
+                self.handles[info.file, plain] = file
             return read_tensor(info, self.handles[info.file, plain]).to(self.device)
-        tensor = self.handles[info.file, plain].get_tensor(info.name)
+        try:
+            if (info.file, plain) not in self.handles:
+                self.handles[info.file, plain] = safe_open(str(info.file), framework="pt", device=str(self.device))
+            tensor = self.handles[info.file, plain].get_tensor(info.name)
+        except SafetensorError as e:    # a valid dtype this safetensors or torch cannot make (F6_*, or newer codes)
+            raise Flux2Error(f"{info.file}: tensor {info.name!r} is stored as {info.dtype}, which cannot be read here "
+                             f"({e}); update safetensors and torch, or use the bf16 or fp8 release of these "
+                             f"weights") from None
         return tensor.clone() if tensor.device.type == "cpu" else tensor
 
     def __call__(self, key: str) -> torch.Tensor:
