@@ -221,6 +221,9 @@ def check_early(args, refs) -> None:
     rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or sampling.latent_size(
                  16 if args.height is None else args.height, 16 if args.width is None else args.width)),
              (["--steps"], lambda: args.steps is None or schedules.check_steps(args.steps)),
+             # a size whose flux2 schedule breaks at 4 steps (the least demanding default) breaks at any default
+             (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or schedules.flux2_schedule(
+                 args.steps or 4, (args.width // 16) * (args.height // 16))),
              (["--cfg"], lambda: args.cfg is None or checks.number("cfg", args.cfg, 0.0, sampling.MAX_CFG)),
              (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None))]
     for options, rule in rules:

@@ -59,6 +59,11 @@ def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", 
         raise Flux2Error(f"seed must be a whole number in [0, 2^63 - batch], got {seed!r}")
     if batch < 1:
         raise Flux2Error(f"batch must be >= 1, got {batch}")
+    # the items are drawn on the generator's device, then copied; a batch that cannot fit is refused before drawing
+    values = batch * LATENT_CHANNELS * h * w
+    for where in {torch.device("cpu" if not bfl_cuda_noise else device), torch.device(device)}:
+        checks.fits(values * 4, checks.available_memory(where), f"noise for {batch} x {width}x{height} on {where}",
+                    "use a smaller size or batch")
     gen_device, gen_dtype = (device, torch.bfloat16) if bfl_cuda_noise else ("cpu", torch.float32)
     items = [torch.randn((1, LATENT_CHANNELS, h, w), dtype=gen_dtype, device=gen_device,
                          generator=torch.Generator(gen_device).manual_seed(seed + i)) for i in range(batch)]

@@ -82,7 +82,8 @@ def flux2_schedule(steps: int, image_tokens: int) -> list[float]:
                          f"those steps would do nothing"
                          f"{'; here exp(mu) even overflows to NaN' if not all(map(math.isfinite, sigmas)) else ''}"
                          f". Generate at most about {limit}x{limit} px ({max_image_tokens(steps)} tokens) with "
-                         f"{steps} steps and upscale, use fewer steps, or use the linear or power schedule")
+                         f"{steps} steps and upscale, or use fewer steps (in ComfyUI also the Scheduler node's linear or "
+                         f"power schedule)")
     return sigmas
 
 

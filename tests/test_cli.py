@@ -62,6 +62,8 @@ def test_demo_writes_pngs_with_metadata(tmp_path, monkeypatch):
     (["--cfg", "nan"], "--cfg: cfg must be a finite number"),
     (["--cfg=-inf"], "--cfg: cfg must be a finite number"),
     (["--steps", "100000"], "--steps: steps must be a whole number from 1 to 10000"),
+    (["--width", "16384", "--height", "16384"], "at most about 4688x4688 px (86166 tokens) with 4 steps"),
+    (["--width", "4096", "--height", "4096", "--steps", "200"], "at most about 3952x3952 px"),
 ])
 def test_bad_settings_fail_before_loading(args, message, capsys):
     assert cli.main(["--prompt", "x", *args]) == 2

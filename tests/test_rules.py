@@ -171,6 +171,15 @@ def test_the_refusal_is_the_estimate_of_the_largest_stage(models, monkeypatch):
         pipeline.generate(models, "a fox", **SIZE, steps=1)
 
 
+def test_noise_that_cannot_fit_is_refused_before_it_is_drawn(monkeypatch):
+    nbytes = 2 * 128 * (64 // 16) * (48 // 16) * 4                   # batch x channels x latent cells x float32
+    monkeypatch.setattr(checks, "available_memory", lambda device: nbytes)
+    assert sampling.make_noise(2, 64, 48, 0).shape == (2, 128, 4, 3)
+    monkeypatch.setattr(checks, "available_memory", lambda device: nbytes - 1)
+    with pytest.raises(Flux2Error, match="noise for 2 x 48x64 on cpu"):
+        sampling.make_noise(2, 64, 48, 0)
+
+
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="needs Linux's /proc/meminfo")
 def test_available_cpu_memory_is_what_linux_says():
     meminfo = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
