@@ -215,7 +215,7 @@ def open_image(path: str):
 def check_early(args, refs) -> None:
     """The cheap checks of ``generate``, made before any weights are loaded (which can take minutes): the engine's
     own rules (the same ones ``generate`` and the nodes apply), with the option's name in front."""
-    from . import checks, sampling, schedules
+    from . import sampling, schedules
     from .references import check_reference
 
     rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or sampling.latent_size(
@@ -224,7 +224,7 @@ def check_early(args, refs) -> None:
              # a size whose flux2 schedule breaks at 4 steps (the least demanding default) breaks at any default
              (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or schedules.flux2_schedule(
                  args.steps or 4, (args.width // 16) * (args.height // 16))),
-             (["--cfg"], lambda: args.cfg is None or checks.number("cfg", args.cfg, 0.0, sampling.MAX_CFG)),
+             (["--cfg"], lambda: args.cfg is None or sampling.check_cfg(args.cfg)),
              (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None))]
     for options, rule in rules:
         try:

@@ -121,6 +121,11 @@ class Guidance:
     note: str = ""                # for the user, when the scale is not applied as given ("" otherwise)
 
 
+def check_cfg(cfg: float, name: str = "cfg") -> float:
+    """A guidance scale as a float: a finite number in [0, MAX_CFG], whatever the model (Flux2Error otherwise)."""
+    return checks.number(name, cfg, 0.0, MAX_CFG, hint="1 turns guidance off; base models use about 4")
+
+
 def guidance_for(variant, cfg: float, negative: bool = True) -> Guidance:
     """The one rule for the guidance scale ``cfg`` of a ``variant`` (the CLI's ``pipeline.generate`` and the Denoise
     node both ask it); ``negative``: whether a negative prompt is at hand (the CLI always has one, "" by default).
@@ -136,7 +141,7 @@ def guidance_for(variant, cfg: float, negative: bool = True) -> Guidance:
 
     ``cfg`` must be a finite number in [0, MAX_CFG] (Flux2Error otherwise), whatever the variant.
     """
-    scale = checks.number("cfg", cfg, 0.0, MAX_CFG, hint="1 turns guidance off; base models use about 4")
+    scale = check_cfg(cfg)
     if variant.params.use_guidance_embed:
         return Guidance(scale, False, scale)
     if variant.guidance_distilled:
@@ -170,9 +175,9 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
     causes rather than becoming a black image.
     """
     if negative_txt is not None:
-        checks.number("cfg", cfg, 0.0, MAX_CFG)
+        check_cfg(cfg)
     if guidance is not None:
-        checks.number("guidance", guidance, 0.0, MAX_CFG)
+        check_cfg(guidance, "guidance")
     batch, _, h, w = x.shape
     dtype, device = x.dtype, x.device
     sides = 1 if negative_txt is None else 2             # the model batch is [neg..., pos...] with CFG
