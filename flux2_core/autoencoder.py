@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from .checks import available_memory, dtype_cause, finite
 from .errors import Flux2Error
 from .variants import AutoEncoderParams
 
@@ -230,18 +231,9 @@ MIN_TILE = 8                     # latent cells = 128 px
 
 
 def free_memory(device: torch.device) -> int | None:
-    """Bytes that a decode may still use on ``device``: free plus cached-but-unused on CUDA, MemAvailable on Linux
-    CPUs; None where unknown (then decodes are never tiled automatically)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        except (OSError, StopIteration):
-            return None
-    return None
+    """Bytes that a decode may still use on ``device`` (``checks.available_memory``: free plus cached-but-unused on
+    CUDA, available RAM on the CPU); None where unknown (then decodes are never tiled automatically)."""
+    return available_memory(device)
 
 
 def tile_spans(n: int, tile: int, overlap: int) -> list[tuple[int, int]]:
@@ -323,27 +315,46 @@ class AutoEncoder(nn.Module):
     # encode / decode ----------------------------------------------------------------------------------------------
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Image [B,3,H,W] in [-1,1], H and W multiples of 16 -> latent [B,128,H/16,W/16] (float32)."""
+        """Image [B,3,H,W] in [-1,1], H and W multiples of 16 -> latent [B,128,H/16,W/16] (float32).
+
+        Both sides are checked for NaN / inf (``checks.finite``): a bad pixel or weight would spread over the whole
+        latent and from there into the image made from it."""
         self._check_image(x)
+        finite(x, "the image to encode", ["it came from a node or file that produced NaN/inf pixels"])
         moments = self.encoder(conv_layout(x.to(self.device, self.dtype)))   # [B,64,H/8,W/8]
         mean = moments[:, : self.params.z_channels]                     # posterior mean; log-variance unused
-        return self.normalize(patchify(mean))                            # [B,128,H/16,W/16]
+        return finite(self.normalize(patchify(mean)), "the encoded latents", self._causes())   # [B,128,H/16,W/16]
 
     def decode(self, z: torch.Tensor, tiled: bool | None = None) -> torch.Tensor:
         """Latent [B,128,h,w] -> image [B,3,16h,16w], roughly in [-1,1] (not clamped), in the weights' dtype.
 
         ``tiled=None`` decides from memory: the whole batch at once if ``decode_bytes`` fits in the device's free
         memory, else one image at a time, else ``decode_tiled`` with the largest tile that fits. True / False force it.
+        The latent and the image are checked for NaN / inf: either would give a black image (``checks.finite``).
         """
         self._check_latent(z)
+        finite(z, "the latents to decode", [("the sampler that made them produced NaN/inf (its model's weights, an "
+                                             "extreme cfg, or float16 overflow in it)")])
+        return finite(self._decode(z, tiled), "the decoded images", self._causes())
+
+    def _causes(self) -> list[str]:
+        return [*dtype_cause(self.dtype, "the autoencoder"), ("the autoencoder's weights hold NaN/inf (a damaged or "
+                "wrongly converted file: download flux2-vae.safetensors again)")]
+
+    def _decode(self, z: torch.Tensor, tiled: bool | None) -> torch.Tensor:
         batch, _, h, w = z.shape
         free = free_memory(self.device) if tiled is None else None
         if tiled or (free is not None and self.decode_bytes(1, h, w) > free):
             return self.decode_tiled(z, tile=None if free is None else self.tile_that_fits(free, h, w, batch))
         if free is not None and batch > 1 and self.decode_bytes(batch, h, w) > free:
-            return torch.cat([self.decode(z[i:i + 1], tiled=False) for i in range(batch)])
+            return torch.cat([self._decode(z[i:i + 1], tiled=False) for i in range(batch)])
         z = unpatchify(self.denormalize(z.to(self.device)))             # [B,32,2h,2w]
         return self.decoder(conv_layout(z.to(self.dtype)))
+
+    def least_decode_bytes(self, h: int, w: int) -> int:
+        """The least memory that decoding one [128,h,w] latent can take: in one piece or tiled at ``MIN_TILE``, whichever
+        is smaller (``decode`` tiles by itself when memory is short; the mid block on the whole latent stays)."""
+        return min(self.decode_bytes(1, h, w), self.tiled_decode_bytes(1, h, w, MIN_TILE))
 
     # tiled decode -------------------------------------------------------------------------------------------------
 

@@ -190,10 +190,18 @@ class ReferenceKVCache:
         hit neither the autoencoder nor the transformer runs."""
         from .references import encode_references
 
-        key = ("images", fingerprint(model), fingerprint(autoencoder), image_digest(images), str(dtype))
+        key = self._images_key(model, autoencoder, images, dtype)
         kv = self.cache.get(key)
         if kv is None:
             ref, ref_ids = encode_references(autoencoder, images, dtype)
             kv = model.reference_kv(ref, ref_ids)
             self.cache.put(key, kv)
         return kv
+
+    def holds_images(self, model, autoencoder, images, dtype: torch.dtype | None = None) -> bool:
+        """Whether ``get_for_images`` would be a hit (what a memory estimate needs: a miss makes new K/V)."""
+        return self._images_key(model, autoencoder, images, dtype) in self.cache
+
+    @staticmethod
+    def _images_key(model, autoencoder, images, dtype) -> tuple:
+        return ("images", fingerprint(model), fingerprint(autoencoder), image_digest(images), str(dtype))

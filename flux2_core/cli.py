@@ -218,18 +218,26 @@ def open_image(path: str):
 # --- the command --------------------------------------------------------------------------------------------------
 
 def check_early(args, refs) -> None:
-    """The cheap checks of ``generate``, made before any weights are loaded (which can take minutes)."""
+    """The cheap checks of ``generate``, made before any weights are loaded (which can take minutes): the engine's
+    own rules (the same ones ``generate`` and the nodes apply), with the option's name in front."""
+    from . import sampling, schedules
     from .references import check_reference
-    from .sampling import latent_size
 
-    if args.width is not None or args.height is not None:
-        latent_size(16 if args.height is None else args.height, 16 if args.width is None else args.width)
-    if args.steps is not None and args.steps < 1:
-        raise Flux2Error(f"--steps must be >= 1, got {args.steps}; distilled Klein uses 4, base uses 50")
+    rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or sampling.latent_size(
+                 16 if args.height is None else args.height, 16 if args.width is None else args.width)),
+             (["--steps"], lambda: args.steps is None or schedules.check_steps(args.steps)),
+             # a size whose flux2 schedule breaks at 4 steps (the least demanding default) breaks at any default
+             (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or schedules.flux2_schedule(
+                 args.steps or 4, (args.width // 16) * (args.height // 16))),
+             (["--cfg"], lambda: args.cfg is None or sampling.check_cfg(args.cfg)),
+             (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None))]
+    for options, rule in rules:
+        try:
+            rule()
+        except Flux2Error as e:
+            raise Flux2Error(f"{'/'.join(options)}: {e}") from None
     if args.batch < 1:
         raise Flux2Error(f"--batch must be >= 1, got {args.batch}")
-    if not 0 < args.strength <= 1:
-        raise Flux2Error(f"--strength must be in (0, 1], got {args.strength}; 1 ignores the --image")
     for i, ref in enumerate(refs):
         check_reference(ref, i)
     for path, strength in map(lora_argument, args.lora):
@@ -318,9 +326,7 @@ def generate_command(argv: list[str]) -> int:
     result = generate(models, args.prompt, references=refs, width=width, height=height, steps=args.steps,
                       cfg=args.cfg, negative=args.negative, seed=seed, batch=args.batch, image=image,
                       strength=args.strength, bfl_cuda_noise=args.bfl_noise, offload_encoder=offload,
-                      callback=Progress())
-    for warning in result.warnings:
-        print(f"note: {warning}", file=sys.stderr)
+                      callback=Progress(), warn=lambda note: print(f"note: {note}", file=sys.stderr, flush=True))
 
     for img, img_seed in zip(result.images, result.seeds):
         parameters = {**result.settings, "seed": img_seed, **files}
@@ -346,4 +352,14 @@ def main(argv: list[str] | None = None) -> int:
         return generate_command(argv)
     except Flux2Error as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except MemoryError as e:       # the estimates refuse most sizes first; what slips past ends here, not a traceback
+        print(f"error: out of memory ({e or 'CPU'}): use a smaller size, batch or fewer references, or --offload "
+              "blocks / --fp8 on a GPU", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        if not any(text in str(e).lower() for text in ("out of memory", "can't allocate memory")):
+            raise
+        print(f"error: out of memory ({str(e).splitlines()[0]}): use a smaller size, batch or fewer references, or "
+              "--offload blocks / --fp8 on a GPU", file=sys.stderr)
         return 2

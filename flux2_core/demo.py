@@ -54,6 +54,9 @@ def demo_models(variant: str = "klein-4b", device="cpu") -> Models:
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
+    from .weights import default_device_dtype
+
+    device, _ = default_device_dtype(device, torch.float32)      # an unusable device: a Flux2Error, not a traceback
     g = torch.Generator().manual_seed(DEMO_SEED)
     with torch.device("meta"):
         transformer, ae = Flux2Transformer(DEMO_TRANSFORMER), AutoEncoder(DEMO_AUTOENCODER)

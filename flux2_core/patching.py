@@ -28,6 +28,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
+from . import checks
 from .adapters import Patch
 from .errors import Flux2Error
 from .ggml_layers import GGMLLinear
@@ -54,8 +55,9 @@ def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: 
         raise Flux2Error(f"merge must be None (by layer), True or False, got {merge!r}")
     by_layer: dict[str, list[tuple[Patch, float]]] = defaultdict(list)
     for patch, strength in patches:
-        if strength != 0:
-            by_layer[patch.target].append((patch, float(strength)))
+        if strength != 0:            # checked before anything changes: a NaN strength would make the layer NaN
+            by_layer[patch.target].append((patch, checks.number("an adapter's strength", strength,
+                                                                hint="1 applies it as trained, 0 not at all")))
     layers = {name: _layer(model, name, [p for p, _ in items]) for name, items in by_layer.items()}
     _undo(model)
     applied = model.adapters_applied = AppliedAdapters()

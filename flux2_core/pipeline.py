@@ -14,10 +14,17 @@ Choices (the reference's, unless said otherwise):
 * Output size: ``width``/``height``; a missing one comes from the input image, else from the first reference after
   its preprocessing (capped and cropped to multiples of 16), else 1024. Sizes that are not multiples of 16 are an
   error (no silent snapping).
-* Steps and CFG default to the variant's (4 / 1.0 distilled, 50 / 4.0 base). CFG runs only for base models with
-  cfg != 1; distilled Klein ignores cfg; FLUX.2-dev feeds it to the guidance embedding.
+* Steps and CFG default to the variant's (4 / 1.0 distilled, 50 / 4.0 base). What cfg does is
+  ``sampling.guidance_for``'s rule, the same as the Denoise node's: CFG for base models with cfg != 1; distilled Klein
+  ignores cfg (with a warning); FLUX.2-dev feeds it to the guidance embedding.
 * Noise: item i of a batch uses seed + i (so it equals a single run with that seed).
-* Image-to-image: ``image`` with ``strength`` in (0, 1]; see ``schedules.truncate_for_strength``.
+* Image-to-image: ``image`` with ``strength`` in (0, 1]; see ``schedules.truncate_for_strength``. A strength below 1
+  without an image is an error (``schedules.check_strength``).
+* Refused before the work starts, with a message (Flux2Error): non-finite or out-of-range numbers (cfg, strength,
+  sigmas), sizes whose schedule breaks (``schedules.flux2_schedule``), and sizes whose working memory
+  (``denoiser_memory``, the AE's encodes and least decode) exceeds what the device has free. NaN or inf in the prompt
+  embeddings, the denoised latents or the decoded images stop the run (``checks.finite``): no black image comes out.
+  Very large work (``large_work``) is announced through ``warn`` before it starts.
 * The transformer computes in its weights' dtype; the autoencoder in its own (float32 like the reference).
 * Images: clamp(-1, 1), then (127.5 * (x + 1)) truncated to uint8, as the reference CLI does.
 
@@ -49,19 +56,25 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from . import checks
 from .autoencoder import AutoEncoder, free_memory
 from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
 from .ggml_layers import dequantize_bytes
 from .offload import module_bytes, place, stream_blocks, streamed_blocks, weight_budget
 from .references import as_pil, center_crop_16, encode_references, image_to_tensor, prepare_references
-from .sampling import LATENT_CHANNELS, add_noise, denoise, latent_size, make_noise
-from .schedules import check_sigmas, flux2_schedule, truncate_for_strength
+from .sampling import LATENT_CHANNELS, add_noise, denoise, guidance_for, latent_size, make_noise
+from .schedules import check_sigmas, check_strength, flux2_schedule, truncate_for_strength
 from .text_encoder import PromptEmbeds, PromptEncoder
-from .transformer import Flux2Transformer, ReferenceKV
+from .transformer import Flux2Transformer, ReferenceKV, reference_kv_bytes
 from .variants import TransformerParams, Variant
 
 DEFAULT_SIZE = 1024
+# Beyond these a run is very large and ``generate`` says so first: Klein is trained up to about 4 megapixels (a
+# single 2024^2 reference, the largest default size, stays below), and 200 steps is the Scheduler node's maximum
+# (distilled Klein uses 4, base 50).
+LARGE_PIXELS = 2048 * 2048
+LARGE_STEPS = 200
 
 
 @dataclass
@@ -182,6 +195,42 @@ def working_memory(variant: Variant, size: tuple[int, int], dtype: torch.dtype) 
     return denoise_memory(variant.params, tokens, 1, dtype)
 
 
+def denoiser_memory(model: torch.nn.Module, variant: Variant, batch: int, h: int, w: int, dtype: torch.dtype, *,
+                    ref_tokens: int = 0, cfg: bool = False, text_tokens: int | None = None) -> int:
+    """The denoiser's working memory in bytes beside its weights, the one estimate ``generate`` and the Denoise node
+    use: ``denoise_memory`` for the text (``text_tokens``, by default the text encoder's 512), image (an h x w latent)
+    and reference tokens of each item of the model batch (``batch``, doubled by CFG), plus a GGUF model's largest
+    layer dequantized (``ggml_layers.dequantize_bytes``)."""
+    text = variant.text_encoder.max_length if text_tokens is None else text_tokens
+    return (denoise_memory(variant.params, text + h * w + ref_tokens, batch * (2 if cfg else 1), dtype)
+            + dequantize_bytes(model, dtype))
+
+
+def check_memory(device: torch.device, needed: int, what: str, free=None, fix: str | None = None) -> None:
+    """Refuse ``what`` before it allocates when its ``needed`` bytes exceed the free memory of ``device``
+    (``free(device)``; by default ``autoencoder.free_memory``: the GPU's free memory, or the RAM available); ``fix``
+    says what to do about it (by default the CLI's options)."""
+    if fix is None:
+        fix = "use a smaller size or batch, or fewer references"
+        if device.type == "cuda":
+            fix += ("; or leave the GPU more room: stream the transformer's blocks (--offload blocks, "
+                    "load_models(offload_blocks=True)) or store them in fp8 (--fp8)")
+    checks.fits(needed, (free or free_memory)(device), what, fix)
+
+
+def large_work(width: int, height: int, steps: int) -> list[str]:
+    """What ``generate`` says before very large work (more than LARGE_PIXELS per image, more than LARGE_STEPS)."""
+    notes = []
+    if width * height > LARGE_PIXELS:
+        notes.append(f"{width}x{height} is {width * height / 1e6:.1f} megapixels per image, beyond the ~4 that FLUX.2 "
+                     f"Klein is trained for: this takes long and may repeat or break up its composition; generating "
+                     f"at 1-4 MP and upscaling usually looks better")
+    if steps > LARGE_STEPS:
+        notes.append(f"{steps} steps is far more than these models need (distilled Klein: 4, base: 50); each step is "
+                     f"a full transformer pass, so this run takes {steps / 50:.0f}x as long as 50 steps")
+    return notes
+
+
 def should_stream(choice, device: torch.device, needed: int, weight_bytes, free=None) -> bool:
     """Whether the transformer's blocks stream (``offload.py``): never on the CPU (there is nowhere to stream from);
     True / False as given; "auto": on CUDA, when its ``weight_bytes()`` exceed ``offload.weight_budget`` of the
@@ -293,23 +342,32 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
              steps: int | None = None, cfg: float | None = None, negative: str = "", seed: int = 0, batch: int = 1,
              sigmas: list[float] | None = None, image: Image.Image | None = None, strength: float = 1.0,
              reference_kv: ReferenceKV | None = None, noise: Tensor | None = None, bfl_cuda_noise: bool = False,
-             offload_encoder="auto", callback=None) -> Result:
+             offload_encoder="auto", callback=None, warn=None) -> Result:
     """Generate ``batch`` images for ``prompt`` (see the module docstring for every default).
 
     references: PIL images (any number). sigmas: a custom schedule (overrides steps). image/strength:
     image-to-image. reference_kv: precomputed K/V of these references (KV models; else models.reference_cache is
     used). noise: an explicit [batch, 128, H/16, W/16] start noise instead of the seeded one. offload_encoder:
-    "auto", True or False (see the module docstring). callback(Step) runs after every step.
+    "auto", True or False (see the module docstring). callback(Step) runs after every step. warn(text) gets each
+    warning as it arises (they are also in ``Result.warnings``), so a caller can show them before the work.
     """
     variant, model, ae = models.variant, models.transformer, models.autoencoder
     device, dtype = models.device, model.img_in.weight.dtype
     if not isinstance(prompt, str):
         raise Flux2Error(f"prompt must be a string, got {type(prompt).__name__}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise Flux2Error(f"batch must be a whole number >= 1, got {batch!r}")
     warnings = []
 
-    # sizes, schedule, guidance
+    def say(note: str) -> None:
+        warnings.append(note)
+        if warn is not None:
+            warn(note)
+
+    # sizes, schedule, guidance: every setting checked before any model runs
     refs = prepare_references(references) if references else []
     init = center_crop_16(as_pil(image).convert("RGB")) if image is not None else None
+    strength = check_strength(strength, init is not None)
     width, height = output_size(width, height, [im for im in [init, *refs] if im is not None])
     h, w = latent_size(height, width)
     if sigmas is not None:
@@ -318,29 +376,40 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
         sigmas = flux2_schedule(variant.default_steps if steps is None else steps, h * w)
     if init is not None:
         sigmas = truncate_for_strength(sigmas, strength)
-    cfg = variant.default_cfg if cfg is None else float(cfg)
-    use_cfg = variant.uses_cfg and not variant.params.use_guidance_embed and cfg != 1.0
-    if not variant.uses_cfg and cfg != 1.0 and not variant.params.use_guidance_embed:
-        warnings.append(f"cfg {cfg} is ignored: {variant.name} is guidance-distilled (one pass per step, no CFG)")
+    rule = guidance_for(variant, variant.default_cfg if cfg is None else cfg)
+    for note in [rule.note, *large_work(width, height, len(sigmas) - 1)]:
+        if note:
+            say(note)
+    if noise is not None and tuple(noise.shape) != (batch, LATENT_CHANNELS, h, w):
+        raise Flux2Error(f"noise must be [{batch}, {LATENT_CHANNELS}, {h}, {w}] for batch {batch} at {width}x{height}, "
+                         f"got {list(noise.shape)}")
+
+    # prompt(s): [prompt] or [prompt, negative] from the prompt cache
+    ref_tokens = sum(math.prod(latent_size(im.height, im.width)) for im in refs)
+    needed = denoiser_memory(model, variant, batch, h, w, dtype, ref_tokens=ref_tokens, cfg=rule.cfg,
+                             text_tokens=models.prompt_encoder.spec.max_length)
+    offload = should_offload(offload_encoder, models.prompt_encoder, device, needed)
+    embeds = encode_prompts(models, [prompt, negative] if rule.cfg else [prompt], offload)
+    if embeds.dropped[0]:
+        say(f"the prompt is {embeds.token_counts[0]} tokens; the last {embeds.dropped[0]} were cut off "
+            f"(the limit is {models.prompt_encoder.spec.max_length} including the chat template)")
+    txt, negative_txt = embeds.embeds[:1], (embeds.embeds[1:] if rule.cfg else None)
+
+    # memory: the largest stage must fit beside the weights, checked before the noise, the encodes and the denoiser
+    # allocate (the encoder now rests where it will stay during the denoise)
+    kv = variant.use_kv_cache and bool(refs)
+    if kv and reference_kv is None:
+        cache = models.reference_cache
+        if cache is None or not cache.holds_images(model, ae, refs, dtype):
+            needed += reference_kv_bytes(variant.params, ref_tokens, dtype)     # the reference pass makes them
+    encodes = [ae.encode_bytes(1, im.height, im.width) for im in ([init] if init else []) + refs]
+    check_memory(device, max([needed, ae.least_decode_bytes(h, w), *encodes]),
+                 f"generating {batch} x {width}x{height}{f' with {len(refs)} references' if refs else ''}")
 
     # noise
     if noise is None:
         noise = make_noise(batch, height, width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise)
-    elif tuple(noise.shape) != (batch, LATENT_CHANNELS, h, w):
-        raise Flux2Error(f"noise must be [{batch}, {LATENT_CHANNELS}, {h}, {w}] for batch {batch} at {width}x{height}, "
-                         f"got {list(noise.shape)}")
     noise = noise.to(device, torch.float32)
-
-    # prompt(s): [prompt] or [prompt, negative] from the prompt cache
-    ref_tokens = sum(math.prod(latent_size(im.height, im.width)) for im in refs)
-    needed = denoise_memory(variant.params, models.prompt_encoder.spec.max_length + h * w + ref_tokens,
-                            batch * (2 if use_cfg else 1), dtype) + dequantize_bytes(model, dtype)
-    offload = should_offload(offload_encoder, models.prompt_encoder, device, needed)
-    embeds = encode_prompts(models, [prompt, negative] if use_cfg else [prompt], offload)
-    if embeds.dropped[0]:
-        warnings.append(f"the prompt is {embeds.token_counts[0]} tokens; the last {embeds.dropped[0]} were cut off "
-                        f"(the limit is 512 including the chat template)")
-    txt, negative_txt = embeds.embeds[:1], (embeds.embeds[1:] if use_cfg else None)
 
     # start latent
     if init is not None:
@@ -351,20 +420,18 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
         x = noise
 
     # references (KV models: their K/V from the cache, which skips the AE encode and the reference pass on a hit)
-    kv = variant.use_kv_cache and bool(refs)
     if kv and reference_kv is None and models.reference_cache is not None:
         reference_kv = models.reference_cache.get_for_images(model, ae, refs, dtype)
     ref = ref_ids = None
     if refs and reference_kv is None:
         ref, ref_ids = encode_references(ae, refs, dtype)
 
-    latents = denoise(model, x.to(dtype), sigmas, txt, negative_txt=negative_txt, cfg=cfg,
-                      ref=ref, ref_ids=ref_ids, ref_kv=reference_kv, kv=kv,
-                      guidance=cfg if variant.params.use_guidance_embed else None, callback=callback)
+    latents = denoise(model, x.to(dtype), sigmas, txt, negative_txt=negative_txt, cfg=rule.scale,
+                      ref=ref, ref_ids=ref_ids, ref_kv=reference_kv, kv=kv, guidance=rule.embedded, callback=callback)
 
     images = torch.cat([to_uint8(ae.decode(latents[i:i + 1])) for i in range(batch)])
-    settings = {"prompt": prompt, "negative": negative if use_cfg else None, "width": width, "height": height,
-                "steps": len(sigmas) - 1, "cfg": cfg, "seed": seed, "batch": batch, "variant": variant.name,
+    settings = {"prompt": prompt, "negative": negative if rule.cfg else None, "width": width, "height": height,
+                "steps": len(sigmas) - 1, "cfg": rule.scale, "seed": seed, "batch": batch, "variant": variant.name,
                 "references": len(refs), "strength": strength if init is not None else None,
                 "sigmas": [round(s, 6) for s in sigmas]}
     return Result(images, latents.float(), [seed + i for i in range(batch)], settings, warnings)

@@ -134,13 +134,24 @@ def center_crop_16(image: Image.Image) -> Image.Image:
     return image.crop((left, top, left + new_w, top + new_h))
 
 
+def pixel_cap(count: int) -> int:
+    """The pixel cap of each reference when there are ``count`` of them (BFL: 2024^2 alone, 1024^2 each otherwise)."""
+    return SINGLE_REFERENCE_PIXELS if count == 1 else MULTI_REFERENCE_PIXELS
+
+
+def prepare_reference(image: Image.Image, cap: int, index: int = 0) -> Image.Image:
+    """One RGB reference (number ``index``, for messages) checked, scaled down to ``cap`` pixels, centre-cropped to
+    multiples of 16: steps 2-4 of the module docstring."""
+    check_reference(image, index)
+    return center_crop_16(cap_pixels(image, cap))
+
+
 def prepare_references(images) -> list[Image.Image]:
     """BFL's preprocessing of a list of reference images (see the module docstring)."""
     images = [as_pil(im, f"reference image {i + 1}") for i, im in enumerate(images)]
     for i, im in enumerate(images):
-        check_reference(im, i)
-    cap = SINGLE_REFERENCE_PIXELS if len(images) == 1 else MULTI_REFERENCE_PIXELS
-    return [center_crop_16(cap_pixels(im, cap)) for im in images]
+        check_reference(im, i)              # every image checked before any is scaled
+    return [prepare_reference(im, pixel_cap(len(images)), i) for i, im in enumerate(images)]
 
 
 def image_to_tensor(image: Image.Image) -> torch.Tensor:
@@ -157,6 +168,15 @@ def encode_references(ae, images, dtype: torch.dtype | None = None) -> tuple[tor
     with Lref = sum over references of (h/16)*(w/16), on the AE's device (the AE runs in its own dtype).
     """
     latents = [ae.encode(image_to_tensor(im)) for im in prepare_references(images)]   # each [1, 128, h/16, w/16]
-    tokens = torch.cat([rope.pack(z) for z in latents], dim=1)                        # [1, Lref, 128]
-    ids = rope.reference_ids([tuple(z.shape[-2:]) for z in latents], device=tokens.device)
+    tokens, ids = reference_tokens(latents)
     return tokens.to(dtype or tokens.dtype), ids
+
+
+def reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Reference latents (each [n, 128, h, w], every item one reference, in order) -> tokens [1, Lref, 128] and int64
+    ids [1, Lref, 4] on the tokens' device, reference i on its own grid at t = 10 * (i + 1); (None, None) for none."""
+    items = [z[i:i + 1] for z in latents for i in range(z.shape[0])]
+    if not items:
+        return None, None
+    tokens = torch.cat([rope.pack(z) for z in items], dim=1)
+    return tokens, rope.reference_ids([tuple(z.shape[-2:]) for z in items], device=tokens.device)

@@ -16,18 +16,20 @@ taken from the float32 schedule. In float32 this is also exactly what diffusers 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from . import rope
+from . import checks, rope
 from .errors import Flux2Error
 from .transformer import ReferenceKV
 
 LATENT_CHANNELS = 128    # 32 AE channels x 2 x 2 patch
 PIXELS_PER_LATENT = 16   # 8x AE downscale x 2x2 patch
+MAX_CFG = 100.0          # as ComfyUI's CFGGuider and KSampler; far beyond any useful scale, still finite in bf16 steps
 
 
 # --- noise ------------------------------------------------------------------------------------------------------
@@ -57,6 +59,11 @@ def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", 
         raise Flux2Error(f"seed must be a whole number in [0, 2^63 - batch], got {seed!r}")
     if batch < 1:
         raise Flux2Error(f"batch must be >= 1, got {batch}")
+    # the items are drawn on the generator's device, then copied; a batch that cannot fit is refused before drawing
+    values = batch * LATENT_CHANNELS * h * w
+    for where in {torch.device("cpu" if not bfl_cuda_noise else device), torch.device(device)}:
+        checks.fits(values * 4, checks.available_memory(where), f"noise for {batch} x {width}x{height} on {where}",
+                    "use a smaller size or batch")
     gen_device, gen_dtype = (device, torch.bfloat16) if bfl_cuda_noise else ("cpu", torch.float32)
     items = [torch.randn((1, LATENT_CHANNELS, h, w), dtype=gen_dtype, device=gen_device,
                          generator=torch.Generator(gen_device).manual_seed(seed + i)) for i in range(batch)]
@@ -102,6 +109,53 @@ def euler(velocity: Velocity, x: Tensor, sigmas: list[float], callback: Callable
     return x
 
 
+# --- guidance ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Guidance:
+    """What the guidance scale does in a denoise (``guidance_for``)."""
+
+    scale: float                  # the scale as given (checked)
+    cfg: bool                     # classifier-free guidance: a negative pass beside the prompt's at every step
+    embedded: float | None        # FLUX.2-dev: the value fed to the guidance embedding (no CFG)
+    note: str = ""                # for the user, when the scale is not applied as given ("" otherwise)
+
+
+def check_cfg(cfg: float, name: str = "cfg") -> float:
+    """A guidance scale as a float: a finite number in [0, MAX_CFG], whatever the model (Flux2Error otherwise)."""
+    return checks.number(name, cfg, 0.0, MAX_CFG, hint="1 turns guidance off; base models use about 4")
+
+
+def guidance_for(variant, cfg: float, negative: bool = True) -> Guidance:
+    """The one rule for the guidance scale ``cfg`` of a ``variant`` (the CLI's ``pipeline.generate`` and the Denoise
+    node both ask it); ``negative``: whether a negative prompt is at hand (the CLI always has one, "" by default).
+
+    * FLUX.2-dev (a guidance embedding): ``cfg`` is the embedding's value; one pass per step.
+    * guidance-distilled Klein (4B, 9B, 9B-KV): one pass per step whatever ``cfg`` says; another value than 1 is
+      ignored with a note. As the references: BFL's CLI refuses other values for these models, diffusers ignores
+      them with a warning. (ComfyUI's own CFGGuider knows no variants and would run CFG on them.)
+    * base Klein: classifier-free guidance whenever cfg is not 1, with the negative prompt: as BFL (``denoise_cfg``
+      for every base run; at cfg 1 its result equals one pass) and ComfyUI (which skips the negative pass only at
+      cfg 1). diffusers guides only above 1 (below, it ignores cfg); cfg < 1 here leans toward the negative, as in
+      BFL and ComfyUI. Without a negative (the node's input left unconnected) it runs unguided, with a note.
+
+    ``cfg`` must be a finite number in [0, MAX_CFG] (Flux2Error otherwise), whatever the variant.
+    """
+    scale = check_cfg(cfg)
+    if variant.params.use_guidance_embed:
+        return Guidance(scale, False, scale)
+    if variant.guidance_distilled:
+        note = "" if scale == 1 else (f"cfg {scale:g} is ignored: {variant.name} is guidance-distilled (one pass per "
+                                      f"step, no CFG); set cfg to 1")
+        return Guidance(scale, False, None, note)
+    if math.isclose(scale, 1.0):
+        return Guidance(scale, False, None)
+    if not negative:
+        return Guidance(scale, False, None, f"cfg {scale:g} is not applied: {variant.name} guides with a negative "
+                                            f"prompt (usually an empty one), and none is connected; running unguided")
+    return Guidance(scale, True, None)
+
+
 # --- FLUX.2 velocity ----------------------------------------------------------------------------------------------
 
 def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt: Tensor | None = None,
@@ -115,8 +169,15 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
     ref [1 or B, Lref, 128] with int64 ref_ids [1, Lref, 4]: reference tokens joined after the image tokens.
     kv=True: the KV scheme instead; the reference K/V are computed once here from ref/ref_ids, or ``ref_kv`` is
     passed in (computed earlier by ``model.reference_kv``), and reused at every step.
-    guidance: FLUX.2-dev's guidance embedding value (no CFG).
+    guidance: FLUX.2-dev's guidance embedding value (no CFG). ``guidance_for`` decides which of the two a model takes.
+
+    The result is checked once for NaN / inf (``checks.finite``): a run that diverged stops here with its likely
+    causes rather than becoming a black image.
     """
+    if negative_txt is not None:
+        check_cfg(cfg)
+    if guidance is not None:
+        check_cfg(guidance, "guidance")
     batch, _, h, w = x.shape
     dtype, device = x.dtype, x.device
     sides = 1 if negative_txt is None else 2             # the model batch is [neg..., pos...] with CFG
@@ -149,4 +210,12 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
         return rope.unpack(v, h, w)
 
     with torch.no_grad():
-        return euler(velocity, x, sigmas, callback)
+        out = euler(velocity, x, sigmas, callback)
+    causes = [*checks.dtype_cause(dtype, "the transformer"),
+              ("the transformer's weights hold NaN/inf (a damaged or wrongly converted file: download it again, "
+               "or remove a LoRA that holds NaN)")]
+    if sides == 2:
+        causes.append(f"the guidance scale cfg {cfg:g} pushed the latent out of range: lower it (base models use "
+                      f"about 4)")
+    causes.append("the start latent, noise, prompt embeddings or reference latents already held NaN/inf")
+    return checks.finite(out, "the denoised latents", causes)

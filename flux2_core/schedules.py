@@ -13,22 +13,27 @@ so the sampler's step sizes ``sigmas[i + 1] - sigmas[i]`` are exactly the refere
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
 import torch
 
+from . import checks
 from .errors import Flux2Error
 
 # Straight lines mu(L) = a * L + b fitted by BFL at 10 and at 200 steps (L = noisy image tokens).
 MU_10_STEPS = (8.73809524e-05, 1.89833333)
 MU_200_STEPS = (0.00016927, 0.45666666)
 MU_LARGE_IMAGE_TOKENS = 4300   # above this many tokens, mu is the 200-step line whatever the step count
+# More steps than anyone means (base models use 50); it bounds the schedule's size, which a typo could make huge.
+MAX_STEPS = 10_000
 
 
-def _check_steps(steps: int) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise Flux2Error(f"steps must be a whole number >= 1, got {steps!r}; distilled Klein uses 4, base uses 50")
+def check_steps(steps: int) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise Flux2Error(f"steps must be a whole number from 1 to {MAX_STEPS}, got {steps!r}; distilled Klein uses 4, "
+                         f"base uses 50")
 
 
 def empirical_mu(image_tokens: int, steps: int) -> float:
@@ -54,17 +59,55 @@ def time_shift(mu: float, t: torch.Tensor) -> torch.Tensor:
 
 def linear_schedule(steps: int) -> list[float]:
     """1, 1 - 1/steps, ..., 0 (float32 values)."""
-    _check_steps(steps)
+    check_steps(steps)
     return torch.linspace(1, 0, steps + 1, dtype=torch.float32).tolist()
 
 
 def flux2_schedule(steps: int, image_tokens: int) -> list[float]:
-    """BFL's ``get_schedule``: the linear schedule shifted by ``empirical_mu(image_tokens, steps)``, in float32."""
-    _check_steps(steps)
-    if image_tokens < 1:
-        raise Flux2Error(f"image_tokens must be >= 1, got {image_tokens}")
+    """BFL's ``get_schedule``: the linear schedule shifted by ``empirical_mu(image_tokens, steps)``, in float32.
+
+    mu grows with the image (about 45 at 8192^2), and in float32 the shifted noise levels then round to 1.0: from
+    about 4700^2 at 4 steps (4200^2 at 50, 3950^2 at 200) the first steps would repeat sigma 1 and do nothing, and
+    beyond about 11500^2 exp(mu) overflows to NaN. BFL's and ComfyUI's schedulers compute the same values; here such a
+    size is refused with the largest one that works (``max_image_tokens``)."""
+    check_steps(steps)
+    if isinstance(image_tokens, bool) or not isinstance(image_tokens, int) or image_tokens < 1:
+        raise Flux2Error(f"image_tokens must be a whole number >= 1, got {image_tokens!r}")
+    sigmas = _shifted(steps, image_tokens)
+    if not _usable(sigmas):
+        side, limit = math.isqrt(image_tokens) * 16, math.isqrt(max_image_tokens(steps)) * 16
+        raise Flux2Error(f"the FLUX.2 schedule cannot run {steps} steps at {image_tokens} image tokens (about "
+                         f"{side}x{side} px): its shift mu = {empirical_mu(image_tokens, steps):.1f} grows with the "
+                         f"image size, and in float32 (as in the reference) the first noise levels round to 1.0, so "
+                         f"those steps would do nothing"
+                         f"{'; here exp(mu) even overflows to NaN' if not all(map(math.isfinite, sigmas)) else ''}"
+                         f". Generate at most about {limit}x{limit} px ({max_image_tokens(steps)} tokens) with "
+                         f"{steps} steps and upscale, or use fewer steps (in ComfyUI also the Scheduler node's linear or "
+                         f"power schedule)")
+    return sigmas
+
+
+def _shifted(steps: int, image_tokens: int) -> list[float]:
     t = torch.linspace(1, 0, steps + 1, dtype=torch.float32)
-    return time_shift(empirical_mu(image_tokens, steps), t).tolist()
+    try:
+        return time_shift(empirical_mu(image_tokens, steps), t).tolist()
+    except OverflowError:             # exp(mu) past float64 (from about 32768^2 px): NaN as float32 gives earlier
+        return [math.nan] * (steps + 1)
+
+
+def _usable(sigmas: list[float]) -> bool:
+    return all(map(math.isfinite, sigmas)) and all(b < a for a, b in itertools.pairwise(sigmas))
+
+
+@functools.lru_cache(maxsize=64)
+def max_image_tokens(steps: int) -> int:
+    """The most image tokens whose ``flux2_schedule`` of ``steps`` steps is usable (finite, strictly decreasing):
+    a bisection, as usability only falls with the size above MU_LARGE_IMAGE_TOKENS (mu then grows with it)."""
+    low, high = MU_LARGE_IMAGE_TOKENS + 1, 1 << 24          # usable / not usable (16^2 * 2^24 px: far past overflow)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if _usable(_shifted(steps, mid)) else (low, mid)
+    return low
 
 
 def power_schedule(steps: int, rho: float = 1.0) -> list[float]:
@@ -72,11 +115,25 @@ def power_schedule(steps: int, rho: float = 1.0) -> list[float]:
 
     This is Karras' rho schedule with sigma_max = 1 and sigma_min = 0; rho = 1 is the linear schedule.
     """
-    _check_steps(steps)
-    if not rho > 0:
-        raise Flux2Error(f"rho must be > 0, got {rho}; 1 gives the linear schedule")
+    check_steps(steps)
+    rho = checks.number("rho", rho, 0.0, None, above_low=True, hint="1 gives the linear schedule")
     t = torch.linspace(1, 0, steps + 1, dtype=torch.float32)
     return (t ** rho).tolist()
+
+
+SCHEDULES = ("flux2", "linear", "power")
+
+
+def named_schedule(name: str, steps: int, image_tokens: int, rho: float = 1.0) -> list[float]:
+    """The schedule called ``name`` (one of SCHEDULES): ``flux2_schedule`` for an image of ``image_tokens`` tokens,
+    ``linear_schedule``, or ``power_schedule`` with exponent ``rho`` (the others ignore it)."""
+    if name == "flux2":
+        return flux2_schedule(steps, image_tokens)
+    if name == "linear":
+        return linear_schedule(steps)
+    if name == "power":
+        return power_schedule(steps, rho)
+    raise Flux2Error(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
 
 
 def check_sigmas(sigmas) -> list[float]:
@@ -87,8 +144,8 @@ def check_sigmas(sigmas) -> list[float]:
     values = [float(s) for s in (sigmas.tolist() if isinstance(sigmas, torch.Tensor) else sigmas)]
     if len(values) < 2:
         raise Flux2Error(f"sigmas need at least two values (one step), got {values}; e.g. [1.0, 0.5, 0.0]")
-    if not all(0.0 <= s <= 1.0 for s in values):   # also rejects nan
-        raise Flux2Error(f"sigmas must lie in [0, 1] (1 = pure noise, 0 = clean), got {values}")
+    if not all(0.0 <= s <= 1.0 for s in values):   # also rejects nan and inf
+        raise Flux2Error(f"sigmas must be finite numbers in [0, 1] (1 = pure noise, 0 = clean), got {values}")
     if any(b >= a for a, b in itertools.pairwise(values)):
         raise Flux2Error(f"sigmas must strictly decrease, got {values}")
     return values
@@ -102,11 +159,20 @@ def truncate_for_strength(sigmas: list[float], strength: float) -> list[float]:
     0.5 with 4 steps runs the last 2 (sigmas[2:]). The sampler starts from the encoded image noised to the first
     sigma of the tail: ``x = (1 - s) * image + s * noise``.
     """
-    if not 0.0 < strength <= 1.0:
-        raise Flux2Error(f"denoise strength must be in (0, 1], got {strength}; 1 ignores the input image")
+    strength = check_strength(strength, True)
     steps = len(sigmas) - 1
     start = int(steps - steps * strength)
     if start >= steps:
         raise Flux2Error(f"denoise strength {strength} with {steps} steps leaves no step to run; "
                          f"raise the strength to at least {1 / steps:.3g} or use more steps")
     return list(sigmas[start:])
+
+
+def check_strength(strength: float, image: bool) -> float:
+    """The image-to-image rule: a denoise strength is a finite number in (0, 1], and one below 1 needs a start
+    ``image`` (else the CLI would ignore it, and the node would have nothing to noise). The strength as a float."""
+    strength = checks.number("denoise strength", strength, 0.0, 1.0, above_low=True, hint="1 ignores the input image")
+    if strength < 1 and not image:
+        raise Flux2Error(f"denoise strength {strength:g} < 1 is image-to-image, but there is no image to start from: "
+                         f"give one (the CLI's --image, the Denoise node's latent input) or set the strength to 1")
+    return strength

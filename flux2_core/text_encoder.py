@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from .checks import dtype_cause, finite
 from .errors import Flux2Error
 from .layers import Layers
 from .tokenizer import load_tokenizer
@@ -102,6 +103,10 @@ class PromptEncoder:
                          output_hidden_states=True, use_cache=False)
         layers = torch.stack([out.hidden_states[k] for k in self.spec.output_layers], dim=2)   # [B, L, 3, D]
         embeds = layers.reshape(batch, length, -1)                                          # [B, L, 3*D]
+        # checked here, before any cache keeps them: NaN embeddings make every image from them black
+        finite(embeds, "the prompt embeddings", [*dtype_cause(self.dtype, "the text encoder"),
+                                                 ("the text encoder's weights hold NaN/inf (a damaged or wrongly "
+                                                  "converted file: download it again)")])
         dropped = [max(0, n - self.spec.max_length) for n in counts]
         return PromptEmbeds(embeds, counts, dropped)
 

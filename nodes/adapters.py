@@ -46,6 +46,10 @@ class LoRA(io.ComfyNode):
                                                       "when one is connected to the input).")])
 
     @classmethod
+    def validate_inputs(cls, strength=None):
+        return host.validate(cls, {"strength": strength})       # a NaN strength would make every weight NaN
+
+    @classmethod
     def execute(cls, model: host.Managed, lora_name: str, strength: float, merge_into_fp8: bool = False,
                 text_encoder=None) -> io.NodeOutput:
         shapes = None if text_encoder is None else {k: v.shape for k, v in text_encoder.core.model.state_dict().items()}

@@ -107,7 +107,7 @@ class Reference(io.ComfyNode):
         latents, sources = list(first.get("reference_latents", [])), list(first.get(SOURCES, []))
         sources += [None] * (len(latents) - len(sources))       # latents appended by other nodes have no source
         new = [to_pil(item) for item in image]
-        cap = references.SINGLE_REFERENCE_PIXELS if len(latents) + len(new) == 1 else references.MULTI_REFERENCE_PIXELS
+        cap = references.pixel_cap(len(latents) + len(new))
         if len(latents) == 1 and new and sources[0] is not None and too_big(sources[0], cap):
             latents[0] = encode(ae, sources[0], cap, 0)   # the first of several: redo it at the smaller cap
         latents += [encode(ae, im, cap, len(latents) + i) for i, im in enumerate(new)]
@@ -131,12 +131,11 @@ def too_big(image: Image.Image, cap: int) -> bool:
 def encode(ae: host.Managed, image: Image.Image, cap: int, index: int) -> torch.Tensor:
     """BFL's reference preparation of reference ``index`` at pixel cap ``cap``, then its latent [1, 128, h, w]
     (from ``LATENTS`` when this autoencoder has encoded these pixels before)."""
-    references.check_reference(image, index)
-    prepared = references.center_crop_16(references.cap_pixels(image, cap))
+    prepared = references.prepare_reference(image, cap, index)
     key = ae.key + (cache.image_digest([prepared]),)
     latent = LATENTS.get(key)
     if latent is None:
-        ae.ready(host.ae_memory(ae.core, prepared.height, prepared.width))
+        ae.ready(ae.core.encode_bytes(1, prepared.height, prepared.width))
         with torch.no_grad():
             latent = ae.core.encode(references.image_to_tensor(prepared)).cpu()
         LATENTS.put(key, latent)

@@ -29,14 +29,14 @@ import latent_preview
 import torch
 from comfy import latent_formats
 from comfy_api import feature_flags
+from comfy_api.latest import io
 from server import PromptServer
 from torch import nn
 
-from ..flux2_core import patching
+from ..flux2_core import checks, patching
 from ..flux2_core.cache import fingerprint
 from ..flux2_core.errors import Flux2Error
-from ..flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear, dequantize_bytes
-from ..flux2_core.pipeline import denoise_memory
+from ..flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear
 from ..flux2_core.transformer import ReferenceKV
 from ..flux2_core.variants import Variant
 
@@ -283,21 +283,10 @@ def _castable(layer: nn.Module, anchor: bool) -> type | None:
     return None if anchor else next((castable for base, castable in CASTABLE.items() if isinstance(layer, base)), None)
 
 
-def transformer_memory(model: nn.Module, noise: torch.Tensor, ref: torch.Tensor | None, cfg: bool,
-                       dtype: torch.dtype) -> int:
-    """The denoiser's working memory in bytes (what ComfyUI frees beside the weights) for the Flux2Transformer
-    ``model``: pipeline.denoise_memory for the text, image and reference tokens of the (CFG-doubled) batch, and a
-    GGUF model's largest layer dequantized (ggml_layers.dequantize_bytes), as pipeline.generate counts them."""
-    batch, _, h, w = noise.shape
-    tokens = 512 + h * w + (0 if ref is None else ref.shape[1])
-    return denoise_memory(model.params, tokens, batch * (2 if cfg else 1), dtype) + dequantize_bytes(model, dtype)
-
-
-def ae_memory(core, height: int, width: int, decode: bool = False) -> int:
-    """Activation memory of encoding (or decoding) one height x width image with the AutoEncoder ``core``: its own
-    estimate, mid-block attention included (``AutoEncoder.encode_bytes`` / ``decode_bytes``)."""
-    n = core.pixels_per_latent
-    return core.decode_bytes(1, height // n, width // n) if decode else core.encode_bytes(1, height, width)
+def free_memory(device: torch.device) -> int:
+    """What ComfyUI counts as free on ``device`` once it has offloaded what it could (``Managed.ready``): the GPU's
+    free and cached memory, or the RAM available on the CPU."""
+    return mm.get_free_memory(device)
 
 
 def _follow_input(layer: nn.Module, args) -> None:
@@ -328,6 +317,39 @@ class StepReporter:
 
 def check_interrupt() -> None:
     mm.throw_exception_if_processing_interrupted()
+
+
+# --- validation when a prompt is queued ---------------------------------------------------------------------------
+
+# The default of an optional input in a node's validate_inputs: ComfyUI passes a linked input as None there (its
+# value exists only once the graph runs) and leaves an unconnected one out, so this default means "not connected".
+UNCONNECTED = object()
+
+
+def validate(node: type, values: dict, rule=None) -> bool | str:
+    """What a node's ``validate_inputs`` returns: True, or the message ComfyUI answers POST /prompt with (400,
+    node_errors naming the inputs), before any node of the graph runs.
+
+    ComfyUI leaves the inputs a validate_inputs names to it (execution.validate_inputs skips its own min / max and
+    option checks for them), so ``values`` (input name -> widget value) are checked here against the node's schema
+    again, and for being finite: NaN passes ComfyUI's comparisons. Then ``rule`` (flux2_core checks raising
+    Flux2Error: the ones execute applies) runs, unless a value is None: fed by a link, checked when the node runs."""
+    specs = {spec.id: spec for spec in node.define_schema().inputs}
+    try:
+        for name, value in values.items():
+            spec = specs[name]
+            if value is None:
+                continue
+            if isinstance(spec, io.Combo.Input):
+                if value not in spec.options:
+                    raise Flux2Error(f"{name} must be one of {', '.join(map(str, spec.options))}, got {value!r}")
+            elif isinstance(spec, io.Int.Input | io.Float.Input):
+                checks.number(name, value, spec.min, spec.max)
+        if rule is not None and None not in values.values():
+            rule()
+    except Flux2Error as e:
+        return str(e)
+    return True
 
 
 # --- the server -------------------------------------------------------------------------------------------------

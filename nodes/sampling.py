@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 from comfy_api.latest import io, ui
 
-from ..flux2_core import cache, rope, sampling, schedules, weights
+from ..flux2_core import cache, pipeline, references, sampling, schedules, weights
 from ..flux2_core import compile as compiling
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.transformer import reference_kv_bytes
@@ -24,7 +25,6 @@ from . import host, types
 
 log = logging.getLogger("flux2_klein")
 SIZE = {"default": 1024, "min": 16, "max": 8192, "step": 16}
-SCHEDULES = ["flux2", "linear", "power"]
 
 
 class Noise(io.ComfyNode):
@@ -44,9 +44,15 @@ class Noise(io.ComfyNode):
             outputs=[io.Latent.Output(display_name="noise", tooltip="LATENT noise [batch, 128, height/16, width/16].")])
 
     @classmethod
+    def validate_inputs(cls, width=None, height=None, latent=host.UNCONNECTED):
+        # when the prompt is queued, before any node runs (see host.validate)
+        return host.validate(cls, {"width": width, "height": height},
+                             lambda: latent is not host.UNCONNECTED or sampling.latent_size(height, width))
+
+    @classmethod
     def execute(cls, seed: int, width: int, height: int, batch_size: int, latent=None) -> io.NodeOutput:
         if latent is not None:
-            height, width = (16 * n for n in latent["samples"].shape[-2:])
+            height, width = (sampling.PIXELS_PER_LATENT * n for n in latent["samples"].shape[-2:])
         noise = sampling.make_noise(batch_size, height, width, seed, device=host.intermediate_device())
         return io.NodeOutput({"samples": noise})
 
@@ -63,7 +69,8 @@ class Scheduler(io.ComfyNode):
                                  tooltip="Denoising steps: 4 for distilled Klein, about 50 for base models."),
                     io.Int.Input("width", **SIZE, tooltip="Image width in pixels (ignored when a latent is connected)."),
                     io.Int.Input("height", **SIZE, tooltip="Image height in pixels (ignored when a latent is connected)."),
-                    io.Combo.Input("schedule", options=SCHEDULES, default="flux2", tooltip="Which schedule (see above)."),
+                    io.Combo.Input("schedule", options=list(schedules.SCHEDULES), default="flux2",
+                                   tooltip="Which schedule (see above)."),
                     io.Float.Input("rho", default=2.0, min=0.1, max=10.0, step=0.1,
                                    tooltip="Exponent of the power schedule (1 = linear); the others ignore it."),
                     io.Latent.Input("latent", optional=True,
@@ -71,15 +78,16 @@ class Scheduler(io.ComfyNode):
             outputs=[io.Sigmas.Output(display_name="sigmas", tooltip="steps + 1 noise levels, 1 ... 0.")])
 
     @classmethod
+    def validate_inputs(cls, steps=None, width=None, height=None, schedule=None, rho=None, latent=host.UNCONNECTED):
+        # the schedule itself is made at queue time too: a size whose flux2 schedule breaks is refused there
+        return host.validate(cls, {"steps": steps, "width": width, "height": height, "schedule": schedule, "rho": rho},
+                             lambda: latent is not host.UNCONNECTED or schedules.named_schedule(
+                                 schedule, steps, math.prod(sampling.latent_size(height, width)), rho))
+
+    @classmethod
     def execute(cls, steps: int, width: int, height: int, schedule: str, rho: float, latent=None) -> io.NodeOutput:
         h, w = latent["samples"].shape[-2:] if latent is not None else sampling.latent_size(height, width)
-        if schedule == "flux2":
-            sigmas = schedules.flux2_schedule(steps, h * w)
-        elif schedule == "linear":
-            sigmas = schedules.linear_schedule(steps)
-        else:
-            sigmas = schedules.power_schedule(steps, rho)
-        return io.NodeOutput(torch.tensor(sigmas, dtype=torch.float32))
+        return io.NodeOutput(torch.tensor(schedules.named_schedule(schedule, steps, h * w, rho), dtype=torch.float32))
 
 
 class Denoise(io.ComfyNode):
@@ -89,7 +97,8 @@ class Denoise(io.ComfyNode):
             node_id="Flux2KleinDenoise", display_name="FLUX.2 Klein Denoise (Euler)",
             category=f"{types.CATEGORY}/sampling",
             description="Runs the Euler flow-matching sampler. With a negative and cfg != 1: classifier-free "
-                        "guidance (base models). Reference latents of the positive conditioning are used (for both "
+                        "guidance for base models (distilled Klein ignores cfg, as BFL's and diffusers' pipelines "
+                        "do). Reference latents of the positive conditioning are used (for both "
                         "CFG branches); KV models compute their keys/values once and reuse them while the references "
                         "stay the same (a new prompt or seed skips the reference pass). With a latent and "
                         "denoise < 1: image-to-image.",
@@ -97,9 +106,9 @@ class Denoise(io.ComfyNode):
                     io.Conditioning.Input("positive", tooltip="The prompt (and references)."),
                     io.Latent.Input("noise", tooltip="Starting noise (FLUX.2 Klein Noise)."),
                     io.Sigmas.Input("sigmas", tooltip="Noise levels, from FLUX.2 Klein Scheduler or any scheduler."),
-                    io.Float.Input("cfg", default=1.0, min=0.0, max=30.0, step=0.1, round=0.01,
-                                   tooltip="Guidance scale. Distilled Klein: 1 (no negative needed); base: about 4 "
-                                           "with a negative (an empty prompt)."),
+                    io.Float.Input("cfg", default=1.0, min=0.0, max=sampling.MAX_CFG, step=0.1, round=0.01,
+                                   tooltip="Guidance scale. Distilled Klein: 1 (no negative needed; other values are "
+                                           "ignored); base: about 4 with a negative (an empty prompt)."),
                     io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01,
                                    tooltip="Image-to-image strength: runs the last denoise x steps from the latent "
                                            "noised to that level; 1 ignores the latent."),
@@ -110,40 +119,42 @@ class Denoise(io.ComfyNode):
             outputs=[io.Latent.Output(display_name="latent", tooltip="The denoised latent.")])
 
     @classmethod
+    def validate_inputs(cls, cfg=None, denoise=None, latent=host.UNCONNECTED):
+        # when the prompt is queued, before any model loads: the rules execute applies (see host.validate)
+        return host.validate(cls, {"cfg": cfg, "denoise": denoise},
+                             lambda: schedules.check_strength(denoise, latent is not host.UNCONNECTED))
+
+    @classmethod
     def execute(cls, model: host.Managed, positive, noise, sigmas, cfg: float, denoise: float,
                 negative=None, latent=None) -> io.NodeOutput:
         variant = model.variant
+        rule = sampling.guidance_for(variant, cfg, negative is not None)             # the CLI's rule, in the core
+        if rule.note:
+            log.warning("FLUX.2 Klein Denoise: %s", rule.note)
         sigmas = schedules.check_sigmas(sigmas)
-        if denoise < 1:                                   # image-to-image: run only the tail of the schedule
-            if latent is None:
-                raise Flux2Error("denoise < 1 is image-to-image: connect the image's latent, or set denoise to 1")
+        if schedules.check_strength(denoise, latent is not None) < 1:                # image-to-image: the tail
             sigmas = schedules.truncate_for_strength(sigmas, denoise)
-        noise = noise["samples"]                                                  # [B, 128, h, w]
+        noise = noise["samples"]                                                     # [B, 128, h, w]
         start = torch.zeros_like(noise) if latent is None else image_latent(latent["samples"], noise)
         txt = prompt_embeds(positive, variant)
-        ref, ref_ids = reference_tokens(positive[0][1].get("reference_latents", []))   # both CFG branches use them
-        guidance = cfg if variant.params.use_guidance_embed else None             # FLUX.2-dev: embedded guidance
-        cfg_on = negative is not None and cfg != 1 and guidance is None
-        if variant.uses_cfg and negative is None:
-            log.warning("%s is a CFG model but no negative is connected: running without guidance", variant.name)
-
-        memory = host.transformer_memory(model.core, noise, ref, cfg_on, model.dtype)
-        kv_key = cache.reference_kv_key(model.key, ref.to(model.dtype), ref_ids) if (
-            variant.use_kv_cache and ref is not None) else None
-        if kv_key is not None and kv_key not in REFERENCE_KV:                     # the reference pass will make them
-            memory += reference_kv_bytes(variant.params, ref.shape[1], model.dtype)
+        ref, ref_ids = references.reference_tokens(positive[0][1].get("reference_latents", []))  # both CFG branches
+        memory, kv_key = working_memory(model, noise, txt, ref, ref_ids, rule.cfg)
         device = model.ready(memory)
+        pipeline.check_memory(device, memory, f"denoising {list(noise.shape)} latents", free=host.free_memory,
+                              fix="use a smaller size or batch, or fewer or smaller references")
         model.use_adapters(model.core, lambda adapter: adapter.patches)
         set_compiled(model)
-        x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)   # = noise when sigmas[0] is 1
+        x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)      # = noise when sigmas[0] is 1
         ref_kv, info = reference_kv(model, kv_key, ref, ref_ids, device, memory) if kv_key else (None, None)
         if ref_kv is not None:
-            ref = ref_ids = None                                                  # the K/V stand for them
-        out = sampling.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant) if cfg_on
-                               else None, cfg=cfg, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv, kv=variant.use_kv_cache,
-                               guidance=guidance, callback=host.StepReporter(len(sigmas) - 1, device))
+            ref = ref_ids = None                                                     # the K/V stand for them
+        out = sampling.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant) if rule.cfg
+                               else None, cfg=rule.scale, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
+                               kv=variant.use_kv_cache, guidance=rule.embedded,
+                               callback=host.StepReporter(len(sigmas) - 1, device))
+        notes = "; ".join(note for note in (rule.note, info) if note)
         return io.NodeOutput({"samples": out.float().to(host.intermediate_device())},
-                             ui=ui.PreviewText(info) if info else None)
+                             ui=ui.PreviewText(notes) if notes else None)
 
 
 class Compile(io.ComfyNode):
@@ -173,6 +184,19 @@ def set_compiled(model: host.Managed) -> None:
         compiling.compile_blocks(model.core, fullgraph=fullgraph)
     elif not model.compiled and compiling.is_compiled(model.core):
         compiling.uncompile_blocks(model.core)
+
+
+def working_memory(model: host.Managed, noise, txt, ref, ref_ids, cfg: bool) -> tuple[int, tuple | None]:
+    """(the bytes to ask ComfyUI for beside the weights, the references' REFERENCE_KV key for KV models): the CLI's
+    estimate (pipeline.denoiser_memory), plus the reference K/V a KV model's reference pass will make."""
+    batch, _, h, w = noise.shape
+    memory = pipeline.denoiser_memory(model.core, model.variant, batch, h, w, model.dtype, cfg=cfg,
+                                      ref_tokens=0 if ref is None else ref.shape[1], text_tokens=txt.shape[1])
+    if not model.variant.use_kv_cache or ref is None:
+        return memory, None
+    key = cache.reference_kv_key(model.key, ref.to(model.dtype), ref_ids)
+    return memory + (0 if key in REFERENCE_KV else reference_kv_bytes(model.variant.params, ref.shape[1],
+                                                                        model.dtype)), key
 
 
 def reference_kv(model: host.Managed, key: tuple, ref, ref_ids, device, memory: int) -> tuple:
@@ -212,12 +236,3 @@ def prompt_embeds(conditioning, variant) -> torch.Tensor:
                          f"{needed}: encode the prompt with the {encoder}")
     return embeds
 
-
-def reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Reference latents (each [n, 128, h, w]; every item one reference) -> tokens [1, Lref, 128] and ids, with
-    reference i at t = 10 * (i + 1)."""
-    items = [z[i:i + 1] for z in latents for i in range(z.shape[0])]
-    if not items:
-        return None, None
-    tokens = torch.cat([rope.pack(z) for z in items], dim=1)
-    return tokens, rope.reference_ids([tuple(z.shape[-2:]) for z in items])

@@ -58,6 +58,12 @@ def test_demo_writes_pngs_with_metadata(tmp_path, monkeypatch):
     (["--steps", "0"], "steps"),
     (["--batch", "0"], "batch"),
     (["--strength", "1.5"], "strength"),
+    (["--strength", "0.5"], "--strength: denoise strength 0.5 < 1 is image-to-image, but there is no image"),
+    (["--cfg", "nan"], "--cfg: cfg must be a finite number"),
+    (["--cfg=-inf"], "--cfg: cfg must be a finite number"),
+    (["--steps", "100000"], "--steps: steps must be a whole number from 1 to 10000"),
+    (["--width", "16384", "--height", "16384"], "at most about 4688x4688 px (86166 tokens) with 4 steps"),
+    (["--width", "4096", "--height", "4096", "--steps", "200"], "at most about 3952x3952 px"),
 ])
 def test_bad_settings_fail_before_loading(args, message, capsys):
     assert cli.main(["--prompt", "x", *args]) == 2

@@ -36,13 +36,29 @@ def test_requirements_txt_is_pyproject_without_what_comfyui_owns():
     assert required == {k: v for k, v in declared.items() if k not in HOST_OWNED}
 
 
-def third_party_imports() -> dict[str, set[str]]:
+def optional_imports(tree: ast.AST) -> set[ast.AST]:
+    """The import statements of ``tree`` inside a ``try`` that handles ImportError (used where installed, e.g. psutil
+    and tqdm): not requirements."""
+    guarded = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+                h.type is not None and {n.id for n in ast.walk(h.type) if isinstance(n, ast.Name)}
+                & {"ImportError", "ModuleNotFoundError"} for h in node.handlers):
+            guarded |= {n for stmt in node.body for n in ast.walk(stmt) if isinstance(n, ast.Import | ast.ImportFrom)}
+    return guarded
+
+
+def third_party_imports(optional: bool = False) -> dict[str, set[str]]:
     """Top-level modules imported anywhere in the pack's code (engine, nodes, entry point) -> the files importing them,
-    stdlib and relative imports left out."""
+    stdlib and relative imports left out; only the ones ``optional_imports`` finds with ``optional``, else the others."""
     found: dict[str, set[str]] = {}
     files = [ROOT / "__init__.py", *sorted((ROOT / "flux2_core").rglob("*.py")), *sorted((ROOT / "nodes").glob("*.py"))]
     for path in files:
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        guarded = optional_imports(tree)
+        for node in ast.walk(tree):
+            if (node in guarded) != optional:
+                continue
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -69,6 +85,8 @@ def test_every_import_of_the_pack_is_installed_by_requirements_or_comes_with_com
     unmet = {module: sorted(files) for module, files in imports.items() if module not in HOST_MODULES
              and not {d.lower() for d in distributions.get(module, [])} & installed_by_them}
     assert not unmet, f"imported by the pack but not installed by requirements.txt: {unmet}"
+    # imported only where installed, with a fallback (checks.available_memory: psutil, else /proc/meminfo)
+    assert "psutil" in third_party_imports(optional=True) and "psutil" not in imports
 
 
 def test_install_check_passes_here_and_names_what_is_missing_or_too_old(tmp_path):

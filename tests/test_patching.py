@@ -91,6 +91,17 @@ def test_strength_zero_and_removal_give_the_original_bit_for_bit_after_many_chan
     assert torch.equal(forward(model), out) and model.adapter_key == ()
 
 
+@pytest.mark.parametrize("strength", [float("nan"), float("inf")])
+def test_a_non_finite_strength_is_refused_and_changes_nothing(strength):
+    model = tiny_model()
+    (a, _, _) = lora(1)
+    set_adapters(model, [(p, 0.5) for p in a.patches], key="half")
+    applied = snapshot(model)
+    with pytest.raises(Flux2Error, match="an adapter's strength must be a finite number"):
+        set_adapters(model, [(p, strength) for p in a.patches], key="bad")
+    assert all(torch.equal(v, applied[k]) for k, v in model.state_dict().items()) and model.adapter_key == "half"
+
+
 def test_run_time_branches_equal_merged_weights():
     (a, _, _), (b, _, _) = lora(1), lora(2)
     patches = [(p, 0.8) for p in a.patches] + [(p, 0.5) for p in b.patches]

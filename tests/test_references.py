@@ -10,7 +10,13 @@ from PIL import Image
 
 from flux2_core.autoencoder import AutoEncoder
 from flux2_core.errors import Flux2Error
-from flux2_core.references import encode_references, image_to_tensor, prepare_references
+from flux2_core.references import (
+    encode_references,
+    image_to_tensor,
+    pixel_cap,
+    prepare_references,
+    reference_tokens,
+)
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder
 
 
@@ -110,3 +116,16 @@ def test_tokens_and_ids_match_diffusers():
     assert sorted(set(ids[0, :, 0].tolist())) == [10, 20, 30]
     err = (tokens - ref_tokens).abs().max().item()
     assert err <= 1e-4 * ref_tokens.abs().max().item(), err
+
+
+def test_pixel_caps_and_tokens_of_batched_latents():
+    """BFL's caps (2024^2 alone, 1024^2 each for several); the tokens of a batch of reference latents (ComfyUI's
+    reference_latents may hold [n, 128, h, w]) are those of its items one by one, at t = 10, 20, ..."""
+    assert (pixel_cap(1), pixel_cap(2), pixel_cap(5)) == (2024 * 2024, 1024 * 1024, 1024 * 1024)
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(1, 128, h, w, generator=g) for h, w in [(2, 3), (2, 3), (4, 1)])
+    tokens, ids = reference_tokens([torch.cat([a, b]), c])
+    expected = torch.cat([z.flatten(2).transpose(1, 2) for z in (a, b, c)], dim=1)     # "c h w -> (h w) c"
+    assert torch.equal(tokens, expected) and ids[0, :, 0].tolist() == [10] * 6 + [20] * 6 + [30] * 4
+    assert ids[0, 12:, 1:3].tolist() == [[0, 0], [1, 0], [2, 0], [3, 0]]                  # c's own (h, w) grid
+    assert reference_tokens([]) == (None, None)

@@ -1,8 +1,11 @@
 """Schedules against an independent float64 computation of BFL's documented formula, the documented example values,
 and diffusers' own scheduler."""
 
+import math
+
 import numpy as np
 import pytest
+import torch
 
 from flux2_core.errors import Flux2Error
 from flux2_core.schedules import (
@@ -10,6 +13,8 @@ from flux2_core.schedules import (
     empirical_mu,
     flux2_schedule,
     linear_schedule,
+    max_image_tokens,
+    named_schedule,
     power_schedule,
     truncate_for_strength,
 )
@@ -96,6 +101,7 @@ def test_check_sigmas():
     assert check_sigmas([1, 0.5, 0]) == [1.0, 0.5, 0.0]
     assert check_sigmas(np.array([0.8, 0.2])) == [pytest.approx(0.8), pytest.approx(0.2)]
     for bad, what in [([1.0], "two"), ([1.2, 0.0], r"\[0, 1\]"), ([1.0, float("nan")], r"\[0, 1\]"),
+                      ([1.0, float("inf"), 0.0], "finite"),
                       ([1.0, 0.5, 0.5, 0.0], "decrease"), ([0.0, 1.0], "decrease")]:
         with pytest.raises(Flux2Error, match=what):
             check_sigmas(bad)
@@ -113,3 +119,53 @@ def test_truncate_for_strength():
     with pytest.raises(Flux2Error, match="no step"):
         truncate_for_strength(s, 1e-17)
     assert truncate_for_strength(s, 0.01) == [0.4, 0.0]   # any strength > 0 runs at least the last step
+
+
+def bfl_get_schedule(steps, tokens):
+    """BFL's get_schedule as its code runs it in torch (bfl-flux2-klein.md 5.2: time_shift with sigma 1.0 on an fp32
+    linspace, exp(mu) a Python float), from the documented constants; NaN where exp(mu) leaves float64."""
+    a1, b1, a2, b2 = 8.73809524e-05, 1.89833333, 0.00016927, 0.45666666
+    m200, m10 = a2 * tokens + b2, a1 * tokens + b1
+    mu = m200 if tokens > 4300 else (m200 - m10) / 190 * steps + m200 - 200 * (m200 - m10) / 190
+    t = torch.linspace(1, 0, steps + 1)
+    if mu > 709:
+        return [float("nan")] * (steps + 1)
+    return (math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** 1.0)).tolist()
+
+
+@pytest.mark.parametrize("steps", [1, 4, 50, 200])
+def test_the_largest_size_is_where_the_reference_stops_decreasing(steps):
+    """At max_image_tokens the reference's float32 schedule still strictly decreases; one token more and two levels
+    are equal (or NaN): flux2_schedule refuses from there, naming the limit, rather than run steps that do nothing."""
+    limit = max_image_tokens(steps)
+    good, bad = np.array(bfl_get_schedule(steps, limit)), np.array(bfl_get_schedule(steps, limit + 1))
+    assert np.all(np.diff(good) < 0) and not np.all(np.diff(bad) < 0)
+    assert flux2_schedule(steps, limit) == good.tolist()
+    side = int(limit ** 0.5) * 16
+    with pytest.raises(Flux2Error, match=f"at most about {side}x{side} px"):
+        flux2_schedule(steps, limit + 1)
+
+
+def test_sizes_past_float_range_are_refused_too():
+    for tokens in [(16384 // 16) ** 2, (65536 // 16) ** 2]:        # exp(mu) overflows float32, then float64
+        with pytest.raises(Flux2Error, match="overflows to NaN"):
+            flux2_schedule(4, tokens)
+
+
+def test_steps_and_named_schedules():
+    with pytest.raises(Flux2Error, match="from 1 to 10000"):
+        linear_schedule(10_001)
+    assert named_schedule("flux2", 4, 4096) == flux2_schedule(4, 4096)
+    assert named_schedule("power", 4, 4096, 2.0) == power_schedule(4, 2.0)
+    assert named_schedule("linear", 4, 4096, float("nan")) == linear_schedule(4)     # rho only matters to power
+    for name, rho, what in [("power", float("nan"), "rho"), ("power", float("inf"), "rho"), ("karras", 1, "unknown")]:
+        with pytest.raises(Flux2Error, match=what):
+            named_schedule(name, 4, 4096, rho)
+
+
+def test_strength_needs_an_image_below_one():
+    from flux2_core.schedules import check_strength
+    assert check_strength(1.0, False) == 1.0 and check_strength(0.3, True) == 0.3
+    for strength, image, what in [(0.3, False, "no image"), (float("nan"), True, "finite"), (0.0, True, r"\(0, 1\]")]:
+        with pytest.raises(Flux2Error, match=what):
+            check_strength(strength, image)

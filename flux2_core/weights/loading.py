@@ -332,10 +332,24 @@ def mismatch_message(source: Source, missing: list[str], unexpected: list[str]) 
 # ---------------------------------------------------------------------------------------------------------------
 
 def default_device_dtype(device, dtype) -> tuple[torch.device, torch.dtype]:
-    """cuda if available, else cpu; bfloat16 on cuda, float32 elsewhere."""
-    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    """cuda if available, else cpu; bfloat16 on cuda, float32 elsewhere. A device this torch cannot use (no CUDA, a
+    GPU index past the last, a misspelt name) is a Flux2Error here, before anything is loaded for it."""
+    try:
+        device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    except (RuntimeError, TypeError) as e:
+        raise Flux2Error(f"device {device!r} is not a device name ({e}); use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise Flux2Error(f"device {device} asked for, but this torch ({torch.__version__}, {build}) sees no CUDA "
+                             f"GPU: use --device cpu, or install the CUDA build of torch for your driver")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise Flux2Error(f"device {device} asked for, but there are {torch.cuda.device_count()} CUDA GPU(s) "
+                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise Flux2Error(f"device {device} asked for, but this torch has no Apple GPU (MPS) available: use cpu")
     return device, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 

@@ -136,3 +136,17 @@ def test_fp8_option_quantizes_a_full_precision_file(comfy):
     expected = pipeline.generate(direct_fp8, case["prompt"], steps=case["steps"], seed=case["seed"], **SIZE).latents
     assert relative(ours, expected)[1] <= 1e-5
     assert 0 < relative(ours, run_latent(comfy, graphs.ours, case))[1] < 0.2
+
+
+def test_a_distilled_model_ignores_cfg_in_the_node_as_in_flux2_core(comfy, direct_models):
+    """One guidance rule for both (sampling.guidance_for): a distilled model given a negative and cfg 3 runs one pass
+    per step in the node, as pipeline.generate does (and BFL's and diffusers' pipelines), and both say so. ComfyUI's
+    own CFGGuider, which knows no variants, would run CFG here: this case is ours alone."""
+    case = {"prompt": "a red fox in the snow", "seed": 7, "steps": 3, "cfg": 3.0, "negative": ""}
+    run = comfy.client.run(graphs.ours(comfy.files, **graph_options(comfy, case), output="latent"))
+    ours = graphs.saved_latent(comfy.base, comfy.client.history(run.prompt_id)).float()
+    expected = direct(comfy, direct_models, case)
+    assert relative(ours, expected.latents)[1] <= 1e-5
+    assert any("cfg 3 is ignored" in w for w in expected.warnings)
+    assert "cfg 3 is ignored" in " ".join(comfy.client.history(run.prompt_id)["outputs"]["8"]["text"])
+    assert torch.equal(ours, run_latent(comfy, graphs.ours, {**case, "cfg": 1.0}))
