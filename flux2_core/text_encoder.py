@@ -45,6 +45,12 @@ def render_prompt(tokenizer, prompt: str) -> str:
     "<|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n"."""
     if not isinstance(prompt, str):
         raise Flux2Error(f"a prompt must be a string, got {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:    # lone surrogates: bytes that were not UTF-8 (a shell in another encoding)
+        raise Flux2Error(f"the prompt is not valid text: character {e.start} stands for a byte that is not UTF-8 "
+                         f"({prompt[max(0, e.start - 20):e.start]!r} comes before it); pass the prompt as UTF-8 text "
+                         f"(check the terminal's or file's encoding)") from None
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True, enable_thinking=False)
 

@@ -56,3 +56,13 @@ def test_render_prompt_is_the_klein_template(tokenizer):
 def test_a_prompt_that_is_not_a_string_is_refused(tokenizer):
     with pytest.raises(Flux2Error, match="must be a string"):
         count_prompt_tokens(tokenizer, None)
+
+
+def test_a_prompt_holding_bytes_that_are_not_utf8_is_refused(tokenizer, encoder):
+    """A prompt read through Python's surrogateescape (a shell in another encoding) names the bad character instead of
+    a tokenizer TypeError; counting and encoding say the same."""
+    prompt = b"a caf\xe9 by the sea".decode("utf-8", "surrogateescape")
+    with pytest.raises(Flux2Error, match=r"character 5 stands for a byte that is not UTF-8 \('a caf' comes before"):
+        count_prompt_tokens(tokenizer, prompt)
+    with pytest.raises(Flux2Error, match="not valid text"):
+        encoder.encode([prompt])
