@@ -168,8 +168,10 @@ def finished(server: str, message: dict) -> bool:
     An error or an interrupt raises."""
     kind, data = message["type"], message["data"]
     if kind == "execution_error":      # the workflow failed, the server did nothing wrong: the node's message first
+        # the class name alone: a pack's exception type carries the path of its folder (custom_nodes.<pack>.<module>)
+        error_type = str(data.get("exception_type", "")).rsplit(".", 1)[-1]
         raise Flux2Error(f"node {shown(data.get('node_id'), 40)} ({shown(data.get('node_type'), 80)}) failed: "
-                         f"{shown(data.get('exception_type'), 80)}: {shown(data.get('exception_message'), 2000)}")
+                         f"{shown(error_type, 80)}: {shown(data.get('exception_message'), 2000)}")
     if kind == "execution_interrupted":
         raise Flux2Error(f"the prompt was interrupted at node {shown(data.get('node_id'), 40)} (in ComfyUI at "
                          f"{server})")

@@ -87,7 +87,7 @@ class FakeComfy(ThreadingHTTPServer):
             conn.sendall(server_frame(2, struct.pack(">II", 1, 1) + b"jpeg"))  # binary preview frame
         if self.fail:
             send("execution_error", {"prompt_id": prompt_id, "node_id": "5", "node_type": "Flux2KleinDenoise",
-                                     "exception_type": "RuntimeError", "exception_message": "boom"})
+                                     "exception_type": "custom_nodes.some-pack.errors.PackError", "exception_message": "boom"})
             return
         padding = "x" * 300                                                # a 16-bit length frame
         send("executed", {"node": "6", "output": {"images": [], "pad": padding}, "prompt_id": prompt_id})
@@ -225,7 +225,7 @@ def test_main_applies_overrides_and_prints_steps(fake, tmp_path, capsys):
 
 def test_execution_error_is_reported(fake, tmp_path):
     server = fake(steps=1, fail=True)
-    with pytest.raises(Flux2Error, match="node 5 .*RuntimeError: boom"):
+    with pytest.raises(Flux2Error, match=r"node 5 \(Flux2KleinDenoise\) failed: PackError: boom"):
         queue_client.queue(WORKFLOW, address(server), str(tmp_path), timeout=10, on_message=None)
 
 
