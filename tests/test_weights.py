@@ -619,3 +619,29 @@ def test_cpu_reads_equal_safetensors_own_for_every_dtype(tmp_path):
     last = max((i for i in infos.values() if i.name != "empty"), key=lambda i: i.offset)
     with open(path, "rb", buffering=0) as f, pytest.raises(Flux2Error, match="ended inside tensor"):
         read_tensor(last, f)
+
+
+@pytest.mark.parametrize("key,value", [("rope_theta", "abc"), ("axes_dims_rope", [8, "8"]), ("rope_theta", -1),
+                                       ("quantization_config", [1]), ("axes_dims_rope", 32)])
+def test_config_values_of_the_wrong_kind_are_named(dit, tmp_path, key, value):
+    """A diffusers config.json holding a value of the wrong kind is a Flux2Error naming the key, not a traceback."""
+    import shutil
+
+    folder = tmp_path / "transformer"
+    shutil.copytree(dit.files["diffusers-folder"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(Flux2Error, match=rf"config.json of .* is damaged: {key} is"):
+        weights.load_transformer(folder, device="cpu")
+
+
+@pytest.mark.parametrize("key,value", [("hidden_size", "wide"), ("num_attention_heads", 0), ("intermediate_size", -5)])
+def test_a_text_encoder_config_that_does_not_fit_is_named(te, tmp_path, key, value):
+    import shutil
+
+    folder = tmp_path / "text_encoder"
+    shutil.copytree(te.files["diffusers-folder"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(Flux2Error, match="config.json of .* does not describe a Qwen3"):
+        weights.load_text_encoder(folder, device="cpu", tokenizer=te.tokenizer)

@@ -41,6 +41,7 @@ otherwise dequantized on load to the compute dtype (``weight.float() * scale``, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
@@ -173,8 +174,9 @@ class TensorReader:
 
     def __init__(self, source: Source, device: torch.device):
         self.source, self.device, self.handles, self.files = source, device, {}, ExitStack()
-        block = source.ckpt.config.get("quantization_config", {}).get("weight_block_size") or (128, 128)
-        self.block = (int(block[0]), int(block[1]))
+        quantization = config_value(source, "quantization_config", dict, {})
+        block = config_value(source, "weight_block_size", "2 ints", None, quantization) or (128, 128)
+        self.block = (block[0], block[1])
 
     def close(self) -> None:
         """Close the files read on the CPU (safetensors' handles close themselves)."""
@@ -331,6 +333,30 @@ def mismatch_message(source: Source, missing: list[str], unexpected: list[str]) 
 # 2. building on meta and assigning
 # ---------------------------------------------------------------------------------------------------------------
 
+CONFIG_KINDS = {   # what a config.json value must be, as checked by config_value
+    dict: lambda v: isinstance(v, dict),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+    "ints": lambda v: isinstance(v, list) and bool(v) and all(CONFIG_KINDS["int"](n) for n in v),
+    "2 ints": lambda v: CONFIG_KINDS["ints"](v) and len(v) == 2,
+}
+CONFIG_NAMES = {dict: "an object", "int": "a positive whole number", "number": "a positive finite number",
+                "ints": "a list of positive whole numbers", "2 ints": "a list of two positive whole numbers"}
+
+
+def config_value(source: Source, key: str, kind, default, within: dict | None = None):
+    """``key`` of the model folder's config.json (or of ``within``, a part of it), checked to be of ``kind``; the
+    default when absent. A value of another kind is a Flux2Error naming the file, the key and what it must be."""
+    config = source.ckpt.config if within is None else within
+    if key not in config or config[key] is None:
+        return default
+    value = config[key]
+    if not CONFIG_KINDS[kind](value):
+        raise Flux2Error(f"the config.json of {source.ckpt.path} is damaged: {key} is {str(value)[:60]!r}, but must be "
+                         f"{CONFIG_NAMES[kind]}; download config.json again")
+    return value
+
+
 def default_device_dtype(device, dtype) -> tuple[torch.device, torch.dtype]:
     """cuda if available, else cpu; bfloat16 on cuda, float32 elsewhere. A device this torch cannot use (no CUDA, a
     GPU index past the last, a misspelt name) is a Flux2Error here, before anything is loaded for it."""
@@ -393,14 +419,13 @@ def transformer_params(source: Source) -> TransformerParams:
     hidden, in_channels = need_shape(source, "img_in.weight")
     head_dim = need_shape(source, "double_blocks.0.img_attn.norm.query_norm.scale")[0]
     mlp_hidden = need_shape(source, "double_blocks.0.img_mlp.2.weight")[1]
-    config = source.ckpt.config
-    axes = tuple(config.get("axes_dims_rope") or (head_dim // 4,) * 4)
+    axes = tuple(config_value(source, "axes_dims_rope", "ints", None) or (head_dim // 4,) * 4)
     try:
         return TransformerParams(
             in_channels=in_channels, context_in_dim=need_shape(source, "txt_in.weight")[1], hidden_size=hidden,
             num_heads=hidden // head_dim, depth=count(source, "double_blocks.{}.img_attn.qkv.weight"),
             depth_single_blocks=count(source, "single_blocks.{}.linear1.weight"), mlp_ratio=mlp_hidden / hidden,
-            axes_dim=axes, theta=int(config.get("rope_theta", 2000)),
+            axes_dim=axes, theta=int(config_value(source, "rope_theta", "number", 2000)),
             use_guidance_embed=source.has("guidance_in.in_layer.weight"))
     except ValueError as e:
         raise Flux2Error(f"{source.ckpt.path}: the architecture read from the file is inconsistent ({e}); pass "
@@ -509,13 +534,13 @@ def autoencoder_params(source: Source) -> AutoEncoderParams:
     """Architecture from tensor shapes; GroupNorm groups and BatchNorm eps from a diffusers config.json if any."""
     ch, in_channels = need_shape(source, "encoder.conv_in.weight")[:2]
     levels = count(source, "encoder.down.{}.block.0.conv1.weight")
-    config = source.ckpt.config
     return AutoEncoderParams(
         in_channels=in_channels, ch=ch, out_ch=need_shape(source, "decoder.conv_out.weight")[0],
         ch_mult=tuple(need_shape(source, f"encoder.down.{i}.block.0.conv1.weight")[0] // ch for i in range(levels)),
         num_res_blocks=count(source, "encoder.down.0.block.{}.conv1.weight"),
         z_channels=need_shape(source, "decoder.conv_in.weight")[1],
-        num_groups=int(config.get("norm_num_groups", 32)), bn_eps=float(config.get("batch_norm_eps", 1e-4)))
+        num_groups=config_value(source, "norm_num_groups", "int", 32),
+        bn_eps=float(config_value(source, "batch_norm_eps", "number", 1e-4)))
 
 
 def load_autoencoder(path: str | Path, device=None, dtype: torch.dtype | None = None) -> AutoEncoder:
@@ -570,7 +595,7 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     if tokenizer is None and source.ckpt.path.is_dir():
         tokenizer = load_tokenizer(source.ckpt.files[0].parent)
     try:
-        config = source.ckpt.config or qwen3_config_from_state_dict(shapes)
+        config = qwen3_config(source) or qwen3_config_from_state_dict(shapes)
         encoder = build_qwen3_encoder(state, config=config, device=device, dtype=dtype, tokenizer=tokenizer,
                                       ggml_types=ggml_types)
     except Flux2Error as e:
@@ -578,6 +603,24 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     if "tokenizer.ggml.tokens" in source.ckpt.metadata:
         check_vocabulary(source.ckpt.metadata["tokenizer.ggml.tokens"], encoder.tokenizer, source.ckpt.path)
     return encoder
+
+
+def qwen3_config(source: Source):
+    """The folder's config.json as a transformers ``Qwen3Config`` (None for a single file), or a Flux2Error saying
+    which value it cannot take."""
+    if not source.ckpt.config:
+        return None
+    from transformers import Qwen3Config
+
+    try:
+        config = Qwen3Config.from_dict(source.ckpt.config)
+        sizes = [config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size]
+        if not all(isinstance(n, int) and n > 0 for n in sizes):
+            raise ValueError(f"sizes must be positive whole numbers, got {sizes}")
+    except Exception as e:  # noqa: BLE001 (transformers and huggingface_hub raise their own kinds for bad values)
+        raise Flux2Error(f"the config.json of {source.ckpt.path} does not describe a Qwen3 ({str(e)[:200]}); download "
+                         f"config.json again") from None
+    return config
 
 
 def check_vocabulary(tokens: list[str], tokenizer, path: Path) -> None:
