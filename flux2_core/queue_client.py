@@ -114,7 +114,7 @@ def refusal(body: bytes) -> str:
 
     try:
         answer = json.loads(body)
-        lines = [said(answer["error"])]
+        lines = [said(answer["error"])] if "error" in answer else []
         for nid, node in answer["node_errors"].items():
             lines += [f"  node {shown(nid, 40)} ({shown(node.get('class_type'), 80)}): {said(error)}"
                       for error in node["errors"]]
@@ -141,6 +141,8 @@ def parse_submit(server: str, body: bytes) -> str:
     prompt_id = answer.get("prompt_id") if isinstance(answer, dict) else None
     if not isinstance(prompt_id, str) or not 0 < len(prompt_id) <= 200 or not prompt_id.isprintable():
         raise ServerError(server, f"the answer to POST /prompt has no usable prompt_id: {shown(body)}")
+    if answer.get("node_errors"):      # queued all the same: the outputs whose inputs failed are left out
+        note(f"ComfyUI at {server} queued the workflow without some of its outputs:\n{refusal(body)}")
     return prompt_id
 
 

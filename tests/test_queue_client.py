@@ -393,3 +393,18 @@ def test_a_connection_nobody_answers_times_out_with_the_fix(tmp_path):
                 s.close()
     assert str(error.value).startswith(f"ComfyUI at {server}: opening the websocket /ws: cannot connect (no answer "
                                        "within 0.5 s). Is ComfyUI running?")
+
+
+def test_a_prompt_queued_with_node_errors_says_which_outputs_are_left_out(capsys):
+    """ComfyUI queues a workflow whose other outputs are valid and lists the invalid ones in node_errors (HTTP 200):
+    the client goes on with the prompt id and says which nodes were left out and why."""
+    from flux2_core.queue_client import parse_submit
+
+    answer = {"prompt_id": "abc", "number": 1, "node_errors": {"9": {"class_type": "SaveImage", "errors": [
+        {"message": "Required input is missing", "details": "images"}]}}}
+    assert parse_submit("127.0.0.1:8188", json.dumps(answer).encode()) == "abc"
+    err = capsys.readouterr().err
+    assert "queued the workflow without some of its outputs" in err
+    assert "node 9 (SaveImage): Required input is missing: images" in err
+    assert parse_submit("127.0.0.1:8188", json.dumps({**answer, "node_errors": {}}).encode()) == "abc"
+    assert capsys.readouterr().err == ""
