@@ -12,11 +12,14 @@ The server runs from a ComfyUI source tree (v0.12.1+) in its own Python environm
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +68,18 @@ def write_torch_stubs(folder: Path, python: str) -> Path:
             package.mkdir(parents=True, exist_ok=True)
             (package / "__init__.py").write_text(STUB.format(name=module))
     return folder
+
+
+def post_raw(comfy, path: str, body) -> tuple[int, dict]:
+    """POST ``body`` (bytes, or an iterable of chunks: sent chunked, without a length) to the test server as it comes,
+    past the client's own checks -> (HTTP status, JSON answer)."""
+    request = urllib.request.Request(f"http://{comfy.server.address}{path}", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def free_port() -> int:

@@ -5,30 +5,18 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from flux2_core.text_encoder import count_prompt_tokens
 from flux2_core.tokenizer import load_tokenizer
 from tests.comfyui import graphs
+from tests.comfyui.host import post_raw as post
 
 ROUTE = "/flux2_klein/tokens"
 PROMPTS = {"short": "a red fox in the snow",
            "long": "a red fox in the snow, " * 90,                                  # over 512 with the template
            "non-ascii": "Ein Café in Zürich, 東京の夜景 🌃, ночь, مرحبا\n\nkeep the \"quotes\""}
-
-
-def post(comfy, path: str, body) -> tuple[int, dict]:
-    """POST body (bytes, or an iterable of chunks: sent chunked, without a length) -> (status, JSON answer)."""
-    request = urllib.request.Request(f"http://{comfy.server.address}{path}", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.fixture(scope="module")

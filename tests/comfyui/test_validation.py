@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 from safetensors.torch import load_file, save_file
 
 from flux2_core.errors import Flux2Error
 from tests.comfyui import graphs
+from tests.comfyui.host import post_raw
 
 NAN_MODEL = "flux-2-klein-tiny-nan.safetensors"
 
@@ -21,13 +20,7 @@ NAN_MODEL = "flux-2-klein-tiny-nan.safetensors"
 def post_prompt(comfy, prompt: dict) -> tuple[int, dict]:
     """(HTTP status, answer) of POST /prompt. A prompt that passes validation is queued and runs."""
     body = json.dumps({"prompt": prompt, "client_id": "validation-test"}).encode()   # NaN goes out as JSON's NaN
-    request = urllib.request.Request(f"http://{comfy.server.address}/prompt", data=body,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_raw(comfy, "/prompt", body)
 
 
 def refused(comfy, prompt: dict) -> dict:
