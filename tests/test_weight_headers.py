@@ -542,3 +542,13 @@ def test_a_valid_dtype_torch_cannot_hold_is_named_when_read(tmp_path):
     assert reader.raw("fp4").view(torch.uint8).tolist() == [[3, 4], [5, 6]]      # two E2M1 values per byte
     with pytest.raises(Flux2Error, match=r"tensor 'fp6' is stored as F6_E2M3, which cannot be read here"):
         reader.raw("fp6")
+
+
+def test_only_gguf_blocks_count_as_quantized(tmp_path):
+    """A safetensors dtype torch cannot hold (F4) is safetensors' to read, never handed to the GGML dequantizer;
+    GGUF block types are, GGUF float types are not."""
+    from flux2_core.weights.checkpoint import TensorInfo
+
+    assert not TensorInfo(tmp_path, "w", "F4", (2, 4), 0).quantized
+    assert TensorInfo(tmp_path, "w", "Q4_K", (2, 256), 0, ggml=12).quantized
+    assert not TensorInfo(tmp_path, "w", "F16", (2, 256), 0, ggml=1).quantized

@@ -59,8 +59,9 @@ class TensorInfo:
 
     @property
     def quantized(self) -> bool:
-        """Whether the tensor is GGML blocks (read as uint8 rows, ``ggml.dequantize`` makes the values)."""
-        return self.dtype not in TORCH_DTYPES
+        """Whether the tensor is GGML blocks (read as uint8 rows, ``ggml.dequantize`` makes the values); a
+        safetensors dtype torch cannot hold (F4, F6) is not, it stays safetensors' to read."""
+        return self.ggml is not None and self.dtype not in TORCH_DTYPES
 
 
 # safetensors dtype codes -> torch dtypes (the ones ``read_tensor`` reads itself; F4 and the like go through safetensors)
@@ -220,7 +221,7 @@ def read_tensor(info: TensorInfo, file: BinaryIO) -> torch.Tensor:
     """
     # zeros, not empty: memory first touched by torch's fill (large pages, both cores) is faster to read into than
     # memory the kernel faults in page by page during the read (2 GB: 0.63 s vs 1.0 s on our 2-core machine)
-    if info.ggml is not None and info.quantized:
+    if info.quantized:
         tensor = torch.zeros(math.prod(info.shape[:-1]), row_bytes(info.ggml, info.shape[-1]), dtype=torch.uint8)
     else:
         tensor = torch.zeros(info.shape, dtype=TORCH_DTYPES[info.dtype])
