@@ -130,9 +130,7 @@ def _merge(layer: nn.Module, items: list[tuple[Patch, float]]) -> tuple[Tensor, 
         weight = dequantize_fp8(layer.weight, layer.weight_scale)                # float32 [out, in]
     else:
         weight = layer.weight.detach().float()
-    for patch, strength in items:
-        rows = slice(*patch.rows) if patch.rows else slice(None)
-        weight[rows] = patch.merged(weight[rows], strength)
+    _merge_rows(weight, items)
     if isinstance(layer, Fp8Linear):
         w8, scale = quantize_fp8(weight, per_row=layer.weight_scale.ndim == 1)
         layer.weight.copy_(w8)
@@ -145,15 +143,25 @@ def _merge(layer: nn.Module, items: list[tuple[Patch, float]]) -> tuple[Tensor, 
 def _merged(items: list[tuple[Patch, float]]):
     """A GGMLLinear ``weight_patch``: the patches merged into its dequantized weight [out, in] (computed in float32)."""
     def patch_weight(weight: Tensor) -> Tensor:
-        merged = weight.float()
-        for i, (patch, strength) in enumerate(items):
-            if next(iter(patch.tensors.values())).device != weight.device:    # moved once, where the layer computes
-                patch = _patch_on_device(patch, weight.device)
-                items[i] = (patch, strength)
-            rows = slice(*patch.rows) if patch.rows else slice(None)
-            merged[rows] = patch.merged(merged[rows], strength)
-        return merged.to(weight.dtype)
+        return _merge_rows(weight.float(), _on_device(items, weight.device)).to(weight.dtype)
     return patch_weight
+
+
+def _merge_rows(weight: Tensor, items: list[tuple[Patch, float]]) -> Tensor:
+    """W + Σ strength·ΔW in place on a float32 weight [out, in], each patch on the rows it covers; returns it."""
+    for patch, strength in items:
+        rows = slice(*patch.rows) if patch.rows else slice(None)
+        weight[rows] = patch.merged(weight[rows], strength)
+    return weight
+
+
+def _on_device(items: list[tuple[Patch, float]], device: torch.device) -> list[tuple[Patch, float]]:
+    """``items`` with every patch on ``device``, moved there once (the list keeps the moved patches): run-time
+    patches move where their layer computes (a streamed block's weights wait on the CPU while it runs on the GPU)."""
+    for i, (patch, strength) in enumerate(items):
+        if next(iter(patch.tensors.values())).device != device:
+            items[i] = (_patch_on_device(patch, device), strength)
+    return items
 
 
 def _branches(items: list[tuple[Patch, float]]):
@@ -161,10 +169,7 @@ def _branches(items: list[tuple[Patch, float]]):
     def hook(layer: nn.Module, args: tuple, out: Tensor) -> Tensor:
         x = args[0]
         out = out.clone() if torch.is_grad_enabled() else out       # in place when nothing records the graph
-        for i, (patch, strength) in enumerate(items):
-            if next(iter(patch.tensors.values())).device != x.device:    # moved once, where the layer computes
-                patch = _patch_on_device(patch, x.device)
-                items[i] = (patch, strength)
+        for patch, strength in _on_device(items, x.device):
             rows = slice(*patch.rows) if patch.rows else slice(None)
             out[..., rows] += strength * patch.branch(x).to(out.dtype)
         return out
