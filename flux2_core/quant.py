@@ -82,7 +82,10 @@ class Fp8Linear(nn.Module):
         if self.fp8_matmul and _scaled_mm_ok(x, self.weight):
             return _fp8_matmul(x, self.weight, self.weight_scale)
         y = linear(x, self.weight.to(x.dtype))                    # the e4m3 -> bf16/fp32 cast is exact
-        return y.mul_(self.weight_scale)                           # per output: multiplied in float32, stored in place
+        # per output: multiplied in float32, stored in place. A 0-d (per-tensor) scale is expanded to a vector first:
+        # a 0-d float32 operand does not promote a bf16 tensor, so CUDA would round the scale to bf16 before the
+        # multiply (the CPU kernel happens to keep it in float32)
+        return y.mul_(self.weight_scale.expand(y.shape[-1]))
 
     def extra_repr(self) -> str:
         kind = "per-row" if self.weight_scale.ndim else "per-tensor"
