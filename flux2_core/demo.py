@@ -14,6 +14,7 @@ import torch
 
 from .autoencoder import AutoEncoder
 from .pipeline import Models
+from .qwen3 import Qwen3, Qwen3Params
 from .text_encoder import build_qwen3_encoder
 from .transformer import Flux2Transformer
 from .variants import QWEN3_4B, VARIANTS, AutoEncoderParams, TransformerParams
@@ -51,20 +52,17 @@ def _shapes(module: torch.nn.Module) -> dict[str, torch.Size]:
 
 def demo_models(variant: str = "klein-4b", device="cpu") -> Models:
     """Models with tiny random weights; ``variant`` picks the sampling defaults (steps, CFG, KV) of that family."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
-
     from .weights import default_device_dtype
 
     device, _ = default_device_dtype(device, torch.float32)      # an unusable device: a Flux2Error, not a traceback
     g = torch.Generator().manual_seed(DEMO_SEED)
     with torch.device("meta"):
         transformer, ae = Flux2Transformer(DEMO_TRANSFORMER), AutoEncoder(DEMO_AUTOENCODER)
-        qwen_config = Qwen3Config(**DEMO_QWEN3)
-        qwen = Qwen3Model(qwen_config)
+        qwen_params = Qwen3Params.from_config(DEMO_QWEN3)
+        qwen = Qwen3(qwen_params, qwen_params.num_layers)
     transformer.load_state_dict(random_weights(_shapes(transformer), g), assign=True)
     ae.load_state_dict(random_weights(_shapes(ae), g), assign=True)
-    encoder = build_qwen3_encoder(random_weights(_shapes(qwen), g), config=qwen_config, device=device,
+    encoder = build_qwen3_encoder(random_weights(_shapes(qwen), g), config=qwen_params, device=device,
                                   dtype=torch.float32)
     chosen = VARIANTS[variant]
     chosen = replace(chosen, name=f"demo ({chosen.name} defaults)", params=DEMO_TRANSFORMER, files=(),

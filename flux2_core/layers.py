@@ -1,4 +1,4 @@
-"""Where the transformer's linear layers are made: the one seam for weight storage (ComfyUI's ``operations=`` idea).
+"""Where the models' linear layers are made: the one seam for weight storage (ComfyUI's ``operations=`` idea).
 
     model = Flux2Transformer(params)                                    # every layer float (linear.Linear)
     model = Flux2Transformer(params, Layers(fp8=lambda name: name.startswith("single_blocks.")))
@@ -13,9 +13,9 @@ afterwards:
     GGUF    ggml_layers.GGMLLinear: a GGUF file's blocks (Q8_0 ... Q2_K), dequantized at every call
 
 Per-item vector layers (timestep embedding, modulations) stay per item in every storage, so a batch keeps equal to
-single runs. Adapters sit on top of any storage (``patching.set_adapters``). A model built elsewhere (transformers'
-Qwen3, the text encoder) gets its layers from the same maker with ``adopt``; ``quant.quantize_transformer`` converts
-a transformer already in memory.
+single runs. Adapters sit on top of any storage (``patching.set_adapters``). The text encoder (``qwen3.py``) gets its
+linears and its token table (``embedding``) from the same maker; ``quant.quantize_transformer`` converts a
+transformer already in memory.
 """
 
 from __future__ import annotations
@@ -52,26 +52,12 @@ class Layers:
             return Fp8Linear(in_features, out_features, item_by_item=per_item)
         return (VectorLinear if per_item else Linear)(in_features, out_features)
 
-    def adopt(self, module: nn.Module, dtype: torch.dtype | None = None) -> int:
-        """Give a model built elsewhere (transformers' Qwen3) the layers this maker makes for its bias-free
-        ``nn.Linear`` layers' names, keeping their weights: float ones become ``linear.Linear`` in place (the same
-        Parameter and state dict; oneDNN on CPU), fp8 ones are quantized per row. GGUF ones (and ``nn.Embedding``
-        tables the maker names) are new, empty layers: adopt those on the meta device, then load the blocks by
-        assignment; ``dtype`` is what a GGUF embedding returns. Returns how many layers it changed."""
-        changed = 0
-        for name, layer in list(module.named_modules()):
-            qtype = self.ggml(self.prefix + name)
-            if qtype is not None and type(layer) is nn.Embedding:
-                module.set_submodule(name, GGMLEmbedding(*layer.weight.shape, qtype, dtype or torch.float32,
-                                                         device=layer.weight.device))
-                changed += 1
-            elif type(layer) is nn.Linear and layer.bias is None:
-                if qtype is not None:
-                    module.set_submodule(name, GGMLLinear(layer.in_features, layer.out_features, qtype,
-                                                          device=layer.weight.device))
-                elif self.fp8(self.prefix + name):
-                    module.set_submodule(name, Fp8Linear.from_linear(layer))
-                else:
-                    layer.__class__ = Linear
-                changed += 1
-        return changed
+    def embedding(self, name: str, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """A token table [rows, dim] named ``name``: float ``nn.Embedding``, or GGUF blocks whose looked-up rows are
+        dequantized to ``dtype`` (``ggml_layers.GGMLEmbedding``)."""
+        qtype = self.ggml(self.prefix + name)
+        if qtype is not None:
+            return GGMLEmbedding(rows, dim, qtype, dtype)
+        # the table is always loaded from a file: no random init (on the meta device torch's init would import
+        # torch._dynamo, ~1 s)
+        return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))

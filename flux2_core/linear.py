@@ -5,7 +5,7 @@ AMD CPUs MKL's sgemm runs a generic code path (70-95 GFLOP/s on our 2-core EPYC 
 docs/benchmarks.md). Everything else (GPUs, bf16, autograd) uses ``F.linear``.
 
     Linear(in, out)             # the models' float layers (same parameter and state dict as nn.Linear), made by
-                                # layers.Layers (the transformer's, and the Qwen3 encoder's through Layers.adopt)
+                                # layers.Layers (the transformer's and the Qwen3 encoder's)
 """
 
 from __future__ import annotations
@@ -17,10 +17,16 @@ from torch import Tensor, nn
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_matmul(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T by oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
 @torch.library.custom_op("flux2_core::onednn_linear", mutates_args=())
 def onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight.T by oneDNN; an opaque op to torch.compile, which would otherwise want the weight frozen."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    """``onednn_matmul`` as an opaque op for torch.compile, which would otherwise want the weight frozen. Eager code
+    calls ``onednn_matmul`` itself: a custom op's first call imports torch._dynamo (about 1 s)."""
+    return onednn_matmul(x, weight)
 
 
 @onednn_linear.register_fake
@@ -32,7 +38,7 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [..., in] @ weight [out, in]ᵀ (no bias): oneDNN for float32 on CPU without autograd, else F.linear."""
     if (ONEDNN_LINEAR and x.is_cpu and x.dtype == weight.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return onednn_linear(x, weight)
+        return onednn_linear(x, weight) if torch.compiler.is_compiling() else onednn_matmul(x, weight)
     return F.linear(x, weight)
 
 

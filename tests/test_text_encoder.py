@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from flux2_core.errors import Flux2Error
-from flux2_core.text_encoder import build_qwen3_encoder, build_qwen3_model, qwen3_config_from_state_dict
+from flux2_core.qwen3 import Qwen3Params
+from flux2_core.text_encoder import build_qwen3_encoder, build_qwen3_model, qwen3_state_dict
 from flux2_core.tokenizer import build_qwen3_tokenizer, load_tokenizer
 from flux2_core.variants import QWEN3_4B, QWEN3_8B
 from tests.device import DEVICE, DTYPE, assert_close, relative_error, tolerance
@@ -102,8 +103,7 @@ def test_token_counts_and_dropped(encoder, tokenizer):
 
 
 def test_only_27_layers_are_built_and_run(qwen3, encoder):
-    assert len(encoder.model.layers) == 27
-    assert isinstance(encoder.model.norm, torch.nn.Identity)
+    assert len(encoder.model.layers) == 27 and not hasattr(encoder.model, "norm")
     calls = []
     hooks = [layer.register_forward_hook(lambda *_, i=i: calls.append(i)) for i, layer in enumerate(encoder.model.layers)]
     try:
@@ -178,12 +178,31 @@ def qwen3_shapes(hidden, intermediate, heads, kv_heads, head_dim, layers, vocab=
     return {k: torch.empty(shape, dtype=torch.bfloat16, device="meta") for k, shape in shapes.items()}
 
 
-def test_config_from_tiny_state_dict(qwen3):
-    config = qwen3_config_from_state_dict(qwen3.state_dict())
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim"):
-        assert getattr(config, field) == TINY_QWEN3_CONFIG[field], field
-    assert qwen3_config_from_state_dict(comfyui_state_dict(qwen3)).tie_word_embeddings is True   # no lm_head
+CONFIG_NAMES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+                "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "rope_theta": "rope_theta",
+                "rms_norm_eps": "rms_norm_eps"}
+
+
+@pytest.mark.parametrize("source", ["shapes", "shapes without lm_head", "config.json", "transformers config"])
+def test_params_agree_with_the_config(qwen3, source):
+    """Every way to say what the Qwen3 is gives the values of the config the tiny model was made from."""
+    params = {"shapes": lambda: Qwen3Params.from_state_dict(qwen3_state_dict(qwen3.state_dict())),
+              "shapes without lm_head": lambda: Qwen3Params.from_state_dict(qwen3_state_dict(comfyui_state_dict(qwen3))),
+              "config.json": lambda: Qwen3Params.from_config(json.loads(qwen3.config.to_json_string())),
+              "transformers config": lambda: Qwen3Params.from_config(qwen3.config)}[source]()
+    for ours, theirs in CONFIG_NAMES.items():
+        assert getattr(params, ours) == TINY_QWEN3_CONFIG[theirs], ours
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"hidden_size": 0}, "hidden_size"), ({"num_hidden_layers": 2.5}, "num_layers"), ({"rope_theta": [1e6]}, "rope_theta"),
+    ({"num_key_value_heads": 3}, "multiple"), ({"rms_norm_eps": "1e-6"}, "rms_norm_eps"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"), ({"hidden_act": "gelu"}, "silu"),
+    ({"rope_parameters": [1]}, "object")])
+def test_bad_config_values_are_refused(change, message):
+    with pytest.raises(Flux2Error, match=message):
+        Qwen3Params.from_config({**TINY_QWEN3_CONFIG, **change})
 
 
 @pytest.mark.parametrize("size", ["4b", "8b"])
@@ -191,10 +210,9 @@ def test_real_sizes_on_meta(size, tokenizer):
     # Qwen3-4B: 2560 wide, 9728 MLP, 32 heads, 8 KV heads, tied; Qwen3-8B: 4096, 12288, 32, 8, untied.
     hidden, intermediate, tied, spec = {"4b": (2560, 9728, True, QWEN3_4B), "8b": (4096, 12288, False, QWEN3_8B)}[size]
     sd = qwen3_shapes(hidden, intermediate, heads=32, kv_heads=8, head_dim=128, layers=36, tied=tied)
-    config = qwen3_config_from_state_dict(sd)
-    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (hidden, intermediate, 36)
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 8, 128)
-    assert (config.vocab_size, config.tie_word_embeddings) == (151936, tied)
+    params = Qwen3Params.from_state_dict(qwen3_state_dict(sd))
+    assert (params.hidden_size, params.intermediate_size, params.num_layers) == (hidden, intermediate, 36)
+    assert (params.num_heads, params.num_kv_heads, params.head_dim, params.vocab_size) == (32, 8, 128, 151936)
     encoder = build_qwen3_encoder(sd, device="meta", dtype=torch.bfloat16, tokenizer=tokenizer)
     assert encoder.spec == spec and len(encoder.model.layers) == 27
     per_layer = sum(v.numel() for k, v in sd.items() if k.startswith("model.layers.0."))
@@ -213,9 +231,9 @@ def test_bad_state_dicts_are_refused(qwen3):
         build_qwen3_encoder(shallow)
     with pytest.raises(Flux2Error, match="quantized"):
         build_qwen3_encoder({**sd, "model.layers.0.mlp.up_proj.weight_scale": torch.ones(())})
-    config = qwen3_config_from_state_dict(sd)
+    params = Qwen3Params.from_state_dict(qwen3_state_dict(sd))
     with pytest.raises(Flux2Error, match="do not fit"):
-        build_qwen3_model({k: v for k, v in sd.items() if "layers.3.mlp.up_proj" not in k}, config, 27, "cpu",
+        build_qwen3_model({k: v for k, v in sd.items() if "layers.3.mlp.up_proj" not in k}, params, 27, "cpu",
                           torch.float32)
     wider = {**TINY_QWEN3_CONFIG, "intermediate_size": 96}
     with pytest.raises(Flux2Error, match="do not fit"):

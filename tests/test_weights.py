@@ -269,7 +269,7 @@ def te(tmp_path_factory):
 def test_text_encoder_layouts_load_the_same_weights(te, layout):
     """Every layout gives the first 27 layers of the same Qwen3, exactly, with nothing left on meta."""
     encoder = weights.load_text_encoder(te.files[layout], device="cpu", tokenizer=te.tokenizer)
-    assert len(encoder.model.layers) == 27 and isinstance(encoder.model.norm, torch.nn.Identity)
+    assert len(encoder.model.layers) == 27 and not hasattr(encoder.model, "norm")
     assert not any(t.is_meta for t in [*encoder.model.parameters(), *encoder.model.buffers()])
     if layout == "hf-sharded":
         assert len(list(te.files[layout].glob("*.safetensors"))) > 1

@@ -56,7 +56,8 @@ from ..autoencoder import AutoEncoder
 from ..errors import Flux2Error
 from ..layers import Layers
 from ..quant import FP8_DTYPES, in_blocks, quantize_fp8
-from ..text_encoder import PromptEncoder, build_qwen3_encoder, is_used, qwen3_config_from_state_dict
+from ..qwen3 import Qwen3Params
+from ..text_encoder import PromptEncoder, build_qwen3_encoder, is_used, qwen3_state_dict
 from ..tokenizer import load_tokenizer
 from ..transformer import Flux2Transformer
 from ..variants import (
@@ -595,7 +596,7 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     if tokenizer is None and source.ckpt.path.is_dir():
         tokenizer = load_tokenizer(source.ckpt.files[0].parent)
     try:
-        config = qwen3_config(source) or qwen3_config_from_state_dict(shapes)
+        config = qwen3_config(source) or Qwen3Params.from_state_dict(qwen3_state_dict(shapes))
         encoder = build_qwen3_encoder(state, config=config, device=device, dtype=dtype, tokenizer=tokenizer,
                                       ggml_types=ggml_types)
     except Flux2Error as e:
@@ -605,22 +606,16 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     return encoder
 
 
-def qwen3_config(source: Source):
-    """The folder's config.json as a transformers ``Qwen3Config`` (None for a single file), or a Flux2Error saying
-    which value it cannot take."""
+def qwen3_config(source: Source) -> Qwen3Params | None:
+    """The folder's config.json as ``Qwen3Params`` (None for a single file), or a Flux2Error saying which value it
+    cannot take."""
     if not source.ckpt.config:
         return None
-    from transformers import Qwen3Config
-
     try:
-        config = Qwen3Config.from_dict(source.ckpt.config)
-        sizes = [config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size]
-        if not all(isinstance(n, int) and n > 0 for n in sizes):
-            raise ValueError(f"sizes must be positive whole numbers, got {sizes}")
-    except Exception as e:  # noqa: BLE001 (transformers and huggingface_hub raise their own kinds for bad values)
-        raise Flux2Error(f"the config.json of {source.ckpt.path} does not describe a Qwen3 ({str(e)[:200]}); download "
+        return Qwen3Params.from_config(source.ckpt.config)
+    except Flux2Error as e:
+        raise Flux2Error(f"the config.json of {source.ckpt.path} does not describe a Qwen3 ({e}); download "
                          f"config.json again") from None
-    return config
 
 
 def check_vocabulary(tokens: list[str], tokenizer, path: Path) -> None:
