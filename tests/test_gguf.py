@@ -224,6 +224,23 @@ def test_truncated_and_corrupt_files(tmp_path):
             weights.load_transformer(tmp_path / "cut.gguf", CPU)
 
 
+def test_tensors_sharing_bytes_are_refused(tmp_path):
+    """A header that points a tensor into another tensor's bytes (each still inside the file) is refused by name."""
+    sd = {"double_blocks.0.img_attn.qkv.weight": torch.randn(96, 64), "double_blocks.0.img_attn.proj.weight":
+          torch.randn(64, 64)}
+    path, _ = save_gguf(sd, tmp_path / "dit.gguf", dit_types(T.Q8_0))
+    data = bytearray(path.read_bytes())
+    second = b"double_blocks.0.img_attn.proj.weight"
+    at = data.index(second) + len(second)                     # then: n_dims u32, dims u64 each, type u32, offset u64
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    offset_at = at + 4 + 8 * n_dims + 4
+    assert int.from_bytes(data[offset_at:offset_at + 8], "little") > 0    # the writer put it after the first one
+    data[offset_at:offset_at + 8] = (0).to_bytes(8, "little")            # now both start at the data section's start
+    (tmp_path / "shared.gguf").write_bytes(bytes(data))
+    with pytest.raises(Flux2Error, match="overlap"):
+        weights.load_transformer(tmp_path / "shared.gguf", CPU)
+
+
 def test_unsupported_quant_type_is_named(tmp_path):
     blocks = np.random.default_rng(0).integers(0, 256, size=(64, 136), dtype=np.uint8)   # IQ4_XS: 136 B / 256
     path = tmp_path / "iq.gguf"

@@ -19,6 +19,7 @@ A hostile or damaged header ends in a Flux2Error saying to download the file aga
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
     size = path.stat().st_size
     metadata = {key: _field(reader, key, kind) for key, kind in KEPT_FIELDS.items() if key in reader.fields}
     shapes = {name[len(ORIG_SHAPE):]: _orig_shape(reader, name) for name in reader.fields if name.startswith(ORIG_SHAPE)}
-    tensors = {}
+    tensors, spans = {}, []
     for t in reader.tensors:
         qtype = int(t.tensor_type)
         check_supported(qtype, f"tensor {short(t.name)} of {path}")
@@ -104,7 +105,19 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
             raise Flux2Error(f"{path} is truncated: tensor {short(t.name)} ends at byte {t.data_offset + n_bytes:,} but the "
                              f"file has {size:,}; the download was probably interrupted, download it again")
         tensors[t.name] = TensorInfo(path, t.name, type_name(qtype), shape, int(t.data_offset), qtype)
+        spans.append((int(t.data_offset), int(t.data_offset) + n_bytes, t.name))
+    _check_disjoint(spans, path)
     return tensors, metadata
+
+
+def _check_disjoint(spans: list[tuple[int, int, str]], path: Path) -> None:
+    """Refuse a file whose tensors share bytes: a header that points two tensors at one place is damaged, and
+    reading it would give one of them the other's values."""
+    spans = sorted(spans)
+    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+        if start < end:
+            raise Flux2Error(f"{path} is corrupt: tensors {short(first)} and {short(second)} overlap (the second "
+                             f"starts at byte {start:,}, before the first ends at {end:,}); download it again")
 
 
 def _field(reader, key: str, kind: type):
