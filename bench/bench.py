@@ -98,7 +98,7 @@ def write_weights(folder: Path, cfg: Config, distilled: bool, device: str) -> No
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from flux2_core.tokenizer import load_tokenizer
+    from flux2_core.tokenizer import build_qwen3_tokenizer
     from tests.tiny.transformer import diffusers_transformer_config
 
     dtype = getattr(torch, cfg.dtype)
@@ -123,7 +123,7 @@ def write_weights(folder: Path, cfg: Config, distilled: bool, device: str) -> No
     if qwen_config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(folder / "text_encoder" / "model.safetensors"))
-    load_tokenizer().save_pretrained(folder / "tokenizer")
+    build_qwen3_tokenizer().save_pretrained(folder / "tokenizer")
     FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                     base_image_seq_len=256, max_image_seq_len=4096,
                                     time_shift_type="exponential").save_config(folder / "scheduler")

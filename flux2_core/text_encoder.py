@@ -3,7 +3,7 @@
 What BFL's ``Qwen3Embedder`` and diffusers' ``Flux2KleinPipeline._get_qwen3_prompt_embeds`` do, per prompt:
 
     text = "<|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n"
-    ids, mask = tokenizer(text, padding="max_length", truncation=True, max_length=512)   # right pad/truncate
+    ids, mask = tokenizer.padded([text], 512)                 # right pad (<|endoftext|>) / truncate
     hs = qwen3(ids, mask, positions 0..511)                   # hs[k]: output of decoder layer k (from 1), no norm
     embeds = cat(hs[9], hs[18], hs[27]) per token             # [512, 3*D], layer-major
 
@@ -25,7 +25,7 @@ from .checks import dtype_cause, finite
 from .errors import Flux2Error
 from .layers import Layers
 from .qwen3 import Qwen3, Qwen3Params
-from .tokenizer import load_tokenizer
+from .tokenizer import Qwen3Tokenizer, as_qwen3_tokenizer, load_tokenizer
 from .variants import QWEN3_4B, QWEN3_8B, TextEncoderSpec
 
 # Known Qwen3 sizes, by hidden width.
@@ -39,9 +39,9 @@ class PromptEmbeds:
     dropped: list[int]         # tokens cut off by truncation to max_length (0 when the prompt fits)
 
 
-def render_prompt(tokenizer, prompt: str) -> str:
-    """The prompt in Qwen3's chat template, as the text encoder reads it:
-    "<|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n"."""
+def render_prompt(prompt: str) -> str:
+    """The prompt in Qwen3's chat template, as the text encoder reads it (one user message, the generation prompt,
+    thinking off: what ``apply_chat_template(..., add_generation_prompt=True, enable_thinking=False)`` renders)."""
     if not isinstance(prompt, str):
         raise Flux2Error(f"a prompt must be a string, got {type(prompt).__name__}")
     try:
@@ -50,14 +50,13 @@ def render_prompt(tokenizer, prompt: str) -> str:
         raise Flux2Error(f"the prompt is not valid text: character {e.start} stands for a byte that is not UTF-8 "
                          f"({prompt[max(0, e.start - 20):e.start]!r} comes before it); pass the prompt as UTF-8 text "
                          f"(check the terminal's or file's encoding)") from None
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=False)
+    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
-def count_prompt_tokens(tokenizer, prompt: str) -> int:
+def count_prompt_tokens(tokenizer: Qwen3Tokenizer, prompt: str) -> int:
     """Tokens of the rendered prompt (chat template included) before truncation to 512: PromptEmbeds.token_counts,
     and the exact count the web extension shows under the prompt."""
-    return len(tokenizer(render_prompt(tokenizer, prompt))["input_ids"])
+    return len(tokenizer.encode(render_prompt(prompt)))
 
 
 class PromptEncoder:
@@ -68,7 +67,7 @@ class PromptEncoder:
         if len(model.layers) < deepest:
             raise Flux2Error(f"the text encoder has {len(model.layers)} layers, {spec.name} needs {deepest}")
         self.model = model
-        self.tokenizer = tokenizer
+        self.tokenizer = as_qwen3_tokenizer(tokenizer)
         self.spec = spec
 
     @property
@@ -86,14 +85,8 @@ class PromptEncoder:
             raise Flux2Error(f"prompts must be a list of strings, got {type(prompts).__name__}")
         if not prompts:
             raise Flux2Error("no prompt to encode: pass at least one (an empty string is a valid prompt)")
-        ids, mask, counts = [], [], []
-        for prompt in prompts:
-            tokens = self.tokenizer(render_prompt(self.tokenizer, prompt), padding="max_length", truncation=True,
-                                    max_length=self.spec.max_length, return_tensors="pt")
-            ids.append(tokens["input_ids"])
-            mask.append(tokens["attention_mask"])
-            counts.append(count_prompt_tokens(self.tokenizer, prompt))
-        return torch.cat(ids), torch.cat(mask), counts
+        ids, mask, counts = self.tokenizer.padded([render_prompt(p) for p in prompts], self.spec.max_length)
+        return torch.tensor(ids), torch.tensor(mask), counts
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> PromptEmbeds:

@@ -8,9 +8,11 @@ merge priority. From it we derive what a Hugging Face BPE tokenizer needs:
 * merges: for every token, each way of splitting it into two tokens, ordered by the token's rank. BPE that merges the
   adjacent pair whose result has the lowest rank is exactly tiktoken's algorithm, so the ids match tiktoken.
 
-Then come Qwen3's 26 added tokens at ids 151643..151668, Qwen's pre-tokenizer regex, NFC normalisation and Qwen3's chat
-template. The result is a transformers ``Qwen2TokenizerFast``, as in the real ``Qwen/Qwen3-4B`` repository: eos
-``<|im_end|>``, pad ``<|endoftext|>``, no BOS, right padding.
+Then come Qwen3's 26 added tokens at ids 151643..151668, Qwen's pre-tokenizer regex and NFC normalisation. The
+prompt encoder reads it as a ``Qwen3Tokenizer``: ids of a text (nothing added, no BOS), right padding with
+``<|endoftext|>`` (151643), right truncation; it never imports transformers (about 1 s). ``build_qwen3_tokenizer``
+gives the same tokenizer as a transformers ``Qwen2TokenizerFast`` with Qwen3's chat template, as in the real
+``Qwen/Qwen3-4B`` repository, for diffusers and for writing tokenizer folders.
 
     tokenizer = load_tokenizer("/models/FLUX.2-klein-4B/text_encoder")   # uses ../tokenizer/ if present
     tokenizer = load_tokenizer()                                          # the built-in one
@@ -164,8 +166,10 @@ QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
     {%- endif %}
 {%- endif %}"""
 
-# Files that make a folder a Hugging Face tokenizer folder.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+# The file that makes a folder a (fast) Hugging Face tokenizer folder. Every Qwen3 release and every diffusers folder
+# has it; a folder with only the slow files (vocab.json, merges.txt) holds Qwen's one vocabulary, so the built-in
+# tokenizer reads its prompts the same way.
+TOKENIZER_FILE = "tokenizer.json"
 
 
 def read_qwen_vocabulary() -> bytes:
@@ -289,10 +293,58 @@ def _read_tokenizer_file(path: Path, tokenizer_class):
         return None
 
 
+class Qwen3Tokenizer:
+    """Qwen3's tokenizer as the prompt encoder uses it, over a ``tokenizers.Tokenizer``: ids of a text as Qwen3's
+    fast tokenizer gives them (added tokens matched in the text, nothing added around it), right padding with
+    ``<|endoftext|>`` and right truncation."""
+
+    def __init__(self, backend):
+        backend.no_padding()              # padding and truncation are done here, per call: the backend keeps no state
+        backend.no_truncation()
+        self.backend = backend
+        self.pad_token_id = backend.token_to_id(PAD_TOKEN)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def padded(self, texts: list[str], length: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        """(ids, attention masks, untruncated counts) of each text, cut or padded on the right to ``length``."""
+        ids, masks, counts = [], [], []
+        for text in texts:
+            tokens = self.encode(text)
+            kept = tokens[:length]
+            ids.append(kept + [self.pad_token_id] * (length - len(kept)))
+            masks.append([1] * len(kept) + [0] * (length - len(kept)))
+            counts.append(len(tokens))
+        return ids, masks, counts
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+
+def as_qwen3_tokenizer(tokenizer) -> Qwen3Tokenizer:
+    """A ``Qwen3Tokenizer`` from ours or from a transformers fast tokenizer (its ``backend_tokenizer``)."""
+    if isinstance(tokenizer, Qwen3Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise Flux2Error(f"a {type(tokenizer).__name__} cannot read prompts here: pass a Qwen3Tokenizer "
+                         "(flux2_core.tokenizer.load_tokenizer) or a transformers fast tokenizer")
+    # a copy: transformers switches padding and truncation on its backend around each call
+    return Qwen3Tokenizer(type(backend).from_str(backend.to_str()))
+
+
+@functools.cache
+def builtin_tokenizer() -> Qwen3Tokenizer:
+    """The built-in Qwen3 tokenizer (``cached_backend_tokenizer``), one per process."""
+    return Qwen3Tokenizer(cached_backend_tokenizer())
+
+
 @functools.cache
 def build_qwen3_tokenizer():
-    """Qwen3's tokenizer as a transformers ``Qwen2TokenizerFast``, built offline (``cached_backend_tokenizer``);
-    cached for the process. The same object is returned on every call: do not change its settings.
+    """The built-in tokenizer as a transformers ``Qwen2TokenizerFast`` with Qwen3's chat template (for diffusers and
+    for writing tokenizer folders); cached for the process. The same object is returned on every call: do not change
+    its settings.
     """
     from transformers import Qwen2TokenizerFast
 
@@ -306,38 +358,35 @@ def build_qwen3_tokenizer():
 
 
 def find_tokenizer_folder(folder: str | Path) -> Path | None:
-    """The Hugging Face tokenizer folder that belongs to a text-encoder folder, or None.
+    """The Hugging Face tokenizer folder (one with ``tokenizer.json``) that belongs to a text-encoder folder, or None.
 
     Looks in the folder itself, in ``folder/tokenizer`` and in a sibling ``tokenizer/`` (diffusers puts the weights in
     ``text_encoder/`` and the tokenizer in ``tokenizer/``).
     """
     folder = Path(folder)
     for candidate in (folder, folder / "tokenizer", folder.parent / "tokenizer"):
-        if candidate.is_dir() and any((candidate / name).is_file() for name in _TOKENIZER_FILES):
+        if (candidate / TOKENIZER_FILE).is_file():
             return candidate
     return None
 
 
-def load_tokenizer(folder: str | Path | None = None):
+def load_tokenizer(folder: str | Path | None = None) -> Qwen3Tokenizer:
     """The tokenizer beside the user's text encoder (see ``find_tokenizer_folder``), else the built-in one.
 
-    Never downloads. Raises ``Flux2Error`` when the files found are not a Qwen3 tokenizer.
+    Its ``tokenizer.json`` is read with ``tokenizers`` alone. Never downloads. Raises ``Flux2Error`` when the file
+    is not a Qwen3 tokenizer.
     """
     found = find_tokenizer_folder(folder) if folder is not None else None
     if found is None:
-        return build_qwen3_tokenizer()
-    from transformers import Qwen2TokenizerFast
+        return builtin_tokenizer()
+    from tokenizers import Tokenizer
 
     try:
-        tokenizer = Qwen2TokenizerFast.from_pretrained(str(found), local_files_only=True)
-    except Exception as e:   # corrupt or foreign files: transformers raises many kinds
-        raise Flux2Error(f"could not read the tokenizer files in {found}: {e}. Fix or delete them to use the "
-                         "built-in Qwen3 tokenizer") from e
+        tokenizer = Qwen3Tokenizer(Tokenizer.from_file(str(found / TOKENIZER_FILE)))
+    except Exception as e:   # corrupt or foreign files: tokenizers raises a bare Exception
+        raise Flux2Error(f"could not read {found / TOKENIZER_FILE}: {e}. Fix or delete it to use the built-in "
+                         "Qwen3 tokenizer") from e
     check_qwen3_tokenizer(tokenizer, str(found))
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
-    tokenizer.padding_side = "right"      # Qwen3's default; BFL and diffusers rely on it
-    tokenizer.truncation_side = "right"
     return tokenizer
 
 
@@ -345,7 +394,7 @@ def check_qwen3_tokenizer(tokenizer, where: str) -> None:
     """Raise ``Flux2Error`` unless ``tokenizer`` has Qwen3's template tokens at Qwen3's ids and pads with 151643."""
     expected = {content: QWEN3_FIRST_ADDED_ID + i for i, (content, _) in enumerate(QWEN3_ADDED_TOKENS)}
     for content in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"):
-        ids = tokenizer.encode(content, add_special_tokens=False)
+        ids = tokenizer.encode(content)
         if ids != [expected[content]]:
             raise Flux2Error(f"the tokenizer in {where} is not Qwen3's: {content} encodes to {ids}, expected "
                              f"[{expected[content]}]. FLUX.2 Klein needs the Qwen3 tokenizer; delete these files to "

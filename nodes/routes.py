@@ -15,7 +15,6 @@ extension then keeps its own estimate.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 
 from aiohttp import web
@@ -87,23 +86,13 @@ def prompt_text(body: bytes | None) -> str | tuple[int, str]:
 
 
 async def tokenizer():
-    """The route's own Qwen3 tokenizer, made once in a worker thread (the first build takes about 2 s).
-
-    Its own copy of the built-in one: the prompt encoder uses that object on the executor thread and switches its
-    truncation on and off around each prompt, which must not reach (or race with) the counts here.
-    """
+    """The built-in Qwen3 tokenizer, made once in a worker thread (the first build takes about 2 s). It keeps no
+    state between calls (padding and truncation are done beside it), so the prompt encoder may share it."""
     global _tokenizer
     if _tokenizer is None:
-        _tokenizer = asyncio.ensure_future(asyncio.to_thread(_own_tokenizer))
+        _tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer))
     try:
         return await asyncio.shield(_tokenizer)
     except Exception:
         _tokenizer = None            # let the next request try again
         raise
-
-
-def _own_tokenizer():
-    own = copy.deepcopy(load_tokenizer())
-    own.backend_tokenizer.no_truncation()      # in case the copy was taken in the middle of an encode
-    own.backend_tokenizer.no_padding()
-    return own

@@ -8,7 +8,7 @@ import torch
 
 from flux2_core.errors import Flux2Error
 from flux2_core.text_encoder import build_qwen3_encoder, count_prompt_tokens, render_prompt
-from flux2_core.tokenizer import build_qwen3_tokenizer
+from flux2_core.tokenizer import build_qwen3_tokenizer, load_tokenizer
 from tests.tiny.text_encoder import build_tiny_qwen3
 
 LONG = "a red fox in the snow, " * 90     # 7 tokens a repeat (words, comma), 1 for the last space: 631 + 12
@@ -20,7 +20,7 @@ TEMPLATE_IDS = 3 + 9
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_qwen3_tokenizer()
+    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +42,16 @@ def test_count_equals_the_encoders_token_counts(encoder, tokenizer):
     assert out.dropped[2] == 643 - 512
 
 
-def test_count_is_never_truncated(encoder, tokenizer):
-    encoder.tokenize([LONG])                 # leaves nothing behind: the next count is the full one
-    tokenizer(render_prompt(tokenizer, LONG), truncation=True, max_length=512)
-    assert count_prompt_tokens(tokenizer, LONG) == 643
-
-
-def test_render_prompt_is_the_klein_template(tokenizer):
-    assert render_prompt(tokenizer, "a cat") == ("<|im_start|>user\na cat<|im_end|>\n<|im_start|>assistant\n"
-                                                 "<think>\n\n</think>\n\n")
+def test_count_and_template_equal_transformers_chat_template():
+    """The count and the rendering equal what transformers' Qwen2TokenizerFast makes of Qwen3's Jinja chat template
+    (apply_chat_template with the generation prompt, thinking off) and its untruncated ids."""
+    hf, ours = build_qwen3_tokenizer(), load_tokenizer()
+    for prompt in [*PROMPTS, "<think>a</think>", "  spaced  ", "{{ braces }} {% raw %}"]:
+        text = hf.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                      add_generation_prompt=True, enable_thinking=False)
+        assert render_prompt(prompt) == text
+        assert count_prompt_tokens(ours, prompt) == len(hf(text)["input_ids"])
+    assert render_prompt("a cat") == "<|im_start|>user\na cat<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
 def test_a_prompt_that_is_not_a_string_is_refused(tokenizer):

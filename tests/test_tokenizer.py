@@ -162,38 +162,41 @@ def test_chat_template(tokenizer):
                                      151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271]
 
 
-def test_load_tokenizer_without_files_is_the_built_in_one(tmp_path):
-    assert load_tokenizer() is build_qwen3_tokenizer()
+def test_load_tokenizer_without_files_is_the_built_in_one(tmp_path, tokenizer):
+    assert load_tokenizer() is load_tokenizer()                       # one per process
     (tmp_path / "text_encoder").mkdir()
     assert find_tokenizer_folder(tmp_path / "text_encoder") is None
-    assert load_tokenizer(tmp_path / "text_encoder") is build_qwen3_tokenizer()
+    assert load_tokenizer(tmp_path / "text_encoder") is load_tokenizer()
+    ours = load_tokenizer()
+    assert ours.pad_token_id == tokenizer.pad_token_id == 151643
+    assert all(ours.encode(s) == tokenizer.encode(s) for s in FIXED_STRINGS)   # the transformers face agrees
+    assert ours.get_vocab() == tokenizer.get_vocab()
 
 
 @pytest.mark.parametrize("where", ["same", "sibling", "child"])
-def test_load_tokenizer_from_saved_files(tmp_path, tokenizer, where):
+@pytest.mark.parametrize("files", ["tokenizer.json", "slow files only"])
+def test_load_tokenizer_from_saved_files(tmp_path, tokenizer, where, files):
+    """A folder's tokenizer.json is read (with tokenizers alone); a folder with only the slow files (vocab.json,
+    merges.txt) is Qwen's one vocabulary, read by the built-in tokenizer. Either way the ids, right padding and
+    truncation are those of transformers' own call."""
     encoder_dir = tmp_path / "text_encoder"
     encoder_dir.mkdir()
-    files = {"same": encoder_dir, "sibling": tmp_path / "tokenizer", "child": encoder_dir / "tokenizer"}[where]
-    tokenizer.save_pretrained(files)
-    assert find_tokenizer_folder(encoder_dir) == files
+    folder = {"same": encoder_dir, "sibling": tmp_path / "tokenizer", "child": encoder_dir / "tokenizer"}[where]
+    tokenizer.save_pretrained(folder)
+    if files == "slow files only":
+        (folder / "tokenizer.json").unlink()
     loaded = load_tokenizer(encoder_dir)
-    assert loaded is not tokenizer
+    if files == "tokenizer.json":
+        assert find_tokenizer_folder(encoder_dir) == folder and loaded is not load_tokenizer()
+    else:
+        assert find_tokenizer_folder(encoder_dir) is None and loaded is load_tokenizer()
     for s in FIXED_STRINGS[:25]:
         assert loaded.encode(s) == tokenizer.encode(s)
-    user = [{"role": "user", "content": "x"}]
-    assert (loaded.apply_chat_template(user, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-            == tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, enable_thinking=False))
-    assert loaded.pad_token_id == 151643 and loaded.padding_side == "right"
-
-
-def test_saved_files_without_chat_template_get_qwen3s(tmp_path, tokenizer):
-    tokenizer.save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
-    loaded = load_tokenizer(tmp_path)
-    assert loaded.chat_template == tokenizer.chat_template
+    texts = ["a red fox", " ".join(FIXED_STRINGS)]
+    ids, masks, counts = loaded.padded(texts, 64)
+    theirs = tokenizer(texts, padding="max_length", truncation=True, max_length=64)
+    assert ids == theirs["input_ids"] and masks == theirs["attention_mask"]
+    assert counts == [len(tokenizer.encode(t)) for t in texts] and counts[1] > 64
 
 
 def test_foreign_tokenizer_files_are_refused(tmp_path):

@@ -292,12 +292,14 @@ def test_text_encoder_matches_diffusers(te):
 def test_text_encoder_tokenizer_comes_from_the_folder(te, monkeypatch):
     """A folder's tokenizer is looked up beside its weights (tokenizer.py finds text_encoder/../tokenizer/);
     a single file gets the built-in tokenizer."""
-    asked = []
-    monkeypatch.setattr(loading, "load_tokenizer", lambda folder: asked.append(folder) or te.tokenizer)
-    assert weights.load_text_encoder(te.files["diffusers-root"], device="cpu").tokenizer is te.tokenizer
+    from flux2_core.tokenizer import Qwen3Tokenizer, cached_backend_tokenizer
+
+    asked, folders, builtin = [], Qwen3Tokenizer(cached_backend_tokenizer()), Qwen3Tokenizer(cached_backend_tokenizer())
+    monkeypatch.setattr(loading, "load_tokenizer", lambda folder: asked.append(folder) or folders)
+    assert weights.load_text_encoder(te.files["diffusers-root"], device="cpu").tokenizer is folders
     assert asked == [te.files["diffusers-folder"]]
-    monkeypatch.setattr("flux2_core.text_encoder.load_tokenizer", lambda: "built-in")
-    assert weights.load_text_encoder(te.files["comfyui"], device="cpu").tokenizer == "built-in"
+    monkeypatch.setattr("flux2_core.text_encoder.load_tokenizer", lambda: builtin)
+    assert weights.load_text_encoder(te.files["comfyui"], device="cpu").tokenizer is builtin
     assert len(asked) == 1
 
 
