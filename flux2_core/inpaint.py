@@ -55,6 +55,13 @@ def mask_tensor(image: Image.Image) -> Tensor:
     return torch.from_numpy(grey)[None, None]
 
 
+def check_source(mask: bool, image: bool) -> None:
+    """A mask needs the image it masks (Flux2Error otherwise)."""
+    if mask and not image:
+        raise Flux2Error("a mask needs the image it masks: give the image to inpaint with it (the CLI's --image; the "
+                         "Denoise node's latent input, where ComfyUI's Set Latent Noise Mask puts the mask)")
+
+
 def check_mask_size(mask_size: tuple[int, int], image_size: tuple[int, int], what: str = "the image") -> str:
     """The size rule for a (width, height) mask over a (width, height) image: the same size is used as it is; the
     same shape (within one 16-pixel latent cell once stretched) is resized, with the note returned; another shape

@@ -378,10 +378,10 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
 
     # sizes, schedule, guidance: every setting checked before any model runs
     masked = mask is not None
-    if masked and (image is None or reference_kv is not None):
-        raise Flux2Error("a mask needs the image it masks: give the image to inpaint (--image) with the mask"
-                         if image is None else "inpainting adds the source image as reference 1, which a precomputed "
-                         "reference_kv does not hold: leave reference_kv out")
+    inpaint.check_source(masked, image is not None)
+    if masked and reference_kv is not None:
+        raise Flux2Error("inpainting adds the source image as reference 1, which a precomputed reference_kv does not "
+                         "hold: leave reference_kv out")
     refs = prepare_references(references, len(references) + masked) if references else []
     source = as_pil(image) if image is not None else None
     init = center_crop_16(source.convert("RGB")) if image is not None else None
