@@ -83,3 +83,14 @@ def test_outside_the_mask_the_source_latent_is_kept(comfy, files):
 def test_a_mask_of_another_shape_is_refused_with_how_to_fix_it(comfy, files):
     with pytest.raises(Flux2Error, match=r"the mask is 96x128 \(WxH\) but the latent's image is 128x96, another shape"):
         run(comfy, seed=1, steps=2, mask="inpaint_tall.png")
+
+
+def test_a_masked_latent_without_a_source_image_is_refused(comfy, files):
+    # the masked LATENT wired to the noise input and nothing to the latent input: there is no image to keep
+    graph = graphs.inpaint(comfy.files, PROMPT, comfy.images[0], "inpaint_mask.png", SIZE, seed=1, steps=2)
+    denoise = graph["56"]["inputs"]
+    denoise["noise"] = denoise.pop("latent")
+    for node in ("57", "58", "59", "61", "62"):          # our Denoise alone
+        del graph[node]
+    with pytest.raises(Flux2Error, match="a mask needs the image it masks.*Denoise node's latent input"):
+        comfy.client.run(graph)
