@@ -30,7 +30,6 @@ Two conventions exist; ``Inpaint.blend`` picks one, and each surface uses its pe
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +40,7 @@ from torch import Tensor
 
 from .errors import Flux2Error
 from .references import as_pil, center_crop_16
+from .sampling import Velocity, add_noise
 
 AFTER_STEP = "after_step"        # diffusers: blend after each step, at the next sigma
 BEFORE_MODEL = "before_model"    # ComfyUI: blend before each model call, at the current sigma
@@ -123,9 +123,6 @@ def mask_note(pixels: Tensor, on_grid: Tensor) -> str:
 
 # --- blending in the sampler ------------------------------------------------------------------------------------
 
-Velocity = Callable[[Tensor, Tensor], Tensor]
-
-
 @dataclass(frozen=True)
 class Inpaint:
     """What the Euler loop (``sampling.euler``) needs to keep the source outside the mask (see the module docstring).
@@ -147,8 +144,7 @@ class Inpaint:
 
     def keep(self, x: Tensor, sigma: float) -> Tensor:
         """m * x + (1 - m) * (the source noised to ``sigma``)."""
-        noised = (1 - sigma) * self.source + sigma * self.noise
-        return self.mask * x + (1 - self.mask) * noised
+        return self.mask * x + (1 - self.mask) * add_noise(self.source, self.noise, sigma)
 
     def velocity(self, velocity: Velocity, x: Tensor, t: Tensor, sigma: float) -> Tensor:
         """The velocity of the step from x at ``sigma`` (t: the model's timestep, sigma in x's dtype)."""

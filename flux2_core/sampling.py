@@ -20,14 +20,17 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from . import checks, rope
 from .errors import Flux2Error
-from .inpaint import Inpaint
 from .transformer import ReferenceKV
+
+if TYPE_CHECKING:                  # inpaint.py builds on this module's add_noise
+    from .inpaint import Inpaint
 
 LATENT_CHANNELS = 128    # 32 AE channels x 2 x 2 patch
 PIXELS_PER_LATENT = 16   # 8x AE downscale x 2x2 patch
