@@ -358,10 +358,11 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     """Generate ``batch`` images for ``prompt`` (see the module docstring for every default).
 
     references: PIL images (any number). sigmas: a custom schedule (overrides steps). image/strength:
-    image-to-image; with ``mask`` (an image over ``image``; 1 / white = repaint): inpainting. reference_kv: precomputed K/V of these references (KV models; else models.reference_cache is
-    used). noise: an explicit [batch, 128, H/16, W/16] start noise instead of the seeded one. offload_encoder:
-    "auto", True or False (see the module docstring). callback(Step) runs after every step. warn(text) gets each
-    warning as it arises (they are also in ``Result.warnings``), so a caller can show them before the work.
+    image-to-image; with ``mask`` (an image over ``image``; white = repaint): inpainting. reference_kv: precomputed
+    K/V of these references (KV models; else models.reference_cache is used). noise: an explicit
+    [batch, 128, H/16, W/16] start noise instead of the seeded one. offload_encoder: "auto", True or False (see the
+    module docstring). callback(Step) runs after every step. warn(text) gets each warning as it arises (they are also
+    in ``Result.warnings``), so a caller can show them before the work.
     """
     variant, model, ae = models.variant, models.transformer, models.autoencoder
     device, dtype = models.device, model.img_in.weight.dtype

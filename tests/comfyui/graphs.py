@@ -120,8 +120,9 @@ def inpaint(files: dict, prompt: str, image: str, mask: str, size: tuple[int, in
     "native" (61) and the masked latent itself (62).
 
     encode: how the LATENT gets its noise_mask (``mask``, an input file read by LoadImageMask's red channel, over
-    ``image``, whose (width, height) is ``size``): "ours" (Flux2KleinAEEncode + SetLatentNoiseMask), "conditioning" (InpaintModelConditioning) or
-    "vae_inpaint" (VAEEncodeForInpaint), the last two with ComfyUI's own VAE on the full-size AE file. split > 0 runs
+    ``image``, whose (width, height) is ``size``): "ours" (Flux2KleinAEEncode + SetLatentNoiseMask), "conditioning"
+    (InpaintModelConditioning) or "vae_inpaint" (VAEEncodeForInpaint), the last two with ComfyUI's own VAE on the
+    full-size AE file. split > 0 runs
     the last steps from there: our Denoise at denoise (steps - split) / steps, the native sampler on SplitSigmas.
     """
     width, height = size
