@@ -4,6 +4,7 @@
     python -m flux2_core --models ~/ComfyUI/models --prompt "a red fox" --seed 1
     python -m flux2_core --transformer flux-2-klein-4b.safetensors --text-encoder qwen_3_4b.safetensors \\
                          --ae flux2-vae.safetensors --prompt "make it night" --ref photo.png
+    python -m flux2_core --models ~/ComfyUI/models --prompt "a red sofa" --image room.png --mask sofa.png  # inpaint
     python -m flux2_core queue workflow.api.json --server 127.0.0.1:8188         # see queue_client.py
 
 ``generate`` is the default command. Weights come from a ComfyUI models folder (``--models``: diffusion_models/,
@@ -63,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="seed of the first image; image i uses seed + i (default: random)")
     p.add_argument("--batch", type=int, default=1, help="number of images (default 1)")
     p.add_argument("--image", metavar="IMG", help="image-to-image: start from this image")
-    p.add_argument("--strength", type=float, default=1.0, help="image-to-image denoise strength in (0, 1]")
+    p.add_argument("--mask", metavar="MASK", help="inpainting: repaint the white areas of this mask over --image, keep "
+                                                "the black ones (grey blends); the same size as the image")
+    p.add_argument("--strength", type=float, default=1.0,
+                   help="image-to-image and inpainting denoise strength in (0, 1] (default 1)")
     p.add_argument("--out", default="output", help="folder for the PNGs (default output/); existing files are kept, "
                    "a taken name gets -1, -2, ...")
     p.add_argument("--models", metavar="DIR", help="ComfyUI's models folder (the one holding diffusion_models/, "
@@ -209,7 +213,7 @@ def save_png(image, file, parameters: dict) -> None:
 
 
 def open_image(path: str):
-    """--ref / --image files: bounded, upright, 16-bit scaled RGB (``references.open_image``)."""
+    """--ref / --image / --mask files: bounded, upright, 16-bit scaled RGB (``references.open_image``)."""
     from .references import open_image as decode
 
     return decode(path)
@@ -220,7 +224,7 @@ def open_image(path: str):
 def check_early(args, refs) -> None:
     """The cheap checks of ``generate``, made before any weights are loaded (which can take minutes): the engine's
     own rules (the same ones ``generate`` and the nodes apply), with the option's name in front."""
-    from . import sampling, schedules
+    from . import inpaint, sampling, schedules
     from .references import check_reference
 
     rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or sampling.latent_size(
@@ -230,7 +234,8 @@ def check_early(args, refs) -> None:
              (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or schedules.flux2_schedule(
                  args.steps or 4, (args.width // 16) * (args.height // 16))),
              (["--cfg"], lambda: args.cfg is None or sampling.check_cfg(args.cfg)),
-             (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None))]
+             (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None)),
+             (["--mask"], lambda: inpaint.check_source(args.mask is not None, args.image is not None))]
     for options, rule in rules:
         try:
             rule()
@@ -284,6 +289,7 @@ def generate_command(argv: list[str]) -> int:
     refs = [open_image(p) for p in args.ref]
     image = open_image(args.image) if args.image else None
     check_early(args, refs)
+    mask = open_image(args.mask) if args.mask else None
     seed = args.seed if args.seed is not None else random.randrange(2 ** 31)
     offload, offload_blocks = OFFLOAD[args.offload]
     if args.offload_encoder is not None:
@@ -325,7 +331,7 @@ def generate_command(argv: list[str]) -> int:
 
     result = generate(models, args.prompt, references=refs, width=width, height=height, steps=args.steps,
                       cfg=args.cfg, negative=args.negative, seed=seed, batch=args.batch, image=image,
-                      strength=args.strength, bfl_cuda_noise=args.bfl_noise, offload_encoder=offload,
+                      mask=mask, strength=args.strength, bfl_cuda_noise=args.bfl_noise, offload_encoder=offload,
                       callback=Progress(), warn=lambda note: print(f"note: {note}", file=sys.stderr, flush=True))
 
     for img, img_seed in zip(result.images, result.seeds):

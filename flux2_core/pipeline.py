@@ -20,6 +20,9 @@ Choices (the reference's, unless said otherwise):
 * Noise: item i of a batch uses seed + i (so it equals a single run with that seed).
 * Image-to-image: ``image`` with ``strength`` in (0, 1]; see ``schedules.truncate_for_strength``. A strength below 1
   without an image is an error (``schedules.check_strength``).
+* Inpainting: ``image`` with a ``mask`` (white = repaint, black = keep; grey blends) and a ``strength``, as diffusers'
+  Flux2KleinInpaintPipeline: the source is reference image 1 (before ``references``) and is blended back outside the
+  mask after every step (``inpaint.py``, AFTER_STEP), so the latent there ends exactly at the source's.
 * Refused before the work starts, with a message (Flux2Error): non-finite or out-of-range numbers (cfg, strength,
   sigmas), sizes whose schedule breaks (``schedules.flux2_schedule``), and sizes whose working memory
   (``denoiser_memory``, the AE's encodes and least decode) exceeds what the device has free. NaN or inf in the prompt
@@ -56,13 +59,21 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from . import checks
+from . import checks, inpaint
 from .autoencoder import AutoEncoder, free_memory
 from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
 from .ggml_layers import dequantize_bytes
 from .offload import module_bytes, place, stream_blocks, streamed_blocks, weight_budget
-from .references import as_pil, center_crop_16, encode_references, image_to_tensor, prepare_references
+from .references import (
+    as_pil,
+    center_crop_16,
+    encode_references,
+    image_to_tensor,
+    prepare_references,
+    reference_latents,
+    reference_tokens,
+)
 from .sampling import LATENT_CHANNELS, add_noise, denoise, guidance_for, latent_size, make_noise
 from .schedules import check_sigmas, check_strength, flux2_schedule, truncate_for_strength
 from .text_encoder import PromptEmbeds, PromptEncoder
@@ -341,15 +352,17 @@ def output_size(width: int | None, height: int | None, sources: list[Image.Image
 def generate(models: Models, prompt: str, *, references=(), width: int | None = None, height: int | None = None,
              steps: int | None = None, cfg: float | None = None, negative: str = "", seed: int = 0, batch: int = 1,
              sigmas: list[float] | None = None, image: Image.Image | None = None, strength: float = 1.0,
+             mask: Image.Image | None = None,
              reference_kv: ReferenceKV | None = None, noise: Tensor | None = None, bfl_cuda_noise: bool = False,
              offload_encoder="auto", callback=None, warn=None) -> Result:
     """Generate ``batch`` images for ``prompt`` (see the module docstring for every default).
 
     references: PIL images (any number). sigmas: a custom schedule (overrides steps). image/strength:
-    image-to-image. reference_kv: precomputed K/V of these references (KV models; else models.reference_cache is
-    used). noise: an explicit [batch, 128, H/16, W/16] start noise instead of the seeded one. offload_encoder:
-    "auto", True or False (see the module docstring). callback(Step) runs after every step. warn(text) gets each
-    warning as it arises (they are also in ``Result.warnings``), so a caller can show them before the work.
+    image-to-image; with ``mask`` (an image over ``image``; white = repaint): inpainting. reference_kv: precomputed
+    K/V of these references (KV models; else models.reference_cache is used). noise: an explicit
+    [batch, 128, H/16, W/16] start noise instead of the seeded one. offload_encoder: "auto", True or False (see the
+    module docstring). callback(Step) runs after every step. warn(text) gets each warning as it arises (they are also
+    in ``Result.warnings``), so a caller can show them before the work.
     """
     variant, model, ae = models.variant, models.transformer, models.autoencoder
     device, dtype = models.device, model.img_in.weight.dtype
@@ -365,8 +378,14 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
             warn(note)
 
     # sizes, schedule, guidance: every setting checked before any model runs
-    refs = prepare_references(references) if references else []
-    init = center_crop_16(as_pil(image).convert("RGB")) if image is not None else None
+    masked = mask is not None
+    inpaint.check_source(masked, image is not None)
+    if masked and reference_kv is not None:
+        raise Flux2Error("inpainting adds the source image as reference 1, which a precomputed reference_kv does not "
+                         "hold: leave reference_kv out")
+    refs = prepare_references(references, len(references) + masked) if references else []
+    source = as_pil(image) if image is not None else None
+    init = center_crop_16(source.convert("RGB")) if image is not None else None
     strength = check_strength(strength, init is not None)
     width, height = output_size(width, height, [im for im in [init, *refs] if im is not None])
     h, w = latent_size(height, width)
@@ -380,12 +399,18 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     for note in [rule.note, *large_work(width, height, len(sigmas) - 1)]:
         if note:
             say(note)
+    if masked:                      # the mask on the latent grid, [1, 1, h, w]
+        pixels, notes = inpaint.image_mask(mask, source, (width, height))
+        latent_mask = inpaint.latent_mask(pixels, batch, h, w)[0]
+        for note in [*notes, inpaint.mask_note(pixels, latent_mask)]:
+            if note:
+                say(note)
     if noise is not None and tuple(noise.shape) != (batch, LATENT_CHANNELS, h, w):
         raise Flux2Error(f"noise must be [{batch}, {LATENT_CHANNELS}, {h}, {w}] for batch {batch} at {width}x{height}, "
                          f"got {list(noise.shape)}")
 
     # prompt(s): [prompt] or [prompt, negative] from the prompt cache
-    ref_tokens = sum(math.prod(latent_size(im.height, im.width)) for im in refs)
+    ref_tokens = sum(math.prod(latent_size(im.height, im.width)) for im in refs) + (h * w if masked else 0)
     needed = denoiser_memory(model, variant, batch, h, w, dtype, ref_tokens=ref_tokens, cfg=rule.cfg,
                              text_tokens=models.prompt_encoder.spec.max_length)
     offload = should_offload(offload_encoder, models.prompt_encoder, device, needed)
@@ -397,10 +422,10 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
 
     # memory: the largest stage must fit beside the weights, checked before the noise, the encodes and the denoiser
     # allocate (the encoder now rests where it will stay during the denoise)
-    kv = variant.use_kv_cache and bool(refs)
+    kv = variant.use_kv_cache and (bool(refs) or masked)
     if kv and reference_kv is None:
         cache = models.reference_cache
-        if cache is None or not cache.holds_images(model, ae, refs, dtype):
+        if masked or cache is None or not cache.holds_images(model, ae, refs, dtype):
             needed += reference_kv_bytes(variant.params, ref_tokens, dtype)     # the reference pass makes them
     encodes = [ae.encode_bytes(1, im.height, im.width) for im in ([init] if init else []) + refs]
     check_memory(device, max([needed, ae.least_decode_bytes(h, w), *encodes]),
@@ -415,24 +440,30 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     if init is not None:
         if init.size != (width, height):
             init = init.resize((width, height), Image.Resampling.LANCZOS)
-        x = add_noise(ae.encode(image_to_tensor(init)).to(device), noise, sigmas[0])
+        start = ae.encode(image_to_tensor(init)).to(device)                  # [1, 128, h, w]
+        x = add_noise(start, noise, sigmas[0])
     else:
         x = noise
 
-    # references (KV models: their K/V from the cache, which skips the AE encode and the reference pass on a hit)
-    if kv and reference_kv is None and models.reference_cache is not None:
+    # references (KV models: their K/V from the cache, which skips the AE encode and the reference pass on a hit;
+    # inpainting: the source latent first, and no cache, which keys on reference images)
+    if kv and reference_kv is None and models.reference_cache is not None and not masked:
         reference_kv = models.reference_cache.get_for_images(model, ae, refs, dtype)
-    ref = ref_ids = None
-    if refs and reference_kv is None:
+    ref = ref_ids = blend = None
+    if masked:
+        ref, ref_ids = reference_tokens([start, *reference_latents(ae, refs, len(refs) + 1)])
+        blend = inpaint.Inpaint(start, noise, latent_mask, inpaint.AFTER_STEP)
+    elif refs and reference_kv is None:
         ref, ref_ids = encode_references(ae, refs, dtype)
 
     latents = denoise(model, x.to(dtype), sigmas, txt, negative_txt=negative_txt, cfg=rule.scale,
-                      ref=ref, ref_ids=ref_ids, ref_kv=reference_kv, kv=kv, guidance=rule.embedded, callback=callback)
+                      ref=ref, ref_ids=ref_ids, ref_kv=reference_kv, kv=kv, guidance=rule.embedded, inpaint=blend,
+                      callback=callback)
 
     images = torch.cat([to_uint8(ae.decode(latents[i:i + 1])) for i in range(batch)])
     settings = {"prompt": prompt, "negative": negative if rule.cfg else None, "width": width, "height": height,
                 "steps": len(sigmas) - 1, "cfg": rule.scale, "seed": seed, "batch": batch, "variant": variant.name,
-                "references": len(refs), "strength": strength if init is not None else None,
+                "references": len(refs), "strength": strength if init is not None else None, "mask": masked,
                 "sigmas": [round(s, 6) for s in sigmas]}
     return Result(images, latents.float(), [seed + i for i in range(batch)], settings, warnings)
 

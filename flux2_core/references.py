@@ -146,12 +146,14 @@ def prepare_reference(image: Image.Image, cap: int, index: int = 0) -> Image.Ima
     return center_crop_16(cap_pixels(image, cap))
 
 
-def prepare_references(images) -> list[Image.Image]:
-    """BFL's preprocessing of a list of reference images (see the module docstring)."""
+def prepare_references(images, count: int | None = None) -> list[Image.Image]:
+    """BFL's preprocessing of a list of reference images (see the module docstring), each capped as one of ``count``
+    references (by default as many as there are images; inpainting adds the source image as one more)."""
     images = [as_pil(im, f"reference image {i + 1}") for i, im in enumerate(images)]
     for i, im in enumerate(images):
         check_reference(im, i)              # every image checked before any is scaled
-    return [prepare_reference(im, pixel_cap(len(images)), i) for i, im in enumerate(images)]
+    cap = pixel_cap(len(images) if count is None else count)
+    return [prepare_reference(im, cap, i) for i, im in enumerate(images)]
 
 
 def image_to_tensor(image: Image.Image) -> torch.Tensor:
@@ -167,9 +169,13 @@ def encode_references(ae, images, dtype: torch.dtype | None = None) -> tuple[tor
     Returns tokens [1, Lref, 128] in ``dtype`` (the transformer's compute dtype) and int64 ids [1, Lref, 4],
     with Lref = sum over references of (h/16)*(w/16), on the AE's device (the AE runs in its own dtype).
     """
-    latents = [ae.encode(image_to_tensor(im)) for im in prepare_references(images)]   # each [1, 128, h/16, w/16]
-    tokens, ids = reference_tokens(latents)
+    tokens, ids = reference_tokens(reference_latents(ae, images))
     return tokens.to(dtype or tokens.dtype), ids
+
+
+def reference_latents(ae, images, count: int | None = None) -> list[torch.Tensor]:
+    """Reference images preprocessed (``prepare_references``) and encoded: each [1, 128, h/16, w/16]."""
+    return [ae.encode(image_to_tensor(im)) for im in prepare_references(images, count)]
 
 
 def reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -6,7 +6,8 @@ the velocity function for every FLUX.2 case and runs the loop:
 * distilled (Klein 4B/9B): one forward per step, no CFG;
 * base models: classifier-free guidance, with the [uncond, cond] pair batched into one forward;
 * references joined to the image tokens (Klein 4B/9B/base), or cached as reference K/V (Klein 9B-KV);
-* FLUX.2-dev: a guidance value fed to the model's guidance embedding.
+* FLUX.2-dev: a guidance value fed to the model's guidance embedding;
+* any of these inpainting: the source kept outside a mask (``inpaint.py``).
 
 Dtypes follow the reference: the latent ``x`` is in the compute dtype (bf16 for real models), the model sees the
 sigma rounded to that dtype, and each step ``x + (sigma_next - sigma) * v`` runs in that dtype with the step size
@@ -19,6 +20,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -26,6 +28,9 @@ from torch import Tensor
 from . import checks, rope
 from .errors import Flux2Error
 from .transformer import ReferenceKV
+
+if TYPE_CHECKING:                  # inpaint.py builds on this module's add_noise
+    from .inpaint import Inpaint
 
 LATENT_CHANNELS = 128    # 32 AE channels x 2 x 2 patch
 PIXELS_PER_LATENT = 16   # 8x AE downscale x 2x2 patch
@@ -92,17 +97,20 @@ class Step:
 Velocity = Callable[[Tensor, Tensor], Tensor]   # (x [B, 128, h, w], t [B] in x's dtype) -> v like x
 
 
-def euler(velocity: Velocity, x: Tensor, sigmas: list[float], callback: Callable[[Step], None] | None = None
-          ) -> Tensor:
+def euler(velocity: Velocity, x: Tensor, sigmas: list[float], callback: Callable[[Step], None] | None = None,
+          inpaint: Inpaint | None = None) -> Tensor:
     """Integrate dx/dsigma = v from sigmas[0] to sigmas[-1]; x [B, 128, h, w] is in the compute dtype.
 
-    ``callback(Step)`` runs after every step; it may raise to interrupt.
+    ``callback(Step)`` runs after every step; it may raise to interrupt. ``inpaint`` (in x's dtype and device) keeps
+    the source outside its mask, by its convention (``inpaint.py``).
     """
     total = len(sigmas) - 1
     for i, (sigma, sigma_next) in enumerate(itertools.pairwise(sigmas)):
         t = torch.full((x.shape[0],), sigma, dtype=x.dtype, device=x.device)
-        v = velocity(x, t)
+        v = velocity(x, t) if inpaint is None else inpaint.velocity(velocity, x, t, sigma)
         x_next = x + (sigma_next - sigma) * v
+        if inpaint is not None:
+            x_next = inpaint.after_step(x_next, sigma_next)
         if callback is not None:
             callback(Step(i, total, sigma, sigma_next, x_next, x - sigma * v))
         x = x_next
@@ -161,7 +169,7 @@ def guidance_for(variant, cfg: float, negative: bool = True) -> Guidance:
 def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt: Tensor | None = None,
             cfg: float = 1.0, ref: Tensor | None = None, ref_ids: Tensor | None = None,
             ref_kv: ReferenceKV | None = None, kv: bool = False, guidance: float | None = None,
-            callback: Callable[[Step], None] | None = None) -> Tensor:
+            inpaint: Inpaint | None = None, callback: Callable[[Step], None] | None = None) -> Tensor:
     """Run the Euler loop with a FLUX.2 transformer. Returns the latent at sigmas[-1].
 
     x: latent [B, 128, h, w] at sigmas[0], in the compute dtype. txt: prompt embeddings [1 or B, Ltxt, C].
@@ -170,6 +178,8 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
     kv=True: the KV scheme instead; the reference K/V are computed once here from ref/ref_ids, or ``ref_kv`` is
     passed in (computed earlier by ``model.reference_kv``), and reused at every step.
     guidance: FLUX.2-dev's guidance embedding value (no CFG). ``guidance_for`` decides which of the two a model takes.
+    inpaint: masked denoising (``inpaint.Inpaint``; x must then start from its source and noise): the source is kept
+    outside the mask, blended by the convention it names.
 
     The result is checked once for NaN / inf (``checks.finite``): a run that diverged stops here with its likely
     causes rather than becoming a black image.
@@ -209,8 +219,10 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
             v = v_neg + cfg * (v_pos - v_neg)
         return rope.unpack(v, h, w)
 
+    if inpaint is not None:
+        inpaint = inpaint.to(device, dtype)
     with torch.no_grad():
-        out = euler(velocity, x, sigmas, callback)
+        out = euler(velocity, x, sigmas, callback, inpaint)
     causes = [*checks.dtype_cause(dtype, "the transformer"),
               ("the transformer's weights hold NaN/inf (a damaged or wrongly converted file: download it again, "
                "or remove a LoRA that holds NaN)")]

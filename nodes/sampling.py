@@ -17,7 +17,7 @@ import math
 import torch
 from comfy_api.latest import io, ui
 
-from ..flux2_core import cache, pipeline, references, sampling, schedules, weights
+from ..flux2_core import cache, inpaint, pipeline, references, sampling, schedules, weights
 from ..flux2_core import compile as compiling
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.transformer import reference_kv_bytes
@@ -101,7 +101,9 @@ class Denoise(io.ComfyNode):
                         "do). Reference latents of the positive conditioning are used (for both "
                         "CFG branches); KV models compute their keys/values once and reuse them while the references "
                         "stay the same (a new prompt or seed skips the reference pass). With a latent and "
-                        "denoise < 1: image-to-image.",
+                        "denoise < 1: image-to-image. A latent with a noise mask (Set Latent Noise Mask, VAE Encode "
+                        "(for Inpainting), InpaintModelConditioning) inpaints: the white of the mask is repainted, "
+                        "the rest kept, as ComfyUI's own samplers do.",
             inputs=[types.Model.Input("model", tooltip="From FLUX.2 Klein Load Model."),
                     io.Conditioning.Input("positive", tooltip="The prompt (and references)."),
                     io.Latent.Input("noise", tooltip="Starting noise (FLUX.2 Klein Noise)."),
@@ -111,11 +113,13 @@ class Denoise(io.ComfyNode):
                                            "ignored); base: about 4 with a negative (an empty prompt)."),
                     io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01,
                                    tooltip="Image-to-image strength: runs the last denoise x steps from the latent "
-                                           "noised to that level; 1 ignores the latent."),
+                                           "noised to that level; 1 starts from pure noise (a noise mask still "
+                                           "keeps the latent outside it)."),
                     io.Conditioning.Input("negative", optional=True,
                                           tooltip="Negative prompt for CFG (base models); unused when cfg = 1."),
                     io.Latent.Input("latent", optional=True,
-                                    tooltip="Image latent to start from (FLUX.2 Klein AE Encode or VAE Encode).")],
+                                    tooltip="Image latent to start from (FLUX.2 Klein AE Encode or VAE Encode); with "
+                                            "a noise mask, the image to inpaint.")],
             outputs=[io.Latent.Output(display_name="latent", tooltip="The denoised latent.")])
 
     @classmethod
@@ -134,8 +138,10 @@ class Denoise(io.ComfyNode):
         sigmas = schedules.check_sigmas(sigmas)
         if schedules.check_strength(denoise, latent is not None) < 1:                # image-to-image: the tail
             sigmas = schedules.truncate_for_strength(sigmas, denoise)
+        inpaint.check_source("noise_mask" in noise, latent is not None)             # a masked LATENT as the noise
         noise = noise["samples"]                                                     # [B, 128, h, w]
         start = torch.zeros_like(noise) if latent is None else image_latent(latent["samples"], noise)
+        blend, mask_note = masked(latent, start, noise)                              # ComfyUI's noise_mask
         txt = prompt_embeds(positive, variant)
         ref, ref_ids = references.reference_tokens(positive[0][1].get("reference_latents", []))  # both CFG branches
         memory, kv_key = working_memory(model, noise, txt, ref, ref_ids, rule.cfg)
@@ -150,9 +156,9 @@ class Denoise(io.ComfyNode):
             ref = ref_ids = None                                                     # the K/V stand for them
         out = sampling.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant) if rule.cfg
                                else None, cfg=rule.scale, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
-                               kv=variant.use_kv_cache, guidance=rule.embedded,
+                               kv=variant.use_kv_cache, guidance=rule.embedded, inpaint=blend,
                                callback=host.StepReporter(len(sigmas) - 1, device))
-        notes = "; ".join(note for note in (rule.note, info) if note)
+        notes = "; ".join(note for note in (rule.note, mask_note, info) if note)
         return io.NodeOutput({"samples": out.float().to(host.intermediate_device())},
                              ui=ui.PreviewText(notes) if notes else None)
 
@@ -222,6 +228,20 @@ def image_latent(latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
                          f"latent to the noise node's latent input (same size), and make the noise batch the latent's "
                          f"batch or use a single latent")
     return latent.to(noise).expand_as(noise)
+
+
+def masked(latent, start: torch.Tensor, noise: torch.Tensor) -> tuple[inpaint.Inpaint | None, str]:
+    """(the core's inpainting blend, a note) for ComfyUI's ``noise_mask`` on the LATENT ``latent`` (pixel-sized
+    [n, 1, H, W], 1 = repaint, soft values kept) over ``start`` [B, 128, h, w] with ``noise``; (None, "") without one.
+    The blend is ComfyUI's own, before each model call (``inpaint.BEFORE_MODEL``): a graph inpaints as with KSampler."""
+    if latent is None or latent.get("noise_mask") is None:
+        return None, ""
+    batch, _, h, w = noise.shape
+    mask, note = inpaint.latent_mask(latent["noise_mask"], batch, h, w)
+    notes = "; ".join(n for n in (note, inpaint.mask_note(latent["noise_mask"], mask)) if n)
+    if notes:
+        log.warning("FLUX.2 Klein Denoise: %s", notes)
+    return inpaint.Inpaint(start, noise, mask, inpaint.BEFORE_MODEL), notes
 
 
 def prompt_embeds(conditioning, variant) -> torch.Tensor:

@@ -62,6 +62,7 @@ def test_demo_writes_pngs_with_metadata(tmp_path, monkeypatch):
     (["--cfg", "nan"], "--cfg: cfg must be a finite number"),
     (["--cfg=-inf"], "--cfg: cfg must be a finite number"),
     (["--steps", "100000"], "--steps: steps must be a whole number from 1 to 10000"),
+    (["--mask", "m.png"], "--mask: a mask needs the image it masks"),
     (["--width", "16384", "--height", "16384"], "at most about 4688x4688 px (86166 tokens) with 4 steps"),
     (["--width", "4096", "--height", "4096", "--steps", "200"], "at most about 3952x3952 px"),
 ])
@@ -163,6 +164,41 @@ def test_generate_from_a_models_folder(tmp_path, capsys):
     assert params["ae"] == "flux2-vae.safetensors" and params["text_encoder"] == "qwen_3_4b.safetensors"
     assert "transformer_weights" not in params
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_inpaint_from_a_models_folder_equals_the_engine(tmp_path, capsys):
+    """--image with --mask: the PNG is pipeline.generate's inpainting (itself proven against diffusers), pixel for
+    pixel; an empty mask says that nothing is repainted; a mask of another shape is refused."""
+    import torch
+
+    from flux2_core import pipeline
+
+    write_models_folder(tmp_path)
+    rng = np.random.default_rng(1)
+    Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(tmp_path / "photo.png")
+    mask = Image.new("L", (64, 48), 0)
+    mask.paste(255, (8, 8, 40, 40))
+    mask.save(tmp_path / "mask.png")
+    Image.new("L", (64, 48), 0).save(tmp_path / "empty.png")
+    Image.new("L", (48, 64), 255).save(tmp_path / "tall.png")
+    common = ["--models", str(tmp_path), "--prompt", "a fox", "--image", str(tmp_path / "photo.png"),
+              "--strength", "0.75", "--seed", "9", "--device", "cpu", "--out", str(tmp_path / "out")]
+    code = cli.main([*common, "--mask", str(tmp_path / "mask.png")])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    size, params = png_parameters(tmp_path / "out" / "flux2_9.png")
+    assert size == (64, 48) and params["mask"] is True and params["strength"] == 0.75 and params["steps"] == 3
+    models = pipeline.load_models(tmp_path / "diffusion_models" / "flux-2-klein-4b.safetensors",
+                                  tmp_path / "text_encoders" / "qwen_3_4b.safetensors",
+                                  tmp_path / "vae" / "flux2-vae.safetensors", device="cpu", dtype=torch.float32)
+    expected = pipeline.generate(models, "a fox", image=Image.open(tmp_path / "photo.png"), mask=mask,
+                                 strength=0.75, seed=9)
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / "flux2_9.png")), expected.images[0].numpy())
+
+    assert cli.main([*common, "--mask", str(tmp_path / "empty.png")]) == 0
+    assert "note: the mask is empty (all black): nothing is repainted" in capsys.readouterr().err
+    assert cli.main([*common, "--mask", str(tmp_path / "tall.png")]) == 2
+    assert "the mask is 48x64 (WxH) but the image is 64x48, another shape" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fp8_file,flag,stored", [(False, [], None), (False, ["--fp8"], "fp8"),

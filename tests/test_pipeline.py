@@ -195,6 +195,126 @@ def test_image_to_image_matches_diffusers_inpainting_with_a_full_mask(tiny):
     assert_close(full.latents, t2i.latents, "denoise", rtol=0, atol=1e-6)
 
 
+def box_mask(size, box) -> Image.Image:
+    """A black-and-white mask of ``size`` (W, H): white (repaint) in the ``box`` (left, top, right, bottom)."""
+    mask = Image.new("L", size, 0)
+    mask.paste(255, box)
+    return mask
+
+
+# (20, 8, 56, 40) on an 80x64 image: its edges cross the centre pixels of some 16-pixel cells, so the mask on the
+# latent grid holds 0, 0.5 and 1 (a soft edge even from a hard mask)
+INPAINT_CASES = {
+    # name: (family, cfg, strength, steps, reference size)
+    "distilled": ("distilled", None, 0.6, 4, None),
+    "distilled-full-strength": ("distilled", None, 1.0, 3, None),
+    "base-cfg": ("base", 3.0, 0.8, 3, None),
+    "distilled-reference": ("distilled", None, 0.75, 4, (96, 64)),
+}
+
+
+@pytest.mark.parametrize("name", INPAINT_CASES)
+def test_inpainting_matches_diffusers(tiny, name):
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinInpaintPipeline
+    ours, theirs = tiny
+    family, cfg, strength, steps, ref_size = INPAINT_CASES[name]
+    image, mask = photo(80, 64, seed=9), box_mask((80, 64), (20, 8, 56, 40))
+    reference = photo(*ref_size, seed=11) if ref_size else None
+    pipe = Flux2KleinInpaintPipeline(FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True,
+                                                                     time_shift_type="exponential"),
+                                     **theirs, is_distilled=family == "distilled")
+    pipe.set_progress_bar_config(disable=True)
+    extra = {"negative_prompt_embeds": diffusers_embeds(pipe, "")} if cfg else {}
+    last = {}
+    expected = pipe(image=image, mask_image=mask, image_reference=reference, height=64, width=80,
+                    prompt_embeds=diffusers_embeds(pipe, PROMPT), strength=strength, num_inference_steps=steps,
+                    guidance_scale=cfg or 1.0, generator=torch.Generator().manual_seed(3), output_type="pt",
+                    callback_on_step_end=lambda p, i, t, kw: last.update(kw) or {}, **extra).images
+    result = generate(ours[family], PROMPT, image=image, mask=mask, references=[reference] if reference else [],
+                      strength=strength, steps=steps, cfg=cfg, seed=3)
+    assert result.settings["mask"] and result.settings["steps"] == steps - int(steps - steps * strength)
+    check_against_diffusers(result, last["latents"].transpose(1, 2).reshape(1, 128, 4, 5), expected)
+
+
+def test_kv_inpainting_matches_diffusers_kv_with_the_inpainting_blend(tiny):
+    # diffusers has no KV inpainting pipeline: the expectation is Flux2KleinKVPipeline with the source as its
+    # reference, started from the noise (strength 1), and the inpainting pipeline's blend applied after each step
+    # through its step callback: x <- (1 - m) * ((1 - s') x0 + s' eps) + m * x at the next sigma s' (x0 after the last)
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinKVPipeline
+    ours, theirs = tiny
+    image, mask = photo(80, 64, seed=9), box_mask((80, 64), (20, 8, 56, 40))
+    noise = make_noise(1, 64, 80, seed=5)
+    source = ours["kv"].autoencoder.encode(pipeline.image_to_tensor(image).to(DEVICE)).float()
+    m = torch.nn.functional.interpolate(torch.from_numpy(np.asarray(mask) / 255.0).float()[None, None], size=(4, 5),
+                                        mode="bilinear").to(DEVICE)
+    pipe = Flux2KleinKVPipeline(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True,
+                                                                          time_shift_type="exponential"), **theirs)
+    pipe.set_progress_bar_config(disable=True)
+
+    last = {}
+
+    def blend(p, i, t, kwargs):
+        s = p.scheduler.sigmas[i + 1].item()
+        kept, mask_tokens = rope.pack((1 - s) * source + s * noise.to(DEVICE)), rope.pack(m)
+        last["latents"] = (1 - mask_tokens) * kept + mask_tokens * kwargs["latents"]
+        return {"latents": last["latents"]}
+
+    expected = pipe(image=[image], prompt_embeds=diffusers_embeds(pipe, PROMPT), height=64, width=80,
+                    num_inference_steps=3, latents=noise.to(DEVICE), output_type="pt", callback_on_step_end=blend
+                    ).images
+    result = generate(ours["kv"], PROMPT, image=image, mask=mask, steps=3, seed=5)
+    check_against_diffusers(result, last["latents"].transpose(1, 2).reshape(1, 128, 4, 5), expected)
+
+
+def test_inpainting_keeps_the_source_latent_outside_the_mask(tiny):
+    models = tiny[0]["distilled"]
+    image = photo(80, 64, seed=9)
+    result = generate(models, PROMPT, image=image, mask=box_mask((80, 64), (16, 16, 48, 48)), strength=0.8,
+                      steps=3, seed=1)
+    source = models.autoencoder.encode(pipeline.image_to_tensor(image).to(DEVICE)).float().cpu()
+    keep = torch.ones(4, 5, dtype=torch.bool)
+    keep[1:3, 1:3] = False                                    # the 2x2 cells under the box
+    assert torch.equal(result.latents[0][:, keep], source[0][:, keep])          # exactly: blended to x0 at sigma 0
+    assert (result.latents[0][:, ~keep] - source[0][:, ~keep]).abs().max() > 1e-2    # and repainted inside
+
+
+def test_an_empty_mask_gives_the_source_back_and_says_so(tiny):
+    models = tiny[0]["distilled"]
+    image = photo(64, 48, seed=2)
+    result = generate(models, PROMPT, image=image, mask=Image.new("L", (64, 48), 0), strength=0.5, steps=2, seed=1)
+    source = models.autoencoder.encode(pipeline.image_to_tensor(image).to(DEVICE)).float().cpu()
+    assert torch.equal(result.latents, source)
+    assert any("mask is empty" in w for w in result.warnings)
+
+
+def test_inpainting_a_batch_equals_single_runs(tiny):
+    models = tiny[0]["distilled"]
+    args = {"image": photo(64, 48, seed=2), "mask": box_mask((64, 48), (0, 0, 32, 48)), "strength": 0.7, "steps": 2}
+    batch = generate(models, PROMPT, seed=4, batch=2, **args)
+    for i in range(2):
+        single = generate(models, PROMPT, seed=4 + i, **args)
+        assert_close(batch.latents[i:i + 1], single.latents, "transformer", rtol=0, atol=1e-5)
+
+
+def test_a_mask_of_the_same_shape_is_resized_with_a_note(tiny):
+    models = tiny[0]["distilled"]
+    image = photo(64, 48, seed=2)
+    small = generate(models, PROMPT, image=image, mask=box_mask((32, 24), (0, 0, 16, 24)), steps=1, seed=1)
+    full = generate(models, PROMPT, image=image, mask=box_mask((64, 48), (0, 0, 32, 48)), steps=1, seed=1)
+    assert any("resized" in w for w in small.warnings) and not any("resized" in w for w in full.warnings)
+    assert torch.equal(small.latents, full.latents)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"mask": Image.new("L", (64, 48), 255)}, "needs the image it masks"),
+    ({"image": Image.new("RGB", (64, 48)), "mask": Image.new("L", (48, 64), 255)}, "another shape"),
+    ({"image": Image.new("RGB", (64, 48)), "mask": Image.new("L", (64, 48), 255), "strength": 0.0}, "strength"),
+])
+def test_bad_inpainting_inputs(tiny, kwargs, message):
+    with pytest.raises(Flux2Error, match=message):
+        generate(tiny[0]["distilled"], PROMPT, **kwargs)
+
+
 def test_custom_sigmas(tiny):
     models = tiny[0]["distilled"]
     result = generate(models, PROMPT, width=32, height=32, sigmas=[1.0, 0.6, 0.0])

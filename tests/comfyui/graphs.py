@@ -112,6 +112,64 @@ def native(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: 
     return finish(graph, link("8"), output)
 
 
+def inpaint(files: dict, prompt: str, image: str, mask: str, size: tuple[int, int], *, seed: int, steps: int,
+            split: int = 0,
+            cfg: float = 1.0, negative: str | None = None, references=(), model_file: str | None = None,
+            encode: str = "ours") -> dict:
+    """Our Denoise and ComfyUI's native sampler on one masked LATENT, in one graph; SaveLatent "ours" (id 60),
+    "native" (61) and the masked latent itself (62).
+
+    encode: how the LATENT gets its noise_mask (``mask``, an input file read by LoadImageMask's red channel, over
+    ``image``, whose (width, height) is ``size``): "ours" (Flux2KleinAEEncode + SetLatentNoiseMask), "conditioning"
+    (InpaintModelConditioning) or "vae_inpaint" (VAEEncodeForInpaint), the last two with ComfyUI's own VAE on the
+    full-size AE file. split > 0 runs
+    the last steps from there: our Denoise at denoise (steps - split) / steps, the native sampler on SplitSigmas.
+    """
+    width, height = size
+    graph = common(files, prompt, seed, width, height, steps, negative, list(references), model_file)
+    positive = link(graph.pop("positive"))
+    graph["50"] = {"class_type": "LoadImage", "inputs": {"image": image}}
+    graph["51"] = {"class_type": "LoadImageMask", "inputs": {"image": mask, "channel": "red"}}
+    if encode == "ours":
+        graph["52"] = {"class_type": "Flux2KleinAEEncode", "inputs": {"ae": link("3"), "image": link("50")}}
+        graph["53"] = {"class_type": "SetLatentNoiseMask", "inputs": {"samples": link("52"), "mask": link("51")}}
+        latent = link("53")
+    else:
+        graph["54"] = {"class_type": "VAELoader", "inputs": {"vae_name": files["ae_full"]}}
+        if encode == "conditioning":
+            graph["53"] = {"class_type": "InpaintModelConditioning",
+                           "inputs": {"positive": positive, "negative": positive, "pixels": link("50"),
+                                      "vae": link("54"), "mask": link("51"), "noise_mask": True}}
+            positive, latent = link("53", 0), link("53", 2)
+        else:
+            graph["53"] = {"class_type": "VAEEncodeForInpaint", "inputs": {"pixels": link("50"), "vae": link("54"),
+                                                                          "mask": link("51"), "grow_mask_by": 6}}
+            latent = link("53")
+    sigmas = link("7")
+    if split:
+        graph["55"] = {"class_type": "SplitSigmas", "inputs": {"sigmas": sigmas, "step": split}}
+        sigmas = link("55", 1)
+    inputs = {"model": link("1"), "positive": positive, "noise": link("6"), "sigmas": link("7"), "cfg": cfg,
+              "denoise": (steps - split) / steps, "latent": latent}
+    graph["56"] = {"class_type": "Flux2KleinDenoise", "inputs": inputs}
+    graph["57"] = {"class_type": "UNETLoader",
+                   "inputs": {"unet_name": model_file or files["transformer"], "weight_dtype": "default"}}
+    if negative is None:
+        graph["58"] = {"class_type": "BasicGuider", "inputs": {"model": link("57"), "conditioning": positive}}
+    else:
+        inputs["negative"] = link("5")
+        graph["58"] = {"class_type": "CFGGuider", "inputs": {"model": link("57"), "positive": positive,
+                                                             "negative": link("5"), "cfg": cfg}}
+    graph["59"] = {"class_type": "SamplerCustomAdvanced",
+                   "inputs": {"noise": link("14"), "guider": link("58"), "sampler": link("13"), "sigmas": sigmas,
+                              "latent_image": latent}}
+    graph["13"] = {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}}
+    graph["14"] = {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}}
+    for node, source in (("60", link("56")), ("61", link("59")), ("62", latent)):
+        graph[node] = {"class_type": "SaveLatent", "inputs": {"samples": source, "filename_prefix": f"inpaint{node}"}}
+    return graph
+
+
 def saved_latents(base: Path, history_entry: dict) -> dict:
     """{node id: tensor} of what the SaveLatent nodes wrote (safetensors files under the server's output folder)."""
     out = {}

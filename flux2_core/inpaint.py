@@ -1,0 +1,159 @@
+"""Inpainting: repaint where a mask says so, keep the source image everywhere else.
+
+Masks. One value per pixel: 1 (white) = repaint, 0 (black) = keep; grey values in between are kept as they are (a
+soft edge blends the two), not rounded to black or white. An image file is read as its grey level / 255.
+
+Pixel masks reach the latent grid one way, everywhere (``latent_mask``): bilinear interpolation (torch's, corners
+not aligned, no antialiasing) from the pixels to the [h, w] = [H/16, W/16] latent grid, one value per latent cell for
+all of its 128 channels. This is what diffusers' Flux2KleinInpaintPipeline does (after it rounds the mask at 0.5)
+and what ComfyUI's samplers do with a LATENT's ``noise_mask``. At a 16x reduction it reads the 2 x 2 pixels at the
+centre of each 16 x 16 cell, so a stroke thinner than a cell may fall between the centres; when no cell is reached
+at all, ``mask_note`` says so.
+
+Blending. The sampler keeps the source outside the mask by mixing the latent x with the source latent x0 noised to
+the current level, with the same noise eps the start latent was made from:
+
+    keep(x, sigma) = m * x + (1 - m) * ((1 - sigma) * x0 + sigma * eps)
+
+Two conventions exist; ``Inpaint.blend`` picks one, and each surface uses its peer's:
+
+* AFTER_STEP (``pipeline.generate``, the CLI; diffusers' Flux2KleinInpaintPipeline): after each Euler step to
+  sigma', x <- keep(x, sigma'). sigma' is 0 after the last step, so where m = 0 the result is exactly the source
+  latent. The clean source is also the model's reference image 1 (before any other), so it sees what surrounds the
+  area it repaints.
+* BEFORE_MODEL (the Denoise node; ComfyUI's samplers, ``KSamplerX0Inpaint``): the model is called on
+  x_in = keep(x, sigma) and its clean estimate is clamped to the source, D = m * (x_in - sigma * v) + (1 - m) * x0;
+  the Euler step goes on from x with the velocity (x - D) / sigma. Where m = 0 this lands on x0 noised to sigma',
+  and on x0 itself at the end (up to float rounding). The source reaches the model only if the graph gives it as a
+  reference, as in ComfyUI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import Tensor
+
+from .errors import Flux2Error
+from .references import as_pil, center_crop_16
+from .sampling import Velocity, add_noise
+
+AFTER_STEP = "after_step"        # diffusers: blend after each step, at the next sigma
+BEFORE_MODEL = "before_model"    # ComfyUI: blend before each model call, at the current sigma
+CELL = 16                        # pixels per latent cell (8x AE downscale x 2x2 patch)
+
+
+# --- masks ------------------------------------------------------------------------------------------------------
+
+def mask_tensor(image: Image.Image) -> Tensor:
+    """A mask image -> float32 [1, 1, H, W] in [0, 1]: its grey level ("L", as PIL converts colour) / 255."""
+    grey = np.asarray(image.convert("L"), dtype=np.float32) / 255
+    return torch.from_numpy(grey)[None, None]
+
+
+def check_source(mask: bool, image: bool) -> None:
+    """A mask needs the image it masks (Flux2Error otherwise)."""
+    if mask and not image:
+        raise Flux2Error("a mask needs the image it masks: give the image to inpaint with it (the CLI's --image; the "
+                         "Denoise node's latent input, where ComfyUI's Set Latent Noise Mask puts the mask)")
+
+
+def check_mask_size(mask_size: tuple[int, int], image_size: tuple[int, int], what: str = "the image") -> str:
+    """The size rule for a (width, height) mask over a (width, height) image: the same size is used as it is; the
+    same shape (within one 16-pixel latent cell once stretched) is resized, with the note returned; another shape
+    is a Flux2Error, as stretching it would repaint the wrong place."""
+    (mw, mh), (w, h) = mask_size, image_size
+    if (mw, mh) == (w, h):
+        return ""
+    # scaled by the heights, the mask's width misses the image's by |mw * h / mh - w| pixels (and alike the other
+    # way): more than one latent cell either way is another shape
+    if abs(mw * h - w * mh) > CELL * min(mw, mh):
+        raise Flux2Error(f"the mask is {mw}x{mh} (WxH) but {what} is {w}x{h}, another shape: make the mask from the "
+                         f"image itself (the same size; white = repaint, black = keep)")
+    return f"the mask is {mw}x{mh} (WxH), {what} {w}x{h}: the mask was resized to fit it"
+
+
+def image_mask(mask, image: Image.Image, size: tuple[int, int]) -> tuple[Tensor, list[str]]:
+    """A mask image (PIL, array or tensor, as ``references.as_pil`` takes) over the source ``image`` as given ->
+    (float32 [1, 1, H, W] for the source at (width, height) ``size``, notes): fitted to the image
+    (``check_mask_size``), cropped to multiples of 16 as the image is (``center_crop_16``), resized as it is."""
+    mask = as_pil(mask, "the mask")
+    note = check_mask_size(mask.size, image.size)
+    if note:
+        mask = mask.resize(image.size, Image.Resampling.BILINEAR)
+    mask = center_crop_16(mask.convert("L"))
+    if mask.size != size:
+        mask = mask.resize(size, Image.Resampling.BILINEAR)
+    return mask_tensor(mask), [note] if note else []
+
+
+def latent_mask(mask: Tensor, batch: int, h: int, w: int) -> tuple[Tensor, str]:
+    """(mask [1 or batch, 1, h, w] on the latent grid, a note or ""): ``mask`` [n, 1, H, W], [n, H, W] or [H, W]
+    with n 1 or ``batch``, values in [0, 1], at the image's pixel size (16h x 16w) or already on the grid (h x w);
+    another size of the same shape is resized with a note (``check_mask_size``)."""
+    if mask.ndim not in (2, 3, 4) or (mask.ndim == 4 and mask.shape[1] != 1):
+        raise Flux2Error(f"a mask must be [H, W], [B, H, W] or [B, 1, H, W], got {list(mask.shape)}")
+    mask = mask.reshape(-1, 1, *mask.shape[-2:]).float()
+    if mask.shape[0] not in (1, batch):
+        raise Flux2Error(f"there are {mask.shape[0]} masks for a batch of {batch}: give one mask (used for every "
+                         f"image) or one per image")
+    if not bool(((mask >= 0) & (mask <= 1)).all()):             # also refuses NaN
+        raise Flux2Error("a mask's values must be in [0, 1] (1 = repaint, 0 = keep); this one has values outside "
+                         "(or NaN): use a greyscale mask image or ComfyUI's MASK type")
+    size = (mask.shape[-1], mask.shape[-2])
+    note = "" if size == (w, h) else check_mask_size(size, (CELL * w, CELL * h), "the latent's image")
+    return F.interpolate(mask, size=(h, w), mode="bilinear"), note
+
+
+def mask_note(pixels: Tensor, on_grid: Tensor) -> str:
+    """What to tell the user about a mask that repaints nothing (pixels [n, 1, H, W], ``on_grid`` its
+    ``latent_mask``), else ""."""
+    if not bool(pixels.any()):
+        return ("the mask is empty (all black): nothing is repainted, the result is the source image (image-to-image "
+                "that changes nothing); paint the area to repaint white")
+    if not bool(on_grid.any()):
+        return ("the mask's white areas fall between the centres of the 16-pixel latent cells, so nothing is "
+                "repainted: paint a larger area (at least 16 pixels across)")
+    return ""
+
+
+# --- blending in the sampler ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Inpaint:
+    """What the Euler loop (``sampling.euler``) needs to keep the source outside the mask (see the module docstring).
+
+    All in the latent's dtype and device (``to``): source x0 [1 or B, 128, h, w], noise eps [B, 128, h, w] (the
+    start latent's), mask [1 or B, 1, h, w] in [0, 1] (1 = repaint)."""
+
+    source: Tensor
+    noise: Tensor
+    mask: Tensor
+    blend: str = AFTER_STEP
+
+    def __post_init__(self):
+        if self.blend not in (AFTER_STEP, BEFORE_MODEL):
+            raise Flux2Error(f"blend must be {AFTER_STEP!r} or {BEFORE_MODEL!r}, got {self.blend!r}")
+
+    def to(self, device, dtype) -> Inpaint:
+        return Inpaint(*(t.to(device, dtype) for t in (self.source, self.noise, self.mask)), self.blend)
+
+    def keep(self, x: Tensor, sigma: float) -> Tensor:
+        """m * x + (1 - m) * (the source noised to ``sigma``)."""
+        return self.mask * x + (1 - self.mask) * add_noise(self.source, self.noise, sigma)
+
+    def velocity(self, velocity: Velocity, x: Tensor, t: Tensor, sigma: float) -> Tensor:
+        """The velocity of the step from x at ``sigma`` (t: the model's timestep, sigma in x's dtype)."""
+        if self.blend == AFTER_STEP:
+            return velocity(x, t)
+        x_in = self.keep(x, sigma)
+        clean = self.mask * (x_in - sigma * velocity(x_in, t)) + (1 - self.mask) * self.source
+        return (x - clean) / sigma
+
+    def after_step(self, x: Tensor, sigma_next: float) -> Tensor:
+        """The latent after a step to ``sigma_next``."""
+        return self.keep(x, sigma_next) if self.blend == AFTER_STEP else x
