@@ -10,7 +10,9 @@ Decoding (``open_image`` for a file, then ``as_pil`` for every image however giv
     by their high byte (v >> 8, within 1 of v / 257);
   * everything else converts as BFL and diffusers convert it, ``convert("RGB")``: alpha is dropped, not composited
     (a transparent pixel keeps the colour stored under it; premultiplied La / RGBa are first unpremultiplied),
-    P takes its palette, F is on L's 0..255 scale, CMYK / YCbCr / LAB / HSV go through PIL's conversions.
+    P takes its palette, CMYK / YCbCr / LAB / HSV go through PIL's conversions;
+  * 32-bit float images (PIL mode F, float TIFFs) are refused: they have no fixed range, and PIL's clip to 0..255
+    would turn a 0..1 image black.
 
 Preprocessing (BFL ``encode_image_refs``), per image:
   1. convert to RGB (above);
@@ -99,6 +101,9 @@ def _upright(image: Image.Image) -> Image.Image:
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode == "F":           # no fixed range: PIL would clip to 0..255, and a 0..1 image would come out black
+        raise Flux2Error("32-bit floating-point images (a float TIFF, PIL mode F) have no fixed value range, so they "
+                         "cannot be read as colours reliably: save the image as an 8- or 16-bit PNG")
     if image.mode in SIXTEEN_BIT:
         values = np.asarray(image).astype(np.int64).clip(0, 65535)
         # round(v / 257) in integers: v / 257 = 255 v / 65535 is never a half, so rounding up at .5 is exact

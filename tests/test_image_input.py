@@ -215,8 +215,20 @@ def test_what_is_not_an_image(bad):
 # property tests: every mode and bit depth, every damage
 # ---------------------------------------------------------------------------------------------------------------
 
-MODES = ["1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "LAB", "HSV", "I", "F",
+MODES = ["1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "LAB", "HSV", "I",
          "I;16", "I;16L", "I;16B", "I;16N"]
+
+
+@pytest.mark.parametrize("values", [(0.0, 1.0), (0.0, 255.0)])
+def test_float_images_are_refused_not_clipped(tmp_path, values):
+    """A float TIFF (PIL mode F) has no fixed range: PIL's convert would clip it to 0..255, so a 0..1 image would
+    become black. It is refused with what to do instead, from a file and in memory."""
+    image = Image.fromarray(np.linspace(*values, 64 * 64, dtype=np.float32).reshape(64, 64), mode="F")
+    image.save(tmp_path / "float.tiff")
+    with pytest.raises(Flux2Error, match="floating-point .* 8- or 16-bit PNG"):
+        open_image(tmp_path / "float.tiff")
+    with pytest.raises(Flux2Error, match="floating-point .* 8- or 16-bit PNG"):
+        as_pil(image)
 
 
 def expected_rgb(image: Image.Image) -> np.ndarray:
