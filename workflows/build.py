@@ -14,6 +14,7 @@ import argparse
 import json
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -43,37 +44,82 @@ def frontend_checks(file: str) -> bool:
     return not file.lower().endswith(".gguf")
 
 
-# --- the workflows: node id -> (class, inputs, column, row); an input (id, slot) is a link, anything else a widget --
+# --- the workflows: node id -> Node; an input (id, slot) is a link, anything else a widget ----------------------------
+#
+# The layout follows the pipeline left to right, one column per stage, and keeps every link in the open: a link
+# runs from an output (a node's right side) to an input further right, and the long ones run in lanes no node
+# covers (the model along the top, the autoencoder between the prompt and the noise). Positions are the top left of
+# a node's body; its title bar is the TITLE units above.
 
-def loaders(model: str, text_encoder: str = "qwen_3_4b.safetensors") -> dict:
-    return {1: ("Flux2KleinModelLoader", {"model_name": model, "dtype": "auto"}, 0, 0),
-            2: ("Flux2KleinTextEncoderLoader", {"text_encoder_name": text_encoder, "dtype": "auto"}, 0, 1),
-            3: ("Flux2KleinAELoader", {"ae_name": "flux2-vae.safetensors", "dtype": "auto"}, 0, 2)}
+TITLE = 30                   # the frontend's title bar height
+SLOT = 20                    # the height of a socket row; socket i is at y + 14 + 20 i
+SIZES = {"Flux2KleinModelLoader": (280, 82), "Flux2KleinTextEncoderLoader": (280, 82),
+         "Flux2KleinAELoader": (280, 82), "Flux2KleinLoRA": (280, 126), "Flux2KleinPromptEncode": (380, 190),
+         "Flux2KleinNoise": (220, 154), "Flux2KleinScheduler": (220, 150), "Flux2KleinDenoise": (260, 182),
+         "Flux2KleinAEDecode": (220, 46), "Flux2KleinAEEncode": (220, 46), "Flux2KleinReference": (240, 66),
+         "LoadImage": (260, 300), "SaveImage": (320, 340), "MarkdownNote": (280, 300)}
+STAGES = {"load": "Load models", "lora": "LoRA", "image": "Input image", "references": "Reference images",
+          "prompt": "Prompt", "noise": "Noise and schedule", "denoise": "Denoise", "decode": "Decode and save"}
+COLUMNS = {"load": 0, "prompt": 360, "noise": 360}         # x of the stages that every workflow places alike
+GROUP_COLOR = "#3f789e"
+AE_LANE = 400                # the autoencoder loader's y: its link to the decoder runs level at this height
+
+
+@dataclass(frozen=True)
+class Node:
+    cls: str
+    inputs: dict
+    stage: str
+    pos: tuple[int, int]
+    title: str | None = None
+    size: tuple[int, int] | None = None
+
+    @property
+    def box(self) -> tuple[int, int]:
+        return self.size or SIZES[self.cls]
+
+
+def loaders(model: str, text_encoder: str = "qwen_3_4b.safetensors", prompt_y: int = 150, ae_y: int = AE_LANE) -> dict:
+    return {1: Node("Flux2KleinModelLoader", {"model_name": model, "dtype": "auto"}, "load", (0, 0)),
+            2: Node("Flux2KleinTextEncoderLoader", {"text_encoder_name": text_encoder, "dtype": "auto"}, "load",
+                    (0, prompt_y)),
+            3: Node("Flux2KleinAELoader", {"ae_name": "flux2-vae.safetensors", "dtype": "auto"}, "load", (0, ae_y))}
 
 
 def sampler(positive, cfg=1.0, steps=4, negative=None, latent=None, denoise=1.0, noise_latent=None, seed=42,
-            model=(1, 0)) -> dict:
+            model=(1, 0), noise_at=(360, 560), denoise_x=950, ae_y=AE_LANE) -> dict:
+    """Noise and schedule (the noise at noise_at, the scheduler below and right of it), the denoiser at the top of
+    its column (its model input level with the model loader's output), and decode + save on the autoencoder lane."""
     denoise_inputs = {"model": model, "positive": positive, "noise": (5, 0), "sigmas": (6, 0), "cfg": cfg,
                       "denoise": denoise}
     denoise_inputs |= {"negative": negative} if negative else {}
     denoise_inputs |= {"latent": latent} if latent else {}
     noise_inputs = {"seed": seed, "width": 1024, "height": 1024, "batch_size": 1}
     noise_inputs |= {"latent": noise_latent} if noise_latent else {}
-    return {5: ("Flux2KleinNoise", noise_inputs, 3, 0),
-            6: ("Flux2KleinScheduler", {"steps": steps, "width": 1024, "height": 1024, "schedule": "flux2", "rho": 2.0,
-                                        "latent": (5, 0)}, 3, 1),
-            7: ("Flux2KleinDenoise", denoise_inputs, 4, 0),
-            8: ("Flux2KleinAEDecode", {"ae": (3, 0), "latent": (7, 0)}, 5, 0),
-            9: ("SaveImage", {"images": (8, 0), "filename_prefix": "flux2-klein"}, 6, 0)}
+    x, y = noise_at
+    decode_x = denoise_x + SIZES["Flux2KleinDenoise"][0] + 50
+    return {5: Node("Flux2KleinNoise", noise_inputs, "noise", (x, y)),
+            6: Node("Flux2KleinScheduler", {"steps": steps, "schedule": "flux2", "rho": 2.0, "latent": (5, 0)},
+                    "noise", (x + SIZES["Flux2KleinNoise"][0] + 30, y + 90)),
+            7: Node("Flux2KleinDenoise", denoise_inputs, "denoise", (denoise_x, 0)),
+            8: Node("Flux2KleinAEDecode", {"ae": (3, 0), "latent": (7, 0)}, "decode", (decode_x, ae_y)),
+            9: Node("SaveImage", {"images": (8, 0), "filename_prefix": "flux2-klein"}, "decode",
+                    (decode_x + SIZES["Flux2KleinAEDecode"][0] + 40, ae_y))}
 
 
-def prompt(text: str, node: int = 4, row: int = 0) -> dict:
-    return {node: ("Flux2KleinPromptEncode", {"text_encoder": (2, 0), "prompt": text}, 1, row)}
+def prompt(text: str, node: int = 4, y: int = 150, title: str = "Positive prompt", height: int | None = None) -> dict:
+    size = (SIZES["Flux2KleinPromptEncode"][0], height) if height else None
+    return {node: Node("Flux2KleinPromptEncode", {"text_encoder": (2, 0), "prompt": text}, "prompt",
+                       (COLUMNS["prompt"], y), title, size)}
 
 
-def reference(node: int, image_node: int, file: str, conditioning, row: int) -> dict:
-    return {image_node: ("LoadImage", {"image": file}, 1, row),
-            node: ("Flux2KleinReference", {"conditioning": conditioning, "image": (image_node, 0), "ae": (3, 0)}, 2, row)}
+def reference(node: int, image_node: int, file: str, conditioning, image_at: tuple[int, int],
+              reference_at: tuple[int, int], number: int = 0) -> dict:
+    """A Load Image and its Reference node; number > 0 titles them "Reference image <number>"."""
+    suffix = f" {number}" if number else ""
+    return {image_node: Node("LoadImage", {"image": file}, "references", image_at, f"Reference image{suffix}"),
+            node: Node("Flux2KleinReference", {"conditioning": conditioning, "image": (image_node, 0), "ae": (3, 0)},
+                       "references", reference_at, f"Reference{suffix}")}
 
 
 WORKFLOWS = {
@@ -85,17 +131,18 @@ WORKFLOWS = {
     "flux2-klein-base-text-to-image": {
         "note": "Text to image with FLUX.2 Klein Base 4B: 50 steps with classifier-free guidance (cfg 4) against a "
              "negative prompt.",
-        "nodes": loaders("flux-2-klein-base-4b.safetensors") | prompt(
-            "A cozy reading nook by a rainy window, warm lamp light, watercolor illustration")
-        | prompt("blurry, low quality, distorted, watermark, text", node=10, row=1)
-        | sampler((4, 0), cfg=4.0, steps=50, negative=(10, 0))},
+        "nodes": loaders("flux-2-klein-base-4b.safetensors", ae_y=520) | prompt(
+            "A cozy reading nook by a rainy window, warm lamp light, watercolor illustration", height=150)
+        | prompt("blurry, low quality, distorted, watermark, text", node=10, y=360, title="Negative prompt", height=110)
+        | sampler((4, 0), cfg=4.0, steps=50, negative=(10, 0), noise_at=(360, 680), denoise_x=1010, ae_y=520)},
     "flux2-klein-edit": {
         "note": "Edit one image with the distilled FLUX.2 Klein 4B. Put the photo to edit in ComfyUI's input folder as "
              "flux2-klein-edit-input.png (or pick any image in Load Image). Alone, a reference is kept under about "
              "4 megapixels (2024 x 2024) and centre-cropped to multiples of 16; the output size is the noise node's.",
         "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("Turn the scene into a snowy winter evening; keep the "
                                                               "composition and the people unchanged")
-        | reference(11, 10, "flux2-klein-edit-input.png", (4, 0), 1) | sampler((11, 0))},
+        | reference(11, 10, "flux2-klein-edit-input.png", (4, 0), (0, 540), (800, 540))
+        | sampler((11, 0), noise_at=(360, 720), denoise_x=1180)},
     "flux2-klein-edit-3-references": {
         "note": "Combine three reference images with the distilled FLUX.2 Klein 4B. Put them in ComfyUI's input folder "
              "as flux2-klein-reference-1.png (e.g. a person), flux2-klein-reference-2.png (e.g. a jacket) and "
@@ -103,18 +150,20 @@ WORKFLOWS = {
              "megapixel (1024 x 1024); reference i is told apart by its time offset 10 x i.",
         "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("The person from image 1 wearing the jacket from image "
                                                               "2, standing in the place from image 3")
-        | reference(11, 10, "flux2-klein-reference-1.png", (4, 0), 1)
-        | reference(13, 12, "flux2-klein-reference-2.png", (11, 0), 2)
-        | reference(15, 14, "flux2-klein-reference-3.png", (13, 0), 3) | sampler((15, 0))},
+        | reference(11, 10, "flux2-klein-reference-1.png", (4, 0), (0, 540), (800, 540), 1)
+        | reference(13, 12, "flux2-klein-reference-2.png", (11, 0), (0, 900), (1070, 900), 2)
+        | reference(15, 14, "flux2-klein-reference-3.png", (13, 0), (0, 1260), (1340, 1260), 3)
+        | sampler((15, 0), noise_at=(360, 720), denoise_x=1180)},
     "flux2-klein-lora": {
         "note": "Text to image with the distilled FLUX.2 Klein 4B and a LoRA. Put a LoRA made for Klein 4B (ai-toolkit, "
              "kohya/musubi, diffusers, ComfyUI or LyCORIS LoKr files) in ComfyUI's models/loras folder and pick it "
              "in the LoRA node; chain more LoRA nodes for a stack. The node shows what the file matched, and the "
              "keys that matched nothing.",
-        "nodes": loaders("flux-2-klein-4b.safetensors")
-        | {12: ("Flux2KleinLoRA", {"model": (1, 0), "lora_name": "klein-4b-lora.safetensors", "strength": 1.0,
-                                  "merge_into_fp8": False}, 1, 2)}
-        | prompt("A lighthouse on a rocky coast at sunset, dramatic clouds") | sampler((4, 0), model=(12, 0))},
+        "nodes": loaders("flux-2-klein-4b.safetensors", prompt_y=240, ae_y=480)
+        | {12: Node("Flux2KleinLoRA", {"model": (1, 0), "lora_name": "klein-4b-lora.safetensors", "strength": 1.0,
+                                       "merge_into_fp8": False}, "lora", (COLUMNS["prompt"], 0))}
+        | prompt("A lighthouse on a rocky coast at sunset, dramatic clouds", y=240, height=170)
+        | sampler((4, 0), model=(12, 0), noise_at=(360, 640), ae_y=480)},
     "flux2-klein-gguf": {
         "note": "Text to image with GGUF files, for 6-12 GB cards: the distilled FLUX.2 Klein 4B and its Qwen3-4B text "
              "encoder quantized to Q4_K_M (unsloth's files; other quantizations from Q8_0 to Q2_K work too, in "
@@ -129,9 +178,9 @@ WORKFLOWS = {
              "in ComfyUI's input folder as flux2-klein-img2img-input.png; sides are cropped to multiples of 16 and "
              "the output has the input's size.",
         "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("An oil painting in the style of the impressionists")
-        | {10: ("LoadImage", {"image": "flux2-klein-img2img-input.png"}, 1, 1),
-           11: ("Flux2KleinAEEncode", {"ae": (3, 0), "image": (10, 0)}, 1, 2)}
-        | sampler((4, 0), latent=(11, 0), denoise=0.6, noise_latent=(11, 0))},
+        | {10: Node("LoadImage", {"image": "flux2-klein-img2img-input.png"}, "image", (0, 540), "Input image"),
+           11: Node("Flux2KleinAEEncode", {"ae": (3, 0), "image": (10, 0)}, "image", (360, 760))}
+        | sampler((4, 0), latent=(11, 0), denoise=0.6, noise_latent=(11, 0), noise_at=(620, 480), denoise_x=1220)},
 }
 
 # --- building the two formats --------------------------------------------------------------------------------------
@@ -155,13 +204,14 @@ def api_prompt(nodes: dict, object_info: dict) -> dict:
     """The API format, as the frontend's graphToPrompt writes it: widget values in widget order, then the links as
     [source id, slot] in socket order."""
     prompt = {}
-    for i, (cls, inputs, _, _) in sorted(nodes.items()):
+    for i, node in sorted(nodes.items()):
+        cls, inputs = node.cls, node.inputs
         names = [name for name, _, _ in input_specs(object_info[cls]) if name in inputs]
         ordered = [n for n in names if not is_link(inputs[n])] + [n for n in names if is_link(inputs[n])]
         prompt[str(i)] = {"class_type": cls,
                           "inputs": {n: [str(inputs[n][0]), inputs[n][1]] if is_link(inputs[n]) else inputs[n]
                                      for n in ordered},
-                          "_meta": {"title": object_info[cls]["display_name"]}}
+                          "_meta": {"title": node.title or object_info[cls]["display_name"]}}
     return prompt
 
 
@@ -169,11 +219,11 @@ def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
     """The UI (LiteGraph 0.4) format: positioned nodes, socket inputs/outputs, widget values, link tuples."""
     nodes, links, sockets, widgets = spec["nodes"], [], {}, {}
     for i in sorted(nodes):                       # pass 1: each node's sockets and widget values; the links
-        cls, inputs, _, _ = nodes[i]
+        cls, inputs = nodes[i].cls, nodes[i].inputs
         sockets[i], widgets[i] = [], []
         for input_name, kind, options in input_specs(object_info[cls]):
             value = inputs.get(input_name)
-            if kind in WIDGET_TYPES and not is_link(value):
+            if kind in WIDGET_TYPES and not is_link(value) and not options.get("forceInput"):
                 widgets[i].append(value if input_name in inputs else options.get("default"))
                 widgets[i] += ["randomize"] if options.get("control_after_generate") else []
                 widgets[i] += ["image"] if options.get("image_upload") else []
@@ -181,12 +231,13 @@ def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
             link = None
             if is_link(value):
                 link = len(links) + 1
-                source_type = object_info[nodes[value[0]][0]]["output"][value[1]]
+                source_type = object_info[nodes[value[0]].cls]["output"][value[1]]
                 links.append([link, value[0], value[1], i, len(sockets[i]), source_type])
             sockets[i].append({"name": input_name, "type": kind, "link": link})
     order, ui_nodes = topological(nodes), []
     for i in sorted(nodes):                       # pass 2: the nodes, with the links leaving each output
-        cls, inputs, col, row = nodes[i]
+        node = nodes[i]
+        cls, inputs = node.cls, node.inputs
         info = object_info[cls]
         outputs = [{"name": out_name, "type": out_type, "links": [k[0] for k in links if k[1:3] == [i, slot]]}
                    for slot, (out_name, out_type) in enumerate(zip(info["output_name"], info["output"]))]
@@ -196,21 +247,42 @@ def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
         models = [inputs[k] for k in MODEL_INPUTS if k in inputs and frontend_checks(inputs[k])]
         if models:
             properties["models"] = [{"name": m, "url": MODELS[m][1], "directory": MODELS[m][0]} for m in models]
-        ui_nodes.append({"id": i, "type": cls, "pos": [40 + 380 * col, 40 + 340 * row],
-                         "size": [340, 60 + 26 * len(widgets[i])], "flags": {}, "order": order.index(i), "mode": 0,
-                         "inputs": sockets[i], "outputs": outputs, "properties": properties,
-                         "widgets_values": widgets[i]})
+        ui_nodes.append({"id": i, "type": cls, "pos": list(node.pos), "size": list(node.box), "flags": {},
+                         "order": order.index(i), "mode": 0, "inputs": sockets[i], "outputs": outputs,
+                         "properties": properties, "widgets_values": widgets[i]} | ({"title": node.title} if node.title
+                                                                                      else {}))
     note_id = max(nodes) + 1
-    ui_nodes.append({"id": note_id, "type": "MarkdownNote", "pos": [40, 1060], "size": [340, 320], "flags": {},
-                     "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "title": "About this workflow",
+    lowest = max(n.pos[1] + n.box[1] for n in nodes.values() if n.pos[0] == COLUMNS["load"])
+    note = Node("MarkdownNote", {}, "note", (COLUMNS["load"], lowest + TITLE + 50), "Models and files")
+    ui_nodes.append({"id": note_id, "type": note.cls, "pos": list(note.pos), "size": list(note.box), "flags": {},
+                     "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "title": note.title,
                      "properties": {}, "widgets_values": [note_text(spec)]})
     return {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK}/{name}")), "revision": 0, "last_node_id": note_id,
-            "last_link_id": len(links), "nodes": ui_nodes, "links": links, "groups": [], "config": {},
-            "extra": {"ds": {"scale": 0.7, "offset": [30, 80]}}, "version": 0.4}
+            "last_link_id": len(links), "nodes": ui_nodes, "links": links,
+            "groups": groups(list(nodes.values()) + [note]), "config": {}, "extra": {}, "version": 0.4}
+
+
+GROUP_PAD, GROUP_TITLE = 16, 40       # around a stage's nodes; the band above them for the group's title
+
+
+def groups(nodes: list[Node]) -> list[dict]:
+    """One group per stage, around its nodes (title bars included), in pipeline order."""
+    out = []
+    for stage, title in STAGES.items():
+        members = [n for n in nodes if n.stage == stage]
+        if not members:
+            continue
+        left = min(n.pos[0] for n in members) - GROUP_PAD
+        top = min(n.pos[1] for n in members) - TITLE - GROUP_TITLE
+        right = max(n.pos[0] + n.box[0] for n in members) + GROUP_PAD
+        bottom = max(n.pos[1] + n.box[1] for n in members) + GROUP_PAD
+        out.append({"id": len(out) + 1, "title": title, "bounding": [left, top, right - left, bottom - top],
+                    "color": GROUP_COLOR, "font_size": 24, "flags": {}})
+    return out
 
 
 def note_text(spec: dict) -> str:
-    files = sorted({v for cls, inputs, _, _ in spec["nodes"].values() for k, v in inputs.items() if k in MODEL_INPUTS})
+    files = sorted({v for node in spec["nodes"].values() for k, v in node.inputs.items() if k in MODEL_INPUTS})
     lines = [spec["note"], "", "**Models** (ComfyUI's models folder):", ""]
     lines += [f"* `{MODELS[f][0]}/{f}`" + ("" if frontend_checks(f) else f" ({MODELS[f][1]})") for f in files]
     return "\n".join(lines)
@@ -220,7 +292,7 @@ def topological(nodes: dict) -> list[int]:
     done: list[int] = []
     while len(done) < len(nodes):
         for i in sorted(nodes):
-            deps = [v[0] for v in nodes[i][1].values() if is_link(v)]
+            deps = [v[0] for v in nodes[i].inputs.values() if is_link(v)]
             if i not in done and all(d in done for d in deps):
                 done.append(i)
     return done
