@@ -17,16 +17,53 @@ async function inPage({ pack, names, prompts }) {   // runs in the page: it sees
     return check();
   };
   const ours = (node) => node.type?.startsWith("Flux2Klein");
+  // the open graph fitted to the view: its zoom, overlapping nodes, links drawn behind a node, group titles
+  const layout = async () => {
+    app.canvas.fitViewToSelectionAnimated({ duration: 1 });
+    await sleep(300);
+    const nodes = app.graph.nodes;
+    const box = (n) => { const [x, y, w, h] = n.boundingRect; return [x, y, x + w, y + h]; };
+    const inside = ([x, y], n) => { const [x0, y0, x1, y1] = box(n); return x > x0 && x < x1 && y > y0 && y < y1; };
+    const overlaps = [];
+    for (const a of nodes) for (const b of nodes) {
+      const [ax0, ay0, ax1, ay1] = box(a), [bx0, by0, bx1, by1] = box(b);
+      if (a.id < b.id && ax0 < bx1 && bx0 < ax1 && ay0 < by1 && by0 < ay1) overlaps.push(`${a.title} / ${b.title}`);
+    }
+    const behind = new Set();
+    for (const link of app.graph.links.values()) {   // litegraph's spline: control points 1/4 of the length out
+      const from = app.graph.getNodeById(link.origin_id), to = app.graph.getNodeById(link.target_id);
+      const a = from.getConnectionPos(false, link.origin_slot), d = to.getConnectionPos(true, link.target_slot);
+      const reach = Math.hypot(d[0] - a[0], d[1] - a[1]) * 0.25;
+      const b = [a[0] + reach, a[1]], c = [d[0] - reach, d[1]];
+      for (let i = 1; i < 50; i++) {
+        const t = i / 50, u = 1 - t;
+        const at = [0, 1].map((k) => u * u * u * a[k] + 3 * u * u * t * b[k] + 3 * u * t * t * c[k] + t * t * t * d[k]);
+        const hidden = nodes.find((n) => n !== from && n !== to && inside(at, n));
+        if (hidden) behind.add(`${from.title} -> ${to.title} behind ${hidden.title}`);
+      }
+    }
+    return { scale: app.canvas.ds.scale, overlaps, behind: [...behind], groups: app.graph.groups.map((g) => g.title),
+             titles: nodes.map((n) => n.title) };
+  };
   const result = { registered: Object.keys(LiteGraph.registered_node_types).filter((t) => t.startsWith("Flux2Klein")),
-                   prompts: {}, colours: [] };
+                   prompts: {}, colours: [], layouts: {} };
 
   // every UI workflow, as the template browser serves it, through the frontend's own UI -> API conversion
   for (const name of names) {
     const workflow = await (await fetch(`/api/workflow_templates/${pack}/${name}.json`)).json();
     await app.loadGraphData(workflow);
     result.prompts[name] = (await app.graphToPrompt()).output;
+    result.layouts[name] = await layout();
     result.colours.push(...app.graph.nodes.filter(ours).map((n) => [n.color, n.bgcolor]));
   }
+
+  // a scheduler saved before its width and height became sockets: five widget values, the size ones dropped
+  await app.loadGraphData({ last_node_id: 1, last_link_id: 0, links: [], groups: [], config: {}, extra: {}, version: 0.4,
+    nodes: [{ id: 1, type: "Flux2KleinScheduler", pos: [0, 0], size: [220, 150], flags: {}, order: 0, mode: 0,
+              inputs: [{ name: "latent", type: "LATENT", link: null }],
+              outputs: [{ name: "sigmas", type: "SIGMAS", links: [] }], properties: {},
+              widgets_values: [7, 768, 512, "power", 3.0] }] });
+  result.oldScheduler = app.graph.nodes[0].widgets.map((w) => [w.name, w.value]);
 
   // a new prompt node: the estimate at once, the server's exact count once typing pauses, the warning past 512
   result.feature = await until(() => api.serverSupportsFeature(TOKENS_FEATURE), 15000);
