@@ -48,8 +48,11 @@ def frontend_checks(file: str) -> bool:
 #
 # The layout follows the pipeline left to right, one column per stage, and keeps every link in the open: a link
 # runs from an output (a node's right side) to an input further right, and the long ones run in lanes no node
-# covers (the model along the top, the autoencoder between the prompt and the noise). Positions are the top left of
-# a node's body; its title bar is the TITLE units above.
+# covers (the model along the top, the autoencoder between the prompt and the noise). A link drawn between two
+# columns bends over a quarter of its length at each end, so a link that must climb or drop does so in the gap just
+# before its target; the edits' Reference nodes, which would sit in the path of the noise and the schedule to the
+# denoiser, go below the prompt, just above the autoencoder lane (their images below it), and the noise and the
+# schedule above the prompt. Positions are the top left of a node's body; its title bar is the TITLE units above.
 
 TITLE = 30                   # the frontend's title bar height
 SLOT = 20                    # the height of a socket row; socket i is at y + 14 + 20 i
@@ -57,12 +60,13 @@ SIZES = {"Flux2KleinModelLoader": (280, 82), "Flux2KleinTextEncoderLoader": (280
          "Flux2KleinAELoader": (280, 82), "Flux2KleinLoRA": (280, 126), "Flux2KleinPromptEncode": (380, 190),
          "Flux2KleinNoise": (220, 154), "Flux2KleinScheduler": (220, 150), "Flux2KleinDenoise": (260, 182),
          "Flux2KleinAEDecode": (220, 46), "Flux2KleinAEEncode": (220, 46), "Flux2KleinReference": (240, 66),
-         "LoadImage": (260, 300), "SaveImage": (320, 340), "MarkdownNote": (280, 300)}
+         "LoadImage": (260, 300), "SaveImage": (280, 340), "MarkdownNote": (280, 300)}
 STAGES = {"load": "Load models", "lora": "LoRA", "image": "Input image", "references": "Reference images",
           "prompt": "Prompt", "noise": "Noise and schedule", "denoise": "Denoise", "decode": "Decode and save"}
-COLUMNS = {"load": 0, "prompt": 360, "noise": 360}         # x of the stages that every workflow places alike
+COLUMNS = {"load": 0, "prompt": 340, "noise": 340}         # x of the stages that every workflow places alike
 GROUP_COLOR = "#3f789e"
 AE_LANE = 400                # the autoencoder loader's y: its link to the decoder runs level at this height
+EDIT_LANE, REF3_LANE = 680, 820   # the autoencoder lanes (its output's y) of the one- and three-reference edits
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,11 @@ def loaders(model: str, text_encoder: str = "qwen_3_4b.safetensors", prompt_y: i
 
 
 def sampler(positive, cfg=1.0, steps=4, negative=None, latent=None, denoise=1.0, noise_latent=None, seed=42,
-            model=(1, 0), noise_at=(360, 560), denoise_x=950, ae_y=AE_LANE) -> dict:
-    """Noise and schedule (the noise at noise_at, the scheduler below and right of it), the denoiser at the top of
-    its column (its model input level with the model loader's output), and decode + save on the autoencoder lane."""
+            model=(1, 0), noise_at=(360, 560), scheduler_at=None, scheduler_latent=(5, 0), denoise_x=950,
+            ae_y=AE_LANE, save_at=None) -> dict:
+    """Noise and schedule (the noise at noise_at, the scheduler below and right of it unless scheduler_at says),
+    the denoiser at the top of its column (its model input level with the model loader's output), and decode + save
+    on the autoencoder lane (save_at moves the saver, which may sit higher than the decoder)."""
     denoise_inputs = {"model": model, "positive": positive, "noise": (5, 0), "sigmas": (6, 0), "cfg": cfg,
                       "denoise": denoise}
     denoise_inputs |= {"negative": negative} if negative else {}
@@ -98,28 +104,32 @@ def sampler(positive, cfg=1.0, steps=4, negative=None, latent=None, denoise=1.0,
     noise_inputs |= {"latent": noise_latent} if noise_latent else {}
     x, y = noise_at
     decode_x = denoise_x + SIZES["Flux2KleinDenoise"][0] + 50
+    save_x = decode_x + SIZES["Flux2KleinAEDecode"][0] + 40
     return {5: Node("Flux2KleinNoise", noise_inputs, "noise", (x, y)),
-            6: Node("Flux2KleinScheduler", {"steps": steps, "schedule": "flux2", "rho": 2.0, "latent": (5, 0)},
-                    "noise", (x + SIZES["Flux2KleinNoise"][0] + 30, y + 90)),
+            6: Node("Flux2KleinScheduler", {"steps": steps, "schedule": "flux2", "rho": 2.0,
+                                            "latent": scheduler_latent}, "noise",
+                    scheduler_at or (x + SIZES["Flux2KleinNoise"][0] + 30, y + 90)),
             7: Node("Flux2KleinDenoise", denoise_inputs, "denoise", (denoise_x, 0)),
             8: Node("Flux2KleinAEDecode", {"ae": (3, 0), "latent": (7, 0)}, "decode", (decode_x, ae_y)),
             9: Node("SaveImage", {"images": (8, 0), "filename_prefix": "flux2-klein"}, "decode",
-                    (decode_x + SIZES["Flux2KleinAEDecode"][0] + 40, ae_y))}
+                    save_at or (save_x, ae_y))}
 
 
-def prompt(text: str, node: int = 4, y: int = 150, title: str = "Positive prompt", height: int | None = None) -> dict:
-    size = (SIZES["Flux2KleinPromptEncode"][0], height) if height else None
+def prompt(text: str, node: int = 4, y: int = 150, title: str = "Positive prompt", height: int | None = None,
+           width: int | None = None) -> dict:
+    size = (width or SIZES["Flux2KleinPromptEncode"][0], height or SIZES["Flux2KleinPromptEncode"][1])
     return {node: Node("Flux2KleinPromptEncode", {"text_encoder": (2, 0), "prompt": text}, "prompt",
-                       (COLUMNS["prompt"], y), title, size)}
+                       (COLUMNS["prompt"], y), title, size if (height or width) else None)}
 
 
 def reference(node: int, image_node: int, file: str, conditioning, image_at: tuple[int, int],
               reference_at: tuple[int, int], number: int = 0) -> dict:
-    """A Load Image and its Reference node; number > 0 titles them "Reference image <number>"."""
+    """A Load Image (in the reference images' group) and its Reference node (in the prompt's group: it adds the
+    image to the conditioning); number > 0 titles them "Reference image <number>" and "Reference <number>"."""
     suffix = f" {number}" if number else ""
     return {image_node: Node("LoadImage", {"image": file}, "references", image_at, f"Reference image{suffix}"),
             node: Node("Flux2KleinReference", {"conditioning": conditioning, "image": (image_node, 0), "ae": (3, 0)},
-                       "references", reference_at, f"Reference{suffix}")}
+                       "prompt", reference_at, f"Reference{suffix}")}
 
 
 WORKFLOWS = {
@@ -139,21 +149,32 @@ WORKFLOWS = {
         "note": "Edit one image with the distilled FLUX.2 Klein 4B. Put the photo to edit in ComfyUI's input folder as "
              "flux2-klein-edit-input.png (or pick any image in Load Image). Alone, a reference is kept under about "
              "4 megapixels (2024 x 2024) and centre-cropped to multiples of 16; the output size is the noise node's.",
-        "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("Turn the scene into a snowy winter evening; keep the "
-                                                              "composition and the people unchanged")
-        | reference(11, 10, "flux2-klein-edit-input.png", (4, 0), (0, 540), (800, 540))
-        | sampler((11, 0), noise_at=(360, 720), denoise_x=1180)},
+        # the noise and schedule above the prompt, so that their links reach the denoiser's top left unobstructed;
+        # the reference below the prompt, just above the autoencoder lane, its image below that lane
+        "nodes": loaders("flux-2-klein-4b.safetensors", prompt_y=EDIT_LANE - 240, ae_y=EDIT_LANE - 14)
+        | prompt("Turn the scene into a snowy winter evening; keep the composition and the people unchanged",
+                 y=EDIT_LANE - 240)
+        | reference(11, 10, "flux2-klein-edit-input.png", (4, 0), (340, EDIT_LANE + 70), (780, EDIT_LANE - 86))
+        | sampler((11, 0), noise_at=(340, 100), scheduler_at=(590, 190), denoise_x=1060, ae_y=EDIT_LANE - 14,
+                  save_at=(1630, 400)),
+        "note_at": (0, EDIT_LANE + 130), "group_titles": {"references": "Reference image"}},
     "flux2-klein-edit-3-references": {
         "note": "Combine three reference images with the distilled FLUX.2 Klein 4B. Put them in ComfyUI's input folder "
              "as flux2-klein-reference-1.png (e.g. a person), flux2-klein-reference-2.png (e.g. a jacket) and "
              "flux2-klein-reference-3.png (e.g. a place). With several references each is kept under about 1 "
              "megapixel (1024 x 1024); reference i is told apart by its time offset 10 x i.",
-        "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("The person from image 1 wearing the jacket from image "
-                                                              "2, standing in the place from image 3")
-        | reference(11, 10, "flux2-klein-reference-1.png", (4, 0), (0, 540), (800, 540), 1)
-        | reference(13, 12, "flux2-klein-reference-2.png", (11, 0), (0, 900), (1070, 900), 2)
-        | reference(15, 14, "flux2-klein-reference-3.png", (13, 0), (0, 1260), (1340, 1260), 3)
-        | sampler((15, 0), noise_at=(360, 720), denoise_x=1180)},
+        # as the edit, with the references in a staircase above the autoencoder lane (each lower than the one
+        # before, so that the autoencoder's links to the later ones pass under the earlier ones) and their images
+        # in a row below the lane
+        "nodes": loaders("flux-2-klein-4b.safetensors", prompt_y=REF3_LANE - 380, ae_y=REF3_LANE - 14)
+        | prompt("The person from image 1 wearing the jacket from image 2, standing in the place from image 3",
+                 y=REF3_LANE - 380, width=300, height=190)
+        | reference(11, 10, "flux2-klein-reference-1.png", (4, 0), (340, REF3_LANE + 70), (700, REF3_LANE - 246), 1)
+        | reference(13, 12, "flux2-klein-reference-2.png", (11, 0), (620, REF3_LANE + 120), (980, REF3_LANE - 166), 2)
+        | reference(15, 14, "flux2-klein-reference-3.png", (13, 0), (900, REF3_LANE + 170), (1260, REF3_LANE - 86), 3)
+        | sampler((15, 0), noise_at=(340, 100), scheduler_at=(590, 190), denoise_x=1560, ae_y=REF3_LANE - 14,
+                  save_at=(2130, 400)),
+        "note_at": (0, REF3_LANE + 130)},
     "flux2-klein-lora": {
         "note": "Text to image with the distilled FLUX.2 Klein 4B and a LoRA. Put a LoRA made for Klein 4B (ai-toolkit, "
              "kohya/musubi, diffusers, ComfyUI or LyCORIS LoKr files) in ComfyUI's models/loras folder and pick it "
@@ -177,10 +198,14 @@ WORKFLOWS = {
              "denoise strength (0.6: the last 60% of the steps run) and denoised toward the prompt. Put the image "
              "in ComfyUI's input folder as flux2-klein-img2img-input.png; sides are cropped to multiples of 16 and "
              "the output has the input's size.",
+        # the encoded image gives the noise, the schedule and the denoiser their size: the noise and the scheduler
+        # stack in one column, each fed by the encoder, below the encoder's link to the denoiser
         "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("An oil painting in the style of the impressionists")
-        | {10: Node("LoadImage", {"image": "flux2-klein-img2img-input.png"}, "image", (0, 540), "Input image"),
-           11: Node("Flux2KleinAEEncode", {"ae": (3, 0), "image": (10, 0)}, "image", (360, 760))}
-        | sampler((4, 0), latent=(11, 0), denoise=0.6, noise_latent=(11, 0), noise_at=(620, 480), denoise_x=1220)},
+        | {10: Node("LoadImage", {"image": "flux2-klein-img2img-input.png"}, "image", (0, 600), "Input image"),
+           11: Node("Flux2KleinAEEncode", {"ae": (3, 0), "image": (10, 0)}, "image", (340, 580))}
+        | sampler((4, 0), latent=(11, 0), denoise=0.6, noise_latent=(11, 0), noise_at=(620, 660),
+                  scheduler_at=(620, 870), scheduler_latent=(11, 0), denoise_x=900),
+        "note_at": (1210, 800)},
 }
 
 # --- building the two formats --------------------------------------------------------------------------------------
@@ -253,22 +278,23 @@ def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
                                                                                       else {}))
     note_id = max(nodes) + 1
     lowest = max(n.pos[1] + n.box[1] for n in nodes.values() if n.pos[0] == COLUMNS["load"])
-    note = Node("MarkdownNote", {}, "note", (COLUMNS["load"], lowest + TITLE + 50), "Models and files")
+    note = Node("MarkdownNote", {}, "note", spec.get("note_at", (COLUMNS["load"], lowest + TITLE + 50)),
+                "Models and files", spec.get("note_size"))
     ui_nodes.append({"id": note_id, "type": note.cls, "pos": list(note.pos), "size": list(note.box), "flags": {},
                      "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "title": note.title,
                      "properties": {}, "widgets_values": [note_text(spec)]})
     return {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK}/{name}")), "revision": 0, "last_node_id": note_id,
             "last_link_id": len(links), "nodes": ui_nodes, "links": links,
-            "groups": groups(list(nodes.values()) + [note]), "config": {}, "extra": {}, "version": 0.4}
+            "groups": groups(list(nodes.values()) + [note], spec.get("group_titles", {})), "config": {}, "extra": {}, "version": 0.4}
 
 
 GROUP_PAD, GROUP_TITLE = 16, 40       # around a stage's nodes; the band above them for the group's title
 
 
-def groups(nodes: list[Node]) -> list[dict]:
-    """One group per stage, around its nodes (title bars included), in pipeline order."""
+def groups(nodes: list[Node], titles: dict) -> list[dict]:
+    """One group per stage, around its nodes (title bars included), in pipeline order; titles overrides STAGES."""
     out = []
-    for stage, title in STAGES.items():
+    for stage, title in (STAGES | titles).items():
         members = [n for n in nodes if n.stage == stage]
         if not members:
             continue

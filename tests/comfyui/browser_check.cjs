@@ -42,7 +42,12 @@ async function inPage({ pack, names, prompts }) {   // runs in the page: it sees
         if (hidden) behind.add(`${from.title} -> ${to.title} behind ${hidden.title}`);
       }
     }
-    return { scale: app.canvas.ds.scale, overlaps, behind: [...behind], groups: app.graph.groups.map((g) => g.title),
+    const groupOverlaps = [];     // a group drawn over another one's nodes reads as both
+    for (const a of app.graph.groups) for (const b of app.graph.groups) {
+      const [ax, ay, aw, ah] = a.boundingRect, [bx, by, bw, bh] = b.boundingRect;
+      if (a.id < b.id && ax < bx + bw && bx < ax + aw && ay < by + bh && by < ay + ah) groupOverlaps.push(`${a.title} / ${b.title}`);
+    }
+    return { scale: app.canvas.ds.scale, overlaps, groupOverlaps, behind: [...behind], groups: app.graph.groups.map((g) => g.title),
              titles: nodes.map((n) => n.title) };
   };
   const result = { registered: Object.keys(LiteGraph.registered_node_types).filter((t) => t.startsWith("Flux2Klein")),
