@@ -198,3 +198,17 @@ def test_workflows_name_their_models_and_images(path):
                    for folder, name in gguf)
         if entry["class_type"] == "LoadImage":
             assert entry["inputs"]["image"] in note, "the note must say which image to provide"
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_workflow_note_opens_with_a_description_that_the_readme_lists(path):
+    # the template browser shows only the file name: the note's first paragraph and workflows/README.md say the rest
+    ui = json.loads(path.read_text())
+    note = next(n for n in ui["nodes"] if n["type"] == "MarkdownNote")["widgets_values"][0]
+    heading, blank, paragraph, *_ = note.split("\n")
+    assert heading.startswith("### ") and blank == "" and len(paragraph) > 80
+    api = json.loads((path.parent / "api" / path.name).read_text())
+    files = [v for entry in api.values() for k, v in entry["inputs"].items() if k in LOADER_FOLDERS]
+    assert files and all(f in paragraph for f in files), "the description names the model files"
+    readme = (ROOT / "workflows" / "README.md").read_text()
+    assert f"| `{path.stem}` | **{heading[4:]}**: {paragraph} |" in readme

@@ -134,21 +134,27 @@ def reference(node: int, image_node: int, file: str, conditioning, image_at: tup
 
 WORKFLOWS = {
     "flux2-klein-text-to-image": {
-        "note": "Text to image with the distilled FLUX.2 Klein 4B: 4 steps, no CFG (cfg 1, no negative).",
+        "title": "Text to image",
+        "what": "Makes an image from a prompt with the distilled FLUX.2 Klein 4B, in 4 steps without classifier-free "
+                "guidance (cfg 1, no negative prompt).",
         "nodes": loaders("flux-2-klein-4b.safetensors") | prompt(
             "A red fox sitting in fresh snow at dawn, soft golden light, photorealistic, shallow depth of field")
         | sampler((4, 0))},
     "flux2-klein-base-text-to-image": {
-        "note": "Text to image with FLUX.2 Klein Base 4B: 50 steps with classifier-free guidance (cfg 4) against a "
-             "negative prompt.",
+        "title": "Text to image with the base model",
+        "what": "Makes an image from a prompt with FLUX.2 Klein Base 4B, the undistilled model: 50 steps with "
+                "classifier-free guidance (cfg 4) against a negative prompt.",
         "nodes": loaders("flux-2-klein-base-4b.safetensors", ae_y=520) | prompt(
             "A cozy reading nook by a rainy window, warm lamp light, watercolor illustration", height=150)
         | prompt("blurry, low quality, distorted, watermark, text", node=10, y=360, title="Negative prompt", height=110)
         | sampler((4, 0), cfg=4.0, steps=50, negative=(10, 0), noise_at=(360, 680), denoise_x=1010, ae_y=520)},
     "flux2-klein-edit": {
-        "note": "Edit one image with the distilled FLUX.2 Klein 4B. Put the photo to edit in ComfyUI's input folder as "
-             "flux2-klein-edit-input.png (or pick any image in Load Image). Alone, a reference is kept under about "
-             "4 megapixels (2024 x 2024) and centre-cropped to multiples of 16; the output size is the noise node's.",
+        "title": "Edit an image",
+        "what": "Edits a photo as the prompt says, with the distilled FLUX.2 Klein 4B: the photo goes in as a "
+                "reference image, the prompt says what to change and what to keep.",
+        "details": "Put the photo in ComfyUI's input folder as flux2-klein-edit-input.png (or pick any image in the "
+                   "Reference image node). Alone, a reference is kept under about 4 megapixels (2024 x 2024) and "
+                   "centre-cropped to multiples of 16; the output size is the noise node's.",
         # the noise and schedule above the prompt, so that their links reach the denoiser's top left unobstructed;
         # the reference below the prompt, just above the autoencoder lane, its image below that lane
         "nodes": loaders("flux-2-klein-4b.safetensors", prompt_y=EDIT_LANE - 240, ae_y=EDIT_LANE - 14)
@@ -159,10 +165,13 @@ WORKFLOWS = {
                   save_at=(1630, 400)),
         "note_at": (0, EDIT_LANE + 130), "group_titles": {"references": "Reference image"}},
     "flux2-klein-edit-3-references": {
-        "note": "Combine three reference images with the distilled FLUX.2 Klein 4B. Put them in ComfyUI's input folder "
-             "as flux2-klein-reference-1.png (e.g. a person), flux2-klein-reference-2.png (e.g. a jacket) and "
-             "flux2-klein-reference-3.png (e.g. a place). With several references each is kept under about 1 "
-             "megapixel (1024 x 1024); reference i is told apart by its time offset 10 x i.",
+        "title": "Combine three reference images",
+        "what": "Makes one image from three reference images (for example a person, a jacket and a place) as the "
+                "prompt describes, with the distilled FLUX.2 Klein 4B.",
+        "details": "Put them in ComfyUI's input folder as flux2-klein-reference-1.png, flux2-klein-reference-2.png "
+                   "and flux2-klein-reference-3.png (or pick others in the Reference image nodes); the prompt calls "
+                   "them image 1, 2 and 3. With several references each is kept under about 1 megapixel "
+                   "(1024 x 1024); reference i is told apart by its time offset 10 x i.",
         # as the edit, with the references in a staircase above the autoencoder lane (each lower than the one
         # before, so that the autoencoder's links to the later ones pass under the earlier ones) and their images
         # in a row below the lane
@@ -176,28 +185,32 @@ WORKFLOWS = {
                   save_at=(2130, 400)),
         "note_at": (0, REF3_LANE + 130)},
     "flux2-klein-lora": {
-        "note": "Text to image with the distilled FLUX.2 Klein 4B and a LoRA. Put a LoRA made for Klein 4B (ai-toolkit, "
-             "kohya/musubi, diffusers, ComfyUI or LyCORIS LoKr files) in ComfyUI's models/loras folder and pick it "
-             "in the LoRA node; chain more LoRA nodes for a stack. The node shows what the file matched, and the "
-             "keys that matched nothing.",
+        "title": "Text to image with a LoRA",
+        "what": "Makes an image from a prompt with the distilled FLUX.2 Klein 4B and a LoRA made for it.",
+        "details": "Put the LoRA (ai-toolkit, kohya/musubi, diffusers, ComfyUI or LyCORIS LoKr files) in ComfyUI's "
+                   "models/loras folder and pick it in the LoRA node; chain more LoRA nodes for a stack. The node "
+                   "shows what the file matched, and the keys that matched nothing.",
         "nodes": loaders("flux-2-klein-4b.safetensors", prompt_y=240, ae_y=480)
         | {12: Node("Flux2KleinLoRA", {"model": (1, 0), "lora_name": "klein-4b-lora.safetensors", "strength": 1.0,
                                        "merge_into_fp8": False}, "lora", (COLUMNS["prompt"], 0))}
         | prompt("A lighthouse on a rocky coast at sunset, dramatic clouds", y=240, height=170)
         | sampler((4, 0), model=(12, 0), noise_at=(360, 640), ae_y=480)},
     "flux2-klein-gguf": {
-        "note": "Text to image with GGUF files, for 6-12 GB cards: the distilled FLUX.2 Klein 4B and its Qwen3-4B text "
-             "encoder quantized to Q4_K_M (unsloth's files; other quantizations from Q8_0 to Q2_K work too, in "
-             "models/diffusion_models and models/text_encoders). Their quantized layers stay quantized in memory "
-             "and are dequantized as they compute; the loaders show which types a file holds.",
+        "title": "Text to image from GGUF files",
+        "what": "Makes an image from a prompt on 6-12 GB graphics cards: the distilled FLUX.2 Klein 4B and its Qwen3-4B "
+                "text encoder as GGUF files quantized to Q4_K_M, kept quantized in memory and dequantized as they "
+                "compute.",
+        "details": "Other quantizations, from Q8_0 to Q2_K, work too (in models/diffusion_models and "
+                   "models/text_encoders); the loaders show which types a file holds.",
         "nodes": loaders("flux-2-klein-4b-Q4_K_M.gguf", "Qwen3-4B-Q4_K_M.gguf") | prompt(
             "A cozy mountain cabin under the northern lights, snow on the pines, long exposure photograph")
         | sampler((4, 0))},
     "flux2-klein-image-to-image": {
-        "note": "Image to image with the distilled FLUX.2 Klein 4B: the input image is encoded, noised to the "
-             "denoise strength (0.6: the last 60% of the steps run) and denoised toward the prompt. Put the image "
-             "in ComfyUI's input folder as flux2-klein-img2img-input.png; sides are cropped to multiples of 16 and "
-             "the output has the input's size.",
+        "title": "Image to image",
+        "what": "Redraws an image toward the prompt with the distilled FLUX.2 Klein 4B: the image is encoded, noised "
+                "to the denoise strength (0.6: the last 60% of the steps run) and denoised.",
+        "details": "Put the image in ComfyUI's input folder as flux2-klein-img2img-input.png (or pick any image in "
+                   "the Input image node); its sides are cropped to multiples of 16 and the output has its size.",
         # the encoded image gives the noise, the schedule and the denoiser their size: the noise and the scheduler
         # stack in one column, each fed by the encoder, below the encoder's link to the denoiser
         "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("An oil painting in the style of the impressionists")
@@ -307,11 +320,35 @@ def groups(nodes: list[Node], titles: dict) -> list[dict]:
     return out
 
 
+def model_files(spec: dict) -> list[str]:
+    """The model files a workflow loads: diffusion model, text encoder, autoencoder."""
+    return [node.inputs[k] for k in MODEL_INPUTS for _, node in sorted(spec["nodes"].items()) if k in node.inputs]
+
+
+def description(spec: dict) -> str:
+    """One paragraph: what the workflow does, and its model files."""
+    files = model_files(spec)
+    return f"{spec['what']} Model files: {', '.join(files[:-1])} and {files[-1]}."
+
+
 def note_text(spec: dict) -> str:
-    files = sorted({v for node in spec["nodes"].values() for k, v in node.inputs.items() if k in MODEL_INPUTS})
-    lines = [spec["note"], "", "**Models** (ComfyUI's models folder):", ""]
-    lines += [f"* `{MODELS[f][0]}/{f}`" + ("" if frontend_checks(f) else f" ({MODELS[f][1]})") for f in files]
+    """The workflow's Markdown note: its title and description, how to use it, where each model file goes."""
+    lines = [f"### {spec['title']}", "", description(spec), ""]
+    lines += [spec["details"], ""] if "details" in spec else []
+    lines += ["**Models** (ComfyUI's models folder):", ""]
+    lines += [f"* `{MODELS[f][0]}/{f}`" + ("" if frontend_checks(f) else f" ({MODELS[f][1]})")
+              for f in model_files(spec)]
     return "\n".join(lines)
+
+
+README_START, README_END = "<!-- the list below is written by build.py -->", "<!-- end of the list -->"
+
+
+def readme_list() -> str:
+    """workflows/README.md's list of the workflows: file name, title and description (the template browser shows
+    only the file name)."""
+    rows = [f"| `{name}` | **{spec['title']}**: {description(spec)} |" for name, spec in WORKFLOWS.items()]
+    return "\n".join([README_START, "", "| workflow | what it does |", "|---|---|", *rows, "", README_END])
 
 
 def topological(nodes: dict) -> list[int]:
@@ -336,6 +373,11 @@ def main() -> None:
                            (HERE / "api" / f"{name}.json", api_prompt(spec["nodes"], object_info))):
             path.write_text(json.dumps(data, indent=2) + "\n")
             print("wrote", path.relative_to(HERE.parent))
+    readme = HERE / "README.md"
+    text = readme.read_text()
+    start, end = text.index(README_START), text.index(README_END) + len(README_END)
+    readme.write_text(text[:start] + readme_list() + text[end:])
+    print("wrote", readme.relative_to(HERE.parent))
 
 
 if __name__ == "__main__":
