@@ -221,6 +221,34 @@ WORKFLOWS = {
         "note_at": (1210, 800)},
 }
 
+# --- the compact workflows: a stage-by-stage workflow with its inner stages packed into one subgraph node ----------
+#
+# The loaders and the saver stay outside (the files you pick, the image you get); the subgraph node shows the widgets
+# people change (ComfyUI's promoted widgets, properties.proxyWidgets), and opens to the stages it packs.
+
+SUBGRAPH_TITLE = 30          # the frontend's subgraph node: title bar, then one row per socket and per widget
+
+
+def compact(source: str, title: str, subgraph: str, what: str, widgets: list[tuple[int, str]],
+            save_at: tuple[int, int], subgraph_at: tuple[int, int], subgraph_size: tuple[int, int]) -> dict:
+    spec = WORKFLOWS[source]
+    nodes = dict(spec["nodes"])
+    nodes[9] = Node(nodes[9].cls, nodes[9].inputs, "decode", save_at)
+    return {"title": title, "what": what, "nodes": nodes,
+            "details": "Open the subgraph node (the icon at its top right) to see and change every stage: inside, "
+                       f"it is the {source} workflow.",
+            "pack": {"outside": (1, 2, 3, 9), "widgets": widgets, "name": subgraph,
+                     "at": subgraph_at, "size": subgraph_size},
+            "group_titles": {"decode": "Save"}}
+
+
+WORKFLOWS["flux2-klein-text-to-image-compact"] = compact(
+    "flux2-klein-text-to-image", "Text to image, compact", "FLUX.2 Klein text to image",
+    "The text-to-image workflow with its prompt, noise, schedule, denoising and decoding packed into one subgraph "
+    "node that shows the prompt, seed, size and steps.",
+    [(4, "prompt"), (5, "seed"), (5, "width"), (5, "height"), (6, "steps")], save_at=(830, 0), subgraph_at=(340, 0),
+    subgraph_size=(420, 330))
+
 # --- building the two formats --------------------------------------------------------------------------------------
 
 
@@ -296,9 +324,84 @@ def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
     ui_nodes.append({"id": note_id, "type": note.cls, "pos": list(note.pos), "size": list(note.box), "flags": {},
                      "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "title": note.title,
                      "properties": {}, "widgets_values": [note_text(spec)]})
-    return {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK}/{name}")), "revision": 0, "last_node_id": note_id,
-            "last_link_id": len(links), "nodes": ui_nodes, "links": links,
-            "groups": groups(list(nodes.values()) + [note], spec.get("group_titles", {})), "config": {}, "extra": {}, "version": 0.4}
+    workflow = {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK}/{name}")), "revision": 0,
+                "last_node_id": note_id, "last_link_id": len(links), "nodes": ui_nodes, "links": links,
+                "groups": groups(list(nodes.values()) + [note], spec.get("group_titles", {})), "config": {},
+                "extra": {}, "version": 0.4}
+    return packed(name, workflow, spec, object_info) if "pack" in spec else workflow
+
+
+def packed(name: str, flat: dict, spec: dict, object_info: dict) -> dict:
+    """``flat`` with every node but the note and spec["pack"]["outside"] moved into one subgraph: its definition (the
+    version 1 format: link objects; -10 and -20 are its input and output nodes) and the node that stands for it. A
+    link crossing the border becomes an inner one to or from a subgraph socket and an outer one to or from the node
+    (one outer link per source)."""
+    pack, nodes = spec["pack"], spec["nodes"]
+    inside = {i for i in nodes if i not in pack["outside"]}
+    instance = max(n["id"] for n in flat["nodes"]) + 1
+    by_id = {n["id"]: n for n in flat["nodes"]}
+    inner, outer = [], []
+    next_id = len(flat["links"]) + 1
+    # the subgraph's sockets, in the order of the outputs that feed them (the loaders' order) or that they feed
+    inputs = dict.fromkeys(sorted({(k[1], k[2]) for k in flat["links"] if k[1] not in inside and k[3] in inside}))
+    outputs = dict.fromkeys(sorted({(k[1], k[2]) for k in flat["links"] if k[1] in inside and k[3] not in inside}))
+
+    def socket(sockets: dict, key: tuple, kind: str) -> dict:
+        if sockets[key] is None:
+            label = object_info[nodes[key[0]].cls]["output_name"][key[1]] if sockets is inputs else kind.lower()
+            sockets[key] = {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK}/{name}/{key}")), "name": label,
+                            "type": kind, "linkIds": [], "localized_name": label}
+        return sockets[key]
+
+    for link_id, src, src_slot, dst, dst_slot, kind in flat["links"]:
+        if src in inside and dst in inside:
+            inner.append({"id": link_id, "origin_id": src, "origin_slot": src_slot, "target_id": dst,
+                          "target_slot": dst_slot, "type": kind})
+        elif dst in inside:                                   # into the subgraph
+            io = socket(inputs, (src, src_slot), kind)
+            if not io["linkIds"]:
+                outer.append([next_id, src, src_slot, instance, list(inputs).index((src, src_slot)), kind])
+                io["outer"], next_id = next_id, next_id + 1
+            io["linkIds"].append(link_id)
+            inner.append({"id": link_id, "origin_id": -10, "origin_slot": list(inputs).index((src, src_slot)),
+                          "target_id": dst, "target_slot": dst_slot, "type": kind})
+        elif src in inside:                                   # out of it
+            io = socket(outputs, (src, src_slot), kind)
+            io["linkIds"].append(link_id)
+            inner.append({"id": link_id, "origin_id": src, "origin_slot": src_slot, "target_id": -20,
+                          "target_slot": list(outputs).index((src, src_slot)), "type": kind})
+            outer.append([next_id, instance, list(outputs).index((src, src_slot)), dst, dst_slot, kind])
+            by_id[dst]["inputs"][dst_slot]["link"], next_id = next_id, next_id + 1
+        else:
+            outer.append([link_id, src, src_slot, dst, dst_slot, kind])
+    for (src, src_slot), io in inputs.items():               # the loaders' outputs lead to the node now
+        by_id[src]["outputs"][src_slot]["links"] = [k[0] for k in outer if k[1:3] == [src, src_slot]]
+    members = [by_id[i] for i in sorted(inside)]
+    left = min(n["pos"][0] for n in members) - 200
+    right = max(n["pos"][0] + n["size"][0] for n in members) + 80
+    middle = (min(n["pos"][1] for n in members) + max(n["pos"][1] + n["size"][1] for n in members)) // 2
+    definition = {
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK}/{name}/subgraph")), "version": 1, "revision": 0,
+        "state": {"lastGroupId": 0, "lastNodeId": max(inside), "lastLinkId": next_id - 1, "lastRerouteId": 0},
+        "config": {}, "name": pack["name"],
+        "inputNode": {"id": -10, "bounding": [left, middle - 50, 120, 100]},
+        "outputNode": {"id": -20, "bounding": [right, middle - 30, 120, 60]},
+        "inputs": [{k: v for k, v in io.items() if k != "outer"} for io in inputs.values()],
+        "outputs": list(outputs.values()), "widgets": [], "nodes": members, "links": inner,
+        "groups": groups([nodes[i] for i in sorted(inside)], {"decode": "Decode"}), "extra": {}}
+    node = {"id": instance, "type": definition["id"], "pos": list(pack["at"]), "size": list(pack["size"]),
+            "flags": {}, "order": len(pack["outside"]), "mode": 0, "title": pack["name"],
+            "inputs": [{"name": io["name"], "localized_name": io["name"], "type": io["type"], "link": io["outer"]}
+                       for io in inputs.values()],
+            "outputs": [{"name": io["name"], "localized_name": io["name"], "type": io["type"],
+                         "links": [k[0] for k in outer if k[1] == instance]} for io in outputs.values()],
+            "properties": {"proxyWidgets": [[str(i), widget] for i, widget in pack["widgets"]]},
+            "widgets_values": []}
+    outside = [by_id[i] for i in sorted(pack["outside"])] + [n for n in flat["nodes"] if n["type"] == "MarkdownNote"]
+    outer.sort()
+    return flat | {"nodes": outside + [node], "links": outer, "last_node_id": instance, "last_link_id": next_id - 1,
+                   "groups": groups([nodes[i] for i in pack["outside"]], spec.get("group_titles", {})),
+                   "definitions": {"subgraphs": [definition]}}
 
 
 GROUP_PAD, GROUP_TITLE = 16, 40       # around a stage's nodes; the band above them for the group's title
@@ -361,6 +464,18 @@ def topological(nodes: dict) -> list[int]:
     return done
 
 
+def api_twin(name: str, spec: dict, object_info: dict) -> dict:
+    """The API format; a packed workflow's inner nodes are "<subgraph node id>:<id>", as the frontend names them."""
+    flat = api_prompt(spec["nodes"], object_info)
+    if "pack" not in spec:
+        return flat
+    instance = ui_workflow(name, spec, object_info)["last_node_id"]
+    outside = {str(i) for i in spec["pack"]["outside"]}
+    rename = {i: i if i in outside else f"{instance}:{i}" for i in flat}
+    return {rename[i]: entry | {"inputs": {k: [rename[v[0]], v[1]] if isinstance(v, list) else v
+                                           for k, v in entry["inputs"].items()}} for i, entry in flat.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", default="127.0.0.1:8188")
@@ -370,7 +485,7 @@ def main() -> None:
     (HERE / "api").mkdir(exist_ok=True)
     for name, spec in WORKFLOWS.items():
         for path, data in ((HERE / f"{name}.json", ui_workflow(name, spec, object_info)),
-                           (HERE / "api" / f"{name}.json", api_prompt(spec["nodes"], object_info))):
+                           (HERE / "api" / f"{name}.json", api_twin(name, spec, object_info))):
             path.write_text(json.dumps(data, indent=2) + "\n")
             print("wrote", path.relative_to(HERE.parent))
     readme = HERE / "README.md"

@@ -69,6 +69,8 @@ async function openWorkflow({ pack, name, margin }) {
   const canvas = app.canvas.canvas.getBoundingClientRect();
   const clip = { x: canvas.left + x0 - margin, y: canvas.top + y0 - margin, width: x1 - x0 + 2 * margin,
                  height: y1 - y0 + 2 * margin };
+  // a subgraph node (a compact workflow) shows the widgets promoted from inside it
+  measured.promoted = app.graph.nodes.filter((n) => n.isSubgraphNode?.()).map((n) => n.widgets.map((w) => [w.name, w.value]));
   return { prompt, layout: measured, clip,
            colours: app.graph.nodes.filter((n) => n.type?.startsWith("Flux2Klein")).map((n) => [n.color, n.bgcolor]) };
 }

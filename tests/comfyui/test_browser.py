@@ -81,14 +81,20 @@ READABLE_ZOOM = 0.6          # below this the frontend draws nodes as empty boxe
 ZOOM = {"flux2-klein-edit-3-references": 0.48}
 
 
+COMPACT = [n for n in UI_NAMES if n.endswith("-compact")]   # the stages packed in one subgraph node
+WIDGETS = {"Flux2KleinPromptEncode": ("prompt",), "Flux2KleinNoise": ("seed", "control", "width", "height"),
+           "Flux2KleinScheduler": ("steps",)}               # the leading widgets_values of these nodes
+STAGES = {"Load models", "Prompt", "Noise and schedule", "Denoise", "Decode and save"}
+
+
 @pytest.mark.parametrize("name", UI_NAMES)
 def test_workflow_has_no_overlaps_and_a_group_per_stage(page, name):
     layout = page["layouts"][name]
     assert layout["overlaps"] == [] and layout["groupOverlaps"] == []
-    assert {"Load models", "Prompt", "Noise and schedule", "Denoise", "Decode and save"} <= set(layout["groups"])
+    assert set(layout["groups"]) == {"Load models", "Save"} if name in COMPACT else STAGES <= set(layout["groups"])
     assert "Models and files" in layout["titles"]
     prompts = [t for t in layout["titles"] if t.endswith(" prompt")]
-    assert prompts[:1] == ["Positive prompt"] and len(prompts) == len(set(prompts))
+    assert prompts[:1] == ([] if name in COMPACT else ["Positive prompt"]) and len(prompts) == len(set(prompts))
 
 
 @pytest.mark.parametrize("name", UI_NAMES)
@@ -96,6 +102,16 @@ def test_workflow_reads_at_the_fitted_zoom_with_no_link_behind_a_node(page, name
     layout = page["layouts"][name]
     assert layout["behind"] == [] and layout["scale"] >= ZOOM.get(name, READABLE_ZOOM), layout
     assert layout["thumbnailScale"] >= READABLE_ZOOM       # the thumbnail is drawn in full
+
+
+@pytest.mark.parametrize("name", COMPACT)
+def test_compact_workflow_shows_the_widgets_people_change(page, name):
+    stages = json.loads((ROOT / "workflows" / f"{name.removesuffix('-compact')}.json").read_text())
+    values = {(str(n["id"]), w): v for n in stages["nodes"] for w, v in zip(WIDGETS.get(n["type"], ()),
+                                                                            n["widgets_values"])}
+    promoted = page["layouts"][name]["promoted"]
+    assert promoted == [[[f"{i}: {w}", values[(i, w)]] for i, w in (("4", "prompt"), ("5", "seed"), ("5", "width"),
+                                                                       ("5", "height"), ("6", "steps"))]]
 
 
 def changed(a: Path, b: Path) -> float:
