@@ -229,25 +229,55 @@ WORKFLOWS = {
 SUBGRAPH_TITLE = 30          # the frontend's subgraph node: title bar, then one row per socket and per widget
 
 
-def compact(source: str, title: str, subgraph: str, what: str, widgets: list[tuple[int, str]],
-            save_at: tuple[int, int], subgraph_at: tuple[int, int], subgraph_size: tuple[int, int]) -> dict:
+LOADERS_AT = {1: (0, 0), 2: (0, 150), 3: (0, 300)}
+COMPACT_AT = 340                                  # the subgraph node's x, right of the loaders
+
+
+def compact(source: str, title: str, subgraph: str, what: str, widgets: list[tuple[int, str]], save_x: int,
+            size: tuple[int, int], outside: dict | None = None, at: int = COMPACT_AT) -> dict:
+    """``source`` with its inner stages packed into a subgraph node at (at, 0) showing ``widgets``; the loaders (and
+    ``outside``: node -> position, e.g. the images) stay outside, the saver right of the node."""
     spec = WORKFLOWS[source]
-    nodes = dict(spec["nodes"])
-    nodes[9] = Node(nodes[9].cls, nodes[9].inputs, "decode", save_at)
+    moved = LOADERS_AT | (outside or {}) | {9: (save_x, 0)}
+    nodes = {i: Node(n.cls, n.inputs, n.stage, moved.get(i, n.pos), n.title, n.size)
+             for i, n in spec["nodes"].items()}
     return {"title": title, "what": what, "nodes": nodes,
-            "details": "Open the subgraph node (the icon at its top right) to see and change every stage: inside, "
-                       f"it is the {source} workflow.",
-            "pack": {"outside": (1, 2, 3, 9), "widgets": widgets, "name": subgraph,
-                     "at": subgraph_at, "size": subgraph_size},
-            "group_titles": {"decode": "Save"}}
+            "details": " ".join([*([spec["details"]] if "details" in spec else []),
+                                 ("Open the subgraph node (the icon at its top right) to see and change every "
+                                  f"stage: inside, it is the {source} workflow.")]),
+            "pack": {"outside": tuple(sorted(moved)), "widgets": widgets, "name": subgraph, "at": (at, 0),
+                     "size": size},
+            "group_titles": spec.get("group_titles", {}) | {"decode": "Save"}} | (
+        {"note_at": (at, size[1] + 80)} if outside and any(spec["nodes"][i].cls == "LoadImage" for i in outside)
+        else {})
 
 
-WORKFLOWS["flux2-klein-text-to-image-compact"] = compact(
-    "flux2-klein-text-to-image", "Text to image, compact", "FLUX.2 Klein text to image",
-    "The text-to-image workflow with its prompt, noise, schedule, denoising and decoding packed into one subgraph "
-    "node that shows the prompt, seed, size and steps.",
-    [(4, "prompt"), (5, "seed"), (5, "width"), (5, "height"), (6, "steps")], save_at=(830, 0), subgraph_at=(340, 0),
-    subgraph_size=(420, 330))
+TEXT_TO_IMAGE_WIDGETS = [(4, "prompt"), (5, "seed"), (5, "width"), (5, "height"), (6, "steps")]
+WORKFLOWS |= {
+    "flux2-klein-text-to-image-compact": compact(
+        "flux2-klein-text-to-image", "Text to image, compact", "FLUX.2 Klein text to image",
+        "The text-to-image workflow with its prompt, noise, schedule, denoising and decoding packed into one "
+        "subgraph node that shows the prompt, seed, size and steps.", TEXT_TO_IMAGE_WIDGETS, 830, (420, 330)),
+    "flux2-klein-gguf-compact": compact(
+        "flux2-klein-gguf", "Text to image from GGUF files, compact", "FLUX.2 Klein text to image",
+        "The GGUF text-to-image workflow with its prompt, noise, schedule, denoising and decoding packed into one "
+        "subgraph node that shows the prompt, seed, size and steps.", TEXT_TO_IMAGE_WIDGETS, 830, (420, 330)),
+    "flux2-klein-lora-compact": compact(
+        "flux2-klein-lora", "Text to image with a LoRA, compact", "FLUX.2 Klein text to image",
+        "The LoRA text-to-image workflow with its prompt, noise, schedule, denoising and decoding packed into one "
+        "subgraph node that shows the prompt, seed, size and steps; the LoRA node stays outside.",
+        TEXT_TO_IMAGE_WIDGETS, 1170, (420, 330), {12: (340, 450)}, at=680),
+    "flux2-klein-edit-compact": compact(
+        "flux2-klein-edit", "Edit an image, compact", "FLUX.2 Klein edit",
+        "The edit workflow with its prompt, reference, noise, schedule, denoising and decoding packed into one "
+        "subgraph node that shows the prompt, seed, size and steps; the photo to edit is loaded outside.",
+        TEXT_TO_IMAGE_WIDGETS, 830, (420, 350), {10: (0, 480)}),
+    "flux2-klein-image-to-image-compact": compact(
+        "flux2-klein-image-to-image", "Image to image, compact", "FLUX.2 Klein image to image",
+        "The image-to-image workflow with its prompt, encoding, noise, schedule, denoising and decoding packed into "
+        "one subgraph node that shows the prompt, seed, steps and denoise strength; the image is loaded outside.",
+        [(4, "prompt"), (5, "seed"), (6, "steps"), (7, "denoise")], 830, (420, 310), {10: (0, 480)}),
+}
 
 # --- building the two formats --------------------------------------------------------------------------------------
 

@@ -215,11 +215,18 @@ async function inPage({ prompts }) {   // runs in the page: it sees only its arg
     // the template browser, on this pack's page: each card's picture (a thumbnail arrives as a blob)
     await page.evaluate(() => window.app.extensionManager.command.execute("Comfy.BrowseTemplates"));
     await page.getByText(pack, { exact: true }).first().click();
-    await page.waitForFunction((names) => names.every((name) => {
-      const image = document.querySelector(`[role=dialog] img[alt="${name}"]`);
-      return image?.complete && image.naturalWidth > 0 && image.src.startsWith("blob:");
-    }), JSON.parse(names), { timeout: 15000 }).catch(() => null);   // the test says which card lacks its picture
-    const cards = await page.evaluate(templateCards);
+    await page.waitForSelector("[role=dialog] img[alt]");
+    const cards = {};                           // the grid draws the cards in view: scroll through it
+    for (let seen = -1; Object.keys(cards).length > seen;) {
+      seen = Object.keys(cards).length;
+      await page.waitForFunction(() => [...document.querySelectorAll("[role=dialog] img[alt]")]
+        .every((i) => i.complete && (i.src.startsWith("blob:") || i.src.endsWith(".png"))), null, { timeout: 10000 })
+        .catch(() => null);                     // the test says which card lacks its picture
+      Object.assign(cards, await page.evaluate(templateCards));
+      await page.mouse.move(VIEW.width / 2, VIEW.height / 2);
+      await page.mouse.wheel(0, VIEW.height / 2);
+      await page.waitForTimeout(500);
+    }
     await page.keyboard.press("Escape");
 
     const result = await page.evaluate(inPage, { prompts: JSON.parse(prompts) });
