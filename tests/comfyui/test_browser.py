@@ -1,5 +1,7 @@
 """The pack in ComfyUI's real frontend (headless Chromium): the extension loads cleanly, the UI workflows convert to their
-API twins with the frontend's own app.graphToPrompt(), and the extension's token count, snapping and colours work.
+API twins with the frontend's own app.graphToPrompt() and read well fitted to the window, their thumbnails and the
+README screenshot are current and the template browser shows the thumbnails, and the extension's token count,
+snapping and colours work.
 
 Needs chromium (or CHROMIUM=path) and playwright-core (PLAYWRIGHT_CORE=folder holding node_modules/playwright-core);
 skipped with the reason otherwise.
