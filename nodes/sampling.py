@@ -64,28 +64,37 @@ class Scheduler(io.ComfyNode):
             node_id="Flux2KleinScheduler", display_name="FLUX.2 Klein Scheduler", category=f"{types.CATEGORY}/sampling",
             description="The noise levels (SIGMAS) of each step, from 1 to 0. flux2: the reference schedule, shifted "
                         "by an empirical mu that depends on the image size and the step count; linear: evenly "
-                        "spaced; power: (1 - i/steps) ** rho.",
+                        "spaced; power: (1 - i/steps) ** rho. The image size comes from the latent (connect the "
+                        "noise), or from width and height sockets where no latent is connected.",
             inputs=[io.Int.Input("steps", default=4, min=1, max=200,
                                  tooltip="Denoising steps: 4 for distilled Klein, about 50 for base models."),
-                    io.Int.Input("width", **SIZE, tooltip="Image width in pixels (ignored when a latent is connected)."),
-                    io.Int.Input("height", **SIZE, tooltip="Image height in pixels (ignored when a latent is connected)."),
                     io.Combo.Input("schedule", options=list(schedules.SCHEDULES), default="flux2",
                                    tooltip="Which schedule (see above)."),
                     io.Float.Input("rho", default=2.0, min=0.1, max=10.0, step=0.1,
                                    tooltip="Exponent of the power schedule (1 = linear); the others ignore it."),
                     io.Latent.Input("latent", optional=True,
-                                    tooltip="Take the image size from this latent (e.g. the noise) instead.")],
+                                    tooltip="The image size comes from this latent: connect the noise."),
+                    # sockets, not widgets: the size is set once, on the noise; these serve graphs without a latent
+                    io.Int.Input("width", **SIZE, optional=True, force_input=True,
+                                 tooltip="Image width in pixels, where no latent is connected."),
+                    io.Int.Input("height", **SIZE, optional=True, force_input=True,
+                                 tooltip="Image height in pixels, where no latent is connected.")],
             outputs=[io.Sigmas.Output(display_name="sigmas", tooltip="steps + 1 noise levels, 1 ... 0.")])
 
     @classmethod
-    def validate_inputs(cls, steps=None, width=None, height=None, schedule=None, rho=None, latent=host.UNCONNECTED):
+    def validate_inputs(cls, steps=None, schedule=None, rho=None, latent=host.UNCONNECTED, width=host.UNCONNECTED,
+                        height=host.UNCONNECTED):
         # the schedule itself is made at queue time too: a size whose flux2 schedule breaks is refused there
-        return host.validate(cls, {"steps": steps, "width": width, "height": height, "schedule": schedule, "rho": rho},
+        if latent is host.UNCONNECTED and host.UNCONNECTED in (width, height):
+            return "connect the latent (the noise), or give both width and height"
+        sizes = {} if latent is not host.UNCONNECTED else {"width": width, "height": height}
+        return host.validate(cls, {"steps": steps, "schedule": schedule, "rho": rho} | sizes,
                              lambda: latent is not host.UNCONNECTED or schedules.named_schedule(
                                  schedule, steps, math.prod(sampling.latent_size(height, width)), rho))
 
     @classmethod
-    def execute(cls, steps: int, width: int, height: int, schedule: str, rho: float, latent=None) -> io.NodeOutput:
+    def execute(cls, steps: int, schedule: str, rho: float, latent=None, width: int | None = None,
+                height: int | None = None) -> io.NodeOutput:
         h, w = latent["samples"].shape[-2:] if latent is not None else sampling.latent_size(height, width)
         return io.NodeOutput(torch.tensor(schedules.named_schedule(schedule, steps, h * w, rho), dtype=torch.float32))
 

@@ -137,12 +137,42 @@ def test_pyproject_comfy_metadata():
 UI_FILES = sorted((ROOT / "workflows").glob("*.json"))
 
 
+def flat(ui: dict) -> tuple[dict, list]:
+    """A UI workflow's nodes by id and its links (source id, slot, target id, slot, type), with each subgraph node
+    replaced by the nodes inside it, named "<subgraph node id>:<id>" as the frontend's graphToPrompt names them."""
+    definitions = {d["id"]: d for d in ui.get("definitions", {}).get("subgraphs", [])}
+    inside = {n["id"]: definitions[n["type"]] for n in ui["nodes"] if n["type"] in definitions}
+    nodes = {str(n["id"]): n for n in ui["nodes"] if n["id"] not in inside}
+    nodes |= {f"{i}:{m['id']}": m for i, d in inside.items() for m in d["nodes"]}
+    links = [(f"{i}:{k['origin_id']}", k["origin_slot"], f"{i}:{k['target_id']}", k["target_slot"], k["type"])
+             for i, d in inside.items() for k in d["links"] if k["origin_id"] >= 0 and k["target_id"] >= 0]
+    for _, src, src_slot, dst, dst_slot, kind in ui["links"]:
+        if src in inside:                  # from the inner node that feeds the subgraph's output
+            k = next(k for k in inside[src]["links"] if k["target_id"] == -20 and k["target_slot"] == src_slot)
+            src, src_slot = f"{src}:{k['origin_id']}", k["origin_slot"]
+        targets = [(f"{dst}:{k['target_id']}", k["target_slot"]) for k in inside[dst]["links"]
+                   if k["origin_id"] == -10 and k["origin_slot"] == dst_slot] if dst in inside else [(dst, dst_slot)]
+        links += [(str(src), src_slot, str(t), slot, kind) for t, slot in targets]
+    return nodes, links
+
+
 def test_ui_and_api_workflows_pair_up():
     api = sorted((ROOT / "workflows" / "api").glob("*.json"))
-    assert len(UI_FILES) == 7
+    assert len(UI_FILES) == 12
     assert [p.name for p in UI_FILES] == [p.name for p in api]
     for path in UI_FILES:                  # the template browser lists workflows/*.json: UI files only
         assert "nodes" in json.loads(path.read_text()), f"{path.name} is not a UI workflow"
+
+
+def check_links(nodes: dict, links: list[tuple], ends: dict) -> None:
+    """Each link is listed by the output it leaves and the input it enters (or by the subgraph socket at an end: -10
+    its input node, -20 its output node), with one type throughout."""
+    for link_id, src, src_slot, dst, dst_slot, kind in links:
+        out = ends[-10][src_slot] if src == -10 else nodes[src]["outputs"][src_slot]
+        into = ends[-20][dst_slot] if dst == -20 else nodes[dst]["inputs"][dst_slot]
+        assert link_id in (out["linkIds"] if src == -10 else out["links"])
+        assert link_id in into["linkIds"] if dst == -20 else into["link"] == link_id
+        assert out["type"] == kind == into["type"]
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
@@ -150,23 +180,28 @@ def test_ui_workflow_structure(path):
     ui = json.loads(path.read_text())
     assert ui["version"] == 0.4 and ui["last_node_id"] == max(n["id"] for n in ui["nodes"])
     nodes = {n["id"]: n for n in ui["nodes"]}
-    assert len(nodes) == len(ui["nodes"]) and ui["last_link_id"] == len(ui["links"])
-    for link_id, src, src_slot, dst, dst_slot, kind in ui["links"]:
-        assert link_id in nodes[src]["outputs"][src_slot]["links"]
-        assert nodes[dst]["inputs"][dst_slot]["link"] == link_id
-        assert nodes[src]["outputs"][src_slot]["type"] == kind == nodes[dst]["inputs"][dst_slot]["type"]
-    for node in nodes.values():
+    assert len(nodes) == len(ui["nodes"]) and ui["last_link_id"] == max(k[0] for k in ui["links"])
+    check_links(nodes, ui["links"], {})
+    definitions = {d["id"]: d for d in ui.get("definitions", {}).get("subgraphs", [])}
+    for d in definitions.values():         # a subgraph: version 1 inside, link objects, its sockets at -10 / -20
+        inner = {n["id"]: n for n in d["nodes"]}
+        check_links(inner, [[k["id"], k["origin_id"], k["origin_slot"], k["target_id"], k["target_slot"], k["type"]]
+                            for k in d["links"]], {-10: d["inputs"], -20: d["outputs"]})
+        assert d["version"] == 1 and d["state"]["lastLinkId"] >= max(k["id"] for k in d["links"])
+    for node in flat(ui)[0].values():
         assert node["type"] in SCHEMAS or node["type"] in CORE_NODES | VIRTUAL_NODES, node["type"]
+    for node in nodes.values():
+        assert node["type"] in SCHEMAS or node["type"] in CORE_NODES | VIRTUAL_NODES or node["type"] in definitions
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
 def test_api_twin_matches_ui_and_schemas(path):
     ui = json.loads(path.read_text())
     api = json.loads((path.parent / "api" / path.name).read_text())
-    nodes = {str(n["id"]): n for n in ui["nodes"] if n["type"] not in VIRTUAL_NODES}
+    nodes, flat_links = flat(ui)
+    nodes = {k: n for k, n in nodes.items() if n["type"] not in VIRTUAL_NODES}
     assert {k: v["class_type"] for k, v in api.items()} == {k: n["type"] for k, n in nodes.items()}
-    links = {(str(dst), nodes[str(dst)]["inputs"][slot]["name"]): [str(src), src_slot]
-             for _, src, src_slot, dst, slot, _ in ui["links"]}
+    links = {(dst, nodes[dst]["inputs"][slot]["name"]): [src, src_slot] for src, src_slot, dst, slot, _ in flat_links}
     for node_id, entry in api.items():
         inputs, ui_node = entry["inputs"], nodes[node_id]
         assert {(node_id, k): v for k, v in inputs.items() if isinstance(v, list)} == \
@@ -190,7 +225,7 @@ def test_workflows_name_their_models_and_images(path):
         # GGUF files are left out of properties.models (the frontend checks those against ComfyUI's file lists,
         # which have no .gguf, and would call them missing): the note gives their download URL instead
         gguf = {(folder, name) for folder, name in files if name.endswith(".gguf")}
-        models = next(n for n in ui["nodes"] if str(n["id"]) == node_id)["properties"].get("models", [])
+        models = flat(ui)[0][node_id]["properties"].get("models", [])
         assert {(m["directory"], m["name"]) for m in models} == files - gguf
         assert all(m["url"].startswith("https://huggingface.co/") and m["url"].endswith(m["name"]) for m in models)
         assert all(f"`{folder}/{name}`" in note for folder, name in files)
@@ -198,3 +233,17 @@ def test_workflows_name_their_models_and_images(path):
                    for folder, name in gguf)
         if entry["class_type"] == "LoadImage":
             assert entry["inputs"]["image"] in note, "the note must say which image to provide"
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_workflow_note_opens_with_a_description_that_the_readme_lists(path):
+    # the template browser shows only the file name: the note's first paragraph and workflows/README.md say the rest
+    ui = json.loads(path.read_text())
+    note = next(n for n in ui["nodes"] if n["type"] == "MarkdownNote")["widgets_values"][0]
+    heading, blank, paragraph, *_ = note.split("\n")
+    assert heading.startswith("### ") and blank == "" and len(paragraph) > 80
+    api = json.loads((path.parent / "api" / path.name).read_text())
+    files = [v for entry in api.values() for k, v in entry["inputs"].items() if k in LOADER_FOLDERS]
+    assert files and all(f in paragraph for f in files), "the description names the model files"
+    readme = (ROOT / "workflows" / "README.md").read_text()
+    assert f"| `{path.stem}` | **{heading[4:]}**: {paragraph} |" in readme

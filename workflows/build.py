@@ -14,6 +14,7 @@ import argparse
 import json
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -43,95 +44,239 @@ def frontend_checks(file: str) -> bool:
     return not file.lower().endswith(".gguf")
 
 
-# --- the workflows: node id -> (class, inputs, column, row); an input (id, slot) is a link, anything else a widget --
+# --- the workflows: node id -> Node; an input (id, slot) is a link, anything else a widget ----------------------------
+#
+# The layout follows the pipeline left to right, one column per stage, and keeps every link in the open: a link
+# runs from an output (a node's right side) to an input further right, and the long ones run in lanes no node
+# covers (the model along the top, the autoencoder between the prompt and the noise). A link drawn between two
+# columns bends over a quarter of its length at each end, so a link that must climb or drop does so in the gap just
+# before its target; the edits' Reference nodes, which would sit in the path of the noise and the schedule to the
+# denoiser, go below the prompt, just above the autoencoder lane (their images below it), and the noise and the
+# schedule above the prompt. Positions are the top left of a node's body; its title bar is the TITLE units above.
 
-def loaders(model: str, text_encoder: str = "qwen_3_4b.safetensors") -> dict:
-    return {1: ("Flux2KleinModelLoader", {"model_name": model, "dtype": "auto"}, 0, 0),
-            2: ("Flux2KleinTextEncoderLoader", {"text_encoder_name": text_encoder, "dtype": "auto"}, 0, 1),
-            3: ("Flux2KleinAELoader", {"ae_name": "flux2-vae.safetensors", "dtype": "auto"}, 0, 2)}
+TITLE = 30                   # the frontend's title bar height
+SLOT = 20                    # the height of a socket row; socket i is at y + 14 + 20 i
+SIZES = {"Flux2KleinModelLoader": (280, 82), "Flux2KleinTextEncoderLoader": (280, 82),
+         "Flux2KleinAELoader": (280, 82), "Flux2KleinLoRA": (280, 126), "Flux2KleinPromptEncode": (380, 190),
+         "Flux2KleinNoise": (220, 154), "Flux2KleinScheduler": (220, 150), "Flux2KleinDenoise": (260, 182),
+         "Flux2KleinAEDecode": (220, 46), "Flux2KleinAEEncode": (220, 46), "Flux2KleinReference": (240, 66),
+         "LoadImage": (260, 300), "SaveImage": (280, 340), "MarkdownNote": (280, 300)}
+STAGES = {"load": "Load models", "lora": "LoRA", "image": "Input image", "references": "Reference images",
+          "prompt": "Prompt", "noise": "Noise and schedule", "denoise": "Denoise", "decode": "Decode and save"}
+COLUMNS = {"load": 0, "prompt": 340, "noise": 340}         # x of the stages that every workflow places alike
+GROUP_COLOR = "#3f789e"
+AE_LANE = 400                # the autoencoder loader's y: its link to the decoder runs level at this height
+EDIT_LANE, REF3_LANE = 680, 820   # the autoencoder lanes (its output's y) of the one- and three-reference edits
+
+
+@dataclass(frozen=True)
+class Node:
+    cls: str
+    inputs: dict
+    stage: str
+    pos: tuple[int, int]
+    title: str | None = None
+    size: tuple[int, int] | None = None
+
+    @property
+    def box(self) -> tuple[int, int]:
+        return self.size or SIZES[self.cls]
+
+
+def loaders(model: str, text_encoder: str = "qwen_3_4b.safetensors", prompt_y: int = 150, ae_y: int = AE_LANE) -> dict:
+    return {1: Node("Flux2KleinModelLoader", {"model_name": model, "dtype": "auto"}, "load", (0, 0)),
+            2: Node("Flux2KleinTextEncoderLoader", {"text_encoder_name": text_encoder, "dtype": "auto"}, "load",
+                    (0, prompt_y)),
+            3: Node("Flux2KleinAELoader", {"ae_name": "flux2-vae.safetensors", "dtype": "auto"}, "load", (0, ae_y))}
 
 
 def sampler(positive, cfg=1.0, steps=4, negative=None, latent=None, denoise=1.0, noise_latent=None, seed=42,
-            model=(1, 0)) -> dict:
+            model=(1, 0), noise_at=(360, 560), scheduler_at=None, scheduler_latent=(5, 0), denoise_x=950,
+            ae_y=AE_LANE, save_at=None) -> dict:
+    """Noise and schedule (the noise at noise_at, the scheduler below and right of it unless scheduler_at says),
+    the denoiser at the top of its column (its model input level with the model loader's output), and decode + save
+    on the autoencoder lane (save_at moves the saver, which may sit higher than the decoder)."""
     denoise_inputs = {"model": model, "positive": positive, "noise": (5, 0), "sigmas": (6, 0), "cfg": cfg,
                       "denoise": denoise}
     denoise_inputs |= {"negative": negative} if negative else {}
     denoise_inputs |= {"latent": latent} if latent else {}
     noise_inputs = {"seed": seed, "width": 1024, "height": 1024, "batch_size": 1}
     noise_inputs |= {"latent": noise_latent} if noise_latent else {}
-    return {5: ("Flux2KleinNoise", noise_inputs, 3, 0),
-            6: ("Flux2KleinScheduler", {"steps": steps, "width": 1024, "height": 1024, "schedule": "flux2", "rho": 2.0,
-                                        "latent": (5, 0)}, 3, 1),
-            7: ("Flux2KleinDenoise", denoise_inputs, 4, 0),
-            8: ("Flux2KleinAEDecode", {"ae": (3, 0), "latent": (7, 0)}, 5, 0),
-            9: ("SaveImage", {"images": (8, 0), "filename_prefix": "flux2-klein"}, 6, 0)}
+    x, y = noise_at
+    decode_x = denoise_x + SIZES["Flux2KleinDenoise"][0] + 50
+    save_x = decode_x + SIZES["Flux2KleinAEDecode"][0] + 40
+    return {5: Node("Flux2KleinNoise", noise_inputs, "noise", (x, y)),
+            6: Node("Flux2KleinScheduler", {"steps": steps, "schedule": "flux2", "rho": 2.0,
+                                            "latent": scheduler_latent}, "noise",
+                    scheduler_at or (x + SIZES["Flux2KleinNoise"][0] + 30, y + 90)),
+            7: Node("Flux2KleinDenoise", denoise_inputs, "denoise", (denoise_x, 0)),
+            8: Node("Flux2KleinAEDecode", {"ae": (3, 0), "latent": (7, 0)}, "decode", (decode_x, ae_y)),
+            9: Node("SaveImage", {"images": (8, 0), "filename_prefix": "flux2-klein"}, "decode",
+                    save_at or (save_x, ae_y))}
 
 
-def prompt(text: str, node: int = 4, row: int = 0) -> dict:
-    return {node: ("Flux2KleinPromptEncode", {"text_encoder": (2, 0), "prompt": text}, 1, row)}
+def prompt(text: str, node: int = 4, y: int = 150, title: str = "Positive prompt", height: int | None = None,
+           width: int | None = None) -> dict:
+    size = (width or SIZES["Flux2KleinPromptEncode"][0], height or SIZES["Flux2KleinPromptEncode"][1])
+    return {node: Node("Flux2KleinPromptEncode", {"text_encoder": (2, 0), "prompt": text}, "prompt",
+                       (COLUMNS["prompt"], y), title, size if (height or width) else None)}
 
 
-def reference(node: int, image_node: int, file: str, conditioning, row: int) -> dict:
-    return {image_node: ("LoadImage", {"image": file}, 1, row),
-            node: ("Flux2KleinReference", {"conditioning": conditioning, "image": (image_node, 0), "ae": (3, 0)}, 2, row)}
+def reference(node: int, image_node: int, file: str, conditioning, image_at: tuple[int, int],
+              reference_at: tuple[int, int], number: int = 0) -> dict:
+    """A Load Image (in the reference images' group) and its Reference node (in the prompt's group: it adds the
+    image to the conditioning); number > 0 titles them "Reference image <number>" and "Reference <number>"."""
+    suffix = f" {number}" if number else ""
+    return {image_node: Node("LoadImage", {"image": file}, "references", image_at, f"Reference image{suffix}"),
+            node: Node("Flux2KleinReference", {"conditioning": conditioning, "image": (image_node, 0), "ae": (3, 0)},
+                       "prompt", reference_at, f"Reference{suffix}")}
 
 
 WORKFLOWS = {
     "flux2-klein-text-to-image": {
-        "note": "Text to image with the distilled FLUX.2 Klein 4B: 4 steps, no CFG (cfg 1, no negative).",
+        "title": "Text to image",
+        "what": "Makes an image from a prompt with the distilled FLUX.2 Klein 4B, in 4 steps without classifier-free "
+                "guidance (cfg 1, no negative prompt).",
         "nodes": loaders("flux-2-klein-4b.safetensors") | prompt(
             "A red fox sitting in fresh snow at dawn, soft golden light, photorealistic, shallow depth of field")
         | sampler((4, 0))},
     "flux2-klein-base-text-to-image": {
-        "note": "Text to image with FLUX.2 Klein Base 4B: 50 steps with classifier-free guidance (cfg 4) against a "
-             "negative prompt.",
-        "nodes": loaders("flux-2-klein-base-4b.safetensors") | prompt(
-            "A cozy reading nook by a rainy window, warm lamp light, watercolor illustration")
-        | prompt("blurry, low quality, distorted, watermark, text", node=10, row=1)
-        | sampler((4, 0), cfg=4.0, steps=50, negative=(10, 0))},
+        "title": "Text to image with the base model",
+        "what": "Makes an image from a prompt with FLUX.2 Klein Base 4B, the undistilled model: 50 steps with "
+                "classifier-free guidance (cfg 4) against a negative prompt.",
+        "nodes": loaders("flux-2-klein-base-4b.safetensors", ae_y=520) | prompt(
+            "A cozy reading nook by a rainy window, warm lamp light, watercolor illustration", height=150)
+        | prompt("blurry, low quality, distorted, watermark, text", node=10, y=360, title="Negative prompt", height=110)
+        | sampler((4, 0), cfg=4.0, steps=50, negative=(10, 0), noise_at=(360, 680), denoise_x=1010, ae_y=520)},
     "flux2-klein-edit": {
-        "note": "Edit one image with the distilled FLUX.2 Klein 4B. Put the photo to edit in ComfyUI's input folder as "
-             "flux2-klein-edit-input.png (or pick any image in Load Image). Alone, a reference is kept under about "
-             "4 megapixels (2024 x 2024) and centre-cropped to multiples of 16; the output size is the noise node's.",
-        "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("Turn the scene into a snowy winter evening; keep the "
-                                                              "composition and the people unchanged")
-        | reference(11, 10, "flux2-klein-edit-input.png", (4, 0), 1) | sampler((11, 0))},
+        "title": "Edit an image",
+        "what": "Edits a photo as the prompt says, with the distilled FLUX.2 Klein 4B: the photo goes in as a "
+                "reference image, the prompt says what to change and what to keep.",
+        "details": "Put the photo in ComfyUI's input folder as flux2-klein-edit-input.png (or pick any image in the "
+                   "Reference image node). Alone, a reference is kept under about 4 megapixels (2024 x 2024) and "
+                   "centre-cropped to multiples of 16; the output size is the noise node's.",
+        # the noise and schedule above the prompt, so that their links reach the denoiser's top left unobstructed;
+        # the reference below the prompt, just above the autoencoder lane, its image below that lane
+        "nodes": loaders("flux-2-klein-4b.safetensors", prompt_y=EDIT_LANE - 240, ae_y=EDIT_LANE - 14)
+        | prompt("Turn the scene into a snowy winter evening; keep the composition and the people unchanged",
+                 y=EDIT_LANE - 240)
+        | reference(11, 10, "flux2-klein-edit-input.png", (4, 0), (340, EDIT_LANE + 70), (780, EDIT_LANE - 86))
+        | sampler((11, 0), noise_at=(340, 100), scheduler_at=(590, 190), denoise_x=1060, ae_y=EDIT_LANE - 14,
+                  save_at=(1630, 400)),
+        "note_at": (0, EDIT_LANE + 130), "group_titles": {"references": "Reference image"}},
     "flux2-klein-edit-3-references": {
-        "note": "Combine three reference images with the distilled FLUX.2 Klein 4B. Put them in ComfyUI's input folder "
-             "as flux2-klein-reference-1.png (e.g. a person), flux2-klein-reference-2.png (e.g. a jacket) and "
-             "flux2-klein-reference-3.png (e.g. a place). With several references each is kept under about 1 "
-             "megapixel (1024 x 1024); reference i is told apart by its time offset 10 x i.",
-        "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("The person from image 1 wearing the jacket from image "
-                                                              "2, standing in the place from image 3")
-        | reference(11, 10, "flux2-klein-reference-1.png", (4, 0), 1)
-        | reference(13, 12, "flux2-klein-reference-2.png", (11, 0), 2)
-        | reference(15, 14, "flux2-klein-reference-3.png", (13, 0), 3) | sampler((15, 0))},
+        "title": "Combine three reference images",
+        "what": "Makes one image from three reference images (for example a person, a jacket and a place) as the "
+                "prompt describes, with the distilled FLUX.2 Klein 4B.",
+        "details": "Put them in ComfyUI's input folder as flux2-klein-reference-1.png, flux2-klein-reference-2.png "
+                   "and flux2-klein-reference-3.png (or pick others in the Reference image nodes); the prompt calls "
+                   "them image 1, 2 and 3. With several references each is kept under about 1 megapixel "
+                   "(1024 x 1024); reference i is told apart by its time offset 10 x i.",
+        # as the edit, with the references in a staircase above the autoencoder lane (each lower than the one
+        # before, so that the autoencoder's links to the later ones pass under the earlier ones) and their images
+        # in a row below the lane
+        "nodes": loaders("flux-2-klein-4b.safetensors", prompt_y=REF3_LANE - 380, ae_y=REF3_LANE - 14)
+        | prompt("The person from image 1 wearing the jacket from image 2, standing in the place from image 3",
+                 y=REF3_LANE - 380, width=300, height=190)
+        | reference(11, 10, "flux2-klein-reference-1.png", (4, 0), (340, REF3_LANE + 70), (700, REF3_LANE - 246), 1)
+        | reference(13, 12, "flux2-klein-reference-2.png", (11, 0), (620, REF3_LANE + 120), (980, REF3_LANE - 166), 2)
+        | reference(15, 14, "flux2-klein-reference-3.png", (13, 0), (900, REF3_LANE + 170), (1260, REF3_LANE - 86), 3)
+        | sampler((15, 0), noise_at=(340, 100), scheduler_at=(590, 190), denoise_x=1560, ae_y=REF3_LANE - 14,
+                  save_at=(2130, 400)),
+        "note_at": (0, REF3_LANE + 130)},
     "flux2-klein-lora": {
-        "note": "Text to image with the distilled FLUX.2 Klein 4B and a LoRA. Put a LoRA made for Klein 4B (ai-toolkit, "
-             "kohya/musubi, diffusers, ComfyUI or LyCORIS LoKr files) in ComfyUI's models/loras folder and pick it "
-             "in the LoRA node; chain more LoRA nodes for a stack. The node shows what the file matched, and the "
-             "keys that matched nothing.",
-        "nodes": loaders("flux-2-klein-4b.safetensors")
-        | {12: ("Flux2KleinLoRA", {"model": (1, 0), "lora_name": "klein-4b-lora.safetensors", "strength": 1.0,
-                                  "merge_into_fp8": False}, 1, 2)}
-        | prompt("A lighthouse on a rocky coast at sunset, dramatic clouds") | sampler((4, 0), model=(12, 0))},
+        "title": "Text to image with a LoRA",
+        "what": "Makes an image from a prompt with the distilled FLUX.2 Klein 4B and a LoRA made for it.",
+        "details": "Put the LoRA (ai-toolkit, kohya/musubi, diffusers, ComfyUI or LyCORIS LoKr files) in ComfyUI's "
+                   "models/loras folder and pick it in the LoRA node; chain more LoRA nodes for a stack. The node "
+                   "shows what the file matched, and the keys that matched nothing.",
+        "nodes": loaders("flux-2-klein-4b.safetensors", prompt_y=240, ae_y=480)
+        | {12: Node("Flux2KleinLoRA", {"model": (1, 0), "lora_name": "klein-4b-lora.safetensors", "strength": 1.0,
+                                       "merge_into_fp8": False}, "lora", (COLUMNS["prompt"], 0))}
+        | prompt("A lighthouse on a rocky coast at sunset, dramatic clouds", y=240, height=170)
+        | sampler((4, 0), model=(12, 0), noise_at=(360, 640), ae_y=480)},
     "flux2-klein-gguf": {
-        "note": "Text to image with GGUF files, for 6-12 GB cards: the distilled FLUX.2 Klein 4B and its Qwen3-4B text "
-             "encoder quantized to Q4_K_M (unsloth's files; other quantizations from Q8_0 to Q2_K work too, in "
-             "models/diffusion_models and models/text_encoders). Their quantized layers stay quantized in memory "
-             "and are dequantized as they compute; the loaders show which types a file holds.",
+        "title": "Text to image from GGUF files",
+        "what": "Makes an image from a prompt on 6-12 GB graphics cards: the distilled FLUX.2 Klein 4B and its Qwen3-4B "
+                "text encoder as GGUF files quantized to Q4_K_M, kept quantized in memory and dequantized as they "
+                "compute.",
+        "details": "Other quantizations, from Q8_0 to Q2_K, work too (in models/diffusion_models and "
+                   "models/text_encoders); the loaders show which types a file holds.",
         "nodes": loaders("flux-2-klein-4b-Q4_K_M.gguf", "Qwen3-4B-Q4_K_M.gguf") | prompt(
             "A cozy mountain cabin under the northern lights, snow on the pines, long exposure photograph")
         | sampler((4, 0))},
     "flux2-klein-image-to-image": {
-        "note": "Image to image with the distilled FLUX.2 Klein 4B: the input image is encoded, noised to the "
-             "denoise strength (0.6: the last 60% of the steps run) and denoised toward the prompt. Put the image "
-             "in ComfyUI's input folder as flux2-klein-img2img-input.png; sides are cropped to multiples of 16 and "
-             "the output has the input's size.",
+        "title": "Image to image",
+        "what": "Redraws an image toward the prompt with the distilled FLUX.2 Klein 4B: the image is encoded, noised "
+                "to the denoise strength (0.6: the last 60% of the steps run) and denoised.",
+        "details": "Put the image in ComfyUI's input folder as flux2-klein-img2img-input.png (or pick any image in "
+                   "the Input image node); its sides are cropped to multiples of 16 and the output has its size.",
+        # the encoded image gives the noise, the schedule and the denoiser their size: the noise and the scheduler
+        # stack in one column, each fed by the encoder, below the encoder's link to the denoiser
         "nodes": loaders("flux-2-klein-4b.safetensors") | prompt("An oil painting in the style of the impressionists")
-        | {10: ("LoadImage", {"image": "flux2-klein-img2img-input.png"}, 1, 1),
-           11: ("Flux2KleinAEEncode", {"ae": (3, 0), "image": (10, 0)}, 1, 2)}
-        | sampler((4, 0), latent=(11, 0), denoise=0.6, noise_latent=(11, 0))},
+        | {10: Node("LoadImage", {"image": "flux2-klein-img2img-input.png"}, "image", (0, 600), "Input image"),
+           11: Node("Flux2KleinAEEncode", {"ae": (3, 0), "image": (10, 0)}, "image", (340, 580))}
+        | sampler((4, 0), latent=(11, 0), denoise=0.6, noise_latent=(11, 0), noise_at=(620, 660),
+                  scheduler_at=(620, 870), scheduler_latent=(11, 0), denoise_x=900),
+        "note_at": (1210, 800)},
+}
+
+# --- the compact workflows: a stage-by-stage workflow with its inner stages packed into one subgraph node ----------
+#
+# The loaders and the saver stay outside (the files you pick, the image you get); the subgraph node shows the widgets
+# people change (ComfyUI's promoted widgets, properties.proxyWidgets), and opens to the stages it packs.
+
+SUBGRAPH_TITLE = 30          # the frontend's subgraph node: title bar, then one row per socket and per widget
+
+
+LOADERS_AT = {1: (0, 0), 2: (0, 150), 3: (0, 300)}
+COMPACT_AT = 340                                  # the subgraph node's x, right of the loaders
+
+
+def compact(source: str, title: str, subgraph: str, what: str, widgets: list[tuple[int, str]], save_x: int,
+            size: tuple[int, int], outside: dict | None = None, at: int = COMPACT_AT) -> dict:
+    """``source`` with its inner stages packed into a subgraph node at (at, 0) showing ``widgets``; the loaders (and
+    ``outside``: node -> position, e.g. the images) stay outside, the saver right of the node."""
+    spec = WORKFLOWS[source]
+    moved = LOADERS_AT | (outside or {}) | {9: (save_x, 0)}
+    nodes = {i: Node(n.cls, n.inputs, n.stage, moved.get(i, n.pos), n.title, n.size)
+             for i, n in spec["nodes"].items()}
+    return {"title": title, "what": what, "nodes": nodes,
+            "details": " ".join([*([spec["details"]] if "details" in spec else []),
+                                 ("Open the subgraph node (the icon at its top right) to see and change every "
+                                  f"stage: inside, it is the {source} workflow.")]),
+            "pack": {"outside": tuple(sorted(moved)), "widgets": widgets, "name": subgraph, "at": (at, 0),
+                     "size": size},
+            "group_titles": spec.get("group_titles", {}) | {"decode": "Save"}} | (
+        {"note_at": (at, size[1] + 80)} if outside and any(spec["nodes"][i].cls == "LoadImage" for i in outside)
+        else {})
+
+
+TEXT_TO_IMAGE_WIDGETS = [(4, "prompt"), (5, "seed"), (5, "width"), (5, "height"), (6, "steps")]
+WORKFLOWS |= {
+    "flux2-klein-text-to-image-compact": compact(
+        "flux2-klein-text-to-image", "Text to image, compact", "FLUX.2 Klein text to image",
+        "The text-to-image workflow with its prompt, noise, schedule, denoising and decoding packed into one "
+        "subgraph node that shows the prompt, seed, size and steps.", TEXT_TO_IMAGE_WIDGETS, 830, (420, 330)),
+    "flux2-klein-gguf-compact": compact(
+        "flux2-klein-gguf", "Text to image from GGUF files, compact", "FLUX.2 Klein text to image",
+        "The GGUF text-to-image workflow with its prompt, noise, schedule, denoising and decoding packed into one "
+        "subgraph node that shows the prompt, seed, size and steps.", TEXT_TO_IMAGE_WIDGETS, 830, (420, 330)),
+    "flux2-klein-lora-compact": compact(
+        "flux2-klein-lora", "Text to image with a LoRA, compact", "FLUX.2 Klein text to image",
+        "The LoRA text-to-image workflow with its prompt, noise, schedule, denoising and decoding packed into one "
+        "subgraph node that shows the prompt, seed, size and steps; the LoRA node stays outside.",
+        TEXT_TO_IMAGE_WIDGETS, 1170, (420, 330), {12: (340, 450)}, at=680),
+    "flux2-klein-edit-compact": compact(
+        "flux2-klein-edit", "Edit an image, compact", "FLUX.2 Klein edit",
+        "The edit workflow with its prompt, reference, noise, schedule, denoising and decoding packed into one "
+        "subgraph node that shows the prompt, seed, size and steps; the photo to edit is loaded outside.",
+        TEXT_TO_IMAGE_WIDGETS, 830, (420, 350), {10: (0, 480)}),
+    "flux2-klein-image-to-image-compact": compact(
+        "flux2-klein-image-to-image", "Image to image, compact", "FLUX.2 Klein image to image",
+        "The image-to-image workflow with its prompt, encoding, noise, schedule, denoising and decoding packed into "
+        "one subgraph node that shows the prompt, seed, steps and denoise strength; the image is loaded outside.",
+        [(4, "prompt"), (5, "seed"), (6, "steps"), (7, "denoise")], 830, (420, 310), {10: (0, 480)}),
 }
 
 # --- building the two formats --------------------------------------------------------------------------------------
@@ -155,13 +300,14 @@ def api_prompt(nodes: dict, object_info: dict) -> dict:
     """The API format, as the frontend's graphToPrompt writes it: widget values in widget order, then the links as
     [source id, slot] in socket order."""
     prompt = {}
-    for i, (cls, inputs, _, _) in sorted(nodes.items()):
+    for i, node in sorted(nodes.items()):
+        cls, inputs = node.cls, node.inputs
         names = [name for name, _, _ in input_specs(object_info[cls]) if name in inputs]
         ordered = [n for n in names if not is_link(inputs[n])] + [n for n in names if is_link(inputs[n])]
         prompt[str(i)] = {"class_type": cls,
                           "inputs": {n: [str(inputs[n][0]), inputs[n][1]] if is_link(inputs[n]) else inputs[n]
                                      for n in ordered},
-                          "_meta": {"title": object_info[cls]["display_name"]}}
+                          "_meta": {"title": node.title or object_info[cls]["display_name"]}}
     return prompt
 
 
@@ -169,11 +315,11 @@ def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
     """The UI (LiteGraph 0.4) format: positioned nodes, socket inputs/outputs, widget values, link tuples."""
     nodes, links, sockets, widgets = spec["nodes"], [], {}, {}
     for i in sorted(nodes):                       # pass 1: each node's sockets and widget values; the links
-        cls, inputs, _, _ = nodes[i]
+        cls, inputs = nodes[i].cls, nodes[i].inputs
         sockets[i], widgets[i] = [], []
         for input_name, kind, options in input_specs(object_info[cls]):
             value = inputs.get(input_name)
-            if kind in WIDGET_TYPES and not is_link(value):
+            if kind in WIDGET_TYPES and not is_link(value) and not options.get("forceInput"):
                 widgets[i].append(value if input_name in inputs else options.get("default"))
                 widgets[i] += ["randomize"] if options.get("control_after_generate") else []
                 widgets[i] += ["image"] if options.get("image_upload") else []
@@ -181,12 +327,13 @@ def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
             link = None
             if is_link(value):
                 link = len(links) + 1
-                source_type = object_info[nodes[value[0]][0]]["output"][value[1]]
+                source_type = object_info[nodes[value[0]].cls]["output"][value[1]]
                 links.append([link, value[0], value[1], i, len(sockets[i]), source_type])
             sockets[i].append({"name": input_name, "type": kind, "link": link})
     order, ui_nodes = topological(nodes), []
     for i in sorted(nodes):                       # pass 2: the nodes, with the links leaving each output
-        cls, inputs, col, row = nodes[i]
+        node = nodes[i]
+        cls, inputs = node.cls, node.inputs
         info = object_info[cls]
         outputs = [{"name": out_name, "type": out_type, "links": [k[0] for k in links if k[1:3] == [i, slot]]}
                    for slot, (out_name, out_type) in enumerate(zip(info["output_name"], info["output"]))]
@@ -196,34 +343,167 @@ def ui_workflow(name: str, spec: dict, object_info: dict) -> dict:
         models = [inputs[k] for k in MODEL_INPUTS if k in inputs and frontend_checks(inputs[k])]
         if models:
             properties["models"] = [{"name": m, "url": MODELS[m][1], "directory": MODELS[m][0]} for m in models]
-        ui_nodes.append({"id": i, "type": cls, "pos": [40 + 380 * col, 40 + 340 * row],
-                         "size": [340, 60 + 26 * len(widgets[i])], "flags": {}, "order": order.index(i), "mode": 0,
-                         "inputs": sockets[i], "outputs": outputs, "properties": properties,
-                         "widgets_values": widgets[i]})
+        ui_nodes.append({"id": i, "type": cls, "pos": list(node.pos), "size": list(node.box), "flags": {},
+                         "order": order.index(i), "mode": 0, "inputs": sockets[i], "outputs": outputs,
+                         "properties": properties, "widgets_values": widgets[i]} | ({"title": node.title} if node.title
+                                                                                      else {}))
     note_id = max(nodes) + 1
-    ui_nodes.append({"id": note_id, "type": "MarkdownNote", "pos": [40, 1060], "size": [340, 320], "flags": {},
-                     "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "title": "About this workflow",
+    lowest = max(n.pos[1] + n.box[1] for n in nodes.values() if n.pos[0] == COLUMNS["load"])
+    note = Node("MarkdownNote", {}, "note", spec.get("note_at", (COLUMNS["load"], lowest + TITLE + 50)),
+                "Models and files", spec.get("note_size"))
+    ui_nodes.append({"id": note_id, "type": note.cls, "pos": list(note.pos), "size": list(note.box), "flags": {},
+                     "order": len(nodes), "mode": 0, "inputs": [], "outputs": [], "title": note.title,
                      "properties": {}, "widgets_values": [note_text(spec)]})
-    return {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK}/{name}")), "revision": 0, "last_node_id": note_id,
-            "last_link_id": len(links), "nodes": ui_nodes, "links": links, "groups": [], "config": {},
-            "extra": {"ds": {"scale": 0.7, "offset": [30, 80]}}, "version": 0.4}
+    workflow = {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK}/{name}")), "revision": 0,
+                "last_node_id": note_id, "last_link_id": len(links), "nodes": ui_nodes, "links": links,
+                "groups": groups(list(nodes.values()) + [note], spec.get("group_titles", {})), "config": {},
+                "extra": {}, "version": 0.4}
+    return packed(name, workflow, spec, object_info) if "pack" in spec else workflow
+
+
+def packed(name: str, flat: dict, spec: dict, object_info: dict) -> dict:
+    """``flat`` with every node but the note and spec["pack"]["outside"] moved into one subgraph: its definition (the
+    version 1 format: link objects; -10 and -20 are its input and output nodes) and the node that stands for it. A
+    link crossing the border becomes an inner one to or from a subgraph socket and an outer one to or from the node
+    (one outer link per source)."""
+    pack, nodes = spec["pack"], spec["nodes"]
+    inside = {i for i in nodes if i not in pack["outside"]}
+    instance = max(n["id"] for n in flat["nodes"]) + 1
+    by_id = {n["id"]: n for n in flat["nodes"]}
+    inner, outer = [], []
+    next_id = len(flat["links"]) + 1
+    # the subgraph's sockets, in the order of the outputs that feed them (the loaders' order) or that they feed
+    inputs = dict.fromkeys(sorted({(k[1], k[2]) for k in flat["links"] if k[1] not in inside and k[3] in inside}))
+    outputs = dict.fromkeys(sorted({(k[1], k[2]) for k in flat["links"] if k[1] in inside and k[3] not in inside}))
+
+    def socket(sockets: dict, key: tuple, kind: str) -> dict:
+        if sockets[key] is None:
+            label = object_info[nodes[key[0]].cls]["output_name"][key[1]] if sockets is inputs else kind.lower()
+            sockets[key] = {"id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK}/{name}/{key}")), "name": label,
+                            "type": kind, "linkIds": [], "localized_name": label}
+        return sockets[key]
+
+    for link_id, src, src_slot, dst, dst_slot, kind in flat["links"]:
+        if src in inside and dst in inside:
+            inner.append({"id": link_id, "origin_id": src, "origin_slot": src_slot, "target_id": dst,
+                          "target_slot": dst_slot, "type": kind})
+        elif dst in inside:                                   # into the subgraph
+            io = socket(inputs, (src, src_slot), kind)
+            if not io["linkIds"]:
+                outer.append([next_id, src, src_slot, instance, list(inputs).index((src, src_slot)), kind])
+                io["outer"], next_id = next_id, next_id + 1
+            io["linkIds"].append(link_id)
+            inner.append({"id": link_id, "origin_id": -10, "origin_slot": list(inputs).index((src, src_slot)),
+                          "target_id": dst, "target_slot": dst_slot, "type": kind})
+        elif src in inside:                                   # out of it
+            io = socket(outputs, (src, src_slot), kind)
+            io["linkIds"].append(link_id)
+            inner.append({"id": link_id, "origin_id": src, "origin_slot": src_slot, "target_id": -20,
+                          "target_slot": list(outputs).index((src, src_slot)), "type": kind})
+            outer.append([next_id, instance, list(outputs).index((src, src_slot)), dst, dst_slot, kind])
+            by_id[dst]["inputs"][dst_slot]["link"], next_id = next_id, next_id + 1
+        else:
+            outer.append([link_id, src, src_slot, dst, dst_slot, kind])
+    for (src, src_slot), io in inputs.items():               # the loaders' outputs lead to the node now
+        by_id[src]["outputs"][src_slot]["links"] = [k[0] for k in outer if k[1:3] == [src, src_slot]]
+    members = [by_id[i] for i in sorted(inside)]
+    left = min(n["pos"][0] for n in members) - 200
+    right = max(n["pos"][0] + n["size"][0] for n in members) + 80
+    middle = (min(n["pos"][1] for n in members) + max(n["pos"][1] + n["size"][1] for n in members)) // 2
+    definition = {
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{PACK}/{name}/subgraph")), "version": 1, "revision": 0,
+        "state": {"lastGroupId": 0, "lastNodeId": max(inside), "lastLinkId": next_id - 1, "lastRerouteId": 0},
+        "config": {}, "name": pack["name"],
+        "inputNode": {"id": -10, "bounding": [left, middle - 50, 120, 100]},
+        "outputNode": {"id": -20, "bounding": [right, middle - 30, 120, 60]},
+        "inputs": [{k: v for k, v in io.items() if k != "outer"} for io in inputs.values()],
+        "outputs": list(outputs.values()), "widgets": [], "nodes": members, "links": inner,
+        "groups": groups([nodes[i] for i in sorted(inside)], {"decode": "Decode"}), "extra": {}}
+    node = {"id": instance, "type": definition["id"], "pos": list(pack["at"]), "size": list(pack["size"]),
+            "flags": {}, "order": len(pack["outside"]), "mode": 0, "title": pack["name"],
+            "inputs": [{"name": io["name"], "localized_name": io["name"], "type": io["type"], "link": io["outer"]}
+                       for io in inputs.values()],
+            "outputs": [{"name": io["name"], "localized_name": io["name"], "type": io["type"],
+                         "links": [k[0] for k in outer if k[1] == instance]} for io in outputs.values()],
+            "properties": {"proxyWidgets": [[str(i), widget] for i, widget in pack["widgets"]]},
+            "widgets_values": []}
+    outside = [by_id[i] for i in sorted(pack["outside"])] + [n for n in flat["nodes"] if n["type"] == "MarkdownNote"]
+    outer.sort()
+    return flat | {"nodes": outside + [node], "links": outer, "last_node_id": instance, "last_link_id": next_id - 1,
+                   "groups": groups([nodes[i] for i in pack["outside"]], spec.get("group_titles", {})),
+                   "definitions": {"subgraphs": [definition]}}
+
+
+GROUP_PAD, GROUP_TITLE = 16, 40       # around a stage's nodes; the band above them for the group's title
+
+
+def groups(nodes: list[Node], titles: dict) -> list[dict]:
+    """One group per stage, around its nodes (title bars included), in pipeline order; titles overrides STAGES."""
+    out = []
+    for stage, title in (STAGES | titles).items():
+        members = [n for n in nodes if n.stage == stage]
+        if not members:
+            continue
+        left = min(n.pos[0] for n in members) - GROUP_PAD
+        top = min(n.pos[1] for n in members) - TITLE - GROUP_TITLE
+        right = max(n.pos[0] + n.box[0] for n in members) + GROUP_PAD
+        bottom = max(n.pos[1] + n.box[1] for n in members) + GROUP_PAD
+        out.append({"id": len(out) + 1, "title": title, "bounding": [left, top, right - left, bottom - top],
+                    "color": GROUP_COLOR, "font_size": 24, "flags": {}})
+    return out
+
+
+def model_files(spec: dict) -> list[str]:
+    """The model files a workflow loads: diffusion model, text encoder, autoencoder."""
+    return [node.inputs[k] for k in MODEL_INPUTS for _, node in sorted(spec["nodes"].items()) if k in node.inputs]
+
+
+def description(spec: dict) -> str:
+    """One paragraph: what the workflow does, and its model files."""
+    files = model_files(spec)
+    return f"{spec['what']} Model files: {', '.join(files[:-1])} and {files[-1]}."
 
 
 def note_text(spec: dict) -> str:
-    files = sorted({v for cls, inputs, _, _ in spec["nodes"].values() for k, v in inputs.items() if k in MODEL_INPUTS})
-    lines = [spec["note"], "", "**Models** (ComfyUI's models folder):", ""]
-    lines += [f"* `{MODELS[f][0]}/{f}`" + ("" if frontend_checks(f) else f" ({MODELS[f][1]})") for f in files]
+    """The workflow's Markdown note: its title and description, how to use it, where each model file goes."""
+    lines = [f"### {spec['title']}", "", description(spec), ""]
+    lines += [spec["details"], ""] if "details" in spec else []
+    lines += ["**Models** (ComfyUI's models folder):", ""]
+    lines += [f"* `{MODELS[f][0]}/{f}`" + ("" if frontend_checks(f) else f" ({MODELS[f][1]})")
+              for f in model_files(spec)]
     return "\n".join(lines)
+
+
+README_START, README_END = "<!-- the list below is written by build.py -->", "<!-- end of the list -->"
+
+
+def readme_list() -> str:
+    """workflows/README.md's list of the workflows: file name, title and description (the template browser shows
+    only the file name)."""
+    rows = [f"| `{name}` | **{spec['title']}**: {description(spec)} |" for name, spec in WORKFLOWS.items()]
+    return "\n".join([README_START, "", "| workflow | what it does |", "|---|---|", *rows, "", README_END])
 
 
 def topological(nodes: dict) -> list[int]:
     done: list[int] = []
     while len(done) < len(nodes):
         for i in sorted(nodes):
-            deps = [v[0] for v in nodes[i][1].values() if is_link(v)]
+            deps = [v[0] for v in nodes[i].inputs.values() if is_link(v)]
             if i not in done and all(d in done for d in deps):
                 done.append(i)
     return done
+
+
+def api_twin(name: str, spec: dict, object_info: dict) -> dict:
+    """The API format; a packed workflow's inner nodes are "<subgraph node id>:<id>", as the frontend names them."""
+    flat = api_prompt(spec["nodes"], object_info)
+    if "pack" not in spec:
+        return flat
+    instance = ui_workflow(name, spec, object_info)["last_node_id"]
+    outside = {str(i) for i in spec["pack"]["outside"]}
+    rename = {i: i if i in outside else f"{instance}:{i}" for i in flat}
+    return {rename[i]: entry | {"inputs": {k: [rename[v[0]], v[1]] if isinstance(v, list) else v
+                                           for k, v in entry["inputs"].items()}} for i, entry in flat.items()}
 
 
 def main() -> None:
@@ -235,9 +515,14 @@ def main() -> None:
     (HERE / "api").mkdir(exist_ok=True)
     for name, spec in WORKFLOWS.items():
         for path, data in ((HERE / f"{name}.json", ui_workflow(name, spec, object_info)),
-                           (HERE / "api" / f"{name}.json", api_prompt(spec["nodes"], object_info))):
+                           (HERE / "api" / f"{name}.json", api_twin(name, spec, object_info))):
             path.write_text(json.dumps(data, indent=2) + "\n")
             print("wrote", path.relative_to(HERE.parent))
+    readme = HERE / "README.md"
+    text = readme.read_text()
+    start, end = text.index(README_START), text.index(README_END) + len(README_END)
+    readme.write_text(text[:start] + readme_list() + text[end:])
+    print("wrote", readme.relative_to(HERE.parent))
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ def test_api_workflow_runs_and_yields_images(comfy, path, tmp_path, capsys):
     workflow = json.loads(path.read_text())
     small = [f"{nid}.{k}=64" for nid, node in workflow.items() for k in ("width", "height")
              if isinstance(node["inputs"].get(k), int)]
+    seed = 7 + API_FILES.index(path)     # one seed per workflow: a graph another one shares is run, not cached
     argv = [str(path), "--server", comfy.server.address, "--out", str(tmp_path), "--prompt", "a tiny test prompt",
-            "--seed", "7", *[arg for item in small for arg in ("--set", item)]]
+            "--seed", str(seed), *[arg for item in small for arg in ("--set", item)]]
     code = queue_client.main(argv)
     out = capsys.readouterr()
     assert code == 0, out.err + comfy.server.log()[-4000:]
@@ -40,4 +41,4 @@ def test_api_workflow_runs_and_yields_images(comfy, path, tmp_path, capsys):
         sent = json.loads(image.text["prompt"])          # SaveImage embeds the prompt it ran
     positive = queue_client.prompt_nodes(workflow)
     assert positive and all(sent[nid]["inputs"]["prompt"] == "a tiny test prompt" for nid in positive)
-    assert [n["inputs"]["seed"] for n in sent.values() if "seed" in n["inputs"]] == [7]
+    assert [n["inputs"]["seed"] for n in sent.values() if "seed" in n["inputs"]] == [seed]

@@ -11,6 +11,10 @@ const SIZE_WIDGETS = ["width", "height"];
 // Exact counts: POST {text} -> {count, limit}, served when the server announces the feature flag below.
 const TOKENS_ROUTE = "/flux2_klein/tokens";
 const TOKENS_FEATURE = "flux2_klein_tokens";
+// Workflows saved before the scheduler's width and height became sockets hold five widget values,
+// [steps, width, height, schedule, rho]; it now has three widgets: the size values are dropped on load.
+const SCHEDULER = "Flux2KleinScheduler";
+const OLD_SCHEDULER_VALUES = ["number", "number", "number", "string", "number"];
 
 // The exact templated token count from the server, or null (no such route on this server, or it failed).
 async function serverCount(text) {
@@ -67,6 +71,12 @@ function trackTokens(node) {
   update();
 }
 
+function schedulerValues(values) {
+  const old = values?.length === OLD_SCHEDULER_VALUES.length
+    && values.every((value, i) => typeof value === OLD_SCHEDULER_VALUES[i]);
+  return old ? [values[0], values[3], values[4]] : values;
+}
+
 function drawTokens(node, ctx) {
   const info = node.flux2Tokens;
   if (!info || node.flags?.collapsed) return;
@@ -74,7 +84,9 @@ function drawTokens(node, ctx) {
   ctx.font = "12px sans-serif";
   ctx.textAlign = "right";
   ctx.fillStyle = info.over ? "#ff6b6b" : "#a8b0d8";
-  ctx.fillText((info.over ? "⚠ " : "") + info.label, node.size[0] - 8, node.size[1] - 6);
+  // in the title bar, right-aligned: the prompt's text box covers the whole body of the node
+  const titleHeight = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+  ctx.fillText((info.over ? "⚠ " : "") + info.label, node.size[0] - 10, -titleHeight / 2 + 4);
   ctx.restore();
 }
 
@@ -92,6 +104,12 @@ app.registerExtension({
       trackTokens(this);
       return result;
     };
+    if (nodeData.name === SCHEDULER) {
+      const configure = nodeType.prototype.configure;
+      nodeType.prototype.configure = function (info, ...args) {
+        return configure.call(this, { ...info, widgets_values: schedulerValues(info.widgets_values) }, ...args);
+      };
+    }
     const onConfigure = nodeType.prototype.onConfigure;
     nodeType.prototype.onConfigure = function (...args) {   // a loaded workflow sets widget values afterwards
       const result = onConfigure?.apply(this, args);
