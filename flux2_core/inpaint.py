@@ -94,7 +94,7 @@ def image_mask(mask, image: Image.Image, size: tuple[int, int]) -> tuple[Tensor,
 def latent_mask(mask: Tensor, batch: int, h: int, w: int) -> tuple[Tensor, str]:
     """(mask [1 or batch, 1, h, w] on the latent grid, a note or ""): ``mask`` [n, 1, H, W], [n, H, W] or [H, W]
     with n 1 or ``batch``, values in [0, 1], at the image's pixel size (16h x 16w) or already on the grid (h x w);
-    another size of the same shape is resized with a note (``check_mask_size``)."""
+    another size of the same shape is resized with a note (``check_mask_size``), an empty mask of any size too."""
     if mask.ndim not in (2, 3, 4) or (mask.ndim == 4 and mask.shape[1] != 1):
         raise Flux2Error(f"a mask must be [H, W], [B, H, W] or [B, 1, H, W], got {list(mask.shape)}")
     mask = mask.reshape(-1, 1, *mask.shape[-2:]).float()
@@ -105,7 +105,9 @@ def latent_mask(mask: Tensor, batch: int, h: int, w: int) -> tuple[Tensor, str]:
         raise Flux2Error("a mask's values must be in [0, 1] (1 = repaint, 0 = keep); this one has values outside "
                          "(or NaN): use a greyscale mask image or ComfyUI's MASK type")
     size = (mask.shape[-1], mask.shape[-2])
-    note = "" if size == (w, h) else check_mask_size(size, (CELL * w, CELL * h), "the latent's image")
+    # an empty mask has no place to get wrong (ComfyUI's Load Image gives a 64 x 64 one for an image without alpha)
+    fit = size == (w, h) or not bool(mask.any())
+    note = "" if fit else check_mask_size(size, (CELL * w, CELL * h), "the latent's image")
     return F.interpolate(mask, size=(h, w), mode="bilinear"), note
 
 

@@ -54,6 +54,15 @@ def test_a_mask_of_the_same_shape_is_resized_with_a_note_and_another_shape_is_re
     assert inpaint.check_mask_size((64, 48), (64, 48)) == ""
 
 
+def test_an_empty_mask_of_any_shape_repaints_nothing():
+    """ComfyUI's Load Image gives a 64 x 64 zero mask for an image without alpha: over a 992x736 image it keeps the
+    whole source and says the mask is empty, instead of a shape error about a mask nobody painted."""
+    empty = torch.zeros(1, 64, 64)
+    grid, note = inpaint.latent_mask(empty, 1, 46, 62)
+    assert note == "" and grid.shape == (1, 1, 46, 62) and not grid.any()
+    assert "empty" in inpaint.mask_note(empty, grid)
+
+
 @pytest.mark.parametrize("mask,message", [
     (torch.ones(3, 1, 32, 32), "3 masks for a batch of 2"),
     (torch.full((1, 1, 32, 32), 1.5), r"in \[0, 1\]"),

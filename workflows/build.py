@@ -60,7 +60,7 @@ SIZES = {"Flux2KleinModelLoader": (280, 82), "Flux2KleinTextEncoderLoader": (280
          "Flux2KleinAELoader": (280, 82), "Flux2KleinLoRA": (280, 126), "Flux2KleinPromptEncode": (380, 190),
          "Flux2KleinNoise": (220, 154), "Flux2KleinScheduler": (220, 150), "Flux2KleinDenoise": (260, 182),
          "Flux2KleinAEDecode": (220, 46), "Flux2KleinAEEncode": (220, 46), "Flux2KleinReference": (240, 66),
-         "LoadImage": (260, 300), "SaveImage": (280, 340), "MarkdownNote": (280, 300)}
+         "LoadImage": (260, 300), "SaveImage": (280, 340), "MarkdownNote": (280, 300), "SetLatentNoiseMask": (220, 46)}
 STAGES = {"load": "Load models", "lora": "LoRA", "image": "Input image", "references": "Reference images",
           "prompt": "Prompt", "noise": "Noise and schedule", "denoise": "Denoise", "decode": "Decode and save"}
 COLUMNS = {"load": 0, "prompt": 340, "noise": 340}         # x of the stages that every workflow places alike
@@ -218,6 +218,27 @@ WORKFLOWS = {
            11: Node("Flux2KleinAEEncode", {"ae": (3, 0), "image": (10, 0)}, "image", (340, 580))}
         | sampler((4, 0), latent=(11, 0), denoise=0.6, noise_latent=(11, 0), noise_at=(620, 660),
                   scheduler_at=(620, 870), scheduler_latent=(11, 0), denoise_x=900),
+        "note_at": (1210, 800)},
+    "flux2-klein-inpaint": {
+        "title": "Inpaint",
+        "what": "Repaints the masked part of an image as the prompt says and keeps the rest, with the distilled "
+                "FLUX.2 Klein 4B: the image is encoded, ComfyUI's Set Latent Noise Mask marks the area, and the "
+                "denoiser keeps everything outside it, as ComfyUI's own samplers do.",
+        "details": "Put the image in ComfyUI's input folder as flux2-klein-inpaint-input.png (or pick any image in the "
+                   "Input image node), then right-click the node, Open in MaskEditor, and paint the area to repaint "
+                   "(an image's transparent pixels count as painted). Soft mask edges blend. For the model to see "
+                   "the whole image while it repaints, add a FLUX.2 Klein Reference node with the same image "
+                   "between the prompt and the denoiser.",
+        # as image-to-image, with the mask set on the encoded image in the noise column, a little below the
+        # encoder's row (the mask's link passes under the encoder), the noise and the schedule stacked below it,
+        # both sized by the encoded image
+        "nodes": loaders("flux-2-klein-4b.safetensors")
+        | prompt("A small wooden rowing boat on the water, photorealistic")
+        | {10: Node("LoadImage", {"image": "flux2-klein-inpaint-input.png"}, "image", (0, 600), "Input image"),
+           11: Node("Flux2KleinAEEncode", {"ae": (3, 0), "image": (10, 0)}, "image", (340, 570)),
+           12: Node("SetLatentNoiseMask", {"samples": (11, 0), "mask": (10, 1)}, "noise", (600, 600))}
+        | sampler((4, 0), latent=(12, 0), noise_latent=(11, 0), noise_at=(620, 690), scheduler_at=(620, 890),
+                  scheduler_latent=(11, 0), denoise_x=900),
         "note_at": (1210, 800)},
 }
 

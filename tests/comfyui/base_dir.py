@@ -177,7 +177,9 @@ def stage_workflow_files(base: Path, files: dict[str, str], pictures: list[str])
                         os.link(base / "models" / folder / files[role], target)
                 elif node["class_type"] == "LoadImage" and name == "image":
                     target = base / "input" / value
-                    if not target.exists():
+                    if not target.exists() and "inpaint" in value:      # an image with a transparent hole: a mask
+                        write_inpaint_image(base / "input" / next(stand_ins), target)
+                    elif not target.exists():
                         shutil.copyfile(base / "input" / next(stand_ins), target)
 
 
@@ -194,6 +196,18 @@ def write_input_images(folder: Path) -> list[str]:
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / name)
         names.append(name)
     return names
+
+
+def write_inpaint_image(source: Path, target: Path) -> None:
+    """``source`` with alpha: its middle third transparent, which Load Image gives as the mask (1 - alpha)."""
+    from PIL import Image
+
+    image = Image.open(source).convert("RGBA")
+    w, h = image.size
+    alpha = Image.new("L", (w, h), 255)
+    alpha.paste(0, (w // 3, h // 3, 2 * w // 3, 2 * h // 3))
+    image.putalpha(alpha)
+    image.save(target)
 
 
 def build_base(base: Path, pack: Path, link: bool = True) -> tuple[dict[str, str], list[str]]:
