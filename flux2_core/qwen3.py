@@ -51,12 +51,13 @@ class Qwen3Params:
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise Flux2Error(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not Qwen3-4B/8B's (plain "
                              "RoPE); FLUX.2 Klein needs the stock Qwen3 config")
-        heads = get("num_attention_heads")
+        heads, theta = get("num_attention_heads"), get("rope_theta")
+        theta = rope.get("rope_theta", 1_000_000.0) if theta is None else theta      # transformers 5 nests it
         values = {"vocab_size": get("vocab_size"), "hidden_size": get("hidden_size"),
                   "intermediate_size": get("intermediate_size"), "num_layers": get("num_hidden_layers"),
                   "num_heads": heads, "num_kv_heads": get("num_key_value_heads", heads),
                   "head_dim": get("head_dim") or _div(get("hidden_size"), heads),
-                  "rope_theta": get("rope_theta") or rope.get("rope_theta", 1_000_000.0),
+                  "rope_theta": theta,
                   "rms_norm_eps": get("rms_norm_eps", 1e-6)}
         for key, value in values.items():
             whole = key not in ("rope_theta", "rms_norm_eps")

@@ -197,6 +197,7 @@ def test_params_agree_with_the_config(qwen3, source):
 
 @pytest.mark.parametrize("change,message", [
     ({"hidden_size": 0}, "hidden_size"), ({"num_hidden_layers": 2.5}, "num_layers"), ({"rope_theta": [1e6]}, "rope_theta"),
+    ({"rope_theta": 0}, "rope_theta"),
     ({"num_key_value_heads": 3}, "multiple"), ({"rms_norm_eps": "1e-6"}, "rms_norm_eps"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"), ({"hidden_act": "gelu"}, "silu"),
     ({"rope_parameters": [1]}, "object")])
