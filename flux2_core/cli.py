@@ -15,6 +15,7 @@ settings as JSON in a tEXt chunk named ``parameters``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -282,10 +283,6 @@ def generate_command(argv: list[str]) -> int:
     out = check_folder(args.out, "--out")          # before anything slow: a wrong --out must not cost a generation
     import torch
 
-    # Values below float32's normal range (1e-38, e.g. SiLU of a large negative gate) slow CPU matmuls that meet them
-    # by 10-100x; flushed to zero they change nothing visible. Set for this process only (ComfyUI decides its own).
-    torch.set_flush_denormal(True)
-
     from .ggml_layers import gguf_types
     from .pipeline import DEFAULT_SIZE, apply_adapters, generate, load_models, optimize_transformer
     from .quant import count_fp8, use_fp8_matmul
@@ -346,6 +343,21 @@ def generate_command(argv: list[str]) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def denormals_flushed():
+    """Values below float32's normal range (1e-38, e.g. SiLU of a large negative gate) slow the CPU matmuls that
+    meet them 10-100x; flushed to zero they change nothing visible. On for the command, then as it was (the CLI may
+    run inside another program, and torch has no getter: a subnormal times one reads 0 when flushing is on)."""
+    import torch
+
+    was = torch.tensor([1e-39]).mul(1.0).item() == 0.0
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(was)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["queue"]:
@@ -359,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        return generate_command(argv)
+        with denormals_flushed():
+            return generate_command(argv)
     except Flux2Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

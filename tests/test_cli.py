@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from flux2_core import cli
@@ -421,3 +422,17 @@ def test_an_out_folder_that_refuses_files_is_refused(tmp_path, monkeypatch, caps
                                        "folder you can write to\n")
     assert cli.main(["--demo", "--prompt", "x", "--out", str(tmp_path / "new")]) == 2
     assert f"cannot create it in {tmp_path} (Permission denied)" in capsys.readouterr().err
+
+
+def test_the_cli_flushes_denormals_only_while_it_runs(tmp_path):
+    """Denormals are flushed for the command (they slow CPU matmuls) and the caller's setting comes back after."""
+    seen = []
+    subnormal = torch.tensor([1e-39])
+    original = cli.generate_command
+    try:
+        cli.generate_command = lambda argv: seen.append(subnormal.mul(1.0).item()) or 0
+        assert cli.main(["--prompt", "x"]) == 0
+    finally:
+        cli.generate_command = original
+    assert seen == [0.0]                                   # flushed inside
+    assert subnormal.mul(1.0).item() != 0.0                # as before, after
