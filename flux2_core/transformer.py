@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,9 @@ from .errors import Flux2Error
 from .layers import Layers
 from .rope import apply_rope, rope_table
 from .variants import TransformerParams
+
+if TYPE_CHECKING:
+    from .parallel import SequenceParallel, TokenShards
 
 TIME_EMBED_DIM = 256
 
@@ -62,21 +67,28 @@ def swiglu(x: Tensor) -> Tensor:
     return F.silu(gate) * value
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, n_txt: int,
-              ref_kv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+def attention(q: Tensor, k: Tensor, v: Tensor, n_txt: int, ref_kv: tuple[Tensor, Tensor] | None = None,
+              shards: TokenShards | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """Joint attention of tokens [txt, rest]; the one attention of every block.
 
     q, k, v: [B, heads, L, head_dim] (q, k already RMS-normed and rotated, ``QKNorm``).
     ref_kv:  cached reference (k, v) [B or 1, heads, Lref, head_dim], inserted as extra keys/values between the
              txt and the rest, so the keys are [txt, ref, rest]; no queries are added.
-    Returns the output [B, L, heads*head_dim] and this call's (k, v).
+    shards:  sequence parallelism (``parallel.py``): q, k, v hold this rank's tokens; they trade them for all
+             tokens of this rank's heads/P heads (ref_kv holds those heads) and trade the output back.
+    Returns the output [B, L, heads*head_dim] and the keys and values attended to (all tokens' when sharded:
+    [B, heads/P, all L, head_dim]), without ref_kv's.
     """
+    if shards is not None:
+        q, k, v = (shards.heads_from_tokens(x) for x in (q, k, v))
     keys, values = k, v
     if ref_kv is not None:
         k_ref, v_ref = (x.expand(q.shape[0], -1, -1, -1) for x in ref_kv)
         keys = torch.cat([k[:, :, :n_txt], k_ref, k[:, :, n_txt:]], dim=2)
         values = torch.cat([v[:, :, :n_txt], v_ref, v[:, :, n_txt:]], dim=2)
     out = F.scaled_dot_product_attention(q, keys, values)
+    if shards is not None:
+        out = shards.tokens_from_heads(out)
     return rearrange(out, "B H L D -> B L (H D)"), (k, v)
 
 
@@ -178,18 +190,19 @@ class DoubleStreamBlock(nn.Module):
         self.txt_mlp = mlp(p.hidden_size, p.mlp_hidden, layers.scope("txt_mlp"))
 
     def forward(self, img: Tensor, txt: Tensor, pe: Tensor, mod_img: tuple[Tensor, ...], mod_txt: tuple[Tensor, ...],
-                ref_kv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
-        """img [B, Limg, H], txt [B, Ltxt, H], pe for [txt, img]. Returns img, txt and the img tokens' (k, v)."""
+                ref_kv: tuple[Tensor, Tensor] | None = None, shards: TokenShards | None = None
+                ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        """img [B, Limg, H], txt [B, Ltxt, H], pe for [txt, img]. Returns img, txt and the (k, v) attended to."""
         n_txt = txt.shape[1]
         img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(img, mod_img[0], mod_img[1]), pe[:, n_txt:])
         txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(txt, mod_txt[0], mod_txt[1]), pe[:, :n_txt])
         q, k, v = (torch.cat(pair, dim=2) for pair in [(txt_q, img_q), (txt_k, img_k), (txt_v, img_v)])
 
-        out, (k, v) = attention(q, k, v, n_txt, ref_kv)
+        out, kv = attention(q, k, v, n_txt, ref_kv, shards)
 
         img = _stream_update(img, out[:, n_txt:], self.img_attn, self.img_mlp, mod_img)
         txt = _stream_update(txt, out[:, :n_txt], self.txt_attn, self.txt_mlp, mod_txt)
-        return img, txt, (k[:, :, n_txt:], v[:, :, n_txt:])
+        return img, txt, kv
 
 
 class SingleStreamBlock(nn.Module):
@@ -204,16 +217,17 @@ class SingleStreamBlock(nn.Module):
         self.norm = QKNorm(p.head_dim)
 
     def forward(self, x: Tensor, pe: Tensor, mod: tuple[Tensor, ...], n_txt: int,
-                ref_kv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """x [B, Ltxt + Limg, H] = cat(txt, img). Returns x and the img tokens' (k, v)."""
+                ref_kv: tuple[Tensor, Tensor] | None = None, shards: TokenShards | None = None
+                ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """x [B, Ltxt + Limg, H] = cat(txt, img). Returns x and the (k, v) attended to."""
         shift, scale, gate = mod
         qkv, mlp_in = torch.split(self.linear1(modulate(x, shift, scale)), self.split, dim=-1)
         q, k, v = split_heads(qkv, self.norm, self.heads, pe)
 
-        out, (k, v) = attention(q, k, v, n_txt, ref_kv)
+        out, kv = attention(q, k, v, n_txt, ref_kv, shards)
 
         x = x + gate * self.linear2(torch.cat([out, swiglu(mlp_in)], dim=-1))
-        return x, (k[:, :, n_txt:], v[:, :, n_txt:])
+        return x, kv
 
 
 class LastLayer(nn.Module):
@@ -233,11 +247,13 @@ class ReferenceKV:
     """Reference keys and values for the KV scheme, from ``Flux2Transformer.reference_kv``.
 
     blocks[i] = (k, v), each [B, heads, num_tokens, head_dim]: k after qk-norm and RoPE. Double blocks come first,
-    then single blocks. A batch of 1 is broadcast to any batch.
+    then single blocks. A batch of 1 is broadcast to any batch. Made by a sequence-parallel model, they hold this
+    rank's heads/P heads, and ``parallel_id`` names the call that made them (each rank keeps its own share).
     """
 
     blocks: list[tuple[Tensor, Tensor]]
     num_tokens: int
+    parallel_id: int | None = None
 
     @property
     def batch(self) -> int:
@@ -257,7 +273,7 @@ class ReferenceKV:
 
     def to(self, device=None, dtype=None) -> ReferenceKV:
         return ReferenceKV([(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype))
-                            for k, v in self.blocks], self.num_tokens)
+                            for k, v in self.blocks], self.num_tokens, self.parallel_id)
 
 
 def reference_kv_bytes(params: TransformerParams, tokens: int, dtype: torch.dtype) -> int:
@@ -276,6 +292,8 @@ def _batched(x: Tensor, batch: int, name: str) -> Tensor:
 
 class Flux2Transformer(nn.Module):
     """FLUX.2 DiT; ``state_dict()`` keys are exactly those of BFL's single-file checkpoints."""
+
+    sequence_parallel: SequenceParallel | None = None     # set by parallel.attach: this model is spread over ranks
 
     def __init__(self, params: TransformerParams, layers: Layers | None = None):
         """``layers`` makes every linear layer (``layers.Layers``: float, or fp8 per layer); default: all float."""
@@ -306,21 +324,25 @@ class Flux2Transformer(nn.Module):
         ref [B or 1, Lref, in_channels] with ref_ids: joint references. ref_kv: cached references (KV scheme).
         Returns [B, Limg, in_channels].
         """
-        self._check_tokens(img, txt)
-        batch, n_img = img.shape[:2]
-        img_ids, txt_ids = _batched(img_ids, batch, "img_ids"), _batched(txt_ids, batch, "txt_ids")
-        if ref is not None:
-            if ref_ids is None or ref_kv is not None:
-                raise Flux2Error("joint references need ref and ref_ids together, and no ref_kv; "
-                                 "for the KV scheme pass only ref_kv=model.reference_kv(ref, ref_ids)")
-            img = torch.cat([img, _batched(ref, batch, "ref")], dim=1)
-            img_ids = torch.cat([img_ids, _batched(ref_ids, batch, "ref_ids")], dim=1)
+        self._check_tokens(img, txt)          # everything is checked before a sequence-parallel call is announced
+        batch = img.shape[0]
+        for name, x in (("img_ids", img_ids), ("txt_ids", txt_ids), ("ref", ref), ("ref_ids", ref_ids)):
+            if x is not None:
+                _batched(x, batch, name)
+        if ref is not None and (ref_ids is None or ref_kv is not None):
+            raise Flux2Error("joint references need ref and ref_ids together, and no ref_kv; "
+                             "for the KV scheme pass only ref_kv=model.reference_kv(ref, ref_ids)")
         if ref_kv is not None:
             self._check_cache(ref_kv, batch)
-
-        vec = self._vector(timesteps, guidance, img.dtype)
-        out = self._run_blocks(img, img_ids, txt, txt_ids, vec, ref_kv)
-        return self.final_layer(out[:, :n_img], vec)
+        if self.params.use_guidance_embed and guidance is None:
+            raise Flux2Error("this model has a guidance embedding (FLUX.2-dev): pass guidance, e.g. 4.0 per item")
+        inputs = {"img": img, "img_ids": img_ids, "timesteps": timesteps, "txt": txt, "txt_ids": txt_ids,
+                  "guidance": guidance, "ref": ref, "ref_ids": ref_ids}
+        run = partial(self._velocity, ref_kv=ref_kv)
+        sp = self.sequence_parallel
+        if sp is None:
+            return run(**inputs)
+        return sp.call(run, "forward", inputs, {"ref_kv": None if ref_kv is None else ref_kv.parallel_id})
 
     @torch.no_grad()
     def reference_kv(self, ref: Tensor, ref_ids: Tensor) -> ReferenceKV:
@@ -329,28 +351,63 @@ class Flux2Transformer(nn.Module):
         ref [B, Lref, in_channels] (usually B = 1), ref_ids [B, Lref, 4]. Returns a ReferenceKV for ``forward``.
         """
         self._check_tokens(ref, None)
+        _batched(ref_ids, ref.shape[0], "ref_ids")
+        sp = self.sequence_parallel
+        if sp is None:
+            return self._reference_kv(ref, ref_ids)
+        kv = sp.call(self._reference_kv, "reference_kv", {"ref": ref, "ref_ids": ref_ids})
+        kv.parallel_id = sp.last_kv = sp.calls       # the followers keep their shares of this one (only)
+        return kv
+
+    def _velocity(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
+                  guidance: Tensor | None, ref: Tensor | None, ref_ids: Tensor | None,
+                  ref_kv: ReferenceKV | None) -> Tensor:
+        """``forward`` on checked inputs: on this rank's tokens when sequence-parallel (``parallel.py``)."""
+        batch, n_img = img.shape[:2]
+        img_ids, txt_ids = _batched(img_ids, batch, "img_ids"), _batched(txt_ids, batch, "txt_ids")
+        if ref is not None:
+            img = torch.cat([img, _batched(ref, batch, "ref")], dim=1)
+            img_ids = torch.cat([img_ids, _batched(ref_ids, batch, "ref_ids")], dim=1)
+        vec = self._vector(timesteps, guidance, img.dtype)
+        shards = self._shards(txt.shape[1], img.shape[1])
+        if shards is None:
+            out = self._run_blocks(img, img_ids, txt, txt_ids, vec, ref_kv)
+            return self.final_layer(out[:, :n_img], vec)
+        txt, txt_ids = shards.local_txt(txt), shards.local_txt(txt_ids)
+        img, img_ids = shards.local_rest(img), shards.local_rest(img_ids)
+        out = self._run_blocks(img, img_ids, txt, txt_ids, vec, ref_kv, shards=shards)
+        mine = shards.image_shares(n_img)
+        return shards.gather(self.final_layer(out[:, :mine[shards.rank]], vec), mine)
+
+    def _reference_kv(self, ref: Tensor, ref_ids: Tensor) -> ReferenceKV:
         batch = ref.shape[0]
         ref_ids = _batched(ref_ids, batch, "ref_ids")
         no_txt = ref.new_zeros(batch, 0, self.params.context_in_dim)
         no_txt_ids = ref_ids.new_zeros(batch, 0, ref_ids.shape[-1])
         vec = self._vector(ref.new_zeros(batch), None, ref.dtype)
+        shards = self._shards(0, ref.shape[1])
+        if shards is not None:
+            ref, ref_ids = shards.local_rest(ref), shards.local_rest(ref_ids)
         kv = []
-        self._run_blocks(ref, ref_ids, no_txt, no_txt_ids, vec, kv_out=kv)
-        return ReferenceKV(kv, ref.shape[1])
+        self._run_blocks(ref, ref_ids, no_txt, no_txt_ids, vec, kv_out=kv, shards=shards)
+        return ReferenceKV(kv, ref.shape[1] if shards is None else sum(shards.rest))
+
+    def _shards(self, n_txt: int, n_rest: int) -> TokenShards | None:
+        return None if self.sequence_parallel is None else self.sequence_parallel.shards(n_txt, n_rest)
 
     def _vector(self, timesteps: Tensor, guidance: Tensor | None, dtype: torch.dtype) -> Tensor:
         """The conditioning vector vec [B, H] from sigmas (and guidance for FLUX.2-dev)."""
         vec = self.time_in(timestep_embedding(timesteps).to(dtype))
         if self.params.use_guidance_embed:
-            if guidance is None:
-                raise Flux2Error("this model has a guidance embedding (FLUX.2-dev): pass guidance, e.g. 4.0 per item")
             vec = vec + self.guidance_in(timestep_embedding(guidance).to(dtype))
         return vec
 
     def _run_blocks(self, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor, vec: Tensor,
-                    ref_kv: ReferenceKV | None = None, kv_out: list | None = None) -> Tensor:
-        """All blocks. Returns the hidden image tokens [B, Limg, H]; appends a copy of each block's img (k, v) to
-        kv_out (a copy as each block ends: a single block's v is a view of its whole linear1 output, 9x larger)."""
+                    ref_kv: ReferenceKV | None = None, kv_out: list | None = None,
+                    shards: TokenShards | None = None) -> Tensor:
+        """All blocks. Returns the hidden image tokens [B, Limg, H]. For the reference pass (no text), appends a copy
+        of each block's (k, v) to kv_out (a copy as each block ends: a single block's v is a view of its whole
+        linear1 output, 9x larger). ``shards``: the tokens given are this rank's share (``parallel.py``)."""
         mod_img = self.double_stream_modulation_img(vec)
         mod_txt = self.double_stream_modulation_txt(vec)
         mod_single = self.single_stream_modulation(vec)
@@ -362,14 +419,14 @@ class Flux2Transformer(nn.Module):
         # each block's (k, v) is dropped (or copied) at once: left bound while the next block runs, a single block's
         # v would keep its linear1 output alive beside the next one's (a quarter of the peak activation memory)
         for block, block_kv in zip(self.double_blocks, cached):
-            img, txt, kv = block(img, txt, pe, mod_img, mod_txt, block_kv)
+            img, txt, kv = block(img, txt, pe, mod_img, mod_txt, block_kv, shards)
             if kv_out is not None:
                 kv_out.append((kv[0].clone(), kv[1].clone()))
             del kv
 
         x = torch.cat([txt, img], dim=1)
         for block, block_kv in zip(self.single_blocks, cached[len(self.double_blocks):]):
-            x, kv = block(x, pe, mod_single, n_txt, block_kv)
+            x, kv = block(x, pe, mod_single, n_txt, block_kv, shards)
             if kv_out is not None:
                 kv_out.append((kv[0].clone(), kv[1].clone()))
             del kv
@@ -392,3 +449,12 @@ class Flux2Transformer(nn.Module):
         if ref_kv.batch not in (1, batch):
             raise Flux2Error(f"the reference KV cache has batch {ref_kv.batch} but the image tokens have batch "
                              f"{batch}; build it from batch-1 references to share it")
+        sp = self.sequence_parallel
+        heads = self.params.num_heads // (1 if sp is None else sp.world)
+        if ref_kv.blocks[0][0].shape[1] != heads:
+            raise Flux2Error(f"the reference KV cache holds {ref_kv.blocks[0][0].shape[1]} heads but this model "
+                             f"attends with {heads} here{' (sequence-parallel)' if sp else ''}: it was made before the "
+                             f"model was spread over ranks or gathered back; rebuild it with this model's reference_kv")
+        if sp is not None and ref_kv.parallel_id != sp.last_kv:
+            raise Flux2Error("these reference K/V come from an earlier reference pass, and the other ranks keep only "
+                             "their share of the last one: compute them again with model.reference_kv")

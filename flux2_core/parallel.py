@@ -1,0 +1,307 @@
+"""Sequence parallelism: one transformer pass spread over the ranks of a torch.distributed group (Ulysses).
+
+Every op of the FLUX.2 transformer except attention works token by token (the linears, the modulation, the MLPs,
+RoPE with each token's own ids), so each rank runs them on its own share of the tokens. Attention needs every key,
+so two all-to-alls around it swap the split: before, rank r holds all heads of its tokens; during, all tokens of
+heads/P heads; after, back again. For one pass over text tokens and the rest (image tokens, then joint references):
+
+    rank r holds  txt[t_r : t_r + n_r] and rest[s_r : s_r + m_r]         near-equal shares, any lengths
+    q, k, v [B, H, n_r + m_r, D]  -- all-to-all -->  [B, H/P, L, D]       keys in rank order: RoPE is already applied
+                                                                           and there is no mask, so order is free
+    out     [B, H/P, L, D]        -- all-to-all -->  [B, H, n_r + m_r, D]
+    velocities of the image tokens: gathered on every rank after the final layer
+
+The KV scheme's reference keys and values (Klein 9B-KV) stay split by heads: each rank keeps [B, H/P, Lref, D].
+
+Who runs what: rank 0 *drives*. It runs the whole pipeline (text encoder, sampler, autoencoder) and calls the
+transformer as usual; each call is first announced to the other ranks, the *followers* (``serve``), which run the
+same call on their shares. The announcement (which call, the shapes) goes through the group's store, so a follower
+can wait between generations for as long as it takes; the input tensors go by broadcast, everything else by
+collectives. A rank that fails leaves its message in the store, and the driver's error quotes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .errors import Flux2Error
+
+DRIVER = 0
+GROUP_TIMEOUT = timedelta(minutes=10)   # a collective waiting this long means a rank is stuck: the pass fails
+POLL = timedelta(seconds=1)             # how often an idle follower checks that the driver is still there
+DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                                     torch.int32, torch.uint8)}
+
+
+def shares(n: int, world: int) -> tuple[int, ...]:
+    """``n`` tokens as ``world`` near-equal shares, the larger first: 7 over 3 -> (3, 2, 2)."""
+    base, extra = divmod(n, world)
+    return tuple(base + (r < extra) for r in range(world))
+
+
+@dataclass(frozen=True)
+class TokenShards:
+    """How one pass's text and rest tokens are spread over the ranks of ``group``; the collectives of that pass."""
+
+    group: object
+    rank: int
+    txt: tuple[int, ...]     # text tokens held by each rank
+    rest: tuple[int, ...]    # image (then joint reference) tokens held by each rank
+
+    @property
+    def world(self) -> int:
+        return len(self.txt)
+
+    @property
+    def lengths(self) -> list[int]:
+        """The tokens each rank holds, text and rest."""
+        return [t + s for t, s in zip(self.txt, self.rest)]
+
+    def local_txt(self, x: Tensor) -> Tensor:
+        """This rank's share of text tokens x [B, Ltxt, ...]."""
+        return x.narrow(1, sum(self.txt[:self.rank]), self.txt[self.rank])
+
+    def local_rest(self, x: Tensor) -> Tensor:
+        """This rank's share of the rest x [B, Lrest, ...]."""
+        return x.narrow(1, sum(self.rest[:self.rank]), self.rest[self.rank])
+
+    def image_shares(self, n_img: int) -> list[int]:
+        """How many of each rank's rest tokens are image tokens (the first ``n_img`` of the rest)."""
+        starts = [sum(self.rest[:r]) for r in range(self.world)]
+        return [max(0, min(n, n_img - start)) for n, start in zip(self.rest, starts)]
+
+    def heads_from_tokens(self, x: Tensor) -> Tensor:
+        """[B, H, l_r, D] (all heads of this rank's tokens) -> [B, H/P, L, D] (this rank's heads of all tokens)."""
+        batch, heads, local, dim = x.shape
+        mine = heads // self.world
+        send = x.reshape(batch, self.world, mine, local, dim).transpose(0, 1).contiguous()   # [P, B, H/P, l_r, D]
+        sizes = [batch * mine * n * dim for n in self.lengths]
+        got = x.new_empty(sum(sizes))
+        dist.all_to_all_single(got, send.view(-1), output_split_sizes=sizes,
+                               input_split_sizes=[send[0].numel()] * self.world, group=self.group)
+        return torch.cat([part.view(batch, mine, n, dim) for part, n in zip(got.split(sizes), self.lengths)], dim=2)
+
+    def tokens_from_heads(self, x: Tensor) -> Tensor:
+        """The way back: [B, H/P, L, D] -> [B, H, l_r, D]."""
+        batch, mine, _, dim = x.shape
+        local = self.lengths[self.rank]
+        send = torch.cat([part.reshape(-1) for part in x.split(self.lengths, dim=2)])
+        got = x.new_empty(self.world * batch * mine * local * dim)
+        dist.all_to_all_single(got, send, output_split_sizes=[batch * mine * local * dim] * self.world,
+                               input_split_sizes=[batch * mine * n * dim for n in self.lengths], group=self.group)
+        return got.view(self.world, batch, mine, local, dim).transpose(0, 1).reshape(batch, -1, local, dim)
+
+    def gather(self, x: Tensor, sizes: list[int]) -> Tensor:
+        """Every rank's x [B, sizes[r], C] joined in rank order, [B, sum(sizes), C], on every rank."""
+        batch, _, channels = x.shape
+        most = max(sizes)
+        padded = x.new_zeros(batch, most, channels)
+        padded[:, :x.shape[1]] = x
+        got = x.new_empty(self.world * batch, most, channels)
+        dist.all_gather_into_tensor(got, padded, group=self.group)
+        return torch.cat([part[:, :n] for part, n in zip(got.view(self.world, batch, most, channels), sizes)], dim=1)
+
+
+class SequenceParallel:
+    """The ranks one transformer is spread over (``attach``), and the driver / follower protocol between them."""
+
+    def __init__(self, rank: int, world: int, device: torch.device, store, group=None):
+        self.rank, self.world, self.device = rank, world, torch.device(device)
+        self.store, self.group = store, group
+        self.calls = 0                # calls announced (driver) or followed (followers)
+        self.last_kv: int | None = None   # the call that made the reference K/V the followers keep
+
+    @property
+    def driver(self) -> bool:
+        return self.rank == DRIVER
+
+    def shards(self, n_txt: int, n_rest: int) -> TokenShards:
+        return TokenShards(self.group, self.rank, shares(n_txt, self.world), shares(n_rest, self.world))
+
+    # --- the driver's side ------------------------------------------------------------------------------------------
+
+    def call(self, run: Callable, name: str, tensors: dict[str, Tensor | None], extra: dict | None = None):
+        """Run ``run(**tensors)`` on every rank: the driver announces it first; a follower (in ``serve``) just runs.
+        A failure of another rank comes out as a Flux2Error quoting that rank's own message."""
+        if not self.driver:
+            return run(**tensors)
+        self.announce(name, tensors, extra or {})
+        try:
+            return run(**tensors)
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise Flux2Error(self.failure(e)) from None
+
+    def announce(self, name: str, tensors: dict[str, Tensor | None], extra: dict) -> None:
+        """Tell the followers what to run next (through the store), then broadcast its input tensors."""
+        self.calls += 1
+        header = {"call": name, "extra": extra,
+                  "tensors": [[key, None if t is None else [list(t.shape), str(t.dtype).removeprefix("torch.")]]
+                              for key, t in tensors.items()]}
+        self.store.set(f"call/{self.calls}", json.dumps(header))
+        if self.calls > 1:
+            self.store.delete_key(f"call/{self.calls - 1}")      # every follower has read it: they joined its work
+        try:
+            for t in tensors.values():
+                if t is not None:
+                    dist.broadcast(t.to(self.device).contiguous(), DRIVER, group=self.group)
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise Flux2Error(self.failure(e)) from None
+
+    def failure(self, error: Exception) -> str:
+        """What to tell the user when a collective failed: the followers' own messages where they left one."""
+        notes = []
+        for rank in range(1, self.world):
+            if self.store.check([f"error/{rank}"]):
+                notes.append(f"rank {rank}: {self.store.get(f'error/{rank}').decode()}")
+        said = "; ".join(notes) if notes else f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        return (f"sequence-parallel run failed: a rank stopped or lost its connection ({said}). Every rank must stay "
+                f"up for the whole run: check each rank's log and free memory, then start them all again")
+
+    def stop(self) -> None:
+        """Tell the followers to return from ``serve``; then leave the group."""
+        if self.driver:
+            self.announce("stop", {}, {})
+        leave()
+
+    # --- the followers' side ------------------------------------------------------------------------------------
+
+    def next_call(self, alive: Callable[[], bool] = lambda: True) -> tuple[str, dict[str, Tensor | None], dict]:
+        """Wait for the driver's next announcement, then receive its tensors: (call, tensors, extra)."""
+        self.calls += 1
+        key = f"call/{self.calls}"
+        while True:
+            try:
+                self.store.wait([key], POLL)
+                break
+            except (RuntimeError, dist.DistStoreError) as e:
+                if "timeout" not in str(e).lower() and "wait timeout" not in str(e).lower():
+                    raise Flux2Error(f"rank {self.rank} lost the driver (rank 0): {str(e).splitlines()[0]}") from None
+                if not alive():
+                    raise Flux2Error(f"rank {self.rank}: the driver process is gone") from None
+        header = json.loads(self.store.get(key))
+        tensors = {}
+        for name, spec in header["tensors"]:
+            if spec is None:
+                tensors[name] = None
+                continue
+            shape, dtype = spec
+            tensors[name] = torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
+            dist.broadcast(tensors[name], DRIVER, group=self.group)
+        return header["call"], tensors, header["extra"]
+
+    def report(self, error: BaseException) -> None:
+        """Leave a follower's failure in the store for the driver's message."""
+        with contextlib.suppress(RuntimeError, dist.DistError):     # the store went with the driver: none to tell
+            self.store.set(f"error/{self.rank}", f"{type(error).__name__}: {error}")
+
+
+def attach(model, sp: SequenceParallel | None) -> None:
+    """Spread ``model`` (a Flux2Transformer) over ``sp``'s ranks (None: run it whole again). The world size must
+    divide the number of attention heads (each rank attends with heads/P of them)."""
+    if sp is not None and sp.world > 1 and model.params.num_heads % sp.world:
+        heads = model.params.num_heads
+        fits = [p for p in range(2, heads + 1) if heads % p == 0]
+        raise Flux2Error(f"{sp.world} ranks do not divide this model's {heads} attention heads: use "
+                         f"{', '.join(map(str, fits[:6]))} ranks (processes / GPUs) instead")
+    model.sequence_parallel = sp if sp is not None and sp.world > 1 else None
+
+
+def serve(model, sp: SequenceParallel, handlers: dict[str, Callable[[dict], None]] | None = None,
+          alive: Callable[[], bool] = lambda: True) -> None:
+    """A follower's loop: run each call the driver announces on this rank's shares of ``model`` until it stops.
+    ``handlers`` run the other calls a driver may make (e.g. "adapters"), each with the call's ``extra``."""
+    attach(model, sp)
+    kv = None
+    try:
+        with torch.no_grad():
+            while True:
+                name, tensors, extra = sp.next_call(alive)
+                if name == "stop":
+                    return
+                if name == "forward":
+                    model(**tensors, ref_kv=kv if extra.get("ref_kv") is not None else None)
+                elif name == "reference_kv":
+                    kv = None                                   # the last one goes before the new one is made
+                    kv = model.reference_kv(**tensors)
+                elif handlers and name in handlers:
+                    handlers[name](extra)
+                else:
+                    raise Flux2Error(f"rank {sp.rank} got an unknown call {name!r} from the driver")
+    except BaseException as e:
+        sp.report(e)
+        raise
+
+
+# --- starting and leaving a group -------------------------------------------------------------------------------
+
+def backend_for(device: torch.device, backend: str | None = None) -> str:
+    """nccl between GPUs, gloo on the CPU (or the one asked for), checked to be in this torch build."""
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_available():
+        raise Flux2Error("this torch build has no torch.distributed: install a torch wheel from pytorch.org")
+    if not dist.is_backend_available(backend):
+        hint = "use gloo (the CPU) or a CUDA build of torch" if backend == "nccl" else "use a standard torch build"
+        raise Flux2Error(f"the {backend} backend is not in this torch build: {hint}")
+    return backend
+
+
+def start(rank: int, world: int, device, *, address: str = "127.0.0.1", port: int = 29500, backend: str | None = None,
+          host_store: bool | None = None, timeout: timedelta = GROUP_TIMEOUT) -> SequenceParallel:
+    """Join a group of ``world`` processes as ``rank``, computing on ``device``; rank 0 drives. ``host_store``: this
+    process serves the group's store (default: rank 0; False under torchrun, whose agent serves it)."""
+    device = torch.device(device)
+    backend = backend_for(device, backend)
+    if dist.is_initialized():
+        raise Flux2Error("this process already belongs to a torch.distributed group (another tool started one): "
+                         "run the parallel denoiser in its own processes")
+    serves = rank == DRIVER if host_store is None else host_store
+    try:
+        store = dist.TCPStore(address, port, world, serves, timeout=timeout, wait_for_workers=False)
+        dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank, world_size=world,
+                                timeout=timeout, device_id=device if device.type == "cuda" else None)
+    except (RuntimeError, dist.DistError) as e:
+        raise Flux2Error(f"rank {rank} of {world} could not join the group at {address}:{port} "
+                         f"({str(e).splitlines()[0]}): is the port free, and are all {world} ranks started?") from None
+    return SequenceParallel(rank, world, device, dist.PrefixStore("calls", store), dist.group.WORLD)
+
+
+def start_from_env(device=None, backend: str | None = None) -> SequenceParallel:
+    """Join the group torchrun (or torch.distributed.run) describes in the environment: RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT; on CUDA each rank takes the GPU LOCAL_RANK unless ``device`` names one."""
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise Flux2Error(f"{', '.join(missing)} not set: start the ranks with torchrun --nproc-per-node N")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if device is None:
+        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    elif str(device) == "cuda":
+        device = f"cuda:{local}"
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return start(rank, world, device, address=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]),
+                 backend=backend, host_store=False if agent_store else None)
+
+
+def leave() -> None:
+    """Leave the group this process joined (a no-op outside one)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wait_for(check: Callable[[], bool], seconds: float, what: str) -> None:
+    """Poll ``check`` until it holds, or fail after ``seconds`` saying ``what`` did not happen."""
+    end = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > end:
+            raise Flux2Error(f"{what} did not happen within {seconds:g} s")
+        time.sleep(0.05)

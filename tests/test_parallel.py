@@ -1,0 +1,61 @@
+"""Sequence parallelism (flux2_core/parallel.py) on 2 and 3 gloo ranks on the CPU equals one process on the same
+tiny weights: text-to-image, CFG, three joint references and the 9B-KV scheme, with token counts that do not divide
+evenly; and its errors."""
+
+import pytest
+import torch
+
+from flux2_core import parallel
+from flux2_core.errors import Flux2Error
+from tests.tiny.parallel_ranks import build_model, job, run_ranks
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", ["t2i", "cfg", "refs", "kv"])
+def test_ranks_equal_one_process(tmp_path, world, name):
+    expected = job(build_model(), name)
+    got = run_ranks(world, name, tmp_path)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert relative(got[key], expected[key]) <= 1e-5, key
+
+
+def test_shares_are_near_equal_and_cover_the_tokens():
+    assert parallel.shares(7, 3) == (3, 2, 2)
+    assert parallel.shares(2, 3) == (1, 1, 0)
+    assert parallel.shares(4096, 8) == (512,) * 8
+
+
+def test_world_must_divide_the_heads():
+    model = build_model()
+    sp = parallel.SequenceParallel(0, 4, "cpu", store=None)
+    with pytest.raises(Flux2Error, match=r"4 ranks do not divide this model's 6 attention heads: use 2, 3, 6"):
+        parallel.attach(model, sp)
+    assert model.sequence_parallel is None
+
+
+def test_a_missing_backend_is_named():
+    if torch.distributed.is_backend_available("nccl"):
+        pytest.skip("this torch build has nccl")
+    with pytest.raises(Flux2Error, match="the nccl backend is not in this torch build"):
+        parallel.backend_for(torch.device("cpu"), "nccl")
+
+
+@pytest.mark.slow
+def test_stale_reference_kv_is_refused_before_the_ranks_start(tmp_path):
+    got = run_ranks(2, "stale_kv", tmp_path)
+    message = bytes(got["error"].tolist()).decode()
+    assert "earlier reference pass" in message
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_fails_the_run_with_its_message(tmp_path):
+    got = run_ranks(2, "rank_dies", tmp_path)
+    message = bytes(got["error"].tolist()).decode()
+    assert "sequence-parallel run failed" in message
+    assert "rank 1: RuntimeError: simulated failure of this rank's GPU" in message

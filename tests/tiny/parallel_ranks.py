@@ -1,0 +1,109 @@
+"""Sequence-parallel runs on CPU gloo ranks for the tests: each rank builds the same tiny transformer, rank 0 runs a
+denoise (text-to-image, CFG, three joint references, 9B-KV) and writes its latents to a safetensors file; the others
+follow (``parallel.serve``). ``job`` also runs in one process, without ranks, as the expectation."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from flux2_core import parallel, rope, sampling
+from flux2_core.errors import Flux2Error
+from flux2_core.transformer import Flux2Transformer
+from flux2_core.variants import TransformerParams
+from tests.tiny.transformer import random_bfl_transformer_state_dict
+
+# 6 heads: 2 and 3 ranks both divide them; 16-wide heads in four RoPE axes of 4
+SIX_HEADS = TransformerParams(in_channels=128, context_in_dim=48, hidden_size=96, num_heads=6, depth=2,
+                              depth_single_blocks=2, axes_dim=(4, 4, 4, 4))
+TXT_TOKENS = 7                  # uneven over 2 and 3 ranks, as is the 3x5 latent grid and each reference
+SIGMAS = [1.0, 0.75, 0.4, 0.0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_model() -> Flux2Transformer:
+    model = Flux2Transformer(SIX_HEADS)
+    model.load_state_dict(random_bfl_transformer_state_dict(SIX_HEADS, seed=3))
+    return model.eval()
+
+
+def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
+    """The denoise called ``name`` on ``model``; its latents (and for "kv", a second run reusing the K/V)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 128, 3, 5, generator=g)
+    txt = torch.randn(1, TXT_TOKENS, SIX_HEADS.context_in_dim, generator=g)
+    if name == "t2i":
+        return {"latents": sampling.denoise(model, x, SIGMAS, txt)}
+    if name == "cfg":
+        negative = torch.randn(1, TXT_TOKENS, SIX_HEADS.context_in_dim, generator=g)
+        return {"latents": sampling.denoise(model, x.repeat(2, 1, 1, 1), SIGMAS, txt, negative_txt=negative, cfg=3.5)}
+    grids = [(2, 3), (3, 3), (1, 5)]
+    ref = torch.randn(1, sum(h * w for h, w in grids), 128, generator=g)
+    ref_ids = rope.reference_ids(grids)
+    if name == "refs":
+        return {"latents": sampling.denoise(model, x, SIGMAS, txt, ref=ref, ref_ids=ref_ids)}
+    if name == "kv":
+        kv = model.reference_kv(ref, ref_ids)
+        first = sampling.denoise(model, x, SIGMAS, txt, ref_kv=kv, kv=True)
+        other = torch.randn(1, TXT_TOKENS, SIX_HEADS.context_in_dim, generator=g)
+        return {"latents": first, "again": sampling.denoise(model, x, SIGMAS, other, ref_kv=kv, kv=True)}
+    if name == "stale_kv":
+        old = model.reference_kv(ref, ref_ids)
+        model.reference_kv(ref[:, :6], ref_ids[:, :6])
+        try:
+            sampling.denoise(model, x, SIGMAS, txt, ref_kv=old, kv=True)
+        except Flux2Error as e:
+            return {"error": torch.tensor(list(str(e).encode()), dtype=torch.uint8)}
+        return {}
+    if name == "rank_dies":
+        try:
+            sampling.denoise(model, x, SIGMAS, txt)
+        except Flux2Error as e:
+            return {"error": torch.tensor(list(str(e).encode()), dtype=torch.uint8)}
+        return {}
+    raise ValueError(name)
+
+
+def _rank(rank: int, world: int, port: int, name: str, out: str) -> None:
+    torch.set_num_threads(1)
+    sp = parallel.start(rank, world, "cpu", port=port)
+    model = build_model()
+    if not sp.driver:
+        if name == "rank_dies" and rank == world - 1:
+            calls = {"n": 0}
+            velocity = model._velocity
+
+            def failing(*args, **kwargs):
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise RuntimeError("simulated failure of this rank's GPU")
+                return velocity(*args, **kwargs)
+            model._velocity = failing
+        try:
+            parallel.serve(model, sp)
+        except RuntimeError:
+            return                      # the simulated failure: the process ends, as a crashed rank would
+        parallel.leave()
+        return
+    parallel.attach(model, sp)
+    result = job(model, name)
+    save_file({k: v.contiguous() for k, v in result.items()}, str(Path(out) / "rank0.safetensors"))
+    if name == "rank_dies":
+        parallel.leave()
+        return
+    sp.stop()
+
+
+def run_ranks(world: int, name: str, folder: Path) -> dict[str, torch.Tensor]:
+    """``job(name)`` with the transformer spread over ``world`` gloo ranks on the CPU: rank 0's results."""
+    mp.spawn(_rank, args=(world, free_port(), name, str(folder)), nprocs=world, join=True)
+    return load_file(str(folder / "rank0.safetensors"))
