@@ -6,10 +6,16 @@
                          --ae flux2-vae.safetensors --prompt "make it night" --ref photo.png
     python -m flux2_core --models ~/ComfyUI/models --prompt "a red sofa" --image room.png --mask sofa.png  # inpaint
     python -m flux2_core queue workflow.api.json --server 127.0.0.1:8188         # see queue_client.py
+    torchrun --nproc-per-node 2 -m flux2_core --models ~/ComfyUI/models --prompt "a red fox" --width 2048 --height 2048
 
 ``generate`` is the default command. Weights come from a ComfyUI models folder (``--models``: diffusion_models/,
 text_encoders/, vae/ with the usual file names) or from explicit paths, which win. Every PNG carries the generation
 settings as JSON in a tEXt chunk named ``parameters``.
+
+Started by torchrun with several processes (one per GPU, or CPU processes), the ranks share the work
+(``--parallel``): "sequence" spreads each image's transformer passes over all of them (``parallel.py``: rank 0 loads
+the text encoder and the autoencoder, encodes, samples and writes the PNGs; the others load only the transformer and
+follow); "data" gives each rank its own share of the images (every prompt x --batch), each rank a whole pipeline.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -55,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  generate  the default: make PNGs on this machine, with the options above\n"
                "  queue     send an API-format workflow (workflows/api/*.json) to a running ComfyUI\n"
                "            and download its images; its options: %(prog)s queue --help")
-    p.add_argument("--prompt", required=True, help="what to generate (or how to edit the references)")
+    p.add_argument("--prompt", required=True, action="append",
+                   help="what to generate (or how to edit the references); repeat for several prompts, each making "
+                        "--batch images")
     p.add_argument("--ref", action="append", default=[], metavar="IMG", help="a reference image (repeatable)")
     p.add_argument("--width", type=int, help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
     p.add_argument("--height", type=int, help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
@@ -114,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-merge", action="store_true",
                    help="merge the LoRAs into fp8 weights too (dequantized, patched and quantized again: no cost per "
                         "step, one more fp8 rounding) instead of running them beside the fp8 weights")
+    p.add_argument("--parallel", choices=["sequence", "data"], default="sequence",
+                   help="under torchrun --nproc-per-node N (one process per GPU): sequence (default) spreads every "
+                        "image over the N processes, for one large image sooner; the number of attention heads must be "
+                        "divisible by N (Klein 4B: 24 heads, 9B: 32). data: each process makes its share of the images "
+                        "(prompts x --batch) with its own copy of the models")
     p.add_argument("--demo", action="store_true",
                    help="tiny built-in RANDOM weights: checks the install, makes noise-like pictures")
     return p
@@ -281,37 +295,76 @@ def report_streaming(model, compiled: bool) -> None:
 def generate_command(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     out = check_folder(args.out, "--out")          # before anything slow: a wrong --out must not cost a generation
-    import torch
-
-    from .ggml_layers import gguf_types
-    from .pipeline import DEFAULT_SIZE, apply_adapters, generate, load_models, optimize_transformer
-    from .quant import count_fp8, use_fp8_matmul
+    from .pipeline import DEFAULT_SIZE
 
     refs = [open_image(p) for p in args.ref]
     image = open_image(args.image) if args.image else None
     check_early(args, refs)
     mask = open_image(args.mask) if args.mask else None
-    seed = args.seed if args.seed is not None else random.randrange(2 ** 31)
+    sp = join_ranks(args)
+    seed = shared_seed(args.seed, sp)
+    sequence = sp is not None and args.parallel == "sequence"
+    if sequence and not sp.driver:
+        return follow(args, sp)
+    width, height = args.width, args.height
+    if args.demo and not refs and image is None:
+        width, height = width or DEMO_SIZE, height or DEMO_SIZE
+    started = time.time()
+    try:
+        models, files = load_for_command(args, sp.device if sp else args.device, (width or DEFAULT_SIZE,
+                                                                                  height or DEFAULT_SIZE))
+        if sequence:
+            from .parallel import attach
+
+            attach(models.transformer, sp)
+            files["parallel"] = f"sequence, {sp.world} ranks"
+        share = (sp.rank, sp.world) if sp is not None and not sequence else (0, 1)
+        jobs = image_jobs(len(args.prompt), args.batch, seed, *share)
+        made = 0
+        for index, first, count in jobs:
+            result = models_generate(models, args, args.prompt[index], first, count, refs, image, mask, width, height)
+            name = f"flux2_p{index + 1}_{{}}.png" if len(args.prompt) > 1 else "flux2_{}.png"
+            for img, img_seed in zip(result.images, result.seeds):
+                parameters = {**result.settings, "seed": img_seed, **files}
+                parameters.pop("batch")
+                print(write_new(out, name.format(img_seed), partial(save_png, img, parameters=parameters)))
+            made += len(result.seeds)
+    finally:
+        if sequence:
+            sp.stop()                    # the followers return; then the group closes
+        elif sp is not None:
+            from .parallel import leave
+
+            leave()
+    where = f" (rank {sp.rank} of {sp.world})" if sp is not None and not sequence else ""
+    print(f"{made} image(s) in {out}{where} ({time.time() - started:.1f}s)", file=sys.stderr)
+    return 0
+
+
+def load_for_command(args, device, size: tuple[int, int]):
+    """(the three models loaded, LoRAs applied and optimized as the options ask, what the PNGs say about them)."""
+    import torch
+
+    from .ggml_layers import gguf_types
+    from .pipeline import apply_adapters, load_models, optimize_transformer
+    from .quant import count_fp8, use_fp8_matmul
+
     offload, offload_blocks = OFFLOAD[args.offload]
     if args.offload_encoder is not None:
         offload = YES_NO[args.offload_encoder]
-    width, height = args.width, args.height
-    started = time.time()
     if args.demo:
         from .demo import demo_models
 
         print("DEMO MODE: tiny built-in RANDOM weights. The pictures are noise; this only checks that every stage "
               "runs. Use --models or --transformer/--text-encoder/--ae for real images.")
-        models, files = demo_models(args.variant or "klein-4b", args.device or "cpu"), {"weights": "demo (random)"}
-        if not refs and image is None:
-            width, height = width or DEMO_SIZE, height or DEMO_SIZE
+        models, files = demo_models(args.variant or "klein-4b", device or "cpu"), {"weights": "demo (random)"}
     else:
         paths = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae)
         dtype = getattr(torch, args.dtype) if args.dtype else None
         print(f"loading {paths[0].name}, {paths[1].name}, {paths[2].name}", file=sys.stderr)
-        models = load_models(*paths, device=args.device, dtype=dtype, variant=args.variant,
+        models = load_models(*paths, device=device, dtype=dtype, variant=args.variant,
                              fp8={"auto": None, "yes": True, "no": False}[args.fp8], offload_encoder=offload,
-                             offload_blocks=offload_blocks, size=(width or DEFAULT_SIZE, height or DEFAULT_SIZE))
+                             offload_blocks=offload_blocks, size=size)
         files = {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
     optimize_transformer(models, fp8=args.demo and args.fp8 == "yes")       # files: fp8 on load
     if args.lora:
@@ -329,17 +382,98 @@ def generate_command(argv: list[str]) -> int:
     if note:
         print(note, file=sys.stderr)
         files["fp8_matmul"] = "on" if fp8_matmul else "off"
+    return models, files
 
-    result = generate(models, args.prompt, references=refs, width=width, height=height, steps=args.steps,
-                      cfg=args.cfg, negative=args.negative, seed=seed, batch=args.batch, image=image,
-                      mask=mask, strength=args.strength, bfl_cuda_noise=args.bfl_noise, offload_encoder=offload,
-                      callback=Progress(), warn=lambda note: print(f"note: {note}", file=sys.stderr, flush=True))
 
-    for img, img_seed in zip(result.images, result.seeds):
-        parameters = {**result.settings, "seed": img_seed, **files}
-        parameters.pop("batch")
-        print(write_new(out, f"flux2_{img_seed}.png", partial(save_png, img, parameters=parameters)))
-    print(f"{len(result.seeds)} image(s) in {out} ({time.time() - started:.1f}s)", file=sys.stderr)
+def models_generate(models, args, prompt: str, seed: int, batch: int, refs, image, mask, width, height):
+    """One ``pipeline.generate`` call with the command's options."""
+    from .pipeline import generate
+
+    offload = OFFLOAD[args.offload][0] if args.offload_encoder is None else YES_NO[args.offload_encoder]
+    return generate(models, prompt, references=refs, width=width, height=height, steps=args.steps, cfg=args.cfg,
+                    negative=args.negative, seed=seed, batch=batch, image=image, mask=mask, strength=args.strength,
+                    bfl_cuda_noise=args.bfl_noise, offload_encoder=offload, callback=Progress(),
+                    warn=lambda note: print(f"note: {note}", file=sys.stderr, flush=True))
+
+
+# --- several processes (torchrun) -----------------------------------------------------------------------------------
+
+def join_ranks(args):
+    """The group torchrun started this process in (``parallel.SequenceParallel``), or None for a lone process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from . import parallel
+
+    if args.compile:
+        raise Flux2Error("--compile does not run across several processes yet: leave it out under torchrun")
+    if args.parallel == "sequence" and args.offload == "blocks":
+        raise Flux2Error("--offload blocks does not run across several processes: the ranks already share the "
+                         "transformer's work; leave it out, or use --parallel data")
+    # data parallel needs the group only to agree on the seed: gloo, whatever the devices
+    return parallel.start_from_env(args.device, backend="gloo" if args.parallel == "data" else None)
+
+
+def shared_seed(seed: int | None, sp) -> int:
+    """--seed, or a random one; every rank takes rank 0's."""
+    import torch
+    import torch.distributed as dist
+
+    seed = seed if seed is not None else random.randrange(2 ** 31)
+    if sp is None:
+        return seed
+    value = torch.tensor([seed], dtype=torch.int64, device=sp.device if dist.get_backend() == "nccl" else "cpu")
+    dist.broadcast(value, 0)
+    return int(value.item())
+
+
+def image_jobs(prompts: int, batch: int, seed: int, rank: int = 0, world: int = 1) -> list[tuple[int, int, int]]:
+    """(prompt index, first seed, count) for the images this process makes: each of the ``prompts``' ``batch``
+    images (seeds seed .. seed + batch - 1); under data parallelism, rank ``rank`` of ``world`` makes its contiguous
+    share of them."""
+    from .parallel import shares
+
+    items = [(prompt, seed + i) for prompt in range(prompts) for i in range(batch)]
+    sizes = shares(len(items), world)
+    items = items[sum(sizes[:rank]):sum(sizes[:rank + 1])]
+    jobs: list[tuple[int, int, int]] = []
+    for prompt, item_seed in items:
+        if jobs and jobs[-1][0] == prompt and jobs[-1][1] + jobs[-1][2] == item_seed:
+            jobs[-1] = (prompt, jobs[-1][1], jobs[-1][2] + 1)
+        else:
+            jobs.append((prompt, item_seed, 1))
+    return jobs
+
+
+def follow(args, sp) -> int:
+    """A sequence-parallel follower: load the transformer alone (LoRAs, fp8 as the driver does), serve the driver's
+    transformer passes until it stops."""
+    import torch
+
+    from . import parallel
+    from .adapters import read_adapter
+    from .patching import set_adapters
+    from .quant import use_fp8_matmul
+
+    if args.demo:
+        from .demo import demo_transformer
+
+        model = demo_transformer(sp.device)
+        if args.fp8 == "yes":
+            from .quant import quantize_transformer
+
+            quantize_transformer(model)
+    else:
+        from . import weights
+
+        path = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae)[0]
+        model, _ = weights.load_transformer(path, sp.device, getattr(torch, args.dtype) if args.dtype else None,
+                                            variant=args.variant, fp8={"auto": None, "yes": True, "no": False}[args.fp8])
+    if args.lora:
+        read = [(read_adapter(path, model.params), strength) for path, strength in map(lora_argument, args.lora)]
+        set_adapters(model, [(patch, s) for a, s in read for patch in a.patches], merge=True if args.lora_merge else None)
+    use_fp8_matmul(model, YES_NO[args.fp8_matmul], sp.device, model.img_in.weight.dtype)
+    parallel.serve(model, sp)
+    parallel.leave()
     return 0
 
 

@@ -17,7 +17,7 @@ from .pipeline import Models
 from .qwen3 import Qwen3, Qwen3Params
 from .text_encoder import build_qwen3_encoder
 from .transformer import Flux2Transformer
-from .variants import QWEN3_4B, VARIANTS, AutoEncoderParams, TransformerParams
+from .variants import QWEN3_4B, VARIANTS, AutoEncoderParams, TransformerParams, Variant
 
 DEMO_TEXT_WIDTH = 32
 DEMO_TRANSFORMER = TransformerParams(context_in_dim=3 * DEMO_TEXT_WIDTH, hidden_size=64, num_heads=2, depth=2,
@@ -50,21 +50,35 @@ def _shapes(module: torch.nn.Module) -> dict[str, torch.Size]:
     return {k: v.shape for k, v in module.state_dict().items()}
 
 
+def demo_transformer(device="cpu", generator: torch.Generator | None = None) -> Flux2Transformer:
+    """The demo's transformer alone: its weights are the first drawn from the demo's seed (``generator``: one to
+    draw them from and go on with)."""
+    g = generator or torch.Generator().manual_seed(DEMO_SEED)
+    with torch.device("meta"):
+        transformer = Flux2Transformer(DEMO_TRANSFORMER)
+    transformer.load_state_dict(random_weights(_shapes(transformer), g), assign=True)
+    return transformer.to(device).eval()
+
+
 def demo_models(variant: str = "klein-4b", device="cpu") -> Models:
     """Models with tiny random weights; ``variant`` picks the sampling defaults (steps, CFG, KV) of that family."""
     from .weights import default_device_dtype
 
     device, _ = default_device_dtype(device, torch.float32)      # an unusable device: a Flux2Error, not a traceback
     g = torch.Generator().manual_seed(DEMO_SEED)
+    transformer = demo_transformer(device, g)
     with torch.device("meta"):
-        transformer, ae = Flux2Transformer(DEMO_TRANSFORMER), AutoEncoder(DEMO_AUTOENCODER)
+        ae = AutoEncoder(DEMO_AUTOENCODER)
         qwen_params = Qwen3Params.from_config(DEMO_QWEN3)
         qwen = Qwen3(qwen_params, qwen_params.num_layers)
-    transformer.load_state_dict(random_weights(_shapes(transformer), g), assign=True)
     ae.load_state_dict(random_weights(_shapes(ae), g), assign=True)
     encoder = build_qwen3_encoder(random_weights(_shapes(qwen), g), config=qwen_params, device=device,
                                   dtype=torch.float32)
+    return Models(transformer, demo_variant(variant), ae.to(device).eval(), encoder)
+
+
+def demo_variant(variant: str = "klein-4b") -> Variant:
+    """The demo's variant: ``variant``'s sampling defaults on the demo's sizes."""
     chosen = VARIANTS[variant]
-    chosen = replace(chosen, name=f"demo ({chosen.name} defaults)", params=DEMO_TRANSFORMER, files=(),
-                     text_encoder=replace(QWEN3_4B, name="demo", hidden_size=DEMO_TEXT_WIDTH))
-    return Models(transformer.to(device).eval(), chosen, ae.to(device).eval(), encoder)
+    return replace(chosen, name=f"demo ({chosen.name} defaults)", params=DEMO_TRANSFORMER, files=(),
+                   text_encoder=replace(QWEN3_4B, name="demo", hidden_size=DEMO_TEXT_WIDTH))

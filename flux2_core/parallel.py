@@ -43,6 +43,10 @@ DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat
                                                      torch.int32, torch.uint8)}
 
 
+# torch 2.13 renamed all_gather_into_tensor (older torch builds, as on many GPU machines, have only that)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def shares(n: int, world: int) -> tuple[int, ...]:
     """``n`` tokens as ``world`` near-equal shares, the larger first: 7 over 3 -> (3, 2, 2)."""
     base, extra = divmod(n, world)
@@ -108,7 +112,7 @@ class TokenShards:
         padded = x.new_zeros(batch, most, channels)
         padded[:, :x.shape[1]] = x
         got = x.new_empty(self.world * batch, most, channels)
-        dist.all_gather_into_tensor(got, padded, group=self.group)
+        _all_gather(got, padded, group=self.group)
         return torch.cat([part[:, :n] for part, n in zip(got.view(self.world, batch, most, channels), sizes)], dim=1)
 
 
@@ -268,7 +272,7 @@ def start(rank: int, world: int, device, *, address: str = "127.0.0.1", port: in
     try:
         store = dist.TCPStore(address, port, world, serves, timeout=timeout, wait_for_workers=False)
         dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank, world_size=world,
-                                timeout=timeout, device_id=device if device.type == "cuda" else None)
+                                timeout=timeout, device_id=device if backend == "nccl" else None)
     except (RuntimeError, dist.DistError) as e:
         raise Flux2Error(f"rank {rank} of {world} could not join the group at {address}:{port} "
                          f"({str(e).splitlines()[0]}): is the port free, and are all {world} ranks started?") from None
