@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -123,7 +122,9 @@ class SequenceParallel:
         self.rank, self.world, self.device = rank, world, torch.device(device)
         self.store, self.group = store, group
         self.calls = 0                # calls announced (driver) or followed (followers)
+        self.forgotten = 0            # the driver's announcements up to this call are deleted from the store
         self.last_kv: int | None = None   # the call that made the reference K/V the followers keep
+        self.peers_alive: Callable[[], bool] = lambda: True   # the driver's check that its followers still run
 
     @property
     def driver(self) -> bool:
@@ -141,25 +142,34 @@ class SequenceParallel:
             return run(**tensors)
         self.announce(name, tensors, extra or {})
         try:
-            return run(**tensors)
+            out = run(**tensors)
         except (RuntimeError, dist.DistBackendError) as e:
             raise Flux2Error(self.failure(e)) from None
+        self.forget()
+        return out
 
     def announce(self, name: str, tensors: dict[str, Tensor | None], extra: dict) -> None:
         """Tell the followers what to run next (through the store), then broadcast its input tensors."""
+        if not self.peers_alive():
+            raise Flux2Error(self.failure(RuntimeError("a follower process has stopped")))
         self.calls += 1
         header = {"call": name, "extra": extra,
                   "tensors": [[key, None if t is None else [list(t.shape), str(t.dtype).removeprefix("torch.")]]
                               for key, t in tensors.items()]}
         self.store.set(f"call/{self.calls}", json.dumps(header))
-        if self.calls > 1:
-            self.store.delete_key(f"call/{self.calls - 1}")      # every follower has read it: they joined its work
         try:
             for t in tensors.values():
                 if t is not None:
                     dist.broadcast(t.to(self.device).contiguous(), DRIVER, group=self.group)
         except (RuntimeError, dist.DistBackendError) as e:
             raise Flux2Error(self.failure(e)) from None
+
+    def forget(self) -> None:
+        """Drop the announcements up to the last call, once its collectives are done: every follower has read them
+        (a call without collectives, such as "adapters", is dropped after the next one that has some)."""
+        for call in range(self.forgotten + 1, self.calls + 1):
+            self.store.delete_key(f"call/{call}")
+        self.forgotten = self.calls
 
     def failure(self, error: Exception) -> str:
         """What to tell the user when a collective failed: the followers' own messages where they left one."""
@@ -263,19 +273,34 @@ def start(rank: int, world: int, device, *, address: str = "127.0.0.1", port: in
           host_store: bool | None = None, timeout: timedelta = GROUP_TIMEOUT) -> SequenceParallel:
     """Join a group of ``world`` processes as ``rank``, computing on ``device``; rank 0 drives. ``host_store``: this
     process serves the group's store (default: rank 0; False under torchrun, whose agent serves it)."""
+    store = connect_store(rank, world, address, port, rank == DRIVER if host_store is None else host_store, timeout)
+    return join(store, rank, world, device, backend, timeout)
+
+
+def connect_store(rank: int, world: int, address: str, port: int, host: bool,
+                  timeout: timedelta = GROUP_TIMEOUT):
+    """The group's key-value store at address:port (served by this process if ``host``)."""
+    try:
+        return dist.TCPStore(address, port, world, host, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, dist.DistError) as e:
+        raise Flux2Error(f"rank {rank} of {world} could not reach the group's store at {address}:{port} "
+                         f"({str(e).splitlines()[0]}): is the port free, and are all {world} ranks started?") from None
+
+
+def join(store, rank: int, world: int, device, backend: str | None = None,
+         timeout: timedelta = GROUP_TIMEOUT) -> SequenceParallel:
+    """Join the process group over ``store`` (``connect_store``); returns this rank's SequenceParallel."""
     device = torch.device(device)
     backend = backend_for(device, backend)
     if dist.is_initialized():
         raise Flux2Error("this process already belongs to a torch.distributed group (another tool started one): "
                          "run the parallel denoiser in its own processes")
-    serves = rank == DRIVER if host_store is None else host_store
     try:
-        store = dist.TCPStore(address, port, world, serves, timeout=timeout, wait_for_workers=False)
         dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank, world_size=world,
                                 timeout=timeout, device_id=device if backend == "nccl" else None)
     except (RuntimeError, dist.DistError) as e:
-        raise Flux2Error(f"rank {rank} of {world} could not join the group at {address}:{port} "
-                         f"({str(e).splitlines()[0]}): is the port free, and are all {world} ranks started?") from None
+        raise Flux2Error(f"rank {rank} of {world} could not join the group ({str(e).splitlines()[0]}): are all "
+                         f"{world} ranks started?") from None
     return SequenceParallel(rank, world, device, dist.PrefixStore("calls", store), dist.group.WORLD)
 
 
@@ -300,12 +325,3 @@ def leave() -> None:
     """Leave the group this process joined (a no-op outside one)."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def wait_for(check: Callable[[], bool], seconds: float, what: str) -> None:
-    """Poll ``check`` until it holds, or fail after ``seconds`` saying ``what`` did not happen."""
-    end = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > end:
-            raise Flux2Error(f"{what} did not happen within {seconds:g} s")
-        time.sleep(0.05)

@@ -1,0 +1,192 @@
+"""Follower ranks for a driver inside a long-running program (ComfyUI): ``FollowerGroup`` starts one process per extra
+device, each loads the transformer as the driver did (``Recipe``) and serves its passes (``parallel.serve``), until
+the driver closes the group, dies, or a follower fails.
+
+    group = FollowerGroup.start(Recipe(path, "bfloat16"), ["cuda:0", "cuda:1"])   # this process is rank 0 on cuda:0
+    parallel.attach(model, group.sp)
+    latents = sampling.denoise(model, ...)          # every transformer pass now runs on both GPUs
+    group.close()                                    # the followers exit; their memory is freed
+
+The processes are started and watched by torch's elastic launcher (torch.distributed.elastic, the engine behind
+torchrun), not by torch.multiprocessing or Ray: multiprocessing's spawn re-runs the parent's main module in every
+child (in ComfyUI its main.py, start-up scripts of every custom node included), while the launcher starts a plain
+``python -m flux2_core.followers``, keeps each one's output in a log file and stops them all together; Ray would be a
+large new dependency for what the GPUs of one machine need. A follower loads its weights before it joins the group,
+so a file it cannot read fails the start with its own message rather than a stalled group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import parallel
+from .errors import Flux2Error
+
+START_TIMEOUT = 600.0       # seconds for every follower to load its transformer and report ready
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]     # the folder holding flux2_core: the followers' import path
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the driver's transformer was loaded (``weights.load_transformer``'s arguments), for the followers."""
+
+    path: str
+    dtype: str                    # "bfloat16", "float16", "float32"
+    fp8: bool | None = None       # as load_transformer takes it
+    variant: str | None = None
+
+    def load(self, device: torch.device):
+        from .quant import use_fp8_matmul
+        from .weights import load_transformer
+
+        dtype = getattr(torch, self.dtype)
+        model, _ = load_transformer(self.path, device, dtype, variant=self.variant, fp8=self.fp8)
+        use_fp8_matmul(model, "auto", device, dtype)          # as the driver's loader decides it
+        return model.eval()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FollowerGroup:
+    """This process as rank 0 (the driver) of ``len(devices)`` ranks, with a follower process for every other device."""
+
+    def __init__(self, sp: parallel.SequenceParallel, context, recipe: Recipe, devices: list[str], logs: Path):
+        self.sp, self.context, self.recipe, self.devices, self.logs = sp, context, recipe, devices, logs
+        self.adapters: list = []          # what the followers' transformers carry (set_adapters)
+        sp.peers_alive = self.alive
+
+    @classmethod
+    def start(cls, recipe: Recipe, devices: list[str], timeout: float = START_TIMEOUT) -> FollowerGroup:
+        """Start followers on devices[1:] (this process computes on devices[0]) and join them as the driver."""
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+        world = len(devices)
+        if world < 2:
+            raise Flux2Error(f"a follower group needs at least 2 devices, got {devices}")
+        port = free_port()
+        store = parallel.connect_store(0, world, "127.0.0.1", port, host=True)
+        logs = Path(tempfile.mkdtemp(prefix="flux2-followers-"))
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+               "FLUX2_DRIVER_PID": str(os.getpid()), "FLUX2_DEVICES": json.dumps(devices),
+               "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        context = start_processes(
+            name="flux2-follower", entrypoint=sys.executable,
+            args={i: ("-m", "flux2_core.followers", json.dumps(asdict(recipe))) for i in range(world - 1)},
+            envs={i: {**env, "RANK": str(i + 1), "LOCAL_RANK": str(i + 1)} for i in range(world - 1)},
+            logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL, tee=Std.ERR))
+        try:
+            cls._wait_ready(store, world, context, timeout)
+            sp = parallel.join(store, 0, world, devices[0])
+        except BaseException:
+            context.close()
+            raise
+        return cls(sp, context, recipe, devices, logs)
+
+    @staticmethod
+    def _wait_ready(store, world: int, context, timeout: float) -> None:
+        """Until every follower has loaded its transformer; a follower that exits first fails the start with its
+        last lines of output."""
+        end = time.monotonic() + timeout
+        while not all(store.check([f"ready/{rank}"]) for rank in range(1, world)):
+            result = context.wait(0)
+            if result is not None:
+                raise Flux2Error(f"a follower process stopped while loading: {_last_words(result)}")
+            if time.monotonic() > end:
+                raise Flux2Error(f"the followers were not ready within {timeout:g} s (loading the transformer on "
+                                 f"each device); see their logs")
+            time.sleep(0.1)
+
+    def alive(self) -> bool:
+        """Whether every follower process is still running."""
+        return self.context is not None and self.context.wait(0) is None
+
+    def set_adapters(self, adapters: list[tuple[str, float, bool | None]]) -> None:
+        """Give the followers' transformers these LoRAs ((file, strength, merge) each), as the driver's has them."""
+        adapters = [list(a) for a in adapters]
+        if adapters != self.adapters:
+            self.sp.announce("adapters", {}, {"adapters": adapters})
+            self.adapters = adapters
+
+    def close(self) -> None:
+        """Stop the followers (they return from serving and exit) and leave the group; safe to call twice."""
+        if self.context is None:
+            return
+        try:
+            if self.alive():
+                self.sp.stop()
+                self.context.wait(30)
+            else:
+                parallel.leave()
+        finally:
+            self.context.close()
+            self.context = None
+
+
+def _last_words(result) -> str:
+    """The exit code and last stderr lines of the failed followers in an elastic RunProcsResult."""
+    notes = []
+    for local, failure in result.failures.items():
+        tail = ""
+        path = result.stderrs.get(local)
+        if path and Path(path).is_file():
+            lines = [line for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
+            tail = " | ".join(lines[-3:])
+        notes.append(f"rank {local + 1} exited with {failure.exitcode}{f': {tail}' if tail else ''}")
+    return "; ".join(notes) or "no output"
+
+
+def _apply_adapters(model, extra: dict) -> None:
+    from .adapters import read_adapter
+    from .patching import set_adapters
+
+    read = [(read_adapter(path, model.params), strength, merge) for path, strength, merge in extra["adapters"]]
+    merge = True if any(m for _, _, m in read) else None
+    set_adapters(model, [(patch, s) for a, s, _ in read for patch in a.patches],
+                 tuple((a.name, a.digest(), s) for a, s, _ in read), merge)
+
+
+def _driver_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A follower: load the transformer by the recipe, report ready, join the group and serve until stopped."""
+    recipe = Recipe(**json.loads((argv or sys.argv[1:])[0]))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device(json.loads(os.environ["FLUX2_DEVICES"])[rank])
+    driver = int(os.environ["FLUX2_DRIVER_PID"])
+    store = parallel.connect_store(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), host=False)
+    try:
+        model = recipe.load(device)
+    except Flux2Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    store.set(f"ready/{rank}", "1")
+    sp = parallel.join(store, rank, world, device)
+    parallel.serve(model, sp, {"adapters": lambda extra: _apply_adapters(model, extra)},
+                   alive=lambda: _driver_alive(driver))
+    parallel.leave()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
