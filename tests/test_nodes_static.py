@@ -158,7 +158,7 @@ def flat(ui: dict) -> tuple[dict, list]:
 
 def test_ui_and_api_workflows_pair_up():
     api = sorted((ROOT / "workflows" / "api").glob("*.json"))
-    assert len(UI_FILES) == 13
+    assert len(UI_FILES) == 15
     assert [p.name for p in UI_FILES] == [p.name for p in api]
     for path in UI_FILES:                  # the template browser lists workflows/*.json: UI files only
         assert "nodes" in json.loads(path.read_text()), f"{path.name} is not a UI workflow"

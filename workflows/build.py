@@ -298,6 +298,18 @@ WORKFLOWS |= {
         "The image-to-image workflow with its prompt, encoding, noise, schedule, denoising and decoding packed into "
         "one subgraph node that shows the prompt, seed, steps and denoise strength; the image is loaded outside.",
         [(4, "prompt"), (5, "seed"), (6, "steps"), (7, "denoise")], 830, (420, 310), {10: (0, 480)}),
+    "flux2-klein-base-text-to-image-compact": compact(
+        "flux2-klein-base-text-to-image", "Text to image with the base model, compact", "FLUX.2 Klein base text to image",
+        "The base-model text-to-image workflow with its prompts, noise, schedule, denoising and decoding packed into "
+        "one subgraph node that shows the prompt, negative prompt, seed, size, steps and cfg.",
+        [(4, "prompt"), (10, "prompt"), (5, "seed"), (5, "width"), (5, "height"), (6, "steps"), (7, "cfg")], 830,
+        (420, 460)),
+    "flux2-klein-edit-3-references-compact": compact(
+        "flux2-klein-edit-3-references", "Combine three reference images, compact", "FLUX.2 Klein three references",
+        "The three-reference workflow with its reference images, prompt, references, noise, schedule, denoising and "
+        "decoding packed into one subgraph node that shows the three images, the prompt, seed, size and steps.",
+        [(10, "image"), (12, "image"), (14, "image"), (4, "prompt"), (5, "seed"), (5, "width"), (5, "height"),
+         (6, "steps")], 830, (420, 420)),
 }
 
 # --- building the two formats --------------------------------------------------------------------------------------

@@ -85,7 +85,8 @@ ZOOM = {"flux2-klein-edit-3-references": 0.48}
 
 COMPACT = [n for n in UI_NAMES if n.endswith("-compact")]   # the stages packed in one subgraph node
 WIDGETS = {"Flux2KleinPromptEncode": ("prompt",), "Flux2KleinNoise": ("seed", "control", "width", "height"),
-           "Flux2KleinScheduler": ("steps",), "Flux2KleinDenoise": ("cfg", "denoise")}   # leading widgets_values
+           "Flux2KleinScheduler": ("steps",), "Flux2KleinDenoise": ("cfg", "denoise"),
+           "LoadImage": ("image",)}                                                       # leading widgets_values
 STAGES = {"Load models", "Prompt", "Noise and schedule", "Denoise", "Decode and save"}
 
 
