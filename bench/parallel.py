@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -209,7 +210,9 @@ def _rank(rank: int, world: int, port: int, threads: int, job: dict, out: str) -
 
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")   # torch 2.13's notice
     torch.set_num_threads(threads)
-    sp = parallel.start(rank, world, "cpu", port=port) if world > 1 else None
+    # a rank that never arrives (a port taken by another job in between) fails the run in 2 minutes, not 10
+    sp = parallel.start(rank, world, "cpu", port=port, timeout=timedelta(seconds=job.get("timeout_s", 120))) \
+        if world > 1 else None
     cfg = CONFIGS[job["config"]]
     dtype = getattr(torch, job["dtype"])
     model = build_transformer(cfg.transformer, dtype)
@@ -243,7 +246,8 @@ def _rank(rank: int, world: int, port: int, threads: int, job: dict, out: str) -
             if i == 1:
                 (sp.call(reset, "reset", {}) if sp else reset())
             marks = [time.perf_counter()]
-            sampling.denoise(model, x, sigmas, txt, callback=lambda step, marks=marks: marks.append(time.perf_counter()))
+            clock = marks.append
+            sampling.denoise(model, x, sigmas, txt, callback=lambda step, clock=clock: clock(time.perf_counter()))
             if i:
                 steps += [b - a for a, b in itertools.pairwise(marks)]
     report["steps"] = steps
