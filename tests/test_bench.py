@@ -111,3 +111,64 @@ def test_kept_weights_follow_the_mode(tmp_path):
     bench.set_distilled(tmp_path, False)
     assert json.loads((tmp_path / "model_index.json").read_text()) == {"_class_name": "Flux2KleinPipeline",
                                                                       "is_distilled": False}
+
+
+def test_parallel_model_speedup_grows_with_gpus_and_stays_below_them(tmp_path):
+    """bench/parallel.py --model (9B at 2048^2): over each link the speed-up grows with the GPUs and stays below
+    their number (communication is never free), PCIe gives less than NVLink, and 2 GPUs over NVLink come close to 2."""
+    import json
+
+    from bench import parallel as bench_parallel
+
+    out = tmp_path / "model.json"
+    assert bench_parallel.main(["--model", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["n_img"] == 16384 and figures["n_txt"] == 512
+    rows = figures["rows"]
+    assert [r["gpus"] for r in rows] == [2, 4, 8]
+    for link in bench_parallel.LINKS:
+        speedups = [r["links"][link]["speedup"] for r in rows]
+        assert speedups == sorted(speedups) and len(set(speedups)) == 3, link
+        assert all(1 < s < r["gpus"] for s, r in zip(speedups, rows)), link
+    nvlink, pcie = list(bench_parallel.LINKS)
+    assert all(r["links"][pcie]["speedup"] < r["links"][nvlink]["speedup"] for r in rows)
+    assert rows[0]["links"][nvlink]["speedup"] > 1.8
+
+
+def test_parallel_model_bytes_by_hand():
+    """expected_step's bytes for a tiny case, counted by hand: 2 ranks, 4 image + 2 text tokens, hidden 8, one double
+    and one single block, bf16 activations."""
+    from bench import parallel as bench_parallel
+
+    p = TransformerParams(in_channels=4, context_in_dim=6, hidden_size=8, num_heads=2, depth=1, depth_single_blocks=1,
+                          axes_dim=(1, 1, 1, 1))
+    r = bench_parallel.expected_step(p, 4, 2, 2, flops_per_s=1.0, link_bytes_per_s=100.0, latency_s=0.5)
+    all_to_all = 4 * 2 * 3 * 8 * 2 // 2           # 4 per block, 2 blocks, 3 tokens per rank, half of it received
+    inputs = (4 * 4 + 2 * 6 + 1) * 2 + 6 * 4 * 8    # img, txt, timestep in bf16; ids int64 [6, 4]
+    gather = 4 * 4 * 2 // 2                         # the other rank's half of the velocities
+    assert r["bytes"] == all_to_all + inputs + gather == 458
+    assert r["collectives"] == 4 * 2 + 5 + 1
+    assert r["comm_s"] == 458 / 100 + 14 * 0.5
+    assert r["compute_s"] == bench.transformer_flops(p, 4, 2) / 2
+    alone = bench_parallel.expected_step(p, 4, 2, 1, flops_per_s=1.0, link_bytes_per_s=100.0, latency_s=0.5)
+    assert alone["bytes"] == alone["comm_s"] == 0 and alone["step_s"] == 2 * r["compute_s"]
+
+
+def test_parallel_ranks_move_what_the_model_counts():
+    """bench/parallel.py on 2 gloo ranks (medium config, 64^2, 8 text tokens): a follower receives exactly the bytes,
+    in exactly the collectives, that expected_step counts per step; every rank reports its memory and time."""
+    from bench import parallel as bench_parallel
+
+    job = {"config": "medium", "dtype": "float32", "size": 64, "steps": 2, "repeats": 1, "txt_tokens": 8}
+    reports = bench_parallel.measure(2, 1, job)
+    run = bench_parallel.summarize(reports, job)
+    assert run["timed_steps"] == 2 and 0 < run["step_best_s"] <= run["step_median_s"]
+    expected = bench_parallel.expected_step(bench.CONFIGS["medium"].transformer, 16, 8, 2, 1.0, 1.0, 0.0,
+                                            act_bytes=4)
+    follower = run["ranks"][1]
+    assert follower["bytes_per_step"] == expected["bytes"]
+    assert follower["calls_per_step"] == expected["collectives"]
+    for r in run["ranks"]:
+        assert 0 < r["comm_share"] < 1 and r["weights_rss"] > 0
+        if sys.platform.startswith("linux"):
+            assert r["peak_above_weights"] >= 0 and r["peak_rss"] > 0
