@@ -186,6 +186,10 @@ class TimedCollectives:
         return self._timed("all_gather_into_tensor", received, self._real.all_gather_into_tensor, output, input,
                            **kwargs)
 
+    def all_gather_single(self, output, input, **kwargs):      # its name from torch 2.13 on
+        received = output.numel() * output.element_size() - input.numel() * input.element_size()
+        return self._timed("all_gather_into_tensor", received, self._real.all_gather_single, output, input, **kwargs)
+
 
 def build_transformer(p: TransformerParams, dtype: torch.dtype):
     """The transformer with bench.py's random weights (seed 1): the same in every rank."""

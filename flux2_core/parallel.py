@@ -42,10 +42,6 @@ DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat
                                                      torch.int32, torch.uint8)}
 
 
-# torch 2.13 renamed all_gather_into_tensor (older torch builds, as on many GPU machines, have only that)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 def shares(n: int, world: int) -> tuple[int, ...]:
     """``n`` tokens as ``world`` near-equal shares, the larger first: 7 over 3 -> (3, 2, 2)."""
     base, extra = divmod(n, world)
@@ -111,7 +107,8 @@ class TokenShards:
         padded = x.new_zeros(batch, most, channels)
         padded[:, :x.shape[1]] = x
         got = x.new_empty(self.world * batch, most, channels)
-        _all_gather(got, padded, group=self.group)
+        # torch 2.13 renamed all_gather_into_tensor; older builds (as on many GPU machines) have only that name
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(got, padded, group=self.group)
         return torch.cat([part[:, :n] for part, n in zip(got.view(self.world, batch, most, channels), sizes)], dim=1)
 
 
