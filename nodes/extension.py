@@ -6,10 +6,11 @@ from .adapters import LoRA
 from .autoencoder import AEDecode, AEEncode
 from .conditioning import PromptEncode, Reference
 from .loaders import AutoEncoderLoader, ModelLoader, TextEncoderLoader
+from .parallel import Parallel
 from .sampling import Compile, Denoise, Noise, Scheduler
 
 NODES = [ModelLoader, TextEncoderLoader, AutoEncoderLoader, LoRA, PromptEncode, Reference, Noise, Scheduler, Denoise,
-         AEEncode, AEDecode, Compile]
+         AEEncode, AEDecode, Compile, Parallel]
 
 
 class Flux2KleinExtension(ComfyExtension):

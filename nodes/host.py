@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.ops
+import comfy.patcher_extension
 import comfy.utils
 import folder_paths
 import latent_preview
@@ -36,6 +37,7 @@ from torch import nn
 from ..flux2_core import checks, patching
 from ..flux2_core.cache import fingerprint
 from ..flux2_core.errors import Flux2Error
+from ..flux2_core.followers import FollowerGroup, Recipe
 from ..flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear
 from ..flux2_core.transformer import ReferenceKV
 from ..flux2_core.variants import Variant
@@ -179,6 +181,8 @@ class Managed:
     compiled: bool = False             # transformers: run the blocks torch.compiled (FLUX.2 Klein Compile)
     adapters: tuple = ()               # transformers and text encoders: (file name, content digest, strength,
                                        # adapters.Adapter, merge into fp8) per FLUX.2 Klein LoRA node, in chain order
+    recipe: Recipe | None = None       # transformers: how it was loaded, for follower processes (FLUX.2 Klein Parallel)
+    ranks: int = 1                     # transformers: the processes (devices) its denoising is spread over
 
     def ready(self, memory: int = 0) -> torch.device:
         """Load (or keep) the model on its device with ``memory`` bytes to spare for activations; the device."""
@@ -317,6 +321,52 @@ class StepReporter:
 
 def check_interrupt() -> None:
     mm.throw_exception_if_processing_interrupted()
+
+
+# --- several devices (FLUX.2 Klein Parallel) -----------------------------------------------------------------------
+
+FOLLOWERS: dict[tuple, FollowerGroup] = {}       # the running follower group by (recipe, devices); at most one
+
+
+def parallel_devices(model: Managed) -> list[str]:
+    """The devices of ``model.ranks`` ranks: ComfyUI's device for this process (rank 0), then the other GPUs in
+    order; on the CPU (--cpu), processes sharing it."""
+    device = model.patcher.load_device
+    if device.type != "cuda":
+        return [str(device)] * model.ranks
+    others = [f"cuda:{i}" for i in range(torch.cuda.device_count()) if i != device.index]
+    if len(others) + 1 < model.ranks:
+        raise Flux2Error(f"FLUX.2 Klein Parallel asks for {model.ranks} GPUs but this machine shows "
+                         f"{len(others) + 1}: lower ranks")
+    return [str(device), *others[:model.ranks - 1]]
+
+
+def followers(model: Managed) -> FollowerGroup:
+    """The follower processes for ``model``'s parallel denoise, started on first use (each loads the transformer
+    file): one group at a time, closed when ComfyUI unloads the model (ON_DETACH) so their memory is freed."""
+    key = (model.recipe, tuple(parallel_devices(model)))
+    group = FOLLOWERS.get(key)
+    if group is not None and group.alive():
+        return group
+    close_followers()
+    log.info("FLUX.2 Klein Parallel: starting %d follower processes on %s", model.ranks - 1, ", ".join(key[1][1:]))
+    FOLLOWERS[key] = FollowerGroup.start(model.recipe, list(key[1]))
+    model.patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, "flux2_followers",
+                                        lambda *_: close_followers())
+    return FOLLOWERS[key]
+
+
+def close_dead_followers() -> None:
+    """Close the follower group if one of its processes has stopped."""
+    if any(not group.alive() for group in FOLLOWERS.values()):
+        close_followers()
+
+
+def close_followers() -> None:
+    """Stop the follower processes (if any) and free their memory."""
+    for group in FOLLOWERS.values():
+        group.close()
+    FOLLOWERS.clear()
 
 
 # --- validation when a prompt is queued ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import math
 import torch
 from comfy_api.latest import io, ui
 
-from ..flux2_core import cache, inpaint, pipeline, references, sampling, schedules, weights
+from ..flux2_core import cache, inpaint, parallel, pipeline, references, sampling, schedules, weights
 from ..flux2_core import compile as compiling
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.transformer import reference_kv_bytes
@@ -160,13 +160,27 @@ class Denoise(io.ComfyNode):
         model.use_adapters(model.core, lambda adapter: adapter.patches)
         set_compiled(model)
         x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)      # = noise when sigmas[0] is 1
+        spread = model.ranks > 1 and model.recipe is not None
+        if spread and model.compiled:
+            raise Flux2Error("FLUX.2 Klein Compile and FLUX.2 Klein Parallel do not run together yet: bypass one")
+        if spread:                     # the K/V of a parallel run are split over the ranks: made by the denoise itself
+            kv_key = None
         ref_kv, info = reference_kv(model, kv_key, ref, ref_ids, device, memory) if kv_key else (None, None)
         if ref_kv is not None:
             ref = ref_ids = None                                                     # the K/V stand for them
-        out = sampling.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant) if rule.cfg
-                               else None, cfg=rule.scale, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
-                               kv=variant.use_kv_cache, guidance=rule.embedded, inpaint=blend,
-                               callback=host.StepReporter(len(sigmas) - 1, device))
+        parallel.attach(model.core, spread_over(model) if spread else None)
+        try:
+            out = sampling.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant)
+                                   if rule.cfg else None, cfg=rule.scale, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
+                                   kv=variant.use_kv_cache, guidance=rule.embedded, inpaint=blend,
+                                   callback=host.StepReporter(len(sigmas) - 1, device))
+        except Flux2Error:
+            host.close_dead_followers()                     # a follower died: the next run starts new ones
+            raise
+        finally:
+            parallel.attach(model.core, None)
+        if spread:
+            info = "; ".join(n for n in (info, f"denoised on {model.ranks} ranks") if n)
         notes = "; ".join(note for note in (rule.note, mask_note, info) if note)
         return io.NodeOutput({"samples": out.float().to(host.intermediate_device())},
                              ui=ui.PreviewText(notes) if notes else None)
@@ -187,6 +201,14 @@ class Compile(io.ComfyNode):
     @classmethod
     def execute(cls, model: host.Managed) -> io.NodeOutput:
         return io.NodeOutput(dataclasses.replace(model, compiled=True))
+
+
+def spread_over(model: host.Managed):
+    """The follower group's SequenceParallel for ``model``, its followers given the model's LoRAs."""
+    group = host.followers(model)
+    group.set_adapters([(host.resolve("loras", name), strength, merge)
+                        for name, _, strength, _, merge in model.adapters if strength != 0])
+    return group.sp
 
 
 def set_compiled(model: host.Managed) -> None:

@@ -27,12 +27,16 @@ ROOT = Path(__file__).resolve().parents[2]
 # fixes heads of 128 = 4 RoPE axes of 32; context_in_dim is 3 x the tiny Qwen3's hidden size (32).
 HOST_TRANSFORMER = TransformerParams(in_channels=128, context_in_dim=96, hidden_size=128, num_heads=1, depth=1,
                                      depth_single_blocks=2, axes_dim=(32, 32, 32, 32))
+# Two heads of 64 for the parallel node's test (2 ranks must divide the heads); ours alone loads it
+TWO_HEADS = TransformerParams(in_channels=128, context_in_dim=96, hidden_size=128, num_heads=2, depth=1,
+                              depth_single_blocks=2, axes_dim=(16, 16, 16, 16))
 WORKFLOW_MODELS = {"model_name": ("diffusion_models", "transformer"), "text_encoder_name": ("text_encoders", "text_encoder"),
                    "ae_name": ("vae", "ae"), "lora_name": ("loras", "lora")}    # loader input -> (folder, tiny file)
 GGUF_ROLE = "{}_gguf"          # the role of a tiny GGUF stand-in: "transformer_gguf" for a workflow's .gguf model
 FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "flux-2-klein-base-tiny.safetensors",
          "transformer_kv": "flux-2-klein-9b-kv-tiny.safetensors",
          "transformer_fp8": "flux-2-klein-tiny-fp8mixed.safetensors",
+         "transformer_two_heads": "flux-2-klein-tiny-two-heads.safetensors",
          "text_encoder": "qwen_3_tiny.safetensors", "ae": "flux2-vae-tiny.safetensors",
          "ae_full": "flux2-vae-full-size-random.safetensors", "lora": "flux2-klein-tiny-lora.safetensors",
          "lora_kohya": "flux2-klein-tiny-lora-kohya.safetensors",
@@ -79,6 +83,8 @@ def write_tiny_models(models: Path) -> dict[str, str]:
         (models / folder).mkdir(parents=True, exist_ok=True)
     transformer = random_bfl_transformer_state_dict(HOST_TRANSFORMER, seed=1)
     save_bfl_transformer(transformer, models / "diffusion_models" / FILES["transformer"])
+    save_bfl_transformer(random_bfl_transformer_state_dict(TWO_HEADS, seed=4),
+                         models / "diffusion_models" / FILES["transformer_two_heads"])
     # the same weights under "base" and "kv" names: the variant (CFG, distilled, KV) comes from the file name
     for role in ("transformer_base", "transformer_kv"):
         os.link(models / "diffusion_models" / FILES["transformer"], models / "diffusion_models" / FILES[role])

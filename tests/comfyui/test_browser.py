@@ -68,7 +68,7 @@ def test_extension_loads_without_console_errors(page):
     errors = [e for e in page["errors"] if ours_or_uncaught(e)]
     assert errors == [], "\n".join(errors)
     declared = {p.stem for p in ROOT.glob("nodes/*.py")}   # sanity: the nodes exist
-    assert declared and len(page["registered"]) == 12, page["registered"]
+    assert declared and len(page["registered"]) == 13, page["registered"]
 
 
 @pytest.mark.parametrize("name", UI_NAMES)

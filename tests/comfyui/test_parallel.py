@@ -1,0 +1,65 @@
+"""FLUX.2 Klein Parallel in the real server (--cpu): the model's denoising spread over 2 ranks (this server process
+and one follower process on gloo) equals the single-process Denoise node's; the follower stops when ComfyUI unloads
+the models ("Unload models"), freeing its memory."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from tests.comfyui import graphs
+
+CASE = {"prompt": "a red fox on two ranks", "seed": 12, "steps": 3, "width": 64, "height": 48}
+
+
+def follower_pids() -> list[int]:
+    """The running follower processes (python -m flux2_core.followers) on this machine."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc.name.isdigit() and b"flux2_core.followers" in (proc / "cmdline").read_bytes()
+                    and (proc / "stat").read_text().split()[2] != "Z"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def latent(comfy, graph) -> tuple[torch.Tensor, dict]:
+    run = comfy.client.run(graph)
+    entry = comfy.client.history(run.prompt_id)
+    return graphs.saved_latent(comfy.base, entry).float(), entry["outputs"]
+
+
+def on_two_ranks(graph: dict) -> dict:
+    """The graph with FLUX.2 Klein Parallel (2 ranks) between the model loader and the denoiser."""
+    graph["45"] = {"class_type": "Flux2KleinParallel", "inputs": {"model": ["1", 0], "gpus": 2}}
+    graph["8"]["inputs"]["model"] = ["45", 0]
+    return graph
+
+
+def test_parallel_node_equals_one_process_and_frees_its_follower(comfy):
+    model_file = comfy.files["transformer_two_heads"]
+    one, _ = latent(comfy, graphs.ours(comfy.files, **CASE, model_file=model_file, output="latent"))
+    two, outputs = latent(comfy, on_two_ranks(graphs.ours(comfy.files, **CASE, model_file=model_file,
+                                                           output="latent")))
+    assert "denoised on 2 ranks" in outputs["8"]["text"][0]
+    relative = ((two - one).abs().max() / one.abs().max()).item()
+    print(f"\nParallel node (2 ranks) vs Denoise alone: relative {relative:.3g}")
+    assert relative <= 1e-5
+    assert len(follower_pids()) == 1
+
+    comfy.client.post_json("/free", {"unload_models": True})
+    comfy.client.run({"1": {"class_type": "Flux2KleinNoise", "inputs": {"seed": 0, "width": 16, "height": 16,
+                                                                          "batch_size": 1}},
+                      "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": "free"}}})
+    end = time.monotonic() + 30
+    while follower_pids() and time.monotonic() < end:
+        time.sleep(0.2)
+    assert follower_pids() == []
+
+    again, _ = latent(comfy, on_two_ranks(graphs.ours(comfy.files, **{**CASE, "seed": 13}, model_file=model_file,
+                                                      output="latent")))
+    assert again.shape == one.shape and not torch.equal(again, two)   # a new follower started for this run
