@@ -37,6 +37,7 @@ FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "fl
          "transformer_kv": "flux-2-klein-9b-kv-tiny.safetensors",
          "transformer_fp8": "flux-2-klein-tiny-fp8mixed.safetensors",
          "transformer_two_heads": "flux-2-klein-tiny-two-heads.safetensors",
+         "transformer_two_heads_kv": "flux-2-klein-9b-kv-tiny-two-heads.safetensors",
          "text_encoder": "qwen_3_tiny.safetensors", "ae": "flux2-vae-tiny.safetensors",
          "ae_full": "flux2-vae-full-size-random.safetensors", "lora": "flux2-klein-tiny-lora.safetensors",
          "lora_kohya": "flux2-klein-tiny-lora-kohya.safetensors",
@@ -85,6 +86,8 @@ def write_tiny_models(models: Path) -> dict[str, str]:
     save_bfl_transformer(transformer, models / "diffusion_models" / FILES["transformer"])
     save_bfl_transformer(random_bfl_transformer_state_dict(TWO_HEADS, seed=4),
                          models / "diffusion_models" / FILES["transformer_two_heads"])
+    os.link(models / "diffusion_models" / FILES["transformer_two_heads"],
+            models / "diffusion_models" / FILES["transformer_two_heads_kv"])
     # the same weights under "base" and "kv" names: the variant (CFG, distilled, KV) comes from the file name
     for role in ("transformer_base", "transformer_kv"):
         os.link(models / "diffusion_models" / FILES["transformer"], models / "diffusion_models" / FILES[role])

@@ -1,6 +1,6 @@
 """FLUX.2 Klein Parallel in the real server (--cpu): the model's denoising spread over 2 ranks (this server process
-and one follower process on gloo) equals the single-process Denoise node's; the follower stops when ComfyUI unloads
-the models ("Unload models"), freeing its memory."""
+and one follower process on gloo) equals the single-process Denoise node's, for text-to-image and for a 9B-KV edit
+with three references; the follower stops when ComfyUI unloads the models ("Unload models"), freeing its memory."""
 
 from __future__ import annotations
 
@@ -63,3 +63,15 @@ def test_parallel_node_equals_one_process_and_frees_its_follower(comfy):
     again, _ = latent(comfy, on_two_ranks(graphs.ours(comfy.files, **{**CASE, "seed": 13}, model_file=model_file,
                                                       output="latent")))
     assert again.shape == one.shape and not torch.equal(again, two)   # a new follower started for this run
+
+
+def test_parallel_node_equals_one_process_for_a_kv_edit_with_three_references(comfy):
+    case = {**CASE, "prompt": "a kv edit on two ranks", "references": comfy.images[:3],
+            "model_file": comfy.files["transformer_two_heads_kv"], "output": "latent"}
+    one, alone = latent(comfy, graphs.ours(comfy.files, **case))
+    assert "reference K/V" in alone["8"]["text"][0]                   # the KV scheme: its file name says kv
+    two, outputs = latent(comfy, on_two_ranks(graphs.ours(comfy.files, **case)))
+    assert "denoised on 2 ranks" in outputs["8"]["text"][0]
+    relative = ((two - one).abs().max() / one.abs().max()).item()
+    print(f"\nParallel node, 9B-KV edit with 3 references: relative {relative:.3g}")
+    assert relative <= 1e-5
