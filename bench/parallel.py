@@ -27,7 +27,6 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,7 @@ try:                    # imported as bench.parallel (the tests)
 except ImportError:     # run as a script: bench.py is the module beside this file
     from bench import CONFIGS, fmt_bytes, machine, proc_status, random_state, transformer_flops
 
+from flux2_core.followers import free_port
 from flux2_core.variants import KLEIN_9B, TransformerParams
 
 COLLECTIVES = ("all_to_all_single", "broadcast", "all_gather_into_tensor")
@@ -258,12 +258,6 @@ def _rank(rank: int, world: int, port: int, threads: int, job: dict, out: str) -
     (sp.call(write, "report", {}) if sp else write())
     if sp:
         sp.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cores() -> int:

@@ -4,7 +4,6 @@ follow (``parallel.serve``). ``job`` also runs in one process, without ranks, as
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import torch
@@ -13,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from flux2_core import parallel, rope, sampling
 from flux2_core.errors import Flux2Error
+from flux2_core.followers import free_port
 from flux2_core.transformer import Flux2Transformer
 from flux2_core.variants import TransformerParams
 from tests.tiny.transformer import random_bfl_transformer_state_dict
@@ -22,12 +22,6 @@ SIX_HEADS = TransformerParams(in_channels=128, context_in_dim=48, hidden_size=96
                               depth_single_blocks=2, axes_dim=(4, 4, 4, 4))
 TXT_TOKENS = 7                  # uneven over 2 and 3 ranks, as is the 3x5 latent grid and each reference
 SIGMAS = [1.0, 0.75, 0.4, 0.0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_model() -> Flux2Transformer:
