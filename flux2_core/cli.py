@@ -349,9 +349,7 @@ def load_for_command(args, device, size: tuple[int, int]):
     from .pipeline import apply_adapters, load_models, optimize_transformer
     from .quant import count_fp8, use_fp8_matmul
 
-    offload, offload_blocks = OFFLOAD[args.offload]
-    if args.offload_encoder is not None:
-        offload = YES_NO[args.offload_encoder]
+    offload, offload_blocks = encoder_offload(args), OFFLOAD[args.offload][1]
     if args.demo:
         from .demo import demo_models
 
@@ -385,14 +383,18 @@ def load_for_command(args, device, size: tuple[int, int]):
     return models, files
 
 
+def encoder_offload(args):
+    """Where the text encoder rests: --offload-encoder, else what --offload says for it."""
+    return OFFLOAD[args.offload][0] if args.offload_encoder is None else YES_NO[args.offload_encoder]
+
+
 def models_generate(models, args, prompt: str, seed: int, batch: int, refs, image, mask, width, height):
     """One ``pipeline.generate`` call with the command's options."""
     from .pipeline import generate
 
-    offload = OFFLOAD[args.offload][0] if args.offload_encoder is None else YES_NO[args.offload_encoder]
     return generate(models, prompt, references=refs, width=width, height=height, steps=args.steps, cfg=args.cfg,
                     negative=args.negative, seed=seed, batch=batch, image=image, mask=mask, strength=args.strength,
-                    bfl_cuda_noise=args.bfl_noise, offload_encoder=offload, callback=Progress(),
+                    bfl_cuda_noise=args.bfl_noise, offload_encoder=encoder_offload(args), callback=Progress(),
                     warn=lambda note: print(f"note: {note}", file=sys.stderr, flush=True))
 
 
