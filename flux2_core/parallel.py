@@ -119,7 +119,7 @@ class SequenceParallel:
         self.rank, self.world, self.device = rank, world, torch.device(device)
         self.store, self.group = store, group
         self.calls = 0                # calls announced (driver) or followed (followers)
-        self.forgotten = 0            # the driver's announcements up to this call are deleted from the store
+        self.forgotten = 0            # the driver's announcements up to this call are dropped from the store
         self.last_kv: int | None = None   # the call that made the reference K/V the followers keep
         self.peers_alive: Callable[[], bool] = lambda: True   # the driver's check that its followers still run
 
@@ -139,11 +139,9 @@ class SequenceParallel:
             return run(**tensors)
         self.announce(name, tensors, extra or {})
         try:
-            out = run(**tensors)
+            return run(**tensors)
         except (RuntimeError, dist.DistBackendError) as e:
             raise Flux2Error(self.failure(e)) from None
-        self.forget()
-        return out
 
     def announce(self, name: str, tensors: dict[str, Tensor | None], extra: dict) -> None:
         """Tell the followers what to run next (through the store), then broadcast its input tensors."""
@@ -154,6 +152,7 @@ class SequenceParallel:
                   "tensors": [[key, None if t is None else [list(t.shape), str(t.dtype).removeprefix("torch.")]]
                               for key, t in tensors.items()]}
         self.store.set(f"call/{self.calls}", json.dumps(header))
+        self.forget()
         try:
             for t in tensors.values():
                 if t is not None:
@@ -162,11 +161,14 @@ class SequenceParallel:
             raise Flux2Error(self.failure(e)) from None
 
     def forget(self) -> None:
-        """Drop the announcements up to the last call, once its collectives are done: every follower has read them
-        (a call without collectives, such as "adapters", is dropped after the next one that has some)."""
-        for call in range(self.forgotten + 1, self.calls + 1):
+        """Drop from the store the announcements every follower has read (each counts itself in ``read/<call>``)."""
+        while self.forgotten < self.calls - 1:
+            call = self.forgotten + 1
+            if self.store.add(f"read/{call}", 0) < self.world - 1:
+                return
             self.store.delete_key(f"call/{call}")
-        self.forgotten = self.calls
+            self.store.delete_key(f"read/{call}")
+            self.forgotten = call
 
     def failure(self, error: Exception) -> str:
         """What to tell the user when a collective failed: the followers' own messages where they left one."""
@@ -200,6 +202,7 @@ class SequenceParallel:
                 if not alive():
                     raise Flux2Error(f"rank {self.rank}: the driver process is gone") from None
         header = json.loads(self.store.get(key))
+        self.store.add(f"read/{self.calls}", 1)            # the driver may now drop it
         tensors = {}
         for name, spec in header["tensors"]:
             if spec is None:

@@ -59,3 +59,10 @@ def test_a_rank_that_dies_fails_the_run_with_its_message(tmp_path):
     message = bytes(got["error"].tolist()).decode()
     assert "sequence-parallel run failed" in message
     assert "rank 1: RuntimeError: simulated failure of this rank's GPU" in message
+
+
+@pytest.mark.slow
+def test_calls_without_collectives_wait_for_slow_followers(tmp_path):
+    # the driver runs ahead of a follower that is still busy with earlier calls: their announcements must stay
+    got = run_ranks(2, "quiet_calls", tmp_path)
+    assert relative(got["latents"], job(build_model(), "t2i")["latents"]) <= 1e-5

@@ -4,6 +4,7 @@ follow (``parallel.serve``). ``job`` also runs in one process, without ranks, as
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -50,6 +51,11 @@ def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
         first = sampling.denoise(model, x, SIGMAS, txt, ref_kv=kv, kv=True)
         other = torch.randn(1, TXT_TOKENS, SIX_HEADS.context_in_dim, generator=g)
         return {"latents": first, "again": sampling.denoise(model, x, SIGMAS, other, ref_kv=kv, kv=True)}
+    if name == "quiet_calls":       # calls with no collectives, which slow followers read late, then a denoise
+        sp = model.sequence_parallel
+        for _ in range(3):
+            sp.call(lambda: None, "nothing", {})
+        return {"latents": sampling.denoise(model, x, SIGMAS, txt)}
     if name == "stale_kv":
         old = model.reference_kv(ref, ref_ids)
         model.reference_kv(ref[:, :6], ref_ids[:, :6])
@@ -83,7 +89,7 @@ def _rank(rank: int, world: int, port: int, name: str, out: str) -> None:
                 return velocity(*args, **kwargs)
             model._velocity = failing
         try:
-            parallel.serve(model, sp)
+            parallel.serve(model, sp, {"nothing": lambda extra: time.sleep(0.3)})
         except RuntimeError:
             return                      # the simulated failure: the process ends, as a crashed rank would
         parallel.leave()
