@@ -613,5 +613,22 @@ def test_denoise_memory_covers_the_measured_forward_peak(batch, n_txt, grid, dty
         inputs = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
         with torch.no_grad():
             peak = forward_peak(lambda args=inputs: model(*args), device)
-        print(f"denoise_memory on {device}: measured {peak / 1e6:.2f} MB, estimate {estimate / 1e6:.2f} MB")
-        assert peak <= estimate <= 1.5 * peak, (device, peak, estimate)
+        scratch = matmul_scratch(MEMORY_PARAMS, batch * (n_txt + h * w), dtype, device)
+        print(f"denoise_memory on {device}: measured {peak / 1e6:.2f} MB, estimate {estimate / 1e6:.2f} MB, "
+              f"matmul scratch {scratch / 1e6:.2f} MB")
+        assert peak <= estimate + scratch and estimate <= 1.5 * peak, (device, peak, estimate, scratch)
+
+
+def matmul_scratch(params: TransformerParams, tokens: int, dtype: torch.dtype, device: torch.device) -> int:
+    """What the widest linear of a single block (linear1, [tokens, H] -> [tokens, 3H + 2M]) allocates beside its
+    output, measured: 0 on GPUs and on CPUs with bf16 matmul instructions, but a CPU without them (AVX-512 without
+    the BF16 extension, AVX2) computes a bf16 matmul into a float32 buffer of the output's size first. That is a
+    property of the host's CPU, not of the model, so it is allowed for here rather than in ``denoise_memory``."""
+    if device.type != "cpu":
+        return 0
+    width = 3 * params.hidden_size + 2 * params.mlp_hidden
+    x = torch.randn(tokens, params.hidden_size).to(dtype)
+    weight = torch.randn(width, params.hidden_size).to(dtype)
+    with torch.no_grad():
+        peak = forward_peak(lambda: torch.nn.functional.linear(x, weight), device)
+    return max(0, peak - tokens * width * dtype.itemsize)
