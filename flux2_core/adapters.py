@@ -169,11 +169,12 @@ class Adapter:
     text_encoder_patches: list[Patch]       # on the Qwen3 text encoder (its parameter names, without ".weight")
     report: MatchReport
 
-    def digest(self) -> str:
+    def digest(self, text_encoder: bool = True) -> str:
         """A hash of everything that decides what the adapter does (targets, rows, kinds, scales, tensors, DoRA
-        magnitudes): what caches key results by, with the strength, instead of a file name that can change."""
+        magnitudes): what caches key results by, with the strength, instead of a file name that can change.
+        ``text_encoder=False``: of what it does to the transformer alone."""
         h = hashlib.blake2b(digest_size=16)
-        for p in self.patches + self.text_encoder_patches:
+        for p in self.patches + (self.text_encoder_patches if text_encoder else []):
             h.update(repr((p.target, p.rows, p.kind, p.scale, p.swap_halves, sorted(p.tensors))).encode())
             for t in [*p.tensors.values(), *([] if p.dora_scale is None else [p.dora_scale])]:
                 h.update(tensor_digest(t).encode())

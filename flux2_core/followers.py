@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,15 +45,30 @@ class Recipe:
     dtype: str                    # "bfloat16", "float16", "float32"
     fp8: bool | None = None       # as load_transformer takes it
     variant: str | None = None
+    stamp: str = ""               # the file's size and modification time as the driver loaded it ("": unchecked)
+
+    @classmethod
+    def of(cls, path, dtype: str, fp8: bool | None = None, variant: str | None = None) -> Recipe:
+        """The recipe of the file at ``path`` as it is now (call it when the driver loads it)."""
+        return cls(str(path), dtype, fp8, variant, file_stamp(path))
 
     def load(self, device: torch.device):
         from .quant import use_fp8_matmul
         from .weights import load_transformer
 
+        if self.stamp and Path(self.path).is_file() and file_stamp(self.path) != self.stamp:
+            raise Flux2Error(f"{self.path} has changed since the driver loaded it: the ranks would compute with "
+                             f"different weights. Load the model again (in ComfyUI: Unload models, then run)")
         dtype = getattr(torch, self.dtype)
         model, _ = load_transformer(self.path, device, dtype, variant=self.variant, fp8=self.fp8)
         use_fp8_matmul(model, "auto", device, dtype)          # as the driver's loader decides it
         return model.eval()
+
+
+def file_stamp(path) -> str:
+    """"<size>:<modification time in ns>" of the file at ``path``: changes when the file is replaced or rewritten."""
+    stat = os.stat(path)
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def free_port() -> int:
@@ -69,15 +86,17 @@ class FollowerGroup:
         sp.peers_alive = self.alive
 
     @classmethod
-    def start(cls, recipe: Recipe, devices: list[str], timeout: float = START_TIMEOUT) -> FollowerGroup:
-        """Start followers on devices[1:] (this process computes on devices[0]) and join them as the driver."""
+    def start(cls, recipe: Recipe, devices: list[str], timeout: float = START_TIMEOUT,
+              cancel: Callable[[], None] = lambda: None) -> FollowerGroup:
+        """Start followers on devices[1:] (this process computes on devices[0]) and join them as the driver.
+        ``cancel`` is called while they load; what it raises (the user cancelled) stops them and is raised."""
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
         world = len(devices)
         if world < 2:
             raise Flux2Error(f"a follower group needs at least 2 devices, got {devices}")
-        port = free_port()
-        store = parallel.connect_store(0, world, "127.0.0.1", port, host=True)
+        store = parallel.connect_store(0, world, "127.0.0.1", 0, host=True)        # port 0: the system picks
+        port = store.port
         logs = Path(tempfile.mkdtemp(prefix="flux2-followers-"))
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
                "FLUX2_DRIVER_PID": str(os.getpid()), "FLUX2_DEVICES": json.dumps(devices),
@@ -88,19 +107,21 @@ class FollowerGroup:
             envs={i: {**env, "RANK": str(i + 1), "LOCAL_RANK": str(i + 1)} for i in range(world - 1)},
             logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL, tee=Std.ERR))
         try:
-            cls._wait_ready(store, world, context, timeout)
+            cls._wait_ready(store, world, context, timeout, cancel)
             sp = parallel.join(store, 0, world, devices[0])
         except BaseException:
             context.close()
+            shutil.rmtree(logs, ignore_errors=True)
             raise
         return cls(sp, context, recipe, devices, logs)
 
     @staticmethod
-    def _wait_ready(store, world: int, context, timeout: float) -> None:
+    def _wait_ready(store, world: int, context, timeout: float, cancel: Callable[[], None]) -> None:
         """Until every follower has loaded its transformer; a follower that exits first fails the start with its
         last lines of output."""
         end = time.monotonic() + timeout
         while not all(store.check([f"ready/{rank}"]) for rank in range(1, world)):
+            cancel()
             result = context.wait(0)
             if result is not None:
                 raise Flux2Error(f"a follower process stopped while loading: {_last_words(result)}")
@@ -113,26 +134,33 @@ class FollowerGroup:
         """Whether every follower process is still running."""
         return self.context is not None and self.context.wait(0) is None
 
-    def set_adapters(self, adapters: list[tuple[str, float, bool | None]]) -> None:
-        """Give the followers' transformers these LoRAs ((file, strength, merge) each), as the driver's has them."""
+    def usable(self) -> bool:
+        """Whether the group can run another pass: every follower running, none left inside a pass cut short."""
+        return self.alive() and not self.sp.broken
+
+    def set_adapters(self, adapters: list[tuple[str, float, bool | None, str]]) -> None:
+        """Give the followers' transformers these LoRAs ((file, strength, merge, the transformer's digest:
+        adapters.Adapter.digest(text_encoder=False)) each), as the driver's has them; a follower refuses a file whose
+        content no longer has that digest."""
         adapters = [list(a) for a in adapters]
         if adapters != self.adapters:
             self.sp.announce("adapters", {}, {"adapters": adapters})
             self.adapters = adapters
 
     def close(self) -> None:
-        """Stop the followers (they return from serving and exit) and leave the group; safe to call twice."""
+        """Stop the followers and leave the group; safe to call twice. Usable followers are told to stop and exit
+        on their own; the others (stuck inside a pass cut short, or one of them gone) are terminated."""
         if self.context is None:
             return
         try:
-            if self.alive():
+            if self.usable():
                 self.sp.stop()
                 self.context.wait(30)
-            else:
-                parallel.leave()
         finally:
-            self.context.close()
+            self.context.close()          # terminates what still runs, then waits for it
             self.context = None
+            parallel.leave()
+            shutil.rmtree(self.logs, ignore_errors=True)
 
 
 def _last_words(result) -> str:
@@ -152,7 +180,13 @@ def _apply_adapters(model, extra: dict) -> None:
     from .adapters import read_adapter
     from .patching import set_adapters
 
-    read = [(read_adapter(path, model.params), strength, merge) for path, strength, merge in extra["adapters"]]
+    read = []
+    for path, strength, merge, digest in extra["adapters"]:
+        adapter = read_adapter(path, model.params)
+        if adapter.digest(text_encoder=False) != digest:
+            raise Flux2Error(f"the LoRA {path} has changed since the driver read it: the ranks would compute with "
+                             f"different weights. Run again (ComfyUI reads it anew when its file changes)")
+        read.append((adapter, strength, merge))
     merge = True if any(m for _, _, m in read) else None
     set_adapters(model, [(patch, s) for a, s, _ in read for patch in a.patches],
                  tuple((a.name, a.digest(), s) for a, s, _ in read), merge)

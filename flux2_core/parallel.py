@@ -98,7 +98,7 @@ class TokenShards:
         got = x.new_empty(self.world * batch * mine * local * dim)
         dist.all_to_all_single(got, send, output_split_sizes=[batch * mine * local * dim] * self.world,
                                input_split_sizes=[batch * mine * n * dim for n in self.lengths], group=self.group)
-        return got.view(self.world, batch, mine, local, dim).transpose(0, 1).reshape(batch, -1, local, dim)
+        return got.view(self.world, batch, mine, local, dim).transpose(0, 1).reshape(batch, self.world * mine, local, dim)
 
     def gather(self, x: Tensor, sizes: list[int]) -> Tensor:
         """Every rank's x [B, sizes[r], C] joined in rank order, [B, sum(sizes), C], on every rank."""
@@ -122,6 +122,7 @@ class SequenceParallel:
         self.forgotten = 0            # the driver's announcements up to this call are dropped from the store
         self.last_kv: int | None = None   # the call that made the reference K/V the followers keep
         self.peers_alive: Callable[[], bool] = lambda: True   # the driver's check that its followers still run
+        self.broken = False           # a call ended early on the driver: the followers are stuck inside it
 
     @property
     def driver(self) -> bool:
@@ -134,18 +135,27 @@ class SequenceParallel:
 
     def call(self, run: Callable, name: str, tensors: dict[str, Tensor | None], extra: dict | None = None):
         """Run ``run(**tensors)`` on every rank: the driver announces it first; a follower (in ``serve``) just runs.
-        A failure of another rank comes out as a Flux2Error quoting that rank's own message."""
+        A failure of another rank comes out as a Flux2Error quoting that rank's own message.
+        A call cut short on the driver (the user cancelled, the GPU ran out of memory, a follower failed) leaves the
+        followers waiting inside it: the group is ``broken`` and refuses further calls; start the ranks again."""
         if not self.driver:
             return run(**tensors)
         self.announce(name, tensors, extra or {})
         try:
             return run(**tensors)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise Flux2Error(self.failure(e)) from None
+        except BaseException as e:
+            error = self.cut_short(e)
+            if error is e:
+                raise
+            raise error from None
 
     def announce(self, name: str, tensors: dict[str, Tensor | None], extra: dict) -> None:
         """Tell the followers what to run next (through the store), then broadcast its input tensors."""
+        if self.broken:
+            raise Flux2Error("an earlier sequence-parallel pass was cut short (cancelled or failed) while the other "
+                             "ranks were inside it, so they cannot follow another: start the ranks again")
         if not self.peers_alive():
+            self.broken = True
             raise Flux2Error(self.failure(RuntimeError("a follower process has stopped")))
         self.calls += 1
         header = {"call": name, "extra": extra,
@@ -157,8 +167,19 @@ class SequenceParallel:
             for t in tensors.values():
                 if t is not None:
                     dist.broadcast(t.to(self.device).contiguous(), DRIVER, group=self.group)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise Flux2Error(self.failure(e)) from None
+        except BaseException as e:
+            error = self.cut_short(e)
+            if error is e:
+                raise
+            raise error from None
+
+    def cut_short(self, error: BaseException) -> BaseException:
+        """Mark the group broken after ``error`` ended a call on the driver; what to raise: a failed collective as a
+        Flux2Error quoting the other ranks, the driver's own error (a cancel, out of memory) as it is."""
+        self.broken = True
+        if isinstance(error, torch.OutOfMemoryError) or not isinstance(error, RuntimeError | dist.DistError):
+            return error
+        return Flux2Error(self.failure(error))
 
     def forget(self) -> None:
         """Drop from the store the announcements every follower has read (each counts itself in ``read/<call>``)."""
@@ -169,6 +190,13 @@ class SequenceParallel:
             self.store.delete_key(f"call/{call}")
             self.store.delete_key(f"read/{call}")
             self.forgotten = call
+
+    def release(self) -> None:
+        """Let the followers drop what they keep between calls (their share of the last reference K/V) and give
+        their cached GPU memory back; the driver's next KV pass makes new ones."""
+        if self.driver and not self.broken:
+            self.announce("release", {}, {})
+            self.last_kv = None
 
     def failure(self, error: Exception) -> str:
         """What to tell the user when a collective failed: the followers' own messages where they left one."""
@@ -181,10 +209,13 @@ class SequenceParallel:
                 f"up for the whole run: check each rank's log and free memory, then start them all again")
 
     def stop(self) -> None:
-        """Tell the followers to return from ``serve``; then leave the group."""
-        if self.driver:
-            self.announce("stop", {}, {})
-        leave()
+        """Tell the followers to return from ``serve`` (unless the group is broken: they cannot hear it); then leave
+        the group, whatever happened."""
+        try:
+            if self.driver and not self.broken:
+                self.announce("stop", {}, {})
+        finally:
+            leave()
 
     # --- the followers' side ------------------------------------------------------------------------------------
 
@@ -219,15 +250,26 @@ class SequenceParallel:
             self.store.set(f"error/{self.rank}", f"{type(error).__name__}: {error}")
 
 
+def check_world(heads: int, world: int) -> None:
+    """Refuse ``world`` ranks for a model of ``heads`` attention heads unless it divides them."""
+    if world > 1 and heads % world:
+        fits = [p for p in range(2, heads + 1) if heads % p == 0]
+        raise Flux2Error(f"{world} ranks do not divide this model's {heads} attention heads: use "
+                         f"{', '.join(map(str, fits[:6]))} ranks (processes / GPUs) instead")
+
+
 def attach(model, sp: SequenceParallel | None) -> None:
     """Spread ``model`` (a Flux2Transformer) over ``sp``'s ranks (None: run it whole again). The world size must
     divide the number of attention heads (each rank attends with heads/P of them)."""
-    if sp is not None and sp.world > 1 and model.params.num_heads % sp.world:
-        heads = model.params.num_heads
-        fits = [p for p in range(2, heads + 1) if heads % p == 0]
-        raise Flux2Error(f"{sp.world} ranks do not divide this model's {heads} attention heads: use "
-                         f"{', '.join(map(str, fits[:6]))} ranks (processes / GPUs) instead")
+    if sp is not None:
+        check_world(model.params.num_heads, sp.world)
     model.sequence_parallel = sp if sp is not None and sp.world > 1 else None
+
+
+def world_of(model) -> int:
+    """How many ranks ``model`` (a Flux2Transformer) is spread over: 1 unless ``attach``ed to a group."""
+    sp = getattr(model, "sequence_parallel", None)
+    return 1 if sp is None else sp.world
 
 
 def serve(model, sp: SequenceParallel, handlers: dict[str, Callable[[dict], None]] | None = None,
@@ -247,6 +289,10 @@ def serve(model, sp: SequenceParallel, handlers: dict[str, Callable[[dict], None
                 elif name == "reference_kv":
                     kv = None                                   # the last one goes before the new one is made
                     kv = model.reference_kv(**tensors)
+                elif name == "release":
+                    kv = None
+                    if sp.device.type == "cuda":
+                        torch.cuda.empty_cache()
                 elif handlers and name in handlers:
                     handlers[name](extra)
                 else:

@@ -59,7 +59,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from . import checks, inpaint
+from . import checks, inpaint, parallel
 from .autoencoder import AutoEncoder, free_memory
 from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
@@ -184,9 +184,9 @@ def apply_adapters(models: Models, files: Sequence[tuple[str | Path, float]], me
 
 # --- the text encoder: cache and offload ----------------------------------------------------------------------------
 
-def denoise_memory(params: TransformerParams, tokens: int, batch: int, dtype: torch.dtype) -> int:
+def denoise_memory(params: TransformerParams, tokens: int, batch: int, dtype: torch.dtype, ranks: int = 1) -> int:
     """The denoiser's peak activation memory in bytes for ``tokens`` (text, image and reference) per item of the model
-    batch (CFG doubles it).
+    batch (CFG doubles it); with ``ranks`` > 1, that of one rank of a sequence-parallel pass (``parallel.py``).
 
     The peak is in a single block, as it concatenates [attention out, SwiGLU] for linear2. Per token, with H hidden
     and M = mlp_ratio·H (3H): its linear1 output [L, 3H + 2M] (q, k, v and the MLP input are views of it), the
@@ -194,10 +194,17 @@ def denoise_memory(params: TransformerParams, tokens: int, batch: int, dtype: to
     rotated q and k, the attention out, the modulation's temporaries); beside them the float32 RoPE table
     [L, head_dim/2, 2]. For Klein (M = 3H) that is 24 H-wide values per token, 23.5 measured on CPU
     (tests/test_pipeline.py).
+
+    A rank runs the same on its share of the tokens (text and the rest are split apart, the larger shares first: at
+    most tokens / ranks + 1), and holds besides the attention's tensors in the heads layout, every token for
+    H / ranks of the width: q, k, v, the output and the all-to-all buffers both ways, counted as 8 such tensors, an
+    upper bound (tests/test_parallel.py measures every rank's peak with 2 and 3 ranks below the estimate).
     """
     h, m = params.hidden_size, params.mlp_hidden
     values = (3 * h + 2 * m) + (h + m) + m + 8 * h
-    return batch * tokens * (values * dtype.itemsize + params.head_dim * 4)
+    local = tokens if ranks == 1 else -(-tokens // ranks) + 1
+    heads_layout = 0 if ranks == 1 else 8 * tokens * (h // ranks) * dtype.itemsize
+    return batch * (local * (values * dtype.itemsize + params.head_dim * 4) + heads_layout)
 
 
 def working_memory(variant: Variant, size: tuple[int, int], dtype: torch.dtype) -> int:
@@ -207,13 +214,16 @@ def working_memory(variant: Variant, size: tuple[int, int], dtype: torch.dtype) 
 
 
 def denoiser_memory(model: torch.nn.Module, variant: Variant, batch: int, h: int, w: int, dtype: torch.dtype, *,
-                    ref_tokens: int = 0, cfg: bool = False, text_tokens: int | None = None) -> int:
+                    ref_tokens: int = 0, cfg: bool = False, text_tokens: int | None = None,
+                    ranks: int | None = None) -> int:
     """The denoiser's working memory in bytes beside its weights, the one estimate ``generate`` and the Denoise node
     use: ``denoise_memory`` for the text (``text_tokens``, by default the text encoder's 512), image (an h x w latent)
     and reference tokens of each item of the model batch (``batch``, doubled by CFG), plus a GGUF model's largest
-    layer dequantized (``ggml_layers.dequantize_bytes``)."""
+    layer dequantized (``ggml_layers.dequantize_bytes``). ``ranks``: the processes a sequence-parallel pass spreads
+    over (by default those ``model`` is attached to, ``parallel.world_of``); the estimate is then one rank's."""
     text = variant.text_encoder.max_length if text_tokens is None else text_tokens
-    return (denoise_memory(variant.params, text + h * w + ref_tokens, batch * (2 if cfg else 1), dtype)
+    ranks = parallel.world_of(model) if ranks is None else ranks
+    return (denoise_memory(variant.params, text + h * w + ref_tokens, batch * (2 if cfg else 1), dtype, ranks)
             + dequantize_bytes(model, dtype))
 
 
@@ -426,7 +436,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     if kv and reference_kv is None:
         cache = models.reference_cache
         if masked or cache is None or not cache.holds_images(model, ae, refs, dtype):
-            needed += reference_kv_bytes(variant.params, ref_tokens, dtype)     # the reference pass makes them
+            needed += reference_kv_bytes(variant.params, ref_tokens, dtype, parallel.world_of(model))  # the pass makes them
     encodes = [ae.encode_bytes(1, im.height, im.width) for im in ([init] if init else []) + refs]
     check_memory(device, max([needed, ae.least_decode_bytes(h, w), *encodes]),
                  f"generating {batch} x {width}x{height}{f' with {len(refs)} references' if refs else ''}")

@@ -276,10 +276,11 @@ class ReferenceKV:
                             for k, v in self.blocks], self.num_tokens, self.parallel_id)
 
 
-def reference_kv_bytes(params: TransformerParams, tokens: int, dtype: torch.dtype) -> int:
+def reference_kv_bytes(params: TransformerParams, tokens: int, dtype: torch.dtype, ranks: int = 1) -> int:
     """The size of ``reference_kv``'s result for ``tokens`` reference tokens: a key and a value [1, heads, tokens,
-    head_dim] per block, double and single (Klein 9B, bf16: 2 GiB for one 1024^2 reference of 4096 tokens)."""
-    return 2 * (params.depth + params.depth_single_blocks) * tokens * params.hidden_size * dtype.itemsize
+    head_dim] per block, double and single (Klein 9B, bf16: 2 GiB for one 1024^2 reference of 4096 tokens); on each
+    of ``ranks`` sequence-parallel ranks, which keep heads / ranks of the heads each, that over ``ranks``."""
+    return 2 * (params.depth + params.depth_single_blocks) * tokens * (params.hidden_size // ranks) * dtype.itemsize
 
 
 def _batched(x: Tensor, batch: int, name: str) -> Tensor:

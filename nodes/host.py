@@ -204,7 +204,7 @@ class Managed:
         The module is shared by every branch using the loader's output, so each user sets the LoRAs it needs;
         flux2_core.patching restores the original weights bit for bit in between."""
         if getattr(module, "adapter_key", ()) != self.adapter_key:
-            merge = True if any(entry[4] for entry in self.adapters) else None      # asked to merge into fp8
+            merge = True if any(m for _, _, strength, _, m in self.adapters if strength) else None   # into fp8
             patching.set_adapters(module, [(patch, strength) for _, _, strength, adapter, _ in self.adapters
                                            for patch in patches_of(adapter)], self.adapter_key, merge)
 
@@ -332,12 +332,15 @@ def parallel_devices(model: Managed) -> list[str]:
     """The devices of ``model.ranks`` ranks: ComfyUI's device for this process (rank 0), then the other GPUs in
     order; on the CPU (--cpu), processes sharing it."""
     device = model.patcher.load_device
-    if device.type != "cuda":
+    if device.type == "cpu":
         return [str(device)] * model.ranks
+    if device.type != "cuda":
+        raise Flux2Error(f"FLUX.2 Klein Parallel spreads the work over NVIDIA GPUs (CUDA), but ComfyUI computes on "
+                         f"{device.type} here: bypass the Parallel node")
     others = [f"cuda:{i}" for i in range(torch.cuda.device_count()) if i != device.index]
     if len(others) + 1 < model.ranks:
         raise Flux2Error(f"FLUX.2 Klein Parallel asks for {model.ranks} GPUs but this machine shows "
-                         f"{len(others) + 1}: lower ranks")
+                         f"{len(others) + 1}: set its gpus to {len(others) + 1} or fewer")
     return [str(device), *others[:model.ranks - 1]]
 
 
@@ -346,27 +349,30 @@ def followers(model: Managed) -> FollowerGroup:
     file): one group at a time, closed when ComfyUI unloads the model (ON_DETACH) so their memory is freed."""
     key = (model.recipe, tuple(parallel_devices(model)))
     group = FOLLOWERS.get(key)
-    if group is not None and group.alive():
+    if group is not None and group.usable():
         return group
     close_followers()
     log.info("FLUX.2 Klein Parallel: starting %d follower processes on %s", model.ranks - 1, ", ".join(key[1][1:]))
-    FOLLOWERS[key] = FollowerGroup.start(model.recipe, list(key[1]))
-    model.patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, "flux2_followers",
-                                        lambda *_: close_followers())
+    FOLLOWERS[key] = FollowerGroup.start(model.recipe, list(key[1]), cancel=check_interrupt)
+    detach = comfy.patcher_extension.CallbacksMP.ON_DETACH
+    model.patcher.remove_callbacks_with_key(detach, "flux2_followers")          # one, however often they restart
+    model.patcher.add_callback_with_key(detach, "flux2_followers", lambda *_: close_followers())
     return FOLLOWERS[key]
 
 
-def close_dead_followers() -> None:
-    """Close the follower group if one of its processes has stopped."""
-    if any(not group.alive() for group in FOLLOWERS.values()):
+def close_broken_followers() -> None:
+    """Close the follower group if one of its processes has stopped, or a pass was cut short (cancelled, failed):
+    the next run starts new ones."""
+    if any(not group.usable() for group in FOLLOWERS.values()):
         close_followers()
 
 
 def close_followers() -> None:
     """Stop the follower processes (if any) and free their memory."""
-    for group in FOLLOWERS.values():
-        group.close()
+    groups = list(FOLLOWERS.values())
     FOLLOWERS.clear()
+    for group in groups:
+        group.close()
 
 
 # --- validation when a prompt is queued ---------------------------------------------------------------------------

@@ -70,7 +70,7 @@ class ModelLoader(io.ComfyNode):
                 f"{f'{fp8_layers} layers in fp8 ({fp8_note}), ' if fp8_layers else ''}{gguf_note(model)}"
                 f"{host.dtype_name(dtype)}")
         managed = host.manage(model, model, "transformer", dtype, variant=variant, full_load=fp8_layers > 0)
-        managed.recipe = Recipe(host.resolve("diffusion_models", model_name), host.dtype_name(dtype), fp8)
+        managed.recipe = Recipe.of(host.resolve("diffusion_models", model_name), host.dtype_name(dtype), fp8)
         return io.NodeOutput(managed, ui=ui.PreviewText(info))
 
 

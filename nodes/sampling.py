@@ -153,18 +153,18 @@ class Denoise(io.ComfyNode):
         blend, mask_note = masked(latent, start, noise)                              # ComfyUI's noise_mask
         txt = prompt_embeds(positive, variant)
         ref, ref_ids = references.reference_tokens(positive[0][1].get("reference_latents", []))  # both CFG branches
-        memory, kv_key = working_memory(model, noise, txt, ref, ref_ids, rule.cfg)
+        spread = model.ranks > 1 and model.recipe is not None
+        if spread:
+            parallel.check_world(variant.params.num_heads, model.ranks)             # before followers start
+            if model.compiled:
+                raise Flux2Error("FLUX.2 Klein Compile and FLUX.2 Klein Parallel do not run together yet: bypass one")
+        memory, kv_key = working_memory(model, noise, txt, ref, ref_ids, rule.cfg, model.ranks if spread else 1)
         device = model.ready(memory)
         pipeline.check_memory(device, memory, f"denoising {list(noise.shape)} latents", free=host.free_memory,
                               fix="use a smaller size or batch, or fewer or smaller references")
         model.use_adapters(model.core, lambda adapter: adapter.patches)
         set_compiled(model)
         x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)      # = noise when sigmas[0] is 1
-        spread = model.ranks > 1 and model.recipe is not None
-        if spread and model.compiled:
-            raise Flux2Error("FLUX.2 Klein Compile and FLUX.2 Klein Parallel do not run together yet: bypass one")
-        if spread:                     # the K/V of a parallel run are split over the ranks: made by the denoise itself
-            kv_key = None
         ref_kv, info = reference_kv(model, kv_key, ref, ref_ids, device, memory) if kv_key else (None, None)
         if ref_kv is not None:
             ref = ref_ids = None                                                     # the K/V stand for them
@@ -174,8 +174,10 @@ class Denoise(io.ComfyNode):
                                    if rule.cfg else None, cfg=rule.scale, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
                                    kv=variant.use_kv_cache, guidance=rule.embedded, inpaint=blend,
                                    callback=host.StepReporter(len(sigmas) - 1, device))
-        except Flux2Error:
-            host.close_dead_followers()                     # a follower died: the next run starts new ones
+            if spread:
+                model.core.sequence_parallel.release()          # the followers' share of the reference K/V
+        except BaseException:
+            host.close_broken_followers()       # cancelled or failed inside a pass: the next run starts new ones
             raise
         finally:
             parallel.attach(model.core, None)
@@ -206,8 +208,8 @@ class Compile(io.ComfyNode):
 def spread_over(model: host.Managed):
     """The follower group's SequenceParallel for ``model``, its followers given the model's LoRAs."""
     group = host.followers(model)
-    group.set_adapters([(host.resolve("loras", name), strength, merge)
-                        for name, _, strength, _, merge in model.adapters if strength != 0])
+    group.set_adapters([(host.resolve("loras", name), strength, merge, adapter.digest(text_encoder=False))
+                        for name, _, strength, adapter, merge in model.adapters if strength != 0])
     return group.sp
 
 
@@ -223,14 +225,19 @@ def set_compiled(model: host.Managed) -> None:
         compiling.uncompile_blocks(model.core)
 
 
-def working_memory(model: host.Managed, noise, txt, ref, ref_ids, cfg: bool) -> tuple[int, tuple | None]:
+def working_memory(model: host.Managed, noise, txt, ref, ref_ids, cfg: bool,
+                   ranks: int) -> tuple[int, tuple | None]:
     """(the bytes to ask ComfyUI for beside the weights, the references' REFERENCE_KV key for KV models): the CLI's
-    estimate (pipeline.denoiser_memory), plus the reference K/V a KV model's reference pass will make."""
+    estimate (pipeline.denoiser_memory), plus the reference K/V a KV model's reference pass will make; with
+    ``ranks`` > 1, this process's share of a parallel run, whose denoise makes its own split K/V (no key)."""
     batch, _, h, w = noise.shape
     memory = pipeline.denoiser_memory(model.core, model.variant, batch, h, w, model.dtype, cfg=cfg,
-                                      ref_tokens=0 if ref is None else ref.shape[1], text_tokens=txt.shape[1])
+                                      ref_tokens=0 if ref is None else ref.shape[1], text_tokens=txt.shape[1],
+                                      ranks=ranks)
     if not model.variant.use_kv_cache or ref is None:
         return memory, None
+    if ranks > 1:
+        return memory + reference_kv_bytes(model.variant.params, ref.shape[1], model.dtype, ranks), None
     key = cache.reference_kv_key(model.key, ref.to(model.dtype), ref_ids)
     return memory + (0 if key in REFERENCE_KV else reference_kv_bytes(model.variant.params, ref.shape[1],
                                                                         model.dtype)), key

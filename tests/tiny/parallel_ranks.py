@@ -16,6 +16,7 @@ from flux2_core.errors import Flux2Error
 from flux2_core.followers import free_port
 from flux2_core.transformer import Flux2Transformer
 from flux2_core.variants import TransformerParams
+from tests.memory import peak_bytes
 from tests.tiny.transformer import random_bfl_transformer_state_dict
 
 # 6 heads: 2 and 3 ranks both divide them; 16-wide heads in four RoPE axes of 4
@@ -41,6 +42,10 @@ def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
     if name == "cfg":
         negative = torch.randn(1, TXT_TOKENS, SIX_HEADS.context_in_dim, generator=g)
         return {"latents": sampling.denoise(model, x.repeat(2, 1, 1, 1), SIGMAS, txt, negative_txt=negative, cfg=3.5)}
+    if name == "small_ref":         # 2 reference tokens over 3 ranks: the reference pass leaves one rank none
+        ref, ref_ids = torch.randn(1, 2, 128, generator=g), rope.reference_ids([(1, 2)])
+        kv = model.reference_kv(ref, ref_ids)
+        return {"latents": sampling.denoise(model, x, SIGMAS, txt, ref_kv=kv, kv=True)}
     grids = [(2, 3), (3, 3), (1, 5)]
     ref = torch.randn(1, sum(h * w for h, w in grids), 128, generator=g)
     ref_ids = rope.reference_ids(grids)
@@ -56,6 +61,12 @@ def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
         for _ in range(3):
             sp.call(lambda: None, "nothing", {})
         return {"latents": sampling.denoise(model, x, SIGMAS, txt)}
+    if name == "memory":            # one pass over many tokens, each rank's peak measured (measure_passes)
+        img = torch.randn(2, MEMORY_GRID[0] * MEMORY_GRID[1], 128, generator=g)
+        txt = torch.randn(2, MEMORY_TXT, SIX_HEADS.context_in_dim, generator=g)
+        inputs = (img, rope.image_ids(2, *MEMORY_GRID), torch.full((2,), 0.5), txt, rope.text_ids(2, MEMORY_TXT))
+        with torch.no_grad():
+            return {"velocity": [model(*inputs) for _ in range(MEMORY_PASSES)][-1]}
     if name == "stale_kv":
         old = model.reference_kv(ref, ref_ids)
         model.reference_kv(ref[:, :6], ref_ids[:, :6])
@@ -73,10 +84,30 @@ def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
     raise ValueError(name)
 
 
+MEMORY_GRID, MEMORY_TXT = (31, 33), 45      # 1068 tokens, uneven over 2 and 3 ranks
+MEMORY_PASSES = 3
+
+
+def measure_passes(model: Flux2Transformer, folder: str, rank: int) -> None:
+    """Record the peak memory of each of this rank's transformer passes (inputs and weights excluded) in
+    ``folder/peak<rank>.txt``, one line per pass."""
+    velocity = model._velocity
+
+    def measured(*args, **kwargs):
+        result = []
+        peak = peak_bytes(lambda: result.append(velocity(*args, **kwargs)), collectives=True)
+        with open(Path(folder) / f"peak{rank}.txt", "a") as f:
+            f.write(f"{peak}\n")
+        return result[0]
+    model._velocity = measured
+
+
 def _rank(rank: int, world: int, port: int, name: str, out: str) -> None:
     torch.set_num_threads(1)
     sp = parallel.start(rank, world, "cpu", port=port)
     model = build_model()
+    if name == "memory":
+        measure_passes(model, out, rank)
     if not sp.driver:
         if name == "rank_dies" and rank == world - 1:
             calls = {"n": 0}
