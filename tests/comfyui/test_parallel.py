@@ -4,6 +4,7 @@ with three references; the follower stops when ComfyUI unloads the models ("Unlo
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -75,3 +76,44 @@ def test_parallel_node_equals_one_process_for_a_kv_edit_with_three_references(co
     relative = ((two - one).abs().max() / one.abs().max()).item()
     print(f"\nParallel node, 9B-KV edit with 3 references: relative {relative:.3g}")
     assert relative <= 1e-5
+
+
+def test_a_parallel_run_cancelled_midway_leaves_the_next_run_working(comfy):
+    # ComfyUI's layers check for a cancel inside the transformer pass: the follower is then left inside it. The node
+    # must close that group (not wait in a collective for the group timeout), and the next run must start afresh
+    model_file = comfy.files["transformer_two_heads"]
+    long_run = on_two_ranks(graphs.ours(comfy.files, "a long parallel run", seed=3, steps=200, width=512, height=512,
+                                        model_file=model_file))
+    client = comfy.client
+    ws = client.connect()
+    try:
+        prompt_id = client.submit(long_run)
+        asked = False
+        while True:
+            raw = ws.recv()
+            if isinstance(raw, bytes):
+                continue
+            message = json.loads(raw)
+            data = message["data"]
+            if data.get("prompt_id") != prompt_id:
+                continue
+            if message["type"] == "progress" and data["node"] == "8" and data["value"] >= 2 and not asked:
+                client.interrupt()              # (progress messages may skip a step: >=)
+                asked = True
+            if message["type"] in ("execution_interrupted", "execution_success", "execution_error"):
+                break
+    finally:
+        ws.close()
+    assert message["type"] == "execution_interrupted", message
+
+    started = time.monotonic()
+    case = {**CASE, "seed": 21}
+    two, outputs = latent(comfy, on_two_ranks(graphs.ours(comfy.files, **case, model_file=model_file,
+                                                           output="latent")))
+    took = time.monotonic() - started
+    print(f"\nthe parallel run after a cancel took {took:.1f} s")
+    assert took < 120
+    assert "denoised on 2 ranks" in outputs["8"]["text"][0]
+    assert len(follower_pids()) == 1
+    one, _ = latent(comfy, graphs.ours(comfy.files, **case, model_file=model_file, output="latent"))
+    assert ((two - one).abs().max() / one.abs().max()).item() <= 1e-5
