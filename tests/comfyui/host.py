@@ -171,6 +171,30 @@ class HostClient(ComfyClient):
         finally:
             ws.close()
 
+    def run_interrupted(self, prompt: dict, step: int, node: str = "8", **extra_data) -> tuple[dict, list]:
+        """Submit a prompt, send /interrupt once node ``node`` reports progress ``step`` or later (progress messages
+        may skip a step), and follow it to its end: (its final message, [(progress value, monotonic time)] of that
+        node as they arrived)."""
+        ws = self.connect()
+        try:
+            prompt_id, progress = self.submit(prompt, extra_data or None), []
+            while True:
+                raw = ws.recv()
+                if isinstance(raw, bytes):
+                    continue
+                message = json.loads(raw)
+                data = message["data"]
+                if data.get("prompt_id") != prompt_id:
+                    continue
+                if message["type"] == "progress" and data["node"] == node:
+                    progress.append((data["value"], time.monotonic()))
+                    if data["value"] >= step and len([v for v, _ in progress if v >= step]) == 1:
+                        self.interrupt()
+                if message["type"] in ("execution_interrupted", "execution_success", "execution_error"):
+                    return message, progress
+        finally:
+            ws.close()
+
     def history(self, prompt_id: str) -> dict:
         return self.get_json(f"/history/{prompt_id}")[prompt_id]
 

@@ -1,7 +1,6 @@
 """How our nodes behave as ComfyUI runs them: progress per step with latent previews, interrupt, many prompts in a row."""
 
 import io
-import json
 import struct
 import time
 
@@ -27,28 +26,9 @@ def test_one_progress_message_and_preview_per_step(comfy):
 def test_interrupt_stops_within_one_step(comfy):
     steps, stop_at = 200, 3
     prompt = graphs.ours(comfy.files, "a long run", seed=12, steps=steps, width=512, height=512)
-    client = comfy.client
-    ws = client.connect()
-    try:
-        prompt_id = client.submit(prompt, PREVIEWS)
-        seen, times = [], []
-        while True:
-            raw = ws.recv()
-            if isinstance(raw, bytes):
-                continue
-            message = json.loads(raw)
-            data = message["data"]
-            if data.get("prompt_id") != prompt_id:
-                continue
-            if message["type"] == "progress" and data["node"] == "8":
-                seen.append(data["value"])
-                times.append(time.monotonic())
-                if data["value"] == stop_at:
-                    client.interrupt()
-            if message["type"] in ("execution_interrupted", "execution_success", "execution_error"):
-                break
-    finally:
-        ws.close()
+    message, progress = comfy.client.run_interrupted(prompt, stop_at, **PREVIEWS)
+    data = message["data"]
+    seen, times = [value for value, _ in progress], [at for _, at in progress]
     assert message["type"] == "execution_interrupted", message
     assert data["node_id"] == "8" and data["node_type"] == "Flux2KleinDenoise"
     step_time = (times[stop_at - 1] - times[0]) / (stop_at - 1)

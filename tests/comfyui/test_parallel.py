@@ -4,7 +4,6 @@ with three references; the follower stops when ComfyUI unloads the models ("Unlo
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -84,26 +83,7 @@ def test_a_parallel_run_cancelled_midway_leaves_the_next_run_working(comfy):
     model_file = comfy.files["transformer_two_heads"]
     long_run = on_two_ranks(graphs.ours(comfy.files, "a long parallel run", seed=3, steps=200, width=512, height=512,
                                         model_file=model_file))
-    client = comfy.client
-    ws = client.connect()
-    try:
-        prompt_id = client.submit(long_run)
-        asked = False
-        while True:
-            raw = ws.recv()
-            if isinstance(raw, bytes):
-                continue
-            message = json.loads(raw)
-            data = message["data"]
-            if data.get("prompt_id") != prompt_id:
-                continue
-            if message["type"] == "progress" and data["node"] == "8" and data["value"] >= 2 and not asked:
-                client.interrupt()              # (progress messages may skip a step: >=)
-                asked = True
-            if message["type"] in ("execution_interrupted", "execution_success", "execution_error"):
-                break
-    finally:
-        ws.close()
+    message, _ = comfy.client.run_interrupted(long_run, 2)
     assert message["type"] == "execution_interrupted", message
 
     started = time.monotonic()
