@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 
 import comfy.model_management as mm
@@ -346,7 +347,9 @@ def parallel_devices(model: Managed) -> list[str]:
 
 def followers(model: Managed) -> FollowerGroup:
     """The follower processes for ``model``'s parallel denoise, started on first use (each loads the transformer
-    file): one group at a time, closed when ComfyUI unloads the model (ON_DETACH) so their memory is freed."""
+    file): one group at a time. They stop when ComfyUI unloads the model between prompts ("Unload models", or
+    another workflow's models taking the memory) or drops it; unloaded while a prompt runs (ComfyUI making room on
+    this GPU for the text encoder, say: their GPUs are not involved), they stay for the next denoise."""
     key = (model.recipe, tuple(parallel_devices(model)))
     group = FOLLOWERS.get(key)
     if group is not None and group.usable():
@@ -356,8 +359,16 @@ def followers(model: Managed) -> FollowerGroup:
     FOLLOWERS[key] = FollowerGroup.start(model.recipe, list(key[1]), cancel=check_interrupt)
     detach = comfy.patcher_extension.CallbacksMP.ON_DETACH
     model.patcher.remove_callbacks_with_key(detach, "flux2_followers")          # one, however often they restart
-    model.patcher.add_callback_with_key(detach, "flux2_followers", lambda *_: close_followers())
+    model.patcher.add_callback_with_key(detach, "flux2_followers",
+                                        lambda *_: None if prompt_running() else close_followers(key))
+    weakref.finalize(model.patcher, close_followers, key)
     return FOLLOWERS[key]
+
+
+def prompt_running() -> bool:
+    """Whether ComfyUI is executing a prompt now (its "Unload models" runs between prompts)."""
+    running, _ = PromptServer.instance.prompt_queue.get_current_queue_volatile()
+    return bool(running)
 
 
 def close_broken_followers() -> None:
@@ -367,10 +378,9 @@ def close_broken_followers() -> None:
         close_followers()
 
 
-def close_followers() -> None:
-    """Stop the follower processes (if any) and free their memory."""
-    groups = list(FOLLOWERS.values())
-    FOLLOWERS.clear()
+def close_followers(key: tuple | None = None) -> None:
+    """Stop the follower processes (those of ``key`` only, if given) and free their memory."""
+    groups = [FOLLOWERS.pop(k) for k in list(FOLLOWERS) if key is None or k == key]
     for group in groups:
         group.close()
 

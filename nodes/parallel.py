@@ -2,7 +2,8 @@
 
 This ComfyUI process stays rank 0 and runs the sampler as usual (progress, previews and cancel work as without it);
 follower processes, one per other GPU, load the same transformer file and take their share of every pass. They start
-at the first denoise (each loads the file) and stop when ComfyUI unloads the model (nodes/host.py).
+at the first denoise (each loads the file) and stop when ComfyUI unloads the model between prompts or drops it
+(nodes/host.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ class Parallel(io.ComfyNode):
             description="Spreads every denoising step over several GPUs of this machine: the image and text tokens are "
                         "split between them and attention trades them (sequence parallelism), so one large image "
                         "comes sooner. The first run starts a process per extra GPU that loads the model file; they "
-                        "stop when ComfyUI unloads the model. The GPUs must divide the model's attention heads "
-                        "(Klein 4B: 24, 9B: 32). Results equal one GPU's to float rounding.",
+                        "stop when ComfyUI unloads the model between prompts (Unload models). The GPUs must divide "
+                        "the model's attention heads (Klein 4B: 24, 9B: 32). Results equal one GPU's to float "
+                        "rounding.",
             inputs=[types.Model.Input("model", tooltip="From FLUX.2 Klein Load Model (LoRAs may follow or precede)."),
                     io.Int.Input("gpus", default=2, min=2, max=8,
                                  tooltip="How many GPUs share the work, this one included (2, 4 or 8 for Klein 9B).")],
