@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -120,7 +122,8 @@ class SequenceParallel:
         self.store, self.group = store, group
         self.calls = 0                # calls announced (driver) or followed (followers)
         self.forgotten = 0            # the driver's announcements up to this call are dropped from the store
-        self.last_kv: int | None = None   # the call that made the reference K/V the followers keep
+        self.token = uuid.uuid4().hex     # this group, among the groups a process may join over time
+        self.last_kv: str | None = None   # "<token>/<call>": the call that made the reference K/V the followers keep
         self.peers_alive: Callable[[], bool] = lambda: True   # the driver's check that its followers still run
         self.broken = False           # a call ended early on the driver: the followers are stuck inside it
 
@@ -214,8 +217,15 @@ class SequenceParallel:
         try:
             if self.driver and not self.broken:
                 self.announce("stop", {}, {})
+                self.wait_read(self.calls)      # this process serves the store: it must outlive their reading
         finally:
             leave()
+
+    def wait_read(self, call: int, timeout: float = 30.0) -> None:
+        """Until every follower has read announcement ``call`` (or one has gone, or ``timeout`` seconds passed)."""
+        end = time.monotonic() + timeout
+        while self.store.add(f"read/{call}", 0) < self.world - 1 and self.peers_alive() and time.monotonic() < end:
+            time.sleep(0.01)
 
     # --- the followers' side ------------------------------------------------------------------------------------
 
@@ -338,6 +348,8 @@ def join(store, rank: int, world: int, device, backend: str | None = None,
     """Join the process group over ``store`` (``connect_store``); returns this rank's SequenceParallel."""
     device = torch.device(device)
     backend = backend_for(device, backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)       # nothing of this rank (NCCL's own buffers included) lands on cuda:0
     if dist.is_initialized():
         raise Flux2Error("this process already belongs to a torch.distributed group (another tool started one): "
                          "run the parallel denoiser in its own processes")

@@ -253,7 +253,7 @@ class ReferenceKV:
 
     blocks: list[tuple[Tensor, Tensor]]
     num_tokens: int
-    parallel_id: int | None = None
+    parallel_id: str | None = None
 
     @property
     def batch(self) -> int:
@@ -357,7 +357,7 @@ class Flux2Transformer(nn.Module):
         if sp is None:
             return self._reference_kv(ref, ref_ids)
         kv = sp.call(self._reference_kv, "reference_kv", {"ref": ref, "ref_ids": ref_ids})
-        kv.parallel_id = sp.last_kv = sp.calls       # the followers keep their shares of this one (only)
+        kv.parallel_id = sp.last_kv = f"{sp.token}/{sp.calls}"   # the followers keep their shares of this one (only)
         return kv
 
     def _velocity(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
