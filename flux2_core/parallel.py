@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -335,10 +336,19 @@ def start(rank: int, world: int, device, *, address: str = "127.0.0.1", port: in
 
 def connect_store(rank: int, world: int, address: str, port: int, host: bool,
                   timeout: timedelta = GROUP_TIMEOUT):
-    """The group's key-value store at address:port (served by this process if ``host``)."""
+    """The group's key-value store at address:port (served by this process if ``host``; port 0: one the system
+    picks, then ``store.port``). Served on a loopback address, it listens there only, not on every interface as
+    TCPStore does by itself: nothing outside this machine can reach a store that tells processes what to run."""
     try:
-        return dist.TCPStore(address, port, world, host, timeout=timeout, wait_for_workers=False)
-    except (RuntimeError, dist.DistError) as e:
+        listen = None
+        if host and address in ("127.0.0.1", "localhost"):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port))
+                sock.listen(128)
+                port, listen = sock.getsockname()[1], sock.detach()     # the store owns the descriptor now
+        return dist.TCPStore(address, port, world, host, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=listen)
+    except (RuntimeError, dist.DistError, OSError) as e:
         raise Flux2Error(f"rank {rank} of {world} could not reach the group's store at {address}:{port} "
                          f"({str(e).splitlines()[0]}): is the port free, and are all {world} ranks started?") from None
 

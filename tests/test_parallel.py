@@ -2,6 +2,8 @@
 tiny weights: text-to-image, CFG, three joint references and the 9B-KV scheme, with token counts that do not divide
 evenly; and its errors."""
 
+import os
+
 import pytest
 import torch
 
@@ -98,3 +100,24 @@ def test_denoise_memory_covers_each_ranks_measured_peak(tmp_path, world):
         whole = peak_bytes(lambda: model(*inputs))
     assert whole <= pipeline.denoise_memory(SIX_HEADS, tokens, 2, torch.float32)
     assert max(peaks) < whole * (1 / world + 0.35)
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp and tcp6 write them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:          # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+def test_a_store_served_on_loopback_listens_there_only():
+    store = parallel.connect_store(0, 2, "127.0.0.1", 0, host=True)
+    assert listening_addresses(store.port) == {"0100007F"}            # 127.0.0.1, not 0.0.0.0 or ::
+    with pytest.raises(Flux2Error, match="could not reach the group's store"):
+        parallel.connect_store(0, 2, "127.0.0.1", store.port, host=True)     # the port is taken
