@@ -168,11 +168,17 @@ class Adapter:
     patches: list[Patch]                    # on the transformer (our BFL module names)
     text_encoder_patches: list[Patch]       # on the Qwen3 text encoder (its parameter names, without ".weight")
     report: MatchReport
+    _digests: dict = field(default_factory=dict, repr=False, compare=False)   # digest() by its argument
 
     def digest(self, text_encoder: bool = True) -> str:
         """A hash of everything that decides what the adapter does (targets, rows, kinds, scales, tensors, DoRA
         magnitudes): what caches key results by, with the strength, instead of a file name that can change.
-        ``text_encoder=False``: of what it does to the transformer alone."""
+        ``text_encoder=False``: of what it does to the transformer alone. Computed once (it reads every tensor)."""
+        if text_encoder not in self._digests:
+            self._digests[text_encoder] = self._hash(text_encoder)
+        return self._digests[text_encoder]
+
+    def _hash(self, text_encoder: bool) -> str:
         h = hashlib.blake2b(digest_size=16)
         for p in self.patches + (self.text_encoder_patches if text_encoder else []):
             h.update(repr((p.target, p.rows, p.kind, p.scale, p.swap_halves, sorted(p.tensors))).encode())
