@@ -45,12 +45,16 @@ def test_demo_writes_pngs_with_metadata(tmp_path, monkeypatch):
         assert (params["width"], params["height"], params["references"]) == (96, 64, 1)
         assert params["weights"] == "demo (random)"
     assert "step 2/2" in proc.stderr or "2/2" in proc.stderr   # progress on stderr (plain or tqdm)
-    # the same run again, in-process: a new file name, the same pixels (deterministic weights and seeds)
+    # the same run again, in-process: a new file name, the same pixels (deterministic weights and seeds), to one
+    # uint8 level: the two processes' CPU kernels may split a float reduction differently (seen here: 6 of 18432
+    # values one level apart in about one run of three, on a 2-core Xeon); another seed differs everywhere
     monkeypatch.chdir(tmp_path)
     assert cli.main(["generate", "--demo", "--prompt", "a red fox", "--seed", "6", "--ref", str(ref),
                      "--steps", "2", "--out", "pics"]) == 0
-    a, b = (np.asarray(Image.open(tmp_path / "pics" / n)) for n in ("flux2_6.png", "flux2_6-1.png"))
-    assert np.array_equal(a, b)
+    a, b = (np.asarray(Image.open(tmp_path / "pics" / n)).astype(int) for n in ("flux2_6.png", "flux2_6-1.png"))
+    assert np.abs(a - b).max() <= 1 and (a != b).mean() < 0.01
+    other = np.asarray(Image.open(tmp_path / "pics" / "flux2_5.png")).astype(int)
+    assert (other != b).mean() > 0.5
 
 
 @pytest.mark.parametrize("args,message", [
