@@ -178,7 +178,7 @@ def _last_words(result) -> str:
 
 def _apply_adapters(model, extra: dict) -> None:
     from .adapters import read_adapter
-    from .patching import set_adapters
+    from .patching import merge_asked, set_adapters
 
     read = []
     for path, strength, merge, digest in extra["adapters"]:
@@ -187,9 +187,8 @@ def _apply_adapters(model, extra: dict) -> None:
             raise Flux2Error(f"the LoRA {path} has changed since the driver read it: the ranks would compute with "
                              f"different weights. Run again (ComfyUI reads it anew when its file changes)")
         read.append((adapter, strength, merge))
-    merge = True if any(m for _, _, m in read) else None
     set_adapters(model, [(patch, s) for a, s, _ in read for patch in a.patches],
-                 tuple((a.name, a.digest(), s) for a, s, _ in read), merge)
+                 tuple((a.name, a.digest(), s) for a, s, _ in read), merge_asked(m for _, _, m in read))
 
 
 def _driver_alive(pid: int) -> bool:

@@ -145,13 +145,8 @@ class SequenceParallel:
         if not self.driver:
             return run(**tensors)
         self.announce(name, tensors, extra or {})
-        try:
+        with self.cut_short_on_failure():
             return run(**tensors)
-        except BaseException as e:
-            error = self.cut_short(e)
-            if error is e:
-                raise
-            raise error from None
 
     def announce(self, name: str, tensors: dict[str, Tensor | None], extra: dict) -> None:
         """Tell the followers what to run next (through the store), then broadcast its input tensors."""
@@ -167,23 +162,23 @@ class SequenceParallel:
                               for key, t in tensors.items()]}
         self.store.set(f"call/{self.calls}", json.dumps(header))
         self.forget()
-        try:
+        with self.cut_short_on_failure():
             for t in tensors.values():
                 if t is not None:
                     dist.broadcast(t.to(self.device).contiguous(), DRIVER, group=self.group)
-        except BaseException as e:
-            error = self.cut_short(e)
-            if error is e:
-                raise
-            raise error from None
 
-    def cut_short(self, error: BaseException) -> BaseException:
-        """Mark the group broken after ``error`` ended a call on the driver; what to raise: a failed collective as a
-        Flux2Error quoting the other ranks, the driver's own error (a cancel, out of memory) as it is."""
-        self.broken = True
-        if isinstance(error, torch.OutOfMemoryError) or not isinstance(error, RuntimeError | dist.DistError):
-            return error
-        return Flux2Error(self.failure(error))
+    @contextlib.contextmanager
+    def cut_short_on_failure(self):
+        """Around the driver's part of a call: any error leaves the group broken (the followers are inside the call).
+        A failed collective comes out as a Flux2Error quoting the other ranks, the driver's own error (a cancel, out
+        of memory) as it is."""
+        try:
+            yield
+        except BaseException as e:
+            self.broken = True
+            if isinstance(e, torch.OutOfMemoryError) or not isinstance(e, RuntimeError | dist.DistError):
+                raise
+            raise Flux2Error(self.failure(e)) from None
 
     def forget(self) -> None:
         """Drop from the store the announcements every follower has read (each counts itself in ``read/<call>``)."""

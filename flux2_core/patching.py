@@ -45,6 +45,12 @@ class AppliedAdapters:
         self.weight_patched: list[GGMLLinear] = []
 
 
+def merge_asked(flags) -> bool | None:
+    """``set_adapters``' ``merge`` for a chain of LoRAs (those applied, strength not 0), each with its own "merge into
+    fp8" flag: True (merge everything) if any of them asks, else None (by layer)."""
+    return True if any(flags) else None
+
+
 def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: Hashable = (),
                  merge: bool | None = None) -> None:
     """Apply (patch, strength) pairs to ``model``'s layers (patch.target names a layer of ``model``), after undoing

@@ -205,7 +205,7 @@ class Managed:
         The module is shared by every branch using the loader's output, so each user sets the LoRAs it needs;
         flux2_core.patching restores the original weights bit for bit in between."""
         if getattr(module, "adapter_key", ()) != self.adapter_key:
-            merge = True if any(m for _, _, strength, _, m in self.adapters if strength) else None   # into fp8
+            merge = patching.merge_asked(m for _, _, strength, _, m in self.adapters if strength)
             patching.set_adapters(module, [(patch, strength) for _, _, strength, adapter, _ in self.adapters
                                            for patch in patches_of(adapter)], self.adapter_key, merge)
 
