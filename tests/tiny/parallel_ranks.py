@@ -4,6 +4,7 @@ follow (``parallel.serve``). ``job`` also runs in one process, without ranks, as
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -122,7 +123,9 @@ def _rank(rank: int, world: int, port: int, name: str, out: str) -> None:
         try:
             parallel.serve(model, sp, {"nothing": lambda extra: time.sleep(0.3)})
         except RuntimeError:
-            return                      # the simulated failure: the process ends, as a crashed rank would
+            # the simulated failure: the process ends at once, as a crashed rank would (a normal exit tears down its
+            # gloo group, whose threads, still inside the collective it left, can abort it: spawn counts that)
+            os._exit(0)
         parallel.leave()
         return
     parallel.attach(model, sp)
