@@ -17,37 +17,62 @@ from torch import Tensor, nn
 
 from . import ggml
 from .linear import item_by_item, linear
+from .storage.protocol import Storage, StoredLinear, census
+
+# Peak bytes per value while a layer's blocks are dequantized, besides the result in the compute dtype: the unpacked
+# integers and two float32 temporaries (ggml.dequantize computes in float32, then casts once). Measured (test_gguf):
+# 6.7 (Q4_0) to 10.7 (Q3_K) bytes beside a bf16 result.
+DEQUANTIZE_BYTES_PER_VALUE = 11
 
 
-class GGMLLinear(nn.Module):
-    """A bias-free Linear [out, in] whose weight is GGML blocks of type ``qtype`` (``ggml.QUANTIZED``)."""
+class GGMLLinear(nn.Module, StoredLinear):
+    """A bias-free Linear [out, in] whose weight is GGML blocks of type ``qtype`` (``ggml.QUANTIZED``). The blocks
+    are never written: a merge asked for patches the weight as it is dequantized, at every call."""
+
+    merges_adapters = False
+    follows_input = True
 
     def __init__(self, in_features: int, out_features: int, qtype: int, item_by_item: bool = False, device=None):
         super().__init__()
         self.in_features, self.out_features, self.qtype = in_features, out_features, int(qtype)
         self.item_by_item = item_by_item          # per-item vectors, as linear.VectorLinear (batch invariance)
-        self.weight_patch = None                  # patching.py: adapters merged as the weight is dequantized
+        self.weight_patch = None                  # merge_weight: adapters merged as the weight is dequantized
         self.register_buffer("weight", torch.empty(out_features, ggml.row_bytes(qtype, in_features),
                                                    dtype=torch.uint8, device=device))
 
-    def dequantized(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
-        """The weight as floats [out, in] (exact in float32; rounded once to other dtypes), with the adapters that
-        ``patching.set_adapters`` merges at run time (``weight_patch``)."""
+    @property
+    def kind(self) -> str:
+        return ggml.type_name(self.qtype)
+
+    def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
+        """The weight as floats [out, in] (exact in float32; rounded once to other dtypes), with the adapters merged
+        at run time (``weight_patch``)."""
         blocks = self.weight if device is None else self.weight.to(device, non_blocking=True)
         weight = ggml.dequantize(blocks, self.qtype, (self.out_features, self.in_features), dtype)
         return weight if self.weight_patch is None else self.weight_patch(weight)
 
+    def merge_weight(self, patch) -> None:
+        self.weight_patch = lambda weight: patch(weight.float()).to(weight.dtype)
+
+    def unmerge_weight(self) -> None:
+        self.weight_patch = None
+
+    def call_bytes(self, dtype: torch.dtype) -> int:
+        return self.in_features * self.out_features * (DEQUANTIZE_BYTES_PER_VALUE + dtype.itemsize)
+
     def forward(self, x: Tensor) -> Tensor:
         """x [..., in] -> [..., out] in x's dtype; the weight is dequantized where x is."""
-        weight = self.dequantized(x.dtype, x.device)
+        weight = self.float_weight(x.dtype, x.device)
         return item_by_item(lambda item: linear(item, weight), x) if self.item_by_item else linear(x, weight)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {ggml.type_name(self.qtype)}"
 
 
-class GGMLEmbedding(nn.Module):
+class GGMLEmbedding(nn.Module, Storage):
     """An embedding table [num, dim] kept as GGML blocks; ``dtype`` is what lookups return (the model's dtype)."""
+
+    follows_input = True
 
     def __init__(self, num_embeddings: int, embedding_dim: int, qtype: int, dtype: torch.dtype = torch.float32,
                  device=None):
@@ -55,6 +80,10 @@ class GGMLEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim, self.qtype, self.dtype = num_embeddings, embedding_dim, int(qtype), dtype
         self.register_buffer("weight", torch.empty(num_embeddings, ggml.row_bytes(qtype, embedding_dim),
                                                    dtype=torch.uint8, device=device))
+
+    @property
+    def kind(self) -> str:
+        return ggml.type_name(self.qtype)
 
     def forward(self, ids: Tensor) -> Tensor:
         """ids [...] -> [..., dim]: only the rows looked up are dequantized."""
@@ -66,24 +95,10 @@ class GGMLEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {ggml.type_name(self.qtype)}, lookups in {self.dtype}"
 
 
+QUANTIZED_NAMES = frozenset(ggml.type_name(q) for q in ggml.QUANTIZED)
+
+
 def gguf_types(model: nn.Module) -> dict[str, int]:
     """How many of the model's layers keep GGUF blocks, by type name ({"Q4_K": 40, "Q6_K": 8}; {} for none)."""
-    counts: dict[str, int] = {}
-    for layer in model.modules():
-        if isinstance(layer, (GGMLLinear, GGMLEmbedding)):
-            name = ggml.type_name(layer.qtype)
-            counts[name] = counts.get(name, 0) + 1
-    return dict(sorted(counts.items()))
+    return {kind: n for kind, n in census(model).items() if kind in QUANTIZED_NAMES}
 
-
-# Peak bytes per value while a layer's blocks are dequantized, besides the result in the compute dtype: the unpacked
-# integers and two float32 temporaries (ggml.dequantize computes in float32, then casts once). Measured (test_gguf):
-# 6.7 (Q4_0) to 10.7 (Q3_K) bytes beside a bf16 result.
-DEQUANTIZE_BYTES_PER_VALUE = 11
-
-
-def dequantize_bytes(model: nn.Module, dtype: torch.dtype) -> int:
-    """Working memory a GGUF model needs beyond its activations: the largest layer's weight while it is dequantized
-    ([out, in] floats in ``dtype`` and the float32 temporaries); 0 without GGUF layers."""
-    largest = max((m.in_features * m.out_features for m in model.modules() if isinstance(m, GGMLLinear)), default=0)
-    return largest * (DEQUANTIZE_BYTES_PER_VALUE + dtype.itemsize)

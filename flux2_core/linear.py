@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .storage.protocol import StoredLinear
+
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -42,14 +44,17 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x, weight)
 
 
-class Linear(nn.Linear):
-    """A bias-free nn.Linear (same parameter) computed by ``linear``."""
+class Linear(nn.Linear, StoredLinear):
+    """A bias-free nn.Linear (same parameter) computed by ``linear``: the float storage."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight)
+
+    def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
+        return self.weight.detach().to(device or self.weight.device, dtype)
 
 
 class VectorLinear(Linear):
@@ -58,6 +63,8 @@ class VectorLinear(Linear):
     Matmul libraries pick other kernels for one row than for several, so a batched call would make an image depend
     on its batch (by 1e-6, which can flip a pixel); one row each keeps item i of a batch equal to a batch-1 run.
     """
+
+    item_by_item = True
 
     def forward(self, x: Tensor) -> Tensor:
         return item_by_item(lambda item: linear(item, self.weight), x)

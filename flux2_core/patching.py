@@ -5,15 +5,15 @@
 
 How a layer takes its patches (``adapters.Patch``: ΔW for some rows of a layer's weight):
 
-* float weights (``nn.Linear`` and our subclasses): merged, W' = W + Σ strength·ΔW computed in float32 from the
-  original W, which is kept in CPU memory. Merged weights cost nothing per step, and every new set starts again from
-  the original, so no change of adapters or strengths ever drifts.
-* fp8 weights (``quant.Fp8Linear``): a run-time branch, y[..., rows] += strength·ΔW x, computed from the patch's own
-  factors (LoRA: two thin matmuls) beside the unchanged fp8 weight: re-quantizing a merged weight would round it again.
-  ``merge=True`` merges anyway (dequantize, patch, quantize per row with a new scale; the original is kept too).
-  DoRA patches always merge: they rescale the whole weight.
-* GGUF blocks (``ggml_layers.GGMLLinear``): branches too. Blocks are never re-quantized, so where a merge is asked
-  for (or DoRA) the patches are merged into the weight as it is dequantized, at every call (``weight_patch``).
+* where the layer's storage merges adapters (float weights): merged, W' = W + Σ strength·ΔW computed in float32
+  from the original W, which the layer keeps in CPU memory (``storage.protocol.StoredLinear.merge_weight``). Merged
+  weights cost nothing per step, and every new set starts again from the original, so no change of adapters or
+  strengths ever drifts.
+* where it does not (quantized storage: fp8, GGUF blocks): a run-time branch, y[..., rows] += strength·ΔW x,
+  computed from the patch's own factors (LoRA: two thin matmuls) beside the unchanged weight: re-quantizing a merged
+  weight would round it again. ``merge=True`` merges anyway, as the storage does it (fp8: quantized again per row with
+  a new scale; GGUF: merged into the weight as it is dequantized, at every call). DoRA patches always merge: they
+  rescale the whole weight.
 
 ``merge=False`` makes float layers take branches too. ``model.adapter_key`` names the applied set (``key``); the caches
 key what they keep by it (``cache.fingerprint``), so nothing computed with one set is served for another.
@@ -31,18 +31,16 @@ from torch import Tensor, nn
 from . import checks
 from .adapters import Patch
 from .errors import Flux2Error
-from .ggml_layers import GGMLLinear
-from .quant import Fp8Linear, dequantize_fp8, quantize_fp8
+from .storage.protocol import StoredLinear
 
 
 class AppliedAdapters:
-    """What ``set_adapters`` leaves on a model (``model.adapters_applied``): the originals of merged layers (CPU
-    copies, by layer name) and the branch hooks, so that the next call can undo them."""
+    """What ``set_adapters`` leaves on a model (``model.adapters_applied``): the layers it merged into and the branch
+    hooks, so that the next call can undo them."""
 
     def __init__(self):
-        self.originals: dict[str, tuple[Tensor, ...]] = {}
+        self.merged: list[StoredLinear] = []
         self.hooks: list = []
-        self.weight_patched: list[GGMLLinear] = []
 
 
 def merge_asked(flags) -> bool | None:
@@ -70,13 +68,10 @@ def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: 
     model.adapter_key = key if by_layer else ()
     for name, items in by_layer.items():
         layer = layers[name]
-        stored = isinstance(layer, (Fp8Linear, GGMLLinear))          # quantized: branch unless asked to merge
         dora = any(p.dora_scale is not None for p, _ in items)
-        if isinstance(layer, GGMLLinear) and (dora or merge is True):
-            layer.weight_patch = _merged(items)
-            applied.weight_patched.append(layer)
-        elif dora or merge is True or (merge is None and not stored):
-            applied.originals[name] = _merge(layer, [(_patch_on_device(p, layer.weight.device), s) for p, s in items])
+        if dora or merge is True or (merge is None and layer.merges_adapters):
+            layer.merge_weight(_merged(items))
+            applied.merged.append(layer)
         else:
             applied.hooks.append(layer.register_forward_hook(_branches(items)))
 
@@ -88,12 +83,8 @@ def _undo(model: nn.Module) -> None:
         return
     for hook in applied.hooks:
         hook.remove()
-    for layer in applied.weight_patched:
-        layer.weight_patch = None
-    for name, originals in applied.originals.items():
-        layer = model.get_submodule(name)
-        for tensor, original in zip(_stored(layer), originals):
-            tensor.copy_(original)                       # in place: the same Parameter / buffer objects stay
+    for layer in applied.merged:
+        layer.unmerge_weight()
     model.adapters_applied, model.adapter_key = None, ()
 
 
@@ -104,7 +95,7 @@ def _layer(model: nn.Module, name: str, patches: list[Patch]) -> nn.Module:
     except AttributeError:
         raise Flux2Error(f"the adapter patches {name}, which this model does not have; was the adapter read for "
                          f"this model (adapters.read_adapter with its params)?") from None
-    if not isinstance(layer, (nn.Linear, Fp8Linear, GGMLLinear)):
+    if not isinstance(layer, StoredLinear):
         raise Flux2Error(f"the adapter patches {name}, a {type(layer).__name__}, not a linear layer")
     for patch in patches:
         rows = (patch.rows[1] - patch.rows[0]) if patch.rows else layer.out_features
@@ -116,40 +107,15 @@ def _layer(model: nn.Module, name: str, patches: list[Patch]) -> nn.Module:
 
 
 def _patch_on_device(patch: Patch, device: torch.device) -> Patch:
-    """The patch with its tensors on the device of the weight it merges into (branches move them to their input's
-    device as they run: a streamed block's weights wait on the CPU while it computes on the GPU)."""
+    """The patch with its tensors on ``device``."""
     scale = None if patch.dora_scale is None else patch.dora_scale.to(device)
     return replace(patch, tensors={k: v.to(device) for k, v in patch.tensors.items()}, dora_scale=scale)
 
 
-def _stored(layer: nn.Module) -> tuple[Tensor, ...]:
-    """The tensors a patch changes: the weight, and an fp8 layer's scale too."""
-    return (layer.weight, layer.weight_scale) if isinstance(layer, Fp8Linear) else (layer.weight,)
-
-
-@torch.no_grad()
-def _merge(layer: nn.Module, items: list[tuple[Patch, float]]) -> tuple[Tensor, ...]:
-    """Merge the patches into the layer's weight in place; returns the original tensors (CPU copies)."""
-    stored = _stored(layer)
-    originals = tuple(t.detach().to("cpu", copy=True) for t in stored)
-    if isinstance(layer, Fp8Linear):
-        weight = dequantize_fp8(layer.weight, layer.weight_scale)                # float32 [out, in]
-    else:
-        weight = layer.weight.detach().float()
-    _merge_rows(weight, items)
-    if isinstance(layer, Fp8Linear):
-        w8, scale = quantize_fp8(weight, per_row=layer.weight_scale.ndim == 1)
-        layer.weight.copy_(w8)
-        layer.weight_scale.copy_(scale)
-    else:
-        layer.weight.copy_(weight)
-    return originals
-
-
 def _merged(items: list[tuple[Patch, float]]):
-    """A GGMLLinear ``weight_patch``: the patches merged into its dequantized weight [out, in] (computed in float32)."""
+    """What ``merge_weight`` applies: the patches merged into a float32 weight [out, in], on the weight's device."""
     def patch_weight(weight: Tensor) -> Tensor:
-        return _merge_rows(weight.float(), _on_device(items, weight.device)).to(weight.dtype)
+        return _merge_rows(weight, _on_device(items, weight.device))
     return patch_weight
 
 

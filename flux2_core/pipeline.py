@@ -63,7 +63,6 @@ from . import checks, inpaint, parallel
 from .autoencoder import AutoEncoder, free_memory
 from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
-from .ggml_layers import dequantize_bytes
 from .offload import module_bytes, place, stream_blocks, streamed_blocks, weight_budget
 from .references import (
     as_pil,
@@ -76,6 +75,7 @@ from .references import (
 )
 from .sampling import LATENT_CHANNELS, add_noise, denoise, guidance_for, latent_size, make_noise
 from .schedules import check_sigmas, check_strength, flux2_schedule, truncate_for_strength
+from .storage.protocol import call_bytes
 from .text_encoder import PromptEmbeds, PromptEncoder
 from .transformer import Flux2Transformer, ReferenceKV, reference_kv_bytes
 from .variants import TransformerParams, Variant
@@ -132,7 +132,7 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     model, chosen = weights.load_transformer(transformer, cpu if stream else device, dtype, variant=variant, fp8=fp8)
     if not stream:
         device, dtype = model.img_in.weight.device, model.img_in.weight.dtype      # as the transformer resolved them
-    needed = working_memory(chosen, size, dtype) + dequantize_bytes(model, dtype)
+    needed = working_memory(chosen, size, dtype) + call_bytes(model, dtype)
     encoder = weights.load_text_encoder(text_encoder, cpu if device.type == "cuda" else device, dtype)
     weights.check_text_encoder_fits(chosen, encoder)
     rest_choice = True if stream and offload_encoder == "auto" else offload_encoder   # blocks need the memory more
@@ -218,13 +218,13 @@ def denoiser_memory(model: torch.nn.Module, variant: Variant, batch: int, h: int
                     ranks: int | None = None) -> int:
     """The denoiser's working memory in bytes beside its weights, the one estimate ``generate`` and the Denoise node
     use: ``denoise_memory`` for the text (``text_tokens``, by default the text encoder's 512), image (an h x w latent)
-    and reference tokens of each item of the model batch (``batch``, doubled by CFG), plus a GGUF model's largest
-    layer dequantized (``ggml_layers.dequantize_bytes``). ``ranks``: the processes a sequence-parallel pass spreads
+    and reference tokens of each item of the model batch (``batch``, doubled by CFG), plus what the largest quantized
+    layer takes while it computes (``storage.protocol.call_bytes``: a GGUF layer dequantized, an fp8 weight cast). ``ranks``: the processes a sequence-parallel pass spreads
     over (by default those ``model`` is attached to, ``parallel.world_of``); the estimate is then one rank's."""
     text = variant.text_encoder.max_length if text_tokens is None else text_tokens
     ranks = parallel.world_of(model) if ranks is None else ranks
     return (denoise_memory(variant.params, text + h * w + ref_tokens, batch * (2 if cfg else 1), dtype, ranks)
-            + dequantize_bytes(model, dtype))
+            + call_bytes(model, dtype))
 
 
 def check_memory(device: torch.device, needed: int, what: str, free=None, fix: str | None = None) -> None:

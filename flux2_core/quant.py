@@ -24,7 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from .errors import Flux2Error
-from .linear import VectorLinear, item_by_item, linear
+from .linear import item_by_item, linear
+from .storage.protocol import StoredLinear, census, stored_linears
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max          # 448
@@ -46,11 +47,15 @@ def dequantize_fp8(w8: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
     return (w8.float() * (scale[:, None] if scale.ndim == 1 else scale)).to(dtype)
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(nn.Module, StoredLinear):
     """A bias-free Linear whose weight is stored in fp8 with a per-row or per-tensor float32 scale.
 
-    State-dict keys are ``weight`` (fp8) and ``weight_scale`` (float32), as in BFL's fp8 checkpoints.
+    State-dict keys are ``weight`` (fp8) and ``weight_scale`` (float32), as in BFL's fp8 checkpoints. Adapters run as
+    branches beside it unless a merge is asked for (then the merged weight is quantized again, with a new scale).
     """
+
+    kind = "fp8"
+    merges_adapters = False
 
     def __init__(self, in_features: int, out_features: int, per_row: bool = True, fp8_matmul: bool = False,
                  device=None, item_by_item: bool = False):
@@ -66,7 +71,7 @@ class Fp8Linear(nn.Module):
         if linear.bias is not None:
             raise Flux2Error("Fp8Linear has no bias; FLUX.2 transformer linears have none")
         return cls(linear.in_features, linear.out_features, per_row, fp8_matmul, device=linear.weight.device,
-                   item_by_item=isinstance(linear, VectorLinear))
+                   item_by_item=getattr(linear, "item_by_item", False))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, per_row: bool = True, fp8_matmul: bool = False) -> Fp8Linear:
@@ -86,6 +91,22 @@ class Fp8Linear(nn.Module):
         # a 0-d float32 operand does not promote a bf16 tensor, so CUDA would round the scale to bf16 before the
         # multiply (the CPU kernel happens to keep it in float32)
         return y.mul_(self.weight_scale.expand(y.shape[-1]))
+
+    def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
+        device = device or self.weight.device
+        return dequantize_fp8(self.weight.to(device), self.weight_scale.to(device), dtype)
+
+    def stored_tensors(self) -> tuple[Tensor, ...]:
+        return self.weight, self.weight_scale
+
+    def write_weight(self, weight: Tensor) -> None:
+        w8, scale = quantize_fp8(weight, per_row=self.weight_scale.ndim == 1)
+        self.weight.copy_(w8)
+        self.weight_scale.copy_(scale)
+
+    def call_bytes(self, dtype: torch.dtype) -> int:
+        """The weight cast to the compute dtype for the matmul (none with fp8 matmul, which reads the fp8 weight)."""
+        return 0 if self.fp8_matmul else self.in_features * self.out_features * dtype.itemsize
 
     def extra_repr(self) -> str:
         kind = "per-row" if self.weight_scale.ndim else "per-tensor"
@@ -165,7 +186,7 @@ def use_fp8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch.
     on fp8 tensor cores and changes results slightly (about 1e-2 relative per layer)."""
     if choice not in ("auto", True, False):
         raise Flux2Error(f"fp8 matmul must be 'auto', True or False, got {choice!r}")
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    layers = [m for _, m in stored_linears(model) if m.kind == "fp8"]
     reason = fp8_matmul_unsupported(device, dtype) if choice is not False else None
     if choice is True and not layers:
         raise Flux2Error("fp8 matmul needs fp8 weights: load an fp8 file, or store the blocks in fp8 (--fp8)")
@@ -190,13 +211,13 @@ def in_blocks(name: str) -> bool:
 
 
 def quantize_transformer(model: nn.Module, per_row: bool = True, fp8_matmul: bool = False) -> list[str]:
-    """Replace the block ``nn.Linear`` layers (``in_blocks``) of a loaded model by ``Fp8Linear`` in place. Returns
+    """Replace the block layers (``in_blocks``) a loaded model keeps in float by ``Fp8Linear`` in place. Returns
     their names.
 
     Do this after moving the model to its device and compute dtype (a later ``model.to(dtype)`` would cast the fp8
     weights too, as they are floating-point buffers).
     """
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and in_blocks(n)]
+    names = [n for n, m in stored_linears(model) if m.kind == "float" and in_blocks(n)]
     for name in names:
         model.set_submodule(name, Fp8Linear.from_linear(model.get_submodule(name), per_row, fp8_matmul))
     return names
@@ -204,4 +225,4 @@ def quantize_transformer(model: nn.Module, per_row: bool = True, fp8_matmul: boo
 
 def count_fp8(model: nn.Module) -> int:
     """How many of the model's layers store their weights in fp8."""
-    return sum(isinstance(m, Fp8Linear) for m in model.modules())
+    return census(model).get("fp8", 0)

@@ -10,12 +10,13 @@ Partial loading (the model does not fit the free GPU memory): ComfyUI keeps some
 streams their weights in at each call; it can do that only for layers of its own "castable" classes. So
 ``manage`` turns our plain ``nn.Linear`` / ``Conv2d`` / ``GroupNorm`` / ``LayerNorm`` / ``Embedding`` layers into
 ComfyUI's subclasses of the same layers (same parameters, same maths; they only add the weight streaming), and
-makes every other layer that holds parameters (RMS norms) follow its input to the device it runs on. GGUF layers
-(flux2_core.ggml_layers) get ComfyUI's mark of a castable layer too: see ``STREAMED``.
+makes every other layer that holds parameters (RMS norms) follow its input to the device it runs on. Layers whose
+storage copies itself to its input's device (GGUF blocks) get ComfyUI's mark of a castable layer: see ``_host_class``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -39,7 +40,6 @@ from ..flux2_core import checks, patching
 from ..flux2_core.cache import fingerprint
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.followers import FollowerGroup, Recipe
-from ..flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear
 from ..flux2_core.transformer import ReferenceKV
 from ..flux2_core.variants import Variant
 
@@ -143,15 +143,24 @@ class _Streamed(comfy.ops.CastWeightBiasOp):
     bias = None            # ComfyUI reads ``<layer>.bias`` of every marked layer (model_patcher.get_key_weight)
 
 
-# GGUF layers hold their blocks in a buffer, and ComfyUI's ModelPatcher.load handles only the modules that have
-# parameters of their own or the castable mark (model_patcher._load_list). Unmarked, a GGUF layer would be neither
-# moved nor counted by any load but a full one, and load_models_gpu asks for a full load only when forced or on the
-# CPU: on a GPU every GGUF layer would stay in CPU memory and be copied in at each call, uncounted. Marked, it is
-# handled as ComfyUI handles its castable layers: moved to the GPU when it fits, else left on the offload device
-# (a "lowvram" weight), and counted by its blocks (module_size: the state dict, buffers included). No cast function
-# is needed: a GGUF layer copies its blocks to its input's device itself (flux2_core.ggml_layers), so GGUF models
-# stream like float ones.
-STREAMED = {layer: type(layer.__name__, (layer, _Streamed), {}) for layer in (GGMLLinear, GGMLEmbedding)}
+@functools.cache
+def _host_class(ours: type, base: type | None) -> type:
+    """Our layer class as ComfyUI's model management sees it, state and maths unchanged.
+
+    A storage that follows its input (GGUF blocks: ``follows_input``) holds its weights in a buffer, and ComfyUI's
+    ModelPatcher.load handles only the modules that have parameters of their own or the castable mark
+    (model_patcher._load_list): unmarked, such a layer would be neither moved nor counted by any load but a full one,
+    and load_models_gpu asks for a full load only when forced or on the CPU, so on a GPU every GGUF layer would stay
+    in CPU memory and be copied in at each call, uncounted. Marked, ComfyUI moves it to the GPU when it fits, else
+    leaves it on the offload device (a "lowvram" weight), and counts it by its state dict; no cast function is
+    needed, as the layer copies its blocks to its input's device itself.
+
+    A layer of one of ComfyUI's castable torch classes (``base``: our float Linear is an nn.Linear) becomes a
+    subclass of ComfyUI's class and of ours, in that order: ComfyUI's forward streams the weight when it left it on
+    the offload device and otherwise hands over to ours, and the storage protocol (adapters, census) stays."""
+    if base is None:
+        return type(ours.__name__, (ours, _Streamed), {})
+    return CASTABLE[base] if ours is base else type(ours.__name__, (CASTABLE[base], ours), {})
 
 
 class Holder(nn.Module):
@@ -177,7 +186,7 @@ class Managed:
     dtype: torch.dtype
     variant: Variant | None = None     # transformers only
     full_load: bool = False            # never load partially (layers ComfyUI cannot stream, e.g. fp8 ones; GGUF
-                                       # ones stream: STREAMED)
+                                       # ones stream: _host_class)
     fingerprint: str = ""              # cache.fingerprint of the weights as loaded
     compiled: bool = False             # transformers: run the blocks torch.compiled (FLUX.2 Klein Compile)
     adapters: tuple = ()               # transformers and text encoders: (file name, content digest, strength,
@@ -229,7 +238,7 @@ def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str =
     anchor: the layer whose device the core reads to decide where to run (PromptEncoder, AutoEncoder); it stays a
     plain layer that ComfyUI loads whole or not at all, so the model runs where that layer is. A GGUF anchor (a GGUF
     encoder's embedding) is marked all the same: ComfyUI moves a marked layer whole or not at all too, and an
-    unmarked one never (``STREAMED``).
+    unmarked one never (``_host_class``).
     """
     for name, layer in module.named_modules():
         castable = _castable(layer, name == anchor)
@@ -278,14 +287,15 @@ def reference_kv_ready(patcher: comfy.model_patcher.ModelPatcher, model: Managed
 
 
 def _castable(layer: nn.Module, anchor: bool) -> type | None:
-    """ComfyUI's castable class for a layer of a plain torch type or of our own subclass of one (flux2_core.linear's
-    Linear: its CPU kernel choice gives way to ComfyUI's weight streaming), the marked class of a GGUF layer
-    (``STREAMED``, anchor or not); None for anything else and for a plain anchor."""
+    """The class ComfyUI can stream a layer as (``_host_class``): marked when its storage follows its input (anchor or
+    not), ComfyUI's castable class for a layer of a castable torch class (ours included); None for anything else and
+    for a plain anchor."""
     if hasattr(layer, "comfy_cast_weights"):
         return None                                      # already ComfyUI's
-    if type(layer) in STREAMED:
-        return STREAMED[type(layer)]
-    return None if anchor else next((castable for base, castable in CASTABLE.items() if isinstance(layer, base)), None)
+    if getattr(layer, "follows_input", False):
+        return _host_class(type(layer), None)
+    base = next((base for base in CASTABLE if isinstance(layer, base)), None)
+    return None if anchor or base is None else _host_class(type(layer), base)
 
 
 def free_memory(device: torch.device) -> int:

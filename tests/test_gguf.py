@@ -289,12 +289,12 @@ def test_lora_and_dora_on_gguf_equal_the_float_model_of_its_values(tmp_path):
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K, T.Q3_K])
 def test_dequantizing_needs_the_memory_the_estimate_gives(tmp_path, qtype):
-    """ggml_layers.dequantize_bytes bounds the peak of what dequantizing the largest layer allocates (every tensor
+    """storage.protocol.call_bytes bounds the peak of what dequantizing the largest layer allocates (every tensor
     ggml.dequantize makes for it into bf16, counted while its storage lives)."""
     import weakref
 
     from flux2_core import ggml
-    from flux2_core.ggml_layers import dequantize_bytes
+    from flux2_core.storage.protocol import call_bytes
 
     path, _ = save_gguf(random_bfl_transformer_state_dict(WIDE, seed=14), tmp_path / "k.gguf", dit_types(qtype))
     model, _ = weights.load_transformer(path, CPU, torch.float32)
@@ -322,4 +322,4 @@ def test_dequantizing_needs_the_memory_the_estimate_gives(tmp_path, qtype):
     values = largest.out_features * largest.in_features
     print(f"{qtype.name} dequantize peak: {memory['peak'] / values:.1f} bytes per value")
     assert weight.dtype == torch.bfloat16
-    assert values * 4 < memory["peak"] <= dequantize_bytes(model, torch.bfloat16)
+    assert values * 4 < memory["peak"] <= call_bytes(model, torch.bfloat16)

@@ -11,6 +11,7 @@ import torch
 from flux2_core import compile as compiling
 from flux2_core import offload, quant, rope
 from flux2_core.errors import Flux2Error
+from flux2_core.storage.protocol import call_bytes
 from flux2_core.transformer import Flux2Transformer
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
 
@@ -267,9 +268,9 @@ def test_stream_decision(choice, free, expected):
 @pytest.mark.parametrize("fp8", [None, True])
 def test_load_models_streams_from_cpu_memory_and_generate_runs_unchanged(tmp_path, monkeypatch, fp8):
     """The decision is made from the headers (transformer_bytes equals the loaded model's bytes), the transformer
-    is read to the CPU, the budget comes from weight_budget(free memory, working memory), and generate gives the
-    same latents as an unstreamed load. The device is the faked one; the decision is forced (on a CPU device
-    nothing streams)."""
+    is read to the CPU, the budget comes from weight_budget(free memory, working memory and the largest layer call's
+    memory), and generate gives the same latents as an unstreamed load. The device is the faked one; the decision is
+    forced (on a CPU device nothing streams)."""
     from flux2_core import pipeline, weights
     from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
@@ -287,7 +288,8 @@ def test_load_models_streams_from_cpu_memory_and_generate_runs_unchanged(tmp_pat
     device = FakeDevice(monkeypatch)
     fixed, block_sizes = sizes(plain.transformer)
     needed = pipeline.working_memory(plain.variant, (64, 32), torch.float32)
-    free = needed + offload.STREAM_MARGIN + fixed + 2 * max(block_sizes) + block_sizes[0]
+    calls = call_bytes(plain.transformer, torch.float32)         # an fp8 layer's weight cast for its matmul
+    free = needed + calls + offload.STREAM_MARGIN + fixed + 2 * max(block_sizes) + block_sizes[0]
     decided, loaded_to = [], []
     monkeypatch.setattr(pipeline, "should_stream", lambda choice, dev, need, weight_bytes: decided.append(
         (choice, dev, need, weight_bytes())) or True)

@@ -1,0 +1,88 @@
+"""The small protocol every weight storage class answers, so that patching, loading, streaming, ComfyUI's model
+management and the counters ask a layer instead of testing which class it is.
+
+    kind            "float", "fp8" or a GGML type name ("Q4_K"): what the census and the load reports show
+    follows_input   the layer copies its stored tensors to its input's device itself, so a host may leave them on
+                    an offload device between calls (GGUF blocks); else the host moves the layer or casts for it
+    call_bytes      memory a call takes beside its input and output (a dequantized weight), for the estimates
+
+Linear layers (``StoredLinear``) also give their weight as floats and take adapters merged into it:
+
+    float_weight(dtype, device)   [out, in] as the layer computes with it (adapters merged at run time included)
+    merges_adapters               adapters merge into the weight by default (float); else run-time branches, so a
+                                  quantized weight is not rounded again (fp8, GGUF)
+    merge_weight(patch)           W <- patch(W) (float32 in, float32 out), kept until ``unmerge_weight`` restores
+                                  the stored tensors bit for bit
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+
+class Storage:
+    """A layer's weight storage (a mixin of an ``nn.Module``); the defaults are those of a float layer."""
+
+    kind = "float"
+    follows_input = False
+
+    def call_bytes(self, dtype: torch.dtype) -> int:
+        return 0
+
+
+class StoredLinear(Storage):
+    """A bias-free linear layer [out, in] of any storage. Subclasses set in_features, out_features, item_by_item
+    (per-item vectors, one batch item at a time) and give ``float_weight``; a storage whose weight cannot be
+    written back (GGUF blocks) overrides ``merge_weight`` / ``unmerge_weight``."""
+
+    merges_adapters = True
+    item_by_item = False
+
+    def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
+        raise NotImplementedError
+
+    def stored_tensors(self) -> tuple[Tensor, ...]:
+        """The tensors a merge rewrites (and ``unmerge_weight`` restores)."""
+        return (self.weight,)
+
+    def write_weight(self, weight: Tensor) -> None:
+        """Store a float32 weight [out, in] in this layer's storage, in place (the same tensors stay)."""
+        self.weight.copy_(weight)
+
+    @torch.no_grad()
+    def merge_weight(self, patch: Callable[[Tensor], Tensor]) -> None:
+        self.unmerge_weight()
+        originals = tuple(t.detach().to("cpu", copy=True) for t in self.stored_tensors())
+        self.write_weight(patch(self.float_weight(torch.float32, self.weight.device)))
+        self._originals = originals          # a plain attribute: not state, not moved by .to()
+
+    @torch.no_grad()
+    def unmerge_weight(self) -> None:
+        originals = getattr(self, "_originals", None)
+        if originals is not None:
+            for tensor, original in zip(self.stored_tensors(), originals):
+                tensor.copy_(original)           # in place: the same Parameter / buffer objects stay
+            self._originals = None
+
+
+def stored_linears(model: nn.Module) -> list[tuple[str, StoredLinear]]:
+    """(name, layer) of every linear layer of ``model``, whatever its storage."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, StoredLinear)]
+
+
+def census(model: nn.Module) -> dict[str, int]:
+    """How many of the model's layers each storage kind holds, by kind ({"float": 12, "Q4_K": 40, ...})."""
+    counts: dict[str, int] = {}
+    for layer in model.modules():
+        if isinstance(layer, Storage):
+            counts[layer.kind] = counts.get(layer.kind, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def call_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """The most memory any one of the model's layers takes during a call beside its input and output (0 for float
+    models); what the working-memory estimates add for quantized storage."""
+    return max((m.call_bytes(dtype) for m in model.modules() if isinstance(m, Storage)), default=0)

@@ -1,0 +1,95 @@
+"""The storage protocol (flux2_core/storage/protocol.py): every weight storage class gives its weight as floats,
+takes a merge and restores its stored tensors bit for bit, says its kind and what a call costs, so that patching,
+the counters, the estimates and ComfyUI's model management ask it instead of testing its class."""
+
+import gguf
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear, gguf_types
+from flux2_core.layers import Layers
+from flux2_core.linear import Linear, VectorLinear
+from flux2_core.quant import Fp8Linear, count_fp8
+from flux2_core.storage.protocol import StoredLinear, call_bytes, census, stored_linears
+from flux2_core.transformer import Flux2Transformer
+from tests.tiny.transformer import TINY_TRANSFORMER
+
+OUT, IN = 48, 64
+
+
+def reference_weight() -> torch.Tensor:
+    return torch.randn(OUT, IN, generator=torch.Generator().manual_seed(3))
+
+
+def float_layer(weight):
+    layer = Linear(IN, OUT)
+    layer.weight.data.copy_(weight)
+    return layer, weight.clone()
+
+
+def fp8_layer(weight):
+    layer = Fp8Linear.from_linear(float_layer(weight)[0])
+    # what the layer stands for, by hand: the e4m3 values times each row's scale
+    return layer, layer.weight.float() * layer.weight_scale[:, None]
+
+
+def gguf_layer(weight):
+    layer = GGMLLinear(IN, OUT, T.Q8_0)
+    blocks = gguf.quants.quantize(weight.numpy(), T.Q8_0)
+    layer.weight.copy_(torch.from_numpy(blocks))
+    return layer, torch.from_numpy(gguf.quants.dequantize(blocks, T.Q8_0).copy())
+
+
+STORAGES = {"float": float_layer, "fp8": fp8_layer, "Q8_0": gguf_layer}
+
+
+@pytest.mark.parametrize("kind", STORAGES)
+def test_each_storage_gives_its_weight_and_takes_a_merge_undone_bit_for_bit(kind):
+    layer, expected = STORAGES[kind](reference_weight())
+    assert isinstance(layer, StoredLinear) and layer.kind == kind
+    assert torch.equal(layer.float_weight(), expected)
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(layer(x), x @ expected.T, rtol=1e-5, atol=1e-5)
+    stored = [t.clone() for t in layer.stored_tensors()]
+    delta = torch.full((OUT, IN), 0.25)
+    layer.merge_weight(lambda w: w.add_(delta))
+    # what a merge leaves: float stores the sum, fp8 the sum quantized again (one e4m3 rounding: 2^-4 of each row's
+    # largest value at most), GGUF patches the weight as it is dequantized
+    tolerance = {"float": 0, "fp8": (expected + delta).abs().amax(dim=1, keepdim=True) / 16, "Q8_0": 0}[kind]
+    assert ((layer.float_weight() - (expected + delta)).abs() <= tolerance).all()
+    merged_out = layer(x)
+    layer.merge_weight(lambda w: w.add_(delta))           # a second merge starts again from the stored weight
+    torch.testing.assert_close(layer(x), merged_out)
+    layer.unmerge_weight()
+    assert all(torch.equal(a, b) for a, b in zip(layer.stored_tensors(), stored))
+    assert torch.equal(layer.float_weight(), expected)
+
+
+def test_census_counts_and_call_bytes_follow_the_storage_of_each_layer():
+    fp8_names = {"single_blocks.0.linear1", "double_blocks.0.img_mlp.0"}
+    with torch.device("meta"):
+        model = Flux2Transformer(TINY_TRANSFORMER, Layers(fp8=fp8_names.__contains__,
+                                                          ggml=lambda n: T.Q8_0 if n == "final_layer.linear" else None))
+    layers = dict(stored_linears(model))
+    kinds = {n: ("fp8" if isinstance(m, Fp8Linear) else "Q8_0" if isinstance(m, GGMLLinear) else "float")
+             for n, m in model.named_modules() if isinstance(m, (Linear, Fp8Linear, GGMLLinear))}
+    assert set(layers) == set(kinds)
+    assert census(model) == {"float": len(kinds) - 3, "fp8": 2, "Q8_0": 1}
+    assert count_fp8(model) == 2 and gguf_types(model) == {"Q8_0": 1}
+    assert sum(isinstance(m, VectorLinear) for m in model.modules()) == sum(
+        m.item_by_item for m in layers.values() if m.kind == "float")
+    # the largest call: the GGUF layer dequantized (11 bytes per value beside the result) or an fp8 weight cast
+    gguf_layer = model.final_layer.linear
+    fp8_sizes = [layers[n].in_features * layers[n].out_features for n in fp8_names]
+    expected = max(gguf_layer.in_features * gguf_layer.out_features * (11 + 2), max(fp8_sizes) * 2)
+    assert call_bytes(model, torch.bfloat16) == expected
+    with torch.device("meta"):
+        assert call_bytes(Flux2Transformer(TINY_TRANSFORMER), torch.bfloat16) == 0
+
+
+def test_gguf_storage_follows_its_input_and_the_table_is_counted():
+    table = GGMLEmbedding(32, 64, T.Q8_0)
+    assert table.follows_input and table.kind == "Q8_0" and GGMLLinear(IN, OUT, T.Q8_0).follows_input
+    assert not Linear(IN, OUT).follows_input and not Fp8Linear(IN, OUT).follows_input
+    assert census(torch.nn.ModuleList([table, Linear(IN, OUT)])) == {"Q8_0": 1, "float": 1}
