@@ -91,7 +91,7 @@ def worker(args) -> None:
         return
     from flux2_core import quant, weights
     from flux2_core.ggml_layers import gguf_types
-    from flux2_core.pipeline import module_bytes
+    from flux2_core.memory import module_bytes
 
     file, fp8, quantize_after = CASES[args.case]
     t = time.perf_counter()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .checks import available_memory, dtype_cause, finite
+from .checks import dtype_cause, finite
 from .errors import Flux2Error
 from .variants import AutoEncoderParams
 
@@ -223,17 +223,8 @@ class Decoder(nn.Module):
 # Memory and tiles
 # ---------------------------------------------------------------------------------------------------------------
 
-DECODE_BYTES_PER_PIXEL = 10      # peak decode memory per output pixel per base channel per byte (see decode_bytes)
-ENCODE_BYTES_PER_PIXEL = 9       # the same for encode, per input pixel (see encode_bytes)
-MID_TENSORS = 8                  # [B, HW, 512] activations alive at once in the mid block (see mid_bytes)
 DEFAULT_TILE = 64                # latent cells = 1024 px
 MIN_TILE = 8                     # latent cells = 128 px
-
-
-def free_memory(device: torch.device) -> int | None:
-    """Bytes that a decode may still use on ``device`` (``checks.available_memory``: free plus cached-but-unused on
-    CUDA, available RAM on the CPU); None where unknown (then decodes are never tiled automatically)."""
-    return available_memory(device)
 
 
 def tile_spans(n: int, tile: int, overlap: int) -> list[tuple[int, int]]:
@@ -325,86 +316,26 @@ class AutoEncoder(nn.Module):
         mean = moments[:, : self.params.z_channels]                     # posterior mean; log-variance unused
         return finite(self.normalize(patchify(mean)), "the encoded latents", self._causes())   # [B,128,H/16,W/16]
 
-    def decode(self, z: torch.Tensor, tiled: bool | None = None) -> torch.Tensor:
+    def decode(self, z: torch.Tensor, tile: int | None = None) -> torch.Tensor:
         """Latent [B,128,h,w] -> image [B,3,16h,16w], roughly in [-1,1] (not clamped), in the weights' dtype.
 
-        ``tiled=None`` decides from memory: the whole batch at once if ``decode_bytes`` fits in the device's free
-        memory, else one image at a time, else ``decode_tiled`` with the largest tile that fits. True / False force it.
-        The latent and the image are checked for NaN / inf: either would give a black image (``checks.finite``).
+        In one piece, or with ``tile`` in tiles of that many latent cells (``decode_tiled``: what a caller picks when
+        memory is short, ``memory.decode_tile``). The latent and the image are checked for NaN / inf: either would
+        give a black image (``checks.finite``).
         """
         self._check_latent(z)
         finite(z, "the latents to decode", [("the sampler that made them produced NaN/inf (its model's weights, an "
                                              "extreme cfg, or float16 overflow in it)")])
-        return finite(self._decode(z, tiled), "the decoded images", self._causes())
+        if tile is not None:
+            return finite(self.decode_tiled(z, tile), "the decoded images", self._causes())
+        z = unpatchify(self.denormalize(z.to(self.device)))             # [B,32,2h,2w]
+        return finite(self.decoder(conv_layout(z.to(self.dtype))), "the decoded images", self._causes())
 
     def _causes(self) -> list[str]:
         return [*dtype_cause(self.dtype, "the autoencoder"), ("the autoencoder's weights hold NaN/inf (a damaged or "
                 "wrongly converted file: download flux2-vae.safetensors again)")]
 
-    def _decode(self, z: torch.Tensor, tiled: bool | None) -> torch.Tensor:
-        batch, _, h, w = z.shape
-        free = free_memory(self.device) if tiled is None else None
-        if tiled or (free is not None and self.decode_bytes(1, h, w) > free):
-            return self.decode_tiled(z, tile=None if free is None else self.tile_that_fits(free, h, w, batch))
-        if free is not None and batch > 1 and self.decode_bytes(batch, h, w) > free:
-            return torch.cat([self._decode(z[i:i + 1], tiled=False) for i in range(batch)])
-        z = unpatchify(self.denormalize(z.to(self.device)))             # [B,32,2h,2w]
-        return self.decoder(conv_layout(z.to(self.dtype)))
-
-    def least_decode_bytes(self, h: int, w: int) -> int:
-        """The least memory that decoding one [128,h,w] latent can take: in one piece or tiled at ``MIN_TILE``, whichever
-        is smaller (``decode`` tiles by itself when memory is short; the mid block on the whole latent stays)."""
-        return min(self.decode_bytes(1, h, w), self.tiled_decode_bytes(1, h, w, MIN_TILE))
-
     # tiled decode -------------------------------------------------------------------------------------------------
-
-    def mid_bytes(self, batch: int, h: int, w: int) -> int:
-        """Peak memory of a mid block (encoder or decoder) for [batch,128,h,w] latents; it is never tiled.
-
-        It works on HW = 2h x 2w positions of 512 channels (the VAE's 8x-down grid). With q, k, v contiguous, SDPA runs
-        a fused kernel that never holds the [HW, HW] scores, so the cost is linear: the block's input, the
-        ResnetBlock's output, q, k, v, the attention output, ``proj_out`` and the residual sum, ``MID_TENSORS`` x
-        [batch, HW, 512] (measured on CPU with the profiler: 7 beside the input at 64x64 positions).
-        """
-        positions = batch * 4 * h * w
-        return MID_TENSORS * positions * self.params.ch * self.params.ch_mult[-1] * self.dtype.itemsize
-
-    def decode_bytes(self, batch: int, h: int, w: int) -> int:
-        """Estimated peak extra memory of decoding [batch,128,h,w] latents in one piece: the larger of the mid block's
-        (``mid_bytes``) and the upsampling levels', which run after it.
-
-        The levels dominate: ``DECODE_BYTES_PER_PIXEL`` x pixels x base channels x itemsize, where the factor was measured
-        as 7.7-8.4 on CPU (float32, several sizes and widths; 6.1 counting only tensors) and rounded up to leave room
-        for convolution workspaces. The mid block needs 20x less (32 values per output pixel against 1280).
-        """
-        pixels = batch * h * w * self.pixels_per_latent ** 2
-        levels = DECODE_BYTES_PER_PIXEL * pixels * self.params.ch * self.dtype.itemsize
-        return max(levels, self.mid_bytes(batch, h, w))
-
-    def encode_bytes(self, batch: int, height: int, width: int) -> int:
-        """Estimated peak extra memory of encoding [batch,3,height,width] images: the larger of the full-resolution
-        levels' (``ENCODE_BYTES_PER_PIXEL`` x pixels x base channels x itemsize; 5.1 measured counting only tensors on
-        CPU, with the decode's headroom for workspaces) and the mid block's (``mid_bytes``, which runs after them)."""
-        levels = ENCODE_BYTES_PER_PIXEL * batch * height * width * self.params.ch * self.dtype.itemsize
-        n = self.pixels_per_latent
-        return max(levels, self.mid_bytes(batch, height // n, width // n))
-
-    def tiled_decode_bytes(self, batch: int, h: int, w: int, tile: int) -> int:
-        """Estimated peak extra memory of ``decode_tiled`` with ``tile``: the mid block on the whole latent first, then,
-        while the tiles run, its output [batch,512,2h,2w] and the float32 sums ``out`` [batch,3,H,W] and ``weight``
-        [1,1,H,W] are held beside one tile's levels (tile plus halo on each side)."""
-        halo = math.ceil(self.decoder.halo / 2)
-        pixels = h * w * self.pixels_per_latent ** 2
-        held = (self.mid_bytes(batch, h, w) // MID_TENSORS + (batch * self.params.out_ch + 1) * pixels * 4)
-        return max(self.mid_bytes(batch, h, w),
-                   held + self.decode_bytes(batch, min(h, tile + 2 * halo), min(w, tile + 2 * halo)))
-
-    def tile_that_fits(self, free: int, h: int, w: int, batch: int = 1) -> int:
-        """The largest tile side (latent cells) whose ``tiled_decode_bytes`` fit in ``free`` bytes (at least 8)."""
-        tile = max(h, w)
-        while tile > MIN_TILE and self.tiled_decode_bytes(batch, h, w, tile) > free:
-            tile = max(MIN_TILE, tile * 3 // 4)
-        return tile
 
     def decode_tiled(self, z: torch.Tensor, tile: int | None = None, overlap: int = 4) -> torch.Tensor:
         """``decode`` in overlapping tiles of ``tile`` x ``tile`` latent cells (16 px each), blended linearly.

@@ -1,13 +1,12 @@
-"""What the engine refuses, shared by the CLI and the nodes: numbers a user gives, tensors between stages, memory.
+"""What the engine refuses, shared by the CLI and the nodes: numbers a user gives, tensors between stages.
 
 * ``number``: a setting (cfg, strength, a LoRA strength, ...) must be a finite number in its range. NaN slips
   through every ``<`` / ``>`` comparison, so ranges alone do not catch it (ComfyUI's own min/max checks do not).
 * ``finite``: one ``torch.isfinite(x).all()`` at a stage boundary (prompt embeddings, the denoised latent, the
   decoded image, an encoded image): a NaN or inf there would become a black image, so the run stops instead, naming
   the stage and what usually causes it. One check per stage, never per step: it costs one device sync.
-* ``fits`` / ``available_memory``: an estimate of the memory a stage needs against what the device has free, before
-  allocating, so that an impossible size fails with a message instead of an out-of-memory crash (or, on the CPU, the
-  operating system killing the process).
+
+The memory a stage needs, against what the device has free, is checked by ``memory.check_memory``.
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ import torch
 from torch import Tensor
 
 from .errors import Flux2Error
-
-GIB = 1 << 30
 
 
 def number(name: str, value, low: float | None = None, high: float | None = None, *, above_low: bool = False,
@@ -55,33 +52,3 @@ def dtype_cause(dtype: torch.dtype, model: str) -> list[str]:
     """The overflow cause for a stage computed in ``dtype`` by ``model`` (empty when the dtype cannot overflow)."""
     return [f"{model} runs in float16, which overflowed (its largest value is 65504): use bfloat16 or float32"] \
         if dtype == torch.float16 else []
-
-
-def available_memory(device) -> int | None:
-    """Bytes a new allocation may still use on ``device``: free plus cached-but-unused on CUDA; on the CPU the
-    memory the operating system can give without swapping (psutil where installed, else /proc/meminfo's
-    MemAvailable); None where unknown (then nothing is refused)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    if device.type != "cpu":
-        return None
-    try:
-        import psutil
-    except ImportError:
-        psutil = None
-    if psutil is not None:
-        return int(psutil.virtual_memory().available)
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-def fits(needed: int, available: int | None, what: str, fix: str) -> None:
-    """Refuse ``what`` when its estimated ``needed`` bytes exceed the ``available`` ones (None: unknown, allowed)."""
-    if available is not None and needed > available:
-        raise Flux2Error(f"{what} needs about {needed / GIB:.1f} GiB of working memory, but only "
-                         f"{max(available, 0) / GIB:.1f} GiB are free: {fix}")

@@ -239,15 +239,15 @@ def open_image(path: str):
 def check_early(args, refs) -> None:
     """The cheap checks of ``generate``, made before any weights are loaded (which can take minutes): the engine's
     own rules (the same ones ``generate`` and the nodes apply), with the option's name in front."""
-    from . import inpaint, sampling, schedules
+    from . import inpaint, latents, sampling, schedules
     from .references import check_reference
 
-    rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or sampling.latent_size(
+    rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or latents.latent_size(
                  16 if args.height is None else args.height, 16 if args.width is None else args.width)),
              (["--steps"], lambda: args.steps is None or schedules.check_steps(args.steps)),
              # a size whose flux2 schedule breaks at 4 steps (the least demanding default) breaks at any default
              (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or schedules.flux2_schedule(
-                 args.steps or 4, (args.width // 16) * (args.height // 16))),
+                 args.steps or 4, math.prod(latents.latent_size(args.height, args.width)))),
              (["--cfg"], lambda: args.cfg is None or sampling.check_cfg(args.cfg)),
              (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None)),
              (["--mask"], lambda: inpaint.check_source(args.mask is not None, args.image is not None))]
@@ -279,7 +279,8 @@ def lora_argument(text: str) -> tuple[str, float]:
 
 def report_streaming(model, compiled: bool) -> None:
     """Say on stderr how many blocks stream (they cost a copy every step) and that --compile skips them."""
-    from .offload import GIB, streamed_blocks, streaming
+    from .memory import GIB
+    from .offload import streamed_blocks, streaming
 
     streamed = streamed_blocks(model)
     if not streamed:

@@ -22,7 +22,7 @@ not hand its memory to the next copy while kernels still read it. On the CPU the
 
 Klein 9B in bf16 (18 GB of weights: 8 double blocks of 0.87 GB, 24 single blocks of 0.44 GB, 0.6 GB resident parts)
 on a 12 GB card keeps about half its blocks resident and copies the rest each step. How the budget is chosen from
-the free memory is ``weight_budget``; ``pipeline.load_models`` applies it.
+the free memory is ``memory.weight_budget``; ``pipeline.load_models`` applies it.
 
 Compiling: ``compile.compile_blocks`` compiles only the resident blocks (hooks that swap weights cannot be inside a
 ``fullgraph`` graph); streamed blocks run eagerly, their time is mostly the copy anyway. A compiled block cannot be
@@ -38,18 +38,9 @@ import torch
 from torch import Tensor, nn
 
 from .errors import Flux2Error
+from .memory import GIB, module_bytes
 
 CPU = torch.device("cpu")
-STREAM_MARGIN = 512 << 20     # bytes kept free beside weights and activations (allocator fragmentation, workspaces)
-GIB = 1 << 30
-
-
-def weight_budget(free: int, activations: int) -> int:
-    """Bytes of transformer weights that may be on the device at once: its free memory (``autoencoder.free_memory``,
-    counted without the transformer) less the denoiser's working memory (``pipeline.denoise_memory``) and a margin.
-    The one rule for how much streams; ``stream_blocks`` splits it into resident parts, resident blocks and the room
-    for the blocks in flight."""
-    return free - activations - STREAM_MARGIN
 
 
 def stream_blocks(model: nn.Module, device, budget: int, storage=CPU) -> BlockStream:
@@ -137,10 +128,6 @@ def place(model: nn.Module, device) -> nn.Module:
 
 
 # --- tensors of a module --------------------------------------------------------------------------------------------
-
-def module_bytes(module: nn.Module) -> int:
-    return sum(t.nbytes for t in itertools.chain(module.parameters(), module.buffers()))
-
 
 def slots(module: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
     """(owning module, name, tensor) of every parameter and buffer under ``module``."""

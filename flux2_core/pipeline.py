@@ -25,7 +25,7 @@ Choices (the reference's, unless said otherwise):
   mask after every step (``inpaint.py``, AFTER_STEP), so the latent there ends exactly at the source's.
 * Refused before the work starts, with a message (Flux2Error): non-finite or out-of-range numbers (cfg, strength,
   sigmas), sizes whose schedule breaks (``schedules.flux2_schedule``), and sizes whose working memory
-  (``denoiser_memory``, the AE's encodes and least decode) exceeds what the device has free. NaN or inf in the prompt
+  (``memory.denoiser_memory``, the AE's encodes and least decode) exceeds what the device has free. NaN or inf in the prompt
   embeddings, the denoised latents or the decoded images stop the run (``checks.finite``): no black image comes out.
   Very large work (``large_work``) is announced through ``warn`` before it starts.
 * The transformer computes in its weights' dtype; the autoencoder in its own (float32 like the reference).
@@ -39,7 +39,7 @@ Results are identical with and without the caches.
 
 Text-encoder offload (``offload_encoder``): True keeps the encoder on the CPU between encodes and moves it to the
 device only to encode a prompt the cache does not hold; "auto" does so on CUDA when the free memory, counted as if
-the encoder were on the device, is less than the denoiser's working memory (``denoise_memory``). ``load_models``
+the encoder were on the device, is less than the denoiser's working memory (``memory.denoiser_memory``). ``load_models``
 applies the same rule when loading, so an offloaded encoder is never on the device before it encodes; when the
 encoder and the transformer do not fit the device together, the transformer waits on the CPU during the encode.
 
@@ -59,11 +59,12 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from . import checks, inpaint, parallel
-from .autoencoder import AutoEncoder, free_memory
+from . import inpaint, memory
+from .autoencoder import AutoEncoder
 from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
-from .offload import module_bytes, place, stream_blocks, streamed_blocks, weight_budget
+from .latents import LATENT_CHANNELS, latent_size
+from .offload import place, stream_blocks, streamed_blocks
 from .references import (
     as_pil,
     center_crop_16,
@@ -73,12 +74,12 @@ from .references import (
     reference_latents,
     reference_tokens,
 )
-from .sampling import LATENT_CHANNELS, add_noise, denoise, guidance_for, latent_size, make_noise
+from .sampling import add_noise, denoise, guidance_for, make_noise
 from .schedules import check_sigmas, check_strength, flux2_schedule, truncate_for_strength
 from .storage.protocol import call_bytes
 from .text_encoder import PromptEmbeds, PromptEncoder
-from .transformer import Flux2Transformer, ReferenceKV, reference_kv_bytes
-from .variants import TransformerParams, Variant
+from .transformer import Flux2Transformer, ReferenceKV
+from .variants import Variant
 
 DEFAULT_SIZE = 1024
 # Beyond these a run is very large and ``generate`` says so first: Klein is trained up to about 4 megapixels (a
@@ -116,7 +117,7 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     stores every block in fp8, False none). offload_encoder: where the text encoder is loaded to rest: True the
     CPU, False the device, "auto" (on CUDA) the CPU unless it fits beside the transformer with the working memory of
     a ``size`` (width, height) image to spare; it never visits the device before its first encode. offload_blocks
-    (``should_stream``): True, or "auto" when the transformer and that working memory do not fit the free memory,
+    (``memory.should_stream``): True, or "auto" when the transformer and that working memory do not fit the free memory,
     reads the transformer into CPU memory and streams the blocks that do not fit (``offload.py``); with
     offload_encoder "auto" the encoder then rests on the CPU. CFG (base) models get the empty negative prompt encoded
     into the prompt cache right away.
@@ -127,20 +128,20 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     if offload_blocks is not False:            # decided from the headers: streamed weights are read to the CPU only
         device, dtype = weights.default_device_dtype(device, dtype)
         _, planned = weights.inspect_transformer(transformer, variant=variant)
-        stream = should_stream(offload_blocks, device, working_memory(planned, size, dtype),
+        stream = memory.should_stream(offload_blocks, device, memory.working_memory(planned, size, dtype),
                                lambda: weights.transformer_bytes(transformer, dtype, variant=variant, fp8=fp8))
     model, chosen = weights.load_transformer(transformer, cpu if stream else device, dtype, variant=variant, fp8=fp8)
     if not stream:
         device, dtype = model.img_in.weight.device, model.img_in.weight.dtype      # as the transformer resolved them
-    needed = working_memory(chosen, size, dtype) + call_bytes(model, dtype)
+    needed = memory.working_memory(chosen, size, dtype) + call_bytes(model, dtype)
     encoder = weights.load_text_encoder(text_encoder, cpu if device.type == "cuda" else device, dtype)
     weights.check_text_encoder_fits(chosen, encoder)
     rest_choice = True if stream and offload_encoder == "auto" else offload_encoder   # blocks need the memory more
-    if not should_offload(rest_choice, encoder, device, needed):
+    if not memory.should_offload(rest_choice, encoder, device, needed):
         encoder.model.to(device)
     ae = weights.load_autoencoder(autoencoder, device, torch.float32)
     if stream:
-        stream_blocks(model, device, weight_budget(free_memory(device), needed))
+        stream_blocks(model, device, memory.weight_budget(memory.free_memory(device), needed))
     models = Models(model, chosen, ae, encoder)
     if chosen.uses_cfg:
         models.prompt_cache.warm(EncoderOnCall(encoder, device, encoder.device, aside=model))
@@ -184,118 +185,20 @@ def apply_adapters(models: Models, files: Sequence[tuple[str | Path, float]], me
 
 # --- the text encoder: cache and offload ----------------------------------------------------------------------------
 
-def denoise_memory(params: TransformerParams, tokens: int, batch: int, dtype: torch.dtype, ranks: int = 1) -> int:
-    """The denoiser's peak activation memory in bytes for ``tokens`` (text, image and reference) per item of the model
-    batch (CFG doubles it); with ``ranks`` > 1, that of one rank of a sequence-parallel pass (``parallel.py``).
-
-    The peak is in a single block, as it concatenates [attention out, SwiGLU] for linear2. Per token, with H hidden
-    and M = mlp_ratio·H (3H): its linear1 output [L, 3H + 2M] (q, k, v and the MLP input are views of it), the
-    concatenation [L, H + M], the SwiGLU [L, M], and about 8 H-wide tensors (x, the double-stream outputs, the
-    rotated q and k, the attention out, the modulation's temporaries); beside them the float32 RoPE table
-    [L, head_dim/2, 2]. For Klein (M = 3H) that is 24 H-wide values per token, 23.5 measured on CPU
-    (tests/test_pipeline.py).
-
-    A rank runs the same on its share of the tokens (text and the rest are split apart, the larger shares first: at
-    most tokens / ranks + 1), and holds besides the attention's tensors in the heads layout, every token for
-    H / ranks of the width: q, k, v, the output and the all-to-all buffers both ways, counted as 8 such tensors, an
-    upper bound (tests/test_parallel.py measures every rank's peak with 2 and 3 ranks below the estimate).
-    """
-    h, m = params.hidden_size, params.mlp_hidden
-    values = (3 * h + 2 * m) + (h + m) + m + 8 * h
-    local = tokens if ranks == 1 else -(-tokens // ranks) + 1
-    heads_layout = 0 if ranks == 1 else 8 * tokens * (h // ranks) * dtype.itemsize
-    return batch * (local * (values * dtype.itemsize + params.head_dim * 4) + heads_layout)
-
-
-def working_memory(variant: Variant, size: tuple[int, int], dtype: torch.dtype) -> int:
-    """``denoise_memory`` of one ``size`` = (width, height) image with a full prompt: what loading plans for."""
-    tokens = variant.text_encoder.max_length + math.prod(latent_size(size[1], size[0]))
-    return denoise_memory(variant.params, tokens, 1, dtype)
-
-
-def denoiser_memory(model: torch.nn.Module, variant: Variant, batch: int, h: int, w: int, dtype: torch.dtype, *,
-                    ref_tokens: int = 0, cfg: bool = False, text_tokens: int | None = None,
-                    ranks: int | None = None) -> int:
-    """The denoiser's working memory in bytes beside its weights, the one estimate ``generate`` and the Denoise node
-    use: ``denoise_memory`` for the text (``text_tokens``, by default the text encoder's 512), image (an h x w latent)
-    and reference tokens of each item of the model batch (``batch``, doubled by CFG), plus what the largest quantized
-    layer takes while it computes (``storage.protocol.call_bytes``: a GGUF layer dequantized, an fp8 weight cast). ``ranks``: the processes a sequence-parallel pass spreads
-    over (by default those ``model`` is attached to, ``parallel.world_of``); the estimate is then one rank's."""
-    text = variant.text_encoder.max_length if text_tokens is None else text_tokens
-    ranks = parallel.world_of(model) if ranks is None else ranks
-    return (denoise_memory(variant.params, text + h * w + ref_tokens, batch * (2 if cfg else 1), dtype, ranks)
-            + call_bytes(model, dtype))
-
-
-def check_memory(device: torch.device, needed: int, what: str, free=None, fix: str | None = None) -> None:
-    """Refuse ``what`` before it allocates when its ``needed`` bytes exceed the free memory of ``device``
-    (``free(device)``; by default ``autoencoder.free_memory``: the GPU's free memory, or the RAM available); ``fix``
-    says what to do about it (by default the CLI's options)."""
-    if fix is None:
-        fix = "use a smaller size or batch, or fewer references"
-        if device.type == "cuda":
-            fix += ("; or leave the GPU more room: stream the transformer's blocks (--offload blocks, "
-                    "load_models(offload_blocks=True)) or store them in fp8 (--fp8)")
-    checks.fits(needed, (free or free_memory)(device), what, fix)
-
-
-def large_work(width: int, height: int, steps: int) -> list[str]:
-    """What ``generate`` says before very large work (more than LARGE_PIXELS per image, more than LARGE_STEPS)."""
-    notes = []
-    if width * height > LARGE_PIXELS:
-        notes.append(f"{width}x{height} is {width * height / 1e6:.1f} megapixels per image, beyond the ~4 that FLUX.2 "
-                     f"Klein is trained for: this takes long and may repeat or break up its composition; generating "
-                     f"at 1-4 MP and upscaling usually looks better")
-    if steps > LARGE_STEPS:
-        notes.append(f"{steps} steps is far more than these models need (distilled Klein: 4, base: 50); each step is "
-                     f"a full transformer pass, so this run takes {steps / 50:.0f}x as long as 50 steps")
-    return notes
-
-
-def should_stream(choice, device: torch.device, needed: int, weight_bytes, free=None) -> bool:
-    """Whether the transformer's blocks stream (``offload.py``): never on the CPU (there is nowhere to stream from);
-    True / False as given; "auto": on CUDA, when its ``weight_bytes()`` exceed ``offload.weight_budget`` of the
-    device's free memory (``free(device)`` bytes) and ``needed`` bytes of working memory."""
-    if choice not in ("auto", True, False):
-        raise Flux2Error(f"offload_blocks must be 'auto', True or False, got {choice!r}")
-    if choice is False or device.type == "cpu":
-        return False
-    available = (free or free_memory)(device) if choice == "auto" else None
-    return choice is True or (available is not None and weight_budget(available, needed) < weight_bytes())
-
-
-def should_offload(choice, encoder: PromptEncoder, device: torch.device, needed: int, free=None) -> bool:
-    """Whether the text encoder rests on the CPU: ``choice`` True / False as given; "auto": on CUDA, when the free
-    memory of ``device`` (``free(device)`` bytes, counted as if the encoder were there) is below ``needed``."""
-    if choice not in ("auto", True, False):
-        raise Flux2Error(f"offload_encoder must be 'auto', True or False, got {choice!r}")
-    if choice != "auto":
-        return bool(choice)
-    available = (free or free_memory)(device) if device.type == "cuda" else None
-    if available is None:
-        return False
-    if encoder.device != device:
-        available -= module_bytes(encoder.model)
-    return available < needed
-
-
-ENCODE_MARGIN = 256 << 20     # bytes for one 512-token encode's activations (Qwen3-8B in bf16: well under this)
-
-
 class EncoderOnCall:
     """The text encoder as the prompt cache sees it: it rests on ``rest`` (the CPU when offloaded, else ``device``)
     and visits ``device`` only to encode what the cache does not hold. The cache key is the encoder's where it
     rests, so it stays the same from one call to the next.
 
     aside: a module (the transformer) that steps aside to ``rest`` while the encoder visits when both do not fit
-    the device at once (``free(device)`` bytes below the encoder's weights plus ENCODE_MARGIN): Klein 9B's 18 GB
+    the device at once (``memory.must_make_room``): Klein 9B's 18 GB
     transformer and 16 GB encoder take turns on a 24 GB card, as ComfyUI's model management would have them.
     """
 
     def __init__(self, encoder: PromptEncoder, device: torch.device, rest: torch.device,
                  aside: torch.nn.Module | None = None, free=None):
         self.encoder, self.run_device, self.rest, self.aside = encoder, device, rest, aside
-        self.free = free or free_memory
+        self.free = free
         self.model, self.spec = encoder.model, encoder.spec
         self.model.to(rest)
 
@@ -310,8 +213,7 @@ class EncoderOnCall:
     def must_make_room(self) -> bool:
         if self.aside is None or self.rest == self.run_device:
             return False
-        available = self.free(self.run_device)
-        return available is not None and available < module_bytes(self.model) + ENCODE_MARGIN
+        return memory.must_make_room(self.model, self.run_device, self.free)
 
     def encode(self, prompts: list[str]) -> PromptEmbeds:
         aside = self.must_make_room()
@@ -336,6 +238,19 @@ def encode_prompts(models: Models, prompts: list[str], offload: bool) -> PromptE
     if models.prompt_cache is None:
         return encoder.encode(prompts)
     return models.prompt_cache.encode(encoder, prompts)
+
+
+def large_work(width: int, height: int, steps: int) -> list[str]:
+    """What ``generate`` says before very large work (more than LARGE_PIXELS per image, more than LARGE_STEPS)."""
+    notes = []
+    if width * height > LARGE_PIXELS:
+        notes.append(f"{width}x{height} is {width * height / 1e6:.1f} megapixels per image, beyond the ~4 that FLUX.2 "
+                     f"Klein is trained for: this takes long and may repeat or break up its composition; generating "
+                     f"at 1-4 MP and upscaling usually looks better")
+    if steps > LARGE_STEPS:
+        notes.append(f"{steps} steps is far more than these models need (distilled Klein: 4, base: 50); each step is "
+                     f"a full transformer pass, so this run takes {steps / 50:.0f}x as long as 50 steps")
+    return notes
 
 
 @dataclass
@@ -419,11 +334,15 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
         raise Flux2Error(f"noise must be [{batch}, {LATENT_CHANNELS}, {h}, {w}] for batch {batch} at {width}x{height}, "
                          f"got {list(noise.shape)}")
 
-    # prompt(s): [prompt] or [prompt, negative] from the prompt cache
+    # prompt(s): [prompt] or [prompt, negative] from the prompt cache; the encoder rests where the denoise leaves
+    # room (KV models: a reference pass makes the K/V unless given or cached; inpainting's are never cached)
     ref_tokens = sum(math.prod(latent_size(im.height, im.width)) for im in refs) + (h * w if masked else 0)
-    needed = denoiser_memory(model, variant, batch, h, w, dtype, ref_tokens=ref_tokens, cfg=rule.cfg,
-                             text_tokens=models.prompt_encoder.spec.max_length)
-    offload = should_offload(offload_encoder, models.prompt_encoder, device, needed)
+    kv = variant.use_kv_cache and (bool(refs) or masked)
+    cache = models.reference_cache
+    new_kv = kv and reference_kv is None and (masked or cache is None or not cache.holds_images(model, ae, refs, dtype))
+    needed = memory.denoiser_memory(model, variant, batch, h, w, dtype, ref_tokens=ref_tokens, cfg=rule.cfg,
+                                    text_tokens=models.prompt_encoder.spec.max_length, new_reference_kv=new_kv)
+    offload = memory.should_offload(offload_encoder, models.prompt_encoder, device, needed)
     embeds = encode_prompts(models, [prompt, negative] if rule.cfg else [prompt], offload)
     if embeds.dropped[0]:
         say(f"the prompt is {embeds.token_counts[0]} tokens; the last {embeds.dropped[0]} were cut off "
@@ -432,14 +351,9 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
 
     # memory: the largest stage must fit beside the weights, checked before the noise, the encodes and the denoiser
     # allocate (the encoder now rests where it will stay during the denoise)
-    kv = variant.use_kv_cache and (bool(refs) or masked)
-    if kv and reference_kv is None:
-        cache = models.reference_cache
-        if masked or cache is None or not cache.holds_images(model, ae, refs, dtype):
-            needed += reference_kv_bytes(variant.params, ref_tokens, dtype, parallel.world_of(model))  # the pass makes them
-    encodes = [ae.encode_bytes(1, im.height, im.width) for im in ([init] if init else []) + refs]
-    check_memory(device, max([needed, ae.least_decode_bytes(h, w), *encodes]),
-                 f"generating {batch} x {width}x{height}{f' with {len(refs)} references' if refs else ''}")
+    encodes = [memory.encode_bytes(ae, 1, im.height, im.width) for im in ([init] if init else []) + refs]
+    memory.check_memory(device, max([needed, memory.least_decode_bytes(ae, h, w), *encodes]),
+                        f"generating {batch} x {width}x{height}{f' with {len(refs)} references' if refs else ''}")
 
     # noise
     if noise is None:
@@ -470,7 +384,8 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
                       ref=ref, ref_ids=ref_ids, ref_kv=reference_kv, kv=kv, guidance=rule.embedded, inpaint=blend,
                       callback=callback)
 
-    images = torch.cat([to_uint8(ae.decode(latents[i:i + 1])) for i in range(batch)])
+    tile = memory.decode_tile(ae, 1, h, w, memory.free_memory(device))       # None: in one piece
+    images = torch.cat([to_uint8(ae.decode(latents[i:i + 1], tile)) for i in range(batch)])
     settings = {"prompt": prompt, "negative": negative if rule.cfg else None, "width": width, "height": height,
                 "steps": len(sigmas) - 1, "cfg": rule.scale, "seed": seed, "batch": batch, "variant": variant.name,
                 "references": len(refs), "strength": strength if init is not None else None, "mask": masked,

@@ -25,30 +25,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from . import checks, rope
+from . import checks, memory, rope
 from .errors import Flux2Error
+from .latents import LATENT_CHANNELS, latent_size
 from .transformer import ReferenceKV
 
 if TYPE_CHECKING:                  # inpaint.py builds on this module's add_noise
     from .inpaint import Inpaint
 
-LATENT_CHANNELS = 128    # 32 AE channels x 2 x 2 patch
-PIXELS_PER_LATENT = 16   # 8x AE downscale x 2x2 patch
 MAX_CFG = 100.0          # as ComfyUI's CFGGuider and KSampler; far beyond any useful scale, still finite in bf16 steps
 
 
 # --- noise ------------------------------------------------------------------------------------------------------
-
-def latent_size(height: int, width: int) -> tuple[int, int]:
-    """(h, w) of the latent grid for an image of height x width pixels; both must be multiples of 16."""
-    for name, value in (("height", height), ("width", width)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < PIXELS_PER_LATENT:
-            raise Flux2Error(f"{name} must be a whole number of pixels >= {PIXELS_PER_LATENT}, got {value!r}")
-    if height % PIXELS_PER_LATENT or width % PIXELS_PER_LATENT:
-        raise Flux2Error(f"image size {width}x{height} (WxH) is not a multiple of {PIXELS_PER_LATENT}; "
-                         f"use e.g. {round(width / 16) * 16 or 16}x{round(height / 16) * 16 or 16}")
-    return height // PIXELS_PER_LATENT, width // PIXELS_PER_LATENT
-
 
 def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", dtype=torch.float32,
                bfl_cuda_noise: bool = False) -> Tensor:
@@ -67,7 +55,7 @@ def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", 
     # the items are drawn on the generator's device, then copied; a batch that cannot fit is refused before drawing
     values = batch * LATENT_CHANNELS * h * w
     for where in {torch.device("cpu" if not bfl_cuda_noise else device), torch.device(device)}:
-        checks.fits(values * 4, checks.available_memory(where), f"noise for {batch} x {width}x{height} on {where}",
+        memory.fits(values * 4, memory.free_memory(where), f"noise for {batch} x {width}x{height} on {where}",
                     "use a smaller size or batch")
     gen_device, gen_dtype = (device, torch.bfloat16) if bfl_cuda_noise else ("cpu", torch.float32)
     items = [torch.randn((1, LATENT_CHANNELS, h, w), dtype=gen_dtype, device=gen_device,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from comfy_api.latest import io
 
+from ..flux2_core import memory
 from . import host, types
 
 
@@ -28,7 +29,7 @@ class AEEncode(io.ComfyNode):
         height, width = image.shape[1] // 16 * 16, image.shape[2] // 16 * 16
         top, left = (image.shape[1] - height) // 2, (image.shape[2] - width) // 2
         pixels = image[:, top:top + height, left:left + width, :3].movedim(-1, 1) * 2 - 1    # [B, 3, H, W] in [-1, 1]
-        ae.ready(ae.core.encode_bytes(1, height, width))
+        ae.ready(memory.encode_bytes(ae.core, 1, height, width))
         with torch.no_grad():
             latents = [ae.core.encode(item[None]).to(host.intermediate_device()) for item in pixels]
         return io.NodeOutput({"samples": torch.cat(latents)})
@@ -48,7 +49,9 @@ class AEDecode(io.ComfyNode):
     def execute(cls, ae: host.Managed, latent) -> io.NodeOutput:
         samples = latent["samples"]
         host.check_interrupt()
-        ae.ready(ae.core.decode_bytes(1, *samples.shape[-2:]))
+        h, w = samples.shape[-2:]
+        device = ae.ready(memory.decode_bytes(ae.core, 1, h, w))
+        tile = memory.decode_tile(ae.core, 1, h, w, host.free_memory(device))        # None: in one piece
         with torch.no_grad():
-            images = [ae.core.decode(z[None]).float().clamp(-1, 1).to(host.intermediate_device()) for z in samples]
+            images = [ae.core.decode(z[None], tile).float().clamp(-1, 1).to(host.intermediate_device()) for z in samples]
         return io.NodeOutput((torch.cat(images).movedim(1, -1) + 1) / 2)

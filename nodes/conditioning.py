@@ -18,7 +18,7 @@ import torch
 from comfy_api.latest import io, ui
 from PIL import Image
 
-from ..flux2_core import cache, references
+from ..flux2_core import cache, memory, references
 from ..flux2_core.errors import Flux2Error
 from . import host, types
 
@@ -135,7 +135,7 @@ def encode(ae: host.Managed, image: Image.Image, cap: int, index: int) -> torch.
     key = ae.key + (cache.image_digest([prepared]),)
     latent = LATENTS.get(key)
     if latent is None:
-        ae.ready(ae.core.encode_bytes(1, prepared.height, prepared.width))
+        ae.ready(memory.encode_bytes(ae.core, 1, prepared.height, prepared.width))
         with torch.no_grad():
             latent = ae.core.encode(references.image_to_tensor(prepared)).cpu()
         LATENTS.put(key, latent)

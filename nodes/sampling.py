@@ -17,10 +17,9 @@ import math
 import torch
 from comfy_api.latest import io, ui
 
-from ..flux2_core import cache, inpaint, parallel, pipeline, references, sampling, schedules, weights
+from ..flux2_core import cache, inpaint, latents, memory, parallel, references, sampling, schedules, weights
 from ..flux2_core import compile as compiling
 from ..flux2_core.errors import Flux2Error
-from ..flux2_core.transformer import reference_kv_bytes
 from . import host, types
 
 log = logging.getLogger("flux2_klein")
@@ -47,12 +46,12 @@ class Noise(io.ComfyNode):
     def validate_inputs(cls, width=None, height=None, latent=host.UNCONNECTED):
         # when the prompt is queued, before any node runs (see host.validate)
         return host.validate(cls, {"width": width, "height": height},
-                             lambda: latent is not host.UNCONNECTED or sampling.latent_size(height, width))
+                             lambda: latent is not host.UNCONNECTED or latents.latent_size(height, width))
 
     @classmethod
     def execute(cls, seed: int, width: int, height: int, batch_size: int, latent=None) -> io.NodeOutput:
         if latent is not None:
-            height, width = (sampling.PIXELS_PER_LATENT * n for n in latent["samples"].shape[-2:])
+            height, width = (latents.PIXELS_PER_LATENT * n for n in latent["samples"].shape[-2:])
         noise = sampling.make_noise(batch_size, height, width, seed, device=host.intermediate_device())
         return io.NodeOutput({"samples": noise})
 
@@ -90,12 +89,12 @@ class Scheduler(io.ComfyNode):
         sizes = {} if latent is not host.UNCONNECTED else {"width": width, "height": height}
         return host.validate(cls, {"steps": steps, "schedule": schedule, "rho": rho} | sizes,
                              lambda: latent is not host.UNCONNECTED or schedules.named_schedule(
-                                 schedule, steps, math.prod(sampling.latent_size(height, width)), rho))
+                                 schedule, steps, math.prod(latents.latent_size(height, width)), rho))
 
     @classmethod
     def execute(cls, steps: int, schedule: str, rho: float, latent=None, width: int | None = None,
                 height: int | None = None) -> io.NodeOutput:
-        h, w = latent["samples"].shape[-2:] if latent is not None else sampling.latent_size(height, width)
+        h, w = latent["samples"].shape[-2:] if latent is not None else latents.latent_size(height, width)
         return io.NodeOutput(torch.tensor(schedules.named_schedule(schedule, steps, h * w, rho), dtype=torch.float32))
 
 
@@ -158,14 +157,14 @@ class Denoise(io.ComfyNode):
             parallel.check_world(variant.params.num_heads, model.ranks)             # before followers start
             if model.compiled:
                 raise Flux2Error("FLUX.2 Klein Compile and FLUX.2 Klein Parallel do not run together yet: bypass one")
-        memory, kv_key = working_memory(model, noise, txt, ref, ref_ids, rule.cfg, model.ranks if spread else 1)
-        device = model.ready(memory)
-        pipeline.check_memory(device, memory, f"denoising {list(noise.shape)} latents", free=host.free_memory,
+        needed, kv_key = denoise_request(model, noise, txt, ref, ref_ids, rule.cfg, model.ranks if spread else 1)
+        device = model.ready(needed)
+        memory.check_memory(device, needed, f"denoising {list(noise.shape)} latents", free=host.free_memory,
                               fix="use a smaller size or batch, or fewer or smaller references")
         model.use_adapters(model.core, lambda adapter: adapter.patches)
         set_compiled(model)
         x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)      # = noise when sigmas[0] is 1
-        ref_kv, info = reference_kv(model, kv_key, ref, ref_ids, device, memory) if kv_key else (None, None)
+        ref_kv, info = reference_kv(model, kv_key, ref, ref_ids, device, needed) if kv_key else (None, None)
         if ref_kv is not None:
             ref = ref_ids = None                                                     # the K/V stand for them
         parallel.attach(model.core, spread_over(model) if spread else None)
@@ -225,33 +224,29 @@ def set_compiled(model: host.Managed) -> None:
         compiling.uncompile_blocks(model.core)
 
 
-def working_memory(model: host.Managed, noise, txt, ref, ref_ids, cfg: bool,
-                   ranks: int) -> tuple[int, tuple | None]:
+def denoise_request(model: host.Managed, noise, txt, ref, ref_ids, cfg: bool,
+                    ranks: int) -> tuple[int, tuple | None]:
     """(the bytes to ask ComfyUI for beside the weights, the references' REFERENCE_KV key for KV models): the CLI's
-    estimate (pipeline.denoiser_memory), plus the reference K/V a KV model's reference pass will make; with
-    ``ranks`` > 1, this process's share of a parallel run, whose denoise makes its own split K/V (no key)."""
+    estimate (memory.denoiser_memory), the reference K/V counted when a KV model's reference pass will make them;
+    with ``ranks`` > 1, this process's share of a parallel run, whose denoise makes its own split K/V (no key)."""
     batch, _, h, w = noise.shape
-    memory = pipeline.denoiser_memory(model.core, model.variant, batch, h, w, model.dtype, cfg=cfg,
-                                      ref_tokens=0 if ref is None else ref.shape[1], text_tokens=txt.shape[1],
-                                      ranks=ranks)
-    if not model.variant.use_kv_cache or ref is None:
-        return memory, None
-    if ranks > 1:
-        return memory + reference_kv_bytes(model.variant.params, ref.shape[1], model.dtype, ranks), None
-    key = cache.reference_kv_key(model.key, ref.to(model.dtype), ref_ids)
-    return memory + (0 if key in REFERENCE_KV else reference_kv_bytes(model.variant.params, ref.shape[1],
-                                                                        model.dtype)), key
+    kv = model.variant.use_kv_cache and ref is not None
+    key = cache.reference_kv_key(model.key, ref.to(model.dtype), ref_ids) if kv and ranks == 1 else None
+    needed = memory.denoiser_memory(model.core, model.variant, batch, h, w, model.dtype, cfg=cfg,
+                                    ref_tokens=0 if ref is None else ref.shape[1], text_tokens=txt.shape[1],
+                                    ranks=ranks, new_reference_kv=kv and key not in REFERENCE_KV)
+    return needed, key
 
 
-def reference_kv(model: host.Managed, key: tuple, ref, ref_ids, device, memory: int) -> tuple:
+def reference_kv(model: host.Managed, key: tuple, ref, ref_ids, device, needed: int) -> tuple:
     """(ReferenceKV, a note for the node): the references' K/V from ``REFERENCE_KV``, computed on a miss."""
     if key in REFERENCE_KV:
         log.info("FLUX.2 Klein: reference K/V reused from the previous edit (no reference pass)")
-        return host.reference_kv_ready(REFERENCE_KV[key], model, memory), "reference K/V: reused (no reference pass)"
+        return host.reference_kv_ready(REFERENCE_KV[key], model, needed), "reference K/V: reused (no reference pass)"
     REFERENCE_KV.clear()                    # the previous edit's K/V: ComfyUI drops a model nobody holds any more
     kv = model.core.reference_kv(ref.to(device, model.dtype), ref_ids.to(device))
     REFERENCE_KV[key] = host.manage_reference_kv(kv)
-    return host.reference_kv_ready(REFERENCE_KV[key], model, memory), "reference K/V: computed"
+    return host.reference_kv_ready(REFERENCE_KV[key], model, needed), "reference K/V: computed"
 
 
 # the last edit's reference K/V (ModelPatcher of a host.Flux2KleinReferenceKV) by cache.reference_kv_key; at most one:

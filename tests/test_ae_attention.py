@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux2_core.autoencoder import MID_TENSORS, AttnBlock, AutoEncoder, MidBlock
+from flux2_core import memory
+from flux2_core.autoencoder import AttnBlock, AutoEncoder, MidBlock
+from flux2_core.memory import MID_TENSORS
 from flux2_core.variants import FLUX2_AE
 from tests.memory import peak_bytes
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder
@@ -82,7 +84,7 @@ def test_mid_bytes_covers_the_measured_mid_block():
     x = torch.randn(1, 512, 64, 64)
     with torch.no_grad():
         peak = peak_bytes(lambda: mid(x))
-    estimate = real.mid_bytes(1, 32, 32)                                 # latent 32x32 -> 64x64 positions
+    estimate = memory.mid_bytes(real, 1, 32, 32)                                 # latent 32x32 -> 64x64 positions
     assert estimate == MID_TENSORS * x.nbytes
     assert estimate / 2 < peak + x.nbytes <= estimate, (peak, estimate)
 
@@ -94,6 +96,6 @@ def test_encode_and_decode_estimates_cover_the_measured_peaks(ae):
     z = torch.randn(1, 128, 16, 8)
     with torch.no_grad():
         encode = peak_bytes(lambda: ae.encode(x))
-        decode = peak_bytes(lambda: ae.decode(z, tiled=False))
-    assert encode <= ae.encode_bytes(1, 256, 128) < 2.5 * encode, (encode, ae.encode_bytes(1, 256, 128))
-    assert decode <= ae.decode_bytes(1, 16, 8) < 2.5 * decode, (decode, ae.decode_bytes(1, 16, 8))
+        decode = peak_bytes(lambda: ae.decode(z))
+    assert encode <= memory.encode_bytes(ae, 1, 256, 128) < 2.5 * encode, (encode, memory.encode_bytes(ae, 1, 256, 128))
+    assert decode <= memory.decode_bytes(ae, 1, 16, 8) < 2.5 * decode, (decode, memory.decode_bytes(ae, 1, 16, 8))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from flux2_core import cli
+from flux2_core import cli, memory
 from flux2_core.errors import Flux2Error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -399,8 +399,8 @@ def test_streamed_blocks_are_reported_and_compile_says_it_skips_them(tmp_path, m
     def streamed_load(*a, **kw):
         models = real_load(*a, **kw)
         blocks = [*models.transformer.double_blocks, *models.transformer.single_blocks]
-        fixed = offload.module_bytes(models.transformer) - sum(offload.module_bytes(b) for b in blocks)
-        offload.stream_blocks(models.transformer, "cpu", fixed + 2 * max(offload.module_bytes(b) for b in blocks))
+        fixed = memory.module_bytes(models.transformer) - sum(memory.module_bytes(b) for b in blocks)
+        offload.stream_blocks(models.transformer, "cpu", fixed + 2 * max(memory.module_bytes(b) for b in blocks))
         return models
 
     monkeypatch.setattr(pipeline, "load_models", streamed_load)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flux2_core import compile as compiling
-from flux2_core import offload, quant, rope
+from flux2_core import memory, offload, quant, rope
 from flux2_core.errors import Flux2Error
 from flux2_core.storage.protocol import call_bytes
 from flux2_core.transformer import Flux2Transformer
@@ -68,8 +68,8 @@ def blocks(model):
 
 def sizes(model):
     """(always-resident bytes, [bytes of each block])."""
-    block_sizes = [offload.module_bytes(b) for b in blocks(model)]
-    return offload.module_bytes(model) - sum(block_sizes), block_sizes
+    block_sizes = [memory.module_bytes(b) for b in blocks(model)]
+    return memory.module_bytes(model) - sum(block_sizes), block_sizes
 
 
 def test_the_blocks_that_fit_stay_resident_and_the_rest_visit_one_after_another(monkeypatch):
@@ -164,14 +164,14 @@ def test_unstream_restores_the_placement_and_removes_the_hooks(monkeypatch):
     # streamed again, then made fully resident
     offload.stream_blocks(model, CPU, fixed + 2 * max(block_sizes))
     offload.unstream(model, resident=True)
-    assert device.live == offload.module_bytes(model) and device.on_device(model)
+    assert device.live == memory.module_bytes(model) and device.on_device(model)
     assert torch.equal(model(*args), want)
 
 
 def test_a_budget_that_fits_everything_streams_nothing(monkeypatch):
     device = FakeDevice(monkeypatch)
     model = tiny_model()
-    offload.stream_blocks(model, CPU, offload.module_bytes(model))
+    offload.stream_blocks(model, CPU, memory.module_bytes(model))
     assert offload.streamed_blocks(model) == [] and device.on_device(model)
 
 
@@ -193,11 +193,11 @@ def test_any_budget_is_kept_and_used():
     in_flight = 2 * max(block_sizes)
     for budget in range(fixed + in_flight, fixed + sum(block_sizes) + 1, max(1, sum(block_sizes) // 40)):
         resident, streamed = offload.split_blocks(model, budget)
-        kept = fixed + sum(offload.module_bytes(b) for b in resident)
+        kept = fixed + sum(memory.module_bytes(b) for b in resident)
         assert len(resident) + len(streamed) == len(block_sizes)
         if streamed:
             assert kept + in_flight <= budget
-            assert all(kept + in_flight + offload.module_bytes(b) > budget for b in streamed)
+            assert all(kept + in_flight + memory.module_bytes(b) > budget for b in streamed)
         else:
             assert kept <= budget
 
@@ -254,15 +254,14 @@ MIB = 1 << 20
     ("auto", None, False),                    # unknown free memory: load as usual
 ])
 def test_stream_decision(choice, free, expected):
-    from flux2_core import pipeline
 
     asked = []
-    decision = pipeline.should_stream(choice, CUDA, 500 * MIB, lambda: 900 * MIB,
+    decision = memory.should_stream(choice, CUDA, 500 * MIB, lambda: 900 * MIB,
                                       free=lambda d: asked.append(d) or free)
     assert decision is expected and asked == ([CUDA] if choice == "auto" else [])
-    assert pipeline.should_stream(True, CPU, 0, lambda: 1 << 40) is False        # nowhere to stream from
+    assert memory.should_stream(True, CPU, 0, lambda: 1 << 40) is False        # nowhere to stream from
     with pytest.raises(Flux2Error, match="offload_blocks"):
-        pipeline.should_stream("yes", CUDA, 0, lambda: 0)
+        memory.should_stream("yes", CUDA, 0, lambda: 0)
 
 
 @pytest.mark.parametrize("fp8", [None, True])
@@ -287,19 +286,19 @@ def test_load_models_streams_from_cpu_memory_and_generate_runs_unchanged(tmp_pat
 
     device = FakeDevice(monkeypatch)
     fixed, block_sizes = sizes(plain.transformer)
-    needed = pipeline.working_memory(plain.variant, (64, 32), torch.float32)
+    needed = memory.working_memory(plain.variant, (64, 32), torch.float32)
     calls = call_bytes(plain.transformer, torch.float32)         # an fp8 layer's weight cast for its matmul
-    free = needed + calls + offload.STREAM_MARGIN + fixed + 2 * max(block_sizes) + block_sizes[0]
+    free = needed + calls + memory.STREAM_MARGIN + fixed + 2 * max(block_sizes) + block_sizes[0]
     decided, loaded_to = [], []
-    monkeypatch.setattr(pipeline, "should_stream", lambda choice, dev, need, weight_bytes: decided.append(
+    monkeypatch.setattr(memory, "should_stream", lambda choice, dev, need, weight_bytes: decided.append(
         (choice, dev, need, weight_bytes())) or True)
-    monkeypatch.setattr(pipeline, "free_memory", lambda d: free)
+    monkeypatch.setattr(memory, "free_memory", lambda d: free)
     real_load = weights.load_transformer
     monkeypatch.setattr(weights, "load_transformer", lambda path, dev, *a, **kw: loaded_to.append(dev) or real_load(
         path, dev, *a, **kw))
     models = pipeline.load_models(*files, **load, offload_blocks=True)
 
-    assert decided == [(True, CPU, needed, offload.module_bytes(plain.transformer))]
+    assert decided == [(True, CPU, needed, memory.module_bytes(plain.transformer))]
     assert loaded_to == [CPU]
     assert [blocks(models.transformer).index(b) for b in offload.streamed_blocks(models.transformer)] == [1, 2, 3, 4, 5]
     assert device.live == fixed + block_sizes[0] and models.device == CPU

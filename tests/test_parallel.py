@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from flux2_core import parallel, pipeline, rope
+from flux2_core import memory, parallel, rope
 from flux2_core.errors import Flux2Error
 from tests.memory import peak_bytes
 from tests.tiny.parallel_ranks import MEMORY_GRID, MEMORY_TXT, SIX_HEADS, build_model, job, run_ranks
@@ -79,7 +79,7 @@ def test_denoise_memory_covers_each_ranks_measured_peak(tmp_path, world):
     one process would beside them (as each holds 1/world of the tokens); one process's own peak (within the single-
     process estimate) is the comparison."""
     tokens = MEMORY_TXT + MEMORY_GRID[0] * MEMORY_GRID[1]
-    estimate = pipeline.denoise_memory(SIX_HEADS, tokens, 2, torch.float32, ranks=world)
+    estimate = memory.denoise_memory(SIX_HEADS, tokens, 2, torch.float32, ranks=world)
     got = run_ranks(world, "memory", tmp_path)
     assert torch.isfinite(got["velocity"]).all()
     # the least of 3 passes: the profiler pairs a few allocations and frees wrongly around the collectives, which
@@ -102,7 +102,7 @@ def test_denoise_memory_covers_each_ranks_measured_peak(tmp_path, world):
             whole = peak_bytes(lambda: model(*inputs))
     finally:
         torch.set_num_threads(threads)          # later tests compare runs in this process with subprocesses
-    assert whole <= pipeline.denoise_memory(SIX_HEADS, tokens, 2, torch.float32)
+    assert whole <= memory.denoise_memory(SIX_HEADS, tokens, 2, torch.float32)
     assert max(peaks) < whole * (1 / world + 0.35)
 
 

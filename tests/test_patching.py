@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from flux2_core import cli, pipeline, quant, rope
+from flux2_core import cli, memory, pipeline, quant, rope
 from flux2_core.adapters import read_adapter
 from flux2_core.cache import fingerprint
 from flux2_core.demo import DEMO_TRANSFORMER
@@ -233,8 +233,8 @@ def test_adapters_on_a_streamed_model_equal_the_resident_one():
     patches = [(p, 0.6) for p in a.patches]
     for merge in (None, False):
         resident, streamed = tiny_model(), tiny_model()
-        sizes = [offload.module_bytes(b) for b in [*streamed.double_blocks, *streamed.single_blocks]]
-        offload.stream_blocks(streamed, "cpu", offload.module_bytes(streamed) - sum(sizes) + 2 * max(sizes))
+        sizes = [memory.module_bytes(b) for b in [*streamed.double_blocks, *streamed.single_blocks]]
+        offload.stream_blocks(streamed, "cpu", memory.module_bytes(streamed) - sum(sizes) + 2 * max(sizes))
         assert offload.streamed_blocks(streamed)
         set_adapters(resident, patches, merge=merge)
         set_adapters(streamed, patches, merge=merge)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from flux2_core import pipeline, rope
+from flux2_core import memory, pipeline, rope
 from flux2_core.autoencoder import AutoEncoder
 from flux2_core.cache import PromptCache, ReferenceKVCache
 from flux2_core.errors import Flux2Error
@@ -466,13 +466,13 @@ def test_offload_decision(tiny, choice, encoder_on_device, free, needed, expecte
     fake = type("Encoder", (), {"device": CUDA if encoder_on_device else torch.device("cpu"),
                                 "model": torch.nn.Linear(5, 5, bias=False)})()     # 25 float32 = 100 bytes
     asked = []
-    decision = pipeline.should_offload(choice, fake, CUDA, needed, free=lambda d: asked.append(d) or free)
+    decision = memory.should_offload(choice, fake, CUDA, needed, free=lambda d: asked.append(d) or free)
     assert decision is expected
     assert asked == ([CUDA] if choice == "auto" else [])
     # on the CPU "auto" never offloads (there is nowhere to offload to), whatever the free memory
-    assert pipeline.should_offload("auto", fake, torch.device("cpu"), 1 << 60, free=lambda d: 0) is False
+    assert memory.should_offload("auto", fake, torch.device("cpu"), 1 << 60, free=lambda d: 0) is False
     with pytest.raises(Flux2Error, match="offload_encoder"):
-        pipeline.should_offload("sometimes", fake, CUDA, 0)
+        memory.should_offload("sometimes", fake, CUDA, 0)
 
 
 def test_offloaded_encoder_visits_the_device_only_on_a_cache_miss(tiny, monkeypatch):
@@ -556,7 +556,7 @@ def test_load_models_loads_the_text_encoder_where_it_will_rest(tmp_path, monkeyp
     monkeypatch.setattr(weights, "load_transformer", on_cuda)
     monkeypatch.setattr(weights, "load_text_encoder", encoder_at)
     monkeypatch.setattr(weights, "load_autoencoder", lambda path, device, dtype: real_ae(path, "cpu", dtype))
-    monkeypatch.setattr(pipeline, "free_memory", lambda device: free)
+    monkeypatch.setattr(memory, "free_memory", lambda device: free)
     models = pipeline.load_models(*files, device="cuda", dtype=torch.float32, offload_encoder=choice)
     assert loaded_to == [torch.device("cpu")]
     assert moves == ([CUDA] if on_device else [])
@@ -606,7 +606,7 @@ def test_denoise_memory_covers_the_measured_forward_peak(batch, n_txt, grid, dty
     img = torch.randn(batch, h * w, 128, generator=g)
     txt = torch.randn(batch, n_txt, 96, generator=g)
     img_ids, txt_ids = rope.image_ids(batch, h, w), rope.text_ids(batch, n_txt)
-    estimate = pipeline.denoise_memory(MEMORY_PARAMS, n_txt + h * w, batch, dtype)
+    estimate = memory.denoise_memory(MEMORY_PARAMS, n_txt + h * w, batch, dtype)
     for device in {torch.device("cpu"), DEVICE}:
         model.to(device, dtype)
         inputs = [t.to(device) for t in (img, img_ids, torch.full((batch,), 0.5), txt, txt_ids)]

@@ -13,8 +13,9 @@ from PIL import Image
 
 from flux2_core.autoencoder import AutoEncoder
 from flux2_core.errors import Flux2Error
+from flux2_core.latents import latent_size
 from flux2_core.references import encode_references
-from flux2_core.sampling import add_noise, denoise, euler, latent_size, make_noise
+from flux2_core.sampling import add_noise, denoise, euler, make_noise
 from flux2_core.schedules import flux2_schedule
 from flux2_core.transformer import Flux2Transformer
 from tests.device import DEVICE, DTYPE, assert_close, relative_error, to, tolerance

@@ -1,6 +1,6 @@
 """Tiled AE decode: the tiling itself is exact (halo covers the convolutions' reach, the blend is a convex
-combination), the one approximation is per-tile GroupNorm statistics, and ``decode`` switches to tiles (or to one
-image at a time) only when the estimated memory does not fit."""
+combination), the one approximation is per-tile GroupNorm statistics, and ``memory.decode_tile`` picks tiles (and a
+batch too large for one piece is decoded one image at a time) only when the estimated memory does not fit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import flux2_core.autoencoder as ae_module
+from flux2_core import memory
 from flux2_core.autoencoder import AutoEncoder, tile_spans
 from flux2_core.errors import Flux2Error
 from flux2_core.variants import FLUX2_AE
@@ -67,7 +67,7 @@ def test_tiling_is_exact_without_groupnorm_statistics(short_ae, z):
         mp.setattr(nn.GroupNorm, "forward",
                    lambda self, x: x * self.weight[None, :, None, None] + self.bias[None, :, None, None])
         for latent in (z, z.transpose(2, 3)):
-            full = short_ae.decode(latent, tiled=False)
+            full = short_ae.decode(latent)
             for tile, overlap in [(6, 2), (5, 0)]:                   # 5 and 5 tiles along the long side
                 assert rel(short_ae.decode_tiled(latent, tile, overlap), full) <= 1e-6
 
@@ -80,36 +80,39 @@ def test_tiled_decode_is_close_to_full_decode(ae):
     must be closer. A tile covering the latent is the full decode, bit for bit."""
     z = torch.randn(1, 128, 20, 12, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        full = ae.decode(z, tiled=False)
+        full = ae.decode(z)
         small, large = rel(ae.decode_tiled(z, 8, 2), full), rel(ae.decode_tiled(z, 12, 4), full)
         assert 0 < large < small <= 0.15
         assert torch.equal(ae.decode_tiled(z, 20), full)
 
 
-def test_decode_tiles_only_when_memory_is_short(ae, z, monkeypatch):
+def test_decode_tiles_only_when_memory_is_short(ae, z):
     with torch.no_grad():
-        full = ae.decode(z, tiled=False)
-        assert torch.equal(ae.decode(z), full)                        # plenty of memory here: one piece
+        full = ae.decode(z)
+        free = memory.free_memory(ae.device)
+        assert memory.decode_tile(ae, 1, 22, 6, free) is None                 # plenty of memory here: one piece
+        assert memory.decode_tile(ae, 1, 22, 6, None) is None                 # unknown: one piece
 
-        one = ae.decode_bytes(1, 22, 6)
-        monkeypatch.setattr(ae_module, "free_memory", lambda device: one // 2)
-        tile = ae.tile_that_fits(one // 2, 22, 6)
+        one = memory.decode_bytes(ae, 1, 22, 6)
+        tile = memory.decode_tile(ae, 1, 22, 6, one // 2)
         assert 8 <= tile < 22
-        assert ae.decode_bytes(1, min(22, tile + 14), 6) <= one // 2 or tile == 8        # it fits, or is the minimum
-        assert torch.equal(ae.decode(z), ae.decode_tiled(z, tile))
+        assert memory.decode_bytes(ae, 1, min(22, tile + 14), 6) <= one // 2 or tile == 8   # it fits, or the minimum
+        assert torch.equal(ae.decode(z, tile), ae.decode_tiled(z, tile))
 
         pair = torch.cat([z, z.flip(-1)])                             # two images fit one at a time, not together
-        monkeypatch.setattr(ae_module, "free_memory", lambda device: int(1.5 * one))
-        assert torch.equal(ae.decode(pair), torch.cat([full, ae.decode(z.flip(-1), tiled=False)]))
+        assert memory.decode_tile(ae, 2, 22, 6, int(1.5 * one)) is not None
+        tiles = [memory.decode_tile(ae, 1, 22, 6, int(1.5 * one)) for _ in pair]
+        decoded = torch.cat([ae.decode(image[None], t) for image, t in zip(pair, tiles)])
+        assert torch.equal(decoded, torch.cat([full, ae.decode(z.flip(-1))]))
 
 
 def test_decode_bytes_scales_with_pixels_channels_and_dtype(ae):
-    assert ae.decode_bytes(2, 16, 16) == 2 * ae.decode_bytes(1, 16, 16) == 8 * ae.decode_bytes(1, 8, 8)
+    assert memory.decode_bytes(ae, 2, 16, 16) == 2 * memory.decode_bytes(ae, 1, 16, 16) == 8 * memory.decode_bytes(ae, 1, 8, 8)
     with torch.device("meta"):
         real = AutoEncoder(FLUX2_AE).to(torch.bfloat16)
     # FLUX.2's AE (128 base channels) in bf16 at 1024^2: about 2.7 GB (a published figure for its decode: 2.9 GB peak).
-    assert 2.5e9 < real.decode_bytes(1, 64, 64) < 3.0e9
-    assert real.decode_bytes(1, 64, 64) == 2 * ae.decode_bytes(1, 64, 64)    # 4x the channels, half the bytes
+    assert 2.5e9 < memory.decode_bytes(real, 1, 64, 64) < 3.0e9
+    assert memory.decode_bytes(real, 1, 64, 64) == 2 * memory.decode_bytes(ae, 1, 64, 64)    # 4x the channels, half the bytes
 
 
 def test_tile_spans_cover_with_overlap():
