@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import Flux2Error
+from .runtime import run_state
 
 SAMPLES_PER_TENSOR = 16   # values read from each end of every tensor for a fingerprint
 
@@ -35,7 +36,7 @@ def fingerprint(module: nn.Module) -> str:
     Reads 2 x 16 values per tensor in one device-to-host copy, so it is cheap even for a 9B model on a GPU.
     """
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr(getattr(module, "adapter_key", ())).encode())        # adapters applied (patching.set_adapters)
+    h.update(repr(run_state(module).adapter_key).encode())            # adapters applied (patching.set_adapters)
     samples = []
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.device};".encode())

@@ -2,8 +2,9 @@
 
     compile_blocks(model)          # in place; the first forward compiles (seconds to minutes), later ones reuse it
 
-Each double and single block is compiled on its own (``nn.Module.compile``), not the whole model: all blocks of a kind
-share one compiled graph (their weights are graph inputs), so the compile cost is two graphs, not 25 or 32. What is
+Each double and single block's forward is compiled on its own, not the whole model: all blocks of a kind share one
+compiled graph (their weights are graph inputs), so the compile cost is two graphs, not 25 or 32. The compiled forward
+is an attribute of the block; removing it (``uncompile_blocks``) leaves the block as loaded. What is
 outside the blocks (embedders, RoPE table, modulation, final layer) runs eagerly: it is a few small ops per step.
 
 What triggers a new compile, and what does not:
@@ -33,6 +34,7 @@ from torch import nn
 
 from .errors import Flux2Error
 from .offload import streamed_blocks
+from .runtime import run_state
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -59,26 +61,30 @@ def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None
     if mode is not None:
         options["mode"] = mode
     streamed = set(streamed_blocks(model))
+    uncompile_blocks(model)
+    state = run_state(model)
     for block in blocks(model):
         if block not in streamed:
-            block.compile(**options)
-    model.compile_options = options
+            block.forward = torch.compile(type(block).forward.__get__(block), **options)
+            state.compiled_blocks.append(block)
+    state.compiled = options
     return model
 
 
 def is_compiled(model: nn.Module, **options) -> bool:
     """Whether the blocks run compiled (the resident ones, when streamed); with ``options`` (e.g. fullgraph=False),
     compiled with those."""
+    state = run_state(model)
     streamed = set(streamed_blocks(model))
-    compiled = all(getattr(block, "_compiled_call_impl", None) is not None
-                   for block in blocks(model) if block not in streamed)
-    used = getattr(model, "compile_options", {})
-    return compiled and all(used.get(k) == v for k, v in options.items())
+    compiled = bool(state.compiled) and all(block in state.compiled_blocks for block in blocks(model)
+                                            if block not in streamed)
+    return compiled and all(state.compiled.get(k) == v for k, v in options.items())
 
 
 def uncompile_blocks(model: nn.Module) -> nn.Module:
     """Undo ``compile_blocks``: the blocks run eagerly again (compiled code stays cached in torch)."""
-    for block in blocks(model):
-        block._compiled_call_impl = None
-    model.compile_options = {}
+    state = run_state(model)
+    for block in state.compiled_blocks:
+        del block.forward                  # the class's forward again
+    state.compiled, state.compiled_blocks = {}, []
     return model

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from .errors import Flux2Error
 from .memory import GIB, module_bytes
+from .runtime import run_state
 
 CPU = torch.device("cpu")
 
@@ -47,16 +48,15 @@ def stream_blocks(model: nn.Module, device, budget: int, storage=CPU) -> BlockSt
     """Make ``model`` (a ``Flux2Transformer``, anywhere) run on ``device`` with at most ``budget`` bytes of its weights
     there at once: the always-resident parts and the blocks that fit stay on ``device``, the others are kept on
     ``storage`` and streamed (see the module docstring). A model already streamed is unstreamed first. Returns the
-    handle (also at ``model._block_stream``)."""
+    handle (also ``run_state(model).stream``)."""
     device, storage = torch.device(device), torch.device(storage)
     if streaming(model) is not None:
         unstream(model)
     _, streamed = split_blocks(model, budget)
-    if any(getattr(block, "_compiled_call_impl", None) is not None for block in streamed):
+    if any(block in run_state(model).compiled_blocks for block in streamed):
         raise Flux2Error("the transformer's blocks are compiled: stream them first, then compile (compile_blocks then "
                          "compiles only the resident blocks); or call compile.uncompile_blocks before streaming")
-    stream = BlockStream(model, device, storage, streamed)
-    object.__setattr__(model, "_block_stream", stream)     # a plain attribute, not a submodule or state
+    stream = run_state(model).stream = BlockStream(model, device, storage, streamed)
     return stream
 
 
@@ -91,7 +91,7 @@ def split_blocks(model: nn.Module, budget: int) -> tuple[list[nn.Module], list[n
 
 def streaming(model: nn.Module) -> BlockStream | None:
     """The model's ``BlockStream`` if its blocks are streamed, else None."""
-    return getattr(model, "_block_stream", None)
+    return run_state(model).stream
 
 
 def streamed_blocks(model: nn.Module) -> list[nn.Module]:
@@ -106,7 +106,7 @@ def unstream(model: nn.Module, resident: bool = False) -> nn.Module:
     stream = streaming(model)
     if stream is not None:
         stream.close(resident)
-        del model._block_stream
+        run_state(model).stream = None
     return model
 
 

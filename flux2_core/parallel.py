@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .errors import Flux2Error
+from .runtime import run_state
 
 DRIVER = 0
 GROUP_TIMEOUT = timedelta(minutes=10)   # a collective waiting this long means a rank is stuck: the pass fails
@@ -269,12 +270,12 @@ def attach(model, sp: SequenceParallel | None) -> None:
     divide the number of attention heads (each rank attends with heads/P of them)."""
     if sp is not None:
         check_world(model.params.num_heads, sp.world)
-    model.sequence_parallel = sp if sp is not None and sp.world > 1 else None
+    run_state(model).sequence_parallel = sp if sp is not None and sp.world > 1 else None
 
 
 def world_of(model) -> int:
     """How many ranks ``model`` (a Flux2Transformer) is spread over: 1 unless ``attach``ed to a group."""
-    sp = getattr(model, "sequence_parallel", None)
+    sp = run_state(model).sequence_parallel
     return 1 if sp is None else sp.world
 
 

@@ -15,7 +15,7 @@ How a layer takes its patches (``adapters.Patch``: ΔW for some rows of a layer'
   a new scale; GGUF: merged into the weight as it is dequantized, at every call). DoRA patches always merge: they
   rescale the whole weight.
 
-``merge=False`` makes float layers take branches too. ``model.adapter_key`` names the applied set (``key``); the caches
+``merge=False`` makes float layers take branches too. ``run_state(model).adapter_key`` names the applied set (``key``); the caches
 key what they keep by it (``cache.fingerprint``), so nothing computed with one set is served for another.
 """
 
@@ -31,11 +31,12 @@ from torch import Tensor, nn
 from . import checks
 from .adapters import Patch
 from .errors import Flux2Error
+from .runtime import run_state
 from .storage.protocol import StoredLinear
 
 
 class AppliedAdapters:
-    """What ``set_adapters`` leaves on a model (``model.adapters_applied``): the layers it merged into and the branch
+    """What ``set_adapters`` leaves on a model (``run_state(model).adapters``): the layers it merged into and the branch
     hooks, so that the next call can undo them."""
 
     def __init__(self):
@@ -64,8 +65,9 @@ def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: 
                                                                 hint="1 applies it as trained, 0 not at all")))
     layers = {name: _layer(model, name, [p for p, _ in items]) for name, items in by_layer.items()}
     _undo(model)
-    applied = model.adapters_applied = AppliedAdapters()
-    model.adapter_key = key if by_layer else ()
+    state = run_state(model)
+    applied = state.adapters = AppliedAdapters()
+    state.adapter_key = key if by_layer else ()
     for name, items in by_layer.items():
         layer = layers[name]
         dora = any(p.dora_scale is not None for p, _ in items)
@@ -78,14 +80,15 @@ def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: 
 
 @torch.no_grad()
 def _undo(model: nn.Module) -> None:
-    applied: AppliedAdapters | None = getattr(model, "adapters_applied", None)
+    state = run_state(model)
+    applied = state.adapters
     if applied is None:
         return
     for hook in applied.hooks:
         hook.remove()
     for layer in applied.merged:
         layer.unmerge_weight()
-    model.adapters_applied, model.adapter_key = None, ()
+    state.adapters, state.adapter_key = None, ()
 
 
 def _layer(model: nn.Module, name: str, patches: list[Patch]) -> nn.Module:

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from .errors import Flux2Error
 from .layers import Layers
 from .rope import apply_rope, rope_table
+from .runtime import run_state
 from .variants import TransformerParams
 
 if TYPE_CHECKING:
@@ -294,7 +295,10 @@ def _batched(x: Tensor, batch: int, name: str) -> Tensor:
 class Flux2Transformer(nn.Module):
     """FLUX.2 DiT; ``state_dict()`` keys are exactly those of BFL's single-file checkpoints."""
 
-    sequence_parallel: SequenceParallel | None = None     # set by parallel.attach: this model is spread over ranks
+    @property
+    def sequence_parallel(self) -> SequenceParallel | None:
+        """The ranks this model's passes are spread over (``parallel.attach``); None: it runs whole."""
+        return run_state(self).sequence_parallel
 
     def __init__(self, params: TransformerParams, layers: Layers | None = None):
         """``layers`` makes every linear layer (``layers.Layers``: float, or fp8 per layer); default: all float."""

@@ -40,6 +40,7 @@ from ..flux2_core import checks, patching
 from ..flux2_core.cache import fingerprint
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.followers import FollowerGroup, Recipe
+from ..flux2_core.runtime import run_state
 from ..flux2_core.transformer import ReferenceKV
 from ..flux2_core.variants import Variant
 
@@ -213,7 +214,7 @@ class Managed:
         Qwen3, with ``patches_of(adapter)`` picking their patches for it; the weights as loaded when there are none.
         The module is shared by every branch using the loader's output, so each user sets the LoRAs it needs;
         flux2_core.patching restores the original weights bit for bit in between."""
-        if getattr(module, "adapter_key", ()) != self.adapter_key:
+        if run_state(module).adapter_key != self.adapter_key:
             merge = patching.merge_asked(m for _, _, strength, _, m in self.adapters if strength)
             patching.set_adapters(module, [(patch, strength) for _, _, strength, adapter, _ in self.adapters
                                            for patch in patches_of(adapter)], self.adapter_key, merge)

@@ -226,7 +226,7 @@ def test_compile_skips_streamed_blocks_and_streaming_refuses_compiled_blocks(mon
     fixed, block_sizes = sizes(model)
     offload.stream_blocks(model, CPU, fixed + 2 * max(block_sizes) + block_sizes[0])
     compiling.compile_blocks(model, backend="eager")
-    compiled = [getattr(b, "_compiled_call_impl", None) is not None for b in blocks(model)]
+    compiled = ["forward" in vars(b) for b in blocks(model)]                 # a compiled forward of its own
     assert compiled == [b not in offload.streamed_blocks(model) for b in blocks(model)] and any(compiled)
     assert compiling.is_compiled(model, fullgraph=True)          # the resident blocks, in one graph each
     torch._dynamo.reset()
