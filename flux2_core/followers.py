@@ -34,6 +34,7 @@ from . import parallel
 from .errors import Flux2Error
 
 START_TIMEOUT = 600.0       # seconds for every follower to load its transformer and report ready
+ADAPTERS = "adapters"       # the call that gives the followers the driver's LoRAs (parallel.serve handler)
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]     # the folder holding flux2_core: the followers' import path
 
 
@@ -144,7 +145,7 @@ class FollowerGroup:
         content no longer has that digest."""
         adapters = [list(a) for a in adapters]
         if adapters != self.adapters:
-            self.sp.announce("adapters", {}, {"adapters": adapters})
+            self.sp.announce(ADAPTERS, {}, {"adapters": adapters})
             self.adapters = adapters
 
     def close(self) -> None:
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     store.set(f"ready/{rank}", "1")
     sp = parallel.join(store, rank, world, device)
-    parallel.serve(model, sp, {"adapters": lambda extra: _apply_adapters(model, extra)},
+    parallel.serve(model, sp, {ADAPTERS: lambda extra: _apply_adapters(model, extra)},
                    alive=lambda: _driver_alive(driver))
     parallel.leave()
     return 0

@@ -42,6 +42,8 @@ from .runtime import run_state
 DRIVER = 0
 GROUP_TIMEOUT = timedelta(minutes=10)   # a collective waiting this long means a rank is stuck: the pass fails
 POLL = timedelta(seconds=1)             # how often an idle follower checks that the driver is still there
+# the calls a driver announces and ``serve`` runs (other modules add their own through ``serve``'s handlers)
+FORWARD, REFERENCE_KV, RELEASE, STOP = "forward", "reference_kv", "release", "stop"
 DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64,
                                                      torch.int32, torch.uint8)}
 
@@ -195,7 +197,7 @@ class SequenceParallel:
         """Let the followers drop what they keep between calls (their share of the last reference K/V) and give
         their cached GPU memory back; the driver's next KV pass makes new ones."""
         if self.driver and not self.broken:
-            self.announce("release", {}, {})
+            self.announce(RELEASE, {}, {})
             self.last_kv = None
 
     def failure(self, error: Exception) -> str:
@@ -213,7 +215,7 @@ class SequenceParallel:
         the group, whatever happened."""
         try:
             if self.driver and not self.broken:
-                self.announce("stop", {}, {})
+                self.announce(STOP, {}, {})
                 self.wait_read(self.calls)      # this process serves the store: it must outlive their reading
         finally:
             leave()
@@ -289,14 +291,14 @@ def serve(model, sp: SequenceParallel, handlers: dict[str, Callable[[dict], None
         with torch.no_grad():
             while True:
                 name, tensors, extra = sp.next_call(alive)
-                if name == "stop":
+                if name == STOP:
                     return
-                if name == "forward":
+                if name == FORWARD:
                     model(**tensors, ref_kv=kv if extra.get("ref_kv") is not None else None)
-                elif name == "reference_kv":
+                elif name == REFERENCE_KV:
                     kv = None                                   # the last one goes before the new one is made
                     kv = model.reference_kv(**tensors)
-                elif name == "release":
+                elif name == RELEASE:
                     kv = None
                     if sp.device.type == "cuda":
                         torch.cuda.empty_cache()

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from . import parallel
 from .errors import Flux2Error
 from .layers import Layers
 from .rope import apply_rope, rope_table
@@ -347,7 +348,7 @@ class Flux2Transformer(nn.Module):
         sp = self.sequence_parallel
         if sp is None:
             return run(**inputs)
-        return sp.call(run, "forward", inputs, {"ref_kv": None if ref_kv is None else ref_kv.parallel_id})
+        return sp.call(run, parallel.FORWARD, inputs, {"ref_kv": None if ref_kv is None else ref_kv.parallel_id})
 
     @torch.no_grad()
     def reference_kv(self, ref: Tensor, ref_ids: Tensor) -> ReferenceKV:
@@ -360,7 +361,7 @@ class Flux2Transformer(nn.Module):
         sp = self.sequence_parallel
         if sp is None:
             return self._reference_kv(ref, ref_ids)
-        kv = sp.call(self._reference_kv, "reference_kv", {"ref": ref, "ref_ids": ref_ids})
+        kv = sp.call(self._reference_kv, parallel.REFERENCE_KV, {"ref": ref, "ref_ids": ref_ids})
         kv.parallel_id = sp.last_kv = f"{sp.token}/{sp.calls}"   # the followers keep their shares of this one (only)
         return kv
 
