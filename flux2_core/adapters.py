@@ -187,6 +187,22 @@ class Adapter:
         return h.hexdigest()
 
 
+@dataclass(frozen=True)
+class AdapterUse:
+    """One adapter as a run applies it: what a chain of LoRA nodes carries, and what follower processes are given
+    (everything but ``adapter``, which they read again from ``file`` and check against ``digest``)."""
+
+    file: str                      # a LoRA folder entry (the nodes) or a path (followers)
+    digest: str                    # Adapter.digest of what it does, as read
+    strength: float
+    merge: bool | None = None      # merge into quantized weights too (patching.merge_asked)
+    adapter: Adapter | None = field(default=None, compare=False, repr=False)    # its patches, once read
+
+    def shared(self) -> dict:
+        """The fields a follower process is sent (JSON)."""
+        return {"file": self.file, "digest": self.digest, "strength": self.strength, "merge": self.merge}
+
+
 def read_adapter(source: str | Path | Mapping[str, Tensor], params: TransformerParams,
                  text_encoder_keys: Mapping[str, object] | Iterable[str] | None = None,
                  metadata: Mapping[str, str] | None = None, name: str | None = None) -> Adapter:

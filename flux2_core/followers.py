@@ -1,8 +1,8 @@
 """Follower ranks for a driver inside a long-running program (ComfyUI): ``FollowerGroup`` starts one process per extra
-device, each loads the transformer as the driver did (``Recipe``) and serves its passes (``parallel.serve``), until
+device, each loads the transformer as the driver did (``TransformerSource``) and serves its passes (``parallel.serve``), until
 the driver closes the group, dies, or a follower fails.
 
-    group = FollowerGroup.start(Recipe(path, "bfloat16"), ["cuda:0", "cuda:1"])   # this process is rank 0 on cuda:0
+    group = FollowerGroup.start(TransformerSource(path, "bfloat16"), ["cuda:0", "cuda:1"])   # this process is rank 0 on cuda:0
     parallel.attach(model, group.sp)
     latents = sampling.denoise(model, ...)          # every transformer pass now runs on both GPUs
     group.close()                                    # the followers exit; their memory is freed
@@ -25,12 +25,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from . import parallel
+from .adapters import AdapterUse
 from .errors import Flux2Error
 
 START_TIMEOUT = 600.0       # seconds for every follower to load its transformer and report ready
@@ -39,7 +40,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]     # the folder holding flux
 
 
 @dataclass(frozen=True)
-class Recipe:
+class TransformerSource:
     """How the driver's transformer was loaded (``weights.load_transformer``'s arguments), for the followers."""
 
     path: str
@@ -49,7 +50,7 @@ class Recipe:
     stamp: str = ""               # the file's size and modification time as the driver loaded it ("": unchecked)
 
     @classmethod
-    def of(cls, path, dtype: str, fp8: bool | None = None, variant: str | None = None) -> Recipe:
+    def of(cls, path, dtype: str, fp8: bool | None = None, variant: str | None = None) -> TransformerSource:
         """The recipe of the file at ``path`` as it is now (call it when the driver loads it)."""
         return cls(str(path), dtype, fp8, variant, file_stamp(path))
 
@@ -81,13 +82,13 @@ def free_port() -> int:
 class FollowerGroup:
     """This process as rank 0 (the driver) of ``len(devices)`` ranks, with a follower process for every other device."""
 
-    def __init__(self, sp: parallel.SequenceParallel, context, recipe: Recipe, devices: list[str], logs: Path):
+    def __init__(self, sp: parallel.SequenceParallel, context, recipe: TransformerSource, devices: list[str], logs: Path):
         self.sp, self.context, self.recipe, self.devices, self.logs = sp, context, recipe, devices, logs
         self.adapters: list = []          # what the followers' transformers carry (set_adapters)
         sp.peers_alive = self.alive
 
     @classmethod
-    def start(cls, recipe: Recipe, devices: list[str], timeout: float = START_TIMEOUT,
+    def start(cls, recipe: TransformerSource, devices: list[str], timeout: float = START_TIMEOUT,
               cancel: Callable[[], None] = lambda: None) -> FollowerGroup:
         """Start followers on devices[1:] (this process computes on devices[0]) and join them as the driver.
         ``cancel`` is called while they load; what it raises (the user cancelled) stops them and is raised."""
@@ -139,11 +140,11 @@ class FollowerGroup:
         """Whether the group can run another pass: every follower running, none left inside a pass cut short."""
         return self.alive() and not self.sp.broken
 
-    def set_adapters(self, adapters: list[tuple[str, float, bool | None, str]]) -> None:
-        """Give the followers' transformers these LoRAs ((file, strength, merge, the transformer's digest:
-        adapters.Adapter.digest(text_encoder=False)) each), as the driver's has them; a follower refuses a file whose
+    def set_adapters(self, adapters: list[AdapterUse]) -> None:
+        """Give the followers' transformers these LoRAs (each with its path and the transformer's digest:
+        adapters.Adapter.digest(text_encoder=False)), as the driver's has them; a follower refuses a file whose
         content no longer has that digest."""
-        adapters = [list(a) for a in adapters]
+        adapters = [a.shared() for a in adapters]
         if adapters != self.adapters:
             self.sp.announce(ADAPTERS, {}, {"adapters": adapters})
             self.adapters = adapters
@@ -182,14 +183,15 @@ def _apply_adapters(model, extra: dict) -> None:
     from .patching import merge_asked, set_adapters
 
     read = []
-    for path, strength, merge, digest in extra["adapters"]:
-        adapter = read_adapter(path, model.params)
-        if adapter.digest(text_encoder=False) != digest:
-            raise Flux2Error(f"the LoRA {path} has changed since the driver read it: the ranks would compute with "
+    for use in (AdapterUse(**fields) for fields in extra["adapters"]):
+        adapter = read_adapter(use.file, model.params)
+        if adapter.digest(text_encoder=False) != use.digest:
+            raise Flux2Error(f"the LoRA {use.file} has changed since the driver read it: the ranks would compute with "
                              f"different weights. Run again (ComfyUI reads it anew when its file changes)")
-        read.append((adapter, strength, merge))
-    set_adapters(model, [(patch, s) for a, s, _ in read for patch in a.patches],
-                 tuple((a.name, a.digest(), s) for a, s, _ in read), merge_asked(m for _, _, m in read))
+        read.append(replace(use, adapter=adapter))
+    key = tuple((a.adapter.name, a.adapter.digest(), a.strength) for a in read)
+    set_adapters(model, [(patch, a.strength) for a in read for patch in a.adapter.patches], key,
+                 merge_asked(a.merge for a in read))
 
 
 def _driver_alive(pid: int) -> bool:
@@ -204,7 +206,7 @@ def _driver_alive(pid: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """A follower: load the transformer by the recipe, report ready, join the group and serve until stopped."""
-    recipe = Recipe(**json.loads((argv or sys.argv[1:])[0]))
+    recipe = TransformerSource(**json.loads((argv or sys.argv[1:])[0]))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device(json.loads(os.environ["FLUX2_DEVICES"])[rank])
     driver = int(os.environ["FLUX2_DRIVER_PID"])

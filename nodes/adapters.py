@@ -62,7 +62,7 @@ class LoRA(io.ComfyNode):
         if adapter.report.unmatched:
             log.warning("FLUX.2 Klein LoRA %s: keys that matched nothing: %s", lora_name, ", ".join(
                 f"{key} ({why})" for key, why in adapter.report.unmatched.items()))
-        entry = (lora_name, adapter.digest(), strength, adapter, merge_into_fp8)
+        entry = adapters.AdapterUse(lora_name, adapter.digest(), strength, merge_into_fp8, adapter)
         chained = dataclasses.replace(model, adapters=(*model.adapters, entry))
         encoder = None if text_encoder is None else dataclasses.replace(text_encoder,
                                                                         adapters=(*text_encoder.adapters, entry))

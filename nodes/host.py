@@ -37,9 +37,10 @@ from server import PromptServer
 from torch import nn
 
 from ..flux2_core import checks, patching
+from ..flux2_core.adapters import AdapterUse
 from ..flux2_core.cache import fingerprint
 from ..flux2_core.errors import Flux2Error
-from ..flux2_core.followers import FollowerGroup, Recipe
+from ..flux2_core.followers import FollowerGroup, TransformerSource
 from ..flux2_core.runtime import run_state
 from ..flux2_core.transformer import ReferenceKV
 from ..flux2_core.variants import Variant
@@ -190,9 +191,9 @@ class Managed:
                                        # ones stream: _host_class)
     fingerprint: str = ""              # cache.fingerprint of the weights as loaded
     compiled: bool = False             # transformers: run the blocks torch.compiled (FLUX.2 Klein Compile)
-    adapters: tuple = ()               # transformers and text encoders: (file name, content digest, strength,
-                                       # adapters.Adapter, merge into fp8) per FLUX.2 Klein LoRA node, in chain order
-    recipe: Recipe | None = None       # transformers: how it was loaded, for follower processes (FLUX.2 Klein Parallel)
+    adapters: tuple[AdapterUse, ...] = ()   # transformers and text encoders: one per FLUX.2 Klein LoRA node, in
+                                            # chain order
+    recipe: TransformerSource | None = None   # transformers: its file as loaded, for follower processes (Parallel)
     ranks: int = 1                     # transformers: the processes (devices) its denoising is spread over
 
     def ready(self, memory: int = 0) -> torch.device:
@@ -215,15 +216,14 @@ class Managed:
         The module is shared by every branch using the loader's output, so each user sets the LoRAs it needs;
         flux2_core.patching restores the original weights bit for bit in between."""
         if run_state(module).adapter_key != self.adapter_key:
-            merge = patching.merge_asked(m for _, _, strength, _, m in self.adapters if strength)
-            patching.set_adapters(module, [(patch, strength) for _, _, strength, adapter, _ in self.adapters
-                                           for patch in patches_of(adapter)], self.adapter_key, merge)
+            merge = patching.merge_asked(a.merge for a in self.adapters if a.strength)
+            patching.set_adapters(module, [(patch, a.strength) for a in self.adapters
+                                           for patch in patches_of(a.adapter)], self.adapter_key, merge)
 
     @property
     def adapter_key(self) -> tuple:
         """The LoRAs this model runs with: (file, content digest, strength, merge) each (flux2_core.patching's key)."""
-        return tuple((name, digest, strength, merge) for name, digest, strength, _, merge in self.adapters
-                     if strength != 0)
+        return tuple((a.file, a.digest, a.strength, a.merge) for a in self.adapters if a.strength != 0)
 
 
 def partially_loaded(model: Managed) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ..flux2_core import quant, weights
-from ..flux2_core.followers import Recipe
+from ..flux2_core.followers import TransformerSource
 from ..flux2_core.ggml_layers import gguf_types
 from . import host, types
 
@@ -70,7 +70,7 @@ class ModelLoader(io.ComfyNode):
                 f"{f'{fp8_layers} layers in fp8 ({fp8_note}), ' if fp8_layers else ''}{gguf_note(model)}"
                 f"{host.dtype_name(dtype)}")
         managed = host.manage(model, model, "transformer", dtype, variant=variant, full_load=fp8_layers > 0)
-        managed.recipe = Recipe.of(host.resolve("diffusion_models", model_name), host.dtype_name(dtype), fp8)
+        managed.recipe = TransformerSource.of(host.resolve("diffusion_models", model_name), host.dtype_name(dtype), fp8)
         return io.NodeOutput(managed, ui=ui.PreviewText(info))
 
 

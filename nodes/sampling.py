@@ -19,6 +19,7 @@ from comfy_api.latest import io, ui
 
 from ..flux2_core import cache, inpaint, latents, memory, parallel, references, sampling, schedules, weights
 from ..flux2_core import compile as compiling
+from ..flux2_core.adapters import AdapterUse
 from ..flux2_core.errors import Flux2Error
 from . import host, types
 
@@ -207,8 +208,8 @@ class Compile(io.ComfyNode):
 def spread_over(model: host.Managed):
     """The follower group's SequenceParallel for ``model``, its followers given the model's LoRAs."""
     group = host.followers(model)
-    group.set_adapters([(host.resolve("loras", name), strength, merge, adapter.digest(text_encoder=False))
-                        for name, _, strength, adapter, merge in model.adapters if strength != 0])
+    group.set_adapters([AdapterUse(host.resolve("loras", a.file), a.adapter.digest(text_encoder=False), a.strength,
+                                   a.merge) for a in model.adapters if a.strength != 0])
     return group.sp
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from flux2_core import parallel, rope, sampling
-from flux2_core.adapters import read_adapter
+from flux2_core.adapters import AdapterUse, read_adapter
 from flux2_core.errors import Flux2Error
-from flux2_core.followers import FollowerGroup, Recipe
+from flux2_core.followers import FollowerGroup, TransformerSource
 from flux2_core.patching import set_adapters
 from flux2_core.weights import load_transformer
 from tests.tiny.adapters import lora_state_dict, random_lora, save_adapter
@@ -50,13 +50,13 @@ def test_a_follower_group_denoises_as_one_process_with_loras(tmp_path, weights):
     with_lora = job(model, "kv")
     set_adapters(model, [])
 
-    group = FollowerGroup.start(Recipe(str(weights), "float32"), ["cpu", "cpu"])
+    group = FollowerGroup.start(TransformerSource(str(weights), "float32"), ["cpu", "cpu"])
     pids = group.context.pids()
     try:
         parallel.attach(model, group.sp)
         assert relative(job(model, "cfg")["latents"], plain) <= 1e-5
         set_adapters(model, [(p, 0.8) for p in patches])
-        group.set_adapters([(str(lora), 0.8, None, read_adapter(lora, SIX_HEADS).digest(text_encoder=False))])
+        group.set_adapters([AdapterUse(str(lora), read_adapter(lora, SIX_HEADS).digest(text_encoder=False), 0.8)])
         got = job(model, "kv")
         for key in with_lora:
             assert relative(got[key], with_lora[key]) <= 1e-5, key
@@ -73,13 +73,13 @@ def test_a_follower_group_denoises_as_one_process_with_loras(tmp_path, weights):
 
 def test_a_follower_that_cannot_load_fails_the_start_with_its_message(tmp_path):
     with pytest.raises(Flux2Error, match=r"a follower process stopped while loading: rank 1 exited with 2: error: "):
-        FollowerGroup.start(Recipe(str(tmp_path / "missing.safetensors"), "float32"), ["cpu", "cpu"])
+        FollowerGroup.start(TransformerSource(str(tmp_path / "missing.safetensors"), "float32"), ["cpu", "cpu"])
     assert not torch.distributed.is_initialized()
 
 
 def test_a_follower_killed_between_runs_fails_the_next_run_at_once(weights):
     model, _ = load_transformer(weights, "cpu", torch.float32)
-    group = FollowerGroup.start(Recipe(str(weights), "float32"), ["cpu", "cpu"])
+    group = FollowerGroup.start(TransformerSource(str(weights), "float32"), ["cpu", "cpu"])
     try:
         parallel.attach(model, group.sp)
         job(model, "t2i")
@@ -107,7 +107,7 @@ def test_a_pass_cut_short_on_the_driver_breaks_the_group_which_closes_at_once(we
     # hang until the group timeout) and close without waiting for them; a new group then works
     model, _ = load_transformer(weights, "cpu", torch.float32)
     expected = job(model, "t2i")["latents"]
-    group = FollowerGroup.start(Recipe.of(weights, "float32"), ["cpu", "cpu"])
+    group = FollowerGroup.start(TransformerSource.of(weights, "float32"), ["cpu", "cpu"])
     pids = group.context.pids()
     block = model.single_blocks[0]
     try:
@@ -130,7 +130,7 @@ def test_a_pass_cut_short_on_the_driver_breaks_the_group_which_closes_at_once(we
     assert all(gone(pid) for pid in pids.values())
     assert not group.logs.exists()
 
-    again = FollowerGroup.start(Recipe.of(weights, "float32"), ["cpu", "cpu"])
+    again = FollowerGroup.start(TransformerSource.of(weights, "float32"), ["cpu", "cpu"])
     try:
         parallel.attach(model, again.sp)
         assert relative(job(model, "t2i")["latents"], expected) <= 1e-5
@@ -140,7 +140,7 @@ def test_a_pass_cut_short_on_the_driver_breaks_the_group_which_closes_at_once(we
 
 
 def test_a_model_file_changed_since_the_driver_loaded_it_is_refused(weights):
-    recipe = Recipe.of(weights, "float32")
+    recipe = TransformerSource.of(weights, "float32")
     later = os.stat(weights).st_mtime_ns + 5_000_000_000
     os.utime(weights, ns=(later, later))
     with pytest.raises(Flux2Error, match=r"six.safetensors has changed since the driver loaded it"):
@@ -152,7 +152,7 @@ def test_a_lora_changed_since_the_driver_read_it_is_refused_and_release_drops_th
     model, _ = load_transformer(weights, "cpu", torch.float32)
     lora = save_adapter(lora_state_dict(random_lora(SIX_HEADS, ["single_blocks.1.linear1"]), "ai-toolkit")[0],
                         tmp_path / "lora.safetensors")
-    group = FollowerGroup.start(Recipe.of(weights, "float32"), ["cpu", "cpu"])
+    group = FollowerGroup.start(TransformerSource.of(weights, "float32"), ["cpu", "cpu"])
     try:
         parallel.attach(model, group.sp)
         g = torch.Generator().manual_seed(1)
@@ -163,7 +163,7 @@ def test_a_lora_changed_since_the_driver_read_it_is_refused_and_release_drops_th
         with pytest.raises(Flux2Error, match="earlier reference pass"):
             sampling.denoise(model, x, SIGMAS, txt, ref_kv=kv, kv=True)
 
-        group.set_adapters([(str(lora), 1.0, None, "a digest of another file")])
+        group.set_adapters([AdapterUse(str(lora), "a digest of another file", 1.0)])
         with pytest.raises(Flux2Error, match=r"rank 1: Flux2Error: the LoRA .*lora.safetensors has changed"):
             job(model, "t2i")
     finally:
