@@ -1,8 +1,8 @@
 """Follower ranks for a driver inside a long-running program (ComfyUI): ``FollowerGroup`` starts one process per extra
-device, each loads the transformer as the driver did (``TransformerSource``) and serves its passes (``parallel.serve``), until
-the driver closes the group, dies, or a follower fails.
+device, each loads the transformer as the driver did (``TransformerSource``) and serves its passes
+(``parallel.serve``), until the driver closes the group, dies, or a follower fails.
 
-    group = FollowerGroup.start(TransformerSource(path, "bfloat16"), ["cuda:0", "cuda:1"])   # this process is rank 0 on cuda:0
+    group = FollowerGroup.start(TransformerSource(path, "bfloat16"), ["cuda:0", "cuda:1"])   # this process: cuda:0
     parallel.attach(model, group.sp)
     latents = sampling.denoise(model, ...)          # every transformer pass now runs on both GPUs
     group.close()                                    # the followers exit; their memory is freed
@@ -82,7 +82,8 @@ def free_port() -> int:
 class FollowerGroup:
     """This process as rank 0 (the driver) of ``len(devices)`` ranks, with a follower process for every other device."""
 
-    def __init__(self, sp: parallel.SequenceParallel, context, recipe: TransformerSource, devices: list[str], logs: Path):
+    def __init__(self, sp: parallel.SequenceParallel, context, recipe: TransformerSource, devices: list[str],
+                 logs: Path):
         self.sp, self.context, self.recipe, self.devices, self.logs = sp, context, recipe, devices, logs
         self.adapters: list = []          # what the followers' transformers carry (set_adapters)
         sp.peers_alive = self.alive
