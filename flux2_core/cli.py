@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "every block, quantized as it loads: about half the memory of bf16 (Klein 4B: 7.5 -> 3.8 GB), "
                         "images differ slightly. auto (default): an fp8 file's fp8 layers stay fp8, with its own "
                         "scales. no: an fp8 file is dequantized to the --dtype")
+    p.add_argument("--int8", action="store_true",
+                   help="transformer block weights in int8 (one scale per row), quantized as they load from any file "
+                        "(bf16, fp8, GGUF): about half the memory of bf16; multiplied in int8 with the activations "
+                        "quantized per token (comfy-kitchen's int8_linear) on NVIDIA GPUs from Turing on (RTX 20xx, "
+                        "30xx, A100: no fp8 tensor cores needed) and on CPUs in float32, else computed in the "
+                        "--dtype; images differ slightly")
     p.add_argument("--fp8-matmul", choices=["auto", "yes", "no"], default="auto",
                    help="multiply fp8 weights in fp8 (torch._scaled_mm: activations quantized per token; faster, "
                         "results differ slightly). auto (default): whenever the weights are fp8 and the GPU has fp8 "
@@ -258,6 +264,8 @@ def check_early(args, refs) -> None:
             raise Flux2Error(f"{'/'.join(options)}: {e}") from None
     if args.batch < 1:
         raise Flux2Error(f"--batch must be >= 1, got {args.batch}")
+    if args.int8 and args.fp8 == "yes":
+        raise Flux2Error("--int8 and --fp8 both choose how the blocks' weights are stored: pick one")
     for i, ref in enumerate(refs):
         check_reference(ref, i)
     for path, strength in map(lora_argument, args.lora):
@@ -346,9 +354,10 @@ def load_for_command(args, device, size: tuple[int, int]):
     """(the three models loaded, LoRAs applied and optimized as the options ask, what the PNGs say about them)."""
     import torch
 
-    from .ggml_layers import gguf_types
     from .pipeline import apply_adapters, load_models, optimize_transformer
-    from .quant import count_fp8, use_fp8_matmul
+    from .quant import use_fp8_matmul
+    from .storage.int8 import use_int8_matmul
+    from .storage.protocol import census
 
     offload, offload_blocks = encoder_offload(args), OFFLOAD[args.offload][1]
     if args.demo:
@@ -362,10 +371,10 @@ def load_for_command(args, device, size: tuple[int, int]):
         dtype = getattr(torch, args.dtype) if args.dtype else None
         print(f"loading {paths[0].name}, {paths[1].name}, {paths[2].name}", file=sys.stderr)
         models = load_models(*paths, device=device, dtype=dtype, variant=args.variant,
-                             fp8={"auto": None, "yes": True, "no": False}[args.fp8], offload_encoder=offload,
-                             offload_blocks=offload_blocks, size=size)
+                             fp8={"auto": None, "yes": True, "no": False}[args.fp8], int8=args.int8,
+                             offload_encoder=offload, offload_blocks=offload_blocks, size=size)
         files = {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
-    optimize_transformer(models, fp8=args.demo and args.fp8 == "yes")       # files: fp8 on load
+    optimize_transformer(models, fp8=args.demo and args.fp8 == "yes", int8=args.demo and args.int8)  # files: on load
     if args.lora:
         loras = [lora_argument(a) for a in args.lora]
         for line in apply_adapters(models, loras, merge=True if args.lora_merge else None):
@@ -373,14 +382,18 @@ def load_for_command(args, device, size: tuple[int, int]):
         files["loras"] = [{"file": Path(path).name, "strength": strength} for path, strength in loras]
     optimize_transformer(models, compile=args.compile)                          # after the LoRAs: a compiled graph
     report_streaming(models.transformer, args.compile)
-    stored = [*gguf_types(models.transformer), *(["fp8"] if count_fp8(models.transformer) else [])]
+    stored = [kind for kind in census(models.transformer) if kind != "float"]
     if stored:
-        files["transformer_weights"] = "+".join(stored)          # e.g. "fp8", "Q4_K+Q6_K"
-    fp8_matmul, note = use_fp8_matmul(models.transformer, YES_NO[args.fp8_matmul],
-                                      models.device, models.transformer.img_in.weight.dtype)
+        files["transformer_weights"] = "+".join(stored)          # e.g. "fp8", "Q4_K+Q6_K", "int8"
+    dtype = models.transformer.img_in.weight.dtype
+    fp8_matmul, note = use_fp8_matmul(models.transformer, YES_NO[args.fp8_matmul], models.device, dtype)
     if note:
         print(note, file=sys.stderr)
         files["fp8_matmul"] = "on" if fp8_matmul else "off"
+    int8_matmul, note = use_int8_matmul(models.transformer, "auto", models.device, dtype)
+    if note:
+        print(note, file=sys.stderr)
+        files["int8_matmul"] = "on" if int8_matmul else "off"
     return models, files
 
 
@@ -456,6 +469,7 @@ def follow(args, sp) -> int:
     from .adapters import read_adapter
     from .patching import set_adapters
     from .quant import use_fp8_matmul
+    from .storage.int8 import use_int8_matmul
 
     if args.demo:
         from .demo import demo_transformer
@@ -465,16 +479,23 @@ def follow(args, sp) -> int:
             from .quant import quantize_transformer
 
             quantize_transformer(model)
+        if args.int8:
+            from .quant import in_blocks
+            from .storage.int8 import quantize_blocks
+
+            quantize_blocks(model, in_blocks)
     else:
         from . import weights
 
         path = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae)[0]
         model, _ = weights.load_transformer(path, sp.device, getattr(torch, args.dtype) if args.dtype else None,
-                                            variant=args.variant, fp8={"auto": None, "yes": True, "no": False}[args.fp8])
+                                            variant=args.variant, fp8={"auto": None, "yes": True, "no": False}[args.fp8],
+                                            int8=args.int8)
     if args.lora:
         read = [(read_adapter(path, model.params), strength) for path, strength in map(lora_argument, args.lora)]
         set_adapters(model, [(patch, s) for a, s in read for patch in a.patches], merge=True if args.lora_merge else None)
     use_fp8_matmul(model, YES_NO[args.fp8_matmul], sp.device, model.img_in.weight.dtype)
+    use_int8_matmul(model, "auto", sp.device, model.img_in.weight.dtype)
     parallel.serve(model, sp)
     parallel.leave()
     return 0

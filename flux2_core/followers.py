@@ -48,22 +48,26 @@ class TransformerSource:
     fp8: bool | None = None       # as load_transformer takes it
     variant: str | None = None
     stamp: str = ""               # the file's size and modification time as the driver loaded it ("": unchecked)
+    int8: bool = False            # as load_transformer takes it
 
     @classmethod
-    def of(cls, path, dtype: str, fp8: bool | None = None, variant: str | None = None) -> TransformerSource:
+    def of(cls, path, dtype: str, fp8: bool | None = None, variant: str | None = None,
+           int8: bool = False) -> TransformerSource:
         """The recipe of the file at ``path`` as it is now (call it when the driver loads it)."""
-        return cls(str(path), dtype, fp8, variant, file_stamp(path))
+        return cls(str(path), dtype, fp8, variant, file_stamp(path), int8)
 
     def load(self, device: torch.device):
         from .quant import use_fp8_matmul
+        from .storage.int8 import use_int8_matmul
         from .weights import load_transformer
 
         if self.stamp and Path(self.path).is_file() and file_stamp(self.path) != self.stamp:
             raise Flux2Error(f"{self.path} has changed since the driver loaded it: the ranks would compute with "
                              f"different weights. Load the model again (in ComfyUI: Unload models, then run)")
         dtype = getattr(torch, self.dtype)
-        model, _ = load_transformer(self.path, device, dtype, variant=self.variant, fp8=self.fp8)
+        model, _ = load_transformer(self.path, device, dtype, variant=self.variant, fp8=self.fp8, int8=self.int8)
         use_fp8_matmul(model, "auto", device, dtype)          # as the driver's loader decides it
+        use_int8_matmul(model, "auto", device, dtype)
         return model.eval()
 
 

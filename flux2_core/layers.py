@@ -10,6 +10,7 @@ afterwards:
 
     float   linear.Linear / linear.VectorLinear: an nn.Linear weight in the compute dtype (oneDNN on CPU)
     fp8     quant.Fp8Linear: float8 weight + float32 scale, computed in the compute dtype or in fp8 (use_fp8_matmul)
+    int8    storage.int8.Int8Linear: int8 weight + float32 row scale, W8A8 where it is faster (use_int8_matmul)
     GGUF    ggml_layers.GGMLLinear: a GGUF file's blocks (Q8_0 ... Q2_K), dequantized at every call
 
 Per-item vector layers (timestep embedding, modulations) stay per item in every storage, so a batch keeps equal to
@@ -28,23 +29,28 @@ from torch import nn
 from .ggml_layers import GGMLEmbedding, GGMLLinear
 from .linear import Linear, VectorLinear
 from .quant import Fp8Linear
+from .storage.int8 import Int8Linear
 
 
 class Layers:
-    """Makes a model's linear layers: ``ggml(name)`` gives the GGML type of the layers kept as GGUF blocks (None for
-    the rest), ``fp8(name)`` says which others to store in fp8; default: every layer float."""
+    """Makes a model's linear layers: ``int8(name)`` says which to store in int8, ``ggml(name)`` gives the GGML type
+    of those kept as GGUF blocks (None for the rest), ``fp8(name)`` says which others to store in fp8; default: every
+    layer float."""
 
     def __init__(self, fp8: Callable[[str], bool] | None = None, prefix: str = "",
-                 ggml: Callable[[str], int | None] | None = None):
+                 ggml: Callable[[str], int | None] | None = None, int8: Callable[[str], bool] | None = None):
         self.fp8, self.prefix, self.ggml = fp8 or (lambda name: False), prefix, ggml or (lambda name: None)
+        self.int8 = int8 or (lambda name: False)
 
     def scope(self, name: str) -> Layers:
         """The same maker for the layers inside the submodule ``name`` (their names get ``name.`` in front)."""
-        return Layers(self.fp8, f"{self.prefix}{name}.", self.ggml)
+        return Layers(self.fp8, f"{self.prefix}{name}.", self.ggml, self.int8)
 
     def linear(self, name: str, in_features: int, out_features: int, per_item: bool = False) -> nn.Module:
         """A bias-free linear layer [out, in] named ``name`` within this scope; ``per_item``: one batch item at a
         time (linear.VectorLinear), for the per-item vectors [B, in] of the modulations and embedders."""
+        if self.int8(self.prefix + name):
+            return Int8Linear(in_features, out_features, item_by_item=per_item)
         qtype = self.ggml(self.prefix + name)
         if qtype is not None:
             return GGMLLinear(in_features, out_features, qtype, item_by_item=per_item)

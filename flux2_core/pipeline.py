@@ -76,6 +76,7 @@ from .references import (
 )
 from .sampling import add_noise, denoise, guidance_for, make_noise
 from .schedules import check_sigmas, check_strength, flux2_schedule, truncate_for_strength
+from .storage.int8 import quantize_blocks, use_int8_matmul
 from .storage.protocol import call_bytes
 from .text_encoder import PromptEmbeds, PromptEncoder
 from .transformer import Flux2Transformer, ReferenceKV
@@ -108,13 +109,14 @@ class Models:
 
 
 def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: torch.dtype | None = None,
-                variant: str | None = None, fp8: bool | None = None, offload_encoder="auto", offload_blocks=False,
-                size: tuple[int, int] = (DEFAULT_SIZE, DEFAULT_SIZE)) -> Models:
+                variant: str | None = None, fp8: bool | None = None, int8: bool = False, offload_encoder="auto",
+                offload_blocks=False, size: tuple[int, int] = (DEFAULT_SIZE, DEFAULT_SIZE)) -> Models:
     """Load the three models from files or folders (any layout ``weights`` reads) and check they fit together.
 
     dtype: the transformer's and text encoder's (default bf16 on CUDA, float32 on CPU); the AE stays float32.
     fp8: the transformer's weight storage (``weights.load_transformer``: None keeps an fp8 file's fp8 layers, True
-    stores every block in fp8, False none). offload_encoder: where the text encoder is loaded to rest: True the
+    stores every block in fp8, False none); int8: every block in int8 instead (``storage/int8.py``; its int8 matmul
+    is turned on where it is the faster path). offload_encoder: where the text encoder is loaded to rest: True the
     CPU, False the device, "auto" (on CUDA) the CPU unless it fits beside the transformer with the working memory of
     a ``size`` (width, height) image to spare; it never visits the device before its first encode. offload_blocks
     (``memory.should_stream``): True, or "auto" when the transformer and that working memory do not fit the free memory,
@@ -129,10 +131,13 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
         device, dtype = weights.default_device_dtype(device, dtype)
         _, planned = weights.inspect_transformer(transformer, variant=variant)
         stream = memory.should_stream(offload_blocks, device, memory.working_memory(planned, size, dtype),
-                               lambda: weights.transformer_bytes(transformer, dtype, variant=variant, fp8=fp8))
-    model, chosen = weights.load_transformer(transformer, cpu if stream else device, dtype, variant=variant, fp8=fp8)
+                                      lambda: weights.transformer_bytes(transformer, dtype, variant=variant, fp8=fp8,
+                                                                        int8=int8))
+    model, chosen = weights.load_transformer(transformer, cpu if stream else device, dtype, variant=variant, fp8=fp8,
+                                             int8=int8)
     if not stream:
         device, dtype = model.img_in.weight.device, model.img_in.weight.dtype      # as the transformer resolved them
+    use_int8_matmul(model, "auto", device, dtype)
     needed = memory.working_memory(chosen, size, dtype) + call_bytes(model, dtype)
     encoder = weights.load_text_encoder(text_encoder, cpu if device.type == "cuda" else device, dtype)
     weights.check_text_encoder_fits(chosen, encoder)
@@ -148,19 +153,23 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     return models
 
 
-def optimize_transformer(models: Models, *, fp8: bool = False, compile: bool = False) -> Models:
-    """Opt-in transformer speed-ups, in place: ``fp8`` stores the blocks' weights in fp8 (``quant.py``; half the
-    memory of bf16, computed in the model's dtype, results differ slightly; for a model already in memory; files
-    load straight to fp8 with ``load_models(fp8=True)``); ``compile`` compiles the blocks with torch.compile
-    (``compile.py``; the first step of each new image size pays the compile)."""
+def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool = False, compile: bool = False) -> Models:
+    """Opt-in transformer speed-ups, in place: ``fp8`` / ``int8`` store the blocks' weights in fp8 (``quant.py``) or
+    int8 (``storage/int8.py``; half the memory of bf16, computed in the model's dtype, results differ slightly; for a
+    model already in memory; files load straight to them with ``load_models(fp8=True)`` / ``int8=True``);
+    ``compile`` compiles the blocks with torch.compile (``compile.py``; the first step of each new image size pays
+    the compile)."""
     from . import compile as compiling
     from . import quant
 
+    if (fp8 or int8) and streamed_blocks(models.transformer):    # new layers would leave the old streamed copies
+        raise Flux2Error("the transformer's blocks are streamed: quantize before streaming (load the file with "
+                         "fp8=True / int8=True, --fp8 / --int8), or unstream it first (offload.unstream)")
     if fp8:
-        if streamed_blocks(models.transformer):    # new layers would leave the streamed copies of the old ones behind
-            raise Flux2Error("the transformer's blocks are streamed: quantize before streaming (load the file with "
-                             "fp8=True, --fp8), or unstream it first (offload.unstream)")
         quant.quantize_transformer(models.transformer)
+    if int8:
+        quantize_blocks(models.transformer, quant.in_blocks)
+        use_int8_matmul(models.transformer, "auto", models.device, models.transformer.img_in.weight.dtype)
     if compile:
         compiling.compile_blocks(models.transformer)
     return models

@@ -11,18 +11,25 @@ from comfy_api.latest import io, ui
 from ..flux2_core import quant, weights
 from ..flux2_core.followers import TransformerSource
 from ..flux2_core.ggml_layers import gguf_types
+from ..flux2_core.storage.int8 import use_int8_matmul
+from ..flux2_core.storage.protocol import census
 from . import host, types
 
 DTYPE_TOOLTIP = ("Weight and compute dtype. auto: bfloat16 on GPUs that run it well, else float32. "
                  "fp8 files are dequantized to this dtype on load.")
 FP8 = "fp8_e4m3fn"
+INT8 = "int8"
 MODEL_DTYPE_TOOLTIP = ("Weight and compute dtype. auto: bfloat16 on GPUs that run it well, else float32; the layers an "
                        "fp8 file stores in fp8 stay fp8, with the file's scales. bfloat16 / float16 / float32: "
                        f"everything in that dtype (fp8 files dequantized). {FP8}: every block's weights in fp8 "
                        "(about half the memory of bfloat16), quantized as they load, computed in the auto dtype; "
                        "results differ slightly. fp8 layers multiply in fp8 on GPUs with fp8 tensor cores (Ada, "
-                       "Hopper, Blackwell; the node says whether). Models holding fp8 layers are loaded whole, never "
-                       "partially. GGUF files keep their quantized layers as the file's blocks, dequantized to the "
+                       f"Hopper, Blackwell; the node says whether). {INT8}: every block's weights in int8 (about "
+                       "half the memory of bfloat16, from any file: bf16, fp8 or GGUF), quantized as they load; "
+                       "multiplied in int8 with the activations quantized per token on NVIDIA GPUs from Turing on "
+                       "(RTX 20xx / 30xx, A100: no fp8 tensor cores needed; through ComfyUI's comfy-kitchen), else "
+                       "computed in the auto dtype; results differ slightly. Models holding fp8 or int8 layers are "
+                       "loaded whole, never partially. GGUF files keep their quantized layers as the file's blocks, dequantized to the "
                        "compute dtype at each use (the node says which types); their other tensors take this dtype.")
 
 
@@ -53,24 +60,28 @@ class ModelLoader(io.ComfyNode):
                                            "(flux-2-klein-4b-Q4_K_M.gguf: Q8_0 ... Q2_K) or a diffusers folder, under "
                                            "models/diffusion_models or models/unet (and ComfyUI-GGUF's unet_gguf "
                                            "paths)."),
-                    dtype_input([FP8], MODEL_DTYPE_TOOLTIP)],
+                    dtype_input([FP8, INT8], MODEL_DTYPE_TOOLTIP)],
             outputs=[types.Model.Output(display_name="model", tooltip="The transformer and its variant.")])
 
     @classmethod
     def execute(cls, model_name: str, dtype: str) -> io.NodeOutput:
         load_device, offload_device = host.devices("transformer")
-        fp8 = {"auto": None, FP8: True}.get(dtype, False)          # see weights.load_transformer
-        dtype = host.pick_dtype("auto" if dtype == FP8 else dtype, "transformer", load_device)
+        fp8, int8 = {"auto": None, FP8: True}.get(dtype, False), dtype == INT8      # see weights.load_transformer
+        dtype = host.pick_dtype("auto" if dtype in (FP8, INT8) else dtype, "transformer", load_device)
         model, variant = weights.load_transformer(host.resolve("diffusion_models", model_name), offload_device, dtype,
-                                                  fp8=fp8)
-        fp8_layers = quant.count_fp8(model)
+                                                  fp8=fp8, int8=int8)
+        kinds = census(model)
         _, fp8_note = quant.use_fp8_matmul(model, "auto", load_device, dtype)
+        _, int8_note = use_int8_matmul(model, "auto", load_device, dtype)
         kind = "CFG" if variant.uses_cfg else "distilled"
+        stored = "".join(f"{kinds[k]} layers in {k} ({note}), " for k, note in (("fp8", fp8_note), ("int8", int8_note))
+                         if kinds.get(k))
         info = (f"{variant.name} ({kind}; defaults: {variant.default_steps} steps, cfg {variant.default_cfg}), "
-                f"{f'{fp8_layers} layers in fp8 ({fp8_note}), ' if fp8_layers else ''}{gguf_note(model)}"
-                f"{host.dtype_name(dtype)}")
-        managed = host.manage(model, model, "transformer", dtype, variant=variant, full_load=fp8_layers > 0)
-        managed.recipe = TransformerSource.of(host.resolve("diffusion_models", model_name), host.dtype_name(dtype), fp8)
+                f"{stored}{gguf_note(model)}{host.dtype_name(dtype)}")
+        managed = host.manage(model, model, "transformer", dtype, variant=variant,
+                              full_load=bool(kinds.get("fp8") or kinds.get("int8")))
+        managed.recipe = TransformerSource.of(host.resolve("diffusion_models", model_name), host.dtype_name(dtype), fp8,
+                                              int8=int8)
         return io.NodeOutput(managed, ui=ui.PreviewText(info))
 
 

@@ -342,6 +342,22 @@ def test_demo_with_fp8_weights(tmp_path, monkeypatch, capsys):
     assert 0 < np.abs(a - b).mean() < 2                                # close to the full-precision picture (0.7)
 
 
+def test_demo_with_int8_weights(tmp_path, monkeypatch, capsys):
+    """--int8 stores the blocks in int8; on the CPU in float32 they multiply in int8 where comfy-kitchen is there
+    (the PNG says which), and the picture stays close to the full-precision one."""
+    from flux2_core import kitchen
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--demo", "--prompt", "a red fox", "--seed", "3", "--width", "64", "--height", "64", "--steps", "2"]
+    assert cli.main([*argv, "--int8", "--out", "int8"]) == 0, capsys.readouterr().err
+    assert cli.main([*argv, "--out", "full"]) == 0
+    _, params = png_parameters(tmp_path / "int8" / "flux2_3.png")
+    assert params["transformer_weights"] == "int8"
+    assert params["int8_matmul"] == ("off" if kitchen.ck is None else "on")
+    a, b = (np.asarray(Image.open(tmp_path / d / "flux2_3.png"), dtype=np.int16) for d in ("int8", "full"))
+    assert 0 < np.abs(a - b).mean() < 2
+
+
 @pytest.mark.parametrize("flag,offload", [([], "auto"), (["--offload-encoder", "yes"], True),
                                           (["--offload-encoder", "no"], False)])
 def test_compile_and_offload_flags_reach_the_engine(tmp_path, monkeypatch, flag, offload):

@@ -18,7 +18,8 @@ from nodes import install_check
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-HOST_OWNED = {"torch", "comfyui-frontend-package"}      # ComfyUI installs and pins these; the pack must not
+# ComfyUI installs and pins these (comfy-kitchen: its kernel library); the pack must not
+HOST_OWNED = {"torch", "comfyui-frontend-package", "comfy-kitchen"}
 # modules the ComfyUI process provides: its own source tree and torch. (aiohttp is ComfyUI's too, but the queue
 # client imports it outside ComfyUI, so requirements.txt names it and the import check below covers it.)
 HOST_MODULES = {"comfy", "comfy_api", "comfy_extras", "server", "folder_paths", "latent_preview", "node_helpers",

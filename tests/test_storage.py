@@ -11,6 +11,7 @@ from flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear, gguf_types
 from flux2_core.layers import Layers
 from flux2_core.linear import Linear, VectorLinear
 from flux2_core.quant import Fp8Linear, count_fp8
+from flux2_core.storage.int8 import Int8Linear
 from flux2_core.storage.protocol import StoredLinear, call_bytes, census, stored_linears
 from flux2_core.transformer import Flux2Transformer
 from tests.tiny.transformer import TINY_TRANSFORMER
@@ -41,7 +42,12 @@ def gguf_layer(weight):
     return layer, torch.from_numpy(gguf.quants.dequantize(blocks, T.Q8_0).copy())
 
 
-STORAGES = {"float": float_layer, "fp8": fp8_layer, "Q8_0": gguf_layer}
+def int8_layer(weight):
+    layer = Int8Linear.from_linear(float_layer(weight)[0])
+    return layer, layer.weight.float() * layer.weight_scale[:, None]
+
+
+STORAGES = {"float": float_layer, "fp8": fp8_layer, "int8": int8_layer, "Q8_0": gguf_layer}
 
 
 @pytest.mark.parametrize("kind", STORAGES)
@@ -54,9 +60,11 @@ def test_each_storage_gives_its_weight_and_takes_a_merge_undone_bit_for_bit(kind
     stored = [t.clone() for t in layer.stored_tensors()]
     delta = torch.full((OUT, IN), 0.25)
     layer.merge_weight(lambda w: w.add_(delta))
-    # what a merge leaves: float stores the sum, fp8 the sum quantized again (one e4m3 rounding: 2^-4 of each row's
-    # largest value at most), GGUF patches the weight as it is dequantized
-    tolerance = {"float": 0, "fp8": (expected + delta).abs().amax(dim=1, keepdim=True) / 16, "Q8_0": 0}[kind]
+    # what a merge leaves: float stores the sum, fp8 and int8 the sum quantized again (one e4m3 rounding: 2^-4 of
+    # each row's largest value at most; one int8 rounding: half a step, 1/254 of it), GGUF patches the weight as it is
+    # dequantized
+    row_max = (expected + delta).abs().amax(dim=1, keepdim=True)
+    tolerance = {"float": 0, "fp8": row_max / 16, "int8": row_max / 254 * 1.0001, "Q8_0": 0}[kind]
     assert ((layer.float_weight() - (expected + delta)).abs() <= tolerance).all()
     merged_out = layer(x)
     layer.merge_weight(lambda w: w.add_(delta))           # a second merge starts again from the stored weight
@@ -91,5 +99,5 @@ def test_census_counts_and_call_bytes_follow_the_storage_of_each_layer():
 def test_gguf_storage_follows_its_input_and_the_table_is_counted():
     table = GGMLEmbedding(32, 64, T.Q8_0)
     assert table.follows_input and table.kind == "Q8_0" and GGMLLinear(IN, OUT, T.Q8_0).follows_input
-    assert not Linear(IN, OUT).follows_input and not Fp8Linear(IN, OUT).follows_input
+    assert not any(layer.follows_input for layer in (Linear(IN, OUT), Fp8Linear(IN, OUT), Int8Linear(IN, OUT)))
     assert census(torch.nn.ModuleList([table, Linear(IN, OUT)])) == {"Q8_0": 1, "float": 1}

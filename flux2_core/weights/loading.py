@@ -57,6 +57,7 @@ from ..errors import Flux2Error
 from ..layers import Layers
 from ..quant import FP8_DTYPES, in_blocks, quantize_fp8
 from ..qwen3 import Qwen3Params
+from ..storage.int8 import quantize_int8
 from ..text_encoder import PromptEncoder, build_qwen3_encoder, is_used, qwen3_state_dict
 from ..tokenizer import load_tokenizer
 from ..transformer import Flux2Transformer
@@ -167,6 +168,7 @@ def open_source(path, subfolder: str, layouts: list[Layout], what: str, loader: 
 
 
 FP8_CODES = {code for code, dtype in TORCH_DTYPES.items() if dtype in FP8_DTYPES}   # safetensors' float8 names
+QUANTIZED_WEIGHTS = (*FP8_DTYPES, torch.int8)     # weights stored with a ``<key>_scale`` beside them
 
 
 class TensorReader:
@@ -273,10 +275,11 @@ def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: t
 
     Floating tensors are cast to ``dtype``; integer buffers (num_batches_tracked) keep theirs; the layers that
     ``expected`` has as fp8 (``quant.Fp8Linear``: a float8 ``weight`` and its ``weight_scale``) get float8 values and
-    per-row scales (``TensorReader.fp8``), those it has as GGUF blocks (uint8) the file's blocks. A file key that no recipe uses is an error, as is a missing one (except
+    per-row scales (``TensorReader.fp8``), those it has as int8 the file's values quantized per row
+    (``storage.int8.quantize_int8``), those it has as GGUF blocks (uint8) the file's blocks. A file key that no recipe uses is an error, as is a missing one (except
     ``OPTIONAL_KEYS``).
     """
-    scales = {k + "_scale" for k, like in expected.items() if like.dtype in FP8_DTYPES}   # read with their weights
+    scales = {k + "_scale" for k, like in expected.items() if like.dtype in QUANTIZED_WEIGHTS}   # with their weights
     wanted = {k: like for k, like in expected.items() if k not in scales}
     missing = [s for k in wanted if k not in OPTIONAL_KEYS or source.has(k)
                for s in source.recipe(k).sources if s not in source.keys]
@@ -294,6 +297,9 @@ def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: t
             elif like.dtype in FP8_DTYPES:                # an fp8 layer: float8 weight [out, in] + float32 scale [out]
                 weight, scale = read.fp8(source.recipe(key))
                 state[key], state[key + "_scale"] = fit(weight, like, key, source), scale
+            elif like.dtype == torch.int8:                # an int8 layer: quantized per row from the file's values
+                weight, scale = quantize_int8(fit(read.full(source.recipe(key)), like, key, source))
+                state[key], state[key + "_scale"] = weight, scale
             else:
                 tensor = fit(read.full(source.recipe(key)), like, key, source)
                 state[key] = tensor.to(dtype if like.is_floating_point() else like.dtype)
@@ -452,7 +458,7 @@ def inspect_transformer(path: str | Path, params: TransformerParams | None = Non
 
 def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
                      params: TransformerParams | None = None, variant: str | None = None,
-                     fp8: bool | None = None) -> tuple[Flux2Transformer, Variant]:
+                     fp8: bool | None = None, int8: bool = False) -> tuple[Flux2Transformer, Variant]:
     """A FLUX.2 transformer and its variant from a BFL / ComfyUI file or a diffusers folder.
 
     The architecture comes from tensor shapes (``params`` overrides it, e.g. for the RoPE axes of test models);
@@ -464,33 +470,38 @@ def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = 
     True   those and every other block layer (``quant.in_blocks``) in fp8, quantized per row as they are read, so
            the full-precision model is never in memory;
     False  everything dequantized to dtype.
+
+    int8=True stores every block layer in int8 instead (``storage.int8``), quantized per row from the file's values
+    (bf16, fp8 or GGUF blocks) as they are read; ``fp8`` then has no say over the blocks.
     """
     if fp8 not in (None, True, False):
         raise Flux2Error(f"fp8 must be None (as the file stores it), True or False, got {fp8!r}")
+    if int8 not in (True, False):
+        raise Flux2Error(f"int8 must be True or False, got {int8!r}")
     device, dtype = default_device_dtype(device, dtype)
-    source, model, chosen = _transformer_on_meta(path, params, variant, fp8)
+    source, model, chosen = _transformer_on_meta(path, params, variant, fp8, int8)
     return assign(model, read_state_dict(source, model.state_dict(), device, dtype)), chosen
 
 
 def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | None = None,
-                      fp8: bool | None = None) -> int:
+                      fp8: bool | None = None, int8: bool = False) -> int:
     """The bytes of weights ``load_transformer(path, dtype=dtype, variant=variant, fp8=fp8)`` makes, from the headers
     alone (nothing is read): fp8 layers one byte per weight plus a float32 scale per row, GGUF blocks their bytes,
     the rest in ``dtype``. For
     deciding where the weights go before reading them (``pipeline.load_models``: stream the blocks or not)."""
-    _, model, _ = _transformer_on_meta(path, None, variant, fp8)
+    _, model, _ = _transformer_on_meta(path, None, variant, fp8, int8)
     state = model.state_dict()
-    fp8_scales = {k + "_scale" for k, t in state.items() if t.dtype in FP8_DTYPES}
+    scales = {k + "_scale" for k, t in state.items() if t.dtype in QUANTIZED_WEIGHTS}
     return sum(t.numel() * (dtype.itemsize if t.is_floating_point() and t.dtype not in FP8_DTYPES
-                            and k not in fp8_scales else t.itemsize) for k, t in state.items())
+                            and k not in scales else t.itemsize) for k, t in state.items())
 
 
 def _transformer_on_meta(path, params: TransformerParams | None, variant: str | None,
-                         fp8: bool | None) -> tuple[Source, Flux2Transformer, Variant]:
-    """The file's source, the model built on the meta device with its fp8 layers, and the variant."""
+                         fp8: bool | None, int8: bool = False) -> tuple[Source, Flux2Transformer, Variant]:
+    """The file's source, the model built on the meta device with its quantized layers, and the variant."""
     source = _transformer_source(path)
     params, chosen = _transformer_spec(source, params, variant)
-    layers = Layers(fp8=fp8_storage(source, fp8), ggml=gguf_storage(source))
+    layers = Layers(fp8=fp8_storage(source, fp8), ggml=gguf_storage(source), int8=in_blocks if int8 else None)
     model = build_on_meta(lambda: Flux2Transformer(params, layers))
     return source, model, chosen
 

@@ -1,0 +1,148 @@
+"""int8 weight storage (W8A8): Linear weights kept as int8 with a float32 scale per output row.
+
+    w ≈ w8 · scale        w8 [out, in] int8 in [-127, 127]; scale [out] = max|w[row]| / 127, rounded half to even
+
+Two ways to compute, chosen per model (``use_int8_matmul``):
+
+* int8 matmul (W8A8): the activations are quantized per token to int8 as the layer runs and multiplied with the
+  int8 weight in integers (comfy-kitchen's ``int8_linear``: ``torch._int_mm`` with int32 sums), then scaled. Int8
+  tensor cores run twice the bf16 rate on NVIDIA GPUs since Turing (RTX 20xx / 30xx, A100 included: those without
+  fp8 tensor cores), and on the CPU the integer kernel beats the float32 one. The activation rounding adds about
+  1e-2 relative error per layer on top of the weights'.
+* otherwise the weight is cast to the activations' dtype for each call (exact in the stored weights) and the scale
+  applied to the output, as ``fp8.py`` does.
+
+Weights take one byte each, as fp8 does: Klein 4B's blocks take about 3.8 GB instead of 7.5 GB in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import kitchen
+from ..errors import Flux2Error
+from ..linear import item_by_item, linear
+from .protocol import StoredLinear, stored_linears
+
+INT8_MAX = 127
+# int8 tensor cores (torch._int_mm on CUDA) from Turing (sm_75) on
+INT8_MATMUL_CAPABILITY = (7, 5)
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """weight [out, in] -> (w8 [out, in] int8, float32 scale [out]) with max|w8| = 127 per row, computed in float32."""
+    w = weight.detach().float()
+    scale = (torch.linalg.vector_norm(w, float("inf"), dim=1) / INT8_MAX).clamp(min=1e-12)
+    return torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+class Int8Linear(nn.Module, StoredLinear):
+    """A bias-free Linear whose weight is stored in int8 with a float32 scale per row (state dict: ``weight``,
+    ``weight_scale``). Adapters run as branches beside it unless a merge is asked for (then the merged weight is
+    quantized again)."""
+
+    kind = "int8"
+    merges_adapters = False
+
+    def __init__(self, in_features: int, out_features: int, item_by_item: bool = False, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.item_by_item = in_features, out_features, item_by_item
+        self.int8_matmul = False          # use_int8_matmul
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, device=device))
+
+    @classmethod
+    def from_linear(cls, layer: nn.Module) -> Int8Linear:
+        """An Int8Linear holding ``layer``'s weight (any storage) quantized per row."""
+        out = cls(layer.in_features, layer.out_features, getattr(layer, "item_by_item", False),
+                  device=layer.weight.device)
+        out.weight, out.weight_scale = quantize_int8(layer.float_weight())
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., in] -> [..., out] in x's dtype."""
+        return item_by_item(self.matmul, x) if self.item_by_item else self.matmul(x)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        if self.int8_matmul:
+            return kitchen.int8_linear(x, self.weight, self.weight_scale)
+        y = linear(x, self.weight.to(x.dtype))                   # int8 -> bf16 / fp32 is exact (|w8| <= 127)
+        return y.mul_(self.weight_scale)                          # per output, multiplied in float32 (see fp8.py)
+
+    def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
+        device = device or self.weight.device
+        return (self.weight.to(device).float() * self.weight_scale.to(device)[:, None]).to(dtype)
+
+    def stored_tensors(self) -> tuple[Tensor, ...]:
+        return self.weight, self.weight_scale
+
+    def write_weight(self, weight: Tensor) -> None:
+        w8, scale = quantize_int8(weight)
+        self.weight.copy_(w8)
+        self.weight_scale.copy_(scale)
+
+    def call_bytes(self, dtype: torch.dtype) -> int:
+        """The weight cast to the compute dtype (none with int8 matmul: there the activations' int8 copy is smaller
+        than the activations themselves)."""
+        return 0 if self.int8_matmul else self.in_features * self.out_features * dtype.itemsize
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int8, per-row scale" + (
+            ", int8 matmul" if self.int8_matmul else "")
+
+
+def quantize_blocks(model: nn.Module, chosen) -> list[str]:
+    """Replace the layers ``chosen(name)`` picks (``fp8.in_blocks``: the blocks) of a loaded model, whatever their
+    storage, by ``Int8Linear`` in place; their names. Do this after moving the model to its device and dtype."""
+    names = [n for n, m in stored_linears(model) if m.kind != "int8" and chosen(n)]
+    for name in names:
+        model.set_submodule(name, Int8Linear.from_linear(model.get_submodule(name)))
+    return names
+
+
+def int8_matmul_blocked(device: torch.device) -> str | None:
+    """Why int8 matmul cannot run for a model on ``device``; None where it can: with comfy-kitchen, on NVIDIA GPUs
+    from Turing on and on CPUs."""
+    device = torch.device(device)
+    missing = kitchen.available("int8_linear")
+    if missing:
+        return missing
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < INT8_MATMUL_CAPABILITY:
+            return (f"int8 matmul needs compute capability 7.5 or newer (Turing and later); "
+                    f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}")
+        return None
+    return None if device.type == "cpu" else f"int8 matmul runs on NVIDIA GPUs and CPUs, not on {device.type}"
+
+
+def int8_matmul_pays(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why int8 matmul is not the faster path for a model on ``device`` computing in ``dtype``; None where it is:
+    wherever it runs on a GPU, and on CPUs in float32 (in bfloat16 the CPU's float kernel is faster)."""
+    blocked = int8_matmul_blocked(device)
+    if blocked or torch.device(device).type != "cpu" or dtype == torch.float32:
+        return blocked
+    return "on the CPU int8 matmul is faster than float32 matmuls only"
+
+
+def use_int8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Turn int8 matmul on or off for the model's int8 layers: ``choice`` "auto" (on where it is the faster path),
+    True (refused with the reason where it cannot run) or False. Returns (on, a note: "" without int8 layers)."""
+    if choice not in ("auto", True, False):
+        raise Flux2Error(f"int8 matmul must be 'auto', True or False, got {choice!r}")
+    layers = [m for _, m in stored_linears(model) if m.kind == "int8"]
+    if choice is True and not layers:
+        raise Flux2Error("int8 matmul needs int8 weights: store the blocks in int8 (--int8)")
+    blocked = int8_matmul_blocked(device) if choice is True else None
+    if blocked:
+        raise Flux2Error(f"cannot use int8 matmul: {blocked}")
+    reason = int8_matmul_pays(device, dtype) if choice == "auto" else None
+    on = choice is True or (choice == "auto" and reason is None)
+    for layer in layers:
+        layer.int8_matmul = on
+    if not layers:
+        return False, ""
+    name = str(dtype).removeprefix("torch.")
+    return on, ("int8 matmul: on (activations quantized per token)" if on else
+                f"int8 matmul: off ({reason or 'turned off'}); the int8 weights compute in {name}")
