@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from flux2_core.variants import FLUX2_AE, KLEIN_4B, KLEIN_9B, AutoEncoderParams, TransformerParams
 
-OURS_OPTIONS = ("ours_fp8", "ours_compile", "ours_gguf")
+OURS_OPTIONS = ("ours_fp8", "ours_int8", "ours_compile", "ours_gguf")
 PROMPT = "A red fox standing in fresh snow at dawn, soft golden light, detailed fur, shallow depth of field"
 
 
@@ -273,11 +273,16 @@ def run_ours(models, meter: Meter, args, refs=(), reference_kv=None):
 def apply_options(models, args) -> None:
     """Our opt-in speed-ups, as the --ours-* flags ask."""
     from flux2_core.compile import compile_blocks
-    from flux2_core.quant import quantize_transformer, use_fp8_matmul
+    from flux2_core.quant import in_blocks, quantize_transformer, use_fp8_matmul
+    from flux2_core.storage.int8 import quantize_blocks, use_int8_matmul
 
+    dtype = models.transformer.img_in.weight.dtype
     if args.ours_fp8:                   # where the GPU has fp8 tensor cores the matmuls run in fp8 too
         quantize_transformer(models.transformer)
-        print(use_fp8_matmul(models.transformer, "auto", models.device, models.transformer.img_in.weight.dtype)[1])
+        print(use_fp8_matmul(models.transformer, "auto", models.device, dtype)[1])
+    if args.ours_int8:                  # int8 matmuls where they are the faster path (GPUs from Turing on, CPU float32)
+        quantize_blocks(models.transformer, in_blocks)
+        print(use_int8_matmul(models.transformer, "auto", models.device, dtype)[1])
     if args.ours_compile:
         compile_blocks(models.transformer, backend=args.compile_backend)
 
@@ -501,6 +506,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="write the summaries to this file")
     ap.add_argument("--ours-fp8", action="store_true",
                     help="ours: fp8 weight storage for the transformer blocks (and fp8 matmuls on CUDA)")
+    ap.add_argument("--ours-int8", action="store_true",
+                    help="ours: int8 weight storage for the transformer blocks (and int8 matmuls where faster)")
     ap.add_argument("--ours-compile", action="store_true", help="ours: torch.compile the transformer blocks")
     ap.add_argument("--ours-gguf", choices=GGUF_TYPES, help="ours: the transformer from a GGUF of this type (written "
                     "once from the same weights: Q8_0/Q4_0 quantized, K-quants random blocks: speed, not accuracy)")

@@ -3,9 +3,14 @@ not: each op is taken from it only when the package, the op and a backend worth 
 plain torch path runs and the log says once why.
 
     available(op)   None when comfy-kitchen has ``op``, else why not (logged once per op)
+    fused(x, op)    whether ``op`` on ``x`` runs as comfy-kitchen's fused GPU kernel: on CUDA, eagerly (a compiled
+                    block lets inductor fuse the plain ops itself), where it has a GPU backend for ``op``; its CPU
+                    code is the same torch ops as ours, so the CPU keeps ours (the reason logged once)
 
-Its dispatch picks a backend per call (CUDA kernels on NVIDIA GPUs, Triton, or its eager reference in plain torch);
-the choice of whether to call it at all is each caller's (``storage/int8.py``: the W8A8 matmul).
+Its dispatch picks a backend per call (CUDA kernels on NVIDIA GPUs, Triton, or its eager reference in plain torch).
+The fused ops here (``rms_rope``: q/k RMSNorm + RoPE; ``adaln``: the modulation) compute what the plain path
+computes, rounded once instead of at each op; the W8A8 matmul (``int8_linear``) is chosen per model by
+``storage/int8.py``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,50 @@ def available(op: str) -> str | None:
         return None
     log.info("FLUX.2 Klein: %s runs in plain torch: %s", op, reason)
     return reason
+
+
+def gpu_backends(op: str) -> list[str]:
+    """comfy-kitchen's available GPU backends (CUDA, Triton) that implement ``op``."""
+    if ck is None:
+        return []
+    return [name for name, info in ck.list_backends().items() if name in ("cuda", "triton")
+            and info.get("available") and not info.get("disabled") and op in info.get("capabilities", ())]
+
+
+@functools.cache
+def _fusing(op: str, device_type: str) -> bool:
+    """Whether ``op`` goes to comfy-kitchen on a ``device_type`` device (logged once when not)."""
+    missing = available(op)
+    if missing:
+        return False
+    if device_type != "cuda":
+        reason = "comfy-kitchen's kernels are for GPUs (its CPU code is the same torch ops)"
+    elif not gpu_backends(op):
+        reason = "comfy-kitchen has no GPU backend for it here (its CUDA build needs CUDA 13; Triton is not installed)"
+    else:
+        return True
+    log.info("FLUX.2 Klein: %s runs in plain torch on %s: %s", op, device_type, reason)
+    return False
+
+
+def fused(x: torch.Tensor, op: str) -> bool:
+    """Whether ``op`` on ``x`` runs as comfy-kitchen's fused kernel (see the module docstring)."""
+    return not torch.compiler.is_compiling() and _fusing(op, x.device.type)
+
+
+def rms_rope(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor, table: torch.Tensor,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (eps 1e-6, times the scales) of q and k [B, heads, L, D], then RoPE by ``rope.rope_table``'s
+    table [B, L, D/2, 2] (cos, sin), in one kernel; both in ``dtype``."""
+    cos, sin = table.unbind(-1)
+    rotation = torch.stack([cos, -sin, sin, cos], dim=-1).unflatten(-1, (2, 2))[:, None]   # [B, 1, L, D/2, 2, 2]
+    q, k = ck.rms_rope(q, k, rotation, q_scale, k_scale, 1e-6)
+    return q.to(dtype), k.to(dtype)
+
+
+def adaln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(1 + scale) · LayerNorm(x) + shift (no affine, eps 1e-6) in one kernel."""
+    return ck.adaln(x, scale, shift, 1e-6)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from . import parallel
+from . import kitchen, parallel
 from .errors import Flux2Error
 from .layers import Layers
 from .rope import apply_rope, rope_table
@@ -59,7 +59,10 @@ def timestep_embedding(t: Tensor, dim: int = TIME_EMBED_DIM, max_period: float =
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """(1 + scale) · LayerNorm(x) + shift, with a plain LayerNorm (no affine, eps 1e-6)."""
+    """(1 + scale) · LayerNorm(x) + shift, with a plain LayerNorm (no affine, eps 1e-6); one fused kernel on GPUs
+    where comfy-kitchen has one (``kitchen.fused``)."""
+    if kitchen.fused(x, "adaln"):
+        return kitchen.adaln(x, shift, scale)
     return (1 + scale) * F.layer_norm(x, x.shape[-1:], eps=1e-6) + shift
 
 
@@ -117,7 +120,10 @@ class QKNorm(nn.Module):
         self.key_norm = RMSNorm(head_dim)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> tuple[Tensor, Tensor]:
-        """q, k, v [B, heads, L, D], pe: rope_table [B, L, D/2, 2] of those L tokens -> q, k in v's dtype."""
+        """q, k, v [B, heads, L, D], pe: rope_table [B, L, D/2, 2] of those L tokens -> q, k in v's dtype; one fused
+        kernel on GPUs where comfy-kitchen has one (``kitchen.fused``)."""
+        if kitchen.fused(q, "rms_rope"):
+            return kitchen.rms_rope(q, k, self.query_norm.scale, self.key_norm.scale, pe, v.dtype)
         return apply_rope(self.query_norm(q).to(v.dtype), self.key_norm(k).to(v.dtype), pe)
 
 

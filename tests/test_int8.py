@@ -5,6 +5,7 @@ loaded from bf16, fp8 and GGUF files, and the plain path (with the reason logged
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -74,14 +75,20 @@ def test_dequantizing_path_is_exact_in_the_stored_weights(dtype):
     assert ((layer(x).float() - expected).abs() <= bound).all()
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
 @needs_kitchen
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_matmul_is_w8a8_within_the_activation_rounding_of_the_exact_path(dtype):
+def test_int8_matmul_is_w8a8_within_the_activation_rounding_of_the_exact_path(dtype, device):
+    """On the CPU through comfy-kitchen's eager backend (its reference), on a GPU through whichever it picks."""
     layer, _ = random_layer()
-    x = (torch.randn(2, 9, 96, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    layer = layer.to(device)
+    x = (torch.randn(2, 9, 96, generator=torch.Generator().manual_seed(3)) * 3).to(device, dtype)
     exact = layer(x).float()                                     # the dequantizing path
     layer.int8_matmul = True
-    with kitchen.ck.use_backend("eager"):
+    with kitchen.ck.use_backend("eager") if device == "cpu" else contextlib.nullcontext():
         w8a8 = layer(x)
     assert w8a8.dtype == dtype and w8a8.shape == (2, 9, 80)
     torch.testing.assert_close(w8a8, w8a8_by_hand(x, layer.weight, layer.weight_scale), rtol=1e-5, atol=1e-6)
