@@ -158,11 +158,16 @@ def _host_class(ours: type, base: type | None) -> type:
     needed, as the layer copies its blocks to its input's device itself.
 
     A layer of one of ComfyUI's castable torch classes (``base``: our float Linear is an nn.Linear) becomes a
-    subclass of ComfyUI's class and of ours, in that order: ComfyUI's forward streams the weight when it left it on
-    the offload device and otherwise hands over to ours, and the storage protocol (adapters, census) stays."""
+    subclass of ComfyUI's class and of ours, with torch's own forward between the two: ComfyUI's forward streams the
+    weight when it left it on the offload device and otherwise runs torch's, as for its own layers (so a layer
+    computes the same loaded whole or streamed, whatever kernel our class would pick), and the storage protocol
+    (adapters, census) stays."""
     if base is None:
         return type(ours.__name__, (ours, _Streamed), {})
-    return CASTABLE[base] if ours is base else type(ours.__name__, (CASTABLE[base], ours), {})
+    if ours is base:
+        return CASTABLE[base]
+    torch_forward = type(f"Torch{base.__name__}Forward", (), {"forward": base.forward})
+    return type(ours.__name__, (CASTABLE[base], torch_forward, ours), {})
 
 
 class Holder(nn.Module):

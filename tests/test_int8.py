@@ -132,7 +132,13 @@ def test_an_int8_transformer_stays_near_the_float_model(int8_matmul):
 def test_auto_turns_int8_matmul_on_where_it_is_faster():
     model = tiny_model()
     quantize_blocks(model, in_blocks)
-    assert use_int8_matmul(model, "auto", CPU, torch.float32)[0] is True         # the CPU's integer kernel wins
+    narrow = census(model)["int8"]                                               # all narrower than 1024
+    on, note = use_int8_matmul(model, "auto", CPU, torch.float32)                # the CPU's integer kernel wins...
+    assert on is True and f"{narrow} narrow layers compute in float32" in note   # ...from 1024 inputs on only
+    wide = torch.nn.Sequential(Int8Linear(1024, 64), Int8Linear(512, 64))
+    assert use_int8_matmul(wide, "auto", CPU, torch.float32)[0]
+    assert [layer.int8_matmul for layer in wide] == [True, False]
+    assert use_int8_matmul(wide, True, CPU, torch.float32)[0] and all(layer.int8_matmul for layer in wide)
     on, note = use_int8_matmul(model, "auto", CPU, torch.bfloat16)
     assert on is False and "float32 matmuls only" in note
     assert use_int8_matmul(tiny_model(), "auto", CPU, torch.float32) == (False, "")   # no int8 layers: nothing to say
@@ -142,10 +148,19 @@ def test_auto_turns_int8_matmul_on_where_it_is_faster():
         use_int8_matmul(model, "yes", CPU, torch.float32)
 
 
-def test_without_comfy_kitchen_the_plain_path_runs_and_the_log_says_why(monkeypatch, caplog):
+@pytest.fixture
+def no_kitchen(monkeypatch):
+    """comfy-kitchen as if not installed (its decisions forgotten before and after)."""
     monkeypatch.setattr(kitchen, "ck", None)
     monkeypatch.setattr(kitchen, "MISSING", "No module named 'comfy_kitchen'")
     kitchen.available.cache_clear()
+    kitchen._fusing.cache_clear()
+    yield
+    kitchen.available.cache_clear()
+    kitchen._fusing.cache_clear()
+
+
+def test_without_comfy_kitchen_the_plain_path_runs_and_the_log_says_why(no_kitchen, caplog):
     model, args = tiny_model(), tiny_inputs()
     with torch.no_grad():
         want = model(*args)
@@ -154,7 +169,6 @@ def test_without_comfy_kitchen_the_plain_path_runs_and_the_log_says_why(monkeypa
             on, note = use_int8_matmul(model, "auto", CPU, torch.float32)
             use_int8_matmul(model, "auto", CPU, torch.float32)
         got = model(*args)
-    kitchen.available.cache_clear()
     assert on is False and "comfy-kitchen is not importable" in note
     assert [r.getMessage() for r in caplog.records].count(
         "FLUX.2 Klein: int8_linear runs in plain torch: comfy-kitchen is not importable (No module named "

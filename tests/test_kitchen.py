@@ -87,27 +87,31 @@ def test_a_transformer_forward_with_the_fused_kernels_equals_the_plain_one(dtype
     assert error < (1e-5 if dtype == torch.float32 else 0.02), error
 
 
-def test_on_the_cpu_the_plain_path_runs_and_the_log_says_why_once(caplog):
+@pytest.fixture
+def fresh_decisions():
+    """kitchen's cached decisions forgotten before and after (so their log lines come again)."""
+    kitchen.available.cache_clear()
     kitchen._fusing.cache_clear()
+    yield
+    kitchen.available.cache_clear()
+    kitchen._fusing.cache_clear()
+
+
+def test_on_the_cpu_the_plain_path_runs_and_the_log_says_why_once(caplog, fresh_decisions):
     norm, q, k, v, table = qk_inputs(torch.float32)
     with caplog.at_level(logging.INFO, logger="flux2_klein"):
         assert not kitchen.fused(q, "rms_rope")
         plain = norm(q, k, v, table)
         norm(q, k, v, table)
-    kitchen._fusing.cache_clear()
     lines = [r.getMessage() for r in caplog.records if "rms_rope" in r.getMessage()]
     assert lines == [("FLUX.2 Klein: rms_rope runs in plain torch on cpu: comfy-kitchen's kernels are for GPUs (its "
                       "CPU code is the same torch ops)")]
     assert torch.equal(plain[0], rope.apply_rope(norm.query_norm(q), norm.key_norm(k), table)[0])
 
 
-def test_without_comfy_kitchen_nothing_is_fused(monkeypatch, caplog):
+def test_without_comfy_kitchen_nothing_is_fused(monkeypatch, caplog, fresh_decisions):
     monkeypatch.setattr(kitchen, "ck", None)
     monkeypatch.setattr(kitchen, "MISSING", "No module named 'comfy_kitchen'")
-    kitchen.available.cache_clear()
-    kitchen._fusing.cache_clear()
     with caplog.at_level(logging.INFO, logger="flux2_klein"):
         assert not kitchen.fused(torch.zeros(1, device="meta"), "adaln")
-    kitchen.available.cache_clear()
-    kitchen._fusing.cache_clear()
     assert "adaln runs in plain torch: comfy-kitchen is not importable" in caplog.text

@@ -28,6 +28,10 @@ from .protocol import StoredLinear, stored_linears
 INT8_MAX = 127
 # int8 tensor cores (torch._int_mm on CUDA) from Turing (sm_75) on
 INT8_MATMUL_CAPABILITY = (7, 5)
+# On the CPU the integer kernel beats oneDNN's float32 one from about this many inputs on (a 2-core AMD EPYC, 1536
+# tokens: 0.44-0.87x of float32's time from 1024 inputs on, 1.0-1.2x at 512, where quantizing the activations costs
+# more than the integer matmul saves); narrower layers keep the float path there
+INT8_CPU_MIN_INPUTS = 1024
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -119,7 +123,8 @@ def int8_matmul_blocked(device: torch.device) -> str | None:
 
 def int8_matmul_pays(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why int8 matmul is not the faster path for a model on ``device`` computing in ``dtype``; None where it is:
-    wherever it runs on a GPU, and on CPUs in float32 (in bfloat16 the CPU's float kernel is faster)."""
+    wherever it runs on a GPU, and on CPUs in float32 for layers of ``INT8_CPU_MIN_INPUTS`` inputs or more (in
+    bfloat16 the CPU's float kernel is faster)."""
     blocked = int8_matmul_blocked(device)
     if blocked or torch.device(device).type != "cpu" or dtype == torch.float32:
         return blocked
@@ -139,10 +144,13 @@ def use_int8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch
         raise Flux2Error(f"cannot use int8 matmul: {blocked}")
     reason = int8_matmul_pays(device, dtype) if choice == "auto" else None
     on = choice is True or (choice == "auto" and reason is None)
+    narrow_stay = choice == "auto" and torch.device(device).type == "cpu"
     for layer in layers:
-        layer.int8_matmul = on
+        layer.int8_matmul = on and not (narrow_stay and layer.in_features < INT8_CPU_MIN_INPUTS)
     if not layers:
         return False, ""
     name = str(dtype).removeprefix("torch.")
-    return on, ("int8 matmul: on (activations quantized per token)" if on else
+    narrow = sum(not layer.int8_matmul for layer in layers) if on else 0
+    return on, ((f"int8 matmul: on (activations quantized per token)"
+                 f"{f'; {narrow} narrow layers compute in {name}, faster there' if narrow else ''}") if on else
                 f"int8 matmul: off ({reason or 'turned off'}); the int8 weights compute in {name}")
