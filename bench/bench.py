@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from flux2_core.variants import FLUX2_AE, KLEIN_4B, KLEIN_9B, AutoEncoderParams, TransformerParams
 
-OURS_OPTIONS = ("ours_fp8", "ours_int8", "ours_compile", "ours_gguf")
+OURS_OPTIONS = ("ours_fp8", "ours_int8", "ours_compile", "ours_gguf", "ours_no_kitchen")
 PROMPT = "A red fox standing in fresh snow at dawn, soft golden light, detailed fur, shallow depth of field"
 
 
@@ -509,6 +509,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ours-int8", action="store_true",
                     help="ours: int8 weight storage for the transformer blocks (and int8 matmuls where faster)")
     ap.add_argument("--ours-compile", action="store_true", help="ours: torch.compile the transformer blocks")
+    ap.add_argument("--ours-no-kitchen", action="store_true",
+                    help="ours: without comfy-kitchen's kernels (the plain torch path everywhere: FLUX2_NO_KITCHEN)")
     ap.add_argument("--ours-gguf", choices=GGUF_TYPES, help="ours: the transformer from a GGUF of this type (written "
                     "once from the same weights: Q8_0/Q4_0 quantized, K-quants random blocks: speed, not accuracy)")
     ap.add_argument("--compile-backend", default="inductor",
@@ -521,6 +523,8 @@ def main(argv=None) -> None:
     args.config = args.config or (["klein-4b", "klein-9b"] if args.device.startswith("cuda") else ["medium"])
 
     if args.worker:
+        if args.ours_no_kitchen:
+            os.environ["FLUX2_NO_KITCHEN"] = "1"
         args.config = args.config[0]
         args.size = args.size or CONFIGS[args.config].size
         return kv_worker(args) if args.worker == "ours-kv" else worker(args)

@@ -7,6 +7,8 @@ plain torch path runs and the log says once why.
                     block lets inductor fuse the plain ops itself), where it has a GPU backend for ``op``; its CPU
                     code is the same torch ops as ours, so the CPU keeps ours (the reason logged once)
 
+``FLUX2_NO_KITCHEN=1`` in the environment turns all of it off (the plain path everywhere).
+
 Its dispatch picks a backend per call (CUDA kernels on NVIDIA GPUs, Triton, or its eager reference in plain torch).
 The fused ops here (``rms_rope``: q/k RMSNorm + RoPE; ``adaln``: the modulation) compute what the plain path
 computes, rounded once instead of at each op; the W8A8 matmul (``int8_linear``) is chosen per model by
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -39,7 +42,9 @@ def backends() -> dict[str, bool]:
 @functools.cache
 def available(op: str) -> str | None:
     """None when comfy-kitchen has ``op``, else the reason (logged once)."""
-    if ck is None:
+    if os.environ.get("FLUX2_NO_KITCHEN"):
+        reason = "turned off (FLUX2_NO_KITCHEN is set)"
+    elif ck is None:
         reason = f"comfy-kitchen is not importable ({MISSING}); pip install comfy-kitchen packaging"
     elif not hasattr(ck, op):
         reason = f"this comfy-kitchen ({getattr(ck, '__version__', 'unknown version')}) has no {op}; update it"

@@ -115,3 +115,16 @@ def test_without_comfy_kitchen_nothing_is_fused(monkeypatch, caplog, fresh_decis
     with caplog.at_level(logging.INFO, logger="flux2_klein"):
         assert not kitchen.fused(torch.zeros(1, device="meta"), "adaln")
     assert "adaln runs in plain torch: comfy-kitchen is not importable" in caplog.text
+
+
+def test_flux2_no_kitchen_turns_every_kitchen_path_off(monkeypatch, caplog, fresh_decisions):
+    from flux2_core.storage.int8 import Int8Linear, use_int8_matmul
+
+    monkeypatch.setenv("FLUX2_NO_KITCHEN", "1")
+    monkeypatch.setattr(kitchen, "gpu_backends", lambda op: ["cuda"])      # as if a GPU backend were there
+    with caplog.at_level(logging.INFO, logger="flux2_klein"):
+        assert not kitchen.fused(torch.zeros(1, device="meta"), "rms_rope")
+        on, note = use_int8_matmul(torch.nn.Sequential(Int8Linear(2048, 8)), "auto", torch.device("cpu"),
+                                   torch.float32)
+    assert on is False and "turned off (FLUX2_NO_KITCHEN is set)" in note
+    assert "rms_rope runs in plain torch: turned off (FLUX2_NO_KITCHEN is set)" in caplog.text
