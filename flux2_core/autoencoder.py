@@ -151,7 +151,7 @@ class Encoder(nn.Module):
 
     def __init__(self, p: AutoEncoderParams):
         super().__init__()
-        chans = [p.ch * m for m in p.ch_mult]                            # 128, 256, 512, 512
+        chans = p.encoder_chans                                          # 128, 256, 512, 512
         last = len(chans) - 1
         self.conv_in = nn.Conv2d(p.in_channels, p.ch, 3, padding=1)
         self.down = nn.ModuleList([
@@ -177,7 +177,7 @@ class Decoder(nn.Module):
 
     def __init__(self, p: AutoEncoderParams):
         super().__init__()
-        chans = [p.ch * m for m in p.ch_mult]                            # 128, 256, 512, 512
+        chans = p.decoder_chans                                          # 128, 256, 512, 512 (small: 96, ..., 384)
         last = len(chans) - 1
         self.post_quant_conv = nn.Conv2d(p.z_channels, p.z_channels, 1)
         self.conv_in = nn.Conv2d(p.z_channels, chans[-1], 3, padding=1)

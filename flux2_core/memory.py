@@ -123,8 +123,9 @@ ENCODE_BYTES_PER_PIXEL = 9       # the same for encode, per input pixel (see enc
 MID_TENSORS = 8                  # [B, HW, 512] activations alive at once in the mid block (see mid_bytes)
 
 
-def mid_bytes(ae, batch: int, h: int, w: int) -> int:
-    """Peak memory of a mid block (encoder or decoder) of ``ae`` for [batch,128,h,w] latents; it is never tiled.
+def mid_bytes(ae, batch: int, h: int, w: int, decoder: bool = True) -> int:
+    """Peak memory of the decoder's (or the encoder's) mid block of ``ae`` for [batch,128,h,w] latents; it is never
+    tiled.
 
     It works on HW = 2h x 2w positions of 512 channels (the VAE's 8x-down grid). With q, k, v contiguous, SDPA runs
     a fused kernel that never holds the [HW, HW] scores, so the cost is linear: the block's input, the ResnetBlock's
@@ -132,7 +133,8 @@ def mid_bytes(ae, batch: int, h: int, w: int) -> int:
     (measured on CPU with the profiler: 7 beside the input at 64x64 positions).
     """
     positions = batch * 4 * h * w
-    return MID_TENSORS * positions * ae.params.ch * ae.params.ch_mult[-1] * ae.dtype.itemsize
+    chans = ae.params.decoder_chans if decoder else ae.params.encoder_chans
+    return MID_TENSORS * positions * chans[-1] * ae.dtype.itemsize
 
 
 def decode_bytes(ae, batch: int, h: int, w: int) -> int:
@@ -144,7 +146,7 @@ def decode_bytes(ae, batch: int, h: int, w: int) -> int:
     convolution workspaces. The mid block needs 20x less (32 values per output pixel against 1280).
     """
     pixels = batch * h * w * ae.pixels_per_latent ** 2
-    levels = DECODE_BYTES_PER_PIXEL * pixels * ae.params.ch * ae.dtype.itemsize
+    levels = DECODE_BYTES_PER_PIXEL * pixels * ae.params.decoder_chans[0] * ae.dtype.itemsize
     return max(levels, mid_bytes(ae, batch, h, w))
 
 
@@ -154,7 +156,7 @@ def encode_bytes(ae, batch: int, height: int, width: int) -> int:
     the decode's headroom for workspaces) and the mid block's (``mid_bytes``, which runs after them)."""
     levels = ENCODE_BYTES_PER_PIXEL * batch * height * width * ae.params.ch * ae.dtype.itemsize
     n = ae.pixels_per_latent
-    return max(levels, mid_bytes(ae, batch, height // n, width // n))
+    return max(levels, mid_bytes(ae, batch, height // n, width // n, decoder=False))
 
 
 def tiled_decode_bytes(ae, batch: int, h: int, w: int, tile: int) -> int:

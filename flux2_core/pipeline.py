@@ -110,13 +110,14 @@ class Models:
 
 def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: torch.dtype | None = None,
                 variant: str | None = None, fp8: bool | None = None, int8: bool = False, offload_encoder="auto",
-                offload_blocks=False, size: tuple[int, int] = (DEFAULT_SIZE, DEFAULT_SIZE)) -> Models:
+                offload_blocks=False, size: tuple[int, int] = (DEFAULT_SIZE, DEFAULT_SIZE), decoder=None) -> Models:
     """Load the three models from files or folders (any layout ``weights`` reads) and check they fit together.
 
     dtype: the transformer's and text encoder's (default bf16 on CUDA, float32 on CPU); the AE stays float32.
     fp8: the transformer's weight storage (``weights.load_transformer``: None keeps an fp8 file's fp8 layers, True
     stores every block in fp8, False none); int8: every block in int8 instead (``storage/int8.py``; its int8 matmul
-    is turned on where it is the faster path). offload_encoder: where the text encoder is loaded to rest: True the
+    is turned on where it is the faster path). decoder: a decoder file (BFL's small decoder) that decodes instead of
+    the autoencoder's own (``weights.load_autoencoder``). offload_encoder: where the text encoder is loaded to rest: True the
     CPU, False the device, "auto" (on CUDA) the CPU unless it fits beside the transformer with the working memory of
     a ``size`` (width, height) image to spare; it never visits the device before its first encode. offload_blocks
     (``memory.should_stream``): True, or "auto" when the transformer and that working memory do not fit the free memory,
@@ -144,7 +145,7 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     rest_choice = True if stream and offload_encoder == "auto" else offload_encoder   # blocks need the memory more
     if not memory.should_offload(rest_choice, encoder, device, needed):
         encoder.model.to(device)
-    ae = weights.load_autoencoder(autoencoder, device, torch.float32)
+    ae = weights.load_autoencoder(autoencoder, device, torch.float32, decoder=decoder)
     if stream:
         stream_blocks(model, device, memory.weight_budget(memory.free_memory(device), needed))
     models = Models(model, chosen, ae, encoder)

@@ -49,6 +49,18 @@ class AutoEncoderParams:
     z_channels: int = 32
     num_groups: int = 32               # GroupNorm groups (eps 1e-6)
     bn_eps: float = 1e-4               # latent BatchNorm
+    # the decoder's block channels where they are not the encoder's: BFL's small decoder has (96, 192, 384, 384)
+    decoder_channels: tuple[int, ...] | None = None
+
+    @property
+    def encoder_chans(self) -> tuple[int, ...]:
+        """The encoder's block channels, shallowest first: (128, 256, 512, 512) for FLUX.2's AE."""
+        return tuple(self.ch * m for m in self.ch_mult)
+
+    @property
+    def decoder_chans(self) -> tuple[int, ...]:
+        """The decoder's block channels, shallowest first (the encoder's unless ``decoder_channels`` says)."""
+        return self.decoder_channels or self.encoder_chans
 
     @property
     def downscale(self) -> int:

@@ -255,6 +255,32 @@ def test_generate_from_gguf_files_equals_their_dequantized_values(tmp_path, caps
     assert params["transformer_weights"] == "Q4_1"
 
 
+def test_a_decoder_alone_decodes_instead_of_the_autoencoders_own(tmp_path, capsys):
+    """--decoder small_decoder.safetensors: the run uses it (the PNG names it; the picture is another decoder's), the
+    latents stay the transformer's; with --demo it is refused."""
+    from safetensors.torch import save_file
+
+    from tests.tiny.autoencoder import TINY_AE_DIFFUSERS_CONFIG, bfl_state_dict, build_diffusers_autoencoder
+
+    write_models_folder(tmp_path)
+    small = build_diffusers_autoencoder(seed=9, config={**TINY_AE_DIFFUSERS_CONFIG,
+                                                        "decoder_block_out_channels": (32, 32, 32, 32)})
+    decoder = tmp_path / "small_decoder.safetensors"
+    save_file({k.removeprefix("decoder."): v for k, v in bfl_state_dict(small).items() if k.startswith("decoder.")},
+              str(decoder))
+    argv = ["--prompt", "a fox", "--width", "32", "--height", "32", "--steps", "2", "--seed", "5", "--device", "cpu",
+            "--models", str(tmp_path)]
+    assert cli.main([*argv, "--decoder", str(decoder), "--out", str(tmp_path / "small")]) == 0, capsys.readouterr().err
+    assert cli.main([*argv, "--out", str(tmp_path / "full")]) == 0, capsys.readouterr().err
+    params = png_parameters(tmp_path / "small" / "flux2_5.png")[1]
+    assert params["decoder"] == "small_decoder.safetensors" and "decoder" not in png_parameters(
+        tmp_path / "full" / "flux2_5.png")[1]
+    pictures = [np.asarray(Image.open(tmp_path / d / "flux2_5.png")) for d in ("small", "full")]
+    assert not np.array_equal(*pictures)
+    assert cli.main(["--demo", "--decoder", str(decoder), "--prompt", "x", "--out", str(tmp_path / "d")]) == 2
+    assert "--demo has none" in capsys.readouterr().err
+
+
 def test_queue_is_routed(monkeypatch, capsys):
     from flux2_core import queue_client
     seen = []

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import ExitStack, closing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -543,32 +543,92 @@ def _transformer_spec(source: Source, params: TransformerParams | None,
 # ---------------------------------------------------------------------------------------------------------------
 
 def autoencoder_params(source: Source) -> AutoEncoderParams:
-    """Architecture from tensor shapes; GroupNorm groups and BatchNorm eps from a diffusers config.json if any."""
+    """Architecture from tensor shapes (each half's channels from its own tensors: BFL's small decoder is narrower
+    than the encoder); GroupNorm groups and BatchNorm eps from a diffusers config.json if any."""
     ch, in_channels = need_shape(source, "encoder.conv_in.weight")[:2]
     levels = count(source, "encoder.down.{}.block.0.conv1.weight")
-    return AutoEncoderParams(
+    params = AutoEncoderParams(
         in_channels=in_channels, ch=ch, out_ch=need_shape(source, "decoder.conv_out.weight")[0],
         ch_mult=tuple(need_shape(source, f"encoder.down.{i}.block.0.conv1.weight")[0] // ch for i in range(levels)),
         num_res_blocks=count(source, "encoder.down.0.block.{}.conv1.weight"),
         z_channels=need_shape(source, "decoder.conv_in.weight")[1],
         num_groups=config_value(source, "norm_num_groups", "int", 32),
         bn_eps=float(config_value(source, "batch_norm_eps", "number", 1e-4)))
+    return _with_decoder_of(params, source)
 
 
-def load_autoencoder(path: str | Path, device=None, dtype: torch.dtype | None = None) -> AutoEncoder:
-    """The FLUX.2 autoencoder from BFL ``ae.safetensors``, ComfyUI ``flux2-vae.safetensors`` or a diffusers folder.
+def _with_decoder_of(params: AutoEncoderParams, source: Source) -> AutoEncoderParams:
+    """``params`` with the decoder's block channels as ``source``'s decoder tensors have them."""
+    channels = tuple(need_shape(source, f"decoder.up.{i}.block.0.conv2.weight")[0]
+                     for i in range(len(params.ch_mult)))
+    return replace(params, decoder_channels=None if channels == params.encoder_chans else channels)
+
+
+# A decoder on its own (BFL's small_decoder.safetensors: the decoder's keys without "decoder."), or the decoder of a
+# whole autoencoder file (found behind the prefix "decoder.")
+DECODER_LAYOUTS = [Layout("BFL decoder", "up.0.block.0.conv1.weight",
+                          lambda keys: lambda key: Recipe((key.removeprefix("decoder."),)))]
+DECODER_HINT = ("A FLUX.2 decoder is BFL's small_decoder.safetensors (or the decoder of an autoencoder file such as "
+                "full_encoder_small_decoder.safetensors).")
+
+
+def load_autoencoder(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
+                     decoder: str | Path | None = None) -> AutoEncoder:
+    """The FLUX.2 autoencoder from BFL ``ae.safetensors``, ComfyUI ``flux2-vae.safetensors``, BFL's
+    ``full_encoder_small_decoder.safetensors`` or a diffusers folder; with ``decoder`` (BFL's
+    ``small_decoder.safetensors``, a decoder on its own), that file's decoder in place of the autoencoder's (the
+    encoder and the latent statistics stay the autoencoder's).
 
     Default device: cuda if available; dtype: bf16 on cuda, else fp32 (BFL runs the AE in fp32: pass float32).
     """
     device, dtype = default_device_dtype(device, dtype)
-    source = open_source(path, "vae", AUTOENCODER_LAYOUTS, "a FLUX.2 autoencoder",
-                         "The FLUX.2 autoencoder is ae.safetensors (FLUX.2-dev repo) or ComfyUI's flux2-vae.safetensors.")
+    source = _autoencoder_source(path)
+    params = autoencoder_params(source)
+    if decoder is None:
+        model = build_on_meta(lambda: AutoEncoder(params))
+        return assign(model, read_state_dict(source, model.state_dict(), device, dtype))
+    decoder_source = open_source(decoder, "vae", DECODER_LAYOUTS, "a FLUX.2 decoder", DECODER_HINT)
+    takes = need_shape(decoder_source, "decoder.conv_in.weight")[1]
+    if takes != params.z_channels or need_shape(decoder_source, "decoder.conv_out.weight")[0] != params.out_ch:
+        raise Flux2Error(f"{decoder_source.ckpt.path} decodes {takes}-channel latents but {source.ckpt.path} makes "
+                         f"{params.z_channels}-channel ones: they are not a pair. FLUX.2's decoders (the full one and "
+                         f"BFL's small one) take 32-channel latents")
+    own_decoder = {s for k in build_on_meta(lambda: AutoEncoder(params)).state_dict() if k.startswith("decoder.")
+                   for s in source.recipe(k).sources}                  # the file's own decoder: not read
+    params = _with_decoder_of(params, decoder_source)
+    model = build_on_meta(lambda: AutoEncoder(params))
+    expected = model.state_dict()
+    ours = {k: v for k, v in expected.items() if not k.startswith("decoder.")}
+    state = read_state_dict(replace(source, keys=source.keys - own_decoder), ours, device, dtype)
+    state |= read_state_dict(decoder_source, {k: v for k, v in expected.items() if k.startswith("decoder.")},
+                             device, dtype)
+    return assign(model, state)
+
+
+def _autoencoder_source(path) -> Source:
+    try:
+        source = open_source(path, "vae", AUTOENCODER_LAYOUTS, "a FLUX.2 autoencoder",
+                             "The FLUX.2 autoencoder is ae.safetensors (FLUX.2-dev repo) or ComfyUI's "
+                             "flux2-vae.safetensors.")
+    except Flux2Error:
+        if _is_decoder_alone(path):
+            raise Flux2Error(f"{path} is a FLUX.2 decoder on its own (BFL's small decoder): it holds neither the "
+                             f"encoder nor the latent statistics every decode needs. Give it with the autoencoder: "
+                             f"--ae flux2-vae.safetensors --decoder {Path(path).name} (in ComfyUI: the autoencoder "
+                             f"loader's decoder input)") from None
+        raise
     if not source.has("bn.running_mean"):
         raise Flux2Error(f"{source.ckpt.path} is {describe(source.ckpt)}; FLUX.2 needs its own autoencoder with the "
                          f"latent BatchNorm: ae.safetensors from FLUX.2-dev or ComfyUI's flux2-vae.safetensors")
-    params = autoencoder_params(source)
-    model = build_on_meta(lambda: AutoEncoder(params))
-    return assign(model, read_state_dict(source, model.state_dict(), device, dtype))
+    return source
+
+
+def _is_decoder_alone(path) -> bool:
+    try:
+        return open_source(path, "vae", DECODER_LAYOUTS, "a FLUX.2 decoder", DECODER_HINT).prefix == ""
+    except Flux2Error:
+        return False
+
 
 
 # ---------------------------------------------------------------------------------------------------------------

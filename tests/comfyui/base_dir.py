@@ -39,6 +39,7 @@ FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "fl
          "transformer_two_heads": "flux-2-klein-tiny-two-heads.safetensors",
          "transformer_two_heads_kv": "flux-2-klein-9b-kv-tiny-two-heads.safetensors",
          "text_encoder": "qwen_3_tiny.safetensors", "ae": "flux2-vae-tiny.safetensors",
+         "small_decoder": "small_decoder-tiny.safetensors",
          "ae_full": "flux2-vae-full-size-random.safetensors", "lora": "flux2-klein-tiny-lora.safetensors",
          "lora_kohya": "flux2-klein-tiny-lora-kohya.safetensors",
          "lora_diffusers": "flux2-klein-tiny-lora-diffusers.safetensors",
@@ -75,7 +76,12 @@ def write_tiny_models(models: Path) -> dict[str, str]:
         random_lora,
         save_adapter,
     )
-    from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
+    from tests.tiny.autoencoder import (
+        TINY_AE_DIFFUSERS_CONFIG,
+        bfl_state_dict,
+        build_diffusers_autoencoder,
+        save_bfl_autoencoder,
+    )
     from tests.tiny.layouts import comfy_fp8
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
     from tests.tiny.transformer import random_bfl_transformer_state_dict, save_bfl_transformer
@@ -100,6 +106,11 @@ def write_tiny_models(models: Path) -> dict[str, str]:
     qwen = build_tiny_qwen3(seed=2)
     save_comfyui_text_encoder(qwen, models / "text_encoders" / FILES["text_encoder"])
     save_bfl_autoencoder(build_diffusers_autoencoder(seed=3), models / "vae" / FILES["ae"])
+    # BFL's small decoder, tiny: a decoder on its own (keys without "decoder."), narrower than the tiny AE's
+    small = build_diffusers_autoencoder(seed=5, config={**TINY_AE_DIFFUSERS_CONFIG,
+                                                        "decoder_block_out_channels": (32, 32, 32, 32)})
+    save_file({k.removeprefix("decoder."): v for k, v in bfl_state_dict(small).items() if k.startswith("decoder.")},
+              str(models / "vae" / FILES["small_decoder"]))
     save_file(full_size_autoencoder(seed=4), str(models / "vae" / FILES["ae_full"]))
     # an ai-toolkit LoRA (diffusion_model. + lora_A/lora_B, no alpha), a format both ComfyUI and we read
     (models / "loras").mkdir(parents=True, exist_ok=True)
