@@ -47,7 +47,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-MODEL_FILE = "flux-2-klein-native-bench.safetensors"     # no "base" / "kv" in the name: our loader reads distilled Klein
+MODEL_FILE = "flux-2-klein-native-bench.safetensors"    # no "base" / "kv" in it: our loader reads distilled Klein
 TEXT_TOKENS = 512                  # Klein pads every prompt to 512 tokens (ComfyUI's tokenizer and ours)
 SEED = 0
 SIDES = ("native", "ours")
@@ -59,7 +59,7 @@ DTYPES = ("float32", "bfloat16")
 # ---------------------------------------------------------------------------------------------------------------
 
 def load_module(name: str, path: Path, package: bool = False):
-    """A module (or, with ``package``, a package whose submodules use relative imports) from its file, under ``name``."""
+    """A module (with ``package``: a package whose submodules use relative imports) from its file, as ``name``."""
     spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=[str(path.parent)]
                                                   if package else None)
     module = importlib.util.module_from_spec(spec)
@@ -87,8 +87,9 @@ def stub_torch_extras(folder: Path) -> None:
     host = load_module("flux2_tests_host", ROOT / "tests" / "comfyui" / "host.py")
     stubs = host.write_torch_stubs(folder, sys.executable)
     if any(stubs.iterdir()):
-        sys.path.insert(1, str(stubs))      # after ComfyUI's tree, before site-packages (a torchvision that fails)
-        print(f"torchvision / torchaudio do not import here: test-only stubs from {stubs} stand in (unused by FLUX.2)", flush=True)
+        sys.path.insert(0, str(stubs))      # before site-packages, where a torchvision that fails to import may be
+        print(f"torchvision / torchaudio do not import here: test-only stubs from {stubs} stand in (FLUX.2 uses "
+              f"neither)", flush=True)
 
 
 def start_comfyui(comfy_dir: Path, device: str, extra: str):

@@ -293,16 +293,49 @@ def _peft_alpha(meta: Mapping[str, str], path: str, rank: int) -> float | None:
         config = json.loads(raw)
     except json.JSONDecodeError:
         raise Flux2Error(f"the adapter's lora_adapter_metadata is not valid JSON: {raw[:80]!r}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("alpha_pattern") or {}, dict):
+        raise Flux2Error(f"the adapter's lora_adapter_metadata is not a PEFT LoraConfig (an object with lora_alpha "
+                         f"and alpha_pattern): {raw[:80]!r}")
     if any(k.startswith("transformer.") for k in config):
         config = {k.removeprefix("transformer."): v for k, v in config.items() if k.startswith("transformer.")}
     alpha = config.get("lora_alpha")
     module = path.removeprefix("transformer.")
     for pattern, value in (config.get("alpha_pattern") or {}).items():       # PEFT: a regex on the module's name end
-        if re.fullmatch(pattern[1:] if pattern.startswith("^") else rf"(.*\.)?{pattern}", module):
+        try:
+            hit = re.fullmatch(pattern[1:] if pattern.startswith("^") else rf"(.*\.)?{pattern}", module)
+        except re.error as error:
+            raise Flux2Error(f"the adapter's alpha_pattern {pattern!r} is not a regular expression ({error}); the "
+                             f"file's metadata is damaged") from None
+        if hit:
             alpha = value
     if alpha is None:
         return None
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise Flux2Error(f"the adapter's lora_adapter_metadata gives {path} the alpha {alpha!r}, not a finite number; "
+                         f"the file's metadata is damaged")
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def check_tensors(where: str, path: str, t: dict[str, Tensor]) -> None:
+    """The one check of what an adapter module holds, before any of it is used: floating-point values, all finite,
+    not empty; ``alpha`` one number; every other tensor a matrix (a 1x1 conv's already flattened; ``dora_scale``'s
+    shape is checked against the weight later). Raises a Flux2Error naming the file (``where``) and the key."""
+    for role, tensor in t.items():
+        key = f"{path}.{role}"
+        if not tensor.is_floating_point():
+            raise Flux2Error(f"{where}: {key} holds {str(tensor.dtype).removeprefix('torch.')} values, but adapter "
+                             f"tensors are floating-point numbers; the file is damaged or not an adapter")
+        if tensor.numel() == 0:
+            raise Flux2Error(f"{where}: {key} is empty (shape {list(tensor.shape)}); the file is damaged")
+        if role == "alpha" and tensor.numel() != 1:
+            raise Flux2Error(f"{where}: {key} has shape {list(tensor.shape)}, but alpha is one number (the scale "
+                             f"times the rank); the file is damaged or was written by a broken converter")
+        if role not in ("alpha", "dora_scale") and tensor.dim() != 2:
+            raise Flux2Error(f"{where}: {key} has shape {list(tensor.shape)}, but adapter factors of a linear layer "
+                             f"are matrices [rows, columns]; the file is damaged or made for another model")
+        if not bool(torch.isfinite(tensor).all()):
+            raise Flux2Error(f"{where}: {key} holds NaN or infinite values, which would make every image black; the "
+                             f"file is damaged (download it again)")
 
 
 def _patch(path: str, target: Target, t: dict[str, Tensor], meta, where: str, params) -> Patch | None:
@@ -322,6 +355,7 @@ def _patch(path: str, target: Target, t: dict[str, Tensor], meta, where: str, pa
         raise Flux2Error(f"{where}: {path} mixes {' and '.join(kinds)} tensors; the file is corrupt")
     kind = kinds[0]
     t = {k: _matrix(v) for k, v in t.items()}
+    check_tensors(where, path, t)
     alpha = float(t.pop("alpha").float().item()) if "alpha" in t else None
     dora = t.pop("dora_scale", None)
 

@@ -8,6 +8,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flux2_core.adapter_formats import linear_shapes
 from flux2_core.adapters import read_adapter
@@ -19,6 +21,7 @@ from tests.tiny.adapters import (
     diffusers_fused_weights,
     lora_state_dict,
     module_shapes,
+    near_square,
     random_lokr,
     random_lora,
     save_adapter,
@@ -417,3 +420,54 @@ def test_bad_files(tmp_path):
     with pytest.raises(Flux2Error, match="does not exist"):
         read_adapter(tmp_path / "missing.safetensors", P)
     assert read_adapter(good, P).report.name == "good.safetensors"
+
+
+ADAPTER_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int32, torch.bool]
+
+
+@st.composite
+def one_module_adapter(draw):
+    """A LoRA (or LoKr) for one linear layer of the tiny model, each of its tensors drawn with any shape, dtype and
+    values: the right ones, off by one, another rank, a 3-D factor, NaN / inf, integers, an alpha that is not a
+    scalar."""
+    module = draw(st.sampled_from(MODULES))
+    out, inp = module_shapes(P)[module]
+    rank = draw(st.integers(1, 4))
+
+    def tensor(shape):
+        shape = draw(st.sampled_from([shape, (shape[0] + 1, *shape[1:]), (*shape[:-1], shape[-1] + 1),
+                                      (*shape, 2), (0, *shape[1:])]))
+        dtype = draw(st.sampled_from(ADAPTER_DTYPES))
+        values = torch.randn(shape, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+        spoil = draw(st.sampled_from([None, None, None, float("nan"), float("inf")]))
+        if spoil is not None and values.numel():
+            values.view(-1)[draw(st.integers(0, values.numel() - 1))] = spoil
+        return values.to(dtype) if dtype.is_floating_point else (values * 10).to(dtype)
+
+    if draw(st.booleans()):
+        tensors = {"lora_A.weight": tensor((rank, inp)), "lora_B.weight": tensor((out, rank))}
+    else:
+        tensors = {"lokr_w1": tensor(near_square(out)[:1] + near_square(inp)[:1]),
+                   "lokr_w2": tensor((out // near_square(out)[0], inp // near_square(inp)[0]))}
+    if draw(st.booleans()):
+        tensors["alpha"] = tensor(draw(st.sampled_from([(1,), (2,), (rank, rank)]))).reshape(-1)
+    if draw(st.booleans()):
+        tensors["dora_scale"] = tensor((out, 1))
+    return module, out, inp, adapter_state_dict({module: tensors})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(one_module_adapter())
+def test_any_adapter_tensor_reads_as_a_fitting_finite_patch_or_a_message(case):
+    """Whatever an adapter file holds for a layer, reading it gives a patch of exactly that layer's shape whose ΔW
+    is finite, or a Flux2Error that names the file and says what is wrong: never another exception."""
+    _, out, inp, sd = case
+    try:
+        adapter = read_adapter(sd, P, name="fuzzed.safetensors")
+    except Flux2Error as error:
+        assert str(error).startswith("fuzzed.safetensors") or "fuzzed.safetensors" in str(error)
+        return
+    (patch,) = adapter.patches
+    rows = patch.rows[1] - patch.rows[0] if patch.rows else out
+    assert patch.shape == (rows, inp)
+    assert bool(torch.isfinite(patch.merged(torch.zeros(patch.shape), 1.0)).all())
