@@ -138,7 +138,8 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
                                              int8=int8)
     if not stream:
         device, dtype = model.img_in.weight.device, model.img_in.weight.dtype      # as the transformer resolved them
-    use_int8_matmul(model, "auto", device, dtype)
+    if int8:
+        use_int8_matmul(model, "auto", device, dtype)
     needed = memory.working_memory(chosen, size, dtype) + call_bytes(model, dtype)
     encoder = weights.load_text_encoder(text_encoder, cpu if device.type == "cuda" else device, dtype)
     weights.check_text_encoder_fits(chosen, encoder)

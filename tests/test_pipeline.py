@@ -555,7 +555,7 @@ def test_load_models_loads_the_text_encoder_where_it_will_rest(tmp_path, monkeyp
 
     monkeypatch.setattr(weights, "load_transformer", on_cuda)
     monkeypatch.setattr(weights, "load_text_encoder", encoder_at)
-    monkeypatch.setattr(weights, "load_autoencoder", lambda path, device, dtype: real_ae(path, "cpu", dtype))
+    monkeypatch.setattr(weights, "load_autoencoder", lambda path, device, dtype, **kw: real_ae(path, "cpu", dtype, **kw))
     monkeypatch.setattr(memory, "free_memory", lambda device: free)
     models = pipeline.load_models(*files, device="cuda", dtype=torch.float32, offload_encoder=choice)
     assert loaded_to == [torch.device("cpu")]
