@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -58,17 +59,19 @@ def test_meter_splits_time_between_stages():
         assert meter.peaks["a"] > 0 and meter.highest >= meter.peaks["a"]
 
 
-def test_gpu_check_smoke_run_writes_every_section(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("every_stage", [False, True], ids=["core-stages", "every-stage"])
+def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     """bench/gpu-check --cpu-smoke: the stages of the GPU check (install, device-mode tests, the bench's distilled
-    and KV runs on the tiny config, both sides in their own processes; with FLUX2_SLOW_TESTS=1 also its fp8, compile
-    and base runs) end ok, and the one report holds the machine, the test counts and every bench figure; ours and
-    diffusers computed the same latents. The distilled and KV stages are what the bench driver always had to pass."""
+    and KV runs on the tiny config, both sides in their own processes; with every stage also its fp8, int8,
+    no-kitchen, compile, GGUF and base runs: 2 minutes on 2 cores) end ok, and the one report holds the machine, the
+    test counts and every bench figure; ours and diffusers computed the same latents. The distilled and KV stages are
+    what the bench driver always had to pass."""
     import json
-    import os
     import re
     import subprocess
 
-    slow = bool(os.environ.get("FLUX2_SLOW_TESTS"))
+    slow = every_stage
     only = [] if slow else ["--only", "tests", "--only", "distilled", "--only", "KV"]
     run = subprocess.run([sys.executable, "bench/gpu-check", "--cpu-smoke", "--out", str(tmp_path), *only],
                          check=False, cwd=Path(bench.__file__).parents[1], capture_output=True, text=True, timeout=900)
@@ -156,6 +159,7 @@ def test_parallel_model_bytes_by_hand():
     assert alone["bytes"] == alone["comm_s"] == 0 and alone["step_s"] == 2 * r["compute_s"]
 
 
+@pytest.mark.slow
 def test_parallel_ranks_move_what_the_model_counts():
     """bench/parallel.py on 2 gloo ranks (medium config, 64^2, 8 text tokens): a follower receives exactly the bytes,
     in exactly the collectives, that expected_step counts per step; every rank reports its memory and time."""

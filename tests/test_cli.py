@@ -29,6 +29,7 @@ def png_parameters(path):
         return im.size, json.loads(im.text["parameters"])
 
 
+@pytest.mark.slow
 def test_demo_writes_pngs_with_metadata(tmp_path, monkeypatch):
     ref = tmp_path / "ref.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (70, 100, 3), dtype=np.uint8)).save(ref)
@@ -223,6 +224,7 @@ def test_fp8_flag_and_fp8_files(tmp_path, capsys, fp8_file, flag, stored):
         assert "cannot use fp8 matmul: fp8 matmul needs an NVIDIA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_from_gguf_files_equals_their_dequantized_values(tmp_path, capsys):
     """A models folder holding a GGUF transformer and a GGUF Qwen3 (found by their names) makes the image the same
     command makes from safetensors files of the values the GGUFs hold; the PNG names the quant types."""
@@ -255,6 +257,7 @@ def test_generate_from_gguf_files_equals_their_dequantized_values(tmp_path, caps
     assert params["transformer_weights"] == "Q4_1"
 
 
+@pytest.mark.slow
 def test_a_decoder_alone_decodes_instead_of_the_autoencoders_own(tmp_path, capsys):
     """--decoder small_decoder.safetensors: the run uses it (the PNG names it; the picture is another decoder's), the
     latents stay the transformer's; with --demo it is refused."""

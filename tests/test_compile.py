@@ -6,7 +6,6 @@ the slow one compiles for real with inductor. The models run in the device mode'
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -68,6 +67,7 @@ def test_steps_and_new_prompts_do_not_recompile():
         assert not torch.equal(out, out2)
 
 
+@pytest.mark.slow
 def test_new_shapes_compile_once_each_and_kv_path_works():
     g = torch.Generator().manual_seed(0)
     eager, model = tiny_model(), tiny_model()
@@ -96,8 +96,6 @@ def test_compile_blocks_needs_a_flux2_transformer():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("FLUX2_SLOW_TESTS"), reason="compiles with inductor (about a minute on 2 CPU "
-                    "cores); set FLUX2_SLOW_TESTS=1 to run it")
 def test_inductor_matches_eager_without_recompiling():
     from torch._dynamo.utils import counters
 
@@ -117,6 +115,7 @@ def test_inductor_matches_eager_without_recompiling():
     assert_close(got, expected, "transformer", rtol=0, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.slow
 def test_blocks_that_stream_weights_compile_in_pieces():
     """ComfyUI's partial loading (and block streaming) move weights inside a layer's call, code that breaks the
     graph. Stand-in: each linear layer fetches its weight through a call dynamo cannot trace. fullgraph=True fails

@@ -40,6 +40,7 @@ def test_bad_settings_are_refused_with_the_variable_named():
             device.parse_device("cuda")
 
 
+@pytest.mark.slow
 def test_bfloat16_mode_runs_a_parity_test_in_bfloat16():
     """A child pytest with FLUX2_TEST_DTYPE=bfloat16 runs one transformer parity test: the header names the mode, the
     test (which asserts our output's dtype is the mode's) passes, and the error it prints is bf16-sized: a float32

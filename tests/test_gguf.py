@@ -141,6 +141,7 @@ def vocabulary():
     return build_qwen3_tokenizer(), qwen3_tokens(TINY_QWEN3_CONFIG["vocab_size"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype,config", [(T.Q8_0, TINY_QWEN3_CONFIG), (T.Q4_K, WIDE_QWEN3)])
 def test_encoder_computes_what_its_dequantized_values_compute(tmp_path, vocabulary, qtype, config):
     tokenizer, tokens = vocabulary
@@ -159,6 +160,7 @@ def test_encoder_computes_what_its_dequantized_values_compute(tmp_path, vocabula
     assert rel_diff(got, want) <= BOUND
 
 
+@pytest.mark.slow
 def test_generate_with_gguf_transformer_and_encoder(tmp_path, vocabulary):
     """The whole pipeline: a GGUF transformer and GGUF encoder give the latents of their dequantized float twins."""
     tokenizer, tokens = vocabulary
@@ -181,6 +183,7 @@ def test_generate_with_gguf_transformer_and_encoder(tmp_path, vocabulary):
     assert rel_diff(*results) <= BOUND
 
 
+@pytest.mark.slow
 def test_vocabulary_is_checked(tmp_path, vocabulary):
     _, tokens = vocabulary
     tokens = list(tokens)
@@ -196,6 +199,7 @@ def test_vocabulary_is_checked(tmp_path, vocabulary):
 # bad files
 # ---------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_wrong_architectures_are_named(tmp_path, vocabulary):
     _, tokens = vocabulary
     hf = comfyui_state_dict(build_tiny_qwen3(seed=10))

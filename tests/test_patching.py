@@ -170,6 +170,7 @@ def files(tmp_path_factory):
                  save_bfl_autoencoder(build_diffusers_autoencoder(seed=4), tmp / "ae.safetensors")]
 
 
+@pytest.mark.slow
 def test_generation_with_a_lora_equals_diffusers_fusing_it(files):
     """Our pipeline with an ai-toolkit LoRA applied vs our pipeline on the weights diffusers 0.42.1 computes by
     loading and fusing the same file: the LoRA changes the picture, and both agree."""
@@ -198,6 +199,7 @@ def test_generation_with_a_lora_equals_diffusers_fusing_it(files):
     assert torch.equal(pipeline.generate(models, "a fox", **args).latents, plain)
 
 
+@pytest.mark.slow
 def test_cli_lora_flag(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     raw = random_lora(DEMO_TRANSFORMER, ["double_blocks.0.img_attn.qkv", "single_blocks.1.linear1"], rank=2, seed=1)
@@ -245,6 +247,7 @@ def test_adapters_on_a_streamed_model_equal_the_resident_one():
         assert torch.equal(forward(streamed), forward(tiny_model()))
 
 
+@pytest.mark.slow
 def test_compiled_fp8_model_follows_adapter_changes():
     """fp8 layers take LoRAs as forward hooks; blocks compiled before or after a change must run the current ones
     (dynamo would otherwise keep the hooks it first saw: a silently stale LoRA)."""

@@ -96,6 +96,7 @@ def test_bad_reference_type():
         prepare_references(["photo.png"])
 
 
+@pytest.mark.slow
 def test_tokens_and_ids_match_diffusers():
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
     vae = build_diffusers_autoencoder(seed=1)

@@ -1,6 +1,5 @@
 """Position ids, packing and RoPE against diffusers 0.42.1's Flux2 helpers and hand-written values."""
 
-import os
 import warnings
 
 import pytest
@@ -96,8 +95,6 @@ def test_rotate_equals_a_float64_rotation_matrix_per_pair(dtype, rotate):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("FLUX2_SLOW_TESTS"), reason="compiles with inductor (about 20 s on 2 CPU "
-                    "cores); set FLUX2_SLOW_TESTS=1 to run it")
 def test_rope_compiles_to_inductor_code_without_complex_fallbacks():
     """fullgraph inductor compile of apply_rope: no graph break, no 'complex operators' fallback warning, same values."""
     torch._dynamo.reset()

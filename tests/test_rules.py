@@ -101,6 +101,7 @@ def test_bad_settings_are_refused_before_the_text_encoder_runs(models, monkeypat
 
 # --- NaN / inf at the stage boundaries ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_nan_in_the_transformer_stops_the_run_at_the_denoised_latents(models):
     broken = with_copy(models, "transformer")
     poison(broken.transformer, "final_layer.linear.weight", math.nan)
@@ -108,6 +109,7 @@ def test_nan_in_the_transformer_stops_the_run_at_the_denoised_latents(models):
         pipeline.generate(broken, "a fox", **SIZE, steps=2)
 
 
+@pytest.mark.slow
 def test_nan_in_the_text_encoder_stops_the_run_before_any_cache_keeps_it(models):
     broken = dataclasses.replace(with_copy(models, "prompt_encoder"), prompt_cache=PromptCache())
     poison(broken.prompt_encoder.model, "layers.3.mlp.down_proj.weight", math.inf)

@@ -128,6 +128,7 @@ def test_batched_equals_one_by_one(encoder):
         assert_close(batch[i:i + 1], encoder.encode([prompt]).embeds, "text_encoder", rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix", ["", "text_encoders.qwen3_4b.transformer."])
 def test_comfyui_single_file(tmp_path, qwen3, encoder, prefix):
     path = save_comfyui_text_encoder(qwen3, tmp_path / "qwen_3_tiny.safetensors", prefix=prefix)

@@ -87,6 +87,7 @@ def test_build_is_offline_quick_and_cached():
     assert built < 30   # about 2 s to build on a 2-core CI machine, well under 1 s from the cache folder
 
 
+@pytest.mark.slow
 def test_the_built_tokenizer_is_kept_in_the_cache_folder(tmp_path, monkeypatch, tiktoken_qwen):
     """The first build writes tokenizer.json to $XDG_CACHE_HOME/flux2-klein-engine; later processes read it and encode
     exactly as tiktoken does; a damaged file is rebuilt and replaced; an unwritable cache folder only costs time."""
