@@ -249,6 +249,27 @@ def measure(calls: dict, meter, repeats: int) -> tuple[dict, dict]:
     return runs, last
 
 
+def cpu_seconds() -> tuple[float, float, float] | None:
+    """(wall clock, CPU seconds of the whole machine, of this process), for ``other_processes_cores``; None where
+    there is no /proc/stat."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return None
+    busy = sum(fields) - fields[3] - fields[4]          # all but idle and iowait, in clock ticks
+    own = os.times()
+    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+def other_processes_cores(start, end) -> float | None:
+    """How many cores other processes kept busy on average between two ``cpu_seconds``: with a CPU's few cores, two
+    torch threads slow down many times over when another process takes one (their threads wait on each other), so
+    a timing is only worth keeping with this near 0."""
+    if start is None or end is None:
+        return None
+    return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0]))
+
+
 def summarize(runs: list[tuple[float, int]], steps: int) -> dict:
     times = [seconds for seconds, _ in runs]
     return {"call_s": times, "step_median_s": statistics.median(times) / steps, "step_best_s": min(times) / steps,
@@ -266,8 +287,9 @@ def print_table(result: dict) -> None:
     print(f"\n{r['config']}: {r['size']}x{r['size']} ({r['image_tokens']} image + {TEXT_TOKENS} text tokens), "
           f"{r['steps']} steps, {r['dtype']} weights on {r['device']}; {r['repeats']} timed calls per side after one "
           f"warm-up, alternating; ComfyUI {r['comfyui_version']}, native attention {r['native_attention']}")
-    print(f"1-minute load average {r['load_average'][0]:.2f} before timing, {r['load_average'][1]:.2f} after "
-          f"({r['threads']} torch threads)")
+    others = "unknown" if r["other_processes_cores"] is None else f"{r['other_processes_cores']:.2f}"
+    print(f"{r['threads']} torch threads; other processes kept {others} cores busy on average while timing "
+          f"(a busy machine slows both sides, and unevenly)")
     print(f"{'side':<8} {'computes':>9} {'median s/step':>14} {'best s/step':>12} {'peak above start':>17}")
     for side in SIDES:
         s = sides[side]
@@ -333,9 +355,9 @@ def main(argv=None) -> dict:
         ours, ours_dtype = our_side(pack, dtype_name, cond, sigmas, size)
         loaded["ours"] = time.perf_counter() - t
         meter = BENCH.Meter(torch.device(args.device))
-        load_before = os.getloadavg()[0]
+        cpu = cpu_seconds()
         runs, last = measure({"native": native, "ours": ours}, meter, args.repeats)
-        load_after = os.getloadavg()[0]
+        others = other_processes_cores(cpu, cpu_seconds())
     sides = {side: summarize(runs[side], args.steps) for side in SIDES}
     for side, compute in (("native", native_dtype), ("ours", ours_dtype)):
         sides[side]["compute_dtype"] = str(compute).removeprefix("torch.")
@@ -348,8 +370,7 @@ def main(argv=None) -> dict:
         "sides": sides,
         "ratio": {k: sides["ours"][f"step_{k}_s"] / sides["native"][f"step_{k}_s"] for k in ("median", "best")},
         **latent_difference(last["ours"], last["native"]),
-        # other work on the machine slows both sides, unevenly: the 1-minute load average before and after timing
-        "load_average": [load_before, load_after], "weights_written_s": written,
+        "other_processes_cores": others, "weights_written_s": written,
         "wall_s": time.perf_counter() - started,
     }
     print(result["machine"])

@@ -312,11 +312,14 @@ def generate_command(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     out = check_folder(args.out, "--out")          # before anything slow: a wrong --out must not cost a generation
     from .pipeline import DEFAULT_SIZE
+    from .references import grid_size
 
     refs = [open_image(p) for p in args.ref]
     image = open_image(args.image) if args.image else None
     check_early(args, refs)
     mask = open_image(args.mask) if args.mask else None
+    if image is not None:                # before any model loads (a mask is fitted to the image: the image decides)
+        grid_size(*image.size, f"--image {args.image}")
     sp = join_ranks(args)
     seed = shared_seed(args.seed, sp)
     sequence = sp is not None and args.parallel == "sequence"

@@ -85,7 +85,7 @@ def image_mask(mask, image: Image.Image, size: tuple[int, int]) -> tuple[Tensor,
     note = check_mask_size(mask.size, image.size)
     if note:
         mask = mask.resize(image.size, Image.Resampling.BILINEAR)
-    mask = center_crop_16(mask.convert("L"))
+    mask = center_crop_16(mask.convert("L"), "the mask")
     if mask.size != size:
         mask = mask.resize(size, Image.Resampling.BILINEAR)
     return mask_tensor(mask), [note] if note else []

@@ -321,7 +321,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
                          "hold: leave reference_kv out")
     refs = prepare_references(references, len(references) + masked) if references else []
     source = as_pil(image) if image is not None else None
-    init = center_crop_16(source.convert("RGB")) if image is not None else None
+    init = center_crop_16(source.convert("RGB"), "the image to edit") if image is not None else None
     strength = check_strength(strength, init is not None)
     width, height = output_size(width, height, [im for im in [init, *refs] if im is not None])
     h, w = latent_size(height, width)

@@ -35,6 +35,7 @@ from PIL import Image, ImageOps
 
 from . import rope
 from .errors import Flux2Error
+from .latents import PIXELS_PER_LATENT
 
 MAX_IMAGE_PIXELS = 8192 * 8192          # 67 megapixels: decoded, 200 MB of RGB; references are used at <= 2024^2
 SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
@@ -132,9 +133,21 @@ def cap_pixels(image: Image.Image, max_pixels: int) -> Image.Image:
     return image.resize((int(w * s), int(h * s)), Image.Resampling.LANCZOS)
 
 
-def center_crop_16(image: Image.Image) -> Image.Image:
+def grid_size(width: int, height: int, name: str) -> tuple[int, int]:
+    """(width, height) of an image named ``name`` cropped to the 16-pixel latent grid: the one rule for every input
+    picture (image to edit, mask, reference; CLI and nodes). One smaller than a grid cell is refused: nothing of it
+    would be left."""
+    n = PIXELS_PER_LATENT
+    if width < n or height < n:
+        raise Flux2Error(f"{name} is {width}x{height} pixels, smaller than one {n}x{n} cell of the model's grid, so "
+                         f"nothing of it would be used: it must be at least {n}x{n} pixels (use a larger picture)")
+    return width // n * n, height // n * n
+
+
+def center_crop_16(image: Image.Image, name: str = "the image") -> Image.Image:
+    """``image`` centre-cropped to multiples of 16 (``grid_size``)."""
     w, h = image.size
-    new_w, new_h = w // 16 * 16, h // 16 * 16
+    new_w, new_h = grid_size(w, h, name)
     left, top = (w - new_w) // 2, (h - new_h) // 2
     return image.crop((left, top, left + new_w, top + new_h))
 
@@ -148,7 +161,7 @@ def prepare_reference(image: Image.Image, cap: int, index: int = 0) -> Image.Ima
     """One RGB reference (number ``index``, for messages) checked, scaled down to ``cap`` pixels, centre-cropped to
     multiples of 16: steps 2-4 of the module docstring."""
     check_reference(image, index)
-    return center_crop_16(cap_pixels(image, cap))
+    return center_crop_16(cap_pixels(image, cap), f"reference image {index + 1}")
 
 
 def prepare_references(images, count: int | None = None) -> list[Image.Image]:

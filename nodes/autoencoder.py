@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from comfy_api.latest import io
 
-from ..flux2_core import memory
+from ..flux2_core import memory, references
 from . import host, types
 
 
@@ -26,7 +26,7 @@ class AEEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, ae: host.Managed, image: torch.Tensor) -> io.NodeOutput:
-        height, width = image.shape[1] // 16 * 16, image.shape[2] // 16 * 16
+        width, height = references.grid_size(image.shape[2], image.shape[1], "the image to encode")
         top, left = (image.shape[1] - height) // 2, (image.shape[2] - width) // 2
         pixels = image[:, top:top + height, left:left + width, :3].movedim(-1, 1) * 2 - 1    # [B, 3, H, W] in [-1, 1]
         ae.ready(memory.encode_bytes(ae.core, 1, height, width))

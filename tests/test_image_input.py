@@ -298,3 +298,47 @@ def test_damaged_files_decode_right_or_fail_cleanly(tmp_path, saved, width, heig
         assert image.size == (width, height)
         if fmt in LOSSLESS:
             assert np.array_equal(np.asarray(image), expected_rgb(original))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 80), st.integers(1, 80))
+def test_every_input_picture_fits_the_16_pixel_grid_or_is_refused_by_name(width, height):
+    """grid_size, the one rule for every input picture: the largest multiple-of-16 crop, or (smaller than one cell)
+    a Flux2Error naming the input and the smallest size that works."""
+    from flux2_core.references import center_crop_16, grid_size
+
+    if width < 16 or height < 16:
+        with pytest.raises(Flux2Error, match=rf"^the mask is {width}x{height} pixels.*at least 16x16 pixels"):
+            grid_size(width, height, "the mask")
+        return
+    w, h = grid_size(width, height, "the mask")
+    assert (w % 16, h % 16) == (0, 0) and width - 16 < w <= width and height - 16 < h <= height
+    assert center_crop_16(Image.new("RGB", (width, height))).size == (w, h)
+
+
+def test_a_picture_too_small_for_the_grid_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """A 1x1 --image (image-to-image, inpainting; a mask is fitted to the image): exit 2, the option and file named;
+    nothing loads (the loader would fail the test)."""
+    from flux2_core import pipeline
+
+    monkeypatch.setattr(pipeline, "load_models", lambda *a, **k: pytest.fail("models were loaded"))
+    tiny = tmp_path / "dot.png"
+    Image.new("RGB", (1, 1), (200, 10, 10)).save(tiny)
+    good = tmp_path / "good.png"
+    Image.new("RGB", (64, 64)).save(good)
+    for argv in (["--image", str(tiny)], ["--image", str(tiny), "--mask", str(good)]):
+        code = cli.main(["--prompt", "x", "--models", str(tmp_path), "--out", str(tmp_path / "out"), *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and f"--image {tiny} is 1x1 pixels" in err and "at least 16x16" in err, err
+
+
+def test_generate_refuses_an_image_to_edit_too_small_for_the_grid():
+    """The Python API applies the same rule (a 1x1 start image used to run as if there were none)."""
+    from flux2_core.demo import demo_models
+    from flux2_core.pipeline import generate
+
+    models = demo_models("klein-4b", "cpu")
+    for mask in (None, Image.new("L", (1, 1), 255)):
+        with pytest.raises(Flux2Error, match="the image to edit is 1x1 pixels"):
+            generate(models, "x", image=Image.new("RGB", (1, 1)), mask=mask, strength=0.5, width=32, height=32,
+                     steps=1)
