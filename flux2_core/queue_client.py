@@ -9,7 +9,7 @@ synchronously. Nothing here imports ComfyUI or torch. The protocol, as ComfyUI s
     ws /ws?clientId=X                         -> JSON messages {"type", "data"}: progress, executing, ...;
                                                  binary frames: a 4-byte event type, then (previews) a 4-byte format
     GET /history/<prompt_id>                  -> {prompt_id: {"outputs": {node: {"images": [...]}}, "status": ...}}
-    GET /view?filename=&subfolder=&type=      -> the image bytes
+    GET /view?filename=&subfolder=&type=      -> the image bytes (checked to be a whole picture: parse_image)
 
 Every answer is untrusted: the check_* and parse_* functions below read one answer each, without a network, and
 whatever a server sends (broken or empty JSON, missing keys, odd frames, huge messages, dropped connections) ends
@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import io
 import json
 import math
+import os
 import re
 import struct
 import sys
@@ -32,6 +34,7 @@ import uuid
 from collections.abc import Iterable
 
 import aiohttp
+from PIL import Image
 
 from .errors import Flux2Error
 from .outputs import check_folder, write_new
@@ -230,6 +233,34 @@ def parse_history(server: str, prompt_id: str, body: bytes) -> list[dict]:
     return images
 
 
+# the picture formats a download is checked against, by the file's extension (others: only checked to be non-empty)
+IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP", ".gif": "GIF", ".bmp": "BMP",
+                 ".tif": "TIFF", ".tiff": "TIFF"}
+
+
+def parse_image(server: str, image: dict, body: bytes) -> bytes:
+    """The bytes GET /view sent for ``image``, checked before anything is written: not empty, and a whole picture
+    in the format its name claims (decoded to the last pixel, so a cut or damaged file is caught)."""
+    name = image["filename"]
+    what = f"GET /view sent {shown(name)}"
+    if not body:
+        raise ServerError(server, f"{what} as 0 bytes (HTTP 200 with an empty body); nothing was written. The file "
+                                  f"may be missing or still being written on the server: run the prompt again")
+    expected = IMAGE_FORMATS.get(os.path.splitext(name)[1].lower())
+    if expected is None:
+        return body
+    try:
+        with Image.open(io.BytesIO(body)) as picture:
+            found = picture.format
+            picture.load()
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+        raise ServerError(server, f"{what} as {size(len(body))} that are not a readable {expected} picture "
+                                  f"({error}); nothing was written. Starts with {shown(body[:16])}") from None
+    if found != expected:
+        raise ServerError(server, f"{what} as {found} data, not the {expected} its name says; nothing was written")
+    return body
+
+
 def file_name(server: str, image: dict) -> str:
     """The local name for a downloaded image: the server's file name without any folder part (so no name can
     reach outside --out), refused when nothing usable is left."""
@@ -351,7 +382,7 @@ class ComfyClient:
 
     def download(self, image: dict) -> bytes:
         query = urllib.parse.urlencode({k: image.get(k, "") for k in ("filename", "subfolder", "type")})
-        return self.request(f"/view?{query}", limit=IMAGE_LIMIT)
+        return parse_image(self.server, image, self.request(f"/view?{query}", limit=IMAGE_LIMIT))
 
     def interrupt(self) -> None:
         self.post_json("/interrupt", {})

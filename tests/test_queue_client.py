@@ -23,8 +23,8 @@ import pytest
 
 from flux2_core import queue_client
 from flux2_core.errors import Flux2Error
+from tests.tiny.pictures import png_bytes
 
-PNG = b"\x89PNG\r\n\x1a\n" + b"fake image bytes"
 IMAGES = [{"filename": "klein_00001_.png", "subfolder": "", "type": "output"},
           {"filename": "klein_00002_.png", "subfolder": "sub", "type": "output"}]
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"     # RFC 6455's handshake constant
@@ -142,7 +142,7 @@ class Handler(BaseHTTPRequestHandler):
                                    "status": {"status_str": "success"}}})
         elif url.path == "/view":
             self.server.views.append(query)
-            self.reply(200, PNG + query["filename"].encode() + query["subfolder"].encode(), "image/png")
+            self.reply(200, png_bytes(query["filename"] + query["subfolder"]), "image/png")
         else:
             self.reply(404, {"error": "not found"})
 
@@ -202,7 +202,7 @@ def test_queue_submits_follows_progress_and_downloads(fake, tmp_path, capsys):
     assert seen[-3]["data"]["output"]["pad"] == "x" * 300
     assert server.pongs == [(OP_PONG, b"are you there")] * 2   # masked pongs echoing the ping payload
     assert [Path(p).name for p in paths] == ["klein_00001_.png", "klein_00002_.png"]
-    assert Path(paths[1]).read_bytes() == PNG + b"klein_00002_.pngsub"
+    assert Path(paths[1]).read_bytes() == png_bytes("klein_00002_.pngsub")
     assert server.views[1] == {"filename": "klein_00002_.png", "subfolder": "sub", "type": "output"}
 
 
@@ -258,8 +258,8 @@ def test_images_never_replace_a_file_and_names_are_unique_within_a_run(fake, tmp
     written = [line for line in captured.out.splitlines() if line.endswith(".png")]
     assert written == [str(out / "klein_00001_-1.png"), str(out / "klein_00001_-2.png")]
     assert (out / "klein_00001_.png").read_bytes() == b"an older picture"
-    assert (out / "klein_00001_-1.png").read_bytes() == PNG + b"klein_00001_.pnga"
-    assert (out / "klein_00001_-2.png").read_bytes() == PNG + b"klein_00001_.pngb"
+    assert (out / "klein_00001_-1.png").read_bytes() == png_bytes("klein_00001_.pnga")
+    assert (out / "klein_00001_-2.png").read_bytes() == png_bytes("klein_00001_.pngb")
     assert sorted(p.name for p in out.iterdir()) == ["klein_00001_-1.png", "klein_00001_-2.png", "klein_00001_.png"]
     assert "klein_00001_.png exists; wrote klein_00001_-1.png beside it" in captured.err
     assert f"2 image(s) saved in {out}" in captured.err

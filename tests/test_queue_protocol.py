@@ -10,6 +10,7 @@ workflow that failed), never another exception, and never a file replaced.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import struct
@@ -23,9 +24,11 @@ import pytest
 from aiohttp import web
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from flux2_core import queue_client as qc
 from flux2_core.errors import Flux2Error
+from tests.tiny.pictures import png_bytes
 
 SERVER = "comfy.test:8188"
 PROMPT_ID = "p-1"
@@ -319,8 +322,14 @@ class Raw(bytes):
     """Bytes written to the socket as they are, under aiohttp's framing (as a websocket frame or an HTTP answer)."""
 
 
+def jpeg_bytes() -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(out, "JPEG")
+    return out.getvalue()
+
+
 def good_view(request):
-    return 200, f"image {request.query['filename']} from {request.query['subfolder']!r}".encode()
+    return 200, png_bytes(f"image {request.query['filename']} from {request.query['subfolder']!r}")
 
 
 GOOD = {"prompt": (200, json.dumps({"prompt_id": PROMPT_ID, "number": 0, "node_errors": {}}).encode()),
@@ -436,7 +445,8 @@ def run_queue(server: Scripted, script: dict) -> tuple[list[str], Exception | No
 def test_a_well_behaved_server(scripted):
     paths, error, _, after, saved = run_queue(scripted, {})
     assert error is None and saved == ["a-1.png", "a-2.png"] == [Path(p).name for p in paths]
-    assert after == {"a.png": b"an older picture", "a-1.png": b"image a.png from ''", "a-2.png": b"image a.png from 'x'"}
+    assert after == {"a.png": b"an older picture", "a-1.png": png_bytes("image a.png from ''"),
+                     "a-2.png": png_bytes("image a.png from 'x'")}
 
 
 @pytest.mark.parametrize("script, says", [
@@ -465,6 +475,10 @@ def test_a_well_behaved_server(scripted):
     ({"history": (404, b"")}, "GET /history/p-1 answered HTTP 404: b''"),
     ({"view": (404, b"404: Not Found")},
      "GET /view?filename=a.png&subfolder=&type=output answered HTTP 404: b'404: Not Found'"),
+    ({"view": (200, b"")}, "GET /view sent a.png as 0 bytes (HTTP 200 with an empty body); nothing was written"),
+    ({"view": (200, png_bytes("cut")[:40])}, "GET /view sent a.png as 40 bytes that are not a readable PNG picture"),
+    ({"view": (200, b"<html>502 Bad Gateway</html>")}, "GET /view sent a.png as 28 bytes that are not a readable PNG"),
+    ({"view": (200, jpeg_bytes())}, "GET /view sent a.png as JPEG data, not the PNG its name says"),
 ])
 def test_a_misbehaving_server_gets_one_clear_error(scripted, script, says, capsys, tmp_path):
     """Through the command itself: exit code 1, one message naming the server and quoting what it sent, no
@@ -488,7 +502,7 @@ def test_images_saved_before_an_error_are_reported(scripted, capsys, tmp_path):
     assert qc.main([str(workflow), "--server", scripted.address, "--out", str(tmp_path / "out")]) == 1
     captured = capsys.readouterr()
     assert captured.out.splitlines() == ["running node 5", "  node 5: step 1/1", str(tmp_path / "out" / "a.png")]
-    assert (tmp_path / "out" / "a.png").read_bytes() == b"image a.png from ''"
+    assert (tmp_path / "out" / "a.png").read_bytes() == png_bytes("image a.png from ''")
     assert "error: ComfyUI at" in captured.err and "GET /view?filename=a.png&subfolder=x&type=output: the " \
         "connection broke" in captured.err
 
