@@ -256,7 +256,7 @@ def cpu_seconds() -> tuple[float, float, float] | None:
         fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except OSError:
         return None
-    busy = sum(fields) - fields[3] - fields[4]          # all but idle and iowait, in clock ticks
+    busy = sum(fields[:3]) + fields[5] + fields[6]      # user, nice, system, irq, softirq (not steal), clock ticks
     own = os.times()
     return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
 

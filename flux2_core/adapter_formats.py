@@ -115,19 +115,26 @@ def _group(module: str) -> str:
                  if module.startswith(p)), "other")
 
 
+# diffusers' fused projections (``fuse_qkv_projections``; a LoKr loaded on fused qkv is saved back under these): the
+# names of the three split ones -> the fused one's, which covers all of our fused qkv weight
+FUSED_DIFFUSERS = {("to_q", "to_k", "to_v"): "to_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"): "to_added_qkv"}
+
+
 def transformer_names(params: TransformerParams) -> tuple[dict[str, Target], dict[str, Target]]:
     """(dotted names, underscore names) -> Target, for BFL and diffusers module paths of this model."""
     dotted: dict[str, Target] = {}
     recipe = table_recipes(TRANSFORMER_FROM_DIFFUSERS, SWAPPED_FROM_DIFFUSERS)
     for module, shape in linear_shapes(params).items():
-        dotted[module] = Target(module, shape, group=_group(module))
-        sources = recipe(module + ".weight").sources          # diffusers keys; 3 of them: q, k, v
-        part = shape[0] // len(sources)
-        for i, source in enumerate(sources):
-            rows = (i * part, (i + 1) * part) if len(sources) > 1 else None
-            dotted[source.removesuffix(".weight")] = Target(module, shape, rows,
-                                                            module + ".weight" in SWAPPED_FROM_DIFFUSERS,
-                                                            _group(module))
+        swapped, group = module + ".weight" in SWAPPED_FROM_DIFFUSERS, _group(module)
+        dotted[module] = Target(module, shape, group=group)
+        names = [source.removesuffix(".weight") for source in recipe(module + ".weight").sources]   # q, k, v: 3
+        part = shape[0] // len(names)
+        for i, name in enumerate(names):
+            rows = (i * part, (i + 1) * part) if len(names) > 1 else None
+            dotted[name] = Target(module, shape, rows, swapped, group)
+        parent, leaves = names[0].rpartition(".")[0], tuple(name.rpartition(".")[2] for name in names)
+        if leaves in FUSED_DIFFUSERS:
+            dotted[f"{parent}.{FUSED_DIFFUSERS[leaves]}"] = Target(module, shape, None, swapped, group)
     return dotted, {name.replace(".", "_"): t for name, t in dotted.items()}
 
 

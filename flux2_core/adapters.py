@@ -284,8 +284,10 @@ def _matrix(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], -1) if t.dim() > 2 and all(n == 1 for n in t.shape[2:]) else t
 
 
-def _peft_alpha(meta: Mapping[str, str], path: str, rank: int) -> float | None:
-    """s from a PEFT LoraConfig in ``lora_adapter_metadata`` (diffusers prefixes its fields with "transformer.")."""
+def _peft_alpha(meta: Mapping[str, str], path: str, rank: int, component: str = "transformer") -> float | None:
+    """s from a PEFT LoraConfig in ``lora_adapter_metadata``: diffusers writes one config per model it adapts, its
+    fields prefixed with the model's name ("transformer.", "text_encoder."); ``component`` is the model ``path``
+    belongs to, which takes its own config (none: no alpha), or the one config of a file without prefixes."""
     raw = meta.get("lora_adapter_metadata")
     if not raw:
         return None
@@ -296,10 +298,11 @@ def _peft_alpha(meta: Mapping[str, str], path: str, rank: int) -> float | None:
     if not isinstance(config, dict) or not isinstance(config.get("alpha_pattern") or {}, dict):
         raise Flux2Error(f"the adapter's lora_adapter_metadata is not a PEFT LoraConfig (an object with lora_alpha "
                          f"and alpha_pattern): {raw[:80]!r}")
-    if any(k.startswith("transformer.") for k in config):
-        config = {k.removeprefix("transformer."): v for k, v in config.items() if k.startswith("transformer.")}
+    if any(k.startswith(("transformer.", "text_encoder.")) for k in config):
+        mine = component + "."
+        config = {k.removeprefix(mine): v for k, v in config.items() if k.startswith(mine)}
     alpha = config.get("lora_alpha")
-    module = path.removeprefix("transformer.")
+    module = path.removeprefix(component + ".")
     for pattern, value in (config.get("alpha_pattern") or {}).items():       # PEFT: a regex on the module's name end
         try:
             hit = re.fullmatch(pattern[1:] if pattern.startswith("^") else rf"(.*\.)?{pattern}", module)
@@ -375,7 +378,8 @@ def _patch(path: str, target: Target, t: dict[str, Tensor], meta, where: str, pa
         fit("up @ down", t["up"], t["down"])
         rank = t["down"].shape[0]
         shape = (t["up"].shape[0], t["down"].shape[1])
-        peft = _peft_alpha(meta, path, rank) if alpha is None else None
+        component = "text_encoder" if target.group == "text encoder" else "transformer"
+        peft = _peft_alpha(meta, path, rank, component) if alpha is None else None
         scale = alpha / rank if alpha is not None else peft if peft is not None else 1.0
     elif kind == "lokr":
         factors = []

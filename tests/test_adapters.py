@@ -471,3 +471,56 @@ def test_any_adapter_tensor_reads_as_a_fitting_finite_patch_or_a_message(case):
     rows = patch.rows[1] - patch.rows[0] if patch.rows else out
     assert patch.shape == (rows, inp)
     assert bool(torch.isfinite(patch.merged(torch.zeros(patch.shape), 1.0)).all())
+
+
+@pytest.mark.parametrize("stream,fused", [("img_attn", "to_qkv"), ("txt_attn", "to_added_qkv")])
+def test_diffusers_fused_qkv_names_cover_the_whole_fused_weight(base, stream, fused):
+    """diffusers' fused names (transformer.transformer_blocks.N.attn.to_qkv / to_added_qkv, which diffusers itself
+    writes back for an adapter loaded on fused projections) patch all of our fused qkv weight: the same weights as
+    the split to_q / to_k / to_v LoRA with the up matrix cut in three, which the other formats' tests prove equal to
+    diffusers' own fusing."""
+    weights, _ = base
+    module = f"double_blocks.1.{stream}.qkv"
+    (down, up), = random_lora(P, [module], rank=4, seed=11).values()
+    split_names = ("to_q", "to_k", "to_v") if stream == "img_attn" else ("add_q_proj", "add_k_proj", "add_v_proj")
+    fused_sd = {f"transformer.transformer_blocks.1.attn.{fused}.lora_A.weight": down,
+                f"transformer.transformer_blocks.1.attn.{fused}.lora_B.weight": up}
+    split_sd = {}
+    for name, rows in zip(split_names, up.chunk(3)):
+        split_sd |= {f"transformer.transformer_blocks.1.attn.{name}.lora_A.weight": down,
+                     f"transformer.transformer_blocks.1.attn.{name}.lora_B.weight": rows}
+    fused_adapter = read_adapter(fused_sd, P)
+    assert [p.target for p in fused_adapter.patches] == [module] and fused_adapter.patches[0].rows is None
+    assert "diffusers names" in fused_adapter.report.summary() and not fused_adapter.report.unmatched
+    got, want = merge(fused_adapter, weights), merge(read_adapter(split_sd, P), weights)
+    assert rel_err(got[module], want[module]) <= 1e-6
+    assert rel_err(got[module], weights[module] + up @ down) <= 1e-6          # no alpha: scale 1
+
+
+def test_peft_metadata_gives_each_model_its_own_alpha_as_peft_does():
+    """diffusers' lora_adapter_metadata with a config per model (transformer., text_encoder.): each patch takes its
+    own model's lora_alpha and alpha_pattern; the scales are what peft itself sets on layers of those names."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    configs = {"transformer": {"r": 4, "lora_alpha": 8, "target_modules": ["to_out"]},
+               "text_encoder": {"r": 4, "lora_alpha": 16, "alpha_pattern": {"k_proj": 2},
+                                "target_modules": ["q_proj", "k_proj"]}}
+    te = "text_encoder.model.layers.0.self_attn"
+    sd = {"transformer.transformer_blocks.0.attn.to_out.0.lora_A.weight": torch.randn(4, H),
+          "transformer.transformer_blocks.0.attn.to_out.0.lora_B.weight": torch.randn(H, 4),
+          f"{te}.q_proj.lora_A.weight": torch.randn(4, 8), f"{te}.q_proj.lora_B.weight": torch.randn(8, 4),
+          f"{te}.k_proj.lora_A.weight": torch.randn(4, 8), f"{te}.k_proj.lora_B.weight": torch.randn(8, 4)}
+    meta = {"lora_adapter_metadata": json.dumps({f"{m}.{k}": v for m, c in configs.items() for k, v in c.items()})}
+    adapter = read_adapter(sd, P, metadata=meta)
+    ours = {p.target: p.scale for p in adapter.patches + adapter.text_encoder_patches}
+
+    def peft_scaling(config: dict, names: list[str]) -> dict[str, float]:
+        """peft's own scaling of layers with these names under this config."""
+        model = torch.nn.ModuleDict({name: torch.nn.Linear(8, 8) for name in names})
+        model = inject_adapter_in_model(LoraConfig(**config), model)
+        return {name: model[name].scaling["default"] for name in names}
+
+    theirs = peft_scaling(configs["text_encoder"], ["q_proj", "k_proj"])
+    assert ours == {"double_blocks.0.img_attn.proj": peft_scaling(configs["transformer"], ["to_out"])["to_out"],
+                    "layers.0.self_attn.q_proj": theirs["q_proj"], "layers.0.self_attn.k_proj": theirs["k_proj"]}
+    assert ours["layers.0.self_attn.q_proj"] == 4.0 and ours["layers.0.self_attn.k_proj"] == 0.5
