@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", metavar="IMG", help="image-to-image: start from this image")
     p.add_argument("--mask", metavar="MASK", help="inpainting: repaint the white areas of this mask over --image, keep "
                                                 "the black ones (grey blends); the same size as the image")
+    p.add_argument("--expand", metavar="L,T,R,B",
+                   help="outpainting: add LEFT,TOP,RIGHT,BOTTOM pixels around --image (each rounded up to a multiple "
+                        "of 16) and paint them, fading into the image over 32 pixels so the seam is repainted too "
+                        "(the image itself is kept: its latent stays the image's); the output is the whole canvas")
     p.add_argument("--strength", type=float, default=1.0,
                    help="image-to-image and inpainting denoise strength in (0, 1] (default 1)")
     p.add_argument("--out", default="output", help="folder for the PNGs (default output/); existing files are kept, "
@@ -261,7 +265,10 @@ def check_early(args, refs) -> None:
                  args.steps or 4, math.prod(latents.latent_size(args.height, args.width)))),
              (["--cfg"], lambda: args.cfg is None or sampling.check_cfg(args.cfg)),
              (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None)),
-             (["--mask"], lambda: inpaint.check_source(args.mask is not None, args.image is not None))]
+             (["--mask"], lambda: inpaint.check_source(args.mask is not None, args.image is not None)),
+             (["--expand"], lambda: args.expand is None or inpaint.parse_expand(args.expand)),
+             (["--expand"], lambda: args.expand is None or inpaint.check_outpaint(args.image is not None,
+                                                                                  args.mask is not None))]
     for options, rule in rules:
         try:
             rule()
@@ -312,7 +319,7 @@ def generate_command(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     out = check_folder(args.out, "--out")          # before anything slow: a wrong --out must not cost a generation
     from .pipeline import DEFAULT_SIZE
-    from .references import grid_size
+    from .references import MAX_IMAGE_PIXELS, grid_size
 
     refs = [open_image(p) for p in args.ref]
     image = open_image(args.image) if args.image else None
@@ -320,6 +327,12 @@ def generate_command(argv: list[str]) -> int:
     mask = open_image(args.mask) if args.mask else None
     if image is not None:                # before any model loads (a mask is fitted to the image: the image decides)
         grid_size(*image.size, f"--image {args.image}")
+    if args.expand:                      # outpainting: the canvas and its mask become the image and the mask
+        from . import inpaint, schedules
+
+        limit = min(MAX_IMAGE_PIXELS, schedules.max_image_tokens(args.steps or 4) * 16 * 16)   # as any input, any size
+        canvas = inpaint.expand_canvas(image, inpaint.parse_expand(args.expand), max_pixels=limit)
+        image, mask = canvas.image, canvas.mask
     sp = join_ranks(args)
     seed = shared_seed(args.seed, sp)
     sequence = sp is not None and args.parallel == "sequence"

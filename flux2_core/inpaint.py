@@ -49,6 +49,69 @@ CELL = 16                        # pixels per latent cell (8x AE downscale x 2x2
 
 # --- masks ------------------------------------------------------------------------------------------------------
 
+@dataclass
+class Canvas:
+    """An outpainting canvas: the source on a larger picture, and the mask that repaints what was added."""
+
+    image: Image.Image              # RGB: the source at (left, top), grey elsewhere
+    mask: Image.Image               # "L": 255 where the canvas is new, 0 over the source, a ramp ``feather`` px wide
+    box: tuple[int, int, int, int]  # where the source lies: (left, top, right, bottom) pixels
+
+
+OUTPAINT_FILL = (128, 128, 128)     # what the new area starts as (ComfyUI's Pad Image for Outpainting fills grey too)
+DEFAULT_FEATHER = 32                # pixels of the source the repainted area fades into
+
+
+def check_outpaint(image: bool, mask: bool) -> None:
+    """Outpainting expands an image and makes its own mask: it needs the image and takes no mask."""
+    if not image:
+        raise Flux2Error("outpainting expands an image: give the image to expand (--image)")
+    if mask:
+        raise Flux2Error("outpainting makes its own mask (the added area): leave --mask out, or inpaint with --mask "
+                         "and no --expand")
+
+
+def parse_expand(text: str) -> tuple[int, int, int, int]:
+    """"LEFT,TOP,RIGHT,BOTTOM" pixels (whole numbers >= 0, not all 0) -> each rounded up to the 16-pixel grid."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+        raise Flux2Error(f"expand must be four whole numbers of pixels LEFT,TOP,RIGHT,BOTTOM (e.g. 0,0,256,0), got "
+                         f"{text!r}")
+    sides = tuple(-(-int(p) // CELL) * CELL for p in parts)
+    if not any(sides):
+        raise Flux2Error("expand adds nothing (0,0,0,0): give the pixels to add on at least one side")
+    return sides
+
+
+def expand_canvas(image: Image.Image, sides: tuple[int, int, int, int], feather: int = DEFAULT_FEATHER,
+                  max_pixels: int | None = None) -> Canvas:
+    """``image`` (its size cropped to the grid first, as every input is) on a canvas larger by ``sides`` = (left,
+    top, right, bottom) pixels, multiples of 16; the mask repaints the new area and fades into the source over
+    ``feather`` pixels on the sides that grew, so the seam is repainted too. A canvas over ``max_pixels`` is refused."""
+    image = center_crop_16(as_pil(image, "the image to expand").convert("RGB"), "the image to expand")
+    left, top, right, bottom = sides
+    width, height = image.width + left + right, image.height + top + bottom
+    if max_pixels is not None and width * height > max_pixels:
+        raise Flux2Error(f"expanding {image.width}x{image.height} by {left},{top},{right},{bottom} makes a "
+                         f"{width}x{height} canvas, {width * height / 1e6:.1f} megapixels, over the "
+                         f"{max_pixels / 1e6:.1f} this allows: expand less, or shrink the image first")
+    canvas = Image.new("RGB", (width, height), OUTPAINT_FILL)
+    canvas.paste(image, (left, top))
+    inside = np.full((height, width), np.inf, dtype=np.float32)   # pixels into the source from the nearest grown side
+    ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
+    edges = [(left, xs - left + 0.5), (top, ys - top + 0.5), (right, left + image.width - xs - 0.5),
+             (bottom, top + image.height - ys - 0.5)]
+    for grown, distance in edges:
+        if grown:
+            inside = np.minimum(inside, distance)
+    ramp = np.clip(1 - inside / feather, 0, 1) if feather > 0 else (inside <= 0).astype(np.float32)
+    box = (left, top, left + image.width, top + image.height)
+    outside = np.ones((height, width), dtype=bool)
+    outside[box[1]:box[3], box[0]:box[2]] = False
+    mask = np.where(outside, 1.0, ramp)
+    return Canvas(canvas, Image.fromarray(np.round(mask * 255).astype(np.uint8), "L"), box)
+
+
 def mask_tensor(image: Image.Image) -> Tensor:
     """A mask image -> float32 [1, 1, H, W] in [0, 1]: its grey level ("L", as PIL converts colour) / 255."""
     grey = np.asarray(image.convert("L"), dtype=np.float32) / 255
