@@ -20,7 +20,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -29,9 +29,6 @@ from . import checks, memory, rope
 from .errors import Flux2Error
 from .latents import LATENT_CHANNELS, latent_size
 from .transformer import ReferenceKV
-
-if TYPE_CHECKING:                  # inpaint.py builds on this module's add_noise
-    from .inpaint import Inpaint
 
 MAX_CFG = 100.0          # as ComfyUI's CFGGuider and KSampler; far beyond any useful scale, still finite in bf16 steps
 
@@ -83,6 +80,17 @@ class Step:
 
 
 Velocity = Callable[[Tensor, Tensor], Tensor]   # (x [B, 128, h, w], t [B] in x's dtype) -> v like x
+
+
+class Inpaint(Protocol):
+    """What the loop asks of a masked denoise (``inpaint.Inpaint``, which builds on this module: hence a protocol
+    here, not an import)."""
+
+    def to(self, device, dtype) -> Inpaint: ...
+
+    def velocity(self, velocity: Velocity, x: Tensor, t: Tensor, sigma: float) -> Tensor: ...
+
+    def after_step(self, x: Tensor, sigma_next: float) -> Tensor: ...
 
 
 def euler(velocity: Velocity, x: Tensor, sigmas: list[float], callback: Callable[[Step], None] | None = None,
