@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-import reprlib
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,6 +31,8 @@ import torch
 
 from ..errors import Flux2Error
 from ..ggml import row_bytes
+from .gguf_file import is_gguf, read_gguf
+from .tensors import MAX_COUNT, TORCH_DTYPES, Checkpoint, TensorInfo, element_count, short
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. safetensors headers: read and check, never unpickle
@@ -45,29 +45,6 @@ DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, 
               "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
 PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle"}
 MAX_HEADER = 100_000_000    # safetensors' own limit (MAX_HEADER_SIZE): a file it would refuse is refused here too
-MAX_COUNT = 2**63 - 1       # torch sizes are int64: every dimension and every running product of them must fit
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    file: Path
-    name: str                  # the key as stored in the file
-    dtype: str                 # safetensors dtype code: "BF16", "F8_E4M3", ...
-    shape: tuple[int, ...]     # the logical shape (a GGUF tensor's too, whatever its blocks)
-    offset: int                # where its bytes start in the file
-    ggml: int | None = None    # GGUF tensors: the GGML type (dtype is its name: "Q4_K", "F16", ...)
-
-    @property
-    def quantized(self) -> bool:
-        """Whether the tensor is GGML blocks (read as uint8 rows, ``ggml.dequantize`` makes the values); a
-        safetensors dtype torch cannot hold (F4, F6) is not, it stays safetensors' to read."""
-        return self.ggml is not None and self.dtype not in TORCH_DTYPES
-
-
-# safetensors dtype codes -> torch dtypes (the ones ``read_tensor`` reads itself; F4 and the like go through safetensors)
-TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -89,15 +66,6 @@ def invalid(path: Path, problem: str) -> Flux2Error:
 
 def unreadable(path: Path, error: OSError) -> Flux2Error:
     return Flux2Error(f"{path} cannot be read ({error.strerror or error}); check that it is a file you may read")
-
-
-def short(value) -> str:
-    """repr() cut short in length and depth: a hostile header's values can be megabytes long or nested deep."""
-    return _SHORT.repr(value)
-
-
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 80, 80, 40
 
 
 def _header_bytes(path: Path) -> tuple[int, bytes]:
@@ -160,17 +128,6 @@ def _metadata(path: Path, metadata) -> dict[str, str]:
 def _naturals(value) -> bool:
     """Whether ``value`` is a list of whole numbers >= 0 (JSON true/false and 2.0 are not)."""
     return isinstance(value, list) and all(type(n) is int and 0 <= n <= MAX_COUNT for n in value)
-
-
-def element_count(shape) -> int | None:
-    """The number of elements of ``shape`` (whole numbers >= 0), or None when a running product passes MAX_COUNT
-    (multiplied in order, as safetensors and torch do, so [2**40, 2**40, 0] overflows although it holds nothing)."""
-    count = 1
-    for n in shape:
-        count *= n
-        if count > MAX_COUNT:
-            return None
-    return count
 
 
 def _entry(path: Path, name: str, entry) -> tuple[str, tuple[int, ...], int, int]:
@@ -255,20 +212,8 @@ def refuse_other_format(path: Path, start: bytes) -> None:
 STANDARD_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 
 
-@dataclass
-class Checkpoint:
-    path: Path                          # what the caller gave
-    files: list[Path]
-    tensors: dict[str, TensorInfo]      # every key of every file, as stored
-    metadata: dict                      # safetensors metadata (merged over shards), or GGUF fields (gguf_file.py)
-    config: dict                        # the folder's config.json ({} for a single file)
-    root: Path | None                   # the pipeline root holding model_index.json, if any
-
-
 def open_checkpoint(path: str | Path, subfolder: str) -> Checkpoint:
     """Find and check the safetensors files at ``path`` (a file, a model folder or a pipeline root)."""
-    from .gguf_file import is_gguf, read_gguf  # here: gguf_file builds on this module's TensorInfo
-
     path = Path(path).expanduser()
     if not path.exists():
         raise Flux2Error(f"weights not found: {path} does not exist; check the path (or the file name in the model "

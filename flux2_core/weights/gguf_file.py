@@ -28,7 +28,8 @@ from gguf import GGUFReader, GGUFValueType
 
 from ..errors import Flux2Error
 from ..ggml import check_supported, row_bytes, type_name
-from .checkpoint import TensorInfo, element_count, short
+from .key_mapping import describe
+from .tensors import TensorInfo, element_count, short
 
 GGUF_MAGIC = b"GGUF"
 # the metadata fields a loader reads, and the type each must have
@@ -167,8 +168,6 @@ ARCH_NAMES = {"flux": "a FLUX transformer (FLUX.1 or FLUX.2)", "sd1": "a Stable 
 
 def describe_gguf(arch: str, ckpt) -> str:
     """What a GGUF file holds, by its architecture field and its keys (for error messages)."""
-    from .key_mapping import describe
-
     if not arch:
         return f"no declared architecture; by its tensors it looks like {describe(ckpt)}"
     return f"{ARCH_NAMES.get(arch, f'a model of architecture {arch!r}')} (general.architecture = {arch!r})"

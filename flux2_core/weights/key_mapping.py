@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import Flux2Error
-from .checkpoint import Checkpoint
+from .tensors import Checkpoint
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. layouts: which naming the file uses, behind which prefix, and what a file is when it is not what we want
