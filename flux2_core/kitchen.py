@@ -54,6 +54,13 @@ def available(op: str) -> str | None:
     return reason
 
 
+def forget() -> None:
+    """Forget the decisions taken so far (made once per op and device, with their log lines): for when the package,
+    its backends or FLUX2_NO_KITCHEN changed in a running process."""
+    available.cache_clear()
+    _fusing.cache_clear()
+
+
 def gpu_backends(op: str) -> list[str]:
     """comfy-kitchen's available GPU backends (CUDA, Triton) that implement ``op``."""
     if ck is None:

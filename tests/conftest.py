@@ -1,9 +1,26 @@
 """Suite-wide settings of the device mode (``tests/device.py``): the report header says which mode ran, and on CUDA
-float32 stays float32 (no TF32), so the float32 oracle is exact to float32."""
+float32 stays float32 (no TF32), so the float32 oracle is exact to float32. Fixtures that several files use."""
 
+import pytest
 import torch
 
+from flux2_core import kitchen
 from tests.device import DEVICE, describe
+
+
+@pytest.fixture
+def fresh_kitchen():
+    """comfy-kitchen's cached decisions forgotten before and after (so their log lines come again)."""
+    kitchen.forget()
+    yield
+    kitchen.forget()
+
+
+@pytest.fixture
+def no_kitchen(monkeypatch, fresh_kitchen):
+    """comfy-kitchen as if it were not installed."""
+    monkeypatch.setattr(kitchen, "ck", None)
+    monkeypatch.setattr(kitchen, "MISSING", "No module named 'comfy_kitchen'")
 
 
 def pytest_report_header(config):

@@ -148,18 +148,6 @@ def test_auto_turns_int8_matmul_on_where_it_is_faster():
         use_int8_matmul(model, "yes", CPU, torch.float32)
 
 
-@pytest.fixture
-def no_kitchen(monkeypatch):
-    """comfy-kitchen as if not installed (its decisions forgotten before and after)."""
-    monkeypatch.setattr(kitchen, "ck", None)
-    monkeypatch.setattr(kitchen, "MISSING", "No module named 'comfy_kitchen'")
-    kitchen.available.cache_clear()
-    kitchen._fusing.cache_clear()
-    yield
-    kitchen.available.cache_clear()
-    kitchen._fusing.cache_clear()
-
-
 def test_without_comfy_kitchen_the_plain_path_runs_and_the_log_says_why(no_kitchen, caplog):
     model, args = tiny_model(), tiny_inputs()
     with torch.no_grad():

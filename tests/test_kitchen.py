@@ -87,17 +87,7 @@ def test_a_transformer_forward_with_the_fused_kernels_equals_the_plain_one(dtype
     assert error < (1e-5 if dtype == torch.float32 else 0.02), error
 
 
-@pytest.fixture
-def fresh_decisions():
-    """kitchen's cached decisions forgotten before and after (so their log lines come again)."""
-    kitchen.available.cache_clear()
-    kitchen._fusing.cache_clear()
-    yield
-    kitchen.available.cache_clear()
-    kitchen._fusing.cache_clear()
-
-
-def test_on_the_cpu_the_plain_path_runs_and_the_log_says_why_once(caplog, fresh_decisions):
+def test_on_the_cpu_the_plain_path_runs_and_the_log_says_why_once(caplog, fresh_kitchen):
     norm, q, k, v, table = qk_inputs(torch.float32)
     with caplog.at_level(logging.INFO, logger="flux2_klein"):
         assert not kitchen.fused(q, "rms_rope")
@@ -109,15 +99,13 @@ def test_on_the_cpu_the_plain_path_runs_and_the_log_says_why_once(caplog, fresh_
     assert torch.equal(plain[0], rope.apply_rope(norm.query_norm(q), norm.key_norm(k), table)[0])
 
 
-def test_without_comfy_kitchen_nothing_is_fused(monkeypatch, caplog, fresh_decisions):
-    monkeypatch.setattr(kitchen, "ck", None)
-    monkeypatch.setattr(kitchen, "MISSING", "No module named 'comfy_kitchen'")
+def test_without_comfy_kitchen_nothing_is_fused(no_kitchen, caplog):
     with caplog.at_level(logging.INFO, logger="flux2_klein"):
         assert not kitchen.fused(torch.zeros(1, device="meta"), "adaln")
     assert "adaln runs in plain torch: comfy-kitchen is not importable" in caplog.text
 
 
-def test_flux2_no_kitchen_turns_every_kitchen_path_off(monkeypatch, caplog, fresh_decisions):
+def test_flux2_no_kitchen_turns_every_kitchen_path_off(monkeypatch, caplog, fresh_kitchen):
     from flux2_core.storage.int8 import Int8Linear, use_int8_matmul
 
     monkeypatch.setenv("FLUX2_NO_KITCHEN", "1")
