@@ -1,0 +1,34 @@
+"""FLUX.2 Klein on a compact PyTorch engine: the public API.
+
+    from flux2_core import generate, load_models
+
+    models = load_models("flux-2-klein-4b.safetensors", "qwen_3_4b.safetensors", "flux2-vae.safetensors")
+    result = generate(models, "a red fox in the snow", width=1024, height=768, seed=1)
+    result.images          # uint8 [1, 768, 1024, 3]
+
+Names are imported when first used, so ``import flux2_core`` (and ``python -m flux2_core --help``) stays quick.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# public name -> the module that holds it
+API = {
+    "load_models": "pipeline", "generate": "pipeline", "Models": "pipeline", "Result": "pipeline",
+    "apply_adapters": "pipeline", "optimize_transformer": "pipeline",
+    "load_transformer": "weights", "load_text_encoder": "weights", "load_autoencoder": "weights",
+    "Flux2Error": "errors", "VARIANTS": "variants",
+}
+__all__ = ["VARIANTS", "Flux2Error", "Models", "Result", "apply_adapters", "generate", "load_autoencoder",
+           "load_models", "load_text_encoder", "load_transformer", "optimize_transformer"]
+
+
+def __getattr__(name: str):
+    if name not in API:
+        raise AttributeError(f"module 'flux2_core' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{API[name]}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *API})
