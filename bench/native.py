@@ -25,7 +25,17 @@ then how far apart the two final latents are (max |ours - native| over max |nati
 
 ComfyUI decides its compute dtype itself: on a CPU it computes bfloat16 weights in float32 (its rule: bfloat16 is slow
 on CPUs). ``--native-cast off`` drops that cast so that ComfyUI computes in ``--dtype`` as ours does. ComfyUI's own
-options (attention, --bf16-unet, ...) go through ``--comfyui-args``.
+options (attention: sub-quadratic by default on a CPU, --use-pytorch-cross-attention for SDPA; ...) go through
+``--comfyui-args``.
+
+Reading the results:
+* float32: the final latents agree to float32 rounding (as in the parity tests). bfloat16: they do not, by design: ours
+  gives the model the sigma rounded to bfloat16, as BFL's reference does, and ComfyUI the float32 sigma; random weights
+  turn that small change of the time embedding into a large one of the latents (about 13% of max|native| on "medium").
+* Few cores: two torch threads slow down many times over when another process takes a core. The report says how many
+  cores other processes kept busy while timing (``other_processes_cores``); keep a timing only with that near 0.
+* Memory on the CPU is the resident set, which does not grow where the allocator reuses what the other side's call
+  freed: compare peaks on CUDA, or read them on the CPU as a lower bound.
 """
 
 from __future__ import annotations
@@ -326,6 +336,10 @@ def parse(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.repeats < 1:
         ap.error("--steps and --repeats must be at least 1")
+    if args.size is not None and (args.size < 16 or args.size % 16):
+        ap.error("--size must be a positive multiple of 16 (one latent cell is 16 pixels)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: this torch sees no CUDA device")
     return args
 
 
