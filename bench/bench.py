@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from flux2_core.variants import FLUX2_AE, KLEIN_4B, KLEIN_9B, AutoEncoderParams, TransformerParams
 
-OURS_OPTIONS = ("ours_fp8", "ours_int8", "ours_compile", "ours_gguf", "ours_no_kitchen")
+OURS_OPTIONS = ("ours_fp8", "ours_int8", "ours_compile", "ours_compile_decoder", "ours_gguf", "ours_no_kitchen")
 PROMPT = "A red fox standing in fresh snow at dawn, soft golden light, detailed fur, shallow depth of field"
 
 
@@ -283,6 +283,10 @@ def apply_options(models, args) -> None:
     if args.ours_int8:                  # int8 matmuls where they are the faster path (GPUs from Turing on, CPU float32)
         quantize_blocks(models.transformer, in_blocks)
         print(use_int8_matmul(models.transformer, "auto", models.device, dtype)[1])
+    if args.ours_compile_decoder:
+        from flux2_core.compile import compile_decoder
+
+        compile_decoder(models.autoencoder, backend=args.compile_backend)
     if args.ours_compile:
         compile_blocks(models.transformer, backend=args.compile_backend)
 
@@ -509,6 +513,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ours-int8", action="store_true",
                     help="ours: int8 weight storage for the transformer blocks (and int8 matmuls where faster)")
     ap.add_argument("--ours-compile", action="store_true", help="ours: torch.compile the transformer blocks")
+    ap.add_argument("--ours-compile-decoder", action="store_true", help="ours: torch.compile the AE's decoder")
     ap.add_argument("--ours-no-kitchen", action="store_true",
                     help="ours: without comfy-kitchen's kernels (the plain torch path everywhere: FLUX2_NO_KITCHEN)")
     ap.add_argument("--ours-gguf", choices=GGUF_TYPES, help="ours: the transformer from a GGUF of this type (written "

@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiply fp8 weights in fp8 (torch._scaled_mm: activations quantized per token; faster, "
                         "results differ slightly). auto (default): whenever the weights are fp8 and the GPU has fp8 "
                         "tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell) with bfloat16 compute")
+    p.add_argument("--compile-decoder", action="store_true",
+                   help="torch.compile the autoencoder's decoder: the first picture of each size pays the compile, "
+                        "later ones decode faster; worth it for many pictures of one size")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the transformer blocks: the first step pays the compile (about a minute on a "
                         "GPU, several on a CPU), later steps of the same size run faster; worth it for many steps or "
@@ -406,6 +409,10 @@ def load_for_command(args, device, size: tuple[int, int]):
             print(f"LoRA {line}", file=sys.stderr)
         files["loras"] = [{"file": Path(path).name, "strength": strength} for path, strength in loras]
     optimize_transformer(models, compile=args.compile)                          # after the LoRAs: a compiled graph
+    if args.compile_decoder:
+        from .compile import compile_decoder
+
+        compile_decoder(models.autoencoder)
     report_streaming(models.transformer, args.compile)
     stored = [kind for kind in census(models.transformer) if kind != "float"]
     if stored:

@@ -71,6 +71,15 @@ def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None
     return model
 
 
+def compile_decoder(ae: nn.Module, backend="inductor", mode: str | None = None) -> nn.Module:
+    """Compile an ``AutoEncoder``'s decoder in place (lazily: at its first decode; each new image size compiles once
+    more). Returns ``ae``. Tiled decodes run the decoder's parts eagerly."""
+    decoder = ae.decoder
+    options = {"backend": backend, "dynamic": False, **({"mode": mode} if mode else {})}
+    decoder.forward = torch.compile(type(decoder).forward.__get__(decoder), **options)
+    return ae
+
+
 def is_compiled(model: nn.Module, **options) -> bool:
     """Whether the blocks run compiled (the resident ones, when streamed); with ``options`` (e.g. fullgraph=False),
     compiled with those."""

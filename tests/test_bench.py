@@ -90,7 +90,7 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     tests, runs = figures[0], {r["mode"] + "".join(r.get("ours_options", [])): r for r in figures[1:]}
     assert tests["passed"] == tests["tests"] == 4 and tests["failures"] == tests["errors"] == 0
     assert set(runs) == ({"distilled", "distilledours_fp8", "distilledours_int8", "distilledours_no_kitchen",
-                          "distilledours_compile", "distilledours_gguf", "base", "kv"} if slow
+                          "distilledours_compileours_compile_decoder", "distilledours_gguf", "base", "kv"} if slow
                          else {"distilled", "kv"})
     for name, r in runs.items():
         if name == "kv":

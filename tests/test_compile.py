@@ -148,3 +148,26 @@ def test_blocks_that_stream_weights_compile_in_pieces():
         assert torch.equal(euler(pieces, x, txt, [1.0, 0.5, 0.0]), eager)
         assert counter.frame_count > 2                      # the blocks really ran compiled, in several pieces
     assert not is_compiled(uncompile_blocks(pieces))
+
+
+def test_a_compiled_decoder_decodes_as_the_eager_one():
+    """compile_decoder: the decoder's forward compiled (the 'eager' backend here: dynamo traces it in one graph); a
+    decode equals the eager decode, and the next one of the same size reuses the graph."""
+    from torch._dynamo.testing import CompileCounter
+
+    from flux2_core.autoencoder import AutoEncoder
+    from flux2_core.compile import compile_decoder
+    from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder
+
+    ae = AutoEncoder(TINY_AE_PARAMS)
+    ae.load_state_dict(bfl_state_dict(build_diffusers_autoencoder(seed=0)))
+    ae.eval()
+    z = torch.randn(1, 128, 4, 6, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager = ae.decode(z)
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        compile_decoder(ae, backend=counter)
+        assert torch.equal(ae.decode(z), eager) and counter.frame_count == 1
+        ae.decode(z * 2)
+        assert counter.frame_count == 1
