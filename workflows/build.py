@@ -87,7 +87,8 @@ def loaders(model: str, text_encoder: str = "qwen_3_4b.safetensors", prompt_y: i
     return {1: Node("Flux2KleinModelLoader", {"model_name": model, "dtype": "auto"}, "load", (0, 0)),
             2: Node("Flux2KleinTextEncoderLoader", {"text_encoder_name": text_encoder, "dtype": "auto"}, "load",
                     (0, prompt_y)),
-            3: Node("Flux2KleinAELoader", {"ae_name": "flux2-vae.safetensors", "dtype": "auto"}, "load", (0, ae_y))}
+            3: Node("Flux2KleinAELoader", {"ae_name": "flux2-vae.safetensors", "dtype": "auto",
+                                           "decoder": "none (its own)"}, "load", (0, ae_y))}
 
 
 def sampler(positive, cfg=1.0, steps=4, negative=None, latent=None, denoise=1.0, noise_latent=None, seed=42,
