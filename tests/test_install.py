@@ -145,3 +145,16 @@ def test_comfy_node_validate_passes_without_warnings():
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "All validation checks passed" in output and "Warning" not in output and "Error" not in output, output
+
+
+@pytest.mark.slow
+def test_the_engine_wheel_holds_every_package_of_the_engine(tmp_path):
+    """pip install of the engine (the CLI without ComfyUI) gets every subpackage, not only flux2_core's own files."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("*.whl")
+    packed = {name.rsplit("/", 1)[0] for name in zipfile.ZipFile(wheel).namelist() if name.endswith("/__init__.py")}
+    on_disk = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "flux2_core").rglob("__init__.py")}
+    assert packed == on_disk and {"flux2_core/weights", "flux2_core/storage"} <= packed
