@@ -99,10 +99,17 @@ def _usable(sigmas: list[float]) -> bool:
     return all(map(math.isfinite, sigmas)) and all(b < a for a, b in itertools.pairwise(sigmas))
 
 
-@functools.lru_cache(maxsize=64)
 def max_image_tokens(steps: int) -> int:
     """The most image tokens whose ``flux2_schedule`` of ``steps`` steps is usable (finite, strictly decreasing):
-    a bisection, as usability only falls with the size above MU_LARGE_IMAGE_TOKENS (mu then grows with it)."""
+    a bisection, as usability only falls with the size above MU_LARGE_IMAGE_TOKENS (mu then grows with it). At the
+    very edge the answer depends on whether the CPU flushes subnormal floats to zero (the CLI has it do so), so it is
+    kept per mode."""
+    return _max_image_tokens(steps, torch.tensor([1e-39]).mul(1.0).item() == 0.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _max_image_tokens(steps: int, flushing: bool) -> int:
+    """``max_image_tokens`` in the current subnormal mode (``flushing``: only the cache tells the modes apart)."""
     low, high = MU_LARGE_IMAGE_TOKENS + 1, 1 << 24          # usable / not usable (16^2 * 2^24 px: far past overflow)
     while high - low > 1:
         mid = (low + high) // 2
