@@ -171,10 +171,11 @@ class HostClient(ComfyClient):
         finally:
             ws.close()
 
-    def run_interrupted(self, prompt: dict, step: int, node: str = "8", **extra_data) -> tuple[dict, list]:
+    def run_interrupted(self, prompt: dict, step: int, node: str = "8", only_this: bool = False,
+                        **extra_data) -> tuple[dict, list]:
         """Submit a prompt, send /interrupt once node ``node`` reports progress ``step`` or later (progress messages
-        may skip a step), and follow it to its end: (its final message, [(progress value, monotonic time)] of that
-        node as they arrived)."""
+        may skip a step; ``only_this``: the interrupt names this prompt, so another client's is never hit), and
+        follow it to its end: (its final message, [(progress value, monotonic time)] of that node as they arrived)."""
         ws = self.connect()
         try:
             prompt_id, progress = self.submit(prompt, extra_data or None), []
@@ -189,7 +190,10 @@ class HostClient(ComfyClient):
                 if message["type"] == "progress" and data["node"] == node:
                     progress.append((data["value"], time.monotonic()))
                     if data["value"] >= step and len([v for v, _ in progress if v >= step]) == 1:
-                        self.interrupt()
+                        if only_this:
+                            self.post_json("/interrupt", {"prompt_id": prompt_id})
+                        else:
+                            self.interrupt()
                 if message["type"] in ("execution_interrupted", "execution_success", "execution_error"):
                     return message, progress
         finally:

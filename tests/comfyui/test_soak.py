@@ -9,7 +9,6 @@ FLUX2_SOAK_ROUNDS=N queues every job N times per client (default 1: the short ve
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import threading
@@ -42,28 +41,6 @@ def latent_of(comfy, client: HostClient, prompt_id: str) -> torch.Tensor:
     return graphs.saved_latent(comfy.base, client.history(prompt_id)).float()
 
 
-def run_cancelled(client: HostClient, graph: dict, step: int) -> tuple[str, str]:
-    """Submit ``graph`` and cancel it (it alone: /interrupt with its prompt id) once the denoiser reports ``step``;
-    (prompt id, how it ended)."""
-    ws = client.connect()
-    try:
-        prompt_id = client.submit(graph)
-        while True:
-            raw = ws.recv()
-            if isinstance(raw, bytes):
-                continue
-            message = json.loads(raw)
-            data = message["data"]
-            if data.get("prompt_id") != prompt_id:
-                continue
-            if message["type"] == "progress" and data["node"] == "8" and data["value"] >= step:
-                client.post_json("/interrupt", {"prompt_id": prompt_id})
-            if message["type"] in ("execution_interrupted", "execution_success", "execution_error"):
-                return prompt_id, message["type"]
-    finally:
-        ws.close()
-
-
 def test_caches_under_churn_serve_only_equal_inputs(comfy):
     graphs_by_name = jobs(comfy)
     alone = {}
@@ -85,8 +62,9 @@ def test_caches_under_churn_serve_only_equal_inputs(comfy):
         try:
             for name, cancel in plan:
                 ran = True                      # our denoiser ran (not ComfyUI's cache of the same graph's outputs)
-                if cancel:
-                    prompt_id, ended = run_cancelled(client, graphs_by_name[name], step=1)
+                if cancel:                      # the cancel names this prompt: never another client's
+                    final, _ = client.run_interrupted(graphs_by_name[name], step=1, only_this=True)
+                    prompt_id, ended = final["data"]["prompt_id"], final["type"]
                 else:
                     done = client.run(graphs_by_name[name])
                     prompt_id, ended = done.prompt_id, "execution_success"
