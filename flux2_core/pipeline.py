@@ -74,6 +74,7 @@ from .references import (
     reference_latents,
     reference_tokens,
 )
+from .runtime import run_state
 from .sampling import add_noise, denoise, guidance_for, make_noise
 from .schedules import check_sigmas, check_strength, flux2_schedule, truncate_for_strength
 from .storage.int8 import quantize_blocks, use_int8_matmul
@@ -167,6 +168,11 @@ def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool = Fals
     if (fp8 or int8) and streamed_blocks(models.transformer):    # new layers would leave the old streamed copies
         raise Flux2Error("the transformer's blocks are streamed: quantize before streaming (load the file with "
                          "fp8=True / int8=True, --fp8 / --int8), or unstream it first (offload.unstream)")
+    applied = run_state(models.transformer).adapters
+    if (fp8 or int8) and applied is not None and (applied.merged or applied.hooks):
+        # the new layers would be made from the merged weights, and the adapters could never be taken off them again
+        raise Flux2Error("the transformer has LoRAs applied: quantize first, then apply them (optimize_transformer "
+                         "before apply_adapters), or remove them first (apply_adapters(models, []))")
     if fp8:
         quant.quantize_transformer(models.transformer)
     if int8:

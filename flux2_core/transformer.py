@@ -122,8 +122,9 @@ class QKNorm(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> tuple[Tensor, Tensor]:
         """q, k, v [B, heads, L, D], pe: rope_table [B, L, D/2, 2] of those L tokens -> q, k in v's dtype; one fused
         kernel on GPUs where comfy-kitchen has one (``kitchen.fused``)."""
-        if kitchen.fused(q, "rms_rope"):
-            return kitchen.rms_rope(q, k, self.query_norm.scale, self.key_norm.scale, pe, v.dtype)
+        if kitchen.fused(q, "rms_rope"):             # the scales where q is (a host may keep small norms offloaded)
+            return kitchen.rms_rope(q, k, self.query_norm.scale.to(q.device), self.key_norm.scale.to(q.device), pe,
+                                    v.dtype)
         return apply_rope(self.query_norm(q).to(v.dtype), self.key_norm(k).to(v.dtype), pe)
 
 

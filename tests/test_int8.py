@@ -202,3 +202,23 @@ def test_int8_loads_from_any_file_quantizing_the_values_it_holds(tmp_path, layou
 def test_cli_int8_and_fp8_together_are_refused(capsys):
     assert cli.main(["--demo", "--int8", "--fp8", "--prompt", "x", "--out", "unused"]) == 2
     assert "--int8 and --fp8 both choose" in capsys.readouterr().err
+
+
+def test_quantizing_a_model_with_loras_applied_is_refused(tmp_path):
+    """optimize_transformer(int8=/fp8=) after apply_adapters would build the layers from the merged weights, and the
+    LoRAs could never be taken off: refused, with the order that works; after removing them it runs."""
+    from flux2_core.demo import demo_models
+    from flux2_core.errors import Flux2Error
+    from flux2_core.pipeline import apply_adapters, optimize_transformer
+    from tests.tiny.adapters import lora_state_dict, random_lora, save_adapter
+
+    models = demo_models("klein-4b", "cpu")
+    module = "double_blocks.0.img_attn.qkv"
+    sd, meta = lora_state_dict(random_lora(models.variant.params, [module], seed=1), "ai-toolkit")
+    apply_adapters(models, [(save_adapter(sd, tmp_path / "lora.safetensors", meta), 0.8)])
+    for option in ({"int8": True}, {"fp8": True}):
+        with pytest.raises(Flux2Error, match="LoRAs applied: quantize first"):
+            optimize_transformer(models, **option)
+    apply_adapters(models, [])
+    optimize_transformer(models, int8=True)
+    assert census(models.transformer)["int8"] > 0

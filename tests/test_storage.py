@@ -101,3 +101,19 @@ def test_gguf_storage_follows_its_input_and_the_table_is_counted():
     assert table.follows_input and table.kind == "Q8_0" and GGMLLinear(IN, OUT, T.Q8_0).follows_input
     assert not any(layer.follows_input for layer in (Linear(IN, OUT), Fp8Linear(IN, OUT), Int8Linear(IN, OUT)))
     assert census(torch.nn.ModuleList([table, Linear(IN, OUT)])) == {"Q8_0": 1, "float": 1}
+
+
+def test_a_merge_that_fails_half_way_is_undone():
+    """A float32 weight is patched in place: when the patch raises after changing it, the weight is restored."""
+    layer, expected = float_layer(reference_weight())
+
+    def breaks(weight):
+        weight.add_(1.0)
+        raise RuntimeError("out of memory half-way")
+
+    with pytest.raises(RuntimeError, match="half-way"):
+        layer.merge_weight(breaks)
+    assert torch.equal(layer.weight, expected)
+    layer.merge_weight(lambda w: w.add_(2.0))                     # and the layer merges normally afterwards
+    layer.unmerge_weight()
+    assert torch.equal(layer.weight, expected)

@@ -87,9 +87,9 @@ class Int8Linear(nn.Module, StoredLinear):
         self.weight_scale.copy_(scale)
 
     def call_bytes(self, dtype: torch.dtype) -> int:
-        """The weight cast to the compute dtype (none with int8 matmul: there the activations' int8 copy is smaller
-        than the activations themselves)."""
-        return 0 if self.int8_matmul else self.in_features * self.out_features * dtype.itemsize
+        """The weight cast to the compute dtype; with int8 matmul the weight's transposed int8 copy the integer
+        kernel takes (its activations' int8 copy and int32 sums are activation-sized)."""
+        return self.in_features * self.out_features * (1 if self.int8_matmul else dtype.itemsize)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8, per-row scale" + (

@@ -55,9 +55,14 @@ class StoredLinear(Storage):
     @torch.no_grad()
     def merge_weight(self, patch: Callable[[Tensor], Tensor]) -> None:
         self.unmerge_weight()
-        originals = tuple(t.detach().to("cpu", copy=True) for t in self.stored_tensors())
-        self.write_weight(patch(self.float_weight(torch.float32, self.weight.device)))
-        self._originals = originals          # a plain attribute: not state, not moved by .to()
+        # kept before anything changes (a plain attribute: not state, not moved by .to()): a float32 weight is patched
+        # in place, so a merge that fails half-way must still be undone
+        self._originals = tuple(t.detach().to("cpu", copy=True) for t in self.stored_tensors())
+        try:
+            self.write_weight(patch(self.float_weight(torch.float32, self.weight.device)))
+        except BaseException:
+            self.unmerge_weight()
+            raise
 
     @torch.no_grad()
     def unmerge_weight(self) -> None:
