@@ -61,7 +61,7 @@ def timestep_embedding(t: Tensor, dim: int = TIME_EMBED_DIM, max_period: float =
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     """(1 + scale) · LayerNorm(x) + shift, with a plain LayerNorm (no affine, eps 1e-6); one fused kernel on GPUs
     where comfy-kitchen has one (``kitchen.fused``)."""
-    if kitchen.fused(x, "adaln"):
+    if x.numel() and kitchen.fused(x, "adaln"):        # its CUDA kernel cannot launch on no tokens (KV's text)
         return kitchen.adaln(x, shift, scale)
     return (1 + scale) * F.layer_norm(x, x.shape[-1:], eps=1e-6) + shift
 
@@ -122,7 +122,7 @@ class QKNorm(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> tuple[Tensor, Tensor]:
         """q, k, v [B, heads, L, D], pe: rope_table [B, L, D/2, 2] of those L tokens -> q, k in v's dtype; one fused
         kernel on GPUs where comfy-kitchen has one (``kitchen.fused``)."""
-        if kitchen.fused(q, "rms_rope"):             # the scales where q is (a host may keep small norms offloaded)
+        if q.numel() and kitchen.fused(q, "rms_rope"):  # scales where q is (a host may keep small norms offloaded)
             return kitchen.rms_rope(q, k, self.query_norm.scale.to(q.device), self.key_norm.scale.to(q.device), pe,
                                     v.dtype)
         return apply_rope(self.query_norm(q).to(v.dtype), self.key_norm(k).to(v.dtype), pe)

@@ -17,6 +17,13 @@ def fresh_kitchen():
 
 
 @pytest.fixture
+def plain_ops(monkeypatch, fresh_kitchen):
+    """The plain torch path everywhere (FLUX2_NO_KITCHEN): what a compiled block runs, so eager and compiled compute
+    the same operations (on CUDA eager would otherwise take comfy-kitchen's fused kernels)."""
+    monkeypatch.setenv("FLUX2_NO_KITCHEN", "1")
+
+
+@pytest.fixture
 def no_kitchen(monkeypatch, fresh_kitchen):
     """comfy-kitchen as if it were not installed."""
     monkeypatch.setattr(kitchen, "ck", None)

@@ -20,6 +20,9 @@ from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_stat
 
 CTX = TINY_TRANSFORMER.context_in_dim
 
+# a compiled block runs the plain torch ops (comfy-kitchen's fused kernels are for eager runs): eager runs the same here
+pytestmark = pytest.mark.usefixtures("plain_ops")
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():

@@ -116,3 +116,15 @@ def test_flux2_no_kitchen_turns_every_kitchen_path_off(monkeypatch, caplog, fres
                                    torch.float32)
     assert on is False and "turned off (FLUX2_NO_KITCHEN is set)" in note
     assert "rms_rope runs in plain torch: turned off (FLUX2_NO_KITCHEN is set)" in caplog.text
+
+
+def test_no_tokens_take_the_plain_path(monkeypatch):
+    """A stream with no tokens (the 9B-KV reference pass has no text) never reaches the fused kernels, whose CUDA
+    launch fails on empty tensors (seen on an H200)."""
+    monkeypatch.setattr(kitchen, "_fusing", lambda op, device_type: True)
+    monkeypatch.setattr(kitchen, "adaln", lambda *a: pytest.fail("adaln called on no tokens"))
+    monkeypatch.setattr(kitchen, "rms_rope", lambda *a: pytest.fail("rms_rope called on no tokens"))
+    x, shift, scale = torch.zeros(1, 0, 64), torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)
+    assert modulate(x, shift, scale).shape == (1, 0, 64)
+    norm, q, k, v, table = qk_inputs(torch.float32, length=0)
+    assert norm(q, k, v, table[:, :0])[0].shape == (2, 3, 0, 32)
