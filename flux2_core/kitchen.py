@@ -32,13 +32,6 @@ except ImportError as error:                   # not installed, or its own impor
     ck, MISSING = None, str(error)
 
 
-def backends() -> dict[str, bool]:
-    """comfy-kitchen's backends by name, True where available ({} without the package)."""
-    if ck is None:
-        return {}
-    return {name: bool(info.get("available")) and not info.get("disabled") for name, info in ck.list_backends().items()}
-
-
 @functools.cache
 def available(op: str) -> str | None:
     """None when comfy-kitchen has ``op``, else the reason (logged once)."""
