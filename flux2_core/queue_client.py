@@ -63,6 +63,11 @@ class ServerError(Flux2Error):
         self.server = server
 
 
+class ServerUnreachable(ServerError):
+    """The server stopped answering (no connection, a connection that broke, no answer in time): unlike an odd
+    answer, a sign that the server itself is gone, so a batch gives its jobs to the other servers."""
+
+
 def size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n} bytes"
 
@@ -205,7 +210,7 @@ def follow_frames(server: str, prompt_id: str, frames: Iterable[str | bytes], on
             on_message(message)
         if finished(server, message):
             return messages
-    raise ServerError(server, f"the websocket closed before prompt {prompt_id} finished; did ComfyUI stop or "
+    raise ServerUnreachable(server, f"the websocket closed before prompt {prompt_id} finished; did ComfyUI stop or "
                               "restart? If it still runs the prompt, the images land in ComfyUI's output folder")
 
 
@@ -276,6 +281,8 @@ def check_frame(server: str, kind: aiohttp.WSMsgType, data) -> str | bytes | Non
         return data
     if kind in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
         return None
+    if isinstance(data, aiohttp.ServerTimeoutError):       # the heartbeat's ping went unanswered
+        raise ServerUnreachable(server, f"stopped answering on the websocket ({shown(str(data))})")
     if getattr(data, "code", None) == aiohttp.WSCloseCode.MESSAGE_TOO_BIG:
         raise ServerError(server, f"sent a websocket message over {size(MESSAGE_LIMIT)}; ComfyUI's messages "
                                   "are far smaller: is this ComfyUI?")
@@ -295,17 +302,17 @@ def network_error(server: str, timeout: float, doing: str, error: Exception) -> 
         cause = getattr(error, "os_error", None) or error
         reason = "connection refused" if isinstance(cause, ConnectionRefusedError) else \
             shown(getattr(cause, "strerror", None) or str(cause))
-        return ServerError(server, f"{doing}: cannot connect ({reason}). {FIX_CONNECTION}")
+        return ServerUnreachable(server, f"{doing}: cannot connect ({reason}). {FIX_CONNECTION}")
     if isinstance(error, aiohttp.ConnectionTimeoutError):     # nothing answered the connection (a firewall?)
-        return ServerError(server, f"{doing}: cannot connect (no answer within {min(timeout, CONNECT_TIMEOUT):g} s)"
+        return ServerUnreachable(server, f"{doing}: cannot connect (no answer within {min(timeout, CONNECT_TIMEOUT):g} s)"
                                    f". {FIX_CONNECTION}")
     if isinstance(error, (TimeoutError, asyncio.TimeoutError)):        # aiohttp's timeouts are both
-        return ServerError(server, f"{doing}: no answer within {timeout:g} s; is ComfyUI busy or stuck? "
+        return ServerUnreachable(server, f"{doing}: no answer within {timeout:g} s; is ComfyUI busy or stuck? "
                                    "--timeout SECONDS waits longer")
     if isinstance(error, aiohttp.ClientResponseError):      # a status line or header that is not HTTP
         return ServerError(server, f"{doing}: the answer is not HTTP ({shown(error.message)}); is this ComfyUI, "
                                    "and the right port?")
-    return ServerError(server, f"{doing}: the connection broke ({shown(str(error) or type(error).__name__)}); did "
+    return ServerUnreachable(server, f"{doing}: the connection broke ({shown(str(error) or type(error).__name__)}); did "
                                "ComfyUI stop or restart?")
 
 
@@ -315,22 +322,30 @@ NETWORK_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutErr
 class ComfyClient:
     """A synchronous client of one ComfyUI server (the CLI's and the real-host tests')."""
 
-    def __init__(self, server: str, timeout: float = 600.0):
+    def __init__(self, server: str, timeout: float = 600.0, heartbeat: float | None = None):
+        """timeout: seconds to wait for any answer (a websocket message can take a whole step). heartbeat: when
+        given, the server must answer HTTP and the websocket's pings within that many seconds (ComfyUI answers pings
+        even while a step runs), so a server that hangs is found long before `timeout`."""
         self.base, self.server = parse_server(server)
-        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
-            raise Flux2Error(f"--timeout {timeout} must be a number of seconds above 0")
-        self.timeout = timeout
+        for option, value in (("--timeout", timeout), ("--server-timeout", heartbeat)):
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise Flux2Error(f"{option} {value} must be a number of seconds above 0")
+        self.timeout, self.heartbeat = timeout, heartbeat
+        self.answer_timeout = min(timeout, heartbeat) if heartbeat else timeout     # for HTTP answers
         self.client_id = uuid.uuid4().hex
 
     def timeouts(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(sock_connect=min(self.timeout, CONNECT_TIMEOUT), sock_read=self.timeout)
+        return aiohttp.ClientTimeout(sock_connect=min(self.answer_timeout, CONNECT_TIMEOUT),
+                                     sock_read=self.answer_timeout)
 
-    def _call(self, doing: str, coroutine, loop: asyncio.AbstractEventLoop | None = None):
-        """Run one aiohttp coroutine to its end; network failures become ServerErrors."""
+    def _call(self, doing: str, coroutine, loop: asyncio.AbstractEventLoop | None = None,
+              waited: float | None = None):
+        """Run one aiohttp coroutine to its end; network failures become ServerErrors (`waited`: the timeout it
+        ran under, when not the one of HTTP answers)."""
         try:
             return loop.run_until_complete(coroutine) if loop else asyncio.run(coroutine)
         except NETWORK_ERRORS as e:
-            raise network_error(self.server, self.timeout, doing, e) from None
+            raise network_error(self.server, waited or self.answer_timeout, doing, e) from None
 
     def exchange(self, path: str, body: dict | None = None, limit: int | None = None) -> tuple[str, int, bytes]:
         """GET path, or POST body as JSON -> (what, status, answer), what being "GET /path" for messages; an answer
@@ -338,9 +353,10 @@ class ComfyClient:
         what = f"{'GET' if body is None else 'POST'} {path}"
         return what, *self._call(what, self._exchange(what, path, body, limit or ANSWER_LIMIT))
 
-    async def _exchange(self, what: str, path: str, body: dict | None, limit: int) -> tuple[int, bytes]:
+    async def _exchange(self, what: str, path: str, body: dict | None, limit: int,
+                        form: aiohttp.FormData | None = None) -> tuple[int, bytes]:
         async with aiohttp.ClientSession(timeout=self.timeouts()) as session, session.request(
-                what.split()[0], self.base + path, json=body, allow_redirects=False) as response:
+                what.split()[0], self.base + path, json=body, data=form, allow_redirects=False) as response:
             if response.content_length is not None and response.content_length > limit:
                 raise ServerError(self.server, f"the answer to {what} would be {response.content_length} bytes, "
                                                f"over the {size(limit)} this client takes")
@@ -355,6 +371,17 @@ class ComfyClient:
     def request(self, path: str, body: dict | None = None, limit: int | None = None) -> bytes:
         """The answer to GET path, or to POST body as JSON; any status but 200 raises."""
         return check_status(self.server, *self.exchange(path, body, limit))
+
+    def post_file(self, path: str, field: str, filename: str, data: bytes,
+                  fields: dict[str, str]) -> tuple[str, int, bytes]:
+        """POST a multipart form (ComfyUI's upload routes): `data` as the file `field` named `filename`, and the
+        text `fields` -> (what, status, answer) as exchange gives them."""
+        what = f"POST {path}"
+        form = aiohttp.FormData()
+        for name, value in fields.items():
+            form.add_field(name, value)
+        form.add_field(field, data, filename=filename, content_type="application/octet-stream")
+        return what, *self._call(what, self._exchange(what, path, None, ANSWER_LIMIT, form))
 
     def get_json(self, path: str):
         return parse_json(self.server, f"the answer to GET {path}", self.request(path))
@@ -405,10 +432,12 @@ class WebSocket:
         self.session = aiohttp.ClientSession(timeout=self.client.timeouts())
         self.ws = await self.session.ws_connect(
             f"{self.client.base}/ws?clientId={self.client.client_id}", max_msg_size=MESSAGE_LIMIT,
-            timeout=aiohttp.ClientWSTimeout(ws_receive=self.client.timeout, ws_close=CLOSE_TIMEOUT))
+            timeout=aiohttp.ClientWSTimeout(ws_receive=self.client.timeout, ws_close=CLOSE_TIMEOUT),
+            heartbeat=self.client.heartbeat)
 
     def recv(self) -> str | bytes | None:
-        message = self.client._call("waiting for the prompt's messages on the websocket", self.ws.receive(), self.loop)
+        message = self.client._call("waiting for the prompt's messages on the websocket", self.ws.receive(), self.loop,
+                                    self.client.timeout)
         return check_frame(self.client.server, message.type, message.data)
 
     def close(self) -> None:
@@ -546,30 +575,66 @@ def queue(workflow: dict, server: str, out_dir: str, timeout: float = 600.0, on_
     return paths
 
 
-def main(argv=None, prog: str = "flux2-klein queue") -> int:
+def options(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Queue an API-format workflow on a running ComfyUI server, show its progress and\n"
-                    "download its images (never replacing a file).",
-        epilog=f"example:\n  {prog} workflows/api/flux2-klein-text-to-image.json --server 127.0.0.1:8188 \\\n"
-               '      --prompt "a red fox in the snow" --seed 7 --out output/')
+                    "download its images (never replacing a file). Batches: --batch FILE or --prompt\n"
+                    "given several times, spread over one or more --server, resumable (a manifest in --out).",
+        epilog=f"examples:\n  {prog} workflows/api/flux2-klein-text-to-image.json --server 127.0.0.1:8188 \\\n"
+               '      --prompt "a red fox in the snow" --seed 7 --out output/\n'
+               f"  {prog} workflows/api/flux2-klein-edit.json --image 10=photo.png --prompt \"make it night\"\n"
+               f"  {prog} workflows/api/flux2-klein-edit.json --batch jobs.jsonl \\\n"
+               "      --server 127.0.0.1:8188 --server 127.0.0.1:8189 --out edits/\n"
+               'a --batch line: {"prompt": "...", "seed": 1, "size": "768x1024", "images": {"10": "a.png"},\n'
+               '                 "masks": {"10": "hole.png"}, "set": {"6.steps": 8}, "id": "fox-1"} (all optional)')
     parser.add_argument("workflow", help="an API-format workflow, e.g. workflows/api/flux2-klein-text-to-image.json")
-    parser.add_argument("--server", default="127.0.0.1:8188", metavar="HOST:PORT",
+    parser.add_argument("--server", action="append", metavar="HOST:PORT",
                         help="where ComfyUI listens (default 127.0.0.1:8188; from another machine, ComfyUI must run "
-                             "with --listen)")
+                             "with --listen); repeatable: a batch goes to the server with the least queued work")
     parser.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE",
                         help="set one input of one node (repeatable); VALUE is JSON or a plain string")
-    parser.add_argument("--prompt", metavar="TEXT",
-                        help="prompt text for the FLUX.2 Klein prompt-encode node feeding `positive`")
+    parser.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="prompt text for the FLUX.2 Klein prompt-encode node feeding `positive`; repeatable: one "
+                             "job per prompt")
     parser.add_argument("--seed", type=int, help="seed for every node with a seed input")
+    parser.add_argument("--image", action="append", default=[], metavar="NODE=PATH",
+                        help="a picture from this machine for Load Image node NODE, uploaded to ComfyUI's input "
+                             "folder under a name made from its bytes (repeatable)")
+    parser.add_argument("--mask", action="append", default=[], metavar="NODE=PATH",
+                        help="a mask for the --image of node NODE: its alpha (or, without alpha, white = repaint) "
+                             "becomes the picture's alpha, which Load Image gives as the mask")
     parser.add_argument("--out", default="output", metavar="DIR", help="folder for the downloaded images (default "
                         "output/); existing files are kept, a taken name gets -1, -2, ...")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="how long to wait for any server answer (default 600)")
-    args = parser.parse_args(argv)
+    batch = parser.add_argument_group("batches")
+    batch.add_argument("--batch", metavar="FILE", help="JSON Lines, one job a line (see below); paths in it are "
+                       "relative to the file. Done jobs are recorded in DIR/manifest.json: running the same "
+                       "batch again skips them and retries the failed ones")
+    batch.add_argument("--per-server", type=int, default=2, metavar="N",
+                       help="jobs queued at once on each server (default 2: one runs while the next waits)")
+    batch.add_argument("--server-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="a server that answers nothing (HTTP, websocket pings) for this long is dropped and its "
+                            "jobs go to the others (default 60)")
+    return parser
+
+
+def is_batch(args: argparse.Namespace) -> bool:
+    return bool(args.batch) or len(args.prompt or ()) > 1 or len(args.server or ()) > 1
+
+
+def main(argv=None, prog: str = "flux2-klein queue") -> int:
+    args = options(prog).parse_args(argv)
+    if is_batch(args):
+        from .batch import batch_main
+        return batch_main(args)
+    server = (args.server or ["127.0.0.1:8188"])[0]
     try:
-        workflow = apply_overrides(load_workflow(args.workflow), args.set, args.prompt, args.seed)
-        paths = queue(workflow, args.server, args.out, args.timeout, on_saved=print)
+        workflow = apply_overrides(load_workflow(args.workflow), args.set, (args.prompt or [None])[0], args.seed)
+        if args.image or args.mask:
+            workflow = upload_pictures(workflow, args, server)
+        paths = queue(workflow, server, args.out, args.timeout, on_saved=print)
     except Flux2Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -580,6 +645,20 @@ def main(argv=None, prog: str = "flux2-klein queue") -> int:
     note(f"{len(paths)} image(s) saved in {args.out}" if paths else
          "the prompt ran, but ComfyUI lists no images for it; does the workflow end in a SaveImage node?")
     return 0
+
+
+def upload_pictures(workflow: dict, args: argparse.Namespace, server: str) -> dict:
+    """The workflow with the --image (and --mask) files uploaded and their nodes set to the names ComfyUI gave."""
+    from .uploads import parse_pairs, plan_pictures, set_picture, upload
+
+    pictures = plan_pictures(workflow, parse_pairs(args.image, "--image"), parse_pairs(args.mask, "--mask"))
+    check_folder(args.out, "--out")                  # every check before the first upload
+    client = ComfyClient(server, timeout=args.timeout)
+    for node, picture in pictures.items():
+        name = upload(client, picture)
+        set_picture(workflow, node, name, f"--image {node}")
+        note(f"uploaded {picture.path} to ComfyUI at {client.server} as {name}")
+    return workflow
 
 
 if __name__ == "__main__":
