@@ -36,7 +36,7 @@ class FakeServer:
     prompt ends in an execution error), upload_answer ((status, body) instead of the real answer), hang_after
     (the prompt after whose answer it stops answering anything, see hang), swap (history of prompt n lists prompt n-1's images),
     queue_remaining (what GET /prompt and the status messages say besides our own prompts), delay (seconds a
-    prompt runs)."""
+    prompt runs), cut_view (a name ending: its download is cut short)."""
 
     def __init__(self, images: int = 1, steps: int = 2):
         self.images, self.steps = images, steps
@@ -46,6 +46,7 @@ class FakeServer:
         self.swap = False
         self.queue_remaining = 0
         self.delay = 0.0
+        self.cut_view: str | None = None         # a /view of a file whose name ends so: half the PNG is sent
         self.prompts: list[dict] = []            # every prompt queued, in order
         self.uploads: list[str] = []             # every file name sent to /upload/image
         self.inputs: dict[str, bytes] = {}       # the input folder
@@ -91,6 +92,8 @@ class FakeServer:
             return web.json_response({pid: self.history[pid]} if pid in self.history else {})
         if request.path == "/view":
             name = request.query.get("filename", "")
+            if self.cut_view and name.endswith(self.cut_view) and name in self.outputs:
+                return web.Response(body=self.outputs[name][:40], content_type="image/png")
             if name not in self.outputs:
                 return web.Response(status=404, text="404: Not Found")
             return web.Response(body=self.outputs[name], content_type="image/png")

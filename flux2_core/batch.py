@@ -1,0 +1,440 @@
+"""Batches of jobs over one or more ComfyUI servers: BatchClient, and the `queue` command's batch mode.
+
+    from flux2_core import BatchClient, BatchJob
+
+    client = BatchClient("workflows/api/flux2-klein-edit.json", servers=["127.0.0.1:8188", "127.0.0.1:8189"],
+                         out="edits")
+    summary = client.run([BatchJob(prompt="make it night", seed=1, images={"10": "photo.png"}), ...])
+    summary.ok, summary.jobs[0].files, summary.text()
+
+How it runs: every job is checked first (batch_jobs.plan_jobs: inputs, pictures, ids), so bad input stops the batch
+before anything is queued. Jobs that an earlier run of the same batch finished (manifest.Manifest) are skipped. Each
+remaining job goes, when a server has a free slot (`per_server` jobs at once), to the server with the least queued
+work (ComfyUI's queue_remaining as its websocket last reported it, or our own jobs there, whichever is more), on a
+thread of its own: its pictures are uploaded (uploads.py, once per server), the prompt is queued and followed on a
+websocket of its own, and its images are downloaded, checked to be whole and to be this prompt's (the workflow
+ComfyUI saves in a PNG must be the one sent), and published into the output folder together. A server that stops
+answering (queue_client.ServerUnreachable: no connection, or no answer to HTTP or to websocket pings within
+`server_timeout`) is dropped and its jobs go back in line for the others; any other failure fails that job alone,
+with a message naming the job and the server, and the batch goes on.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image
+
+from .batch_jobs import BatchJob, PlannedJob, job_from_line, plan_jobs, read_batch
+from .batch_progress import BatchProgress, duration
+from .errors import Flux2Error
+from .manifest import JobRecord, Manifest
+from .queue_client import (
+    ComfyClient,
+    ServerError,
+    ServerUnreachable,
+    file_name,
+    follow_frames,
+    load_workflow,
+    note,
+    parse_json,
+    parse_server,
+    parse_value,
+    shown,
+)
+from .uploads import parse_pairs, upload
+
+
+@dataclass
+class ServerSummary:
+    """One server's part in a batch."""
+
+    server: str
+    done: int = 0
+    failed: int = 0
+    images: int = 0
+    busy: float = 0.0            # seconds its jobs took, summed
+    moved: int = 0               # jobs given to the other servers when it stopped answering
+    dropped: str = ""            # why it was dropped ("" while it answered)
+
+
+@dataclass
+class BatchSummary:
+    jobs: list[JobRecord]        # every job of the batch in order (those done before as they were recorded)
+    skipped: int                 # jobs an earlier run had done
+    servers: list[ServerSummary]
+    seconds: float
+    folder: Path
+
+    @property
+    def ok(self) -> bool:
+        return all(job.status == "done" for job in self.jobs)
+
+    @property
+    def failed(self) -> list[JobRecord]:
+        return [job for job in self.jobs if job.status != "done"]
+
+    def paths(self, job: JobRecord) -> list[Path]:
+        return [self.folder / name for name in job.files]
+
+    def text(self) -> str:
+        ran = len(self.jobs) - self.skipped
+        done = sum(job.status == "done" for job in self.jobs) - self.skipped
+        images = sum(s.images for s in self.servers)
+        rate = f" ({ran / self.seconds * 60:.1f} jobs/min)" if self.seconds > 0 and ran else ""
+        skipped = f", {self.skipped} done before (skipped)" if self.skipped else ""
+        lines = [(f"batch of {len(self.jobs)} job(s): {done} done, {len(self.failed)} failed{skipped}; {images} "
+                  f"image(s) in {duration(self.seconds)}{rate}, in {self.folder}")]
+        for s in self.servers:
+            line = f"  {s.server}: {s.done} done, {s.failed} failed, {s.images} image(s), {s.busy:.1f} s of jobs"
+            if s.dropped:
+                line += f"; dropped ({s.dropped})" + (f", {s.moved} job(s) went to the other servers" if s.moved
+                                                       else "")
+            lines.append(line)
+        if self.failed:
+            lines.append("failed:")
+            lines += [f"  {job.error}" for job in self.failed]
+            lines.append("run the same batch again to retry the failed jobs (the done ones are skipped)")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Server:
+    """A server as the scheduler sees it."""
+
+    address: str                  # as given
+    summary: ServerSummary
+    index: int
+    inflight: int = 0
+    queued: int = 0               # ComfyUI's queue_remaining as last reported
+    uploaded: dict[str, str] = field(default_factory=dict)     # picture name -> the name the server answered
+    lock: threading.Lock = field(default_factory=threading.Lock)       # held while a picture uploads
+
+    @property
+    def alive(self) -> bool:
+        return not self.summary.dropped
+
+    def load(self) -> tuple:
+        return max(self.inflight, self.queued), self.inflight, self.index
+
+
+def check_servers(servers: Sequence[str]) -> list[str]:
+    """The servers' HOST:PORT, each once: one given twice (however it is written) is refused."""
+    seen = {}
+    for server in servers:
+        name = parse_server(server)[1]
+        if name in seen:
+            raise Flux2Error(f"--server {server} is given twice (also as {seen[name]}); give each server once (to "
+                             "run more jobs at once on one server, use --per-server N)")
+        seen[name] = server
+    if not seen:
+        raise Flux2Error("no --server given; give at least one HOST:PORT where ComfyUI listens")
+    return list(seen)
+
+
+def made_by(server: str, prompt_id: str, image: dict, data: bytes, workflow: dict) -> None:
+    """A PNG whose saved workflow (ComfyUI's SaveImage writes it as the "prompt" text) is not the one this job sent
+    is another prompt's image: refused. Images without one (JPEG, metadata off) are not checked."""
+    if not data.startswith(b"\x89PNG"):
+        return
+    with Image.open(io.BytesIO(data)) as picture:
+        saved = getattr(picture, "text", {}).get("prompt")
+    if saved is None:
+        return
+    try:
+        same = json.loads(saved) == workflow
+    except (ValueError, RecursionError):
+        same = False
+    if not same:
+        raise ServerError(server, f"the image {shown(image['filename'], 80)} it lists for prompt {prompt_id} was made "
+                                  "by another prompt (the workflow saved in it is not the one this job sent); "
+                                  "nothing was written")
+
+
+def queue_remaining(text: str) -> int | None:
+    """ComfyUI's status message {"type": "status", "data": {"status": {"exec_info": {"queue_remaining": N}}}}."""
+    try:
+        message = json.loads(text)
+        value = message["data"]["status"]["exec_info"]["queue_remaining"]
+    except (ValueError, RecursionError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and value >= 0 and message.get("type") == "status" else None
+
+
+class BatchClient:
+    """Runs batches of jobs of one API workflow over one or more ComfyUI servers, into one output folder.
+
+    workflow: an API-format workflow file, or the workflow itself (a dict). servers: HOST:PORT, one or several.
+    out: the folder for the images and manifest.json. per_server: jobs queued at once on a server. timeout: seconds
+    to wait for a job's next message (a slow step). server_timeout: a server that answers nothing (HTTP, websocket
+    pings) for this long is dropped. images / masks {node: path}, sets {"NODE.INPUT": value}, seed: for every job
+    that does not give its own. progress: True prints the batch line and each job's end to stderr; a BatchProgress
+    to show them your way; None shows nothing. on_job(record, folder) is called as each job ends.
+    """
+
+    def __init__(self, workflow: str | dict, servers: str | Sequence[str] = "127.0.0.1:8188", out: str = "output",
+                 *, per_server: int = 2, timeout: float = 600.0, server_timeout: float = 60.0,
+                 images: dict[str, str] | None = None, masks: dict[str, str] | None = None,
+                 sets: dict[str, object] | None = None, seed: int | None = None,
+                 progress: bool | BatchProgress | None = None, on_job=None):
+        self.workflow_name = workflow if isinstance(workflow, str) else ""
+        self.workflow = load_workflow(workflow) if isinstance(workflow, (str, os.PathLike)) else workflow
+        self.servers = check_servers([servers] if isinstance(servers, str) else list(servers))
+        if not (isinstance(per_server, int) and 1 <= per_server <= 64):
+            raise Flux2Error(f"--per-server {per_server} must be a whole number from 1 to 64")
+        ComfyClient(self.servers[0], timeout=timeout, heartbeat=server_timeout)       # checks both timeouts
+        self.out, self.per_server, self.timeout, self.server_timeout = out, per_server, timeout, server_timeout
+        self.images, self.masks, self.sets, self.seed = dict(images or {}), dict(masks or {}), dict(sets or {}), seed
+        self.progress, self.on_job = progress, on_job
+
+    def plan(self, jobs: Iterable[BatchJob | dict]) -> list[PlannedJob]:
+        """The jobs checked (see batch_jobs.plan_jobs), the client's seed and settings given to those without."""
+        full = []
+        for number, job in enumerate(jobs, start=1):
+            if isinstance(job, dict):
+                job = job_from_line(job, f"job {number}", Path("."))
+            elif not isinstance(job, BatchJob):
+                raise Flux2Error(f"job {number} is a {type(job).__name__}; give BatchJob(...) or a dict like a batch "
+                                 "line")
+            full.append(BatchJob(job.prompt, job.seed if job.seed is not None else self.seed, job.size, job.images,
+                                 job.masks, {**self.sets, **job.sets}, job.id, job.source))
+        return plan_jobs(self.workflow, full, self.images, self.masks)
+
+    def run(self, jobs: Iterable[BatchJob | dict]) -> BatchSummary:
+        """Run the jobs not done before; returns when each is done or failed. Bad input raises Flux2Error before
+        anything is queued; Ctrl-C (KeyboardInterrupt) stops at once, the finished jobs recorded."""
+        planned = self.plan(jobs)
+        start = time.monotonic()
+        manifest = Manifest.open(self.out, self.workflow_name)
+        try:
+            records, pending = {}, deque()
+            for job in planned:
+                record = manifest.finished(job.key)
+                if record is not None:
+                    records[job.key] = record
+                else:
+                    pending.append(job)
+            skipped = len(records)
+            servers = [_Server(address, ServerSummary(parse_server(address)[1]), i)
+                       for i, address in enumerate(self.servers)]
+            progress = self.progress if isinstance(self.progress, BatchProgress) else (
+                BatchProgress(len(pending)) if self.progress else None)
+            if progress is not None:
+                progress.total = len(pending)
+                if skipped:
+                    rest = f"running the other {len(pending)}" if pending else "nothing left to run"
+                    progress.note(f"{skipped} of the {len(planned)} jobs were done before (see {manifest.path}); "
+                                  f"{rest}")
+            if pending:
+                self._probe(servers, progress)
+                self._schedule(pending, servers, manifest, records, progress)
+            if progress is not None:
+                progress.close()
+        finally:
+            manifest.close()
+        return BatchSummary([records[job.key] for job in planned], skipped, [s.summary for s in servers],
+                            time.monotonic() - start, manifest.folder)
+
+    # -- servers -----------------------------------------------------------------------------------------------------
+    def _client(self, server: _Server) -> ComfyClient:
+        return ComfyClient(server.address, timeout=self.timeout, heartbeat=self.server_timeout)
+
+    def _probe(self, servers: list[_Server], progress) -> None:
+        """Ask each server for its queue (GET /prompt) at once; those that do not answer are dropped, and with none
+        left the batch stops before anything is queued."""
+        def ask(server: _Server) -> None:
+            try:
+                client = self._client(server)
+                answer = parse_json(client.server, "the answer to GET /prompt", client.request("/prompt"))
+                left = answer.get("exec_info", {}).get("queue_remaining") if isinstance(answer, dict) else None
+                server.queued = left if isinstance(left, int) and left >= 0 else 0
+            except ServerUnreachable as e:
+                server.summary.dropped = str(e)
+            except ServerError:
+                pass                 # it answers: an odd answer to this question is no reason to drop it
+        threads = [threading.Thread(target=ask, args=(s,), daemon=True) for s in servers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        alive = [s for s in servers if s.alive]
+        if not alive:
+            raise Flux2Error("no server answers, nothing was queued:\n  " + "\n  ".join(s.summary.dropped
+                                                                                        for s in servers))
+        for server in servers:
+            if not server.alive and progress is not None:
+                progress.note(f"dropped {server.summary.server}: {server.summary.dropped}")
+
+    def _pick(self, servers: list[_Server], running: int) -> _Server | None:
+        """The server with the least queued work among those with a free slot; one whose queue (others' prompts
+        counted) is already full is passed over while a job of ours runs elsewhere (it will free a slot)."""
+        free = [s for s in servers if s.alive and s.inflight < self.per_server]
+        ready = [s for s in free if s.load()[0] < self.per_server] or (free if not running else [])
+        return min(ready, key=_Server.load) if ready else None
+
+    def _drop(self, server: _Server, error: ServerUnreachable, progress) -> None:
+        if not server.alive:
+            return
+        server.summary.dropped = f"no answer within {self.server_timeout:g} s: {error}"
+        if progress is not None:
+            progress.note(f"dropped {server.summary.server}, it stopped answering ({error}); its jobs go to the "
+                          "other servers")
+
+    # -- the loop ----------------------------------------------------------------------------------------------------
+    def _schedule(self, pending: deque, servers: list[_Server], manifest: Manifest, records: dict,
+                  progress) -> None:
+        results: queue.Queue = queue.Queue()
+        running = 0
+        while pending or running:
+            while pending:
+                server = self._pick(servers, running)
+                if server is None:
+                    break
+                job = pending.popleft()
+                server.inflight += 1
+                running += 1
+                if progress is not None:
+                    progress.started(job.id, server.summary.server)
+                threading.Thread(target=self._work, args=(job, server, manifest, results, progress),
+                                 daemon=True).start()
+            if not running:
+                break                                   # jobs left, no server left
+            job, server, result, seconds = results.get()
+            running -= 1
+            server.inflight -= 1
+            server.queued = max(0, server.queued - 1)
+            server.summary.busy += seconds
+            if isinstance(result, ServerUnreachable):
+                self._drop(server, result, progress)
+                server.summary.moved += 1
+                pending.appendleft(job)
+                if progress is not None:
+                    progress.requeued(job.id)
+                continue
+            if isinstance(result, Flux2Error):
+                said = str(result) if isinstance(result, ServerError) else f"ComfyUI at {server.summary.server}: " \
+                                                                            f"{result}"
+                result = JobRecord(job.id, job.key, "failed", [], server.summary.server, f"{job.where}: {said}",
+                                   round(seconds, 3), job.job.source)
+            elif isinstance(result, BaseException):
+                raise result                           # a fault of this client, not of the server or the job
+            self._ended(job, result, server.summary, manifest, records, progress)
+        for job in pending:                            # every server dropped
+            reason = "; ".join(f"{s.summary.server} dropped" for s in servers)
+            record = JobRecord(job.id, job.key, "failed", [], "", f"{job.where}: not run, no server left ({reason})",
+                               0.0, job.job.source)
+            self._ended(job, record, None, manifest, records, progress)
+
+    def _ended(self, job: PlannedJob, record: JobRecord, summary: ServerSummary | None, manifest: Manifest,
+               records: dict, progress) -> None:
+        manifest.record(record)
+        records[job.key] = record
+        if summary is not None:
+            summary.done += record.status == "done"
+            summary.failed += record.status != "done"
+            summary.images += len(record.files)
+        if progress is not None:
+            text = (f"{job.where} done on {record.server} in {record.seconds:.1f} s: " + ", ".join(record.files)
+                    if record.status == "done" else f"failed: {record.error}")
+            progress.ended(job.id, record.status == "done", len(record.files), text)
+        if self.on_job is not None:
+            self.on_job(record, manifest.folder)
+
+    def _work(self, job: PlannedJob, server: _Server, manifest: Manifest, results: queue.Queue, progress) -> None:
+        start = time.monotonic()
+        try:
+            result = self._run_job(job, server, manifest, progress)
+        except Exception as e:  # noqa: BLE001 - handed to the scheduler, which decides (a fault of ours: raised there)
+            result = e
+        results.put((job, server, result, time.monotonic() - start))
+
+    def _run_job(self, job: PlannedJob, server: _Server, manifest: Manifest, progress) -> JobRecord:
+        start = time.monotonic()
+        client = self._client(server)                  # a client id of its own: one websocket per job
+        names = {}
+        for node, picture in job.pictures.items():
+            with server.lock:                          # one upload of a picture per server, whoever needs it first
+                if picture.name not in server.uploaded:
+                    server.uploaded[picture.name] = upload(client, picture)
+                names[node] = server.uploaded[picture.name]
+        workflow = job.workflow(self.workflow, names)
+
+        def frames(ws):
+            for frame in iter(ws.recv, None):
+                if isinstance(frame, str) and frame.startswith('{"type": "status"'):
+                    left = queue_remaining(frame)
+                    if left is not None:
+                        server.queued = left
+                yield frame
+
+        def on_message(message: dict) -> None:
+            if progress is not None and message["type"] == "progress":
+                progress.step(job.id, shown(message["data"].get("value"), 12), shown(message["data"].get("max"), 12))
+
+        ws = client.connect()
+        try:
+            prompt_id = client.submit(workflow)
+            follow_frames(client.server, prompt_id, frames(ws), on_message)
+        finally:
+            ws.close()
+        images = client.images(prompt_id)
+        if not images:
+            raise Flux2Error(f"prompt {prompt_id} ran, but ComfyUI lists no images for it; does the workflow end in "
+                             "a SaveImage node?")
+        staged = []
+        try:
+            for image in images:
+                name = file_name(client.server, image)
+                data = client.download(image)
+                made_by(client.server, prompt_id, image, data, workflow)
+                staged.append((os.path.splitext(name)[1] or ".png", manifest.stage(data)))
+            files = manifest.publish(job.id, staged)
+        except BaseException:
+            manifest.discard(staged)
+            raise
+        return JobRecord(job.id, job.key, "done", files, client.server, "", round(time.monotonic() - start, 3),
+                         job.job.source)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The command: `queue` with --batch, several --prompt or several --server (queue_client.main sends them here).
+
+def batch_main(args) -> int:
+    try:
+        if args.batch and args.prompt:
+            raise Flux2Error("give the prompts either in --batch FILE or as --prompt, not both")
+        sets = {}
+        for item in args.set:
+            target, eq, value = item.partition("=")
+            if not eq or "." not in target:
+                raise Flux2Error(f"--set {item!r} is not NODE.INPUT=VALUE (e.g. --set 12.steps=8)")
+            sets[target] = parse_value(value)
+        jobs = read_batch(args.batch) if args.batch else [BatchJob(prompt=p, source=f"--prompt {shown(p, 40)}")
+                                                          for p in args.prompt or [None]]
+        client = BatchClient(args.workflow, args.server or ["127.0.0.1:8188"], args.out, per_server=args.per_server,
+                             timeout=args.timeout, server_timeout=args.server_timeout,
+                             images=parse_pairs(args.image, "--image"), masks=parse_pairs(args.mask, "--mask"),
+                             sets=sets, seed=args.seed, progress=True,
+                             on_job=lambda record, folder: [print(folder / name, flush=True)
+                                                            for name in record.files])
+        summary = client.run(jobs)
+    except Flux2Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        note(f"\ninterrupted: the jobs that ended are recorded in {Path(args.out) / 'manifest.json'}; run the same "
+             "command again to finish the batch (done jobs are skipped). Prompts already queued keep running in "
+             "ComfyUI; cancel them in its queue if you do not want them")
+        return 130
+    note(summary.text())
+    return 0 if summary.ok else 1

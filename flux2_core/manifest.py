@@ -1,0 +1,184 @@
+"""A batch's output folder: the images of its jobs and manifest.json, the record of what each job did.
+
+    manifest = Manifest.open("edits/", "flux2-klein-edit.json")   # reads an earlier run's record; locks the folder
+    manifest.finished(key)                 # the record of a job done before, when all its files are still there
+    staged = manifest.stage(data)          # an image, written to a hidden temp file
+    names = manifest.publish("0003", [(".png", staged)])    # renamed into place: 0003-1.png, never replacing a file
+    manifest.record(JobRecord(...))        # manifest.json rewritten: temp file, then os.replace
+
+Nothing half-written ever carries an image's or the manifest's name: both are written under a hidden temp name
+(.flux2-batch-*.part) and renamed once complete, so an interrupted run leaves whole files or temp files, which the
+next run on the folder removes. Image names are claimed with a hard link (or O_EXCL where links are not supported),
+which never replaces a file, so two jobs never write the same file. A lock on the folder keeps two batches apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import Flux2Error
+from .outputs import check_folder
+
+try:
+    import fcntl
+except ImportError:              # Windows: no lock, and stale temp files are left for the user
+    fcntl = None
+
+NAME = "manifest.json"
+FORMAT = "flux2-klein batch manifest 1"
+TEMP = ".flux2-batch-"           # prefix of every temp file a batch writes in its folder
+LOCK = ".flux2-batch.lock"
+
+
+@dataclass
+class JobRecord:
+    """What became of one job; `files` are names in the folder, in the order the workflow saved them."""
+
+    id: str
+    key: str                     # batch_jobs.job_key: the same key means the same job
+    status: str                  # "done" or "failed"
+    files: list[str] = field(default_factory=list)
+    server: str = ""
+    error: str = ""
+    seconds: float = 0.0
+    source: str = ""
+
+
+class Manifest:
+    def __init__(self, folder: Path, workflow: str):
+        self.folder, self.workflow = folder, workflow
+        self.path = folder / NAME
+        self.records: dict[str, JobRecord] = {}
+        self.lock = threading.Lock()
+        self._lock_file = None
+
+    @classmethod
+    def open(cls, out: str, workflow: str = "") -> Manifest:
+        """The folder (checked writable, created, locked, temp files of an interrupted run removed) and the record
+        it holds."""
+        folder = check_folder(out, "--out")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise Flux2Error(f"--out {out}: cannot create it ({e.strerror or e}); choose a folder you can write "
+                             "to") from None
+        manifest = cls(folder, workflow)
+        manifest._take_lock(out)
+        for stale in folder.glob(f"{TEMP}*.part"):
+            stale.unlink(missing_ok=True)
+        manifest._load(out)
+        return manifest
+
+    def _take_lock(self, out: str) -> None:
+        if fcntl is None:
+            return
+        self._lock_file = open(self.folder / LOCK, "a+b")       # noqa: SIM115 - held until close()
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.close()
+            raise Flux2Error(f"--out {out}: another batch is writing there now; wait for it to end, or give this "
+                             "one another folder") from None
+
+    def close(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    def _load(self, out: str) -> None:
+        if not self.path.exists():
+            return
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+            if data.get("format") != FORMAT:
+                raise ValueError(f"its format is {data.get('format')!r}")
+            records = [JobRecord(**record) for record in data["jobs"]]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise Flux2Error(f"--out {out}: {self.path} is not a batch manifest this client can read ({e}); move it "
+                             "away (the batch then runs every job again) or choose another folder") from None
+        self.records = {record.key: record for record in records}
+
+    def finished(self, key: str) -> JobRecord | None:
+        """The record of a job done before whose files are all still in the folder."""
+        record = self.records.get(key)
+        if record and record.status == "done" and all((self.folder / name).is_file() for name in record.files):
+            return record
+        return None
+
+    def record(self, record: JobRecord) -> None:
+        """Keep `record` (replacing the job's earlier one) and rewrite manifest.json in one atomic step."""
+        with self.lock:
+            self.records[record.key] = record
+            data = {"format": FORMAT, "workflow": self.workflow,
+                    "jobs": [asdict(r) for r in self.records.values()]}
+            self._replace(self.path, json.dumps(data, indent=1, ensure_ascii=False).encode())
+
+    def _replace(self, path: Path, data: bytes) -> None:
+        temp = self._temp(data)
+        try:
+            os.replace(temp, path)
+        except OSError as e:
+            Path(temp).unlink(missing_ok=True)
+            raise Flux2Error(f"cannot write {path}: {e.strerror or e}; check the free space and the folder's "
+                             "permissions") from None
+
+    def _temp(self, data: bytes) -> str:
+        """A hidden temp file in the folder holding `data`, flushed to the disk."""
+        try:
+            fd, temp = tempfile.mkstemp(prefix=TEMP, suffix=".part", dir=self.folder)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                Path(temp).unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            raise Flux2Error(f"cannot write in {self.folder}: {e.strerror or e}; check the free space and the "
+                             "folder's permissions") from None
+        return temp
+
+    def stage(self, data: bytes) -> str:
+        """An image's bytes in a temp file, to be published with the job's other images."""
+        return self._temp(data)
+
+    def publish(self, job_id: str, staged: list[tuple[str, str]]) -> list[str]:
+        """Rename the staged (suffix, temp path) files to <job_id>-1<suffix>, -2, ... (a name taken gets -1, -2
+        after it, as write_new does) -> the names used."""
+        names = []
+        for number, (suffix, temp) in enumerate(staged, start=1):
+            names.append(self._claim(f"{job_id}-{number}", suffix, temp))
+        return names
+
+    def discard(self, staged: list[tuple[str, str]]) -> None:
+        for _, temp in staged:
+            Path(temp).unlink(missing_ok=True)
+
+    def _claim(self, stem: str, suffix: str, temp: str) -> str:
+        n = 0
+        while True:
+            name = f"{stem}{suffix}" if n == 0 else f"{stem}-{n}{suffix}"
+            path = self.folder / name
+            try:
+                try:
+                    os.link(temp, path)             # atomic, and fails where the name is taken
+                except FileExistsError:
+                    raise
+                except OSError:                     # no hard links here (FAT, some network shares)
+                    with open(path, "xb"):          # take the name, then put the whole file in its place
+                        pass
+                    os.replace(temp, path)
+                    return name
+                os.unlink(temp)
+                return name
+            except FileExistsError:
+                n += 1
+            except OSError as e:
+                raise Flux2Error(f"cannot write {path}: {e.strerror or e}; check the free space and the folder's "
+                                 "permissions") from None

@@ -1,0 +1,423 @@
+"""Batches (flux2_core/batch.py, batch_jobs.py, manifest.py) against fake and misbehaving ComfyUI servers
+(tests/batch_fakes.py): jobs spread over servers, each job's own images in its own files, a manifest that lets a
+rerun skip what is done, servers that hang, die, refuse uploads or answer another job's images, and bad input
+refused before anything is queued."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from flux2_core import BatchClient, BatchJob, queue_client
+from flux2_core import manifest as manifest_module
+from flux2_core.batch_progress import BatchProgress
+from flux2_core.errors import Flux2Error
+from tests.batch_fakes import FakeServer, picture_for
+
+ROOT = Path(__file__).resolve().parents[1]
+EDIT = ROOT / "workflows" / "api" / "flux2-klein-edit.json"
+WORKFLOW = json.loads(EDIT.read_text())
+
+
+@pytest.fixture
+def fakes():
+    servers = []
+
+    def start(**kw):
+        servers.append(FakeServer(**kw))
+        return servers[-1]
+    yield start
+    for server in servers:
+        if server.hang_after is None:
+            server.stop()
+
+
+def made_for(path: Path) -> dict:
+    """The prompt a fake server made this file for (saved in it as SaveImage does)."""
+    with Image.open(path) as image:
+        return json.loads(image.text["prompt"])
+
+
+def jobs_file(tmp_path: Path, jobs: list[dict], name="jobs.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(job) + "\n" for job in jobs))
+    return path
+
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    code = queue_client.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def manifest_of(out: Path) -> dict:
+    return {job["id"]: job for job in json.loads((out / "manifest.json").read_text())["jobs"]}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A batch that goes well.
+
+def test_a_batch_over_two_servers_gives_each_job_its_own_images(fakes, tmp_path, capsys):
+    a, b = fakes(images=2), fakes(images=2)
+    a.delay = b.delay = 0.1
+    Image.new("RGB", (8, 8), (9, 9, 9)).save(tmp_path / "photo.png")
+    jobs = [{"prompt": f"edit {i}", "seed": i, "images": {"10": "photo.png"}} for i in range(6)]
+    jobs[2]["id"] = "fox"
+    jobs[3]["size"] = "96x64"
+    jobs[4]["set"] = {"6.steps": 8}
+    out = tmp_path / "out"
+    code, stdout, err = run_cli([str(EDIT), "--batch", str(jobs_file(tmp_path, jobs)), "--server", a.address,
+                                 "--server", b.address, "--out", str(out)], capsys)
+    assert code == 0, err
+    assert len(a.prompts) + len(b.prompts) == 6 and a.prompts and b.prompts         # both servers worked
+    assert len(a.uploads) == len(b.uploads) == 1                                    # one upload per server
+    records = manifest_of(out)
+    ids = ["0001", "0002", "fox", "0004", "0005", "0006"]
+    assert sorted(records) == sorted(ids) and all(r["status"] == "done" for r in records.values())
+    for number, job_id in enumerate(ids):
+        files = records[job_id]["files"]
+        assert files == [f"{job_id}-1.png", f"{job_id}-2.png"]
+        for index, name in enumerate(files):            # each file is this job's own image, byte for byte
+            sent = made_for(out / name)
+            assert sent["4"]["inputs"]["prompt"] == f"edit {number}" and sent["5"]["inputs"]["seed"] == number
+            assert (out / name).read_bytes() == picture_for(sent, index)
+    assert made_for(out / "0004-1.png")["5"]["inputs"]["width"] == 96
+    assert made_for(out / "0005-1.png")["6"]["inputs"]["steps"] == 8
+    assert sorted(stdout.split()) == sorted(str(out / name) for r in records.values() for name in r["files"])
+    summary = err[err.index("batch of 6 job(s)"):]
+    assert summary.startswith("batch of 6 job(s): 6 done, 0 failed; 12 image(s) in ")
+    assert f"  {a.address}: {len(a.prompts)} done, 0 failed, {2 * len(a.prompts)} image(s)" in summary
+    assert f"  {b.address}: {len(b.prompts)} done, 0 failed, {2 * len(b.prompts)} image(s)" in summary
+    progress = [line for line in err.splitlines() if line.startswith("batch: ")]   # not a terminal: one a job
+    assert len(progress) == 6 and progress[-1].startswith("batch: 6/6 jobs, 12 images, ")
+    assert re.fullmatch(r"batch: 3/6 jobs, 6 images, [\d.]+ jobs/min, \d+s, ~\d+s left( \| .*)?", progress[2])
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == \
+        sorted(["manifest.json", *(name for r in records.values() for name in r["files"])])
+
+
+def test_several_prompts_make_a_batch(fakes, tmp_path, capsys):
+    server = fakes()
+    code, _, err = run_cli([str(EDIT), "--prompt", "one", "--prompt", "two", "--seed", "5", "--server",
+                            server.address, "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert sorted(p["4"]["inputs"]["prompt"] for p in server.prompts) == ["one", "two"]
+    assert [p["5"]["inputs"]["seed"] for p in server.prompts] == [5, 5]
+    assert sorted(manifest_of(tmp_path)) == ["0001", "0002"]
+
+
+def test_a_job_goes_to_the_server_with_the_least_queued_work(fakes, tmp_path):
+    busy, idle = fakes(), fakes()
+    busy.queue_remaining = 5                         # other clients' prompts wait there
+    summary = BatchClient(WORKFLOW, [busy.address, idle.address], str(tmp_path), per_server=1).run(
+        [BatchJob(seed=1), BatchJob(seed=2), BatchJob(seed=3)])
+    assert summary.ok and busy.prompts == [] and len(idle.prompts) == 3
+
+
+def test_concurrency_per_server_is_bounded(fakes, tmp_path):
+    server = fakes()
+    server.delay = 0.3
+    most = []
+    progress = BatchProgress(0, io.StringIO(), tty=False)
+    original = progress.step
+
+    def step(job_id, value, maximum):
+        most.append(len(progress.running))
+        original(job_id, value, maximum)
+    progress.step = step
+    summary = BatchClient(WORKFLOW, server.address, str(tmp_path), per_server=2, progress=progress).run(
+        [BatchJob(seed=i) for i in range(6)])
+    assert summary.ok and max(most) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Resuming.
+
+def test_a_rerun_skips_done_jobs_and_retries_failed_ones(fakes, tmp_path, capsys):
+    server = fakes()
+    server.fail_seeds = {2}
+    batch = jobs_file(tmp_path, [{"prompt": "x", "seed": i} for i in range(4)])
+    out = tmp_path / "out"
+    argv = [str(EDIT), "--batch", str(batch), "--server", server.address, "--out", str(out)]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 1
+    records = manifest_of(out)
+    assert [records[i]["status"] for i in ("0001", "0002", "0003", "0004")] == ["done", "done", "failed", "done"]
+    assert records["0003"]["error"] == (f"job 0003 ({batch} line 3): ComfyUI at {server.address}: node 7 "
+                                        "(Flux2KleinDenoise) failed: RuntimeError: boom")
+    assert "failed:\n  job 0003" in err and "run the same batch again to retry the failed jobs" in err
+    done_files = {name: (out / name).read_bytes() for name in ("0001-1.png", "0002-1.png", "0004-1.png")}
+    server.fail_seeds = set()
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert len(server.prompts) == 5 and server.prompts[-1]["5"]["inputs"]["seed"] == 2      # only job 3 again
+    assert "3 of the 4 jobs were done before" in err and "1 done, 0 failed, 3 done before (skipped)" in err
+    assert manifest_of(out)["0003"]["status"] == "done" and manifest_of(out)["0003"]["files"] == ["0003-1.png"]
+    assert all((out / name).read_bytes() == data for name, data in done_files.items())
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0 and len(server.prompts) == 5 and "nothing left to run" in err
+
+
+def test_a_changed_job_or_a_lost_file_runs_again(fakes, tmp_path):
+    server = fakes()
+    client = BatchClient(WORKFLOW, server.address, str(tmp_path))
+    assert client.run([BatchJob(seed=1), BatchJob(seed=2)]).ok
+    (tmp_path / "0002-1.png").unlink()
+    summary = client.run([BatchJob(seed=1), BatchJob(seed=2), BatchJob(seed=3, prompt="new")])
+    assert summary.skipped == 1 and sorted(p["5"]["inputs"]["seed"] for p in server.prompts) == [1, 2, 2, 3]
+    assert [job.files for job in summary.jobs] == [["0001-1.png"], ["0002-1.png"], ["0003-1.png"]]
+
+
+def test_an_interrupted_run_leaves_no_half_written_file(fakes, tmp_path):
+    """A download that breaks after the first of a job's two images: nothing of that job is published, the temp
+    file is gone; temp files left by a killed run are removed by the next one."""
+    server = fakes(images=2)
+    server.cut_view = "_1.png"
+    (tmp_path / ".flux2-batch-killed.part").write_bytes(b"half an image")        # as a killed run leaves it
+    summary = BatchClient(WORKFLOW, server.address, str(tmp_path)).run([BatchJob(seed=1)])
+    assert summary.jobs[0].error.startswith(f"job 0001: ComfyUI at {server.address}: GET /view sent "
+                                            "flux2-klein_00001_1.png as 40 bytes that are not a readable PNG picture")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".flux2-batch.lock", "manifest.json"]
+
+
+def test_a_half_written_manifest_never_replaces_the_last_one(tmp_path, monkeypatch):
+    manifest = manifest_module.Manifest.open(str(tmp_path))
+    manifest.record(manifest_module.JobRecord("a", "k1", "done", []))
+    before = (tmp_path / "manifest.json").read_bytes()
+
+    def disk_full(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(manifest_module.os, "replace", disk_full)
+    with pytest.raises(Flux2Error, match="No space left on device; check the free space"):
+        manifest.record(manifest_module.JobRecord("b", "k2", "done", []))
+    assert (tmp_path / "manifest.json").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".flux2-batch.lock", "manifest.json"]
+    manifest.close()
+
+
+def test_two_jobs_never_write_the_same_file(tmp_path):
+    """Names are claimed without replacing: a file already there keeps its bytes, the job takes the next name."""
+    (tmp_path / "0001-1.png").write_bytes(b"mine")
+    manifest = manifest_module.Manifest.open(str(tmp_path))
+    names = [manifest.publish("0001", [(".png", manifest.stage(b"one"))]),
+             manifest.publish("0001", [(".png", manifest.stage(b"two"))])]
+    assert names == [["0001-1-1.png"], ["0001-1-2.png"]]
+    assert [(tmp_path / n).read_bytes() for n in ("0001-1.png", "0001-1-1.png", "0001-1-2.png")] == \
+        [b"mine", b"one", b"two"]
+    manifest.close()
+
+
+def test_a_folder_in_use_or_an_unknown_manifest_is_refused(tmp_path):
+    first = manifest_module.Manifest.open(str(tmp_path))
+    with pytest.raises(Flux2Error, match="another batch is writing there now"):
+        manifest_module.Manifest.open(str(tmp_path))
+    first.close()
+    (tmp_path / "manifest.json").write_text('{"something": "else"}')
+    with pytest.raises(Flux2Error, match=r"manifest.json is not a batch manifest this client can read"):
+        manifest_module.Manifest.open(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Servers that misbehave: a clear error naming the job and the server, and the batch goes on.
+
+def test_a_refused_upload_fails_its_jobs_and_the_batch_goes_on(fakes, tmp_path):
+    server = fakes()
+    server.upload_answer = (500, b"Internal Server Error")
+    Image.new("RGB", (8, 8)).save(tmp_path / "photo.png")
+    summary = BatchClient(WORKFLOW, server.address, str(tmp_path / "out")).run(
+        [BatchJob(seed=1, images={"10": str(tmp_path / "photo.png")}), BatchJob(seed=2)])
+    assert [job.status for job in summary.jobs] == ["failed", "done"]
+    assert summary.jobs[0].error.startswith(f"job 0001: ComfyUI at {server.address}: POST /upload/image refused "
+                                            f"{tmp_path / 'photo.png'} (HTTP 500)")
+    assert len(server.prompts) == 1
+
+
+def test_an_odd_upload_answer_fails_the_job(fakes, tmp_path):
+    server = fakes()
+    server.upload_answer = (200, b'{"name": "../../etc/passwd"}')
+    Image.new("RGB", (8, 8)).save(tmp_path / "photo.png")
+    summary = BatchClient(WORKFLOW, server.address, str(tmp_path / "out")).run(
+        [BatchJob(seed=1, images={"10": str(tmp_path / "photo.png")})])
+    assert summary.jobs[0].error == (f"job 0001: ComfyUI at {server.address}: the answer to POST /upload/image "
+                                     "names no usable file: b'{\"name\": \"../../etc/passwd\"}'")
+    assert server.prompts == []
+
+
+def test_a_server_that_answers_another_jobs_images(fakes, tmp_path):
+    swapper, good = fakes(), fakes()
+    swapper.swap = True
+    summary = BatchClient(WORKFLOW, [swapper.address, good.address], str(tmp_path), per_server=1).run(
+        [BatchJob(seed=i) for i in range(4)])
+    failed = summary.failed
+    assert failed and all(job.server == swapper.address for job in failed)
+    assert all(re.fullmatch(rf"job \d+: ComfyUI at {swapper.address}: the image flux2-klein_\d+_0.png it lists for "
+                            r"prompt p-\d+ was made by another prompt \(the workflow saved in it is not the one this "
+                            r"job sent\); nothing was written", job.error) for job in failed)
+    for job in summary.jobs:
+        if job.status == "done":
+            assert made_for(tmp_path / job.files[0])["5"]["inputs"]["seed"] == int(job.id) - 1
+    assert not any(list(tmp_path.glob(f"{job.id}-*")) for job in failed)
+
+
+@pytest.mark.slow
+def test_a_server_that_hangs_is_dropped_and_its_jobs_go_to_the_other(fakes, tmp_path):
+    hangs, good = fakes(), fakes()
+    hangs.hang_after = 1                            # takes one prompt, then answers nothing (not even pings)
+    good.delay = 0.2
+    err = io.StringIO()
+    summary = BatchClient(WORKFLOW, [hangs.address, good.address], str(tmp_path), per_server=1, server_timeout=1,
+                          progress=BatchProgress(0, err, tty=False)).run([BatchJob(seed=i) for i in range(4)])
+    assert summary.ok and len(hangs.prompts) == 1 and len(good.prompts) == 4
+    hung = summary.servers[0]
+    assert hung.server == hangs.address and hung.done == 0 and hung.moved == 1
+    assert hung.dropped.startswith(f"no answer within 1 s: ComfyUI at {hangs.address}: ")
+    assert f"dropped {hangs.address}, it stopped answering" in err.getvalue()
+    assert "1 job(s) went to the other servers" in summary.text()
+
+
+@pytest.mark.slow
+def test_a_server_that_dies_mid_batch_loses_no_job(fakes, tmp_path):
+    dies, good = fakes(), fakes()
+    dies.delay = good.delay = 0.3
+
+    class KillOnFirstStep(BatchProgress):
+        def step(self, job_id, value, maximum):
+            if self.running.get(job_id, ("",))[0] == dies.address:
+                threading.Thread(target=dies.stop).start()
+            super().step(job_id, value, maximum)
+    summary = BatchClient(WORKFLOW, [dies.address, good.address], str(tmp_path), per_server=1,
+                          progress=KillOnFirstStep(0, io.StringIO(), tty=False)).run(
+        [BatchJob(seed=i) for i in range(4)])
+    assert summary.ok, summary.text()
+    assert summary.servers[0].dropped and summary.servers[0].done == 0
+    assert sorted(made_for(tmp_path / job.files[0])["5"]["inputs"]["seed"] for job in summary.jobs) == [0, 1, 2, 3]
+
+
+def test_when_every_server_is_gone_the_jobs_left_are_recorded_as_not_run(fakes, tmp_path):
+    server = fakes()
+    server.hang_after = 1
+    summary = BatchClient(WORKFLOW, server.address, str(tmp_path), per_server=1, server_timeout=0.5).run(
+        [BatchJob(seed=1), BatchJob(seed=2)])
+    assert [job.status for job in summary.jobs] == ["failed", "failed"]
+    assert summary.jobs[1].error == f"job 0002: not run, no server left ({server.address} dropped)"
+
+
+def test_no_server_answering_stops_the_batch_before_anything(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                  # nothing listens there once closed
+    with pytest.raises(Flux2Error, match=rf"no server answers, nothing was queued:\n  ComfyUI at 127.0.0.1:{port}: "
+                                         r"GET /prompt: cannot connect \(connection refused\)"):
+        BatchClient(WORKFLOW, f"127.0.0.1:{port}", str(tmp_path)).run([BatchJob(seed=1)])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input: one clear error, nothing queued.
+
+def bad_input(fakes, tmp_path, capsys, lines: list[str] | None = None, extra=(), servers=None) -> str:
+    server = fakes()
+    Image.new("RGB", (8, 8)).save(tmp_path / "photo.png")
+    batch = tmp_path / "jobs.jsonl"
+    batch.write_text("\n".join(lines or ['{"seed": 1}']) + "\n")
+    argv = [str(EDIT), "--batch", str(batch), "--out", str(tmp_path / "out"), *extra]
+    for address in servers or [server.address]:
+        argv += ["--server", address.replace("SERVER", server.address)]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    assert server.prompts == [] and server.uploads == []
+    return err[len("error: "):].rstrip("\n")
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"seed": 1', "jobs.jsonl line 1 is not JSON (Expecting ',' delimiter"),
+    ('["a fox"]', "jobs.jsonl line 1 is not a JSON object; each line is one job"),
+    ('{"promt": "a fox"}', "jobs.jsonl line 1: unknown key(s) 'promt'; a job has id, prompt, seed, size"),
+    ('{"seed": "one"}', 'jobs.jsonl line 1: "seed" "one" must be a whole number'),
+    ('{"size": "big"}', 'jobs.jsonl line 1: "size" "big" is not WIDTHxHEIGHT'),
+    ('{"set": {"99.steps": 8}}', "jobs.jsonl line 1: set 99.steps: the workflow has no node 99; its nodes are 1, 2,"),
+    ('{"set": {"6.step": 8}}', ("jobs.jsonl line 1: set 6.step: node 6 (Flux2KleinScheduler) has no input step; "
+                                "its inputs are latent, rho, schedule, steps")),
+    ('{"images": {"7": "photo.png"}}', "jobs.jsonl line 1: --image 7=",),
+    ('{"images": {"10": "missing.png"}}', "cannot read"),
+    ('{"id": "a/b"}', 'jobs.jsonl line 1: "id" "a/b" must be 1 to 100 letters'),
+])
+def test_a_bad_batch_line_is_refused_before_anything_is_queued(fakes, tmp_path, capsys, line, says):
+    error = bad_input(fakes, tmp_path, capsys, ['{"seed": 5}', line])
+    assert says.replace("line 1", "line 2") in error
+
+
+def test_every_bad_line_is_listed_at_once(fakes, tmp_path, capsys):
+    error = bad_input(fakes, tmp_path, capsys, ["{", '{"seed": 1}', "[]", '{"seed": "x"}'])
+    assert error.startswith("3 job(s) of the batch are wrong; nothing was queued:\n  ")
+    assert "line 1 is not JSON" in error and "line 3 is not a JSON object" in error and "line 4: \"seed\"" in error
+    error = bad_input(fakes, tmp_path, capsys, ['{"seed": 1}', '{"seed": 2}', '{"seed": 1}', '{"seed": 2}'])
+    assert error.startswith("2 job(s) of the batch are wrong; nothing was queued:\n  ")
+    assert "line 3: the same job as " in error and "line 1 (the same workflow, prompt, seed and pictures)" in error
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda p: p.write_text("not a picture"), "is not a readable picture"),
+    (lambda p: Image.new("RGB", (300, 300)).save(p), "pixels, over the"),
+])
+def test_a_bad_picture_is_refused_before_anything_is_queued(fakes, tmp_path, capsys, monkeypatch, make, says):
+    from flux2_core import uploads
+    monkeypatch.setattr(uploads, "PIXEL_LIMIT", 256 * 256)
+    make(tmp_path / "bad.png")
+    error = bad_input(fakes, tmp_path, capsys, ['{"images": {"10": "bad.png"}}'])
+    assert error.startswith(f"{tmp_path / 'jobs.jsonl'} line 1: --image 10={tmp_path / 'bad.png'}: ") and says in error
+
+
+def test_the_same_server_twice_is_refused(fakes, tmp_path, capsys):
+    error = bad_input(fakes, tmp_path, capsys, servers=["SERVER", "http://SERVER/"])
+    assert error.startswith("--server http://127.0.0.1:") and "is given twice (also as 127.0.0.1:" in error
+
+
+def test_an_out_that_is_not_writable_is_refused(fakes, tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file")
+    error = bad_input(fakes, tmp_path, capsys, extra=["--out", str(tmp_path / "taken")])
+    assert error == f"--out {tmp_path / 'taken'} is a file, not a folder; give a folder for the images (it is " \
+                    "created if missing)"
+
+
+def test_duplicate_ids_and_prompts_with_batch_are_refused(fakes, tmp_path, capsys):
+    error = bad_input(fakes, tmp_path, capsys, ['{"id": "a", "seed": 1}', '{"id": "a", "seed": 2}'])
+    assert 'line 2: "id" a is also the id of' in error and "two jobs would write the same files" in error
+    error = bad_input(fakes, tmp_path, capsys, extra=["--prompt", "x"])
+    assert error == "give the prompts either in --batch FILE or as --prompt, not both"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The README's example.
+
+def test_the_readme_batch_example_runs(fakes, tmp_path, monkeypatch):
+    """README's "Headless batches" Python example as written, its two servers pointed at fakes."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Headless batches"):]
+    (example,) = re.findall(r"```py\n(.*?)```", section[:section.index("\n## ", 5)], re.DOTALL)
+    a, b = fakes(), fakes()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "workflows" / "api").mkdir(parents=True)
+    (tmp_path / "workflows" / "api" / EDIT.name).write_text(EDIT.read_text())
+    for name in re.findall(r'"([\w-]+\.png)"', example):
+        Image.new("RGB", (8, 8)).save(tmp_path / name)
+    example = example.replace('"127.0.0.1:8188"', f'"{a.address}"').replace('"127.0.0.1:8189"', f'"{b.address}"')
+    namespace = {}
+    exec(compile(example, "README.md", "exec"), namespace)                 # noqa: S102 - our own README
+    summary = namespace["summary"]
+    assert summary.ok and len(a.prompts) + len(b.prompts) == len(summary.jobs) >= 2
+    assert all(path.is_file() for job in summary.jobs for path in summary.paths(job))
+
+
+def test_the_queue_help_lists_the_batch_options():
+    text = subprocess.run([sys.executable, "-m", "flux2_core", "queue", "--help"], capture_output=True, text=True,
+                          check=True, cwd=ROOT).stdout
+    for option in ("--batch FILE", "--image NODE=PATH", "--mask NODE=PATH", "--per-server N", "--server-timeout"):
+        assert option in text
