@@ -143,8 +143,9 @@ def check_servers(servers: Sequence[str]) -> list[str]:
 
 
 def made_by(server: str, prompt_id: str, image: dict, data: bytes, workflow: dict) -> None:
-    """A PNG whose saved workflow (ComfyUI's SaveImage writes it as the "prompt" text) is not the one this job sent
-    is another prompt's image: refused. Images without one (JPEG, metadata off) are not checked."""
+    """A PNG whose saved workflow (ComfyUI's SaveImage writes it as the "prompt" text) has other nodes or inputs than
+    the one this job sent is another prompt's image: refused. Images without one (JPEG, metadata off) are not
+    checked."""
     if not data.startswith(b"\x89PNG"):
         return
     with Image.open(io.BytesIO(data)) as picture:
@@ -152,13 +153,19 @@ def made_by(server: str, prompt_id: str, image: dict, data: bytes, workflow: dic
     if saved is None:
         return
     try:
-        same = json.loads(saved) == workflow
-    except (ValueError, RecursionError):
+        same = nodes_of(json.loads(saved)) == nodes_of(workflow)
+    except (ValueError, RecursionError, TypeError, KeyError):
         same = False
     if not same:
         raise ServerError(server, f"the image {shown(image['filename'], 80)} it lists for prompt {prompt_id} was made "
                                   "by another prompt (the workflow saved in it is not the one this job sent); "
                                   "nothing was written")
+
+
+def nodes_of(workflow: dict) -> dict:
+    """{node: (class, inputs)}: what a prompt computes; ComfyUI adds keys of its own to the nodes of the prompt it
+    saves (is_changed: its cache check of a Load Image), which are no part of that."""
+    return {nid: (node["class_type"], node["inputs"]) for nid, node in workflow.items()}
 
 
 def queue_remaining(text: str) -> int | None:
@@ -241,6 +248,7 @@ class BatchClient:
             if progress is not None:
                 progress.close()
         finally:
+            manifest.ended.set()                       # a job still running publishes nothing now
             manifest.close()
         return BatchSummary([records[job.key] for job in planned], skipped, [s.summary for s in servers],
                             time.monotonic() - start, manifest.folder)
@@ -398,6 +406,8 @@ class BatchClient:
                 data = client.download(image)
                 made_by(client.server, prompt_id, image, data, workflow)
                 staged.append((os.path.splitext(name)[1] or ".png", manifest.stage(data)))
+            if manifest.ended.is_set():                # the batch was interrupted meanwhile: the next run redoes it
+                raise Flux2Error("the batch ended before this job did; nothing was written")
             files = manifest.publish(job.id, staged)
         except BaseException:
             manifest.discard(staged)

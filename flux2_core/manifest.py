@@ -56,6 +56,7 @@ class Manifest:
         self.records: dict[str, JobRecord] = {}
         self.lock = threading.Lock()
         self._lock_file = None
+        self.ended = threading.Event()             # the batch writing here has ended (see batch.BatchClient.run)
 
     @classmethod
     def open(cls, out: str, workflow: str = "") -> Manifest:

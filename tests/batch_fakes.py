@@ -142,10 +142,13 @@ class FakeServer:
             await send("execution_error", prompt_id=prompt_id, node_id="7", node_type="Flux2KleinDenoise",
                        exception_type="RuntimeError", exception_message="boom")
             return
+        # As ComfyUI 0.12.1, it saves the prompt with its cache check of each Load Image added to the node
+        saved = {nid: {**node, "is_changed": ["0" * 64]} if node["class_type"] == "LoadImage" else node
+                 for nid, node in prompt.items()}
         images = []
         for i in range(self.images):
             name = f"flux2-klein_{number:05d}_{i}.png"
-            self.outputs[name] = picture_for(prompt, i)
+            self.outputs[name] = picture_for(saved, i)
             images.append({"filename": name, "subfolder": "", "type": "output"})
         if self.swap and number > 1:
             images = self.history[f"p-{number - 1}"]["outputs"]["9"]["images"]

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,26 @@ def test_an_interrupted_run_leaves_no_half_written_file(fakes, tmp_path):
     assert summary.jobs[0].error.startswith(f"job 0001: ComfyUI at {server.address}: GET /view sent "
                                             "flux2-klein_00001_1.png as 40 bytes that are not a readable PNG picture")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".flux2-batch.lock", "manifest.json"]
+
+
+def test_jobs_still_running_when_a_batch_is_interrupted_write_nothing(fakes, tmp_path):
+    """Ctrl-C in a service that goes on living: the jobs still running on the servers must not drop files into the
+    folder afterwards (the manifest does not list them; the next run does them again)."""
+    fast, slow = fakes(), fakes()
+    slow.delay = 0.5
+
+    class CtrlC(BatchProgress):
+        def ended(self, job_id, ok, images, text):
+            super().ended(job_id, ok, images, text)
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        BatchClient(WORKFLOW, [fast.address, slow.address], str(tmp_path), per_server=1,
+                    progress=CtrlC(0, io.StringIO(), tty=False)).run([BatchJob(seed=1), BatchJob(seed=2)])
+    time.sleep(1.0)                                  # the slow server's job ends meanwhile
+    assert len(slow.history) == 1                    # it did finish there
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert names == ["0001-1.png", "manifest.json"] or names == ["0002-1.png", "manifest.json"]
+    assert [r["status"] for r in manifest_of(tmp_path).values()] == ["done"]
 
 
 def test_a_half_written_manifest_never_replaces_the_last_one(tmp_path, monkeypatch):

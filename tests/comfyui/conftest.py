@@ -9,13 +9,15 @@ COMFYUI_DIR is a ComfyUI source tree (v0.12.1+); COMFYUI_PYTHON is the Python en
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from tests.comfyui.base_dir import build_base
-from tests.comfyui.host import ComfyServer, Host, HostClient, write_torch_stubs
+from tests.comfyui.host import PACK_FOLDER, ComfyServer, Host, HostClient, write_torch_stubs
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -46,3 +48,56 @@ def comfy(tmp_path_factory) -> Host:
         yield Host(server, HostClient(server.address, timeout=120), base, files, images)
     finally:
         server.stop()
+
+
+def share_base(base: Path, shared: Path) -> None:
+    """A base directory for one more server beside `shared`'s: the same models (linked) and input pictures
+    (copied), the pack, settings; its own output, input and user folders, so servers never write each other's files."""
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "models").symlink_to(shared / "models", target_is_directory=True)
+    shutil.copytree(shared / "input", base / "input")
+    (base / "custom_nodes").mkdir()
+    (base / "custom_nodes" / PACK_FOLDER).symlink_to(ROOT, target_is_directory=True)
+    for name in ("extra_model_paths.yaml", "user/default/comfy.settings.json"):
+        (base / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shared / name, base / name)
+
+
+@pytest.fixture(scope="module")
+def more_comfy(comfy, tmp_path_factory):
+    """start(n) -> n more running ComfyUI servers (host.ComfyServer) beside the session's `comfy`, on the same tiny
+    models, each with a base directory of its own; they are stopped when the module's tests end."""
+    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    stubs = write_torch_stubs(tmp_path_factory.mktemp("more-stubs"), python)
+    servers = []
+
+    def start(n: int) -> list[ComfyServer]:
+        new = []
+        for _ in range(n):
+            base = tmp_path_factory.mktemp("more-comfy-base")
+            share_base(base, comfy.base)
+            new.append(ComfyServer(Path(COMFYUI_DIR), python, base, stubs))
+        servers.extend(new)
+        errors = []
+        threads = [threading.Thread(target=lambda s=s: errors.append(_started(s))) for s in new]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if any(errors):
+            raise RuntimeError("\n".join(e for e in errors if e))
+        return new
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _started(server: ComfyServer) -> str:
+    """Start a server; '' once it answers, else why not."""
+    try:
+        server.start()
+    except RuntimeError as e:
+        return str(e)
+    return ""
