@@ -60,7 +60,8 @@ SIZES = {"Flux2KleinModelLoader": (280, 82), "Flux2KleinTextEncoderLoader": (280
          "Flux2KleinAELoader": (280, 82), "Flux2KleinLoRA": (280, 126), "Flux2KleinPromptEncode": (380, 190),
          "Flux2KleinNoise": (220, 154), "Flux2KleinScheduler": (220, 150), "Flux2KleinDenoise": (260, 182),
          "Flux2KleinAEDecode": (220, 46), "Flux2KleinAEEncode": (220, 46), "Flux2KleinReference": (240, 66),
-         "LoadImage": (260, 300), "SaveImage": (280, 340), "MarkdownNote": (280, 300), "SetLatentNoiseMask": (220, 46)}
+         "LoadImage": (260, 300), "SaveImage": (280, 340), "MarkdownNote": (280, 300), "SetLatentNoiseMask": (220, 46),
+         "ImagePadForOutpaint": (220, 174)}
 STAGES = {"load": "Load models", "lora": "LoRA", "image": "Input image", "references": "Reference images",
           "prompt": "Prompt", "noise": "Noise and schedule", "denoise": "Denoise", "decode": "Decode and save"}
 COLUMNS = {"load": 0, "prompt": 340, "noise": 340}         # x of the stages that every workflow places alike
@@ -241,6 +242,38 @@ WORKFLOWS = {
         | sampler((4, 0), latent=(12, 0), noise_latent=(11, 0), noise_at=(620, 690), scheduler_at=(620, 890),
                   scheduler_latent=(11, 0), denoise_x=900),
         "note_at": (1210, 800)},
+    "flux2-klein-outpaint": {
+        "title": "Outpaint",
+        "what": "Extends an image past its edges with the distilled FLUX.2 Klein 4B: ComfyUI's Pad Image for "
+                "Outpainting puts it on a larger canvas and masks the added area, the canvas is encoded, Set Latent "
+                "Noise Mask marks that area, and the denoiser paints it and keeps the image; the image also goes in "
+                "as a reference.",
+        "details": "Put the image in ComfyUI's input folder as flux2-klein-outpaint-input.png (or pick any image in "
+                   "the Input image node), set the pixels to add on each side in the pad node (256 left and right "
+                   "here), and describe the whole wider picture in the prompt. Keep the four amounts and the image's "
+                   "sides multiples of 16, the model's grid, and the canvas is used as it is; otherwise the encoder "
+                   "centre-crops it to multiples of 16 and the Denoise node fits the mask to it (with a note) or, for "
+                   "a canvas far from square, refuses the mask as another shape: then crop or scale the image to "
+                   "multiples of 16 first. feathering (40 pixels) fades the painted area into the image, so the seam "
+                   "is repainted too. The original image, not the padded canvas, is also a "
+                   "reference (FLUX.2 Klein Reference): the model sees the whole picture sharp at every step, so "
+                   "what it adds matches its light, style and objects, and it has no grey border to copy. Bypass "
+                   "that node (Ctrl+B) to paint from the prompt alone.",
+        # as inpainting, with the pad node between the image and the encoder (the image row one node longer) and a
+        # Reference right of the prompt, just above the autoencoder lane, fed by the prompt, the image and the AE
+        "nodes": loaders("flux-2-klein-4b.safetensors")
+        | prompt("A wide panorama of the same scene: the landscape goes on naturally to both sides, same light and "
+                 "style, photorealistic")
+        | {10: Node("LoadImage", {"image": "flux2-klein-outpaint-input.png"}, "image", (0, 600), "Input image"),
+           13: Node("ImagePadForOutpaint", {"image": (10, 0), "left": 256, "top": 0, "right": 256, "bottom": 0,
+                                            "feathering": 40}, "image", (330, 640)),
+           11: Node("Flux2KleinAEEncode", {"ae": (3, 0), "image": (13, 0)}, "image", (590, 570)),
+           12: Node("SetLatentNoiseMask", {"samples": (11, 0), "mask": (13, 1)}, "noise", (850, 600)),
+           14: Node("Flux2KleinReference", {"conditioning": (4, 0), "image": (10, 0), "ae": (3, 0)}, "prompt",
+                    (750, 300))}
+        | sampler((14, 0), latent=(12, 0), noise_latent=(11, 0), noise_at=(870, 690), scheduler_at=(870, 890),
+                  scheduler_latent=(11, 0), denoise_x=1050),
+        "note_at": (1360, 800), "note_size": (520, 300)},
 }
 
 # --- the compact workflows: a stage-by-stage workflow with its inner stages packed into one subgraph node ----------
