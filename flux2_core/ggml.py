@@ -1,6 +1,8 @@
 """GGML / GGUF quantized weights dequantized in torch: vectorized, on any device, torch.compile friendly.
 
     dequantize(data, qtype, shape, dtype)     raw bytes (uint8) -> the logical tensor of `shape`, in `dtype`
+    dequantize(..., fused=True)               the same values from one compiled kernel per type and dtype where
+                                              ``kernels.py`` has fused kernels on (CUDA, CPU): for every layer call
 
 A GGUF tensor is stored row by row (the last torch dim, in_features of a Linear weight [out, in], is the innermost);
 each row is a run of blocks, each block holds `n` values in `bytes` bytes. All multi-byte fields are little-endian;
@@ -41,16 +43,20 @@ multiplied by have at most 12 (Q6_K's |sc * (q - 32)| <= 4096, Q4_K's sc * q <= 
 exact in float32 (24 bits), whichever factor comes first; the one rounding is the addition of the min (``+ m``,
 ``- dmin * mn``), which an FMA does not change either, its product being exact. We keep gguf's operand order all
 the same. The result is cast to `dtype` once at the end; the integer unpacking uses only uint8 / int16 / int32 /
-int64 ops.
+int64 ops. The fused kernel is this code compiled (inductor keeps float32 until the one cast it ends with), so it is
+bit-exact too; it reads the blocks once and writes only the result, where the chain of ops writes several float32
+and integer temporaries.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import gguf
 import torch
 
+from . import kernels
 from .errors import Flux2Error
 
 QType = gguf.GGMLQuantizationType
@@ -240,11 +246,28 @@ _BLOCKS = {QType.Q8_0: _q8_0, QType.Q4_0: _q4_0, QType.Q4_1: _q4_1, QType.Q5_0: 
            QType.Q2_K: _q2_k, QType.Q3_K: _q3_k, QType.Q4_K: _q4_k, QType.Q5_K: _q5_k, QType.Q6_K: _q6_k}
 
 
-def dequantize(data: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+@functools.cache
+def blocks_kernel(qtype: QType, dtype: torch.dtype):
+    """The function blocks [n, bytes] uint8 -> values [n, block] in `dtype` of one quantized type: what
+    ``kernels.call`` compiles, once per type and dtype (n is symbolic: one graph serves every layer size)."""
+    blocks = _BLOCKS[qtype]
+
+    def dequantize_blocks(b: torch.Tensor) -> torch.Tensor:
+        return blocks(b).to(dtype)
+
+    dequantize_blocks.__name__ = f"dequantize_{qtype.name}_{str(dtype).removeprefix('torch.')}"
+    return dequantize_blocks
+
+
+def dequantize(data: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+               fused: bool = False) -> torch.Tensor:
     """data: the tensor's bytes (uint8 or int8, any shape with the right total, e.g. [rows, row_bytes] or a subset
     of an embedding table's rows) on any device -> the float32 values of `shape` (row-major, last dim innermost),
     cast once to `dtype`. F32 / F16 / BF16 also take their values as any float tensor of `shape`. Like Tensor.to,
-    the result may share memory with `data` when nothing needs converting (F32 bytes or values, as float32)."""
+    the result may share memory with `data` when nothing needs converting (F32 bytes or values, as float32).
+
+    ``fused``: a quantized type's blocks go through its compiled kernel where ``kernels`` has fused kernels on for
+    the data's device (the same values; worth its first-call compile for what runs at every step)."""
     q = _enum(qtype)
     shape = tuple(shape)
     check_supported(qtype, f"a tensor of shape {list(shape)}")
@@ -263,5 +286,8 @@ def dequantize(data: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.d
         raise Flux2Error(f"a {q.name} tensor of shape {list(shape)} takes {nbytes} bytes, but {data.numel()} were "
                          f"given; pass the whole tensor's data (or whole rows with their row count in `shape`).")
     b = data.view(torch.uint8).reshape(-1, gguf.GGML_QUANT_SIZES[q][1])
-    values = _from_le(b, FLOATS[q]).float() if q in FLOATS else _BLOCKS[q](b)
-    return values.reshape(shape).to(dtype)
+    if q in FLOATS:
+        return _from_le(b, FLOATS[q]).float().reshape(shape).to(dtype)
+    if fused:
+        return kernels.call(blocks_kernel(q, dtype), b).reshape(shape)
+    return _BLOCKS[q](b).reshape(shape).to(dtype)

@@ -1,7 +1,9 @@
 """GGUF weight storage: layers that keep a GGUF file's quantized blocks and dequantize them as they compute.
 
     GGMLLinear(in, out, qtype)        weight: uint8 [out, row bytes] (blocks along ``in``), dequantized to the input's
-                                      dtype at every call, then one matmul: memory holds the file's bytes, not floats
+                                      dtype at every call, then one matmul: memory holds the file's bytes, not floats.
+                                      The dequantization is one fused kernel per type where ``kernels.py`` has them on
+                                      (CUDA, CPU; FLUX2_NO_FUSED=1 turns them off), the chain of torch ops elsewhere
     GGMLEmbedding(vocab, dim, qtype)  weight: uint8 [vocab, row bytes]; a lookup dequantizes only the rows it reads
                                       (Qwen3's 151,936-row table stays as small as in the file)
 
@@ -21,7 +23,8 @@ from .storage.protocol import Storage, StoredLinear, census
 
 # Peak bytes per value while a layer's blocks are dequantized, besides the result in the compute dtype: the unpacked
 # integers and two float32 temporaries (ggml.dequantize computes in float32, then casts once). Measured (test_gguf):
-# 6.7 (Q4_0) to 10.7 (Q3_K) bytes beside a bf16 result.
+# 6.7 (Q4_0) to 10.7 (Q3_K) bytes beside a bf16 result. The fused kernel writes only the result, but the plain path
+# is its fallback, so the estimate stays the plain path's.
 DEQUANTIZE_BYTES_PER_VALUE = 11
 
 
@@ -48,7 +51,7 @@ class GGMLLinear(nn.Module, StoredLinear):
         """The weight as floats [out, in] (exact in float32; rounded once to other dtypes), with the adapters merged
         at run time (``weight_patch``)."""
         blocks = self.weight if device is None else self.weight.to(device, non_blocking=True)
-        weight = ggml.dequantize(blocks, self.qtype, (self.out_features, self.in_features), dtype)
+        weight = ggml.dequantize(blocks, self.qtype, (self.out_features, self.in_features), dtype, fused=True)
         return weight if self.weight_patch is None else self.weight_patch(weight)
 
     def merge_weight(self, patch) -> None:

@@ -1,5 +1,7 @@
 """GGML / GGUF dequantization (flux2_core/ggml.py) against gguf's own numpy reference, ``gguf.quants.dequantize``:
-equal to the bit in float32 for every supported type, and the reference rounded once in bf16.
+equal to the bit in float32 for every supported type, and the reference rounded once in bf16; through the plain torch
+ops and through the fused kernel (``fused=True``: the same code compiled, flux2_core/kernels.py), including blocks
+whose fp16 scales are extreme (the largest, the smallest normal and subnormal, zero, negative).
 
 The legacy types and the float types are quantized from random floats by ``gguf.quants.quantize``, so their bytes
 are what a converter writes. gguf cannot quantize the K-quants: their blocks are random bytes with the fp16 scales
@@ -15,8 +17,9 @@ import torch
 from gguf import quants
 
 from flux2_core.errors import Flux2Error
-from flux2_core.ggml import QUANTIZED, SUPPORTED, check_supported, dequantize, row_bytes, type_name
+from flux2_core.ggml import QUANTIZED, SUPPORTED, blocks_kernel, check_supported, dequantize, row_bytes, type_name
 from tests.device import DEVICE
+from tests.fused import fused_on, graphs, ran_fused  # noqa: F401 (fixtures)
 
 QT = gguf.GGMLQuantizationType
 FROM_FLOATS = [QT.Q8_0, QT.Q5_0, QT.Q5_1, QT.Q4_0, QT.Q4_1, QT.BF16, QT.F16, QT.F32]
@@ -47,8 +50,29 @@ def make_bytes(qtype, shape, seed: int = 0) -> np.ndarray:
     return (k_quant_bytes if qtype in K_QUANTS else honest_bytes)(qtype, shape, seed)
 
 
-def ours(raw: np.ndarray, qtype, shape, dtype=torch.float32) -> torch.Tensor:
-    return dequantize(torch.from_numpy(raw).to(DEVICE), qtype, shape, dtype).cpu()
+# fp16 scale fields of every quantized type (d, then m / dmin where the type has one) and extreme values for them:
+# the largest fp16, the smallest normal and subnormal, zeros, and negatives (dmin and m are meant to be >= 0, but a
+# dequantizer must not care)
+SCALE_FIELDS = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q5_0: (0,), QT.Q4_1: (0, 2), QT.Q5_1: (0, 2),
+                **{q: tuple(at for at in K_SCALES[q] if at is not None) for q in K_QUANTS}}
+EXTREME_SCALES = np.array([65504.0, -65504.0, 2.0 ** -14, 2.0 ** -24, -(2.0 ** -24), 0.0, -0.0, 1.0, -3.5,
+                           0.0078125], dtype=np.float16)
+
+
+def extreme_bytes(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks (every bit pattern of the integer fields is valid) whose fp16 scales cycle through
+    EXTREME_SCALES, each field of a block from another place of the cycle: uint8 [rows, row_bytes]."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for i, at in enumerate(SCALE_FIELDS[qtype]):
+        cycle = np.roll(EXTREME_SCALES, 3 * i)
+        blocks[:, at:at + 2] = np.resize(cycle, len(blocks)).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def ours(raw: np.ndarray, qtype, shape, dtype=torch.float32, fused=False) -> torch.Tensor:
+    return dequantize(torch.from_numpy(raw).to(DEVICE), qtype, shape, dtype, fused=fused).cpu()
 
 
 def reference(raw: np.ndarray, qtype) -> torch.Tensor:
@@ -64,6 +88,52 @@ def test_matches_gguf_exactly(qtype):
     assert torch.isfinite(ref).all()
     assert torch.equal(out, ref)
     assert torch.equal(ours(raw, qtype, (8, 512), torch.bfloat16), ref.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANTIZED), ids=type_name)
+def test_extreme_scales_match_gguf_exactly(qtype):
+    raw = extreme_bytes(qtype, 4, 2560)
+    ref = reference(raw, qtype)
+    assert torch.isfinite(ref).all() and (ref.abs() > 1e5).any() and (ref.abs() < 1e-6).any()
+    assert torch.equal(ours(raw, qtype, (4, 2560)), ref)
+    assert torch.equal(ours(raw, qtype, (4, 2560), torch.bfloat16), ref.to(torch.bfloat16))
+
+
+def fused_matches_gguf(qtype, dtype) -> None:
+    """The fused kernel (compiled on the device mode's device) over layers of three sizes, honest and extreme
+    blocks: gguf's values to the bit, rounded once to ``dtype``; one graph for all of them."""
+    before = graphs()
+    for rows, cols, raw in [(8, 512, make_bytes(qtype, (8, 512))), (3, 2560, extreme_bytes(qtype, 3, 2560)),
+                            (40, 768, make_bytes(qtype, (40, 768), seed=1))]:
+        out = ours(raw, qtype, (rows, cols), dtype, fused=True)
+        assert out.dtype == dtype and out.shape == (rows, cols)
+        assert torch.equal(out, reference(raw, qtype).to(dtype)), (rows, cols)
+    assert ran_fused(blocks_kernel(qtype, dtype), DEVICE)
+    assert graphs() - before == 1
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0], ids=type_name)
+@pytest.mark.usefixtures("fused_on")
+def test_fused_kernel_matches_gguf_exactly(qtype):
+    fused_matches_gguf(qtype, torch.bfloat16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("qtype", sorted(QUANTIZED), ids=type_name)
+@pytest.mark.usefixtures("fused_on")
+def test_fused_kernel_of_every_type_and_dtype_matches_gguf_exactly(qtype, dtype):
+    fused_matches_gguf(qtype, dtype)
+
+
+@pytest.mark.usefixtures("fused_on")
+def test_fused_kernel_is_off_unless_asked(monkeypatch):
+    """One-off dequantizations (loading, lookups) run the plain ops: no compile for what runs once."""
+    from flux2_core import kernels
+
+    monkeypatch.setattr(kernels, "call", lambda *a, **k: pytest.fail("compiled without fused=True"))
+    raw = make_bytes(QT.Q4_K, (2, 256))
+    assert torch.equal(ours(raw, QT.Q4_K, (2, 256)), reference(raw, QT.Q4_K))
 
 
 def test_every_supported_type_is_tested():

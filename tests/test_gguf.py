@@ -21,11 +21,12 @@ from flux2_core import rope, weights
 from flux2_core.adapters import read_adapter
 from flux2_core.autoencoder import AutoEncoder
 from flux2_core.errors import Flux2Error
-from flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear
+from flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear, gguf_types
 from flux2_core.patching import set_adapters
 from flux2_core.pipeline import Models, generate
 from flux2_core.tokenizer import build_qwen3_tokenizer
 from flux2_core.variants import VARIANTS, TransformerParams
+from tests.fused import fused_on, graphs, ran_fused  # noqa: F401 (fixtures)
 from tests.tiny.adapters import adapter_state_dict, lora_state_dict, random_lora
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder
 from tests.tiny.gguf import dit_types, encoder_types, hf_names, llama_cpp_names, qwen3_tokens, save_gguf
@@ -83,6 +84,30 @@ def test_dit_computes_what_its_dequantized_values_compute(tmp_path, qtype):
     assert state_bytes(model) < state_bytes(reference) * 0.6
     inputs = dit_inputs(params)
     assert rel_diff(run(model, inputs), run(reference, inputs)) <= BOUND
+
+
+@pytest.mark.usefixtures("fused_on")
+def test_fused_dequantization_leaves_a_forward_unchanged_with_one_graph_per_type(tmp_path, monkeypatch):
+    """A Q4_K file with its MLPs in Q6_K (as Q4_K_M files have some layers): the forward with the fused kernels
+    (flux2_core/kernels.py, on by default on the CPU) equals the plain ops' to the bit, at two image sizes, and the
+    model's layers of five different shapes compile one graph per type and dtype: two."""
+    from flux2_core import ggml, kernels
+
+    q4_k = dit_types(T.Q4_K)
+    path, _ = save_gguf(random_bfl_transformer_state_dict(WIDE, seed=6), tmp_path / "k-m.gguf",
+                        lambda name, shape: T.Q6_K if "mlp" in name and q4_k(name, shape) == T.Q4_K else q4_k(name, shape))
+    model, _ = weights.load_transformer(path, CPU, torch.float32)
+    assert gguf_types(model) == {"Q4_K": 3 + 4 + 2, "Q6_K": 4}
+    small, large = dit_inputs(WIDE), dit_inputs(WIDE, seed=2)
+    large = (torch.randn(1, 20, WIDE.in_channels), rope.image_ids(1, 4, 5), *large[2:])
+    monkeypatch.setenv(kernels.OFF_VARIABLE, "1")
+    plain = [run(model, small), run(model, large)]
+    monkeypatch.delenv(kernels.OFF_VARIABLE)
+    kernels.forget()
+    before = graphs()
+    assert torch.equal(run(model, small), plain[0]) and torch.equal(run(model, large), plain[1])
+    assert all(ran_fused(ggml.blocks_kernel(q, torch.float32), CPU) for q in (T.Q4_K, T.Q6_K))
+    assert graphs() - before == 2
 
 
 def test_sd_cpp_file_without_architecture_quantizing_every_matrix(tmp_path):
