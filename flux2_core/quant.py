@@ -9,8 +9,9 @@ place. The weight is cast to the compute dtype for each call and never kept so: 
 of 2 (bf16), and Klein 4B's blocks shrink from about 7.5 GB to 3.8 GB.
 
 On CUDA with ``fp8_matmul=True`` the matmul itself runs in fp8 (``torch._scaled_mm``, Hopper / Ada and newer): the
-activations are quantized per token on the fly, which is faster and changes results slightly. ``use_fp8_matmul``
-turns it on where the GPU supports it (the CLI's --fp8-matmul, the model loader node).
+activations are quantized per token on the fly (one fused kernel, ``kernels.py``; FLUX2_NO_FUSED=1 for the plain
+ops), which is faster and changes results slightly. ``use_fp8_matmul`` turns it on where the GPU supports it (the
+CLI's --fp8-matmul, the model loader node).
 
     quantize_transformer(model)                    # a loaded bf16 Flux2Transformer -> fp8 block weights, in place
     load_transformer(path, fp8=None)               # weights/loading.py: an fp8 file's layers stay fp8, with the file's scales
@@ -23,6 +24,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from . import kernels
 from .errors import Flux2Error
 from .linear import item_by_item, linear
 from .storage.protocol import StoredLinear, census, stored_linears
@@ -129,12 +131,24 @@ def _scaled_mm_ok(x: Tensor, w8: Tensor) -> bool:
             and x.shape[-1] % 16 == 0 and w8.shape[0] % 16 == 0)
 
 
+def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Activations rows [M, K] -> (x8 [M, K] e4m3, float32 scale [M, 1]) with max|x8| = 448 per row (token).
+
+    As a chain of torch ops that is five kernels reading or writing [M, K] (|x|, the row max, the division, the clamp,
+    the cast) with a float32 temporary; ``kernels.call`` compiles it into one (the row max, then the quantized row)
+    that reads x and writes x8 only, computing the same values (x / scale in float32, as here). The scale is the row
+    max times 1/448, not over 448: inductor turns a division by a constant into that product on GPUs, so writing it
+    so keeps the plain and compiled scales equal to the bit (they differ from max/448 by one rounding at most)."""
+    x_scale = (rows.abs().amax(dim=1, keepdim=True).float() * (1 / FP8_MAX)).clamp(min=1e-12)
+    return (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), x_scale
+
+
 def _fp8_matmul(x: Tensor, w8: Tensor, w_scale: Tensor) -> Tensor:
-    """fp8 x fp8 matmul of bf16 x [..., K]: x quantized per token (row-wise scales), w8 [N, K] with row-wise (or
-    broadcast) scales. Returns bf16 [..., N]."""
+    """fp8 x fp8 matmul of bf16 x [..., K]: x quantized per token (row-wise scales; one fused kernel where
+    ``kernels`` has them on), w8 [N, K] with row-wise (or broadcast) scales. Returns bf16 [..., N]."""
     rows = x.reshape(-1, x.shape[-1])                                          # [M, K]
-    x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)   # [M, 1]
-    x8 = (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    # M (tokens) and K (a layer's inputs: a few per model) symbolic: one compiled graph for every layer and size
+    x8, x_scale = kernels.call(quantize_rows, rows, dynamic=(0, 1))
     w_scale = w_scale.float().expand(w8.shape[0])[None, :].contiguous()        # [1, N]
     y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16,
                          use_fast_accum=True)

@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from flux2_core import rope
+from flux2_core import kernels, quant, rope
 from flux2_core.errors import Flux2Error
 from flux2_core.quant import FP8, Fp8Linear, count_fp8, dequantize_fp8, quantize_fp8, quantize_transformer
 from flux2_core.transformer import Flux2Transformer
 from flux2_core.weights import load_transformer
 from tests.device import DEVICE, DTYPE, assert_close, relative_error, to
+from tests.fused import fused_on, graphs, ran_fused  # noqa: F401 (fixtures)
 from tests.tiny.layouts import comfy_fp8, comfy_fp8_metadata, save_prefixed
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
 
@@ -311,3 +312,108 @@ def test_fp8_matmul_stays_off_where_this_torch_cannot_run_it(monkeypatch):
     assert not on and not model[0].fp8_matmul
     assert ("torch._scaled_mm with per-row scales fails on NVIDIA RTX 5090 with this torch "
             f"({torch.__version__}): CUDA error: operation not supported") in note
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp8 matmul's activation quantization as one fused kernel (flux2_core/kernels.py): the plain ops' values to the bit.
+# torch._scaled_mm runs on the CPU too (this torch), so the whole fp8 matmul path is checked here, the GPU's
+# `_on_cuda` gate faked; on a GPU the device mode runs the same tests there.
+# ---------------------------------------------------------------------------------------------------------------
+
+def fp8_matmul_runs_here() -> str | None:
+    """Why torch._scaled_mm with per-row scales cannot run on the device mode's device (None when it can)."""
+    if DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE) < (8, 9):
+        return "fp8 matmul needs compute capability 8.9 or newer"
+    try:
+        torch._scaled_mm(torch.ones(16, 16, device=DEVICE).to(FP8), torch.ones(16, 16, device=DEVICE).to(FP8).t(),
+                         scale_a=torch.ones(16, 1, device=DEVICE), scale_b=torch.ones(1, 16, device=DEVICE),
+                         out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as error:
+        return f"torch._scaled_mm does not run on {DEVICE.type} here: {str(error).splitlines()[0]}"
+    return None
+
+
+needs_scaled_mm = pytest.mark.skipif(fp8_matmul_runs_here() is not None, reason=str(fp8_matmul_runs_here()))
+
+
+def activations(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """bf16 [rows, cols] on DEVICE whose rows span 1e-4 to 1e4 in size; a zero row and a row of one spike."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-4, 4, rows)[:, None]
+    if rows > 2:
+        x[1] = 0
+        x[2] = 0
+        x[2, cols // 2] = -3e4
+    return x.bfloat16().to(DEVICE)
+
+
+def plain_then_fused(monkeypatch, compute):
+    """compute() with the fused kernels off (FLUX2_NO_FUSED), then on: (plain, fused)."""
+    monkeypatch.setenv(kernels.OFF_VARIABLE, "1")
+    kernels.forget()
+    plain = compute()
+    monkeypatch.delenv(kernels.OFF_VARIABLE)
+    kernels.forget()
+    return plain, compute()
+
+
+@pytest.mark.usefixtures("fused_on")
+def test_fused_activation_quantization_equals_the_plain_ops():
+    """Per token: the scale is the row's max |x| times 1/448 and every value within e4m3's rounding of x / scale,
+    the same bits as the plain ops, at every size from one graph (and one more for a single token)."""
+    before = graphs()
+    for rows, cols in [(64, 256), (7, 3072), (300, 96), (1, 512), (1, 64), (33, 1024)]:
+        x = activations(rows, cols, seed=rows)
+        x8, scale = kernels.call(quant.quantize_rows, x, dynamic=(0, 1))
+        plain8, plain_scale = quant.quantize_rows(x)
+        assert x8.dtype == FP8 and x8.shape == (rows, cols) and scale.shape == (rows, 1)
+        assert torch.equal(x8.view(torch.uint8), plain8.view(torch.uint8)) and torch.equal(scale, plain_scale)
+        expected_scale = (x.float().abs().amax(dim=1, keepdim=True) * (1 / 448)).clamp(min=1e-12)
+        assert torch.equal(scale, expected_scale)
+        assert (x8.float().abs().amax(dim=1) <= 448).all()
+        exact = x.float() / scale
+        assert ((x8.float() - exact).abs() <= E4M3_REL * exact.abs() + E4M3_ABS).all()
+    assert ran_fused(quant.quantize_rows, DEVICE)
+    assert graphs() - before == 2
+
+
+@needs_scaled_mm
+@pytest.mark.usefixtures("fused_on")
+def test_fp8_matmul_with_the_fused_quantizer_is_the_plain_one_within_the_activation_rounding(monkeypatch):
+    """One fp8 layer (fp8 matmul on, bf16 activations): the fused quantizer's output equals the plain ops' to the bit,
+    and both are within the rounding of the activations to e4m3 of the exact product with the fp8 weight."""
+    monkeypatch.setattr(quant, "_on_cuda", lambda x: True)
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(torch.nn.Linear(512, 256, bias=False), fp8_matmul=True).to(DEVICE)
+    x = activations(3 * 40, 512).reshape(3, 40, 512)
+    plain, fused = plain_then_fused(monkeypatch, lambda: layer(x))
+    assert ran_fused(quant.quantize_rows, DEVICE)
+    assert fused.dtype == torch.bfloat16 and fused.shape == (3, 40, 256) and torch.equal(fused, plain)
+    # |y - x w| <= sum_k |x̂_k - x_k| |w_k| + bf16's rounding of y, with |x̂ - x| <= 2^-4 |x| + 2^-10 scale (e4m3);
+    # float32 accumulation adds far less than the 0.1% margin
+    w = dequantize_fp8(layer.weight, layer.weight_scale).to(DEVICE)
+    xf = x.float().reshape(-1, 512)
+    scale = xf.abs().amax(dim=1, keepdim=True) / 448
+    exact = xf @ w.t()
+    bound = E4M3_REL * (xf.abs() @ w.abs().t()) + E4M3_ABS * scale * w.abs().sum(dim=1) + 2.0 ** -8 * exact.abs()
+    error = (fused.float().reshape(-1, 256) - exact).abs()
+    assert (error <= bound * 1.001).all()
+    assert error.max() > 0                                    # the activations really were rounded
+
+
+@needs_scaled_mm
+@pytest.mark.usefixtures("fused_on")
+def test_a_transformer_with_fp8_matmul_computes_the_same_with_the_fused_quantizer(monkeypatch):
+    """A whole forward, fp8 matmul in every block layer, one batch item (the modulations' single token: the
+    size-1 graph): equal to the bit to the plain quantizer's forward; two graphs for every layer."""
+    monkeypatch.setattr(quant, "_on_cuda", lambda x: True)
+    model = tiny_model(torch.bfloat16)
+    assert quantize_transformer(model, fp8_matmul=True)
+    inputs = [x.bfloat16() if x.is_floating_point() and x.ndim == 3 else x for x in tiny_inputs(batch=1)]
+    before = graphs()
+    with torch.no_grad():
+        plain, fused = plain_then_fused(monkeypatch, lambda: model(*inputs))
+    assert ran_fused(quant.quantize_rows, DEVICE)
+    assert torch.equal(fused, plain)
+    assert graphs() - before == 2
