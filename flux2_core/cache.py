@@ -108,6 +108,10 @@ class LRUCache:
             _, old = self.entries.popitem(last=False)
             self.nbytes -= self.size(old)
 
+    def clear(self) -> None:
+        self.entries.clear()
+        self.nbytes = 0
+
 
 # --- prompt embeddings ----------------------------------------------------------------------------------------------
 
@@ -184,6 +188,9 @@ class ReferenceKVCache:
             kv = model.reference_kv(ref, ref_ids)
             self.cache.put(key, kv)
         return kv
+
+    def clear(self) -> None:
+        self.cache.clear()
 
     def get_for_images(self, model, autoencoder, images, dtype: torch.dtype | None = None):
         """The ``ReferenceKV`` of reference images (PIL, any number), keyed by their pixels and both models' weights;

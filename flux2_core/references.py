@@ -204,3 +204,17 @@ def reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, 
         return None, None
     tokens = torch.cat([rope.pack(z) for z in items], dim=1)
     return tokens, rope.reference_ids([tuple(z.shape[-2:]) for z in items], device=tokens.device)
+
+
+def batched_reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """ComfyUI's ``ref_latents`` as its samplers batch them (each [1 or B, 128, h, w]: reference i of batch item b is
+    ``latents[i][b]``) -> tokens [1 or B, Lref, 128] and int64 ids [1, Lref, 4], reference i at t = 10 * (i + 1) as
+    in ``reference_tokens``; (None, None) for none."""
+    if not latents:
+        return None, None
+    batch = max(z.shape[0] for z in latents)
+    if any(z.shape[0] not in (1, batch) for z in latents):
+        raise Flux2Error(f"reference latents of batches {[z.shape[0] for z in latents]} cannot go together: each must "
+                         f"hold one latent or one per image of the batch")
+    tokens = torch.cat([rope.pack(z).expand(batch, -1, -1) for z in latents], dim=1)
+    return tokens, rope.reference_ids([tuple(z.shape[-2:]) for z in latents], device=tokens.device)

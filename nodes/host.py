@@ -44,6 +44,7 @@ from ..flux2_core.followers import FollowerGroup, TransformerSource
 from ..flux2_core.runtime import run_state
 from ..flux2_core.transformer import ReferenceKV
 from ..flux2_core.variants import Variant
+from .engine_model import Flux2KleinTransformer
 
 log = logging.getLogger("flux2_klein")
 
@@ -179,9 +180,10 @@ class Holder(nn.Module):
         self.module = module
 
 
-# One holder class per kind, so ComfyUI's log says "Requested to load Flux2KleinTransformer".
+# One holder class per kind, so ComfyUI's log says "Requested to load Flux2KleinTextEncoder"; a transformer's holder
+# is ComfyUI's FLUX.2 model around it (engine_model.py), which ComfyUI's samplers can drive too.
 HOLDERS = {kind: type(name, (Holder,), {}) for kind, name in [
-    ("transformer", "Flux2KleinTransformer"), ("text_encoder", "Flux2KleinTextEncoder"), ("ae", "Flux2KleinAE")]}
+    ("text_encoder", "Flux2KleinTextEncoder"), ("ae", "Flux2KleinAE")]}
 
 
 @dataclass
@@ -253,7 +255,9 @@ def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str =
         elif next(layer.children(), None) is None and next(layer.parameters(recurse=False), None) is not None:
             layer.register_forward_pre_hook(_follow_input)   # a leaf layer with parameters, e.g. an RMS norm
     load_device, offload_device = devices(kind)
-    patcher = comfy.model_patcher.ModelPatcher(HOLDERS[kind](module), load_device=load_device, offload_device=offload_device)
+    holder = (Flux2KleinTransformer(module, variant, dtype, offload_device) if kind == "transformer"
+              else HOLDERS[kind](module))
+    patcher = comfy.model_patcher.ModelPatcher(holder, load_device=load_device, offload_device=offload_device)
     return Managed(core, patcher, dtype, variant, full_load, fingerprint(module))
 
 

@@ -106,6 +106,10 @@ def test_lru_bounds_by_items_and_bytes():
     assert list(cache.entries) == ["c", "d"] and cache.nbytes == 70
     cache.put("huge", b"x" * 101)                         # larger than the whole budget: not stored
     assert "huge" not in cache
+    cache.clear()                                         # empty, and its byte count with it
+    assert len(cache) == 0 and cache.nbytes == 0
+    cache.put("e", b"x" * 100)                            # the whole budget is free again
+    assert "e" in cache and cache.nbytes == 100
 
 
 def tiny_model(seed: int) -> Flux2Transformer:

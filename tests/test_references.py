@@ -11,6 +11,7 @@ from PIL import Image
 from flux2_core.autoencoder import AutoEncoder
 from flux2_core.errors import Flux2Error
 from flux2_core.references import (
+    batched_reference_tokens,
     encode_references,
     image_to_tensor,
     pixel_cap,
@@ -130,3 +131,18 @@ def test_pixel_caps_and_tokens_of_batched_latents():
     assert torch.equal(tokens, expected) and ids[0, :, 0].tolist() == [10] * 6 + [20] * 6 + [30] * 4
     assert ids[0, 12:, 1:3].tolist() == [[0, 0], [1, 0], [2, 0], [3, 0]]                  # c's own (h, w) grid
     assert reference_tokens([]) == (None, None)
+
+
+def test_references_batched_as_comfyuis_samplers_batch_them():
+    """ComfyUI's samplers hand a model call ref_latents whose item b belongs to image b of the batch (its CONDList
+    joins conditionings item by item): each image gets the tokens reference_tokens gives for its own references,
+    single latents serve every image, and the ids are those of the references in order."""
+    g = torch.Generator().manual_seed(1)
+    first, second = torch.randn(2, 128, 2, 3, generator=g), torch.randn(1, 128, 4, 1, generator=g)
+    tokens, ids = batched_reference_tokens([first, second])
+    for b in range(2):
+        expected, expected_ids = reference_tokens([first[b:b + 1], second])
+        assert torch.equal(tokens[b:b + 1], expected) and torch.equal(ids, expected_ids)
+    assert batched_reference_tokens([]) == (None, None)
+    with pytest.raises(Flux2Error, match=r"batches \[2, 3\] cannot go together"):
+        batched_reference_tokens([first, torch.randn(3, 128, 2, 3)])

@@ -45,10 +45,15 @@ def import_pack(folder: Path):
 def placement(managed, ggml_layers) -> dict:
     """Where ComfyUI put the model's weights after a load to META, and what it counted."""
     patcher = managed.patcher
-    state = patcher.model.state_dict()
+    # a transformer's holder is ComfyUI's FLUX.2 model: its sampling's sigma table is no weight, and ComfyUI loads
+    # it with the model object, not layer by layer; the rest is ours
+    state = {k: v for k, v in patcher.model.state_dict().items() if not k.startswith("model_sampling.")}
     gguf = [m for m in patcher.model.modules() if isinstance(m, ggml_layers)]
     left = [m for m in gguf if m.weight.device == CPU]
-    return {"size": patcher.model_size(), "loaded": patcher.model.model_loaded_weight_memory,
+    sampling = getattr(patcher.model, "model_sampling", None)
+    sampling_bytes = 0 if sampling is None else sum(t.nbytes for t in sampling.state_dict().values())
+    return {"size": patcher.model_size() - sampling_bytes, "loaded": patcher.model.model_loaded_weight_memory,
+            "sampling_bytes": sampling_bytes,
             "lowvram": bool(patcher.model.model_lowvram),
             "bytes_moved": sum(t.nbytes for t in state.values() if t.device == META),
             "tensors_left": sum(t.device == CPU for t in state.values()),

@@ -144,6 +144,7 @@ def test_comfyui_loads_and_streams_gguf_layers_like_its_own(comfy):
     floats = [t for t in GGUFReader(transformer).tensors if GGMLQuantizationType(t.tensor_type) in FLOATS]
     fits = report["transformer_fits"]          # the file's blocks as they are, its other tensors in float32
     assert fits["size"] == sum(int(t.n_bytes) for t in blocks) + 4 * sum(int(t.n_elements) for t in floats)
+    assert fits["sampling_bytes"] == 4 * 10000     # beside them, ComfyUI's FLUX.2 sampling's sigma table
     assert fits["loaded"] == fits["bytes_moved"] == fits["size"] and fits["tensors_left"] == 0 and not fits["lowvram"]
     assert fits["gguf_moved"] == fits["gguf_layers"] == len(blocks)
 

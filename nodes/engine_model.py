@@ -1,0 +1,169 @@
+"""Our transformer as ComfyUI's own FLUX.2 model, so ComfyUI's samplers can drive it (FLUX.2 Klein to MODEL).
+
+ComfyUI samples a ``model_base.BaseModel``: its ``model_sampling`` (FLUX.2 flow matching, shift 2.02), its
+``extra_conds`` (the prompt padded to 512 tokens, the reference latents) and its ``apply_model``, which calls the
+``diffusion_model`` in the convention of ComfyUI's FLUX.2 model:
+
+    diffusion_model(x [B, 128, h, w], timestep [B] (the sigmas), context [B, L, C], y, guidance,
+                    ref_latents (list of [1 or B, 128, h', w']), control, transformer_options, **extra)
+        -> velocity [B, 128, h, w]
+
+``KleinModel`` is ComfyUI's FLUX.2 BaseModel with ``EngineCall`` as that diffusion model. EngineCall holds the
+engine's layers under the engine's own names, which are BFL's and so ComfyUI's (``diffusion_model.double_blocks.0.
+img_attn.qkv.weight``): what addresses a FLUX.2 model's weights by name (model management, ComfyUI's LoRA key maps)
+finds ours. Every transformer the loader makes lives in a KleinModel, so our Denoise node and ComfyUI's samplers
+share one ModelPatcher (the MODEL is a clone of it) and ComfyUI loads the weights once.
+
+``comfy_model`` makes the MODEL: a clone of that ModelPatcher carrying an ``EngineRun`` (the LoRAs of FLUX.2 Klein
+LoRA nodes and the compile mode, set before each model call as our Denoise node sets them). What ComfyUI's FLUX.2 model
+does and ours does not (its LoRA loaders' weight patches, which it would write into weights it cannot read: fp8 with
+scales, int8, GGUF blocks; ControlNets, attention masks, block or attention patches, other reference methods) is
+refused with a message rather than ignored. With nodes/host.py, the one module that talks to ComfyUI's internals.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import comfy.model_base
+import comfy.patcher_extension
+import comfy.supported_models
+import torch
+from torch import nn
+
+from ..flux2_core import memory, references, rope
+from ..flux2_core.cache import ReferenceKVCache
+from ..flux2_core.errors import Flux2Error
+from ..flux2_core.variants import Variant
+
+RUN = "flux2_klein_run"        # our key in transformer_options (and for our wrapper): the MODEL's EngineRun
+OTHER_MODEL = "use ComfyUI's own FLUX.2 model for it (Load Diffusion Model)"
+
+
+@dataclass(eq=False)
+class EngineRun:
+    """What a MODEL made by FLUX.2 Klein to MODEL runs with, carried to the diffusion model in transformer_options:
+    ``prepare`` (called before every model call: applies the FLUX.2 Klein LoRA nodes' adapters and the compile mode,
+    a no-op once they are set) and the 9B-KV reference K/V of the sampling under way."""
+
+    prepare: Callable[[], None]
+    model_key: tuple
+    kv: ReferenceKVCache = field(default_factory=lambda: ReferenceKVCache(max_items=1, max_bytes=None))
+
+    def __deepcopy__(self, memo):
+        return self          # ModelPatcher.clone deep-copies model_options: this stays one object, never the model
+
+
+class EngineCall(nn.Module):
+    """The engine's transformer called as ComfyUI calls its FLUX.2 model (see the module docstring)."""
+
+    def __init__(self, engine: nn.Module, variant: Variant, dtype: torch.dtype):
+        super().__init__()
+        self._modules = engine._modules      # the engine's layers under their own names: no "engine." prefix
+        object.__setattr__(self, "engine", engine)     # not a child: its layers are ours already
+        self.variant, self.dtype = variant, dtype     # ComfyUI's BaseModel.get_dtype reads ``dtype``
+
+    def forward(self, x, timestep, context, y=None, guidance=None, ref_latents=None, control=None,
+                transformer_options={}, **kwargs):
+        # through ComfyUI's DIFFUSION_MODEL wrappers (EasyCache ...), with the arguments in its FLUX.2 model's order
+        wrappers = comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL,
+                                                            transformer_options)
+        return comfy.patcher_extension.WrapperExecutor.new_class_executor(self.velocity, self, wrappers).execute(
+            x, timestep, context, y, guidance, ref_latents, control, transformer_options, **kwargs)
+
+    def velocity(self, x, timestep, context, y, guidance, ref_latents, control, transformer_options, **kwargs):
+        run = transformer_options.get(RUN)
+        if run is None:
+            raise Flux2Error("this FLUX.2 Klein model was sampled without FLUX.2 Klein to MODEL: connect the model "
+                             "through that node")
+        refuse_unsupported(control, transformer_options, kwargs)
+        run.prepare()
+        batch, _, h, w = x.shape
+        dtype, device = x.dtype, x.device                    # apply_model cast x to our dtype
+        ref, ref_ids = references.batched_reference_tokens(list(ref_latents or []))
+        ref_kv = None
+        if ref is not None:
+            ref, ref_ids = ref.to(device, dtype), ref_ids.to(device)
+            if self.variant.use_kv_cache:                    # 9B-KV: the references' K/V, once per sampling
+                ref_kv = run.kv.get(self.engine, ref, ref_ids, model_key=run.model_key)
+                ref = ref_ids = None
+        use_guidance = self.variant.params.use_guidance_embed and guidance is not None
+        v = self.engine(rope.pack(x), rope.image_ids(batch, h, w, device=device), timestep.to(dtype),
+                        context.to(device, dtype), rope.text_ids(batch, context.shape[1], device=device),
+                        guidance=guidance.to(device, dtype) if use_guidance else None,
+                        ref=ref, ref_ids=ref_ids, ref_kv=ref_kv)
+        return rope.unpack(v, h, w)
+
+
+def refuse_unsupported(control, transformer_options: dict, extra: dict) -> None:
+    """Flux2Error for what ComfyUI's FLUX.2 model would apply and ours cannot: never a result that silently lacks it."""
+    patches = transformer_options.get("patches", {})
+    refused = [what for what, present in [
+        ("a ControlNet", control is not None),
+        ("an attention mask (regional prompting)", extra.get("attention_mask") is not None),
+        ("a patch on the model's input (post_input)", bool(patches.get("post_input"))),
+        ("a patch replacing FLUX.2 blocks", bool(transformer_options.get("patches_replace", {}).get("dit"))),
+        ("an attention override", "optimized_attention_override" in transformer_options),
+        ("RoPE options", transformer_options.get("rope_options") is not None),
+        (f"the reference method {extra.get('ref_latents_method')!r} (FLUX.2 Klein references use 'index')",
+         extra.get("ref_latents_method", "index") != "index"),
+    ] if present]
+    if refused:
+        raise Flux2Error(f"a FLUX.2 Klein engine MODEL does not support {', '.join(refused)}: {OTHER_MODEL}, or "
+                         f"leave it out")
+
+
+class KleinModel(comfy.model_base.Flux2):
+    """ComfyUI's FLUX.2 model (sampling, conditioning, latent format: its own) with the engine's transformer."""
+
+    def __init__(self, engine: nn.Module, variant: Variant, dtype: torch.dtype, device: torch.device):
+        p = variant.params
+        config = comfy.supported_models.Flux2({
+            "image_model": "flux2", "in_channels": p.in_channels, "out_channels": p.in_channels, "patch_size": 1,
+            "hidden_size": p.hidden_size, "num_heads": p.num_heads, "depth": p.depth,
+            "depth_single_blocks": p.depth_single_blocks, "context_in_dim": p.context_in_dim,
+            "axes_dim": list(p.axes_dim), "theta": p.theta, "mlp_ratio": p.mlp_ratio,
+            "guidance_embed": p.use_guidance_embed})
+        super().__init__(config, device=device, unet_model=lambda **_: EngineCall(engine, variant, dtype))
+
+    def memory_required(self, input_shape, cond_shapes={}):
+        """The engine's estimate (memory.denoiser_memory) for ComfyUI's sampler: input_shape is the model batch
+        [n, 128, h, w] (ComfyUI doubles it for CFG); cond_shapes["ref_latents"] holds [1, 16, reference tokens] of
+        each conditioning that has references: a model call carries the largest."""
+        diffusion = self.diffusion_model
+        n, _, h, w = input_shape
+        ref_tokens = max((math.prod(shape[2:]) for shape in cond_shapes.get("ref_latents", [])), default=0)
+        return memory.denoiser_memory(diffusion.engine, diffusion.variant, n, h, w, diffusion.dtype,
+                                      ref_tokens=ref_tokens,
+                                      new_reference_kv=diffusion.variant.use_kv_cache and ref_tokens > 0)
+
+
+# ComfyUI's log names the model it loads by its class: "Requested to load Flux2KleinTransformer"
+Flux2KleinTransformer = type("Flux2KleinTransformer", (KleinModel,), {})
+
+
+def comfy_model(patcher, prepare: Callable[[], None], model_key: tuple):
+    """The MODEL for ComfyUI's samplers: a clone of ``patcher`` (a KleinModel's) that runs ``prepare`` before every
+    model call; ``model_key`` names the weights as loaded (for the 9B-KV reference K/V)."""
+    run = EngineRun(prepare, model_key)
+    model = patcher.clone()
+    model.model_options.setdefault("transformer_options", {})[RUN] = run
+    model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, RUN, partial(sample, run))
+    return model
+
+
+def sample(run: EngineRun, executor, *args, **kwargs):
+    """ComfyUI's OUTER_SAMPLE wrapper: refuse weight patches before the model loads; drop the sampling's 9B-KV
+    reference K/V after it."""
+    patcher = executor.class_obj.model_patcher
+    if patcher.patches:
+        raise Flux2Error(f"ComfyUI's LoRA loader (or another weight patch: {len(patcher.patches)} weights) does not "
+                         f"apply to a FLUX.2 Klein engine MODEL: put the LoRA on with FLUX.2 Klein LoRA before "
+                         f"FLUX.2 Klein to MODEL (every LoRA format, on fp8, int8 and GGUF models too)")
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        run.kv.clear()
