@@ -39,7 +39,7 @@ from PIL import Image
 from torch import Tensor
 
 from .errors import Flux2Error
-from .references import as_pil, center_crop_16
+from .references import as_pil, center_crop_16, grid_crop
 from .sampling import Velocity, add_noise
 
 AFTER_STEP = "after_step"        # diffusers: blend after each step, at the next sigma
@@ -156,8 +156,9 @@ def image_mask(mask, image: Image.Image, size: tuple[int, int]) -> tuple[Tensor,
 
 def latent_mask(mask: Tensor, batch: int, h: int, w: int) -> tuple[Tensor, str]:
     """(mask [1 or batch, 1, h, w] on the latent grid, a note or ""): ``mask`` [n, 1, H, W], [n, H, W] or [H, W]
-    with n 1 or ``batch``, values in [0, 1], at the image's pixel size (16h x 16w) or already on the grid (h x w);
-    another size of the same shape is resized with a note (``check_mask_size``), an empty mask of any size too."""
+    with n 1 or ``batch``, values in [0, 1], at the image's pixel size (16h x 16w), at its size before the crop to
+    the grid (cut as the image was: ``grid_crop``) or already on the grid (h x w); another size of the same shape is
+    resized with a note (``check_mask_size``), an empty mask of any size too."""
     if mask.ndim not in (2, 3, 4) or (mask.ndim == 4 and mask.shape[1] != 1):
         raise Flux2Error(f"a mask must be [H, W], [B, H, W] or [B, 1, H, W], got {list(mask.shape)}")
     mask = mask.reshape(-1, 1, *mask.shape[-2:]).float()
@@ -168,6 +169,11 @@ def latent_mask(mask: Tensor, batch: int, h: int, w: int) -> tuple[Tensor, str]:
         raise Flux2Error("a mask's values must be in [0, 1] (1 = repaint, 0 = keep); this one has values outside "
                          "(or NaN): use a greyscale mask image or ComfyUI's MASK type")
     size = (mask.shape[-1], mask.shape[-2])
+    if size != (w, h) and min(size) >= CELL and grid_crop(*size, "the mask")[2:] == (CELL * w, CELL * h):
+        # the size of the picture before it was centre-cropped to the grid (ComfyUI's VAE Encode and ours crop it):
+        # cut the mask the same way, so it stays on the same pixels (stretching it would shift them)
+        left, top, width, height = grid_crop(*size, "the mask")
+        mask, size = mask[..., top:top + height, left:left + width], (width, height)
     # an empty mask has no place to get wrong (ComfyUI's Load Image gives a 64 x 64 one for an image without alpha)
     fit = size == (w, h) or not bool(mask.any())
     note = "" if fit else check_mask_size(size, (CELL * w, CELL * h), "the latent's image")

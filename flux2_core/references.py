@@ -144,12 +144,17 @@ def grid_size(width: int, height: int, name: str) -> tuple[int, int]:
     return width // n * n, height // n * n
 
 
+def grid_crop(width: int, height: int, name: str) -> tuple[int, int, int, int]:
+    """(left, top, width, height) of the centre of a ``width`` x ``height`` picture on the 16-pixel grid: what every
+    picture keeps (``grid_size``), and where a mask of its size is cut to stay on the same pixels."""
+    new_w, new_h = grid_size(width, height, name)
+    return (width - new_w) // 2, (height - new_h) // 2, new_w, new_h
+
+
 def center_crop_16(image: Image.Image, name: str = "the image") -> Image.Image:
-    """``image`` centre-cropped to multiples of 16 (``grid_size``)."""
-    w, h = image.size
-    new_w, new_h = grid_size(w, h, name)
-    left, top = (w - new_w) // 2, (h - new_h) // 2
-    return image.crop((left, top, left + new_w, top + new_h))
+    """``image`` centre-cropped to multiples of 16 (``grid_crop``)."""
+    left, top, w, h = grid_crop(*image.size, name)
+    return image.crop((left, top, left + w, top + h))
 
 
 def pixel_cap(count: int) -> int:

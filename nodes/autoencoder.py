@@ -26,8 +26,7 @@ class AEEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, ae: host.Managed, image: torch.Tensor) -> io.NodeOutput:
-        width, height = references.grid_size(image.shape[2], image.shape[1], "the image to encode")
-        top, left = (image.shape[1] - height) // 2, (image.shape[2] - width) // 2
+        left, top, width, height = references.grid_crop(image.shape[2], image.shape[1], "the image to encode")
         pixels = image[:, top:top + height, left:left + width, :3].movedim(-1, 1) * 2 - 1    # [B, 3, H, W] in [-1, 1]
         ae.ready(memory.encode_bytes(ae.core, 1, height, width))
         with torch.no_grad():

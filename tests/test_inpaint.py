@@ -46,11 +46,28 @@ def test_a_mask_already_on_the_grid_is_used_as_it_is():
 
 
 def test_a_mask_of_the_same_shape_is_resized_with_a_note_and_another_shape_is_refused():
-    # a 1000x750 mask over an image cropped to 992x736 (62x46 cells): the same shape within a cell, resized
-    grid, note = inpaint.latent_mask(torch.ones(1, 1, 750, 1000), 1, 46, 62)
-    assert grid.shape == (1, 1, 46, 62) and "resized" in note and "1000x750" in note
+    # a 500x375 mask over an image cropped to 992x736 (62x46 cells): the same shape within a cell, resized
+    grid, note = inpaint.latent_mask(torch.ones(1, 1, 375, 500), 1, 46, 62)
+    assert grid.shape == (1, 1, 46, 62) and "resized" in note and "500x375" in note
     with pytest.raises(Flux2Error, match="another shape"):
         inpaint.latent_mask(torch.ones(1, 1, 1000, 750), 1, 46, 62)
+
+
+@pytest.mark.parametrize("width, height", [(1000, 750), (119, 400), (767, 1024), (1080, 2432)])
+def test_a_mask_at_the_size_of_the_image_before_its_crop_is_cut_as_the_image_was(width, height):
+    """ComfyUI's mask comes at the loaded picture's size, the latent from the picture centre-cropped to the 16-pixel
+    grid (1000x750 -> 992x736: 4 px off the left, 7 off the top): the mask is cut the same way, pixel for pixel
+    (a stroke at the crop's first column lands in the first cell), with no note; even far from square, where
+    stretching would have refused it as another shape."""
+    w, h = width // 16, height // 16
+    left, top = (width - 16 * w) // 2, (height - 16 * h) // 2
+    mask = torch.zeros(1, 1, height, width)
+    mask[..., top + 7:top + 9, left + 7:left + 9] = 1.0          # the centre of the crop's first cell
+    mask[..., :, :left] = 1.0                                     # outside the crop: must not reach the grid
+    grid, note = inpaint.latent_mask(mask, 1, h, w)
+    expected = torch.zeros(1, 1, h, w)
+    expected[..., 0, 0] = 1.0
+    assert note == "" and torch.equal(grid, expected)
     assert inpaint.check_mask_size((64, 48), (64, 48)) == ""
 
 
