@@ -381,8 +381,7 @@ def load_for_command(args, device, size: tuple[int, int]):
     import torch
 
     from .pipeline import apply_adapters, load_models, optimize_transformer
-    from .quant import use_fp8_matmul
-    from .storage.int8 import use_int8_matmul
+    from .storage.matmul import choose_matmuls
     from .storage.protocol import census
 
     offload, offload_blocks = encoder_offload(args), OFFLOAD[args.offload][1]
@@ -417,15 +416,13 @@ def load_for_command(args, device, size: tuple[int, int]):
     stored = [kind for kind in census(models.transformer) if kind != "float"]
     if stored:
         files["transformer_weights"] = "+".join(stored)          # e.g. "fp8", "Q4_K+Q6_K", "int8"
-    dtype = models.transformer.img_in.weight.dtype
-    fp8_matmul, note = use_fp8_matmul(models.transformer, YES_NO[args.fp8_matmul], models.device, dtype)
-    if note:
+    matmuls = choose_matmuls(models.transformer, models.device, models.transformer.img_in.weight.dtype,
+                             fp8=YES_NO[args.fp8_matmul])
+    for note in matmuls.notes:
         print(note, file=sys.stderr)
-        files["fp8_matmul"] = "on" if fp8_matmul else "off"
-    int8_matmul, note = use_int8_matmul(models.transformer, "auto", models.device, dtype)
-    if note:
-        print(note, file=sys.stderr)
-        files["int8_matmul"] = "on" if int8_matmul else "off"
+    for kind, on, note in (("fp8", matmuls.fp8, matmuls.fp8_note), ("int8", matmuls.int8, matmuls.int8_note)):
+        if note:
+            files[f"{kind}_matmul"] = "on" if on else "off"
     return models, files
 
 
@@ -500,8 +497,7 @@ def follow(args, sp) -> int:
     from . import parallel
     from .adapters import read_adapter
     from .patching import set_adapters
-    from .quant import use_fp8_matmul
-    from .storage.int8 import use_int8_matmul
+    from .storage.matmul import choose_matmuls
 
     if args.demo:
         from .demo import demo_transformer
@@ -526,8 +522,7 @@ def follow(args, sp) -> int:
     if args.lora:
         read = [(read_adapter(path, model.params), strength) for path, strength in map(lora_argument, args.lora)]
         set_adapters(model, [(patch, s) for a, s in read for patch in a.patches], merge=True if args.lora_merge else None)
-    use_fp8_matmul(model, YES_NO[args.fp8_matmul], sp.device, model.img_in.weight.dtype)
-    use_int8_matmul(model, "auto", sp.device, model.img_in.weight.dtype)
+    choose_matmuls(model, sp.device, model.img_in.weight.dtype, fp8=YES_NO[args.fp8_matmul])
     parallel.serve(model, sp)
     parallel.leave()
     return 0

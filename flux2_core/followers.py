@@ -57,8 +57,7 @@ class TransformerSource:
         return cls(str(path), dtype, fp8, variant, file_stamp(path), int8)
 
     def load(self, device: torch.device):
-        from .quant import use_fp8_matmul
-        from .storage.int8 import use_int8_matmul
+        from .storage.matmul import choose_matmuls
         from .weights import load_transformer
 
         if self.stamp and Path(self.path).is_file() and file_stamp(self.path) != self.stamp:
@@ -66,8 +65,7 @@ class TransformerSource:
                              f"different weights. Load the model again (in ComfyUI: Unload models, then run)")
         dtype = getattr(torch, self.dtype)
         model, _ = load_transformer(self.path, device, dtype, variant=self.variant, fp8=self.fp8, int8=self.int8)
-        use_fp8_matmul(model, "auto", device, dtype)          # as the driver's loader decides it
-        use_int8_matmul(model, "auto", device, dtype)
+        choose_matmuls(model, device, dtype)          # as the driver's loader decides it
         return model.eval()
 
 

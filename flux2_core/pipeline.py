@@ -77,7 +77,8 @@ from .references import (
 from .runtime import run_state
 from .sampling import add_noise, denoise, guidance_for, make_noise
 from .schedules import check_sigmas, check_strength, flux2_schedule, truncate_for_strength
-from .storage.int8 import quantize_blocks, use_int8_matmul
+from .storage.int8 import quantize_blocks
+from .storage.matmul import choose_matmuls
 from .storage.protocol import call_bytes
 from .text_encoder import PromptEmbeds, PromptEncoder
 from .transformer import Flux2Transformer, ReferenceKV
@@ -116,8 +117,8 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
 
     dtype: the transformer's and text encoder's (default bf16 on CUDA, float32 on CPU); the AE stays float32.
     fp8: the transformer's weight storage (``weights.load_transformer``: None keeps an fp8 file's fp8 layers, True
-    stores every block in fp8, False none); int8: every block in int8 instead (``storage/int8.py``; its int8 matmul
-    is turned on where it is the faster path). decoder: a decoder file (BFL's small decoder) that decodes instead of
+    stores every block in fp8, False none); int8: every block in int8 instead (``storage/int8.py``). fp8 and int8
+    layers multiply in 8 bits where that is the faster path on the device (``storage.matmul.choose_matmuls``). decoder: a decoder file (BFL's small decoder) that decodes instead of
     the autoencoder's own (``weights.load_autoencoder``). offload_encoder: where the text encoder is loaded to rest: True the
     CPU, False the device, "auto" (on CUDA) the CPU unless it fits beside the transformer with the working memory of
     a ``size`` (width, height) image to spare; it never visits the device before its first encode. offload_blocks
@@ -139,8 +140,7 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
                                              int8=int8)
     if not stream:
         device, dtype = model.img_in.weight.device, model.img_in.weight.dtype      # as the transformer resolved them
-    if int8:
-        use_int8_matmul(model, "auto", device, dtype)
+    choose_matmuls(model, device, dtype)          # the fastest matmuls of its fp8 / int8 layers on this device
     needed = memory.working_memory(chosen, size, dtype) + call_bytes(model, dtype)
     encoder = weights.load_text_encoder(text_encoder, cpu if device.type == "cuda" else device, dtype)
     weights.check_text_encoder_fits(chosen, encoder)
@@ -177,7 +177,8 @@ def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool = Fals
         quant.quantize_transformer(models.transformer)
     if int8:
         quantize_blocks(models.transformer, quant.in_blocks)
-        use_int8_matmul(models.transformer, "auto", models.device, models.transformer.img_in.weight.dtype)
+    if fp8 or int8:
+        choose_matmuls(models.transformer, models.device, models.transformer.img_in.weight.dtype)
     if compile:
         compiling.compile_blocks(models.transformer)
     return models

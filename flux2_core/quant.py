@@ -201,16 +201,16 @@ def use_fp8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch.
     if choice not in ("auto", True, False):
         raise Flux2Error(f"fp8 matmul must be 'auto', True or False, got {choice!r}")
     layers = [m for _, m in stored_linears(model) if m.kind == "fp8"]
-    reason = fp8_matmul_unsupported(device, dtype) if choice is not False else None
     if choice is True and not layers:
         raise Flux2Error("fp8 matmul needs fp8 weights: load an fp8 file, or store the blocks in fp8 (--fp8)")
+    if not layers:
+        return False, ""                     # nothing to decide: the device is not even asked
+    reason = fp8_matmul_unsupported(device, dtype) if choice is not False else None
     if choice is True and reason:
         raise Flux2Error(f"cannot use fp8 matmul: {reason}; leave it on auto to compute fp8 weights in {dtype}")
     on = choice is True or (choice == "auto" and reason is None)
     for layer in layers:
         layer.fp8_matmul = on
-    if not layers:
-        return False, ""
     name = str(dtype).removeprefix("torch.")
     return on, ("fp8 matmul: on" if on else
                 f"fp8 matmul: off ({reason or 'turned off'}); the fp8 weights compute in {name}")

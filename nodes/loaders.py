@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..flux2_core import quant, weights
+from ..flux2_core import weights
 from ..flux2_core.followers import TransformerSource
 from ..flux2_core.ggml_layers import gguf_types
-from ..flux2_core.storage.int8 import use_int8_matmul
+from ..flux2_core.storage.matmul import choose_matmuls
 from ..flux2_core.storage.protocol import census
 from . import host, types
 
@@ -72,10 +72,10 @@ class ModelLoader(io.ComfyNode):
         model, variant = weights.load_transformer(host.resolve("diffusion_models", model_name), offload_device, dtype,
                                                   fp8=fp8, int8=int8)
         kinds = census(model)
-        _, fp8_note = quant.use_fp8_matmul(model, "auto", load_device, dtype)
-        _, int8_note = use_int8_matmul(model, "auto", load_device, dtype)
+        matmuls = choose_matmuls(model, load_device, dtype)
         kind = "CFG" if variant.uses_cfg else "distilled"
-        stored = "".join(f"{kinds[k]} layers in {k} ({note}), " for k, note in (("fp8", fp8_note), ("int8", int8_note))
+        stored = "".join(f"{kinds[k]} layers in {k} ({note}), " for k, note in (("fp8", matmuls.fp8_note),
+                                                                                   ("int8", matmuls.int8_note))
                          if kinds.get(k))
         info = (f"{variant.name} ({kind}; defaults: {variant.default_steps} steps, cfg {variant.default_cfg}), "
                 f"{stored}{gguf_note(model)}{host.dtype_name(dtype)}")

@@ -1,2 +1,3 @@
-"""Weight storage: the protocol every storage class of a model's layers answers (``protocol.py``) and the int8 (W8A8)
-storage (``int8.py``); float, fp8 and GGUF storage are ``linear.py``, ``quant.py`` and ``ggml_layers.py``."""
+"""Weight storage: the protocol every storage class of a model's layers answers (``protocol.py``), the int8 (W8A8)
+storage (``int8.py``) and how 8-bit layers multiply (``matmul.py``); float, fp8 and GGUF storage are ``linear.py``,
+``quant.py`` and ``ggml_layers.py``."""

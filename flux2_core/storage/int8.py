@@ -139,6 +139,8 @@ def use_int8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch
     layers = [m for _, m in stored_linears(model) if m.kind == "int8"]
     if choice is True and not layers:
         raise Flux2Error("int8 matmul needs int8 weights: store the blocks in int8 (--int8)")
+    if not layers:
+        return False, ""                     # nothing to decide: the device is not even asked
     blocked = int8_matmul_blocked(device) if choice is True else None
     if blocked:
         raise Flux2Error(f"cannot use int8 matmul: {blocked}")
@@ -147,8 +149,6 @@ def use_int8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch
     narrow_stay = choice == "auto" and torch.device(device).type == "cpu"
     for layer in layers:
         layer.int8_matmul = on and not (narrow_stay and layer.in_features < INT8_CPU_MIN_INPUTS)
-    if not layers:
-        return False, ""
     name = str(dtype).removeprefix("torch.")
     narrow = sum(not layer.int8_matmul for layer in layers) if on else 0
     return on, ((f"int8 matmul: on (activations quantized per token)"
