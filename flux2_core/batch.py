@@ -15,8 +15,9 @@ thread of its own: its pictures are uploaded (uploads.py, once per server), the 
 websocket of its own, and its images are downloaded, checked to be whole and to be this prompt's (the workflow
 ComfyUI saves in a PNG must be the one sent), and published into the output folder together. A server that stops
 answering (queue_client.ServerUnreachable: no connection, or no answer to HTTP or to websocket pings within
-`server_timeout`) is dropped and its jobs go back in line for the others; any other failure fails that job alone,
-with a message naming the job and the server, and the batch goes on.
+`server_timeout`) is dropped and its jobs go back in line for the others, but a job on which LOST_SERVERS servers
+stopped answering fails instead (a job that crashes or hangs its server must not take down every server in turn);
+any other failure fails that job alone, with a message naming the job and the server, and the batch goes on.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from PIL import Image
 
-from .batch_jobs import BatchJob, PlannedJob, job_from_line, plan_jobs, read_batch
+from .batch_jobs import BatchJob, PlannedJob, job_from_line, parse_sets, plan_jobs, read_batch
 from .batch_progress import BatchProgress, duration
 from .errors import Flux2Error
 from .manifest import JobRecord, Manifest
@@ -43,16 +44,18 @@ from .queue_client import (
     ComfyClient,
     ServerError,
     ServerUnreachable,
+    check_workflow,
     file_name,
     follow_frames,
     load_workflow,
     note,
     parse_json,
     parse_server,
-    parse_value,
     shown,
 )
 from .uploads import parse_pairs, upload
+
+LOST_SERVERS = 2                 # a job whose server stopped answering this many times fails (see _schedule)
 
 
 @dataclass
@@ -129,7 +132,8 @@ class _Server:
 
 
 def check_servers(servers: Sequence[str]) -> list[str]:
-    """The servers' HOST:PORT, each once: one given twice (however it is written) is refused."""
+    """The servers as given (an https:// one must stay https), each once: one given twice (however it is written)
+    is refused."""
     seen = {}
     for server in servers:
         name = parse_server(server)[1]
@@ -139,7 +143,7 @@ def check_servers(servers: Sequence[str]) -> list[str]:
         seen[name] = server
     if not seen:
         raise Flux2Error("no --server given; give at least one HOST:PORT where ComfyUI listens")
-    return list(seen)
+    return list(seen.values())
 
 
 def made_by(server: str, prompt_id: str, image: dict, data: bytes, workflow: dict) -> None:
@@ -194,8 +198,9 @@ class BatchClient:
                  images: dict[str, str] | None = None, masks: dict[str, str] | None = None,
                  sets: dict[str, object] | None = None, seed: int | None = None,
                  progress: bool | BatchProgress | None = None, on_job=None):
-        self.workflow_name = workflow if isinstance(workflow, str) else ""
-        self.workflow = load_workflow(workflow) if isinstance(workflow, (str, os.PathLike)) else workflow
+        self.workflow_name = os.fspath(workflow) if isinstance(workflow, (str, os.PathLike)) else ""
+        self.workflow = load_workflow(workflow) if isinstance(workflow, (str, os.PathLike)) else check_workflow(
+            workflow, "the workflow given to BatchClient")
         self.servers = check_servers([servers] if isinstance(servers, str) else list(servers))
         if not (isinstance(per_server, int) and 1 <= per_server <= 64):
             raise Flux2Error(f"--per-server {per_server} must be a whole number from 1 to 64")
@@ -227,8 +232,8 @@ class BatchClient:
             records, pending = {}, deque()
             for job in planned:
                 record = manifest.finished(job.key)
-                if record is not None:
-                    records[job.key] = record
+                if record is not None:            # under this batch's id: a line added above it shifts the ids
+                    records[job.key] = replace(record, id=job.id, source=job.job.source)
                 else:
                     pending.append(job)
             skipped = len(records)
@@ -303,6 +308,7 @@ class BatchClient:
                   progress) -> None:
         results: queue.Queue = queue.Queue()
         running = 0
+        lost: dict[str, list[str]] = {}                # job key -> why each server it ran on stopped answering
         while pending or running:
             while pending:
                 server = self._pick(servers, running)
@@ -324,11 +330,18 @@ class BatchClient:
             server.summary.busy += seconds
             if isinstance(result, ServerUnreachable):
                 self._drop(server, result, progress)
-                server.summary.moved += 1
-                pending.appendleft(job)
-                if progress is not None:
-                    progress.requeued(job.id)
-                continue
+                lost.setdefault(job.key, []).append(str(result))
+                if len(lost[job.key]) < LOST_SERVERS:
+                    server.summary.moved += 1
+                    pending.appendleft(job)
+                    if progress is not None:
+                        progress.requeued(job.id)
+                    continue
+                result = JobRecord(job.id, job.key, "failed", [], server.summary.server,
+                                   f"{job.where}: {len(lost[job.key])} servers stopped answering while they ran it "
+                                   f"({'; '.join(lost[job.key])}); it may be what stops them (look in their logs); "
+                                   "it was not given to another. Run the batch again to retry it",
+                                   round(seconds, 3), job.job.source)
             if isinstance(result, Flux2Error):
                 said = str(result) if isinstance(result, ServerError) else f"ComfyUI at {server.summary.server}: " \
                                                                             f"{result}"
@@ -405,7 +418,7 @@ class BatchClient:
                 name = file_name(client.server, image)
                 data = client.download(image)
                 made_by(client.server, prompt_id, image, data, workflow)
-                staged.append((os.path.splitext(name)[1] or ".png", manifest.stage(data)))
+                staged.append(manifest.stage(data, os.path.splitext(name)[1] or ".png"))
             if manifest.ended.is_set():                # the batch was interrupted meanwhile: the next run redoes it
                 raise Flux2Error("the batch ended before this job did; nothing was written")
             files = manifest.publish(job.id, staged)
@@ -423,12 +436,7 @@ def batch_main(args) -> int:
     try:
         if args.batch and args.prompt:
             raise Flux2Error("give the prompts either in --batch FILE or as --prompt, not both")
-        sets = {}
-        for item in args.set:
-            target, eq, value = item.partition("=")
-            if not eq or "." not in target:
-                raise Flux2Error(f"--set {item!r} is not NODE.INPUT=VALUE (e.g. --set 12.steps=8)")
-            sets[target] = parse_value(value)
+        sets = parse_sets(args.set, "--set")
         jobs = read_batch(args.batch) if args.batch else [BatchJob(prompt=p, source=f"--prompt {shown(p, 40)}")
                                                           for p in args.prompt or [None]]
         client = BatchClient(args.workflow, args.server or ["127.0.0.1:8188"], args.out, per_server=args.per_server,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import Flux2Error
-from .queue_client import apply_overrides, shown
+from .queue_client import apply_overrides, parse_value, shown
 from .uploads import Picture, plan_pictures, set_picture
 
 KEYS = ("id", "prompt", "seed", "size", "images", "masks", "set")
@@ -101,8 +101,8 @@ def job_from_line(value, where: str, folder: Path) -> BatchJob:
             raise Flux2Error(f'{where}: "{key}" must map node ids to file paths, e.g. {{"10": "photo.png"}}')
         setattr(job, key, {str(node): str(folder / path) for node, path in files.items()})
     sets = value.get("set") or {}
-    if isinstance(sets, list) and all(isinstance(s, str) and "=" in s for s in sets):
-        sets = {s.partition("=")[0]: s.partition("=")[2] for s in sets}     # the --set form: "6.steps=8"
+    if isinstance(sets, list):
+        sets = parse_sets(sets, f'{where}: "set"')          # the --set form: ["6.steps=8"], read as --set is
     if not isinstance(sets, dict):
         raise Flux2Error(f'{where}: "set" must be {{"NODE.INPUT": value}} (e.g. {{"6.steps": 8}}) or a list of '
                          '"NODE.INPUT=VALUE"')
@@ -110,6 +110,18 @@ def job_from_line(value, where: str, folder: Path) -> BatchJob:
     if value.get("id") is not None:
         job.id = value["id"]
     return job
+
+
+def parse_sets(items, where: str) -> dict[str, object]:
+    """NODE.INPUT=VALUE items (--set, or a batch line's "set" list) -> {"NODE.INPUT": value}; a VALUE that parses as
+    JSON is that JSON (8 is a number), else the plain string."""
+    sets = {}
+    for item in items:
+        target, eq, value = item.partition("=") if isinstance(item, str) else ("", "", "")
+        if not eq or "." not in target:
+            raise Flux2Error(f"{where} {quoted(item)} is not NODE.INPUT=VALUE (e.g. 6.steps=8)")
+        sets[target] = parse_value(value)
+    return sets
 
 
 def read_batch(path: str) -> list[BatchJob]:

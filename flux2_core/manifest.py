@@ -2,8 +2,8 @@
 
     manifest = Manifest.open("edits/", "flux2-klein-edit.json")   # reads an earlier run's record; locks the folder
     manifest.finished(key)                 # the record of a job done before, when all its files are still there
-    staged = manifest.stage(data)          # an image, written to a hidden temp file
-    names = manifest.publish("0003", [(".png", staged)])    # renamed into place: 0003-1.png, never replacing a file
+    staged = manifest.stage(data, ".png")  # an image, written to a hidden temp file
+    names = manifest.publish("0003", [staged])    # renamed into place: 0003-1.png, never replacing a file
     manifest.record(JobRecord(...))        # manifest.json rewritten: temp file, then os.replace
 
 Nothing half-written ever carries an image's or the manifest's name: both are written under a hidden temp name
@@ -47,6 +47,14 @@ class JobRecord:
     error: str = ""
     seconds: float = 0.0
     source: str = ""
+
+
+@dataclass
+class Staged:
+    """An image in a hidden temp file of the folder, waiting to be published with the other images of its job."""
+
+    temp: str                    # the temp file's path
+    suffix: str                  # how its published name ends (".png")
 
 
 class Manifest:
@@ -145,21 +153,19 @@ class Manifest:
                              "folder's permissions") from None
         return temp
 
-    def stage(self, data: bytes) -> str:
+    def stage(self, data: bytes, suffix: str) -> Staged:
         """An image's bytes in a temp file, to be published with the job's other images."""
-        return self._temp(data)
+        return Staged(self._temp(data), suffix)
 
-    def publish(self, job_id: str, staged: list[tuple[str, str]]) -> list[str]:
-        """Rename the staged (suffix, temp path) files to <job_id>-1<suffix>, -2, ... (a name taken gets -1, -2
-        after it, as write_new does) -> the names used."""
-        names = []
-        for number, (suffix, temp) in enumerate(staged, start=1):
-            names.append(self._claim(f"{job_id}-{number}", suffix, temp))
-        return names
+    def publish(self, job_id: str, staged: list[Staged]) -> list[str]:
+        """Rename the staged files to <job_id>-1<suffix>, -2, ... (a name taken gets -1, -2 after it, as write_new
+        does) -> the names used."""
+        return [self._claim(f"{job_id}-{number}", image.suffix, image.temp)
+                for number, image in enumerate(staged, start=1)]
 
-    def discard(self, staged: list[tuple[str, str]]) -> None:
-        for _, temp in staged:
-            Path(temp).unlink(missing_ok=True)
+    def discard(self, staged: list[Staged]) -> None:
+        for image in staged:
+            Path(image.temp).unlink(missing_ok=True)
 
     def _claim(self, stem: str, suffix: str, temp: str) -> str:
         n = 0

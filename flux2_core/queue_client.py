@@ -50,6 +50,7 @@ SHOWN = 300                        # characters of a bad answer quoted in an err
 CONNECT_TIMEOUT = 30.0             # seconds to open a connection (--timeout is for answers, which can take long)
 CLOSE_TIMEOUT = 2.0                # seconds to wait for the server's half of a websocket close
 PREVIEW_IMAGE, TEXT, PREVIEW_WITH_METADATA = 1, 3, 4    # binary event types (ComfyUI's protocol.py)
+RECEIVING = "waiting for the prompt's messages on the websocket"
 FIX_CONNECTION = ("Is ComfyUI running? Check the address and port against the line ComfyUI prints at startup "
                   "('To see the GUI go to: http://127.0.0.1:8188'); to reach it from another machine, start ComfyUI "
                   "with --listen")
@@ -436,9 +437,36 @@ class WebSocket:
             heartbeat=self.client.heartbeat)
 
     def recv(self) -> str | bytes | None:
-        message = self.client._call("waiting for the prompt's messages on the websocket", self.ws.receive(), self.loop,
-                                    self.client.timeout)
+        message = self.client._call(RECEIVING, self._receive(), self.loop, self.client.timeout)
+        if message is None:
+            raise self._silence()
         return check_frame(self.client.server, message.type, message.data)
+
+    async def _receive(self) -> aiohttp.WSMessage | None:
+        """The next message, or None after `timeout` seconds without one. aiohttp's own receive timeout cannot be
+        used for this: it starts again at each pong of the heartbeat, so a server that answers pings but never
+        finishes the prompt would be waited on for ever."""
+        try:
+            return await asyncio.wait_for(self.ws.receive(), self.client.timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            return None
+
+    def _silence(self) -> ServerError:
+        """The error for `timeout` seconds without a message. With a heartbeat the server is asked (GET /prompt):
+        one that answers has a slow or stuck prompt, which fails that job alone (a batch keeps the server); one that
+        does not is unreachable. Without one, nothing tells the two apart."""
+        silent = network_error(self.client.server, self.client.timeout, RECEIVING, TimeoutError())
+        if self.client.heartbeat is None:
+            return silent
+        try:
+            self.client.request("/prompt")
+        except ServerUnreachable as e:
+            return e
+        except ServerError:
+            pass                       # an odd answer is an answer
+        return ServerError(self.client.server, f"{RECEIVING}: no message for {self.client.timeout:g} s, though the "
+                                               "server answers; is a step (or a model load) slower than that, or is "
+                                               "the prompt stuck? --timeout SECONDS waits longer")
 
     def close(self) -> None:
         if self.loop.is_closed():
@@ -526,10 +554,15 @@ def load_workflow(path: str) -> dict:
         raise Flux2Error(f"cannot read workflow {path}: {e.strerror or e}") from None
     except (ValueError, RecursionError) as e:          # not JSON, not UTF-8
         raise Flux2Error(f"workflow {path} is not a JSON file ({shown(str(e))})") from None
+    return check_workflow(workflow, path)
+
+
+def check_workflow(workflow, name: str) -> dict:
+    """`workflow` if it is an API-format prompt ({id: {class_type, inputs}}), else a Flux2Error naming `name`."""
     if not (isinstance(workflow, dict) and workflow and "nodes" not in workflow and all(
             isinstance(n, dict) and isinstance(n.get("class_type"), str) and isinstance(n.get("inputs"), dict)
             for n in workflow.values())):
-        raise Flux2Error(f"{path} is not an API-format workflow ({{id: {{class_type, inputs}}}}); "
+        raise Flux2Error(f"{name} is not an API-format workflow ({{id: {{class_type, inputs}}}}); "
                          "use its twin in workflows/api/, or export with 'Export (API)' in ComfyUI")
     return workflow
 

@@ -34,7 +34,8 @@ def picture_for(prompt: dict, index: int = 0) -> bytes:
 class FakeServer:
     """Knobs (attributes, changed by a test at any time): images (per prompt), steps, fail_seeds (seeds whose
     prompt ends in an execution error), upload_answer ((status, body) instead of the real answer), hang_after
-    (the prompt after whose answer it stops answering anything, see hang), swap (history of prompt n lists prompt n-1's images),
+    (the prompt after whose answer it stops answering anything, see hang), hang_seeds (seeds whose prompt makes it
+    stop answering so: a job that brings its server down), hung (it did), swap (history of prompt n lists prompt n-1's images),
     queue_remaining (what GET /prompt and the status messages say besides our own prompts), delay (seconds a
     prompt runs), cut_view (a name ending: its download is cut short)."""
 
@@ -43,6 +44,8 @@ class FakeServer:
         self.fail_seeds: set[int] = set()
         self.upload_answer = None
         self.hang_after: int | None = None
+        self.hang_seeds: set[int] = set()
+        self.hung = False
         self.swap = False
         self.queue_remaining = 0
         self.delay = 0.0
@@ -119,7 +122,10 @@ class FakeServer:
         body = await request.json()
         self.prompts.append(body["prompt"])
         prompt_id = f"p-{len(self.prompts)}"
-        if self.hang_after is not None and len(self.prompts) >= self.hang_after:
+        seeds = [node["inputs"].get("seed") for node in body["prompt"].values()]
+        if (self.hang_after is not None and len(self.prompts) >= self.hang_after
+                or any(seed in self.hang_seeds for seed in seeds)):
+            self.hung = True
             self.loop.call_later(0.05, time.sleep, 3600)               # answers this, then nothing more
         else:
             asyncio.ensure_future(self.run(body["client_id"], prompt_id, body["prompt"], len(self.prompts)))

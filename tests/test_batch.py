@@ -38,7 +38,7 @@ def fakes():
         return servers[-1]
     yield start
     for server in servers:
-        if server.hang_after is None:
+        if not server.hung:                  # a hung one cannot be stopped; its thread is a daemon
             server.stop()
 
 
@@ -177,6 +177,36 @@ def test_a_changed_job_or_a_lost_file_runs_again(fakes, tmp_path):
     assert [job.files for job in summary.jobs] == [["0001-1.png"], ["0002-1.png"], ["0003-1.png"]]
 
 
+def test_a_job_done_before_is_reported_under_its_id_in_this_batch(fakes, tmp_path):
+    """A line put before the others shifts their ids (0001 -> 0002): the jobs done before are still skipped, but the
+    summary gives each job its place in this batch, so no two jobs share an id in it."""
+    server = fakes()
+    client = BatchClient(WORKFLOW, server.address, str(tmp_path))
+    assert client.run([BatchJob(seed=1, source="line 1"), BatchJob(seed=2, source="line 2")]).ok
+    summary = client.run([BatchJob(seed=0, source="line 1"), BatchJob(seed=1, source="line 2"),
+                          BatchJob(seed=2, source="line 3")])
+    assert summary.ok and summary.skipped == 2 and len(server.prompts) == 3
+    assert [(job.id, job.source) for job in summary.jobs] == [("0001", "line 1"), ("0002", "line 2"),
+                                                             ("0003", "line 3")]
+    assert [job.files for job in summary.jobs] == [["0001-1-1.png"], ["0001-1.png"], ["0002-1.png"]]
+
+
+def test_set_in_a_batch_line_reads_values_as_the_set_option_does(fakes, tmp_path, capsys):
+    server = fakes()
+    batch = jobs_file(tmp_path, [{"seed": 1, "set": ["6.steps=8", "6.schedule=simple"]}, {"seed": 2}])
+    code, _, err = run_cli([str(EDIT), "--batch", str(batch), "--server", server.address, "--set", "6.rho=7.5",
+                            "--out", str(tmp_path / "out")], capsys)
+    assert code == 0, err
+    sent = {p["5"]["inputs"]["seed"]: p["6"]["inputs"] for p in server.prompts}
+    assert (sent[1]["steps"], sent[1]["schedule"], sent[1]["rho"]) == (8, "simple", 7.5)
+    assert (sent[2]["steps"], sent[2]["rho"]) == (4, 7.5)
+
+
+def test_a_workflow_given_as_a_dict_is_checked(tmp_path):
+    with pytest.raises(Flux2Error, match=r"the workflow given to BatchClient is not an API-format workflow"):
+        BatchClient({"1": {"inputs": {}}}, "127.0.0.1:8188", str(tmp_path)).run([BatchJob(prompt="a fox")])
+
+
 def test_an_interrupted_run_leaves_no_half_written_file(fakes, tmp_path):
     """A download that breaks after the first of a job's two images: nothing of that job is published, the temp
     file is gone; temp files left by a killed run are removed by the next one."""
@@ -228,8 +258,8 @@ def test_two_jobs_never_write_the_same_file(tmp_path):
     """Names are claimed without replacing: a file already there keeps its bytes, the job takes the next name."""
     (tmp_path / "0001-1.png").write_bytes(b"mine")
     manifest = manifest_module.Manifest.open(str(tmp_path))
-    names = [manifest.publish("0001", [(".png", manifest.stage(b"one"))]),
-             manifest.publish("0001", [(".png", manifest.stage(b"two"))])]
+    names = [manifest.publish("0001", [manifest.stage(b"one", ".png")]),
+             manifest.publish("0001", [manifest.stage(b"two", ".png")])]
     assert names == [["0001-1-1.png"], ["0001-1-2.png"]]
     assert [(tmp_path / n).read_bytes() for n in ("0001-1.png", "0001-1-1.png", "0001-1-2.png")] == \
         [b"mine", b"one", b"two"]
@@ -329,6 +359,47 @@ def test_when_every_server_is_gone_the_jobs_left_are_recorded_as_not_run(fakes, 
         [BatchJob(seed=1), BatchJob(seed=2)])
     assert [job.status for job in summary.jobs] == ["failed", "failed"]
     assert summary.jobs[1].error == f"job 0002: not run, no server left ({server.address} dropped)"
+
+
+def test_a_job_that_brings_servers_down_is_not_given_to_every_server(fakes, tmp_path):
+    """A job that stops each server it runs on (a size that crashes ComfyUI, a node that hangs it) fails after the
+    second such server, rather than going on to take down every server and leave the batch with none."""
+    servers = [fakes() for _ in range(3)]
+    for server in servers:
+        server.hang_seeds = {666}
+    summary = BatchClient(WORKFLOW, [s.address for s in servers], str(tmp_path), per_server=1,
+                          server_timeout=0.5).run([BatchJob(seed=666), *(BatchJob(seed=i) for i in range(1, 5))])
+    assert [job.status for job in summary.jobs] == ["failed", "done", "done", "done", "done"], summary.text()
+    assert sum(bool(s.dropped) for s in summary.servers) == 2
+    error = summary.jobs[0].error
+    assert error.startswith("job 0001: 2 servers stopped answering while they ran it (") and error.endswith(
+        "); it may be what stops them (look in their logs); it was not given to another. Run the batch again to "
+        "retry it")
+    assert sum(s.address in error for s in servers) == 2
+
+
+def test_a_slow_job_fails_alone_and_its_server_is_kept(fakes, tmp_path):
+    """No message for --timeout while the server answers its pings: the job is too slow (or stuck in ComfyUI), not
+    the server gone; the job fails, and the server is not dropped (which would hand the slow job to the next)."""
+    server = fakes(steps=1)
+    server.delay = 3.0                               # seconds before its one progress message
+    summary = BatchClient(WORKFLOW, server.address, str(tmp_path), per_server=1, timeout=1.0,
+                          server_timeout=0.2).run([BatchJob(seed=1), BatchJob(seed=2)])
+    assert summary.servers[0].dropped == "" and len(server.prompts) == 2, summary.text()
+    assert [job.error for job in summary.jobs] == [
+        f"job {n}: ComfyUI at {server.address}: waiting for the prompt's messages on the websocket: no message "
+        "for 1 s, though the server answers; is a step (or a model load) slower than that, or is the prompt stuck? "
+        "--timeout SECONDS waits longer" for n in ("0001", "0002")]
+
+
+def test_an_https_server_is_spoken_to_over_https(fakes, tmp_path):
+    """https:// is kept (it was cut to HOST:PORT, and the batch then spoke plain HTTP to it): here, to a server that
+    only speaks HTTP, the TLS handshake fails, and nothing is sent in the clear."""
+    server = fakes()
+    with pytest.raises(Flux2Error, match=rf"no server answers, nothing was queued:\n  ComfyUI at {server.address}: "
+                                         "GET /prompt: "):
+        BatchClient(WORKFLOW, [f"https://{server.address}"], str(tmp_path)).run([BatchJob(seed=1)])
+    assert server.prompts == []
 
 
 def test_no_server_answering_stops_the_batch_before_anything(tmp_path):
