@@ -253,8 +253,7 @@ class BatchClient:
             if progress is not None:
                 progress.close()
         finally:
-            manifest.ended.set()                       # a job still running publishes nothing now
-            manifest.close()
+            manifest.end()                             # a job still running publishes nothing now
         return BatchSummary([records[job.key] for job in planned], skipped, [s.summary for s in servers],
                             time.monotonic() - start, manifest.folder)
 
@@ -419,9 +418,7 @@ class BatchClient:
                 data = client.download(image)
                 made_by(client.server, prompt_id, image, data, workflow)
                 staged.append(manifest.stage(data, os.path.splitext(name)[1] or ".png"))
-            if manifest.ended.is_set():                # the batch was interrupted meanwhile: the next run redoes it
-                raise Flux2Error("the batch ended before this job did; nothing was written")
-            files = manifest.publish(job.id, staged)
+            files = manifest.publish(job.id, staged)   # refused if the batch was interrupted meanwhile
         except BaseException:
             manifest.discard(staged)
             raise

@@ -64,7 +64,7 @@ class Manifest:
         self.records: dict[str, JobRecord] = {}
         self.lock = threading.Lock()
         self._lock_file = None
-        self.ended = threading.Event()             # the batch writing here has ended (see batch.BatchClient.run)
+        self.ended = threading.Event()             # the batch writing here has ended (see end)
 
     @classmethod
     def open(cls, out: str, workflow: str = "") -> Manifest:
@@ -93,6 +93,14 @@ class Manifest:
             self._lock_file.close()
             raise Flux2Error(f"--out {out}: another batch is writing there now; wait for it to end, or give this "
                              "one another folder") from None
+
+    def end(self) -> None:
+        """The batch writing here has ended: publish refuses from now on (a job still running writes nothing; the
+        next run does it again), and the folder is unlocked. It waits for a publish under way, so that once it
+        returns nothing more lands in the folder."""
+        with self.lock:
+            self.ended.set()
+        self.close()
 
     def close(self) -> None:
         if self._lock_file is not None:
@@ -159,9 +167,12 @@ class Manifest:
 
     def publish(self, job_id: str, staged: list[Staged]) -> list[str]:
         """Rename the staged files to <job_id>-1<suffix>, -2, ... (a name taken gets -1, -2 after it, as write_new
-        does) -> the names used."""
-        return [self._claim(f"{job_id}-{number}", image.suffix, image.temp)
-                for number, image in enumerate(staged, start=1)]
+        does) -> the names used. Refused once the batch has ended (see end)."""
+        with self.lock:
+            if self.ended.is_set():
+                raise Flux2Error("the batch ended before this job did; nothing was written")
+            return [self._claim(f"{job_id}-{number}", image.suffix, image.temp)
+                    for number, image in enumerate(staged, start=1)]
 
     def discard(self, staged: list[Staged]) -> None:
         for image in staged:

@@ -239,6 +239,32 @@ def test_jobs_still_running_when_a_batch_is_interrupted_write_nothing(fakes, tmp
     assert [r["status"] for r in manifest_of(tmp_path).values()] == ["done"]
 
 
+def test_nothing_lands_in_the_folder_once_the_batch_has_ended(fakes, tmp_path, monkeypatch):
+    """The race behind the test above: a job that found the batch still running, then published after Ctrl-C had
+    ended it (its thread paused between the two), dropped files the manifest never lists. Publishing and ending now
+    exclude each other: once run() has stopped, nothing more is written."""
+    slow, fast = fakes(), fakes()
+    slow.delay = 0.5
+    publish = manifest_module.Manifest.publish
+
+    def paused(self, job_id, staged):
+        if job_id == "0002":                         # the fast job: past its last check, paused till the end
+            self.ended.wait(5)
+        return publish(self, job_id, staged)
+    monkeypatch.setattr(manifest_module.Manifest, "publish", paused)
+
+    class CtrlC(BatchProgress):
+        def ended(self, job_id, ok, images, text):
+            super().ended(job_id, ok, images, text)
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        BatchClient(WORKFLOW, [slow.address, fast.address], str(tmp_path), per_server=1,
+                    progress=CtrlC(0, io.StringIO(), tty=False)).run([BatchJob(seed=1), BatchJob(seed=2)])
+    time.sleep(0.5)
+    assert len(fast.history) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["0001-1.png", "manifest.json"]
+
+
 def test_a_half_written_manifest_never_replaces_the_last_one(tmp_path, monkeypatch):
     manifest = manifest_module.Manifest.open(str(tmp_path))
     manifest.record(manifest_module.JobRecord("a", "k1", "done", []))
