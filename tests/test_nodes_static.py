@@ -23,7 +23,8 @@ COMFY_MODULES = {"comfy", "comfy_api", "comfy_extras", "comfy_execution", "folde
                  "server", "execution", "node_helpers"}
 HOST_ONLY = COMFY_MODULES - {"comfy_api"}          # model management, folders, previews, model internals:
 HOSTS = {"host.py", "engine_model.py"}             # these two modules only
-CORE_NODES = {"LoadImage", "SaveImage", "SetLatentNoiseMask", "ImagePadForOutpaint"}   # ComfyUI nodes our workflows use
+CORE_NODES = {"LoadImage", "SaveImage", "SetLatentNoiseMask", "ImagePadForOutpaint", "KSampler",   # ComfyUI nodes
+              "EmptyFlux2LatentImage", "ConditioningZeroOut"}                                   # our workflows use
 VIRTUAL_NODES = {"MarkdownNote", "Note"}           # frontend-only nodes (not in the API format)
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
 LOADER_FOLDERS = {"model_name": "diffusion_models", "text_encoder_name": "text_encoders", "ae_name": "vae"}
@@ -159,7 +160,7 @@ def flat(ui: dict) -> tuple[dict, list]:
 
 def test_ui_and_api_workflows_pair_up():
     api = sorted((ROOT / "workflows" / "api").glob("*.json"))
-    assert len(UI_FILES) == 16
+    assert len(UI_FILES) == 17
     assert [p.name for p in UI_FILES] == [p.name for p in api]
     for path in UI_FILES:                  # the template browser lists workflows/*.json: UI files only
         assert "nodes" in json.loads(path.read_text()), f"{path.name} is not a UI workflow"

@@ -61,9 +61,11 @@ SIZES = {"Flux2KleinModelLoader": (280, 82), "Flux2KleinTextEncoderLoader": (280
          "Flux2KleinNoise": (220, 154), "Flux2KleinScheduler": (220, 150), "Flux2KleinDenoise": (260, 182),
          "Flux2KleinAEDecode": (220, 46), "Flux2KleinAEEncode": (220, 46), "Flux2KleinReference": (240, 66),
          "LoadImage": (260, 300), "SaveImage": (280, 340), "MarkdownNote": (280, 300), "SetLatentNoiseMask": (220, 46),
-         "ImagePadForOutpaint": (220, 174)}
-STAGES = {"load": "Load models", "lora": "LoRA", "image": "Input image", "references": "Reference images",
-          "prompt": "Prompt", "noise": "Noise and schedule", "denoise": "Denoise", "decode": "Decode and save"}
+         "ImagePadForOutpaint": (220, 174), "Flux2KleinToModel": (300, 26), "ConditioningZeroOut": (200, 26),
+         "EmptyFlux2LatentImage": (270, 106), "KSampler": (315, 262)}
+STAGES = {"load": "Load models", "lora": "LoRA", "model": "To MODEL", "image": "Input image",
+          "references": "Reference images", "prompt": "Prompt", "noise": "Noise and schedule", "denoise": "Denoise",
+          "decode": "Decode and save"}
 COLUMNS = {"load": 0, "prompt": 340, "noise": 340}         # x of the stages that every workflow places alike
 GROUP_COLOR = "#3f789e"
 AE_LANE = 400                # the autoencoder loader's y: its link to the decoder runs level at this height
@@ -273,6 +275,35 @@ WORKFLOWS = {
         | sampler((14, 0), latent=(12, 0), noise_latent=(11, 0), noise_at=(870, 690), scheduler_at=(870, 890),
                   scheduler_latent=(11, 0), denoise_x=1050),
         "note_at": (1360, 800), "note_size": (520, 300)},
+    "flux2-klein-ksampler": {
+        "title": "Text to image with ComfyUI's KSampler",
+        "what": "Makes an image from a prompt with the distilled FLUX.2 Klein 4B on this pack's engine, sampled by "
+                "ComfyUI's own KSampler: FLUX.2 Klein to MODEL hands the model to ComfyUI as a MODEL (euler, simple "
+                "schedule, 4 steps, cfg 1).",
+        "details": "For ComfyUI's samplers, schedulers and sampling patches on the engine, with its storage (fp8, "
+                   "int8, GGUF): pick any sampler and scheduler in the KSampler, swap it for SamplerCustomAdvanced "
+                   "and a guider, or put a patch such as EasyCache between FLUX.2 Klein to MODEL and the sampler. "
+                   "Keep cfg at 1 for distilled models: ComfyUI runs classifier-free guidance whenever cfg is not 1, "
+                   "distilled models included (twice the model calls, and a picture the model was not trained "
+                   "for). At cfg 1 the KSampler skips its negative, so the Negative (zeroed) node, ComfyUI's "
+                   "ConditioningZeroOut, fills that socket, as in ComfyUI's own FLUX.2 Klein templates; for a base "
+                   "model with cfg above 1, connect a FLUX.2 Klein Prompt Encode there instead (empty, or what to "
+                   "avoid). Put LoRAs on with FLUX.2 Klein LoRA nodes between the model loader and FLUX.2 Klein to "
+                   "MODEL: ComfyUI's LoRA loaders on this MODEL are refused. The output size is the Empty Flux 2 "
+                   "Latent's width and height.",
+        # the MODEL conversion in its own group on the model lane (as the LoRA node sits), the zeroed negative right
+        # of the prompt, and the empty latent below it, right under the KSampler: its link climbs in the gap before
+        # the KSampler, clear of the negative
+        "nodes": loaders("flux-2-klein-4b.safetensors")
+        | {11: Node("Flux2KleinToModel", {"model": (1, 0)}, "model", (COLUMNS["prompt"], 0))}
+        | prompt("A red fox sitting in fresh snow at dawn, soft golden light, photorealistic, shallow depth of field")
+        | {10: Node("ConditioningZeroOut", {"conditioning": (4, 0)}, "prompt", (760, 250), "Negative (zeroed)"),
+           12: Node("EmptyFlux2LatentImage", {"width": 1024, "height": 1024, "batch_size": 1}, "noise", (700, 560)),
+           7: Node("KSampler", {"model": (11, 0), "positive": (4, 0), "negative": (10, 0), "latent_image": (12, 0),
+                                "seed": 42, "steps": 4, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
+                                "denoise": 1.0}, "denoise", (1040, 0)),
+           8: Node("Flux2KleinAEDecode", {"ae": (3, 0), "latent": (7, 0)}, "decode", (1405, AE_LANE)),
+           9: Node("SaveImage", {"images": (8, 0), "filename_prefix": "flux2-klein"}, "decode", (1665, AE_LANE))}},
 }
 
 # --- the compact workflows: a stage-by-stage workflow with its inner stages packed into one subgraph node ----------
