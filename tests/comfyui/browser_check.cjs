@@ -216,8 +216,9 @@ async function inPage({ prompts }) {   // runs in the page: it sees only its arg
     await page.evaluate(() => window.app.extensionManager.command.execute("Comfy.BrowseTemplates"));
     await page.getByText(pack, { exact: true }).first().click();
     await page.waitForSelector("[role=dialog] img[alt]");
-    const cards = {};                           // the grid draws the cards in view: scroll through it
-    for (let seen = -1; Object.keys(cards).length > seen;) {
+    const cards = {};                           // the grid draws the cards in view: scroll through it, until two
+    for (let seen = -1, idle = 0; idle < 2;) {  // scrolls in a row show no new card (one may end short of a row)
+      idle = Object.keys(cards).length > seen ? 0 : idle + 1;
       seen = Object.keys(cards).length;
       await page.waitForFunction(() => [...document.querySelectorAll("[role=dialog] img[alt]")]
         .every((i) => i.complete && (i.src.startsWith("blob:") || i.src.endsWith(".png"))), null, { timeout: 10000 })
