@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from flux2_core.variants import FLUX2_AE, KLEIN_4B, KLEIN_9B, AutoEncoderParams, TransformerParams
 
-OURS_OPTIONS = ("ours_fp8", "ours_int8", "ours_compile", "ours_compile_decoder", "ours_gguf", "ours_no_kitchen")
+OURS_OPTIONS = ("ours_fp8", "ours_int8", "ours_compile", "ours_compile_decoder", "ours_gguf", "ours_no_kitchen",
+                "ours_no_fused")
 PROMPT = "A red fox standing in fresh snow at dawn, soft golden light, detailed fur, shallow depth of field"
 
 
@@ -516,6 +517,9 @@ def main(argv=None) -> None:
     ap.add_argument("--ours-compile-decoder", action="store_true", help="ours: torch.compile the AE's decoder")
     ap.add_argument("--ours-no-kitchen", action="store_true",
                     help="ours: without comfy-kitchen's kernels (the plain torch path everywhere: FLUX2_NO_KITCHEN)")
+    ap.add_argument("--ours-no-fused", action="store_true",
+                    help="ours: without the fused kernels of GGUF dequantization and fp8 activation quantization "
+                         "(plain torch ops: FLUX2_NO_FUSED)")
     ap.add_argument("--ours-gguf", choices=GGUF_TYPES, help="ours: the transformer from a GGUF of this type (written "
                     "once from the same weights: Q8_0/Q4_0 quantized, K-quants random blocks: speed, not accuracy)")
     ap.add_argument("--compile-backend", default="inductor",
@@ -530,6 +534,8 @@ def main(argv=None) -> None:
     if args.worker:
         if args.ours_no_kitchen:
             os.environ["FLUX2_NO_KITCHEN"] = "1"
+        if args.ours_no_fused:
+            os.environ["FLUX2_NO_FUSED"] = "1"
         args.config = args.config[0]
         args.size = args.size or CONFIGS[args.config].size
         return kv_worker(args) if args.worker == "ours-kv" else worker(args)

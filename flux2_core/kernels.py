@@ -11,10 +11,10 @@ needs none of it: inductor fuses the same plain ops there itself, so inside a co
 Where: on CUDA where Triton is installed (inductor's code generator for GPUs), and on the CPU (inductor writes C++;
 it needs a C++ compiler at run time), both by default. ``FLUX2_NO_FUSED=1`` in the environment turns it off. The
 log says once per device type whether they are used and why not; each kernel logs its first compile and its time.
-Should a compile fail (no C++ compiler, a Triton error), the device type runs plain torch from then on, with a
-warning that says why.
+Should a kernel fail (no C++ compiler, a Triton error, a recompile past dynamo's limit), that call and every later
+one on the device type run plain torch, with a warning that says why.
 
-Cost, bounded: the first call of each function on a device type compiles it, with the ``dynamic`` dims symbolic so
+Cost, bounded: the first call of each function on a device compiles it, with the ``dynamic`` dims symbolic so
 that every layer size reuses one graph (two where a dynamic dim is 1: dynamo specializes size 1). On the CPU of this
 project's machine that took about 10 s for the first kernel of a process (inductor starting) and about 1 s for each
 further one; inductor caches them on disk, so a later process mostly loads them.
@@ -37,9 +37,9 @@ OFF_VARIABLE = "FLUX2_NO_FUSED"
 
 # device type -> None (fused kernels used there) or why not; decided at the first call on that device type
 _decided: dict[str, str | None] = {}
-# (fn, device type) -> its compiled twin; keys whose kernel has run once (compiled without error)
-_compiled: dict[tuple[Callable, str], Callable] = {}
-_proven: set[tuple[Callable, str]] = set()
+# (fn, device) -> its compiled twin; keys whose kernel has run (compiled without error)
+_compiled: dict[tuple[Callable, torch.device], Callable] = {}
+_proven: set[tuple[Callable, torch.device]] = set()
 
 
 def unavailable(device_type: str) -> str | None:
@@ -94,12 +94,13 @@ def eager_numerics() -> dict[str, bool]:
     return {f"eager_numerics.{name}": True for name in ("division_rounding", "disable_ftz") if hasattr(numerics, name)}
 
 
-def compiled(fn: Callable, device_type: str) -> Callable:
-    """The compiled twin of ``fn`` for ``device_type`` (made once, compiled at its first call)."""
-    key = (fn, device_type)
+def compiled(fn: Callable, device: torch.device) -> Callable:
+    """The compiled twin of ``fn`` for ``device`` (made once, compiled at its first call). One per device, not per
+    device type: dynamo guards on the device index, so GPUs sharing one code object would share its recompile limit."""
+    key = (fn, device)
     if key not in _compiled:
-        _compiled[key] = torch.compile(own_code(fn, f"{fn.__name__}_{device_type}"), fullgraph=True,
-                                       options=eager_numerics())
+        name = f"{fn.__name__}_{device.type}{'' if device.index is None else device.index}"
+        _compiled[key] = torch.compile(own_code(fn, name), fullgraph=True, options=eager_numerics())
     return _compiled[key]
 
 
@@ -112,22 +113,23 @@ def call(fn: Callable[[torch.Tensor], object], x: torch.Tensor, dynamic: tuple[i
     # empty x (the 9B-KV reference pass has no text tokens): nothing to gain, and no graph specialized for size 0
     if torch.compiler.is_compiling() or not x.numel() or unavailable(device_type):
         return fn(x)
-    key = (fn, device_type)
+    key = (fn, x.device)
     for dim in dynamic:
         torch._dynamo.maybe_mark_dynamic(x, dim)
-    if key in _proven:
-        return compiled(fn, device_type)(x)
     start = time.perf_counter()
     try:
-        out = compiled(fn, device_type)(x)
+        out = compiled(fn, x.device)(x)
     except torch.OutOfMemoryError:
         raise
-    except Exception as error:  # noqa: BLE001 (no C++ compiler, a Triton or inductor error: plain torch from now on)
+    # no C++ compiler, a Triton or inductor error, a recompile past dynamo's limit: plain torch from now on (an error
+    # of fn itself comes again from the plain call)
+    except Exception as error:  # noqa: BLE001
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        _decided[device_type] = f"compiling {fn.__name__} failed ({type(error).__name__}: {first})"
+        _decided[device_type] = f"the compiled {fn.__name__} failed ({type(error).__name__}: {first})"
         log.warning("FLUX.2 Klein: fused kernels not used on %s from now on, plain torch instead: %s", device_type,
                     _decided[device_type])
         return fn(x)
-    _proven.add(key)
-    log.info("FLUX.2 Klein: %s compiled for %s in %.1f s", fn.__name__, device_type, time.perf_counter() - start)
+    if key not in _proven:
+        _proven.add(key)
+        log.info("FLUX.2 Klein: %s compiled for %s in %.1f s", fn.__name__, x.device, time.perf_counter() - start)
     return out

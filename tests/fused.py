@@ -35,5 +35,6 @@ def graphs() -> int:
 
 
 def ran_fused(fn, device: torch.device) -> bool:
-    """Whether ``fn`` has run as its compiled kernel on ``device``'s type since the last ``kernels.forget``."""
-    return (fn, device.type) in kernels._proven
+    """Whether ``fn`` has run as its compiled kernel on a device of ``device``'s type since the last
+    ``kernels.forget``."""
+    return any(key == fn and ran_on.type == device.type for key, ran_on in kernels._proven)

@@ -78,7 +78,7 @@ def test_off_runs_the_plain_function_and_says_why_once(monkeypatch, caplog):
 @pytest.mark.usefixtures("fused_on")
 def test_on_the_log_says_so_once_and_each_kernel_its_compile(monkeypatch, caplog):
     """The compile itself is replaced by the plain function here (the slow tests compile for real)."""
-    monkeypatch.setattr(kernels, "compiled", lambda fn, device_type: fn)
+    monkeypatch.setattr(kernels, "compiled", lambda fn, device: fn)
     x = torch.randn(4, 8)
     with caplog.at_level(logging.INFO, logger="flux2_klein"):
         for _ in range(3):
@@ -94,7 +94,7 @@ def test_on_the_log_says_so_once_and_each_kernel_its_compile(monkeypatch, caplog
 def test_a_failed_compile_falls_back_for_the_device_type_with_a_warning(monkeypatch, caplog):
     tries = []
 
-    def no_compiler(fn, device_type):
+    def no_compiler(fn, device):
         def broken(x):
             tries.append(fn)
             raise RuntimeError("Failed to find a C++ compiler\nmore detail")
@@ -107,9 +107,31 @@ def test_a_failed_compile_falls_back_for_the_device_type_with_a_warning(monkeypa
         assert torch.equal(kernels.call(applying(torch.neg), x), 1 - x)     # another kernel: not tried again
     assert len(tries) == 1
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == [("FLUX.2 Klein: fused kernels not used on cpu from now on, plain torch instead: compiling "
+    assert warnings == [("FLUX.2 Klein: fused kernels not used on cpu from now on, plain torch instead: the compiled "
                          "row_scaled failed (RuntimeError: Failed to find a C++ compiler)")]
-    assert kernels.unavailable("cpu").startswith("compiling row_scaled failed")
+    assert kernels.unavailable("cpu").startswith("the compiled row_scaled failed")
+
+
+@pytest.mark.usefixtures("fused_on")
+def test_a_later_failure_falls_back_too(monkeypatch, caplog):
+    """A kernel that compiled once and fails later (a recompile past dynamo's limit, say) does not stop a generation:
+    that call and the later ones run plain."""
+    calls = []
+
+    def fails_second_time(x):
+        calls.append(x.shape)
+        if len(calls) > 1:
+            raise RuntimeError("recompile limit hit")
+        return row_scaled(x)
+
+    monkeypatch.setattr(kernels, "compiled", lambda fn, device: fails_second_time)
+    x, y = torch.randn(4, 8), torch.randn(5, 8)
+    with caplog.at_level(logging.INFO, logger="flux2_klein"):
+        assert torch.equal(kernels.call(row_scaled, x), row_scaled(x))
+        assert torch.equal(kernels.call(row_scaled, y), row_scaled(y))
+        assert torch.equal(kernels.call(row_scaled, x), row_scaled(x))
+    assert len(calls) == 2
+    assert "plain torch instead: the compiled row_scaled failed (RuntimeError: recompile limit hit)" in caplog.text
 
 
 @pytest.mark.usefixtures("fused_on")
@@ -117,7 +139,7 @@ def test_out_of_memory_is_not_taken_for_a_failed_compile(monkeypatch):
     def out_of_memory(x):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(kernels, "compiled", lambda fn, device_type: out_of_memory)
+    monkeypatch.setattr(kernels, "compiled", lambda fn, device: out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         kernels.call(row_scaled, torch.randn(4, 8))
     assert kernels.unavailable("cpu") is None
