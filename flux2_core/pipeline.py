@@ -75,8 +75,9 @@ from .references import (
     reference_tokens,
 )
 from .runtime import run_state
-from .sampling import add_noise, denoise, guidance_for, make_noise
-from .schedules import check_sigmas, check_strength, flux2_schedule, truncate_for_strength
+from .plan import plan_denoise
+from .sampling import add_noise, denoise, make_noise
+from .schedules import check_strength, flux2_schedule
 from .storage.int8 import quantize_blocks
 from .storage.matmul import choose_matmuls
 from .storage.protocol import call_bytes
@@ -329,17 +330,15 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     refs = prepare_references(references, len(references) + masked) if references else []
     source = as_pil(image) if image is not None else None
     init = center_crop_16(source.convert("RGB"), "the image to edit") if image is not None else None
-    strength = check_strength(strength, init is not None)
+    strength = check_strength(strength, init is not None)           # before the sizes, which read the image
     width, height = output_size(width, height, [im for im in [init, *refs] if im is not None])
     h, w = latent_size(height, width)
-    if sigmas is not None:
-        sigmas = check_sigmas(sigmas)
-    else:
+    if sigmas is None:
         sigmas = flux2_schedule(variant.default_steps if steps is None else steps, h * w)
-    if init is not None:
-        sigmas = truncate_for_strength(sigmas, strength)
-    rule = guidance_for(variant, variant.default_cfg if cfg is None else cfg)
-    for note in [rule.note, *large_work(width, height, len(sigmas) - 1)]:
+    plan = plan_denoise(variant, sigmas, variant.default_cfg if cfg is None else cfg, strength=strength,
+                        image=init is not None)
+    sigmas, rule = plan.sigmas, plan.guidance
+    for note in [rule.note, *large_work(width, height, plan.steps)]:
         if note:
             say(note)
     if masked:                      # the mask on the latent grid, [1, 1, h, w]

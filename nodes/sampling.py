@@ -21,6 +21,7 @@ from ..flux2_core import cache, inpaint, latents, memory, parallel, references, 
 from ..flux2_core import compile as compiling
 from ..flux2_core.adapters import AdapterUse
 from ..flux2_core.errors import Flux2Error
+from ..flux2_core.plan import plan_denoise
 from . import host, types
 
 log = logging.getLogger("flux2_klein")
@@ -141,12 +142,11 @@ class Denoise(io.ComfyNode):
     def execute(cls, model: host.Managed, positive, noise, sigmas, cfg: float, denoise: float,
                 negative=None, latent=None) -> io.NodeOutput:
         variant = model.variant
-        rule = sampling.guidance_for(variant, cfg, negative is not None)             # the CLI's rule, in the core
+        plan = plan_denoise(variant, sigmas, cfg, strength=denoise, image=latent is not None,   # the CLI's plan
+                            negative=negative is not None)
+        sigmas, rule = plan.sigmas, plan.guidance
         if rule.note:
             log.warning("FLUX.2 Klein Denoise: %s", rule.note)
-        sigmas = schedules.check_sigmas(sigmas)
-        if schedules.check_strength(denoise, latent is not None) < 1:                # image-to-image: the tail
-            sigmas = schedules.truncate_for_strength(sigmas, denoise)
         inpaint.check_source("noise_mask" in noise, latent is not None)             # a masked LATENT as the noise
         noise = noise["samples"]                                                     # [B, 128, h, w]
         start = torch.zeros_like(noise) if latent is None else image_latent(latent["samples"], noise)

@@ -1,0 +1,34 @@
+"""The plan of a denoise: the one sequence of rules that the CLI and the Python API (``pipeline.generate``) and the
+Denoise node follow before anything runs. The sigmas are checked and, for image-to-image, trimmed to the strength's
+tail; the guidance rule of the model (``sampling.guidance_for``) says whether CFG runs. Callers then prepare their
+inputs (their own way: files and PIL images, or ComfyUI's tensors) and call ``sampling.denoise`` with the plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .sampling import Guidance, guidance_for
+from .schedules import check_sigmas, check_strength, truncate_for_strength
+
+
+@dataclass(frozen=True)
+class DenoisePlan:
+    sigmas: list[float]         # the noise levels the Euler loop runs through (the tail, for image-to-image)
+    guidance: Guidance          # CFG or not, the scale, FLUX.2-dev's embedded value, the note for the user
+    strength: float             # the denoise strength (1: from pure noise)
+
+    @property
+    def steps(self) -> int:
+        return len(self.sigmas) - 1
+
+
+def plan_denoise(variant, sigmas, cfg: float, *, strength: float = 1.0, image: bool = False,
+                 negative: bool = True) -> DenoisePlan:
+    """The plan for ``variant`` over ``sigmas`` (a full schedule) at guidance scale ``cfg``: ``image`` says whether a
+    start image (latent) is given, which a ``strength`` below 1 needs; ``negative`` whether a negative prompt is at
+    hand (``guidance_for``). Flux2Error for settings that cannot run."""
+    sigmas = check_sigmas(sigmas)
+    strength = check_strength(strength, image)
+    if strength < 1:
+        sigmas = truncate_for_strength(sigmas, strength)
+    return DenoisePlan(sigmas, guidance_for(variant, cfg, negative), strength)
