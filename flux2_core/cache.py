@@ -112,6 +112,13 @@ class LRUCache:
         self.entries.clear()
         self.nbytes = 0
 
+    def make_room(self) -> None:
+        """Forget the least recently used entries until one more fits by count: before making a large value, so the
+        one it replaces is freed first."""
+        while self.entries and len(self.entries) >= self.max_items:
+            _, old = self.entries.popitem(last=False)
+            self.nbytes -= self.size(old)
+
 
 # --- prompt embeddings ----------------------------------------------------------------------------------------------
 
@@ -174,20 +181,28 @@ class ReferenceKVCache:
     at most ``max_items`` = 2 entries and ``max_bytes`` = 8 GiB.
     """
 
-    def __init__(self, max_items: int = 2, max_bytes: int | None = 8 << 30):
-        self.cache = LRUCache(max_items, max_bytes, size=lambda kv: kv.nbytes)
+    def __init__(self, max_items: int = 2, max_bytes: int | None = 8 << 30, size=lambda kv: kv.nbytes):
+        self.cache = LRUCache(max_items, max_bytes, size=size)
 
-    def get(self, model, ref: Tensor, ref_ids: Tensor, model_key: Hashable | None = None):
+    def get(self, model, ref: Tensor, ref_ids: Tensor, model_key: Hashable | None = None, make=None):
         """The ``ReferenceKV`` for references ref [B, Lref, 128] with ids [B, Lref, 4] (computed once, then reused).
 
         ``model_key`` names the model's weights when the caller already knows them (default: ``fingerprint(model)``,
-        which reads a few values of every tensor)."""
+        which reads a few values of every tensor). ``make()`` makes what is kept on a miss, for a caller that keeps
+        the K/V its own way (the ComfyUI node: under ComfyUI's model management; pass a ``size`` that measures it);
+        default ``model.reference_kv(ref, ref_ids)``. The least recent entry beyond ``max_items`` is dropped before
+        new K/V are made, so two sets never coexist for long."""
         key = reference_kv_key(fingerprint(model) if model_key is None else model_key, ref, ref_ids)
         kv = self.cache.get(key)
         if kv is None:
-            kv = model.reference_kv(ref, ref_ids)
+            self.cache.make_room()
+            kv = model.reference_kv(ref, ref_ids) if make is None else make()
             self.cache.put(key, kv)
         return kv
+
+    def holds(self, model_key: Hashable, ref: Tensor, ref_ids: Tensor) -> bool:
+        """Whether ``get`` would be a hit (what a memory estimate needs: a miss makes new K/V)."""
+        return reference_kv_key(model_key, ref, ref_ids) in self.cache
 
     def clear(self) -> None:
         self.cache.clear()

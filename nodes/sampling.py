@@ -158,14 +158,14 @@ class Denoise(io.ComfyNode):
             parallel.check_world(variant.params.num_heads, model.ranks)             # before followers start
             if model.compiled:
                 raise Flux2Error("FLUX.2 Klein Compile and FLUX.2 Klein Parallel do not run together yet: bypass one")
-        needed, kv_key = denoise_request(model, noise, txt, ref, ref_ids, rule.cfg, model.ranks if spread else 1)
+        needed, kv_cached = denoise_request(model, noise, txt, ref, ref_ids, rule.cfg, model.ranks if spread else 1)
         device = model.ready(needed)
         memory.check_memory(device, needed, f"denoising {list(noise.shape)} latents", free=host.free_memory,
                               fix="use a smaller size or batch, or fewer or smaller references")
         model.use_adapters(model.core, lambda adapter: adapter.patches)
         set_compiled(model)
         x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)      # = noise when sigmas[0] is 1
-        ref_kv, info = reference_kv(model, kv_key, ref, ref_ids, device, needed) if kv_key else (None, None)
+        ref_kv, info = reference_kv(model, ref, ref_ids, device, needed) if kv_cached else (None, None)
         if ref_kv is not None:
             ref = ref_ids = None                                                     # the K/V stand for them
         parallel.attach(model.core, spread_over(model) if spread else None)
@@ -225,34 +225,36 @@ def set_compiled(model: host.Managed) -> None:
         compiling.uncompile_blocks(model.core)
 
 
-def denoise_request(model: host.Managed, noise, txt, ref, ref_ids, cfg: bool,
-                    ranks: int) -> tuple[int, tuple | None]:
-    """(the bytes to ask ComfyUI for beside the weights, the references' REFERENCE_KV key for KV models): the CLI's
-    estimate (memory.denoiser_memory), the reference K/V counted when a KV model's reference pass will make them;
-    with ``ranks`` > 1, this process's share of a parallel run, whose denoise makes its own split K/V (no key)."""
+def denoise_request(model: host.Managed, noise, txt, ref, ref_ids, cfg: bool, ranks: int) -> tuple[int, bool]:
+    """(the bytes to ask ComfyUI for beside the weights, whether the references' K/V come from ``REFERENCE_KV``): the
+    CLI's estimate (memory.denoiser_memory), the reference K/V counted when a KV model's reference pass will make
+    them; with ``ranks`` > 1, this process's share of a parallel run, whose denoise makes its own split K/V."""
     batch, _, h, w = noise.shape
-    kv = model.variant.use_kv_cache and ref is not None
-    key = cache.reference_kv_key(model.key, ref.to(model.dtype), ref_ids) if kv and ranks == 1 else None
+    cached = model.variant.use_kv_cache and ref is not None and ranks == 1
+    new_kv = model.variant.use_kv_cache and ref is not None and not (
+        cached and REFERENCE_KV.holds(model.key, ref.to(model.dtype), ref_ids))
     needed = memory.denoiser_memory(model.core, model.variant, batch, h, w, model.dtype, cfg=cfg,
                                     ref_tokens=0 if ref is None else ref.shape[1], text_tokens=txt.shape[1],
-                                    ranks=ranks, new_reference_kv=kv and key not in REFERENCE_KV)
-    return needed, key
+                                    ranks=ranks, new_reference_kv=new_kv)
+    return needed, cached
 
 
-def reference_kv(model: host.Managed, key: tuple, ref, ref_ids, device, needed: int) -> tuple:
+def reference_kv(model: host.Managed, ref, ref_ids, device, needed: int) -> tuple:
     """(ReferenceKV, a note for the node): the references' K/V from ``REFERENCE_KV``, computed on a miss."""
-    if key in REFERENCE_KV:
+    ref = ref.to(model.dtype)
+    hit = REFERENCE_KV.holds(model.key, ref, ref_ids)
+    if hit:
         log.info("FLUX.2 Klein: reference K/V reused from the previous edit (no reference pass)")
-        return host.reference_kv_ready(REFERENCE_KV[key], model, needed), "reference K/V: reused (no reference pass)"
-    REFERENCE_KV.clear()                    # the previous edit's K/V: ComfyUI drops a model nobody holds any more
-    kv = model.core.reference_kv(ref.to(device, model.dtype), ref_ids.to(device))
-    REFERENCE_KV[key] = host.manage_reference_kv(kv)
-    return host.reference_kv_ready(REFERENCE_KV[key], model, needed), "reference K/V: computed"
+    patcher = REFERENCE_KV.get(model.core, ref, ref_ids, model_key=model.key, make=lambda: host.manage_reference_kv(
+        model.core.reference_kv(ref.to(device), ref_ids.to(device))))
+    note = "reference K/V: reused (no reference pass)" if hit else "reference K/V: computed"
+    return host.reference_kv_ready(patcher, model, needed), note
 
 
-# the last edit's reference K/V (ModelPatcher of a host.Flux2KleinReferenceKV) by cache.reference_kv_key; at most one:
-# about 2 GiB per 1024^2 reference on Klein 9B in bf16
-REFERENCE_KV: dict[tuple, object] = {}          # values: host.manage_reference_kv's ModelPatcher
+# the last edit's reference K/V, each under ComfyUI's model management (a ModelPatcher of host.Flux2KleinReferenceKV),
+# by the model and the exact references (the CLI's cache, kept another way); one: about 2 GiB per 1024^2 reference on
+# Klein 9B in bf16, dropped before the next edit's are made, and freed by ComfyUI with the last reference to it
+REFERENCE_KV = cache.ReferenceKVCache(max_items=1, max_bytes=None, size=lambda patcher: patcher.model_size())
 
 
 def image_latent(latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -172,6 +172,28 @@ def test_reference_kv_cache_is_bounded_in_bytes():
     assert len(cache.cache) == 2 and cache.cache.nbytes == 2 * one
 
 
+def test_reference_kv_cache_kept_another_way_frees_the_old_entry_before_making_the_new():
+    """The ComfyUI node keeps its K/V wrapped (under ComfyUI's model management): ``make`` wraps them, ``holds`` says a
+    hit beforehand (the memory estimate), and with one entry the old one is gone before the new one is made."""
+    model = tiny_model(0)
+    ref_ids = rope.reference_ids([(3, 4)], device=DEVICE)
+    first, second = (torch.full((1, 12, 128), v, dtype=DTYPE, device=DEVICE) for v in (0.5, -0.5))
+    alive_when_made = []
+    cache = ReferenceKVCache(max_items=1, max_bytes=None, size=lambda held: held["kv"].nbytes)
+
+    def make(ref):
+        alive_when_made.append(len(cache.cache))
+        return {"kv": model.reference_kv(ref, ref_ids)}
+
+    assert not cache.holds("model", first, ref_ids)
+    held = cache.get(model, first, ref_ids, model_key="model", make=lambda: make(first))
+    assert cache.holds("model", first.clone(), ref_ids) and not cache.holds("other", first, ref_ids)
+    assert cache.get(model, first, ref_ids, model_key="model", make=lambda: make(first)) is held
+    cache.get(model, second, ref_ids, model_key="model", make=lambda: make(second))
+    assert alive_when_made == [0, 0] and not cache.holds("model", first, ref_ids)
+    assert torch.equal(held["kv"].blocks[0][0], model.reference_kv(first, ref_ids).blocks[0][0])
+
+
 def test_tensor_digest_sees_dtype_shape_and_values():
     x = torch.arange(6.0)
     assert tensor_digest(x) == tensor_digest(x.clone())
