@@ -9,9 +9,11 @@
 
 How it runs: every job is checked first (batch_jobs.plan_jobs: inputs, pictures, ids), so bad input stops the batch
 before anything is queued. Jobs that an earlier run of the same batch finished (manifest.Manifest) are skipped. Each
-remaining job goes, when a server has a free slot (`per_server` jobs at once), to the server with the least queued
-work (ComfyUI's queue_remaining as its websocket last reported it, or our own jobs there, whichever is more), on a
-thread of its own: its pictures are uploaded (uploads.py, once per server), the prompt is queued and followed on a
+remaining job goes, as soon as a server has a free slot (`per_server` jobs of ours at once), to the server with the
+least work among those with one: our jobs there, plus the other clients' prompts queued there as its QueueWatch
+(queue_watch.py: GET /prompt every second) last saw them; ties go round the servers in turn. A server with a free
+slot is never left idle while jobs wait, however long its queue (it would otherwise starve behind other clients'
+work, or the batch run one job at a time). Each job runs on a thread of its own: its pictures are uploaded (uploads.py, once per server), the prompt is queued and followed on a
 websocket of its own, and its images are downloaded, checked to be whole and to be this prompt's (the workflow
 ComfyUI saves in a PNG must be the one sent), and published into the output folder together. A server that stops
 answering (queue_client.ServerUnreachable: no connection, or no answer to HTTP or to websocket pings within
@@ -36,7 +38,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from .batch_jobs import BatchJob, PlannedJob, job_from_line, parse_sets, plan_jobs, read_batch
+from .batch_jobs import BatchJob, PlannedJob, job_from_line, job_key, parse_sets, plan_jobs, read_batch
 from .batch_progress import BatchProgress, duration
 from .errors import Flux2Error
 from .manifest import JobRecord, Manifest
@@ -46,13 +48,12 @@ from .queue_client import (
     ServerUnreachable,
     check_workflow,
     file_name,
-    follow_frames,
     load_workflow,
     note,
-    parse_json,
     parse_server,
     shown,
 )
+from .queue_watch import POLL, QueueWatch, ask_queue
 from .uploads import parse_pairs, upload
 
 LOST_SERVERS = 2                 # a job whose server stopped answering this many times fails (see _schedule)
@@ -113,22 +114,34 @@ class BatchSummary:
 
 @dataclass
 class _Server:
-    """A server as the scheduler sees it."""
+    """A server as the scheduler sees it. `inflight` is changed by the scheduler's thread alone; `submitted` and
+    `others` by job and watcher threads, under `lock`."""
 
     address: str                  # as given
     summary: ServerSummary
     index: int
-    inflight: int = 0
-    queued: int = 0               # ComfyUI's queue_remaining as last reported
+    inflight: int = 0             # our jobs given to it and not ended yet (each takes a slot)
+    submitted: int = 0            # of those, the ones whose prompt it has (counted in its queue_remaining)
+    others: int = 0               # other clients' prompts queued or running there, as last seen
     uploaded: dict[str, str] = field(default_factory=dict)     # picture name -> the name the server answered
-    lock: threading.Lock = field(default_factory=threading.Lock)       # held while a picture uploads
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def alive(self) -> bool:
         return not self.summary.dropped
 
-    def load(self) -> tuple:
-        return max(self.inflight, self.queued), self.inflight, self.index
+    def load(self) -> int:
+        return self.inflight + self.others
+
+    def observe(self, remaining: int) -> None:
+        """ComfyUI's queue_remaining counts our prompts too; what is left is the others' work. A prompt of ours
+        counted before the server has it (or after it ended) only makes that look smaller for a second."""
+        with self.lock:
+            self.others = max(0, remaining - self.submitted)
+
+    def submitting(self, change: int) -> None:
+        with self.lock:
+            self.submitted += change
 
 
 def check_servers(servers: Sequence[str]) -> list[str]:
@@ -172,16 +185,6 @@ def nodes_of(workflow: dict) -> dict:
     return {nid: (node["class_type"], node["inputs"]) for nid, node in workflow.items()}
 
 
-def queue_remaining(text: str) -> int | None:
-    """ComfyUI's status message {"type": "status", "data": {"status": {"exec_info": {"queue_remaining": N}}}}."""
-    try:
-        message = json.loads(text)
-        value = message["data"]["status"]["exec_info"]["queue_remaining"]
-    except (ValueError, RecursionError, KeyError, TypeError):
-        return None
-    return value if isinstance(value, int) and value >= 0 and message.get("type") == "status" else None
-
-
 class BatchClient:
     """Runs batches of jobs of one API workflow over one or more ComfyUI servers, into one output folder.
 
@@ -208,6 +211,8 @@ class BatchClient:
         self.out, self.per_server, self.timeout, self.server_timeout = out, per_server, timeout, server_timeout
         self.images, self.masks, self.sets, self.seed = dict(images or {}), dict(masks or {}), dict(sets or {}), seed
         self.progress, self.on_job = progress, on_job
+        self.poll = POLL              # seconds between two questions to a server about its queue (queue_watch)
+        self._turn = 0                # the server after the last one picked: the first to try among equals
 
     def plan(self, jobs: Iterable[BatchJob | dict]) -> list[PlannedJob]:
         """The jobs checked (see batch_jobs.plan_jobs), the client's seed and settings given to those without."""
@@ -227,7 +232,7 @@ class BatchClient:
         anything is queued; Ctrl-C (KeyboardInterrupt) stops at once, the finished jobs recorded."""
         planned = self.plan(jobs)
         start = time.monotonic()
-        manifest = Manifest.open(self.out, self.workflow_name)
+        manifest = Manifest.open(self.out, self.workflow_name, job_key(self.workflow))
         try:
             records, pending = {}, deque()
             for job in planned:
@@ -237,6 +242,7 @@ class BatchClient:
                 else:
                     pending.append(job)
             skipped = len(records)
+            changed = manifest.begin({job.id: job.key for job in planned})
             servers = [_Server(address, ServerSummary(parse_server(address)[1]), i)
                        for i, address in enumerate(self.servers)]
             progress = self.progress if isinstance(self.progress, BatchProgress) else (
@@ -247,9 +253,20 @@ class BatchClient:
                     rest = f"running the other {len(pending)}" if pending else "nothing left to run"
                     progress.note(f"{skipped} of the {len(planned)} jobs were done before (see {manifest.path}); "
                                   f"{rest}")
+                if changed:
+                    progress.note(f"{len(changed)} job(s) changed since they ran in {manifest.folder} (the same id, "
+                                  f"another prompt, seed, size, picture or setting: {', '.join(changed[:5])}"
+                                  f"{', ...' if len(changed) > 5 else ''}); their new images replace the old ones")
             if pending:
                 self._probe(servers, progress)
-                self._schedule(pending, servers, manifest, records, progress)
+                watches = [QueueWatch(self._client(s), s.observe, self.poll) for s in servers if s.alive]
+                for watch in watches:
+                    watch.start()
+                try:
+                    self._schedule(pending, servers, manifest, records, progress)
+                finally:
+                    for watch in watches:
+                        watch.stop()
             if progress is not None:
                 progress.close()
         finally:
@@ -266,12 +283,9 @@ class BatchClient:
         left the batch stops before anything is queued."""
         def ask(server: _Server) -> None:
             try:
-                client = self._client(server)
-                answer = parse_json(client.server, "the answer to GET /prompt", client.request("/prompt"))
-                left = answer.get("exec_info", {}).get("queue_remaining") if isinstance(answer, dict) else None
-                server.queued = left if isinstance(left, int) and left >= 0 else 0
+                server.observe(ask_queue(self._client(server)))
             except ServerUnreachable as e:
-                server.summary.dropped = str(e)
+                server.summary.dropped = e.problem
             except ServerError:
                 pass                 # it answers: an odd answer to this question is no reason to drop it
         threads = [threading.Thread(target=ask, args=(s,), daemon=True) for s in servers]
@@ -281,18 +295,21 @@ class BatchClient:
             thread.join()
         alive = [s for s in servers if s.alive]
         if not alive:
-            raise Flux2Error("no server answers, nothing was queued:\n  " + "\n  ".join(s.summary.dropped
-                                                                                        for s in servers))
+            raise Flux2Error("no server answers, nothing was queued:\n  " + "\n  ".join(
+                f"ComfyUI at {s.summary.server}: {s.summary.dropped}" for s in servers))
         for server in servers:
             if not server.alive and progress is not None:
                 progress.note(f"dropped {server.summary.server}: {server.summary.dropped}")
 
-    def _pick(self, servers: list[_Server], running: int) -> _Server | None:
-        """The server with the least queued work among those with a free slot; one whose queue (others' prompts
-        counted) is already full is passed over while a job of ours runs elsewhere (it will free a slot)."""
+    def _pick(self, servers: list[_Server]) -> _Server | None:
+        """The server with the least work (see _Server.load) among the live ones with a free slot; equal ones in
+        turn, starting after the last one picked."""
         free = [s for s in servers if s.alive and s.inflight < self.per_server]
-        ready = [s for s in free if s.load()[0] < self.per_server] or (free if not running else [])
-        return min(ready, key=_Server.load) if ready else None
+        if not free:
+            return None
+        server = min(free, key=lambda s: (s.load(), (s.index - self._turn) % len(servers)))
+        self._turn = server.index + 1
+        return server
 
     def _drop(self, server: _Server, error: ServerUnreachable, progress) -> None:
         if not server.alive:
@@ -310,7 +327,7 @@ class BatchClient:
         lost: dict[str, list[str]] = {}                # job key -> why each server it ran on stopped answering
         while pending or running:
             while pending:
-                server = self._pick(servers, running)
+                server = self._pick(servers)
                 if server is None:
                     break
                 job = pending.popleft()
@@ -325,7 +342,6 @@ class BatchClient:
             job, server, result, seconds = results.get()
             running -= 1
             server.inflight -= 1
-            server.queued = max(0, server.queued - 1)
             server.summary.busy += seconds
             if isinstance(result, ServerUnreachable):
                 self._drop(server, result, progress)
@@ -357,7 +373,8 @@ class BatchClient:
 
     def _ended(self, job: PlannedJob, record: JobRecord, summary: ServerSummary | None, manifest: Manifest,
                records: dict, progress) -> None:
-        manifest.record(record)
+        if record.status != "done":                    # a done job was recorded as it published (Manifest.publish)
+            manifest.record(record)
         records[job.key] = record
         if summary is not None:
             summary.done += record.status == "done"
@@ -389,23 +406,17 @@ class BatchClient:
                 names[node] = server.uploaded[picture.name]
         workflow = job.workflow(self.workflow, names)
 
-        def frames(ws):
-            for frame in iter(ws.recv, None):
-                if isinstance(frame, str) and frame.startswith('{"type": "status"'):
-                    left = queue_remaining(frame)
-                    if left is not None:
-                        server.queued = left
-                yield frame
-
         def on_message(message: dict) -> None:
             if progress is not None and message["type"] == "progress":
                 progress.step(job.id, shown(message["data"].get("value"), 12), shown(message["data"].get("max"), 12))
 
         ws = client.connect()
+        server.submitting(1)          # counted before ComfyUI has it: see _Server.observe
         try:
             prompt_id = client.submit(workflow)
-            follow_frames(client.server, prompt_id, frames(ws), on_message)
+            client.follow(ws, prompt_id, on_message)
         finally:
+            server.submitting(-1)
             ws.close()
         images = client.images(prompt_id)
         if not images:
@@ -418,12 +429,12 @@ class BatchClient:
                 data = client.download(image)
                 made_by(client.server, prompt_id, image, data, workflow)
                 staged.append(manifest.stage(data, os.path.splitext(name)[1] or ".png"))
-            files = manifest.publish(job.id, staged)   # refused if the batch was interrupted meanwhile
+            # published and recorded at once; refused if the batch was interrupted meanwhile
+            return manifest.publish(JobRecord(job.id, job.key, "done", [], client.server, "",
+                                              round(time.monotonic() - start, 3), job.job.source), staged)
         except BaseException:
             manifest.discard(staged)
             raise
-        return JobRecord(job.id, job.key, "done", files, client.server, "", round(time.monotonic() - start, 3),
-                         job.job.source)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

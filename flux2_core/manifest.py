@@ -3,13 +3,18 @@
     manifest = Manifest.open("edits/", "flux2-klein-edit.json")   # reads an earlier run's record; locks the folder
     manifest.finished(key)                 # the record of a job done before, when all its files are still there
     staged = manifest.stage(data, ".png")  # an image, written to a hidden temp file
-    names = manifest.publish("0003", [staged])    # renamed into place: 0003-1.png, never replacing a file
-    manifest.record(JobRecord(...))        # manifest.json rewritten: temp file, then os.replace
+    done = manifest.publish(record, [staged])    # renamed into place (0003-1.png, never replacing a file) and
+                                                 # recorded as done, in one step
+    manifest.record(JobRecord(...))        # a failed job: manifest.json rewritten (temp file, then os.replace)
 
 Nothing half-written ever carries an image's or the manifest's name: both are written under a hidden temp name
 (.flux2-batch-*.part) and renamed once complete, so an interrupted run leaves whole files or temp files, which the
 next run on the folder removes. Image names are claimed with a hard link (or O_EXCL where links are not supported),
 which never replaces a file, so two jobs never write the same file. A lock on the folder keeps two batches apart.
+
+One folder holds one batch: the manifest names the workflow it was written for (by what it computes), and another
+workflow's batch is refused there. Within it a job is known by its key; a job whose id is kept but whose key
+changed (see begin) replaces its earlier record and images once its own are published.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import json
 import os
 import tempfile
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .errors import Flux2Error
@@ -58,25 +63,27 @@ class Staged:
 
 
 class Manifest:
-    def __init__(self, folder: Path, workflow: str):
-        self.folder, self.workflow = folder, workflow
+    def __init__(self, folder: Path, workflow: str, workflow_key: str = ""):
+        self.folder, self.workflow, self.workflow_key = folder, workflow, workflow_key
         self.path = folder / NAME
         self.records: dict[str, JobRecord] = {}
+        self.replaced: dict[str, list[JobRecord]] = {}     # job id -> the records its next images replace (begin)
         self.lock = threading.Lock()
         self._lock_file = None
         self.ended = threading.Event()             # the batch writing here has ended (see end)
 
     @classmethod
-    def open(cls, out: str, workflow: str = "") -> Manifest:
+    def open(cls, out: str, workflow: str = "", workflow_key: str = "") -> Manifest:
         """The folder (checked writable, created, locked, temp files of an interrupted run removed) and the record
-        it holds."""
+        it holds. workflow: the workflow's name for messages; workflow_key: what it computes (batch_jobs.job_key of
+        it). A folder holds one batch: a manifest written for another workflow is refused (see _load)."""
         folder = check_folder(out, "--out")
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise Flux2Error(f"--out {out}: cannot create it ({e.strerror or e}); choose a folder you can write "
                              "to") from None
-        manifest = cls(folder, workflow)
+        manifest = cls(folder, workflow, workflow_key)
         manifest._take_lock(out)
         for stale in folder.glob(f"{TEMP}*.part"):
             stale.unlink(missing_ok=True)
@@ -118,7 +125,28 @@ class Manifest:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise Flux2Error(f"--out {out}: {self.path} is not a batch manifest this client can read ({e}); move it "
                              "away (the batch then runs every job again) or choose another folder") from None
+        theirs = data.get("workflow_key") or ""
+        if theirs and self.workflow_key and theirs != self.workflow_key:
+            self.close()
+            named = f" ({data.get('workflow')})" if data.get("workflow") else ""
+            raise Flux2Error(f"--out {out}: {self.path} records a batch of another workflow{named}, or of this one "
+                             "before it was changed; one folder holds one batch, whose ids name its files. Give this "
+                             f"batch another --out, or remove {self.path} (and the images it lists) to start over "
+                             "there")
         self.records = {record.key: record for record in records}
+        self.workflow_key = self.workflow_key or theirs
+
+    def begin(self, jobs: dict[str, str]) -> list[str]:
+        """The batch about to run, {id: key}. A record whose id is one of these but whose key is none of them is a
+        job changed since it ran (another prompt, seed, picture...): the new job's images replace it and its files
+        when they are published, rather than landing beside them as 0001-1-1.png. (A record whose key is still in
+        the batch under another id, after a line was put above it, is that job's and stays.) -> the changed ids."""
+        keys = set(jobs.values())
+        self.replaced = {}
+        for record in self.records.values():
+            if record.id in jobs and record.key not in keys:
+                self.replaced.setdefault(record.id, []).append(record)
+        return sorted(self.replaced)
 
     def finished(self, key: str) -> JobRecord | None:
         """The record of a job done before whose files are all still in the folder."""
@@ -130,10 +158,16 @@ class Manifest:
     def record(self, record: JobRecord) -> None:
         """Keep `record` (replacing the job's earlier one) and rewrite manifest.json in one atomic step."""
         with self.lock:
-            self.records[record.key] = record
-            data = {"format": FORMAT, "workflow": self.workflow,
-                    "jobs": [asdict(r) for r in self.records.values()]}
-            self._replace(self.path, json.dumps(data, indent=1, ensure_ascii=False).encode())
+            self._save(record)
+
+    def _save(self, record: JobRecord, dropped: list[str] = ()) -> None:
+        """record (and the records of keys `dropped` gone), the lock held; kept only once manifest.json holds it."""
+        records = {key: r for key, r in self.records.items() if key not in dropped}
+        records[record.key] = record
+        data = {"format": FORMAT, "workflow": self.workflow, "workflow_key": self.workflow_key,
+                "jobs": [asdict(r) for r in records.values()]}
+        self._replace(self.path, json.dumps(data, indent=1, ensure_ascii=False).encode())
+        self.records = records
 
     def _replace(self, path: Path, data: bytes) -> None:
         temp = self._temp(data)
@@ -165,14 +199,29 @@ class Manifest:
         """An image's bytes in a temp file, to be published with the job's other images."""
         return Staged(self._temp(data), suffix)
 
-    def publish(self, job_id: str, staged: list[Staged]) -> list[str]:
-        """Rename the staged files to <job_id>-1<suffix>, -2, ... (a name taken gets -1, -2 after it, as write_new
-        does) -> the names used. Refused once the batch has ended (see end)."""
+    def publish(self, record: JobRecord, staged: list[Staged]) -> JobRecord:
+        """Rename the staged files to <id>-1<suffix>, -2, ... (a name taken gets -1, -2 after it, as write_new does)
+        and record the job as done with them -> its record. Both in one step under the lock: a Ctrl-C (or the end of
+        the batch) between the two would leave whole images that no record lists, which the next run would make
+        again beside them. Refused once the batch has ended (see end)."""
         with self.lock:
             if self.ended.is_set():
                 raise Flux2Error("the batch ended before this job did; nothing was written")
-            return [self._claim(f"{job_id}-{number}", image.suffix, image.temp)
-                    for number, image in enumerate(staged, start=1)]
+            old = self.replaced.pop(record.id, [])
+            for earlier in old:                      # the changed job's earlier images: their names are for these
+                for name in earlier.files:
+                    (self.folder / name).unlink(missing_ok=True)
+            names: list[str] = []
+            try:
+                for number, image in enumerate(staged, start=1):
+                    names.append(self._claim(f"{record.id}-{number}", image.suffix, image.temp))
+                done = replace(record, status="done", files=names)
+                self._save(done, [earlier.key for earlier in old])
+            except BaseException:
+                for name in names:                  # no image without its record
+                    (self.folder / name).unlink(missing_ok=True)
+                raise
+            return done
 
     def discard(self, staged: list[Staged]) -> None:
         for image in staged:

@@ -61,7 +61,7 @@ class ServerError(Flux2Error):
 
     def __init__(self, server: str, problem: str):
         super().__init__(f"ComfyUI at {server}: {problem}")
-        self.server = server
+        self.server, self.problem = server, problem       # problem: the message without the server's name
 
 
 class ServerUnreachable(ServerError):

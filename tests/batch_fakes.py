@@ -36,7 +36,8 @@ class FakeServer:
     prompt ends in an execution error), upload_answer ((status, body) instead of the real answer), hang_after
     (the prompt after whose answer it stops answering anything, see hang), hang_seeds (seeds whose prompt makes it
     stop answering so: a job that brings its server down), hung (it did), swap (history of prompt n lists prompt n-1's images),
-    queue_remaining (what GET /prompt and the status messages say besides our own prompts), delay (seconds a
+    queue_remaining (other clients' prompts: GET /prompt and the status messages count them besides the prompts
+    queued here and not ended, as ComfyUI's queue_remaining does), delay (seconds a
     prompt runs), cut_view (a name ending: its download is cut short)."""
 
     def __init__(self, images: int = 1, steps: int = 2):
@@ -51,6 +52,11 @@ class FakeServer:
         self.delay = 0.0
         self.cut_view: str | None = None         # a /view of a file whose name ends so: half the PNG is sent
         self.prompts: list[dict] = []            # every prompt queued, in order
+        self.pending = 0                         # prompts queued and not ended (a hung one never ends)
+        self.most_pending = 0                    # the most that were at once
+        self.upload_delay = 0.0                  # seconds an upload takes
+        self.most_uploads = 0                    # the most uploads under way at once
+        self._uploading = 0
         self.uploads: list[str] = []             # every file name sent to /upload/image
         self.inputs: dict[str, bytes] = {}       # the input folder
         self.outputs: dict[str, bytes] = {}      # the output folder
@@ -85,7 +91,7 @@ class FakeServer:
         if request.path == "/ws":
             return await self.websocket(request)
         if request.path == "/prompt" and request.method == "GET":
-            return web.json_response({"exec_info": {"queue_remaining": self.queue_remaining}})
+            return web.json_response({"exec_info": {"queue_remaining": self.queue_remaining + self.pending}})
         if request.path == "/upload/image":
             return await self.upload(request)
         if request.path == "/prompt":
@@ -106,6 +112,12 @@ class FakeServer:
         form = await request.post()
         image = form.get("image")
         self.uploads.append(image.filename)
+        self._uploading += 1
+        self.most_uploads = max(self.most_uploads, self._uploading)
+        try:
+            await asyncio.sleep(self.upload_delay)
+        finally:
+            self._uploading -= 1
         if self.upload_answer is not None:
             status, body = self.upload_answer
             return web.Response(status=status, body=body)
@@ -121,6 +133,8 @@ class FakeServer:
     async def queue_prompt(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.prompts.append(body["prompt"])
+        self.pending += 1
+        self.most_pending = max(self.most_pending, self.pending)
         prompt_id = f"p-{len(self.prompts)}"
         seeds = [node["inputs"].get("seed") for node in body["prompt"].values()]
         if (self.hang_after is not None and len(self.prompts) >= self.hang_after
@@ -132,12 +146,19 @@ class FakeServer:
         return web.json_response({"prompt_id": prompt_id, "number": len(self.prompts), "node_errors": {}})
 
     async def run(self, client_id: str, prompt_id: str, prompt: dict, number: int) -> None:
+        try:
+            await self._run(client_id, prompt_id, prompt, number)
+        finally:
+            self.pending -= 1
+
+    async def _run(self, client_id: str, prompt_id: str, prompt: dict, number: int) -> None:
         ws = self.sockets.get(client_id)
 
         async def send(kind, **data):
             if ws is not None and not ws.closed:
                 await ws.send_str(json.dumps({"type": kind, "data": data}))
-        await send("status", status={"exec_info": {"queue_remaining": self.queue_remaining + 1}}, sid=client_id)
+        await send("status", status={"exec_info": {"queue_remaining": self.queue_remaining + self.pending}},
+                   sid=client_id)
         await send("execution_start", prompt_id=prompt_id)
         await send("executing", node="7", display_node="7", prompt_id=prompt_id)
         for step in range(1, self.steps + 1):
@@ -167,7 +188,7 @@ class FakeServer:
         client_id = request.query.get("clientId", "")
         self.sockets[client_id] = ws
         await ws.send_str(json.dumps({"type": "status", "data": {
-            "status": {"exec_info": {"queue_remaining": self.queue_remaining}}, "sid": client_id}}))
+            "status": {"exec_info": {"queue_remaining": self.queue_remaining + self.pending}}, "sid": client_id}}))
         async for _ in ws:                       # aiohttp answers the client's pings as it reads
             pass
         return ws

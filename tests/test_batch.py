@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from flux2_core import BatchClient, BatchJob, queue_client
+from flux2_core import batch as batch_module
 from flux2_core import manifest as manifest_module
 from flux2_core.batch_progress import BatchProgress
 from flux2_core.errors import Flux2Error
@@ -118,25 +119,91 @@ def test_several_prompts_make_a_batch(fakes, tmp_path, capsys):
 def test_a_job_goes_to_the_server_with_the_least_queued_work(fakes, tmp_path):
     busy, idle = fakes(), fakes()
     busy.queue_remaining = 5                         # other clients' prompts wait there
+    summary = BatchClient(WORKFLOW, [busy.address, idle.address], str(tmp_path), per_server=2).run(
+        [BatchJob(seed=1), BatchJob(seed=2)])
+    assert summary.ok and busy.prompts == [] and len(idle.prompts) == 2
+
+
+def steps_seen(progress: BatchProgress) -> list[int]:
+    """How many jobs were running at each step message the progress got, filled in as the batch runs."""
+    seen = []
+    original = progress.step
+
+    def step(job_id, value, maximum):
+        seen.append(len(progress.running))
+        original(job_id, value, maximum)
+    progress.step = step
+    return seen
+
+
+def test_a_server_busy_when_the_batch_starts_is_not_starved(fakes, tmp_path):
+    """Its queue count came from the probe and was only refreshed by our own jobs' websockets there: a server busy
+    at the start (its count at or past --per-server) never got a job, for the whole batch. A free slot is now
+    always used, and the count is asked of the server itself as the batch runs."""
+    busy, idle = fakes(), fakes()
+    busy.queue_remaining = 5
+    busy.delay = idle.delay = 0.2
+    threading.Timer(0.3, setattr, (busy, "queue_remaining", 0)).start()     # the other clients' work ends
     summary = BatchClient(WORKFLOW, [busy.address, idle.address], str(tmp_path), per_server=1).run(
-        [BatchJob(seed=1), BatchJob(seed=2), BatchJob(seed=3)])
-    assert summary.ok and busy.prompts == [] and len(idle.prompts) == 3
+        [BatchJob(seed=i) for i in range(6)])
+    assert summary.ok and len(busy.prompts) >= 2 and len(idle.prompts) >= 2, summary.text()
+
+
+def test_outside_load_on_every_server_does_not_serialise_the_batch(fakes, tmp_path):
+    """Every server with other clients' work at --per-server 1: the batch ran one job at a time across them all."""
+    a, b = fakes(), fakes()
+    a.queue_remaining = b.queue_remaining = 3
+    a.delay = b.delay = 0.3
+    progress = BatchProgress(0, io.StringIO(), tty=False)
+    seen = steps_seen(progress)
+    summary = BatchClient(WORKFLOW, [a.address, b.address], str(tmp_path), per_server=1, progress=progress).run(
+        [BatchJob(seed=i) for i in range(4)])
+    assert summary.ok and max(seen) == 2 and a.prompts and b.prompts, summary.text()
+    assert a.most_pending == b.most_pending == 1
+
+
+def test_equal_servers_take_turns(fakes, tmp_path):
+    servers = [fakes() for _ in range(3)]
+    summary = BatchClient(WORKFLOW, [s.address for s in servers], str(tmp_path), per_server=2).run(
+        [BatchJob(seed=i) for i in range(3)])
+    assert summary.ok and [len(s.prompts) for s in servers] == [1, 1, 1]
+
+
+def test_the_queue_count_is_the_servers_own_without_our_prompts(fakes):
+    """The watcher asks GET /prompt as the batch runs (a change is seen without any job of ours there); ComfyUI's
+    count includes our prompts, which the scheduler does not count twice."""
+    from flux2_core.batch import ServerSummary, _Server
+    from flux2_core.queue_watch import QueueWatch
+    server = fakes()
+    server.queue_remaining = 4
+    seen = _Server(server.address, ServerSummary(server.address), 0)
+    watch = QueueWatch(queue_client.ComfyClient(server.address), seen.observe, every=0.02)
+    watch.start()
+    try:
+        deadline = time.monotonic() + 5
+        while seen.others != 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen.others == 4
+        server.queue_remaining, server.pending = 1, 2      # two prompts of ours queued there meanwhile
+        seen.submitting(2)
+        while seen.others != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen.others == 1 and seen.load() == 1
+        seen.inflight = 2
+        assert seen.load() == 3                            # our two jobs, one of another client
+    finally:
+        watch.stop()
+        server.pending = 0
 
 
 def test_concurrency_per_server_is_bounded(fakes, tmp_path):
     server = fakes()
     server.delay = 0.3
-    most = []
     progress = BatchProgress(0, io.StringIO(), tty=False)
-    original = progress.step
-
-    def step(job_id, value, maximum):
-        most.append(len(progress.running))
-        original(job_id, value, maximum)
-    progress.step = step
+    most = steps_seen(progress)
     summary = BatchClient(WORKFLOW, server.address, str(tmp_path), per_server=2, progress=progress).run(
         [BatchJob(seed=i) for i in range(6)])
-    assert summary.ok and max(most) == 2
+    assert summary.ok and max(most) == 2 and server.most_pending == 2
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -175,6 +242,55 @@ def test_a_changed_job_or_a_lost_file_runs_again(fakes, tmp_path):
     summary = client.run([BatchJob(seed=1), BatchJob(seed=2), BatchJob(seed=3, prompt="new")])
     assert summary.skipped == 1 and sorted(p["5"]["inputs"]["seed"] for p in server.prompts) == [1, 2, 2, 3]
     assert [job.files for job in summary.jobs] == [["0001-1.png"], ["0002-1.png"], ["0003-1.png"]]
+
+
+def test_a_changed_job_replaces_its_old_record_and_images(fakes, tmp_path):
+    """The same id, another seed: it left its old record and images, and its new ones landed beside them as
+    0002-1-1.png. Now the folder holds the new job's images under the id's names, and one record of it."""
+    server = fakes(images=2)
+    client = BatchClient(WORKFLOW, server.address, str(tmp_path))
+    assert client.run([BatchJob(seed=1), BatchJob(seed=2)]).ok
+    err = io.StringIO()
+    client.progress = BatchProgress(0, err, tty=False)
+    summary = client.run([BatchJob(seed=1), BatchJob(seed=3)])
+    assert summary.ok and summary.skipped == 1
+    assert "1 job(s) changed since they ran" in err.getvalue() and ": 0002); their new images replace" in \
+        err.getvalue()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == \
+        ["0001-1.png", "0001-2.png", "0002-1.png", "0002-2.png", "manifest.json"]
+    assert made_for(tmp_path / "0002-1.png")["5"]["inputs"]["seed"] == 3
+    records = json.loads((tmp_path / "manifest.json").read_text())["jobs"]
+    assert sorted(r["id"] for r in records) == ["0001", "0002"]
+
+
+def test_a_changed_job_that_fails_keeps_the_old_images_until_it_succeeds(fakes, tmp_path):
+    server = fakes()
+    client = BatchClient(WORKFLOW, server.address, str(tmp_path))
+    assert client.run([BatchJob(seed=1)]).ok
+    old = (tmp_path / "0001-1.png").read_bytes()
+    server.fail_seeds = {2}
+    assert not client.run([BatchJob(seed=2)]).ok
+    assert (tmp_path / "0001-1.png").read_bytes() == old
+    server.fail_seeds = set()
+    assert client.run([BatchJob(seed=2)]).ok
+    assert made_for(tmp_path / "0001-1.png")["5"]["inputs"]["seed"] == 2
+    assert [(r["id"], r["status"]) for r in json.loads((tmp_path / "manifest.json").read_text())["jobs"]] == \
+        [("0001", "done")]
+
+
+def test_another_workflows_batch_in_the_same_out_is_refused(fakes, tmp_path):
+    """Two batches in one --out shared one manifest: their ids named the same files (0001-1-1.png) and a rerun of
+    either could not tell its jobs from the other's. The manifest names its workflow; another one is refused."""
+    server = fakes()
+    assert BatchClient(str(EDIT), server.address, str(tmp_path)).run([BatchJob(seed=1)]).ok
+    other = json.loads(json.dumps(WORKFLOW))
+    other["6"]["inputs"]["steps"] = 8
+    with pytest.raises(Flux2Error, match=rf"--out {re.escape(str(tmp_path))}: .*manifest.json records a batch of "
+                                         rf"another workflow \({re.escape(str(EDIT))}\), .*Give this batch another "
+                                         r"--out, or remove .*manifest.json \(and the images it lists\)"):
+        BatchClient(other, server.address, str(tmp_path)).run([BatchJob(seed=2)])
+    assert len(server.prompts) == 1
+    assert BatchClient(WORKFLOW, server.address, str(tmp_path)).run([BatchJob(seed=2)]).ok   # the same one: runs
 
 
 def test_a_job_done_before_is_reported_under_its_id_in_this_batch(fakes, tmp_path):
@@ -247,10 +363,10 @@ def test_nothing_lands_in_the_folder_once_the_batch_has_ended(fakes, tmp_path, m
     slow.delay = 0.5
     publish = manifest_module.Manifest.publish
 
-    def paused(self, job_id, staged):
-        if job_id == "0002":                         # the fast job: past its last check, paused till the end
+    def paused(self, record, staged):
+        if record.id == "0002":                      # the fast job: past its last check, paused till the end
             self.ended.wait(5)
-        return publish(self, job_id, staged)
+        return publish(self, record, staged)
     monkeypatch.setattr(manifest_module.Manifest, "publish", paused)
 
     class CtrlC(BatchProgress):
@@ -263,6 +379,35 @@ def test_nothing_lands_in_the_folder_once_the_batch_has_ended(fakes, tmp_path, m
     time.sleep(0.5)
     assert len(fast.history) == 1
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["0001-1.png", "manifest.json"]
+
+
+def test_a_job_published_when_ctrl_c_comes_is_recorded(fakes, tmp_path, monkeypatch):
+    """Ctrl-C after a job's thread published its images but before the scheduler recorded the job left whole images
+    no record lists (the next run made them again, as 0001-1-1.png): a job is now recorded as it publishes."""
+    server = fakes()
+
+    def ctrl_c(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(batch_module.BatchClient, "_ended", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        BatchClient(WORKFLOW, server.address, str(tmp_path)).run([BatchJob(seed=1)])
+    assert manifest_of(tmp_path)["0001"]["files"] == ["0001-1.png"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["0001-1.png",
+                                                                                        "manifest.json"]
+    monkeypatch.undo()
+    summary = BatchClient(WORKFLOW, server.address, str(tmp_path)).run([BatchJob(seed=1)])
+    assert summary.skipped == 1 and len(server.prompts) == 1
+
+
+def test_an_image_whose_record_cannot_be_written_is_not_left(tmp_path, monkeypatch):
+    manifest = manifest_module.Manifest.open(str(tmp_path))
+    staged = manifest.stage(b"image", ".png")
+    monkeypatch.setattr(manifest, "_replace", lambda *a: (_ for _ in ()).throw(Flux2Error("disk full")))
+    with pytest.raises(Flux2Error, match="disk full"):
+        manifest.publish(manifest_module.JobRecord("0001", "k1", "done"), [staged])
+    manifest.discard([staged])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".flux2-batch.lock"]
+    manifest.close()
 
 
 def test_a_half_written_manifest_never_replaces_the_last_one(tmp_path, monkeypatch):
@@ -284,8 +429,8 @@ def test_two_jobs_never_write_the_same_file(tmp_path):
     """Names are claimed without replacing: a file already there keeps its bytes, the job takes the next name."""
     (tmp_path / "0001-1.png").write_bytes(b"mine")
     manifest = manifest_module.Manifest.open(str(tmp_path))
-    names = [manifest.publish("0001", [manifest.stage(b"one", ".png")]),
-             manifest.publish("0001", [manifest.stage(b"two", ".png")])]
+    names = [manifest.publish(manifest_module.JobRecord("0001", key, "done"), [manifest.stage(data, ".png")]).files
+             for key, data in (("k1", b"one"), ("k2", b"two"))]
     assert names == [["0001-1-1.png"], ["0001-1-2.png"]]
     assert [(tmp_path / n).read_bytes() for n in ("0001-1.png", "0001-1-1.png", "0001-1-2.png")] == \
         [b"mine", b"one", b"two"]
