@@ -492,10 +492,9 @@ def image_jobs(prompts: int, batch: int, seed: int, rank: int = 0, world: int = 
 def follow(args, sp) -> int:
     """A sequence-parallel follower: load the transformer alone (LoRAs, fp8 as the driver does), serve the driver's
     transformer passes until it stops."""
-    import torch
-
     from . import parallel
     from .adapters import read_adapter
+    from .followers import TransformerSource
     from .patching import set_adapters
     from .storage.matmul import choose_matmuls
 
@@ -512,17 +511,15 @@ def follow(args, sp) -> int:
             from .storage.int8 import quantize_blocks
 
             quantize_blocks(model, in_blocks)
-    else:
-        from . import weights
-
+        choose_matmuls(model, sp.device, model.img_in.weight.dtype, fp8=YES_NO[args.fp8_matmul])
+    else:                           # as the followers ComfyUI's process starts load
         path = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae)[0]
-        model, _ = weights.load_transformer(path, sp.device, getattr(torch, args.dtype) if args.dtype else None,
-                                            variant=args.variant, fp8={"auto": None, "yes": True, "no": False}[args.fp8],
-                                            int8=args.int8)
+        source = TransformerSource.of(path, args.dtype, {"auto": None, "yes": True, "no": False}[args.fp8],
+                                      args.variant, int8=args.int8)
+        model = source.load(sp.device, fp8_matmul=YES_NO[args.fp8_matmul])
     if args.lora:
         read = [(read_adapter(path, model.params), strength) for path, strength in map(lora_argument, args.lora)]
         set_adapters(model, [(patch, s) for a, s in read for patch in a.patches], merge=True if args.lora_merge else None)
-    choose_matmuls(model, sp.device, model.img_in.weight.dtype, fp8=YES_NO[args.fp8_matmul])
     parallel.serve(model, sp)
     parallel.leave()
     return 0

@@ -41,31 +41,34 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]     # the folder holding flux
 
 @dataclass(frozen=True)
 class TransformerSource:
-    """How the driver's transformer was loaded (``weights.load_transformer``'s arguments), for the followers."""
+    """How the driver's transformer was loaded (``weights.load_transformer``'s arguments), for the followers: every
+    follower loads with ``load`` (those ComfyUI's process starts, and the CLI's under torchrun)."""
 
     path: str
-    dtype: str                    # "bfloat16", "float16", "float32"
+    dtype: str | None             # "bfloat16", "float16", "float32"; None: the device's default
     fp8: bool | None = None       # as load_transformer takes it
     variant: str | None = None
     stamp: str = ""               # the file's size and modification time as the driver loaded it ("": unchecked)
     int8: bool = False            # as load_transformer takes it
 
     @classmethod
-    def of(cls, path, dtype: str, fp8: bool | None = None, variant: str | None = None,
+    def of(cls, path, dtype: str | None, fp8: bool | None = None, variant: str | None = None,
            int8: bool = False) -> TransformerSource:
         """The recipe of the file at ``path`` as it is now (call it when the driver loads it)."""
         return cls(str(path), dtype, fp8, variant, file_stamp(path), int8)
 
-    def load(self, device: torch.device):
+    def load(self, device: torch.device, fp8_matmul="auto"):
+        """The transformer on ``device``, its 8-bit matmuls chosen as the driver's loader chose them
+        (``fp8_matmul``: the CLI's --fp8-matmul; ComfyUI's loader uses "auto")."""
         from .storage.matmul import choose_matmuls
         from .weights import load_transformer
 
         if self.stamp and Path(self.path).is_file() and file_stamp(self.path) != self.stamp:
             raise Flux2Error(f"{self.path} has changed since the driver loaded it: the ranks would compute with "
                              f"different weights. Load the model again (in ComfyUI: Unload models, then run)")
-        dtype = getattr(torch, self.dtype)
-        model, _ = load_transformer(self.path, device, dtype, variant=self.variant, fp8=self.fp8, int8=self.int8)
-        choose_matmuls(model, device, dtype)          # as the driver's loader decides it
+        model, _ = load_transformer(self.path, device, getattr(torch, self.dtype) if self.dtype else None,
+                                    variant=self.variant, fp8=self.fp8, int8=self.int8)
+        choose_matmuls(model, device, model.img_in.weight.dtype, fp8=fp8_matmul)
         return model.eval()
 
 

@@ -67,8 +67,9 @@ class EngineCall(nn.Module):
         self.variant, self.dtype = variant, dtype     # ComfyUI's BaseModel.get_dtype reads ``dtype``
 
     def forward(self, x, timestep, context, y=None, guidance=None, ref_latents=None, control=None,
-                transformer_options={}, **kwargs):
+                transformer_options=None, **kwargs):
         # through ComfyUI's DIFFUSION_MODEL wrappers (EasyCache ...), with the arguments in its FLUX.2 model's order
+        transformer_options = {} if transformer_options is None else transformer_options
         wrappers = comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL,
                                                             transformer_options)
         return comfy.patcher_extension.WrapperExecutor.new_class_executor(self.velocity, self, wrappers).execute(
@@ -129,13 +130,13 @@ class KleinModel(comfy.model_base.Flux2):
             "guidance_embed": p.use_guidance_embed})
         super().__init__(config, device=device, unet_model=lambda **_: EngineCall(engine, variant, dtype))
 
-    def memory_required(self, input_shape, cond_shapes={}):
+    def memory_required(self, input_shape, cond_shapes=None):
         """The engine's estimate (memory.denoiser_memory) for ComfyUI's sampler: input_shape is the model batch
         [n, 128, h, w] (ComfyUI doubles it for CFG); cond_shapes["ref_latents"] holds [1, 16, reference tokens] of
         each conditioning that has references: a model call carries the largest."""
         diffusion = self.diffusion_model
         n, _, h, w = input_shape
-        ref_tokens = max((math.prod(shape[2:]) for shape in cond_shapes.get("ref_latents", [])), default=0)
+        ref_tokens = max((math.prod(shape[2:]) for shape in (cond_shapes or {}).get("ref_latents", [])), default=0)
         return memory.denoiser_memory(diffusion.engine, diffusion.variant, n, h, w, diffusion.dtype,
                                       ref_tokens=ref_tokens,
                                       new_reference_kv=diffusion.variant.use_kv_cache and ref_tokens > 0)
