@@ -65,6 +65,7 @@ from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
 from .latents import LATENT_CHANNELS, latent_size
 from .offload import place, stream_blocks, streamed_blocks
+from .plan import plan_denoise
 from .references import (
     as_pil,
     center_crop_16,
@@ -75,7 +76,6 @@ from .references import (
     reference_tokens,
 )
 from .runtime import run_state
-from .plan import plan_denoise
 from .sampling import add_noise, denoise, make_noise
 from .schedules import check_strength, flux2_schedule
 from .storage.int8 import quantize_blocks
