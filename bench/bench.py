@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from flux2_core.variants import FLUX2_AE, KLEIN_4B, KLEIN_9B, AutoEncoderParams, TransformerParams
 
 OURS_OPTIONS = ("ours_fp8", "ours_int8", "ours_compile", "ours_compile_decoder", "ours_gguf", "ours_no_kitchen",
-                "ours_no_fused")
+                "ours_no_fused", "ours_small_decoder")
 PROMPT = "A red fox standing in fresh snow at dawn, soft golden light, detailed fur, shallow depth of field"
 
 
@@ -284,12 +284,30 @@ def apply_options(models, args) -> None:
     if args.ours_int8:                  # int8 matmuls where they are the faster path (GPUs from Turing on, CPU float32)
         quantize_blocks(models.transformer, in_blocks)
         print(use_int8_matmul(models.transformer, "auto", models.device, dtype)[1])
+    if args.ours_small_decoder:
+        models.autoencoder = with_small_decoder(models.autoencoder)
     if args.ours_compile_decoder:
         from flux2_core.compile import compile_decoder
 
         compile_decoder(models.autoencoder, backend=args.compile_backend)
     if args.ours_compile:
         compile_blocks(models.transformer, backend=args.compile_backend)
+
+
+def with_small_decoder(ae):
+    """``ae`` with a decoder of BFL's small-decoder shape in its place: 3/4 of every block's channels (128, 256, 512,
+    512 -> 96, 192, 384, 384), rounded to whole norm groups; the decoder's weights are PyTorch's initial ones (the
+    bench times it; the pictures are noise either way)."""
+    from dataclasses import replace
+
+    from flux2_core.autoencoder import AutoEncoder
+
+    groups = ae.params.num_groups
+    narrow = tuple(max(groups, round(c * 3 / 4 / groups) * groups) for c in ae.params.encoder_chans)
+    small = AutoEncoder(replace(ae.params, decoder_channels=narrow)).to(ae.device, ae.dtype).eval()
+    small.encoder.load_state_dict(ae.encoder.state_dict())
+    small.bn.load_state_dict(ae.bn.state_dict())
+    return small
 
 
 def load_diffusers(folder: Path, device: torch.device, dtype: torch.dtype):
@@ -515,6 +533,9 @@ def main(argv=None) -> None:
                     help="ours: int8 weight storage for the transformer blocks (and int8 matmuls where faster)")
     ap.add_argument("--ours-compile", action="store_true", help="ours: torch.compile the transformer blocks")
     ap.add_argument("--ours-compile-decoder", action="store_true", help="ours: torch.compile the AE's decoder")
+    ap.add_argument("--ours-small-decoder", action="store_true",
+                    help="ours: decode with a decoder of BFL's small-decoder shape (96/192/384/384 channels at full "
+                         "size; diffusers keeps the full decoder, so the decode stage compares the two)")
     ap.add_argument("--ours-no-kitchen", action="store_true",
                     help="ours: without comfy-kitchen's kernels (the plain torch path everywhere: FLUX2_NO_KITCHEN)")
     ap.add_argument("--ours-no-fused", action="store_true",
