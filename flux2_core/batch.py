@@ -312,12 +312,13 @@ class BatchClient:
         return server
 
     def _drop(self, server: _Server, error: ServerUnreachable, progress) -> None:
+        """The error says what happened (a refused connection, a broken one, no answer within how long): a
+        server refused at once is not one that was waited on for --server-timeout."""
         if not server.alive:
             return
-        server.summary.dropped = f"no answer within {self.server_timeout:g} s: {error}"
+        server.summary.dropped = error.problem
         if progress is not None:
-            progress.note(f"dropped {server.summary.server}, it stopped answering ({error}); its jobs go to the "
-                          "other servers")
+            progress.note(f"dropped {server.summary.server}: {error.problem}; its jobs go to the other servers")
 
     # -- the loop ----------------------------------------------------------------------------------------------------
     def _schedule(self, pending: deque, servers: list[_Server], manifest: Manifest, records: dict,
@@ -358,9 +359,9 @@ class BatchClient:
                                    "it was not given to another. Run the batch again to retry it",
                                    round(seconds, 3), job.job.source)
             if isinstance(result, Flux2Error):
-                said = str(result) if isinstance(result, ServerError) else f"ComfyUI at {server.summary.server}: " \
-                                                                            f"{result}"
-                result = JobRecord(job.id, job.key, "failed", [], server.summary.server, f"{job.where}: {said}",
+                # A ServerError names its server; any other is this machine's (a picture changed on disk, the
+                # --out disk full) and names the local file: neither is said to be the server's when it is not.
+                result = JobRecord(job.id, job.key, "failed", [], server.summary.server, f"{job.where}: {result}",
                                    round(seconds, 3), job.job.source)
             elif isinstance(result, BaseException):
                 raise result                           # a fault of this client, not of the server or the job
@@ -415,13 +416,17 @@ class BatchClient:
         try:
             prompt_id = client.submit(workflow)
             client.follow(ws, prompt_id, on_message)
+        except ServerError:
+            raise
+        except Flux2Error as e:        # the prompt failed in ComfyUI (a node's error, an interrupt): say where
+            raise ServerError(client.server, str(e)) from None
         finally:
             server.submitting(-1)
             ws.close()
         images = client.images(prompt_id)
         if not images:
-            raise Flux2Error(f"prompt {prompt_id} ran, but ComfyUI lists no images for it; does the workflow end in "
-                             "a SaveImage node?")
+            raise ServerError(client.server, f"prompt {prompt_id} ran, but ComfyUI lists no images for it; does the "
+                                             "workflow end in a SaveImage node?")
         staged = []
         try:
             for image in images:

@@ -50,8 +50,9 @@ class Picture:
         """The bytes to upload, read again; a file changed since it was checked is refused."""
         data = _masked_bytes(self.path, self.mask, "upload") if self.mask else _read(self.path, "upload")
         if hashlib.sha256(data).hexdigest() != self.digest:
-            raise Flux2Error(f"{self.path} changed after the batch started (its bytes are not the ones checked); "
-                             "run the batch again")
+            raise Flux2Error(f"the picture {self.path} on this machine changed after it was checked (its bytes are "
+                             "no longer the ones checked), so it was not sent; put the original back, or run again to "
+                             "send it as it is now")
         return data
 
 

@@ -500,8 +500,9 @@ def test_a_server_that_hangs_is_dropped_and_its_jobs_go_to_the_other(fakes, tmp_
     assert summary.ok and len(hangs.prompts) == 1 and len(good.prompts) == 4
     hung = summary.servers[0]
     assert hung.server == hangs.address and hung.done == 0 and hung.moved == 1
-    assert hung.dropped.startswith(f"no answer within 1 s: ComfyUI at {hangs.address}: ")
-    assert f"dropped {hangs.address}, it stopped answering" in err.getvalue()
+    assert "stopped answering on the websocket" in hung.dropped or "no answer within 1 s" in hung.dropped, \
+        hung.dropped                                 # whichever it was waiting for: a ping's answer or an HTTP one
+    assert f"dropped {hangs.address}: {hung.dropped}; its jobs go to the other servers" in err.getvalue()
     assert "1 job(s) went to the other servers" in summary.text()
 
 
@@ -521,6 +522,56 @@ def test_a_server_that_dies_mid_batch_loses_no_job(fakes, tmp_path):
     assert summary.ok, summary.text()
     assert summary.servers[0].dropped and summary.servers[0].done == 0
     assert sorted(made_for(tmp_path / job.files[0])["5"]["inputs"]["seed"] for job in summary.jobs) == [0, 1, 2, 3]
+
+
+def test_a_dropped_server_is_said_to_refuse_connections_when_it_does(fakes, tmp_path, monkeypatch):
+    """It read "no answer within 60 s" whatever happened, here a connection refused at once."""
+    gone, good = fakes(), fakes()
+    probe = batch_module.BatchClient._probe
+
+    def probe_then_stop(self, servers, progress):
+        probe(self, servers, progress)
+        gone.stop()                                  # answered the probe, then stopped: nothing listens there now
+    monkeypatch.setattr(batch_module.BatchClient, "_probe", probe_then_stop)
+    summary = BatchClient(WORKFLOW, [gone.address, good.address], str(tmp_path), per_server=1).run(
+        [BatchJob(seed=i) for i in range(3)])
+    assert summary.ok, summary.text()
+    dropped = summary.servers[0].dropped
+    assert "cannot connect (connection refused)" in dropped and "no answer within" not in dropped, dropped
+    assert f"{gone.address}: 0 done, 0 failed, 0 image(s), " in summary.text()
+    assert f"; dropped ({dropped}), 1 job(s) went to the other servers" in summary.text()
+
+
+def test_local_failures_are_not_said_to_be_the_servers(fakes, tmp_path, monkeypatch):
+    """A picture changed on disk and a full --out were reported as "ComfyUI at HOST:PORT: ..."; they name the
+    local file now, and what to do."""
+    server = fakes()
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (8, 8), (9, 9, 9)).save(photo)
+
+    class ChangesThePicture(BatchProgress):
+        def started(self, job_id, where):
+            super().started(job_id, where)
+            if job_id == "0001":
+                Image.new("RGB", (8, 8), (200, 0, 0)).save(photo)
+    summary = BatchClient(WORKFLOW, server.address, str(tmp_path / "out"), images={"10": str(photo)},
+                          progress=ChangesThePicture(0, io.StringIO(), tty=False)).run([BatchJob(seed=1)])
+    assert summary.jobs[0].error == (f"job 0001: the picture {photo} on this machine changed after it was checked "
+                                     "(its bytes are no longer the ones checked), so it was not sent; put the "
+                                     "original back, or run again to send it as it is now")
+
+    mkstemp = manifest_module.tempfile.mkstemp
+    calls = []
+
+    def disk_full(*args, **kwargs):              # the image's temp file: the disk is full; then room again
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return mkstemp(*args, **kwargs)
+    monkeypatch.setattr(manifest_module.tempfile, "mkstemp", disk_full)
+    summary = BatchClient(WORKFLOW, server.address, str(tmp_path / "full")).run([BatchJob(seed=2)])
+    assert summary.jobs[0].error == (f"job 0001: cannot write in {tmp_path / 'full'}: No space left on device; "
+                                     "check the free space and the folder's permissions")
 
 
 def test_when_every_server_is_gone_the_jobs_left_are_recorded_as_not_run(fakes, tmp_path):

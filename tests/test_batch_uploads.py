@@ -58,7 +58,7 @@ def test_a_picture_changed_after_the_check_is_refused_at_upload(tmp_path):
     path = picture_file(tmp_path / "a.png")
     picture = uploads.read_picture(str(path), "--image 10")
     picture_file(path, colour=(200, 0, 0))
-    with pytest.raises(Flux2Error, match=r"a.png changed after the batch started"):
+    with pytest.raises(Flux2Error, match=r"the picture .*a.png on this machine changed after it was checked"):
         picture.data()
 
 
