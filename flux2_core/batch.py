@@ -13,11 +13,12 @@ remaining job goes, as soon as a server has a free slot (`per_server` jobs of ou
 least work among those with one: our jobs there, plus the other clients' prompts queued there as its QueueWatch
 (queue_watch.py: GET /prompt every second) last saw them; ties go round the servers in turn. A server with a free
 slot is never left idle while jobs wait, however long its queue (it would otherwise starve behind other clients'
-work, or the batch run one job at a time). Each job runs on a thread of its own: its pictures are uploaded (uploads.py, once per server), the prompt is queued and followed on a
-websocket of its own, and its images are downloaded, checked to be whole and to be this prompt's (the workflow
-ComfyUI saves in a PNG must be the one sent), and published into the output folder together. A server that stops
-answering (queue_client.ServerUnreachable: no connection, or no answer to HTTP or to websocket pings within
-`server_timeout`) is dropped and its jobs go back in line for the others, but a job on which LOST_SERVERS servers
+work, or the batch run one job at a time). Each job runs on a thread of its own: its pictures are uploaded
+(uploads.py, each once per server), the prompt is queued and followed on a websocket of its own, and its images are
+downloaded, checked to be whole and to be this prompt's (the workflow ComfyUI saves in a PNG must be the one sent),
+and published into the output folder and recorded in one step. cancel() stops a run from another thread. A server
+that stops answering (queue_client.ServerUnreachable: no connection, or no answer to HTTP or to websocket pings
+within `server_timeout`) is dropped and its jobs go back in line for the others, but a job on which LOST_SERVERS servers
 stopped answering fails instead (a job that crashes or hangs its server must not take down every server in turn);
 any other failure fails that job alone, with a message naming the job and the server, and the batch goes on.
 """
@@ -124,6 +125,7 @@ class _Server:
     submitted: int = 0            # of those, the ones whose prompt it has (counted in its queue_remaining)
     others: int = 0               # other clients' prompts queued or running there, as last seen
     uploaded: dict[str, str] = field(default_factory=dict)     # picture name -> the name the server answered
+    uploading: dict[str, threading.Lock] = field(default_factory=dict)     # picture name -> held while it uploads
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -213,6 +215,18 @@ class BatchClient:
         self.progress, self.on_job = progress, on_job
         self.poll = POLL              # seconds between two questions to a server about its queue (queue_watch)
         self._turn = 0                # the server after the last one picked: the first to try among equals
+        self._cancelled = threading.Event()
+        self._results: queue.Queue | None = None      # what the scheduler of the run under way waits on
+
+    def cancel(self) -> None:
+        """Stop the run under way (or the next one, if none is), from any thread: no job is started any more, and
+        run() returns at once, as on Ctrl-C: the jobs still running on the servers write nothing (their prompts go
+        on in ComfyUI), and those not done are in the summary as "cancelled", not in the manifest (the next run
+        does them)."""
+        self._cancelled.set()
+        results = self._results
+        if results is not None:
+            results.put(None)         # wakes the scheduler if it waits for a job to end
 
     def plan(self, jobs: Iterable[BatchJob | dict]) -> list[PlannedJob]:
         """The jobs checked (see batch_jobs.plan_jobs), the client's seed and settings given to those without."""
@@ -233,6 +247,7 @@ class BatchClient:
         planned = self.plan(jobs)
         start = time.monotonic()
         manifest = Manifest.open(self.out, self.workflow_name, job_key(self.workflow))
+        self._results = queue.Queue()
         try:
             records, pending = {}, deque()
             for job in planned:
@@ -271,6 +286,14 @@ class BatchClient:
                 progress.close()
         finally:
             manifest.end()                             # a job still running publishes nothing now
+            self._results = None
+            self._cancelled.clear()
+        for job in planned:
+            if job.key not in records:                 # cancelled: done if it published before the end, else not
+                done = manifest.records.get(job.key)
+                records[job.key] = replace(done, id=job.id) if done and done.status == "done" else JobRecord(
+                    job.id, job.key, "cancelled", [], "", f"{job.where}: cancelled before it ended; run the batch "
+                    "again to do it", 0.0, job.job.source)
         return BatchSummary([records[job.key] for job in planned], skipped, [s.summary for s in servers],
                             time.monotonic() - start, manifest.folder)
 
@@ -323,11 +346,11 @@ class BatchClient:
     # -- the loop ----------------------------------------------------------------------------------------------------
     def _schedule(self, pending: deque, servers: list[_Server], manifest: Manifest, records: dict,
                   progress) -> None:
-        results: queue.Queue = queue.Queue()
+        results = self._results
         running = 0
         lost: dict[str, list[str]] = {}                # job key -> why each server it ran on stopped answering
         while pending or running:
-            while pending:
+            while pending and not self._cancelled.is_set():
                 server = self._pick(servers)
                 if server is None:
                     break
@@ -338,9 +361,12 @@ class BatchClient:
                     progress.started(job.id, server.summary.server)
                 threading.Thread(target=self._work, args=(job, server, manifest, results, progress),
                                  daemon=True).start()
-            if not running:
-                break                                   # jobs left, no server left
-            job, server, result, seconds = results.get()
+            if not running or self._cancelled.is_set():
+                break                                   # jobs left and no server left, or cancelled
+            ended = results.get()
+            if ended is None:
+                continue                                # cancel() woke us: the loop stops above
+            job, server, result, seconds = ended
             running -= 1
             server.inflight -= 1
             server.summary.busy += seconds
@@ -366,6 +392,8 @@ class BatchClient:
             elif isinstance(result, BaseException):
                 raise result                           # a fault of this client, not of the server or the job
             self._ended(job, result, server.summary, manifest, records, progress)
+        if self._cancelled.is_set():
+            return                                      # the jobs not run are left out of the manifest (see run)
         for job in pending:                            # every server dropped
             reason = "; ".join(f"{s.summary.server} dropped" for s in servers)
             record = JobRecord(job.id, job.key, "failed", [], "", f"{job.where}: not run, no server left ({reason})",
@@ -396,15 +424,26 @@ class BatchClient:
             result = e
         results.put((job, server, result, time.monotonic() - start))
 
+    def _upload(self, client: ComfyClient, server: _Server, picture) -> str:
+        """One upload of a picture per server, whoever needs it first; the others that need it wait for its
+        answer, and other pictures upload meanwhile (one lock for all held across the network made them queue)."""
+        with server.lock:
+            lock = server.uploading.setdefault(picture.name, threading.Lock())
+        with lock:
+            with server.lock:
+                name = server.uploaded.get(picture.name)
+            if name is None:
+                name = upload(client, picture)
+                with server.lock:
+                    server.uploaded[picture.name] = name
+        return name
+
     def _run_job(self, job: PlannedJob, server: _Server, manifest: Manifest, progress) -> JobRecord:
         start = time.monotonic()
         client = self._client(server)                  # a client id of its own: one websocket per job
         names = {}
         for node, picture in job.pictures.items():
-            with server.lock:                          # one upload of a picture per server, whoever needs it first
-                if picture.name not in server.uploaded:
-                    server.uploaded[picture.name] = upload(client, picture)
-                names[node] = server.uploaded[picture.name]
+            names[node] = self._upload(client, server, picture)
         workflow = job.workflow(self.workflow, names)
 
         def on_message(message: dict) -> None:

@@ -574,6 +574,41 @@ def test_local_failures_are_not_said_to_be_the_servers(fakes, tmp_path, monkeypa
                                      "check the free space and the folder's permissions")
 
 
+def test_different_pictures_upload_at_once_on_one_server(fakes, tmp_path):
+    """One lock for every upload to a server, held across the network, made them go one at a time."""
+    server = fakes()
+    server.upload_delay = 0.3
+    jobs = []
+    for i in range(2):
+        Image.new("RGB", (8, 8), (i, 9, 9)).save(tmp_path / f"p{i}.png")
+        jobs.append(BatchJob(seed=i, images={"10": str(tmp_path / f"p{i}.png")}))
+    jobs.append(BatchJob(seed=5, images={"10": str(tmp_path / "p0.png")}))       # the same picture: sent once
+    summary = BatchClient(WORKFLOW, server.address, str(tmp_path / "out"), per_server=3).run(jobs)
+    assert summary.ok and server.most_uploads == 2 and len(server.uploads) == 2
+
+
+def test_a_run_is_cancelled_from_another_thread(fakes, tmp_path):
+    """A service stops a batch (cancel()): no job starts any more, run() returns at once, the jobs still running
+    write nothing, and the next run does what is left."""
+    server = fakes()
+    server.delay = 0.4
+    client = BatchClient(WORKFLOW, server.address, str(tmp_path), per_server=1,
+                         on_job=lambda record, folder: threading.Thread(target=client.cancel).start())
+    started = time.monotonic()
+    summary = client.run([BatchJob(seed=i) for i in range(4)])
+    assert time.monotonic() - started < 2.0 and not summary.ok
+    assert [job.status for job in summary.jobs] == ["done", "cancelled", "cancelled", "cancelled"]
+    assert summary.jobs[1].error == "job 0002: cancelled before it ended; run the batch again to do it"
+    assert len(server.prompts) <= 2
+    time.sleep(0.6)                                  # a job still running meanwhile ends on the server
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["0001-1.png",
+                                                                                        "manifest.json"]
+    assert list(manifest_of(tmp_path)) == ["0001"]
+    client.on_job = None
+    summary = client.run([BatchJob(seed=i) for i in range(4)])
+    assert summary.ok and summary.skipped == 1
+
+
 def test_when_every_server_is_gone_the_jobs_left_are_recorded_as_not_run(fakes, tmp_path):
     server = fakes()
     server.hang_after = 1
