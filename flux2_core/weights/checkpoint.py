@@ -1,22 +1,8 @@
-"""Checkpoints on disk: safetensors headers read and checked (never unpickled), GGUF files through gguf_file.py, and the
-files of a model found (one file, a folder with one file or shards + index, or a diffusers pipeline root).
+"""Checkpoints on disk: the files of a model found (one file, a folder with one file or shards + index, a diffusers
+pipeline root) and every safetensors header checked whole before any tensor is read, never unpickled.
 
-A safetensors header is checked whole before any tensor is read, by the format's rules (huggingface/safetensors'
-README and its Rust reader, which ``safe_open`` uses: every file that reader refuses is refused here too, with a
-Flux2Error naming the file, the tensor and the fault):
-
-* the 8-byte length is at most 100,000,000 and within the file; the header is UTF-8 JSON starting with ``{``,
-  without duplicate keys or NaN / Infinity;
-* ``__metadata__``, when present, maps strings to strings;
-* every other key is a tensor: an object with ``dtype`` one of safetensors' codes (``DTYPE_BITS``), ``shape`` a list
-  of whole numbers >= 0 (not booleans, not 2.0) whose running product fits in int64, and ``data_offsets`` [begin,
-  end] with 0 <= begin <= end;
-* end - begin is the tensor's size, dtype bits x elements (a whole number of bytes for sub-byte codes);
-* sorted by offset, the tensors tile the data area exactly: the first begins at 0, each where the last ended, the
-  last at the end of the file (truncated, overlapping and hole-leaving files refused).
-
-Around the tensors: a folder's JSON files (``config.json``, the shard index) must hold JSON objects, and an index may
-only name shard files inside its own folder.
+The checks follow safetensors' own Rust reader (what ``safe_open`` uses), so any file it refuses is refused here
+first with a Flux2Error naming the file, the tensor and the fault: the tensors must tile the data area exactly.
 """
 
 from __future__ import annotations
@@ -48,8 +34,6 @@ MAX_HEADER = 100_000_000    # safetensors' own limit (MAX_HEADER_SIZE): a file i
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """The tensors of one .safetensors file and its metadata, after checking every field of the header against the
-    format (see the module docstring) and that the file holds exactly the bytes the header describes."""
     size, raw = _header_bytes(path)
     header = _parse_header(path, raw)
     metadata = _metadata(path, header.pop("__metadata__", None))
@@ -69,8 +53,7 @@ def unreadable(path: Path, error: OSError) -> Flux2Error:
 
 
 def _header_bytes(path: Path) -> tuple[int, bytes]:
-    """(file size, the header's bytes), or a Flux2Error saying why there is no header (or that the file is a pickle
-    or a GGUF)."""
+    """(file size, header bytes)."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -96,8 +79,7 @@ def _no_header(size: int, got: int, length: int) -> str:
 
 
 def _parse_header(path: Path, raw: bytes) -> dict:
-    """The header (it starts with "{", so it is a dict); the JSON must be UTF-8, free of duplicate keys and of NaN /
-    Infinity (not JSON)."""
+    """UTF-8 JSON without duplicate keys or NaN / Infinity."""
     try:
         return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:        # JSONDecodeError, UnicodeDecodeError, over-long ints, the hooks
@@ -126,12 +108,12 @@ def _metadata(path: Path, metadata) -> dict[str, str]:
 
 
 def _naturals(value) -> bool:
-    """Whether ``value`` is a list of whole numbers >= 0 (JSON true/false and 2.0 are not)."""
+    """JSON true/false and 2.0 are not whole numbers here."""
     return isinstance(value, list) and all(type(n) is int and 0 <= n <= MAX_COUNT for n in value)
 
 
 def _entry(path: Path, name: str, entry) -> tuple[str, tuple[int, ...], int, int]:
-    """One tensor's (dtype, shape, begin, end), every field checked, its byte size matching dtype x shape."""
+    """(dtype, shape, begin, end), its byte size matching dtype x shape."""
     def bad(problem: str) -> Flux2Error:
         return invalid(path, f"tensor {short(name)} {problem}")
 
@@ -153,8 +135,7 @@ def _entry(path: Path, name: str, entry) -> tuple[str, tuple[int, ...], int, int
 
 
 def _check_layout(path: Path, entries: dict[str, tuple], data_size: int) -> None:
-    """The tensors' bytes, in order of their offsets, fill the data area exactly: no tensor past its end (a cut
-    download), none overlapping another, no bytes that belong to no tensor (safetensors refuses such files)."""
+    """No tensor past the end (a cut download), none overlapping, no bytes that belong to no tensor."""
     done, previous = 0, None
     for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: item[1][2:]):
         if end > data_size:
@@ -170,11 +151,8 @@ def _check_layout(path: Path, entries: dict[str, tuple], data_size: int) -> None
 
 
 def read_tensor(info: TensorInfo, file: BinaryIO) -> torch.Tensor:
-    """One tensor's bytes read from the open ``file`` into a new CPU tensor: of ``info.dtype`` (in TORCH_DTYPES), or
-    GGML blocks as uint8 rows [rows, row bytes].
-
-    Plain reads, not a memory map: the process never holds the file's pages besides the tensors it keeps, so
-    loading takes the memory of the weights alone (and a mapped view would need a copy anyway).
+    """A new CPU tensor (GGML blocks as uint8 [rows, row bytes]). Plain reads, not a memory map: the process holds
+    no file pages beside the tensors it keeps, so loading takes the memory of the weights alone.
     """
     # zeros, not empty: memory first touched by torch's fill (large pages, both cores) is faster to read into than
     # memory the kernel faults in page by page during the read (2 GB: 0.63 s vs 1.0 s on our 2-core machine)
@@ -195,7 +173,6 @@ def read_tensor(info: TensorInfo, file: BinaryIO) -> torch.Tensor:
 
 
 def refuse_other_format(path: Path, start: bytes) -> None:
-    """Raise a Flux2Error naming the format when a weights file is pickle-based or GGUF (nothing is loaded)."""
     if start[:4] == b"GGUF":
         raise Flux2Error(f"{path} is a GGUF file, which is read as a model, not here: use a .safetensors file")
     pickled = start[:1] == b"\x80" and start[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")    # pickle protocol 2-5
@@ -213,7 +190,6 @@ STANDARD_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 
 
 def open_checkpoint(path: str | Path, subfolder: str) -> Checkpoint:
-    """Find and check the safetensors files at ``path`` (a file, a model folder or a pipeline root)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise Flux2Error(f"weights not found: {path} does not exist; check the path (or the file name in the model "
@@ -246,7 +222,7 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def _folder_files(folder: Path) -> list[Path]:
-    """The files of one model folder: those its index names, else its one .safetensors file."""
+    """Those its index names, else its one .safetensors file."""
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if indexes:
         index = next((i for i in indexes if i.name[: -len(".index.json")] in STANDARD_NAMES), indexes[0])
@@ -271,7 +247,7 @@ def _folder_files(folder: Path) -> list[Path]:
 
 
 def _shard_names(index: Path) -> list[str]:
-    """The shard files an index names: plain file names, so a downloaded index cannot send reads outside its folder."""
+    """Plain file names only, so a downloaded index cannot send reads outside its folder."""
     weight_map = read_json(index).get("weight_map", {})
     names = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
     if not all(isinstance(n, str) and n != ".." and Path(n).name == n for n in names):
@@ -281,7 +257,7 @@ def _shard_names(index: Path) -> list[str]:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON object from a file; {} when there is no file."""
+    """{} when there is no file."""
     if not path.is_file():
         return {}
     try:

@@ -1,4 +1,9 @@
-"""Quantised checkpoints (fp8, nvfp4): their formats recognised and weights dequantized to the compute dtype."""
+"""Quantised checkpoints: formats recognised, weights dequantized to float32 (``weight.float() * scale``).
+
+ComfyUI fp8 (per-tensor ``.weight_scale``, format in ``_quantization_metadata`` or ``.comfy_quant``; older
+``scaled_fp8`` files: ``.scale_weight``), BFL fp8 (per-row ``.weight_scale`` [N]), BFL nvfp4, Hugging Face block fp8
+(``.weight_scale_inv``) and unscaled float8. ``.input_scale`` is dropped; any other scheme is refused.
+"""
 
 from __future__ import annotations
 
@@ -25,11 +30,7 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 
 
 def comfy_formats(ckpt: Checkpoint, prefix: str) -> dict[str, str]:
-    """ComfyUI's quantisation formats of the layers behind ``prefix`` (layer key, prefix stripped -> format), from
-    the ``_quantization_metadata`` safetensors metadata and ``.comfy_quant`` tensors.
-
-    Refuses formats that cannot be dequantized here, and files quantised with other tools (GPTQ, bitsandbytes).
-    """
+    """Layer key (prefix stripped) -> format. Refuses other tools' quantisations (GPTQ, bitsandbytes)."""
     keys = [k for k in ckpt.tensors if k.startswith(prefix)]
     for key in keys:
         for suffix, tool in UNSUPPORTED_SUFFIXES.items():
@@ -58,7 +59,7 @@ def comfy_formats(ckpt: Checkpoint, prefix: str) -> dict[str, str]:
 
 
 def _comfy_quant(ckpt: Checkpoint, key: str) -> dict:
-    """A ``.comfy_quant`` tensor: the bytes of a JSON object, stored as uint8 [n]."""
+    """The bytes of a JSON object, stored as uint8 [n]."""
     info = ckpt.tensors[key]
     if info.dtype not in ("U8", "I8") or len(info.shape) != 1:
         raise Flux2Error(f"{ckpt.path}: {key} is {info.dtype} {list(info.shape)}, not the bytes of JSON text (U8 [n]); "

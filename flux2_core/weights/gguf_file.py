@@ -1,20 +1,9 @@
-"""GGUF files read with the ``gguf`` package: their tensors as ``checkpoint.TensorInfo`` (the logical shape, where the
-bytes start, the GGML type) and the metadata a loader checks (architecture, tokenizer). Nothing else about GGUF lives
-here: the block maths is ``ggml.py``, the layers keeping blocks are ``ggml_layers.py``.
+"""GGUF files read with the ``gguf`` package: tensors as ``tensors.TensorInfo`` and the metadata a loader checks.
 
 Shapes: GGUF lists dimensions innermost first, so a Linear weight [out, in] is stored as (in, out); the logical shape
-is the reverse, unless ComfyUI-GGUF's converter recorded the original one (``comfy.gguf.orig_shape.<name>``).
-A quantized tensor is rows of whole blocks along its last (innermost) dimension, read as uint8 [rows, row_bytes].
-
-A hostile or damaged header ends in a Flux2Error saying to download the file again, never in another exception:
-
-* the header is read by ``_StrictReader``: no read past the end of the file (the stock reader returns short arrays
-  there), at most ``MAX_ENTRIES`` fields and tensors and ``MAX_ARRAY_VALUES`` array values (it loops over any count
-  a file claims), and whatever it raises on bad bytes (unknown value or tensor types, duplicate keys, bad UTF-8,
-  arrays nested past Python's recursion limit) becomes a Flux2Error;
-* a tensor's shape has elements that fit int64 (``checkpoint.element_count``), as many as its GGML type's blocks
-  hold, and bytes inside the file; ComfyUI's ``orig_shape`` is a list of whole numbers >= 0;
-* the fields a loader reads (``KEPT_FIELDS``) have the type it expects (a string, a number, a list of strings).
+is the reverse, unless ComfyUI-GGUF recorded the original (``comfy.gguf.orig_shape.<name>``). A quantized tensor is
+rows of whole blocks along its last dimension, read as uint8 [rows, row_bytes]. A hostile or damaged header ends in a
+Flux2Error, never another exception (``_StrictReader``: the stock reader trusts every count a header claims).
 """
 
 from __future__ import annotations
@@ -43,8 +32,7 @@ READER_ERRORS = (ValueError, IndexError, KeyError, OverflowError, TypeError, Rec
 
 
 class _StrictReader(GGUFReader):
-    """GGUFReader that refuses to read past the end of the file or to loop over more fields, tensors or array values
-    than any model has (the stock reader trusts the counts a header claims)."""
+    """No read past the end of the file (the stock reader returns short arrays there); bounded counts."""
 
     def __init__(self, path: Path):
         self.array_values = 0
@@ -82,8 +70,7 @@ def is_gguf(path: Path) -> bool:
 
 
 def read_gguf(path: Path) -> tuple[dict, dict]:
-    """The tensors of a GGUF file ({name: TensorInfo}) and its metadata ({key: value} for ``KEPT_FIELDS``), after
-    checking that every tensor's bytes are in the file and its type is one we dequantize."""
+    """({name: TensorInfo}, {key: value} for ``KEPT_FIELDS``)."""
     try:
         reader = _StrictReader(path)
     except READER_ERRORS as e:
@@ -112,8 +99,7 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
 
 
 def _check_disjoint(spans: list[tuple[int, int, str]], path: Path) -> None:
-    """Refuse a file whose tensors share bytes: a header that points two tensors at one place is damaged, and
-    reading it would give one of them the other's values."""
+    """Two tensors pointed at the same bytes would give one of them the other's values."""
     spans = sorted(spans)
     for (_, end, first), (start, _, second) in itertools.pairwise(spans):
         if start < end:
@@ -122,7 +108,6 @@ def _check_disjoint(spans: list[tuple[int, int, str]], path: Path) -> None:
 
 
 def _field(reader, key: str, kind: type):
-    """A kept field's value, of the type a loader expects (a list: of strings)."""
     value = _value(reader, key)
     if isinstance(value, bool) or not isinstance(value, kind) or (kind is list and not all(
             isinstance(v, str) for v in value)):
@@ -133,7 +118,6 @@ def _field(reader, key: str, kind: type):
 
 
 def _orig_shape(reader, key: str) -> tuple[int, ...]:
-    """ComfyUI-GGUF's record of a tensor's original shape: whole numbers >= 0."""
     value = _value(reader, key)
     if not isinstance(value, list) or not all(type(n) is int and n >= 0 for n in value):
         raise Flux2Error(f"{reader.data.filename}: the GGUF metadata field {key!r} should be a tensor shape (whole "
@@ -142,7 +126,6 @@ def _orig_shape(reader, key: str) -> tuple[int, ...]:
 
 
 def _value(reader, key: str):
-    """A metadata field's value: a str, a number, or a list of them."""
     field = reader.fields[key]
     try:
         return field.contents()
@@ -152,7 +135,7 @@ def _value(reader, key: str):
 
 
 def architecture(metadata: dict) -> str:
-    """The file's ``general.architecture`` ("" when absent, as in stable-diffusion.cpp's files)."""
+    """"" when absent, as in stable-diffusion.cpp's files."""
     return str(metadata.get("general.architecture", ""))
 
 
@@ -167,7 +150,6 @@ ARCH_NAMES = {"flux": "a FLUX transformer (FLUX.1 or FLUX.2)", "sd1": "a Stable 
 
 
 def describe_gguf(arch: str, ckpt) -> str:
-    """What a GGUF file holds, by its architecture field and its keys (for error messages)."""
     if not arch:
         return f"no declared architecture; by its tensors it looks like {describe(ckpt)}"
     return f"{ARCH_NAMES.get(arch, f'a model of architecture {arch!r}')} (general.architecture = {arch!r})"

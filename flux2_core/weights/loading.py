@@ -1,42 +1,10 @@
-"""Weights: safetensors files in every layout users have, loaded into our modules (whose keys are BFL's).
+"""Loaders: weight files in every layout users have (BFL, ComfyUI, diffusers; safetensors or GGUF) into our modules,
+whose keys are BFL's.
 
-| model        | accepted                                                                                          |
-|--------------|---------------------------------------------------------------------------------------------------|
-| transformer  | BFL single file (``flux-2-klein-4b.safetensors``); ComfyUI ``diffusion_models/`` file (BFL keys,   |
-|              | with or without ``model.diffusion_model.``); diffusers ``transformer/`` folder or pipeline root    |
-| autoencoder  | BFL ``ae.safetensors``; ComfyUI ``vae/flux2-vae.safetensors`` (BFL keys, maybe ``vae.``);          |
-|              | diffusers ``vae/`` folder or pipeline root                                                        |
-| text encoder | HF / diffusers ``text_encoder/`` folder (one file or shards + index); ComfyUI                     |
-|              | ``text_encoders/qwen_3_4b.safetensors`` (HF keys, maybe ``text_encoders.qwen3_4b.transformer.``)  |
-
-A load goes in five steps (1 lives in checkpoint.py, 2 and the recipes in key_mapping.py, the fp8 / nvfp4 maths in
-dequantize.py; this file runs them and holds 3 to 5):
-
-1. find the files (one file, or a folder's single file / index + shards) and check every safetensors header;
-2. find the key prefix (ComfyUI nests models under ``model.diffusion_model.``, ``vae.``, ``text_encoders.…``) and
-   the layout (BFL or diffusers naming) from one signature key;
-3. read the architecture from tensor shapes and build the module on the meta device (no memory);
-4. for every key the module expects, a *recipe* names the file tensors it comes from (a rename, a q/k/v concat, a
-   halves swap); they are read straight to the target device, dequantized (or kept in fp8), cast, reshaped (Linear
-   <-> 1x1 conv);
-5. ``load_state_dict(strict=True, assign=True)``: the module's parameters *are* the tensors read, so nothing is
-   allocated twice.
-
-Nothing is ever unpickled: .ckpt / .pt / .bin files are refused with a message saying to use a .safetensors file.
-
-Quantised files (a transformer's fp8 layers stay fp8 unless ``load_transformer(fp8=False)``; see there) are
-otherwise dequantized on load to the compute dtype (``weight.float() * scale``, then cast):
-
-* ComfyUI fp8 / "fp8mixed": float8 weights with a per-tensor ``.weight_scale`` (listed in the
-  ``_quantization_metadata`` safetensors metadata or in ``.comfy_quant`` tensors), and the older ``scaled_fp8``
-  files with ``.scale_weight``;
-* BFL fp8 ("fp8r"): float8_e4m3fn weights with a per-row ``.weight_scale`` [N];
-* BFL nvfp4: packed E2M1 weights [N, K/2] (even element in the low nibble), float8 block scales ``.weight_scale``
-  [N, K/16] and a global ``.weight_scale_2``;
-* Hugging Face fine-grained fp8 (``Qwen/Qwen3-4B-FP8``): float8 weights with block scales ``.weight_scale_inv``;
-* plain float8 weights with no scale.
-
-``.input_scale`` (activation scales) are not needed and dropped. Any other scheme is refused with a Flux2Error.
+A load: open and check the files (checkpoint.py); find the prefix and layout from one signature key
+(key_mapping.py); read the architecture from tensor shapes and build on the meta device; read every expected key by
+its recipe straight to the target device (dequantized, cast, Linear <-> 1x1 conv reshaped); then
+``load_state_dict(strict=True, assign=True)``, so nothing is allocated twice. Nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -106,7 +74,7 @@ class Source:
         return all(s in self.keys for s in self.recipe(key).sources)
 
     def shape(self, key: str) -> tuple[int, ...] | None:
-        """Shape of our key as the file provides it, unpacked if nvfp4 (None when absent)."""
+        """Unpacked if nvfp4; None when absent."""
         recipe = self.recipe(key)
         if not all(s in self.keys for s in recipe.sources):
             return None
@@ -117,21 +85,18 @@ class Source:
         return (sum(s[0] for s in shapes), *rest)
 
     def scale_key(self, layer: str) -> str | None:
-        """The full file key of a layer's weight scale, if it has one."""
         return next((self.prefix + layer + s for s in SCALE_SUFFIXES
                      if self.prefix + layer + s in self.ckpt.tensors), None)
 
     def stores_fp8(self, key: str) -> bool:
-        """Whether every file tensor behind our key is float8."""
         return all(self.is_float8(s) for s in self.recipe(key).sources)
 
     def is_float8(self, file_key: str) -> bool:
-        """Whether a file tensor (key behind the prefix) is float8, ComfyUI's uint8 containers of fp8 included."""
+        """ComfyUI's uint8 containers of fp8 count as float8."""
         return file_key in self.keys and (self.info(file_key).dtype in FP8_CODES or (
             self.info(file_key).dtype == "U8" and file_key.removesuffix(".weight") in self.formats))
 
     def ggml_type(self, key: str) -> int | None:
-        """The GGML type of our key when the file keeps it as quantized GGUF blocks (one tensor), else None."""
         sources = self.recipe(key).sources
         if len(sources) == 1 and sources[0] in self.keys and self.info(sources[0]).quantized:
             return self.info(sources[0]).ggml
@@ -182,16 +147,12 @@ class TensorReader:
         self.block = (block[0], block[1])
 
     def close(self) -> None:
-        """Close the files read on the CPU (safetensors' handles close themselves)."""
         self.files.close()
         self.handles.clear()
 
     def raw(self, key: str) -> torch.Tensor:
-        """One tensor as stored, by its full file key, in memory of its own.
-
-        On the CPU it is read from the file into a new tensor (``checkpoint.read_tensor``; safetensors would hand
-        out views of a memory map, unaligned and gone when the file is replaced); on a GPU safetensors reads it
-        straight into device memory.
+        """One tensor by its full file key, in memory of its own: on the CPU read into a new tensor (safetensors would
+        hand out views of a memory map, unaligned and gone when the file is replaced); on a GPU read straight to it.
         """
         info = self.source.ckpt.tensors[key]
         plain = info.ggml is not None or (self.device.type == "cpu" and info.dtype in TORCH_DTYPES)
@@ -211,7 +172,7 @@ class TensorReader:
         return tensor.clone() if tensor.device.type == "cpu" else tensor
 
     def __call__(self, key: str) -> torch.Tensor:
-        """One tensor by its key behind the prefix; a quantised weight comes back dequantized (float32)."""
+        """A quantised weight comes back dequantized (float32)."""
         tensor = self.raw(self.source.prefix + key)
         info = self.source.info(key)
         if info.quantized:
@@ -232,13 +193,11 @@ class TensorReader:
         return tensor
 
     def as_float8(self, layer: str, tensor: torch.Tensor) -> torch.Tensor:
-        """ComfyUI may keep fp8 weights in a uint8 container; its metadata names their format."""
         if layer in self.source.formats and tensor.dtype == torch.uint8:
             return tensor.view(COMFY_FP8[self.source.formats[layer]])
         return tensor
 
     def full(self, recipe: Recipe) -> torch.Tensor:
-        """One of our tensors as the recipe assembles it from file tensors (dequantized, concatenated, halves swapped)."""
         parts = [self(s) for s in recipe.sources]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if recipe.swap_halves:
@@ -247,15 +206,12 @@ class TensorReader:
         return tensor
 
     def blocks(self, key: str) -> torch.Tensor:
-        """Our key's GGUF blocks as the file stores them (uint8 [rows, row bytes]), for a ``ggml_layers`` layer."""
+        """uint8 [rows, row bytes], as the file stores them."""
         return self.raw(self.source.prefix + self.source.recipe(key).sources[0])
 
     def fp8(self, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-        """A Linear weight [out, in] as float8 values and a float32 scale per row [out], for a ``quant.Fp8Linear``.
-
-        Where the file stores the layer in float8 with no scale, one per tensor or one per row, these are the file's
-        own values and scales (nothing is rounded again); any other weight (full precision, nvfp4, block-scaled,
-        split over several file tensors) is assembled in float32 and quantized per row (``quant.quantize_fp8``).
+        """float8 [out, in] and a float32 scale per row [out]: the file's own values where it stores the layer in float8
+        with a per-tensor or per-row scale (nothing rounded twice), else quantized per row from float32.
         """
         if len(recipe.sources) == 1 and not recipe.swap_halves and self.source.is_float8(recipe.sources[0]):
             layer = recipe.sources[0][: -len(".weight")]
@@ -271,13 +227,8 @@ class TensorReader:
 
 def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: torch.device,
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Our state dict from the file: every key of ``expected`` (a meta state dict), checked, read, cast.
-
-    Floating tensors are cast to ``dtype``; integer buffers (num_batches_tracked) keep theirs; the layers that
-    ``expected`` has as fp8 (``quant.Fp8Linear``: a float8 ``weight`` and its ``weight_scale``) get float8 values and
-    per-row scales (``TensorReader.fp8``), those it has as int8 the file's values quantized per row
-    (``storage.int8.quantize_int8``), those it has as GGUF blocks (uint8) the file's blocks. A file key that no recipe uses is an error, as is a missing one (except
-    ``OPTIONAL_KEYS``).
+    """Every key of ``expected`` (a meta state dict) read in the storage its dtype asks for (float, fp8, int8, GGUF
+    blocks). A file key no recipe uses is an error, as is a missing one (except ``OPTIONAL_KEYS``).
     """
     scales = {k + "_scale" for k, like in expected.items() if like.dtype in QUANTIZED_WEIGHTS}   # with their weights
     wanted = {k: like for k, like in expected.items() if k not in scales}
@@ -307,7 +258,7 @@ def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: t
 
 
 def fit(tensor: torch.Tensor, like: torch.Tensor, key: str, source: Source) -> torch.Tensor:
-    """``tensor`` in ``like``'s shape: equal, or equal up to trailing 1-dims (Linear [C,C] <-> 1x1 conv [C,C,1,1])."""
+    """Equal shapes, or equal up to trailing 1-dims (Linear [C,C] <-> 1x1 conv [C,C,1,1])."""
     if tensor.shape == like.shape:
         return tensor
     if _without_trailing_ones(tensor.shape) == _without_trailing_ones(like.shape):
@@ -352,8 +303,7 @@ CONFIG_NAMES = {dict: "an object", "int": "a positive whole number", "number": "
 
 
 def config_value(source: Source, key: str, kind, default, within: dict | None = None):
-    """``key`` of the model folder's config.json (or of ``within``, a part of it), checked to be of ``kind``; the
-    default when absent. A value of another kind is a Flux2Error naming the file, the key and what it must be."""
+    """``key`` of config.json (or of ``within``), checked to be of ``kind``; ``default`` when absent."""
     config = source.ckpt.config if within is None else within
     if key not in config or config[key] is None:
         return default
@@ -365,8 +315,9 @@ def config_value(source: Source, key: str, kind, default, within: dict | None = 
 
 
 def default_device_dtype(device, dtype) -> tuple[torch.device, torch.dtype]:
-    """cuda if available, else cpu; bfloat16 on cuda, float32 elsewhere. A device this torch cannot use (no CUDA, a
-    GPU index past the last, a misspelt name) is a Flux2Error here, before anything is loaded for it."""
+    """cuda if available, else cpu; bf16 on cuda, float32 elsewhere. A device this torch cannot use is a Flux2Error
+    here, before anything is loaded for it.
+    """
     try:
         device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     except (RuntimeError, TypeError) as e:
@@ -387,13 +338,12 @@ def default_device_dtype(device, dtype) -> tuple[torch.device, torch.dtype]:
 
 
 def build_on_meta(make: Callable[[], nn.Module]) -> nn.Module:
-    """The module with every parameter and buffer on the meta device: shapes only, no memory."""
     with torch.device("meta"):
         return make()
 
 
 def assign(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
-    """Load ``state`` by assignment: the parameters become these very tensors. Returns the model in eval mode."""
+    """The parameters become these very tensors."""
     model.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
@@ -403,7 +353,6 @@ def assign(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
 
 
 def count(source: Source, template: str) -> int:
-    """How many consecutive indices n = 0, 1, ... have ``template.format(n)`` in the file."""
     n = 0
     while source.has(template.format(n)):
         n += 1
@@ -422,7 +371,7 @@ def need_shape(source: Source, key: str) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------------------------
 
 def transformer_params(source: Source) -> TransformerParams:
-    """Architecture from tensor shapes; RoPE axes and theta from a diffusers config.json when there is one."""
+    """RoPE axes and theta from a diffusers config.json when there is one."""
     hidden, in_channels = need_shape(source, "img_in.weight")
     head_dim = need_shape(source, "double_blocks.0.img_attn.norm.query_norm.scale")[0]
     mlp_hidden = need_shape(source, "double_blocks.0.img_mlp.2.weight")[1]
@@ -440,7 +389,7 @@ def transformer_params(source: Source) -> TransformerParams:
 
 
 def variant_hint(source: Source) -> str:
-    """A hint for base / KV / distilled: diffusers' model_index.json, else the file or folder names."""
+    """Base / KV / distilled: diffusers' model_index.json, else the file or folder names."""
     index = read_json(source.ckpt.root / "model_index.json") if source.ckpt.root else {}
     if "KV" in index.get("_class_name", ""):
         return "kv"
@@ -452,27 +401,18 @@ def variant_hint(source: Source) -> str:
 
 def inspect_transformer(path: str | Path, params: TransformerParams | None = None,
                         variant: str | None = None) -> tuple[TransformerParams, Variant]:
-    """The architecture and variant of a transformer checkpoint, from its headers alone (no tensor is read)."""
+    """From the headers alone: no tensor is read."""
     return _transformer_spec(_transformer_source(path), params, variant)
 
 
 def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
                      params: TransformerParams | None = None, variant: str | None = None,
                      fp8: bool | None = None, int8: bool = False) -> tuple[Flux2Transformer, Variant]:
-    """A FLUX.2 transformer and its variant from a BFL / ComfyUI file or a diffusers folder.
+    """``params`` overrides the architecture read from shapes; ``variant`` the one detected from it.
 
-    The architecture comes from tensor shapes (``params`` overrides it, e.g. for the RoPE axes of test models);
-    the variant (distilled, base, KV) from the architecture plus diffusers' model_index.json or the file name,
-    unless ``variant`` names a registry entry. Default device: cuda if available; dtype: bf16 on cuda, else fp32.
-
-    fp8 (weight storage; the compute dtype is ``dtype`` either way, see ``quant.Fp8Linear``):
-    None   the layers an fp8 file stores in float8 stay so, with the file's own values and scales; the rest in dtype;
-    True   those and every other block layer (``quant.in_blocks``) in fp8, quantized per row as they are read, so
-           the full-precision model is never in memory;
-    False  everything dequantized to dtype.
-
-    int8=True stores every block layer in int8 instead (``storage.int8``), quantized per row from the file's values
-    (bf16, fp8 or GGUF blocks) as they are read; ``fp8`` then has no say over the blocks.
+    fp8: None keeps the layers an fp8 file stores in float8 (its own values and scales); True also stores every block
+    layer in fp8, quantized per row as read, so the full-precision model is never in memory; False dequantizes all.
+    int8=True stores every block layer in int8 instead (``storage.int8``). The compute dtype is ``dtype`` either way.
     """
     if fp8 not in (None, True, False):
         raise Flux2Error(f"fp8 must be None (as the file stores it), True or False, got {fp8!r}")
@@ -485,10 +425,7 @@ def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = 
 
 def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | None = None,
                       fp8: bool | None = None, int8: bool = False) -> int:
-    """The bytes of weights ``load_transformer(path, dtype=dtype, variant=variant, fp8=fp8)`` makes, from the headers
-    alone (nothing is read): fp8 layers one byte per weight plus a float32 scale per row, GGUF blocks their bytes,
-    the rest in ``dtype``. For
-    deciding where the weights go before reading them (``pipeline.load_models``: stream the blocks or not)."""
+    """The weight bytes ``load_transformer`` would make, from the headers alone."""
     _, model, _ = _transformer_on_meta(path, None, variant, fp8, int8)
     state = model.state_dict()
     scales = {k + "_scale" for k, t in state.items() if t.dtype in QUANTIZED_WEIGHTS}
@@ -498,7 +435,6 @@ def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | No
 
 def _transformer_on_meta(path, params: TransformerParams | None, variant: str | None,
                          fp8: bool | None, int8: bool = False) -> tuple[Source, Flux2Transformer, Variant]:
-    """The file's source, the model built on the meta device with its quantized layers, and the variant."""
     source = _transformer_source(path)
     params, chosen = _transformer_spec(source, params, variant)
     layers = Layers(fp8=fp8_storage(source, fp8), ggml=gguf_storage(source), int8=in_blocks if int8 else None)
@@ -507,15 +443,13 @@ def _transformer_on_meta(path, params: TransformerParams | None, variant: str | 
 
 
 def fp8_storage(source: Source, fp8: bool | None) -> Callable[[str], bool]:
-    """Which linear layers (by name) to store in fp8 (see ``load_transformer``): none with fp8=False; those the file
-    stores in float8; with fp8=True every block layer too (``quant.in_blocks``)."""
     return lambda name: fp8 is not False and (source.stores_fp8(name + ".weight") or bool(fp8 and in_blocks(name)))
 
 
 def gguf_storage(source: Source) -> Callable[[str], int | None]:
-    """Which linear layers (by name) keep a GGUF file's blocks, with their GGML type: the block and modulation layers
-    the file quantizes (``quant.in_blocks``). The embedders and the final layer are dequantized on load wherever a
-    file quantizes them (converters keep them F16): they are small, and the model reads its dtype from img_in."""
+    """Only block and modulation layers keep GGUF blocks: the embedders and final layer are small, and the model reads
+    its dtype from img_in.
+    """
     return lambda name: source.ggml_type(name + ".weight") if in_blocks(name) else None
 
 
@@ -543,8 +477,7 @@ def _transformer_spec(source: Source, params: TransformerParams | None,
 # ---------------------------------------------------------------------------------------------------------------
 
 def autoencoder_params(source: Source) -> AutoEncoderParams:
-    """Architecture from tensor shapes (each half's channels from its own tensors: BFL's small decoder is narrower
-    than the encoder); GroupNorm groups and BatchNorm eps from a diffusers config.json if any."""
+    """Each half's channels from its own tensors: BFL's small decoder is narrower than the encoder."""
     ch, in_channels = need_shape(source, "encoder.conv_in.weight")[:2]
     levels = count(source, "encoder.down.{}.block.0.conv1.weight")
     params = AutoEncoderParams(
@@ -558,7 +491,6 @@ def autoencoder_params(source: Source) -> AutoEncoderParams:
 
 
 def _with_decoder_of(params: AutoEncoderParams, source: Source) -> AutoEncoderParams:
-    """``params`` with the decoder's block channels as ``source``'s decoder tensors have them."""
     channels = tuple(need_shape(source, f"decoder.up.{i}.block.0.conv2.weight")[0]
                      for i in range(len(params.ch_mult)))
     return replace(params, decoder_channels=None if channels == params.encoder_chans else channels)
@@ -574,12 +506,8 @@ DECODER_HINT = ("A FLUX.2 decoder is BFL's small_decoder.safetensors (or the dec
 
 def load_autoencoder(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
                      decoder: str | Path | None = None) -> AutoEncoder:
-    """The FLUX.2 autoencoder from BFL ``ae.safetensors``, ComfyUI ``flux2-vae.safetensors``, BFL's
-    ``full_encoder_small_decoder.safetensors`` or a diffusers folder; with ``decoder`` (BFL's
-    ``small_decoder.safetensors``, a decoder on its own), that file's decoder in place of the autoencoder's (the
-    encoder and the latent statistics stay the autoencoder's).
-
-    Default device: cuda if available; dtype: bf16 on cuda, else fp32 (BFL runs the AE in fp32: pass float32).
+    """With ``decoder`` (BFL's ``small_decoder.safetensors``) that decoder replaces the file's; the encoder and latent
+    statistics stay. BFL runs the AE in float32: pass it.
     """
     device, dtype = default_device_dtype(device, dtype)
     source = _autoencoder_source(path)
@@ -645,13 +573,8 @@ ENCODER_FILES = {QWEN3_4B.name: f"Qwen3-4B text encoder ({' or '.join(QWEN3_4B.f
 
 def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
                       tokenizer=None) -> PromptEncoder:
-    """The Qwen3 prompt encoder from a Hugging Face / diffusers ``text_encoder/`` folder, a ComfyUI file or a GGUF
-    (llama.cpp's Qwen3 files: quantized layers stay GGUF blocks, ``ggml_layers.py``).
-
-    Only what FLUX.2 uses is read: the embedding and decoder layers 0..26 (hidden states 9, 18, 27); later layers,
-    the final norm and ``lm_head`` stay on disk. The tokenizer is ``tokenizer`` if given, else the one in the folder
-    or a sibling ``tokenizer/`` folder, else the built-in Qwen3 tokenizer (checked against a GGUF's vocabulary).
-    Default device: cuda if available; dtype: bf16 on cuda, else fp32.
+    """Only what FLUX.2 uses is read: the embedding and layers 0..26. The tokenizer: ``tokenizer``, else the folder's,
+    else the built-in Qwen3 one (checked against a GGUF's vocabulary).
     """
     device, dtype = default_device_dtype(device, dtype)
     source = open_source(path, "text_encoder", TEXT_ENCODER_LAYOUTS, "a Qwen3 text encoder",
@@ -678,8 +601,6 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
 
 
 def qwen3_config(source: Source) -> Qwen3Params | None:
-    """The folder's config.json as ``Qwen3Params`` (None for a single file), or a Flux2Error saying which value it
-    cannot take."""
     if not source.ckpt.config:
         return None
     try:
@@ -690,8 +611,7 @@ def qwen3_config(source: Source) -> Qwen3Params | None:
 
 
 def check_vocabulary(tokens: list[str], tokenizer, path: Path) -> None:
-    """Raise a Flux2Error unless a GGUF's token list agrees with the tokenizer prompts are read with, id by id (the
-    file may have more rows, as padding: Qwen3's table has 151,936 rows for 151,669 tokens)."""
+    """The file may have more rows, as padding: Qwen3's table has 151,936 rows for 151,669 tokens."""
     vocab = tokenizer.get_vocab()
     wrong = next(((i, token) for token, i in sorted(vocab.items(), key=lambda item: item[1])
                   if i >= len(tokens) or tokens[i] != token), None)
@@ -708,7 +628,6 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def check_text_encoder_fits(variant: Variant, encoder: PromptEncoder) -> None:
-    """Raise a Flux2Error unless the encoder's embeddings (3 x hidden) are the width the transformer takes."""
     hidden = encoder.model.embed_tokens.embedding_dim
     needed = variant.params.context_in_dim
     if 3 * hidden == needed:
