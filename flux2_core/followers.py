@@ -1,18 +1,11 @@
 """Follower ranks for a driver inside a long-running program (ComfyUI): ``FollowerGroup`` starts one process per extra
 device, each loads the transformer as the driver did (``TransformerSource``) and serves its passes
-(``parallel.serve``), until the driver closes the group, dies, or a follower fails.
+(``parallel.serve``) until the driver closes the group, dies, or a follower fails.
 
-    group = FollowerGroup.start(TransformerSource(path, "bfloat16"), ["cuda:0", "cuda:1"])   # this process: cuda:0
-    parallel.attach(model, group.sp)
-    latents = sampling.denoise(model, ...)          # every transformer pass now runs on both GPUs
-    group.close()                                    # the followers exit; their memory is freed
-
-The processes are started and watched by torch's elastic launcher (torch.distributed.elastic, the engine behind
-torchrun), not by torch.multiprocessing or Ray: multiprocessing's spawn re-runs the parent's main module in every
-child (in ComfyUI its main.py, start-up scripts of every custom node included), while the launcher starts a plain
-``python -m flux2_core.followers``, keeps each one's output in a log file and stops them all together; Ray would be a
-large new dependency for what the GPUs of one machine need. A follower loads its weights before it joins the group,
-so a file it cannot read fails the start with its own message rather than a stalled group.
+The processes are run by torch's elastic launcher (the engine behind torchrun), not torch.multiprocessing, whose
+spawn re-runs the parent's main module in every child (in ComfyUI: main.py and every custom node's start-up), nor
+Ray (a large dependency for one machine's GPUs). A follower loads before it joins, so an unreadable file fails the
+start with its own message rather than a stalled group.
 """
 
 from __future__ import annotations
@@ -41,8 +34,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]     # the folder holding flux
 
 @dataclass(frozen=True)
 class TransformerSource:
-    """How the driver's transformer was loaded (``weights.load_transformer``'s arguments), for the followers: every
-    follower loads with ``load`` (those ComfyUI's process starts, and the CLI's under torchrun)."""
+    """``weights.load_transformer``'s arguments as the driver loaded it, for every follower."""
 
     path: str
     dtype: str | None             # "bfloat16", "float16", "float32"; None: the device's default
@@ -54,12 +46,11 @@ class TransformerSource:
     @classmethod
     def of(cls, path, dtype: str | None, fp8: bool | None = None, variant: str | None = None,
            int8: bool = False) -> TransformerSource:
-        """The recipe of the file at ``path`` as it is now (call it when the driver loads it)."""
+        """Call it when the driver loads the file: it stamps the file as it is now."""
         return cls(str(path), dtype, fp8, variant, file_stamp(path), int8)
 
     def load(self, device: torch.device, fp8_matmul="auto"):
-        """The transformer on ``device``, its 8-bit matmuls chosen as the driver's loader chose them
-        (``fp8_matmul``: the CLI's --fp8-matmul; ComfyUI's loader uses "auto")."""
+        """``fp8_matmul``: the CLI's --fp8-matmul; ComfyUI's loader uses "auto"."""
         from .storage.matmul import choose_matmuls
         from .weights import load_transformer
 
@@ -73,7 +64,7 @@ class TransformerSource:
 
 
 def file_stamp(path) -> str:
-    """"<size>:<modification time in ns>" of the file at ``path``: changes when the file is replaced or rewritten."""
+    """"<size>:<mtime in ns>": changes when the file is replaced or rewritten."""
     stat = os.stat(path)
     return f"{stat.st_size}:{stat.st_mtime_ns}"
 
@@ -85,7 +76,6 @@ def free_port() -> int:
 
 
 class FollowerGroup:
-    """This process as rank 0 (the driver) of ``len(devices)`` ranks, with a follower process for every other device."""
 
     def __init__(self, sp: parallel.SequenceParallel, context, recipe: TransformerSource, devices: list[str],
                  logs: Path):
@@ -96,8 +86,9 @@ class FollowerGroup:
     @classmethod
     def start(cls, recipe: TransformerSource, devices: list[str], timeout: float = START_TIMEOUT,
               cancel: Callable[[], None] = lambda: None) -> FollowerGroup:
-        """Start followers on devices[1:] (this process computes on devices[0]) and join them as the driver.
-        ``cancel`` is called while they load; what it raises (the user cancelled) stops them and is raised."""
+        """Followers on devices[1:]; this process computes on devices[0]. ``cancel`` is called while they load; what it
+        raises (the user cancelled) stops them and is raised.
+        """
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
         world = len(devices)
@@ -125,8 +116,7 @@ class FollowerGroup:
 
     @staticmethod
     def _wait_ready(store, world: int, context, timeout: float, cancel: Callable[[], None]) -> None:
-        """Until every follower has loaded its transformer; a follower that exits first fails the start with its
-        last lines of output."""
+        """A follower that exits first fails the start with its last lines of output."""
         end = time.monotonic() + timeout
         while not all(store.check([f"ready/{rank}"]) for rank in range(1, world)):
             cancel()
@@ -139,25 +129,21 @@ class FollowerGroup:
             time.sleep(0.1)
 
     def alive(self) -> bool:
-        """Whether every follower process is still running."""
         return self.context is not None and self.context.wait(0) is None
 
     def usable(self) -> bool:
-        """Whether the group can run another pass: every follower running, none left inside a pass cut short."""
+        """Every follower running, none left inside a pass cut short."""
         return self.alive() and not self.sp.broken
 
     def set_adapters(self, adapters: list[AdapterUse]) -> None:
-        """Give the followers' transformers these LoRAs (each with its path and the transformer's digest:
-        adapters.Adapter.digest(text_encoder=False)), as the driver's has them; a follower refuses a file whose
-        content no longer has that digest."""
+        """A follower refuses a file whose content no longer has the driver's digest."""
         adapters = [a.shared() for a in adapters]
         if adapters != self.adapters:
             self.sp.announce(ADAPTERS, {}, {"adapters": adapters})
             self.adapters = adapters
 
     def close(self) -> None:
-        """Stop the followers and leave the group; safe to call twice. Usable followers are told to stop and exit
-        on their own; the others (stuck inside a pass cut short, or one of them gone) are terminated."""
+        """Safe to call twice. Followers stuck inside a pass cut short are terminated."""
         if self.context is None:
             return
         try:
@@ -172,7 +158,6 @@ class FollowerGroup:
 
 
 def _last_words(result) -> str:
-    """The exit code and last stderr lines of the failed followers in an elastic RunProcsResult."""
     notes = []
     for local, failure in result.failures.items():
         tail = ""
@@ -211,7 +196,6 @@ def _driver_alive(pid: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """A follower: load the transformer by the recipe, report ready, join the group and serve until stopped."""
     recipe = TransformerSource(**json.loads((argv or sys.argv[1:])[0]))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device(json.loads(os.environ["FLUX2_DEVICES"])[rank])

@@ -1,31 +1,15 @@
-"""Inpainting: repaint where a mask says so, keep the source image everywhere else.
+"""Inpainting and outpainting: repaint where a mask says so, keep the source everywhere else.
 
-Masks. One value per pixel: 1 (white) = repaint, 0 (black) = keep; grey values in between are kept as they are (a
-soft edge blends the two), not rounded to black or white. An image file is read as its grey level / 255.
+Masks: 1 (white) = repaint, 0 = keep; grey values are kept (soft edges blend). They reach the latent grid one way,
+everywhere (``latent_mask``): bilinear interpolation to [H/16, W/16], as diffusers' Flux2KleinInpaintPipeline and
+ComfyUI's ``noise_mask`` do; it reads the 2 x 2 pixels at each cell's centre, so a thin stroke may reach no cell.
 
-Pixel masks reach the latent grid one way, everywhere (``latent_mask``): bilinear interpolation (torch's, corners
-not aligned, no antialiasing) from the pixels to the [h, w] = [H/16, W/16] latent grid, one value per latent cell for
-all of its 128 channels. This is what diffusers' Flux2KleinInpaintPipeline does (after it rounds the mask at 0.5)
-and what ComfyUI's samplers do with a LATENT's ``noise_mask``. At a 16x reduction it reads the 2 x 2 pixels at the
-centre of each 16 x 16 cell, so a stroke thinner than a cell may fall between the centres; when no cell is reached
-at all, ``mask_note`` says so.
-
-Blending. The sampler keeps the source outside the mask by mixing the latent x with the source latent x0 noised to
-the current level, with the same noise eps the start latent was made from:
-
-    keep(x, sigma) = m * x + (1 - m) * ((1 - sigma) * x0 + sigma * eps)
-
-Two conventions exist; ``Inpaint.blend`` picks one, and each surface uses its peer's:
-
-* AFTER_STEP (``pipeline.generate``, the CLI; diffusers' Flux2KleinInpaintPipeline): after each Euler step to
-  sigma', x <- keep(x, sigma'). sigma' is 0 after the last step, so where m = 0 the result is exactly the source
-  latent. The clean source is also the model's reference image 1 (before any other), so it sees what surrounds the
-  area it repaints.
-* BEFORE_MODEL (the Denoise node; ComfyUI's samplers, ``KSamplerX0Inpaint``): the model is called on
-  x_in = keep(x, sigma) and its clean estimate is clamped to the source, D = m * (x_in - sigma * v) + (1 - m) * x0;
-  the Euler step goes on from x with the velocity (x - D) / sigma. Where m = 0 this lands on x0 noised to sigma',
-  and on x0 itself at the end (up to float rounding). The source reaches the model only if the graph gives it as a
-  reference, as in ComfyUI.
+The sampler keeps the source with keep(x, sigma) = m * x + (1 - m) * ((1 - sigma) * x0 + sigma * eps), eps the start
+latent's noise, by one of two conventions:
+* AFTER_STEP (``pipeline.generate``, as diffusers): x <- keep(x, sigma') after each step, so where m = 0 the result
+  is exactly the source latent; the source is also reference image 1, so the model sees the surroundings.
+* BEFORE_MODEL (the Denoise node, as ComfyUI's ``KSamplerX0Inpaint``): the model sees keep(x, sigma) and its clean
+  estimate is clamped to x0 outside the mask; the source reaches the model only as a reference the graph gives.
 """
 
 from __future__ import annotations
@@ -51,7 +35,6 @@ CELL = 16                        # pixels per latent cell (8x AE downscale x 2x2
 
 @dataclass
 class Canvas:
-    """An outpainting canvas: the source on a larger picture, and the mask that repaints what was added."""
 
     image: Image.Image              # RGB: the source at (left, top), grey elsewhere
     mask: Image.Image               # "L": 255 where the canvas is new, 0 over the source, a ramp ``feather`` px wide
@@ -63,7 +46,6 @@ DEFAULT_FEATHER = 32                # pixels of the source the repainted area fa
 
 
 def check_outpaint(image: bool, mask: bool) -> None:
-    """Outpainting expands an image and makes its own mask: it needs the image and takes no mask."""
     if not image:
         raise Flux2Error("outpainting expands an image: give the image to expand (--image)")
     if mask:
@@ -72,7 +54,7 @@ def check_outpaint(image: bool, mask: bool) -> None:
 
 
 def parse_expand(text: str) -> tuple[int, int, int, int]:
-    """"LEFT,TOP,RIGHT,BOTTOM" pixels (whole numbers >= 0, not all 0) -> each rounded up to the 16-pixel grid."""
+    """"LEFT,TOP,RIGHT,BOTTOM" pixels -> each rounded up to the 16-pixel grid."""
     parts = text.split(",")
     if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
         raise Flux2Error(f"expand must be four whole numbers of pixels LEFT,TOP,RIGHT,BOTTOM (e.g. 0,0,256,0), got "
@@ -85,9 +67,9 @@ def parse_expand(text: str) -> tuple[int, int, int, int]:
 
 def expand_canvas(image: Image.Image, sides: tuple[int, int, int, int], feather: int = DEFAULT_FEATHER,
                   max_pixels: int | None = None) -> Canvas:
-    """``image`` (its size cropped to the grid first, as every input is) on a canvas larger by ``sides`` = (left,
-    top, right, bottom) pixels, multiples of 16; the mask repaints the new area and fades into the source over
-    ``feather`` pixels on the sides that grew, so the seam is repainted too. A canvas over ``max_pixels`` is refused."""
+    """``sides`` = (left, top, right, bottom), multiples of 16. The mask fades into the source over ``feather`` pixels
+    on the sides that grew, so the seam is repainted too.
+    """
     image = center_crop_16(as_pil(image, "the image to expand").convert("RGB"), "the image to expand")
     left, top, right, bottom = sides
     width, height = image.width + left + right, image.height + top + bottom
@@ -113,22 +95,21 @@ def expand_canvas(image: Image.Image, sides: tuple[int, int, int, int], feather:
 
 
 def mask_tensor(image: Image.Image) -> Tensor:
-    """A mask image -> float32 [1, 1, H, W] in [0, 1]: its grey level ("L", as PIL converts colour) / 255."""
+    """-> float32 [1, 1, H, W]: the grey level ("L", as PIL converts colour) / 255."""
     grey = np.asarray(image.convert("L"), dtype=np.float32) / 255
     return torch.from_numpy(grey)[None, None]
 
 
 def check_source(mask: bool, image: bool) -> None:
-    """A mask needs the image it masks (Flux2Error otherwise)."""
     if mask and not image:
         raise Flux2Error("a mask needs the image it masks: give the image to inpaint with it (the CLI's --image; the "
                          "Denoise node's latent input, where ComfyUI's Set Latent Noise Mask puts the mask)")
 
 
 def check_mask_size(mask_size: tuple[int, int], image_size: tuple[int, int], what: str = "the image") -> str:
-    """The size rule for a (width, height) mask over a (width, height) image: the same size is used as it is; the
-    same shape (within one 16-pixel latent cell once stretched) is resized, with the note returned; another shape
-    is a Flux2Error, as stretching it would repaint the wrong place."""
+    """Sizes (width, height). The same size is used as it is; the same shape (within one latent cell) is resized with
+    the note returned; another shape is refused: stretching it would repaint the wrong place.
+    """
     (mw, mh), (w, h) = mask_size, image_size
     if (mw, mh) == (w, h):
         return ""
@@ -141,9 +122,7 @@ def check_mask_size(mask_size: tuple[int, int], image_size: tuple[int, int], wha
 
 
 def image_mask(mask, image: Image.Image, size: tuple[int, int]) -> tuple[Tensor, list[str]]:
-    """A mask image (PIL, array or tensor, as ``references.as_pil`` takes) over the source ``image`` as given ->
-    (float32 [1, 1, H, W] for the source at (width, height) ``size``, notes): fitted to the image
-    (``check_mask_size``), cropped to multiples of 16 as the image is (``center_crop_16``), resized as it is."""
+    """-> (float32 [1, 1, H, W] at ``size``, notes), fitted, cropped and resized as the source image is."""
     mask = as_pil(mask, "the mask")
     note = check_mask_size(mask.size, image.size)
     if note:
@@ -155,10 +134,9 @@ def image_mask(mask, image: Image.Image, size: tuple[int, int]) -> tuple[Tensor,
 
 
 def latent_mask(mask: Tensor, batch: int, h: int, w: int) -> tuple[Tensor, str]:
-    """(mask [1 or batch, 1, h, w] on the latent grid, a note or ""): ``mask`` [n, 1, H, W], [n, H, W] or [H, W]
-    with n 1 or ``batch``, values in [0, 1], at the image's pixel size (16h x 16w), at its size before the crop to
-    the grid (cut as the image was: ``grid_crop``) or already on the grid (h x w); another size of the same shape is
-    resized with a note (``check_mask_size``), an empty mask of any size too."""
+    """``mask`` [n, 1, H, W], [n, H, W] or [H, W], n 1 or ``batch``, in [0, 1] -> ([1 or batch, 1, h, w], note or "").
+    Taken at the image's pixel size, its size before the crop to the grid (cut as the image was), or already h x w.
+    """
     if mask.ndim not in (2, 3, 4) or (mask.ndim == 4 and mask.shape[1] != 1):
         raise Flux2Error(f"a mask must be [H, W], [B, H, W] or [B, 1, H, W], got {list(mask.shape)}")
     mask = mask.reshape(-1, 1, *mask.shape[-2:]).float()
@@ -181,8 +159,7 @@ def latent_mask(mask: Tensor, batch: int, h: int, w: int) -> tuple[Tensor, str]:
 
 
 def mask_note(pixels: Tensor, on_grid: Tensor) -> str:
-    """What to tell the user about a mask that repaints nothing (pixels [n, 1, H, W], ``on_grid`` its
-    ``latent_mask``), else ""."""
+    """pixels [n, 1, H, W], ``on_grid`` its ``latent_mask``; "" unless it repaints nothing."""
     if not bool(pixels.any()):
         return ("the mask is empty (all black): nothing is repainted, the result is the source image (image-to-image "
                 "that changes nothing); paint the area to repaint white")
@@ -196,10 +173,7 @@ def mask_note(pixels: Tensor, on_grid: Tensor) -> str:
 
 @dataclass(frozen=True)
 class Inpaint:
-    """What the Euler loop (``sampling.euler``) needs to keep the source outside the mask (see the module docstring).
-
-    All in the latent's dtype and device (``to``): source x0 [1 or B, 128, h, w], noise eps [B, 128, h, w] (the
-    start latent's), mask [1 or B, 1, h, w] in [0, 1] (1 = repaint)."""
+    """source x0 [1 or B, 128, h, w], noise eps [B, 128, h, w], mask [1 or B, 1, h, w] (1 = repaint)."""
 
     source: Tensor
     noise: Tensor
@@ -214,11 +188,10 @@ class Inpaint:
         return Inpaint(*(t.to(device, dtype) for t in (self.source, self.noise, self.mask)), self.blend)
 
     def keep(self, x: Tensor, sigma: float) -> Tensor:
-        """m * x + (1 - m) * (the source noised to ``sigma``)."""
         return self.mask * x + (1 - self.mask) * add_noise(self.source, self.noise, sigma)
 
     def velocity(self, velocity: Velocity, x: Tensor, t: Tensor, sigma: float) -> Tensor:
-        """The velocity of the step from x at ``sigma`` (t: the model's timestep, sigma in x's dtype)."""
+        """BEFORE_MODEL: the model's clean estimate clamped to the source, as a velocity from x."""
         if self.blend == AFTER_STEP:
             return velocity(x, t)
         x_in = self.keep(x, sigma)
@@ -226,5 +199,4 @@ class Inpaint:
         return (x - clean) / sigma
 
     def after_step(self, x: Tensor, sigma_next: float) -> Tensor:
-        """The latent after a step to ``sigma_next``."""
         return self.keep(x, sigma_next) if self.blend == AFTER_STEP else x

@@ -1,32 +1,11 @@
-"""Low-VRAM block streaming: the transformer's blocks that do not fit the device wait in CPU memory and visit the
-device one at a time, just before they run.
+"""Low-VRAM block streaming: the transformer's blocks that do not fit the device wait in CPU memory (pinned on CUDA)
+and visit the device one at a time, just before they run; the forward is unchanged.
 
-    stream_blocks(model, device, budget)     # budget: bytes of the model's weights allowed on the device at once
-    model(img, ...)                          # the forward is unchanged; streamed blocks are copied in and dropped
-    unstream(model)                          # every weight back where stream_blocks found it
-
-What stays on the device (resident): the embedders (img_in, txt_in, time_in, guidance_in), the three shared
-modulations, the final layer (together a few hundred MB: they run every step and are small) and, in execution order
-(double blocks, then single blocks), every block that still fits the budget after those and after room for two
-streamed blocks in flight (the one running and the next one, being copied meanwhile). The rest are *streamed*: their
-parameters and buffers (``quant.Fp8Linear`` keeps its fp8 weight and scale as buffers) live on the storage device
-(the CPU; pinned on CUDA so that copies run asynchronously), and forward hooks on each streamed block
-
-* before it runs: wait for its copy (started earlier, or now if nothing started it), then start copying the next
-  streamed block, so the copy overlaps this block's compute;
-* after it ran: point its weights back at the stored tensors, dropping the device copy.
-
-On CUDA copies run on a side stream: the compute stream waits on an event recorded after a block's copy, and each
-device copy is marked as used by the compute stream (``record_stream``) before it is dropped, so the allocator does
-not hand its memory to the next copy while kernels still read it. On the CPU the same code runs in order.
-
-Klein 9B in bf16 (18 GB of weights: 8 double blocks of 0.87 GB, 24 single blocks of 0.44 GB, 0.6 GB resident parts)
-on a 12 GB card keeps about half its blocks resident and copies the rest each step. How the budget is chosen from
-the free memory is ``memory.weight_budget``; ``pipeline.load_models`` applies it.
-
-Compiling: ``compile.compile_blocks`` compiles only the resident blocks (hooks that swap weights cannot be inside a
-``fullgraph`` graph); streamed blocks run eagerly, their time is mostly the copy anyway. A compiled block cannot be
-streamed: stream first, then compile.
+Resident: the embedders, modulations and final layer (a few hundred MB, run every step), then in execution order
+every block that fits the budget beside room for two streamed blocks in flight (the one running and the next, whose
+copy overlaps its compute on a side stream). Klein 9B in bf16 (18 GB) on a 12 GB card keeps about half its blocks
+resident. A compiled block cannot be streamed: stream first, then compile (``compile.compile_blocks`` compiles only
+the resident blocks: weight-swapping hooks cannot be inside a ``fullgraph`` graph).
 """
 
 from __future__ import annotations
@@ -45,10 +24,9 @@ CPU = torch.device("cpu")
 
 
 def stream_blocks(model: nn.Module, device, budget: int, storage=CPU) -> BlockStream:
-    """Make ``model`` (a ``Flux2Transformer``, anywhere) run on ``device`` with at most ``budget`` bytes of its weights
-    there at once: the always-resident parts and the blocks that fit stay on ``device``, the others are kept on
-    ``storage`` and streamed (see the module docstring). A model already streamed is unstreamed first. Returns the
-    handle (also ``run_state(model).stream``)."""
+    """``model`` (a ``Flux2Transformer``, anywhere) runs on ``device`` with at most ``budget`` bytes of its weights
+    there at once; the rest is kept on ``storage``. A model already streamed is unstreamed first.
+    """
     device, storage = torch.device(device), torch.device(storage)
     if streaming(model) is not None:
         unstream(model)
@@ -61,9 +39,7 @@ def stream_blocks(model: nn.Module, device, budget: int, storage=CPU) -> BlockSt
 
 
 def split_blocks(model: nn.Module, budget: int) -> tuple[list[nn.Module], list[nn.Module]]:
-    """(resident, streamed) blocks for a weight ``budget`` in bytes: the always-resident parts first, then room for
-    two blocks in flight (the largest block twice) if any block streams, then each block in execution order that
-    still fits. Raises a Flux2Error if not even the always-resident parts and the room fit."""
+    """(resident, streamed) for a weight ``budget`` in bytes; a Flux2Error if not even the fixed parts fit."""
     blocks = [*model.double_blocks, *model.single_blocks]
     sizes = [module_bytes(b) for b in blocks]
     fixed = module_bytes(model) - sum(sizes)
@@ -90,7 +66,6 @@ def split_blocks(model: nn.Module, budget: int) -> tuple[list[nn.Module], list[n
 
 
 def streaming(model: nn.Module) -> BlockStream | None:
-    """The model's ``BlockStream`` if its blocks are streamed, else None."""
     return run_state(model).stream
 
 
@@ -100,9 +75,7 @@ def streamed_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def unstream(model: nn.Module, resident: bool = False) -> nn.Module:
-    """Undo ``stream_blocks``: the hooks removed and every parameter and buffer in storage (the CPU), where
-    ``pipeline.load_models`` had them before streaming; ``resident=True`` puts every one on the device instead (the
-    model fully resident, if it fits)."""
+    """Every tensor back in storage (where ``pipeline.load_models`` had them), or on the device with ``resident``."""
     stream = streaming(model)
     if stream is not None:
         stream.close(resident)
@@ -111,15 +84,15 @@ def unstream(model: nn.Module, resident: bool = False) -> nn.Module:
 
 
 def resident_parts(model: nn.Module) -> list[nn.Module]:
-    """The modules of a (maybe streamed) transformer that stay on the device: everything but the streamed blocks."""
     streamed = set(streamed_blocks(model))
     others = [m for m in model.children() if m is not model.double_blocks and m is not model.single_blocks]
     return others + [b for b in [*model.double_blocks, *model.single_blocks] if b not in streamed]
 
 
 def place(model: nn.Module, device) -> nn.Module:
-    """``model.to(device)`` that leaves streamed blocks in storage (``model.to`` would copy them all to the device):
-    how the transformer steps aside to the CPU and back while the text encoder visits the device."""
+    """``model.to(device)`` that leaves streamed blocks in storage: how the transformer steps aside to the CPU and back
+    while the text encoder visits.
+    """
     if streaming(model) is None:
         return model.to(device)
     for part in resident_parts(model):
@@ -130,13 +103,13 @@ def place(model: nn.Module, device) -> nn.Module:
 # --- tensors of a module --------------------------------------------------------------------------------------------
 
 def slots(module: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
-    """(owning module, name, tensor) of every parameter and buffer under ``module``."""
+    """(owning module, name, tensor) of every parameter and buffer."""
     return [(m, name, t) for m in module.modules()
             for name, t in itertools.chain(m._parameters.items(), m._buffers.items()) if t is not None]
 
 
 def set_tensor(module: nn.Module, name: str, tensor: Tensor) -> None:
-    """Point a parameter (same Parameter object, new data) or a buffer at ``tensor``."""
+    """A parameter keeps its Parameter object (new data); a buffer is replaced."""
     if name in module._parameters:
         module._parameters[name].data = tensor
     else:
@@ -144,13 +117,12 @@ def set_tensor(module: nn.Module, name: str, tensor: Tensor) -> None:
 
 
 def to_device(tensor: Tensor, device: torch.device) -> Tensor:
-    """The one place weights are copied to the compute device (tests wrap it, and ``to_storage``, to make CPU-to-CPU
-    "copies" real and count the bytes on the "device")."""
+    """The one place weights are copied to the device: tests wrap it to count bytes and make CPU copies real."""
     return tensor.to(device, non_blocking=True)
 
 
 def to_storage(tensor: Tensor, storage: torch.device, pin: bool) -> Tensor:
-    """A streamed weight's stored copy: pinned on the way to a CUDA device, so copies from it are asynchronous."""
+    """Pinned on the way to a CUDA device, so copies from it are asynchronous."""
     tensor = tensor.to(storage)
     return tensor.pin_memory() if pin and not tensor.is_pinned() else tensor
 
@@ -158,7 +130,6 @@ def to_storage(tensor: Tensor, storage: torch.device, pin: bool) -> Tensor:
 # --- the streaming --------------------------------------------------------------------------------------------------
 
 class BlockStream:
-    """The hooks and stored tensors of a streamed model (made by ``stream_blocks``)."""
 
     def __init__(self, model: nn.Module, device: torch.device, storage: torch.device, streamed: list[nn.Module]):
         self.model, self.device = model, device
@@ -185,12 +156,12 @@ class BlockStream:
             self.hooks.append(block.register_forward_hook(self.after))
 
     def prefetch_first(self, model, args):
-        """The model's forward starts: copy the first streamed block while the embedders and early blocks run."""
+        """Copy the first streamed block while the embedders and early blocks run."""
         if self.stored:
             self.load(next(iter(self.stored)))
 
     def load(self, block: nn.Module) -> None:
-        """Start copying ``block``'s weights to the device (on the side stream on CUDA); once per visit."""
+        """On the side stream on CUDA; once per visit."""
         if block in self.ready:
             return
         side = torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext()
@@ -218,7 +189,6 @@ class BlockStream:
             set_tensor(module, name, stored)
 
     def close(self, resident: bool) -> None:
-        """Remove the hooks; every tensor to the device (``resident``) or to storage."""
         for hook in self.hooks:
             hook.remove()
         for block in list(self.ready):                        # a forward that raised may have left copies

@@ -1,23 +1,13 @@
-"""Sequence parallelism: one transformer pass spread over the ranks of a torch.distributed group (Ulysses).
+"""Sequence parallelism (Ulysses): one transformer pass spread over the ranks of a torch.distributed group.
 
-Every op of the FLUX.2 transformer except attention works token by token (the linears, the modulation, the MLPs,
-RoPE with each token's own ids), so each rank runs them on its own share of the tokens. Attention needs every key,
-so two all-to-alls around it swap the split: before, rank r holds all heads of its tokens; during, all tokens of
-heads/P heads; after, back again. For one pass over text tokens and the rest (image tokens, then joint references):
+Everything but attention works token by token, so each rank runs it on its share of the tokens. Around attention
+two all-to-alls swap the split: q, k, v [B, H, l_r, D] -> [B, H/P, L, D] -> out back to [B, H, l_r, D] (RoPE is
+already applied and there is no mask, so key order is free). Image velocities are gathered after the final layer;
+KV references stay split by heads ([B, H/P, Lref, D] per rank).
 
-    rank r holds  txt[t_r : t_r + n_r] and rest[s_r : s_r + m_r]         near-equal shares, any lengths
-    q, k, v [B, H, n_r + m_r, D]  -- all-to-all -->  [B, H/P, L, D]       keys in rank order: RoPE is already applied
-                                                                           and there is no mask, so order is free
-    out     [B, H/P, L, D]        -- all-to-all -->  [B, H, n_r + m_r, D]
-    velocities of the image tokens: gathered on every rank after the final layer
-
-The KV scheme's reference keys and values (Klein 9B-KV) stay split by heads: each rank keeps [B, H/P, Lref, D].
-
-Who runs what: rank 0 *drives*. It runs the whole pipeline (text encoder, sampler, autoencoder) and calls the
-transformer as usual; each call is first announced to the other ranks, the *followers* (``serve``), which run the
-same call on their shares. The announcement (which call, the shapes) goes through the group's store, so a follower
-can wait between generations for as long as it takes; the input tensors go by broadcast, everything else by
-collectives. A rank that fails leaves its message in the store, and the driver's error quotes it.
+Rank 0 drives: it runs the whole pipeline and announces each transformer call to the followers (``serve``) through
+the group's store, so a follower can wait between generations for as long as it takes; input tensors go by
+broadcast. A failing rank leaves its message in the store, and the driver's error quotes it.
 """
 
 from __future__ import annotations
@@ -49,14 +39,13 @@ DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat
 
 
 def shares(n: int, world: int) -> tuple[int, ...]:
-    """``n`` tokens as ``world`` near-equal shares, the larger first: 7 over 3 -> (3, 2, 2)."""
+    """7 over 3 -> (3, 2, 2)."""
     base, extra = divmod(n, world)
     return tuple(base + (r < extra) for r in range(world))
 
 
 @dataclass(frozen=True)
 class TokenShards:
-    """How one pass's text and rest tokens are spread over the ranks of ``group``; the collectives of that pass."""
 
     group: object
     rank: int
@@ -69,19 +58,18 @@ class TokenShards:
 
     @property
     def lengths(self) -> list[int]:
-        """The tokens each rank holds, text and rest."""
         return [t + s for t, s in zip(self.txt, self.rest)]
 
     def local_txt(self, x: Tensor) -> Tensor:
-        """This rank's share of text tokens x [B, Ltxt, ...]."""
+        """x [B, Ltxt, ...]."""
         return x.narrow(1, sum(self.txt[:self.rank]), self.txt[self.rank])
 
     def local_rest(self, x: Tensor) -> Tensor:
-        """This rank's share of the rest x [B, Lrest, ...]."""
+        """x [B, Lrest, ...]."""
         return x.narrow(1, sum(self.rest[:self.rank]), self.rest[self.rank])
 
     def image_shares(self, n_img: int) -> list[int]:
-        """How many of each rank's rest tokens are image tokens (the first ``n_img`` of the rest)."""
+        """The image tokens are the first ``n_img`` of the rest."""
         starts = [sum(self.rest[:r]) for r in range(self.world)]
         return [max(0, min(n, n_img - start)) for n, start in zip(self.rest, starts)]
 
@@ -97,7 +85,7 @@ class TokenShards:
         return torch.cat([part.view(batch, mine, n, dim) for part, n in zip(got.split(sizes), self.lengths)], dim=2)
 
     def tokens_from_heads(self, x: Tensor) -> Tensor:
-        """The way back: [B, H/P, L, D] -> [B, H, l_r, D]."""
+        """[B, H/P, L, D] -> [B, H, l_r, D]."""
         batch, mine, _, dim = x.shape
         local = self.lengths[self.rank]
         send = torch.cat([part.reshape(-1) for part in x.split(self.lengths, dim=2)])
@@ -107,7 +95,7 @@ class TokenShards:
         return got.view(self.world, batch, mine, local, dim).transpose(0, 1).reshape(batch, self.world * mine, local, dim)
 
     def gather(self, x: Tensor, sizes: list[int]) -> Tensor:
-        """Every rank's x [B, sizes[r], C] joined in rank order, [B, sum(sizes), C], on every rank."""
+        """Every rank's x [B, sizes[r], C] -> [B, sum(sizes), C] in rank order, on every rank."""
         batch, _, channels = x.shape
         most = max(sizes)
         padded = x.new_zeros(batch, most, channels)
@@ -119,7 +107,6 @@ class TokenShards:
 
 
 class SequenceParallel:
-    """The ranks one transformer is spread over (``attach``), and the driver / follower protocol between them."""
 
     def __init__(self, rank: int, world: int, device: torch.device, store, group=None):
         self.rank, self.world, self.device = rank, world, torch.device(device)
@@ -141,10 +128,9 @@ class SequenceParallel:
     # --- the driver's side ------------------------------------------------------------------------------------------
 
     def call(self, run: Callable, name: str, tensors: dict[str, Tensor | None], extra: dict | None = None):
-        """Run ``run(**tensors)`` on every rank: the driver announces it first; a follower (in ``serve``) just runs.
-        A failure of another rank comes out as a Flux2Error quoting that rank's own message.
-        A call cut short on the driver (the user cancelled, the GPU ran out of memory, a follower failed) leaves the
-        followers waiting inside it: the group is ``broken`` and refuses further calls; start the ranks again."""
+        """Run ``run(**tensors)`` on every rank. A call cut short on the driver (cancelled, out of memory, a follower
+        failed) leaves the followers waiting inside it: the group is ``broken`` and refuses further calls.
+        """
         if not self.driver:
             return run(**tensors)
         self.announce(name, tensors, extra or {})
@@ -152,7 +138,6 @@ class SequenceParallel:
             return run(**tensors)
 
     def announce(self, name: str, tensors: dict[str, Tensor | None], extra: dict) -> None:
-        """Tell the followers what to run next (through the store), then broadcast its input tensors."""
         if self.broken:
             raise Flux2Error("an earlier sequence-parallel pass was cut short (cancelled or failed) while the other "
                              "ranks were inside it, so they cannot follow another: start the ranks again")
@@ -172,9 +157,9 @@ class SequenceParallel:
 
     @contextlib.contextmanager
     def cut_short_on_failure(self):
-        """Around the driver's part of a call: any error leaves the group broken (the followers are inside the call).
-        A failed collective comes out as a Flux2Error quoting the other ranks, the driver's own error (a cancel, out
-        of memory) as it is."""
+        """A failed collective becomes a Flux2Error quoting the other ranks; the driver's own error (a cancel, out of
+        memory) passes as it is.
+        """
         try:
             yield
         except BaseException as e:
@@ -184,7 +169,7 @@ class SequenceParallel:
             raise Flux2Error(self.failure(e)) from None
 
     def forget(self) -> None:
-        """Drop from the store the announcements every follower has read (each counts itself in ``read/<call>``)."""
+        """Drop the announcements every follower has read (each counts itself in ``read/<call>``)."""
         while self.forgotten < self.calls - 1:
             call = self.forgotten + 1
             if self.store.add(f"read/{call}", 0) < self.world - 1:
@@ -194,14 +179,12 @@ class SequenceParallel:
             self.forgotten = call
 
     def release(self) -> None:
-        """Let the followers drop what they keep between calls (their share of the last reference K/V) and give
-        their cached GPU memory back; the driver's next KV pass makes new ones."""
+        """The followers drop their share of the last reference K/V and their cached GPU memory."""
         if self.driver and not self.broken:
             self.announce(RELEASE, {}, {})
             self.last_kv = None
 
     def failure(self, error: Exception) -> str:
-        """What to tell the user when a collective failed: the followers' own messages where they left one."""
         notes = []
         for rank in range(1, self.world):
             if self.store.check([f"error/{rank}"]):
@@ -211,8 +194,7 @@ class SequenceParallel:
                 f"up for the whole run: check each rank's log and free memory, then start them all again")
 
     def stop(self) -> None:
-        """Tell the followers to return from ``serve`` (unless the group is broken: they cannot hear it); then leave
-        the group, whatever happened."""
+        """A broken group's followers cannot hear the stop; the group is left either way."""
         try:
             if self.driver and not self.broken:
                 self.announce(STOP, {}, {})
@@ -221,7 +203,6 @@ class SequenceParallel:
             leave()
 
     def wait_read(self, call: int, timeout: float = 30.0) -> None:
-        """Until every follower has read announcement ``call`` (or one has gone, or ``timeout`` seconds passed)."""
         end = time.monotonic() + timeout
         while self.store.add(f"read/{call}", 0) < self.world - 1 and self.peers_alive() and time.monotonic() < end:
             time.sleep(0.01)
@@ -229,7 +210,6 @@ class SequenceParallel:
     # --- the followers' side ------------------------------------------------------------------------------------
 
     def next_call(self, alive: Callable[[], bool] = lambda: True) -> tuple[str, dict[str, Tensor | None], dict]:
-        """Wait for the driver's next announcement, then receive its tensors: (call, tensors, extra)."""
         self.calls += 1
         key = f"call/{self.calls}"
         while True:
@@ -254,13 +234,11 @@ class SequenceParallel:
         return header["call"], tensors, header["extra"]
 
     def report(self, error: BaseException) -> None:
-        """Leave a follower's failure in the store for the driver's message."""
         with contextlib.suppress(RuntimeError, dist.DistError):     # the store went with the driver: none to tell
             self.store.set(f"error/{self.rank}", f"{type(error).__name__}: {error}")
 
 
 def check_world(heads: int, world: int) -> None:
-    """Refuse ``world`` ranks for a model of ``heads`` attention heads unless it divides them."""
     if world > 1 and heads % world:
         fits = [p for p in range(2, heads + 1) if heads % p == 0]
         raise Flux2Error(f"{world} ranks do not divide this model's {heads} attention heads: use "
@@ -268,23 +246,20 @@ def check_world(heads: int, world: int) -> None:
 
 
 def attach(model, sp: SequenceParallel | None) -> None:
-    """Spread ``model`` (a Flux2Transformer) over ``sp``'s ranks (None: run it whole again). The world size must
-    divide the number of attention heads (each rank attends with heads/P of them)."""
+    """None: run it whole again. The world size must divide the attention heads."""
     if sp is not None:
         check_world(model.params.num_heads, sp.world)
     run_state(model).sequence_parallel = sp if sp is not None and sp.world > 1 else None
 
 
 def world_of(model) -> int:
-    """How many ranks ``model`` (a Flux2Transformer) is spread over: 1 unless ``attach``ed to a group."""
     sp = run_state(model).sequence_parallel
     return 1 if sp is None else sp.world
 
 
 def serve(model, sp: SequenceParallel, handlers: dict[str, Callable[[dict], None]] | None = None,
           alive: Callable[[], bool] = lambda: True) -> None:
-    """A follower's loop: run each call the driver announces on this rank's shares of ``model`` until it stops.
-    ``handlers`` run the other calls a driver may make (e.g. "adapters"), each with the call's ``extra``."""
+    """A follower's loop. ``handlers`` run the other calls a driver may make (e.g. "adapters")."""
     attach(model, sp)
     kv = None
     try:
@@ -314,7 +289,6 @@ def serve(model, sp: SequenceParallel, handlers: dict[str, Callable[[dict], None
 # --- starting and leaving a group -------------------------------------------------------------------------------
 
 def backend_for(device: torch.device, backend: str | None = None) -> str:
-    """nccl between GPUs, gloo on the CPU (or the one asked for), checked to be in this torch build."""
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_available():
         raise Flux2Error("this torch build has no torch.distributed: install a torch wheel from pytorch.org")
@@ -326,17 +300,16 @@ def backend_for(device: torch.device, backend: str | None = None) -> str:
 
 def start(rank: int, world: int, device, *, address: str = "127.0.0.1", port: int = 29500, backend: str | None = None,
           host_store: bool | None = None, timeout: timedelta = GROUP_TIMEOUT) -> SequenceParallel:
-    """Join a group of ``world`` processes as ``rank``, computing on ``device``; rank 0 drives. ``host_store``: this
-    process serves the group's store (default: rank 0; False under torchrun, whose agent serves it)."""
+    """``host_store``: this process serves the store (default: rank 0; False under torchrun, whose agent serves it)."""
     store = connect_store(rank, world, address, port, rank == DRIVER if host_store is None else host_store, timeout)
     return join(store, rank, world, device, backend, timeout)
 
 
 def connect_store(rank: int, world: int, address: str, port: int, host: bool,
                   timeout: timedelta = GROUP_TIMEOUT):
-    """The group's key-value store at address:port (served by this process if ``host``; port 0: one the system
-    picks, then ``store.port``). Served on a loopback address, it listens there only, not on every interface as
-    TCPStore does by itself: nothing outside this machine can reach a store that tells processes what to run."""
+    """Port 0: one the system picks. On a loopback address the store listens there only, not on every interface as
+    TCPStore does by itself: nothing outside this machine may reach a store that tells processes what to run.
+    """
     try:
         listen = None
         if host and address in ("127.0.0.1", "localhost"):
@@ -353,7 +326,6 @@ def connect_store(rank: int, world: int, address: str, port: int, host: bool,
 
 def join(store, rank: int, world: int, device, backend: str | None = None,
          timeout: timedelta = GROUP_TIMEOUT) -> SequenceParallel:
-    """Join the process group over ``store`` (``connect_store``); returns this rank's SequenceParallel."""
     device = torch.device(device)
     backend = backend_for(device, backend)
     if device.type == "cuda":
@@ -371,8 +343,7 @@ def join(store, rank: int, world: int, device, backend: str | None = None,
 
 
 def start_from_env(device=None, backend: str | None = None) -> SequenceParallel:
-    """Join the group torchrun (or torch.distributed.run) describes in the environment: RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT; on CUDA each rank takes the GPU LOCAL_RANK unless ``device`` names one."""
+    """The group torchrun describes in the environment; on CUDA each rank takes the GPU LOCAL_RANK."""
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         raise Flux2Error(f"{', '.join(missing)} not set: start the ranks with torchrun --nproc-per-node N")
@@ -388,6 +359,5 @@ def start_from_env(device=None, backend: str | None = None) -> SequenceParallel:
 
 
 def leave() -> None:
-    """Leave the group this process joined (a no-op outside one)."""
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,51 +1,13 @@
-"""The whole generation, composed from the stages (used by the CLI, the nodes and the tests):
+"""The whole generation composed from the stages, for the CLI, the nodes and the tests:
+prompt -> embeds, seed -> noise [B,128,h,w], size -> sigmas, references -> tokens; Euler denoise; AE decode ->
+uint8 images [B,H,W,3].
 
-    prompt(s) -> PromptEncoder -> embeds ─┐
-    seed -> noise [B,128,h,w] ────────────┤
-    steps, size -> sigmas ────────────────┼─> denoise (Euler) -> latent -> AE decode -> uint8 images [B,H,W,3]
-    references -> prep -> AE -> tokens ───┘
-
-    models = load_models("flux-2-klein-4b.safetensors", "qwen_3_4b.safetensors", "flux2-vae.safetensors")
-    result = generate(models, "a red fox in snow", width=1024, height=768, seed=1)
-    result.images        # uint8 [1, 768, 1024, 3]
-    again = generate(models, "a red fox in snow", seed=2)   # the prompt's embeddings come from models.prompt_cache
-
-Choices (the reference's, unless said otherwise):
-* Output size: ``width``/``height``; a missing one comes from the input image, else from the first reference after
-  its preprocessing (capped and cropped to multiples of 16), else 1024. Sizes that are not multiples of 16 are an
-  error (no silent snapping).
-* Steps and CFG default to the variant's (4 / 1.0 distilled, 50 / 4.0 base). What cfg does is
-  ``sampling.guidance_for``'s rule, the same as the Denoise node's: CFG for base models with cfg != 1; distilled Klein
-  ignores cfg (with a warning); FLUX.2-dev feeds it to the guidance embedding.
-* Noise: item i of a batch uses seed + i (so it equals a single run with that seed).
-* Image-to-image: ``image`` with ``strength`` in (0, 1]; see ``schedules.truncate_for_strength``. A strength below 1
-  without an image is an error (``schedules.check_strength``).
-* Inpainting: ``image`` with a ``mask`` (white = repaint, black = keep; grey blends) and a ``strength``, as diffusers'
-  Flux2KleinInpaintPipeline: the source is reference image 1 (before ``references``) and is blended back outside the
-  mask after every step (``inpaint.py``, AFTER_STEP), so the latent there ends exactly at the source's.
-* Refused before the work starts, with a message (Flux2Error): non-finite or out-of-range numbers (cfg, strength,
-  sigmas), sizes whose schedule breaks (``schedules.flux2_schedule``), and sizes whose working memory
-  (``memory.denoiser_memory``, the AE's encodes and least decode) exceeds what the device has free. NaN or inf in the prompt
-  embeddings, the denoised latents or the decoded images stop the run (``checks.finite``): no black image comes out.
-  Very large work (``large_work``) is announced through ``warn`` before it starts.
-* The transformer computes in its weights' dtype; the autoencoder in its own (float32 like the reference).
-* Images: clamp(-1, 1), then (127.5 * (x + 1)) truncated to uint8, as the reference CLI does.
-
-Repeated calls in one process reuse work through the caches ``Models`` carries (``cache.py``; None turns one off):
-``prompt_cache`` keeps prompt embeddings (a repeated prompt, and the empty negative of CFG models, which
-``load_models`` encodes up front, skip the text encoder); ``reference_cache`` keeps 9B-KV reference keys/values by
-the reference images' pixels (a repeated edit of the same references skips their AE encode and reference pass).
-Results are identical with and without the caches.
-
-Text-encoder offload (``offload_encoder``): True keeps the encoder on the CPU between encodes and moves it to the
-device only to encode a prompt the cache does not hold; "auto" does so on CUDA when the free memory, counted as if
-the encoder were on the device, is less than the denoiser's working memory (``memory.denoiser_memory``). ``load_models``
-applies the same rule when loading, so an offloaded encoder is never on the device before it encodes; when the
-encoder and the transformer do not fit the device together, the transformer waits on the CPU during the encode.
-
-Block streaming (``load_models(offload_blocks=)``, ``offload.py``): a transformer that does not fit the device beside
-the working memory is read into CPU memory; its embedders, modulations, final layer and the blocks that fit go to the
-device, the other blocks visit it one at a time as they run. ``generate`` runs the same way on such a model.
+Defaults are the reference's: a missing width/height comes from the input image, else the first prepared reference,
+else 1024 (sizes not a multiple of 16 are an error, never snapped); steps and cfg from the variant, with
+``sampling.guidance_for``'s rule for cfg; batch item i uses seed + i. Inpainting follows diffusers'
+Flux2KleinInpaintPipeline: the source is reference 1 and is blended back after every step (``inpaint.AFTER_STEP``).
+Everything that can be refused (numbers, schedules, memory) is refused before any model runs; non-finite stage
+outputs stop the run (``checks.finite``). The caches ``Models`` carries never change results.
 """
 
 from __future__ import annotations
@@ -106,27 +68,18 @@ class Models:
 
     @property
     def device(self) -> torch.device:
-        """Where the transformer runs (its embedders stay there when blocks stream); the text encoder runs there too
-        (it may rest on the CPU in between)."""
+        """The text encoder runs there too (it may rest on the CPU in between)."""
         return self.transformer.img_in.weight.device
 
 
 def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: torch.dtype | None = None,
                 variant: str | None = None, fp8: bool | None = None, int8: bool = False, offload_encoder="auto",
                 offload_blocks=False, size: tuple[int, int] = (DEFAULT_SIZE, DEFAULT_SIZE), decoder=None) -> Models:
-    """Load the three models from files or folders (any layout ``weights`` reads) and check they fit together.
-
-    dtype: the transformer's and text encoder's (default bf16 on CUDA, float32 on CPU); the AE stays float32.
-    fp8: the transformer's weight storage (``weights.load_transformer``: None keeps an fp8 file's fp8 layers, True
-    stores every block in fp8, False none); int8: every block in int8 instead (``storage/int8.py``). fp8 and int8
-    layers multiply in 8 bits where that is the faster path on the device (``storage.matmul.choose_matmuls``). decoder: a decoder file (BFL's small decoder) that decodes instead of
-    the autoencoder's own (``weights.load_autoencoder``). offload_encoder: where the text encoder is loaded to rest: True the
-    CPU, False the device, "auto" (on CUDA) the CPU unless it fits beside the transformer with the working memory of
-    a ``size`` (width, height) image to spare; it never visits the device before its first encode. offload_blocks
-    (``memory.should_stream``): True, or "auto" when the transformer and that working memory do not fit the free memory,
-    reads the transformer into CPU memory and streams the blocks that do not fit (``offload.py``); with
-    offload_encoder "auto" the encoder then rests on the CPU. CFG (base) models get the empty negative prompt encoded
-    into the prompt cache right away.
+    """dtype: the transformer's and text encoder's; the AE stays float32. fp8 / int8: as ``weights.load_transformer``.
+    offload_encoder: where the text encoder rests between encodes (True: the CPU; "auto": the CPU on CUDA unless it
+    fits beside the transformer with a ``size`` image's working memory); it never visits the device before its first
+    encode. offload_blocks (``memory.should_stream``): True, or "auto" when the transformer and that working memory do
+    not fit, reads the transformer to CPU memory and streams the blocks that do not fit (``offload.py``).
     """
     from . import weights
 
@@ -158,11 +111,9 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
 
 
 def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool = False, compile: bool = False) -> Models:
-    """Opt-in transformer speed-ups, in place: ``fp8`` / ``int8`` store the blocks' weights in fp8 (``quant.py``) or
-    int8 (``storage/int8.py``; half the memory of bf16, computed in the model's dtype, results differ slightly; for a
-    model already in memory; files load straight to them with ``load_models(fp8=True)`` / ``int8=True``);
-    ``compile`` compiles the blocks with torch.compile (``compile.py``; the first step of each new image size pays
-    the compile)."""
+    """In place, for a model already in memory (files load straight to fp8 / int8 with ``load_models``). ``compile``:
+    the first step at each new image size pays the compile.
+    """
     from . import compile as compiling
     from . import quant
 
@@ -186,10 +137,9 @@ def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool = Fals
 
 
 def apply_adapters(models: Models, files: Sequence[tuple[str | Path, float]], merge: bool | None = None) -> list[str]:
-    """Read adapter files (LoRA, LoKr, ... any format ``adapters.read_adapter`` knows) for these models and apply them
-    with their strengths, replacing any applied before (an empty list: the models as loaded). Transformer patches go
-    to the transformer, text-encoder patches to the text encoder (``patching.set_adapters``; ``merge`` as there).
-    Returns each adapter's match report, one line each; the caches key their entries by the applied set."""
+    """Replaces any adapters applied before (an empty list: the models as loaded). Returns one match report line per
+    adapter; the caches key their entries by the applied set.
+    """
     from .adapters import read_adapter
     from .patching import set_adapters
 
@@ -205,13 +155,9 @@ def apply_adapters(models: Models, files: Sequence[tuple[str | Path, float]], me
 # --- the text encoder: cache and offload ----------------------------------------------------------------------------
 
 class EncoderOnCall:
-    """The text encoder as the prompt cache sees it: it rests on ``rest`` (the CPU when offloaded, else ``device``)
-    and visits ``device`` only to encode what the cache does not hold. The cache key is the encoder's where it
-    rests, so it stays the same from one call to the next.
-
-    aside: a module (the transformer) that steps aside to ``rest`` while the encoder visits when both do not fit
-    the device at once (``memory.must_make_room``): Klein 9B's 18 GB
-    transformer and 16 GB encoder take turns on a 24 GB card, as ComfyUI's model management would have them.
+    """The text encoder as the prompt cache sees it: it rests on ``rest`` and visits ``device`` only to encode what the
+    cache does not hold. ``aside`` (the transformer) steps aside to ``rest`` while it visits when the two do not fit
+    together: Klein 9B's 18 GB transformer and 16 GB encoder take turns on a 24 GB card, as ComfyUI would have them.
     """
 
     def __init__(self, encoder: PromptEncoder, device: torch.device, rest: torch.device,
@@ -248,9 +194,7 @@ class EncoderOnCall:
 
 
 def encode_prompts(models: Models, prompts: list[str], offload: bool) -> PromptEmbeds:
-    """Embeddings [len(prompts), 512, C] from the prompt cache, the encoder run (on the models' device) only for
-    prompts it does not hold; with ``offload`` the encoder rests on the CPU afterwards (and the transformer steps
-    aside while it encodes if the two do not fit the device together)."""
+    """Embeddings [len(prompts), 512, C]; the encoder runs only for prompts the cache does not hold."""
     device = models.device
     rest = torch.device("cpu") if offload else device
     encoder = EncoderOnCall(models.prompt_encoder, device, rest, aside=models.transformer)
@@ -260,7 +204,6 @@ def encode_prompts(models: Models, prompts: list[str], offload: bool) -> PromptE
 
 
 def large_work(width: int, height: int, steps: int) -> list[str]:
-    """What ``generate`` says before very large work (more than LARGE_PIXELS per image, more than LARGE_STEPS)."""
     notes = []
     if width * height > LARGE_PIXELS:
         notes.append(f"{width}x{height} is {width * height / 1e6:.1f} megapixels per image, beyond the ~4 that FLUX.2 "
@@ -282,12 +225,11 @@ class Result:
 
 
 def to_uint8(x: Tensor) -> Tensor:
-    """Decoded images [B, 3, H, W] (about [-1, 1]) -> uint8 [B, H, W, 3], truncating like the reference's .byte()."""
+    """[B, 3, H, W] in about [-1, 1] -> uint8 [B, H, W, 3], truncating like the reference's .byte()."""
     return (127.5 * (x.float().clamp(-1, 1) + 1)).to(torch.uint8).permute(0, 2, 3, 1).cpu()
 
 
 def output_size(width: int | None, height: int | None, sources: list[Image.Image]) -> tuple[int, int]:
-    """(width, height): given values first, then the first of ``sources`` (input image, references), else 1024."""
     base = sources[0].size if sources else (DEFAULT_SIZE, DEFAULT_SIZE)
     return (base[0] if width is None else width), (base[1] if height is None else height)
 
@@ -299,14 +241,10 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
              mask: Image.Image | None = None,
              reference_kv: ReferenceKV | None = None, noise: Tensor | None = None, bfl_cuda_noise: bool = False,
              offload_encoder="auto", callback=None, warn=None) -> Result:
-    """Generate ``batch`` images for ``prompt`` (see the module docstring for every default).
-
-    references: PIL images (any number). sigmas: a custom schedule (overrides steps). image/strength:
-    image-to-image; with ``mask`` (an image over ``image``; white = repaint): inpainting. reference_kv: precomputed
-    K/V of these references (KV models; else models.reference_cache is used). noise: an explicit
-    [batch, 128, H/16, W/16] start noise instead of the seeded one. offload_encoder: "auto", True or False (see the
-    module docstring). callback(Step) runs after every step. warn(text) gets each warning as it arises (they are also
-    in ``Result.warnings``), so a caller can show them before the work.
+    """references: PIL images. sigmas overrides steps. image + strength: image-to-image; with ``mask`` (white =
+    repaint): inpainting. reference_kv: precomputed K/V (KV models; else ``models.reference_cache``). noise: explicit
+    [batch, 128, H/16, W/16]. callback(Step) after every step; warn(text) for each warning as it arises (all are also in
+    ``Result.warnings``), so a caller can show them before the work.
     """
     variant, model, ae = models.variant, models.transformer, models.autoencoder
     device, dtype = models.device, model.img_in.weight.dtype
@@ -372,7 +310,6 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     memory.check_memory(device, max([needed, memory.least_decode_bytes(ae, h, w), *encodes]),
                         f"generating {batch} x {width}x{height}{f' with {len(refs)} references' if refs else ''}")
 
-    # noise
     if noise is None:
         noise = make_noise(batch, height, width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise)
     noise = noise.to(device, torch.float32)

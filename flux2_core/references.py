@@ -1,28 +1,13 @@
-"""Reference images: decoding, the reference implementation's preprocessing, then AE encoding into reference tokens.
+"""Input images and references: decoding, BFL's reference preprocessing, AE encoding into reference tokens.
 
-Decoding (``open_image`` for a file, then ``as_pil`` for every image however given, the init image too):
-  * a file of more than MAX_IMAGE_PIXELS (8192 x 8192) is refused before its pixels are decoded; one that cannot be
-    decoded (missing, cut short, corrupt, not an image) is a Flux2Error naming it;
-  * the EXIF orientation is applied (``ImageOps.exif_transpose``, as diffusers' ``load_image`` does), so a photo
-    taken sideways is used upright; EXIF that cannot be read is ignored (the pixels are used as stored);
-  * 16-bit greyscale (PIL modes I;16, I;16L, I;16B, I;16N, and I, taken as 0..65535) becomes 8-bit as
-    round(v / 257), where PIL's convert would clip it to 0..255; 16-bit RGB(A) PNGs PIL itself opens as 8-bit RGB(A)
-    by their high byte (v >> 8, within 1 of v / 257);
-  * everything else converts as BFL and diffusers convert it, ``convert("RGB")``: alpha is dropped, not composited
-    (a transparent pixel keeps the colour stored under it; premultiplied La / RGBa are first unpremultiplied),
-    P takes its palette, CMYK / YCbCr / LAB / HSV go through PIL's conversions;
-  * 32-bit float images (PIL mode F, float TIFFs) are refused: they have no fixed range, and PIL's clip to 0..255
-    would turn a 0..1 image black.
+Decoding (every image, the image to edit too): files over 8192 x 8192 are refused before decoding; the EXIF
+orientation is applied (as diffusers' ``load_image``); 16-bit greyscale becomes round(v / 257), where PIL would clip;
+32-bit float images are refused (no fixed range). Everything else is ``convert("RGB")``, as BFL and diffusers do:
+alpha is dropped, not composited (the parity rule).
 
-Preprocessing (BFL ``encode_image_refs``), per image:
-  1. convert to RGB (above);
-  2. refuse a side below 64 px or an aspect ratio above 8;
-  3. if larger than the pixel cap (2024^2 for a single reference, 1024^2 each when there are several), scale by
-     s = sqrt(cap / (w*h)) to (int(w*s), int(h*s)) with LANCZOS;
-  4. centre-crop (no resize) each side down to a multiple of 16.
-
-Each image is then encoded on its own (posterior mean, patchified, normalised) and packed to tokens; reference i
-(0-based) gets position ids with t = 10 * (i + 1) on its own (h, w) grid. There is no limit on the count.
+Preprocessing (BFL's ``encode_image_refs``): a side below 64 px or an aspect ratio above 8 is refused; over the
+pixel cap (``pixel_cap``) scaled by sqrt(cap / (w*h)) with LANCZOS; centre-cropped to multiples of 16. Reference i
+(0-based) gets ids with t = 10 * (i + 1) on its own (h, w) grid; there is no limit on the count.
 """
 
 from __future__ import annotations
@@ -46,7 +31,6 @@ MULTI_REFERENCE_PIXELS = 1024 * 1024    # per image, when there are two or more
 
 
 def open_image(path) -> Image.Image:
-    """An image file as an upright RGB image (see the module docstring)."""
     try:
         with Image.open(path) as image:
             w, h = image.size
@@ -70,7 +54,7 @@ def _too_large(path, detail: str) -> Flux2Error:
 
 
 def as_pil(image, name: str = "an image") -> Image.Image:
-    """An upright RGB image from a PIL image or a uint8 array HxW or HxWxC (C = 1 to 4); see the module docstring."""
+    """From a PIL image or a uint8 array HxW or HxWxC (C = 1 to 4)."""
     image = _pil(image, name)
     try:
         image.load()                # a lazily opened file decodes here
@@ -93,8 +77,7 @@ def _pil(image, name: str) -> Image.Image:
 
 
 def _upright(image: Image.Image) -> Image.Image:
-    """The image turned as its EXIF orientation says; EXIF that cannot be read is ignored (the pixels are valid, the
-    orientation only a hint)."""
+    """EXIF that cannot be read is ignored: the pixels are valid, the orientation only a hint."""
     try:
         return ImageOps.exif_transpose(image)
     except Exception:  # noqa: BLE001 (malformed EXIF: Pillow raises many types)
@@ -125,7 +108,7 @@ def check_reference(image: Image.Image, index: int = 0) -> None:
 
 
 def cap_pixels(image: Image.Image, max_pixels: int) -> Image.Image:
-    """Downscale (LANCZOS, int() floors) to at most about ``max_pixels``; smaller images are left alone."""
+    """LANCZOS, int() floors, as BFL; smaller images are left alone."""
     w, h = image.size
     if w * h <= max_pixels:
         return image
@@ -134,9 +117,7 @@ def cap_pixels(image: Image.Image, max_pixels: int) -> Image.Image:
 
 
 def grid_size(width: int, height: int, name: str) -> tuple[int, int]:
-    """(width, height) of an image named ``name`` cropped to the 16-pixel latent grid: the one rule for every input
-    picture (image to edit, mask, reference; CLI and nodes). One smaller than a grid cell is refused: nothing of it
-    would be left."""
+    """The one rule for every input picture (image to edit, mask, reference; CLI and nodes)."""
     n = PIXELS_PER_LATENT
     if width < n or height < n:
         raise Flux2Error(f"{name} is {width}x{height} pixels, smaller than one {n}x{n} cell of the model's grid, so "
@@ -145,33 +126,28 @@ def grid_size(width: int, height: int, name: str) -> tuple[int, int]:
 
 
 def grid_crop(width: int, height: int, name: str) -> tuple[int, int, int, int]:
-    """(left, top, width, height) of the centre of a ``width`` x ``height`` picture on the 16-pixel grid: what every
-    picture keeps (``grid_size``), and where a mask of its size is cut to stay on the same pixels."""
+    """(left, top, width, height): also where a mask of the picture's size is cut to stay on the same pixels."""
     new_w, new_h = grid_size(width, height, name)
     return (width - new_w) // 2, (height - new_h) // 2, new_w, new_h
 
 
 def center_crop_16(image: Image.Image, name: str = "the image") -> Image.Image:
-    """``image`` centre-cropped to multiples of 16 (``grid_crop``)."""
     left, top, w, h = grid_crop(*image.size, name)
     return image.crop((left, top, left + w, top + h))
 
 
 def pixel_cap(count: int) -> int:
-    """The pixel cap of each reference when there are ``count`` of them (BFL: 2024^2 alone, 1024^2 each otherwise)."""
+    """BFL: 2024^2 alone, 1024^2 each otherwise."""
     return SINGLE_REFERENCE_PIXELS if count == 1 else MULTI_REFERENCE_PIXELS
 
 
 def prepare_reference(image: Image.Image, cap: int, index: int = 0) -> Image.Image:
-    """One RGB reference (number ``index``, for messages) checked, scaled down to ``cap`` pixels, centre-cropped to
-    multiples of 16: steps 2-4 of the module docstring."""
     check_reference(image, index)
     return center_crop_16(cap_pixels(image, cap), f"reference image {index + 1}")
 
 
 def prepare_references(images, count: int | None = None) -> list[Image.Image]:
-    """BFL's preprocessing of a list of reference images (see the module docstring), each capped as one of ``count``
-    references (by default as many as there are images; inpainting adds the source image as one more)."""
+    """``count``: as how many references each is capped (inpainting adds the source as one more)."""
     images = [as_pil(im, f"reference image {i + 1}") for i, im in enumerate(images)]
     for i, im in enumerate(images):
         check_reference(im, i)              # every image checked before any is scaled
@@ -180,30 +156,29 @@ def prepare_references(images, count: int | None = None) -> list[Image.Image]:
 
 
 def image_to_tensor(image: Image.Image) -> torch.Tensor:
-    """RGB PIL image -> float32 [1, 3, H, W] in [-1, 1]."""
+    """-> float32 [1, 3, H, W] in [-1, 1]."""
     x = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).float() / 255
     return (x * 2 - 1)[None]
 
 
 @torch.no_grad()
 def encode_references(ae, images, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Preprocess and encode reference images into tokens for the transformer.
-
-    Returns tokens [1, Lref, 128] in ``dtype`` (the transformer's compute dtype) and int64 ids [1, Lref, 4],
-    with Lref = sum over references of (h/16)*(w/16), on the AE's device (the AE runs in its own dtype).
+    """-> tokens [1, Lref, 128] in ``dtype`` and int64 ids [1, Lref, 4], Lref = sum of (h/16)*(w/16), on the AE's
+    device.
     """
     tokens, ids = reference_tokens(reference_latents(ae, images))
     return tokens.to(dtype or tokens.dtype), ids
 
 
 def reference_latents(ae, images, count: int | None = None) -> list[torch.Tensor]:
-    """Reference images preprocessed (``prepare_references``) and encoded: each [1, 128, h/16, w/16]."""
+    """Each [1, 128, h/16, w/16]."""
     return [ae.encode(image_to_tensor(im)) for im in prepare_references(images, count)]
 
 
 def reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Reference latents (each [n, 128, h, w], every item one reference, in order) -> tokens [1, Lref, 128] and int64
-    ids [1, Lref, 4] on the tokens' device, reference i on its own grid at t = 10 * (i + 1); (None, None) for none."""
+    """latents each [n, 128, h, w], every item one reference -> tokens [1, Lref, 128], int64 ids [1, Lref, 4];
+    (None, None) for none.
+    """
     items = [z[i:i + 1] for z in latents for i in range(z.shape[0])]
     if not items:
         return None, None
@@ -212,9 +187,9 @@ def reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, 
 
 
 def batched_reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """ComfyUI's ``ref_latents`` as its samplers batch them (each [1 or B, 128, h, w]: reference i of batch item b is
-    ``latents[i][b]``) -> tokens [1 or B, Lref, 128] and int64 ids [1, Lref, 4], reference i at t = 10 * (i + 1) as
-    in ``reference_tokens``; (None, None) for none."""
+    """ComfyUI's ``ref_latents`` as its samplers batch them (reference i of item b is ``latents[i][b]``, each
+    [1 or B, 128, h, w]) -> tokens [1 or B, Lref, 128], ids [1, Lref, 4].
+    """
     if not latents:
         return None, None
     batch = max(z.shape[0] for z in latents)

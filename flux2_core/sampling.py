@@ -1,17 +1,9 @@
-"""Noise and the Euler sampler.
+"""Noise and the Euler sampler: one loop (``euler``) over a velocity function, which ``denoise`` builds for every
+FLUX.2 case (distilled, CFG, joint or KV references, FLUX.2-dev's guidance embedding, inpainting).
 
-The sampler is one loop (``euler``) over a velocity function; schedules live in ``schedules.py``. ``denoise`` builds
-the velocity function for every FLUX.2 case and runs the loop:
-
-* distilled (Klein 4B/9B): one forward per step, no CFG;
-* base models: classifier-free guidance, with the [uncond, cond] pair batched into one forward;
-* references joined to the image tokens (Klein 4B/9B/base), or cached as reference K/V (Klein 9B-KV);
-* FLUX.2-dev: a guidance value fed to the model's guidance embedding;
-* any of these inpainting: the source kept outside a mask (``inpaint.py``).
-
-Dtypes follow the reference: the latent ``x`` is in the compute dtype (bf16 for real models), the model sees the
-sigma rounded to that dtype, and each step ``x + (sigma_next - sigma) * v`` runs in that dtype with the step size
-taken from the float32 schedule. In float32 this is also exactly what diffusers does.
+Dtypes follow the reference: the latent is in the compute dtype, the model sees the sigma rounded to it, and each
+step ``x + (sigma_next - sigma) * v`` runs in it with the step size from the float32 schedule (in float32 this is
+exactly diffusers').
 """
 
 from __future__ import annotations
@@ -37,12 +29,9 @@ MAX_CFG = 100.0          # as ComfyUI's CFGGuider and KSampler; far beyond any u
 
 def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", dtype=torch.float32,
                bfl_cuda_noise: bool = False) -> Tensor:
-    """Gaussian noise [batch, 128, height/16, width/16]; item i is drawn with its own seed ``seed + i``.
-
-    So item i of a batch equals a batch-1 run with seed ``seed + i``. By default each item comes from a CPU
-    generator in float32 (the diffusers and ComfyUI convention: the same on every device). ``bfl_cuda_noise``
-    draws it as the reference CLI does: ``randn(..., dtype=bfloat16)`` from a generator on ``device`` (CUDA in the
-    reference; other devices give other numbers).
+    """[batch, 128, height/16, width/16]; item i uses seed + i, so it equals a batch-1 run with that seed. Drawn on a
+    CPU generator in float32 (diffusers' and ComfyUI's convention: the same on every device); ``bfl_cuda_noise`` draws
+    bf16 on ``device`` as the reference CLI does.
     """
     h, w = latent_size(height, width)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed + batch - 1 < 2 ** 63:
@@ -61,7 +50,7 @@ def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", 
 
 
 def add_noise(latent: Tensor, noise: Tensor, sigma: float) -> Tensor:
-    """The flow-matching forward process: (1 - sigma) * latent + sigma * noise (image-to-image start point)."""
+    """The flow-matching forward process (the image-to-image start point)."""
     return (1 - sigma) * latent + sigma * noise
 
 
@@ -69,7 +58,6 @@ def add_noise(latent: Tensor, noise: Tensor, sigma: float) -> Tensor:
 
 @dataclass
 class Step:
-    """What the per-step callback gets, after step ``index`` (0-based) of ``total``."""
 
     index: int
     total: int
@@ -83,8 +71,7 @@ Velocity = Callable[[Tensor, Tensor], Tensor]   # (x [B, 128, h, w], t [B] in x'
 
 
 class Inpaint(Protocol):
-    """What the loop asks of a masked denoise (``inpaint.Inpaint``, which builds on this module: hence a protocol
-    here, not an import)."""
+    """What the loop asks of ``inpaint.Inpaint`` (a protocol here: inpaint.py imports this module)."""
 
     def to(self, device, dtype) -> Inpaint: ...
 
@@ -95,11 +82,7 @@ class Inpaint(Protocol):
 
 def euler(velocity: Velocity, x: Tensor, sigmas: list[float], callback: Callable[[Step], None] | None = None,
           inpaint: Inpaint | None = None) -> Tensor:
-    """Integrate dx/dsigma = v from sigmas[0] to sigmas[-1]; x [B, 128, h, w] is in the compute dtype.
-
-    ``callback(Step)`` runs after every step; it may raise to interrupt. ``inpaint`` (in x's dtype and device) keeps
-    the source outside its mask, by its convention (``inpaint.py``).
-    """
+    """x [B, 128, h, w] in the compute dtype. ``callback(Step)`` may raise to interrupt."""
     total = len(sigmas) - 1
     for i, (sigma, sigma_next) in enumerate(itertools.pairwise(sigmas)):
         t = torch.full((x.shape[0],), sigma, dtype=x.dtype, device=x.device)
@@ -117,7 +100,6 @@ def euler(velocity: Velocity, x: Tensor, sigmas: list[float], callback: Callable
 
 @dataclass(frozen=True)
 class Guidance:
-    """What the guidance scale does in a denoise (``guidance_for``)."""
 
     scale: float                  # the scale as given (checked)
     cfg: bool                     # classifier-free guidance: a negative pass beside the prompt's at every step
@@ -126,24 +108,17 @@ class Guidance:
 
 
 def check_cfg(cfg: float, name: str = "cfg") -> float:
-    """A guidance scale as a float: a finite number in [0, MAX_CFG], whatever the model (Flux2Error otherwise)."""
     return checks.number(name, cfg, 0.0, MAX_CFG, hint="1 turns guidance off; base models use about 4")
 
 
 def guidance_for(variant, cfg: float, negative: bool = True) -> Guidance:
-    """The one rule for the guidance scale ``cfg`` of a ``variant`` (the CLI's ``pipeline.generate`` and the Denoise
-    node both ask it); ``negative``: whether a negative prompt is at hand (the CLI always has one, "" by default).
+    """The one rule for the guidance scale, asked by ``pipeline.generate`` and the Denoise node:
 
-    * FLUX.2-dev (a guidance embedding): ``cfg`` is the embedding's value; one pass per step.
-    * guidance-distilled Klein (4B, 9B, 9B-KV): one pass per step whatever ``cfg`` says; another value than 1 is
-      ignored with a note. As the references: BFL's CLI refuses other values for these models, diffusers ignores
-      them with a warning. (ComfyUI's own CFGGuider knows no variants and would run CFG on them.)
-    * base Klein: classifier-free guidance whenever cfg is not 1, with the negative prompt: as BFL (``denoise_cfg``
-      for every base run; at cfg 1 its result equals one pass) and ComfyUI (which skips the negative pass only at
-      cfg 1). diffusers guides only above 1 (below, it ignores cfg); cfg < 1 here leans toward the negative, as in
-      BFL and ComfyUI. Without a negative (the node's input left unconnected) it runs unguided, with a note.
-
-    ``cfg`` must be a finite number in [0, MAX_CFG] (Flux2Error otherwise), whatever the variant.
+    * FLUX.2-dev: ``cfg`` is the guidance embedding's value; one pass per step.
+    * guidance-distilled Klein: one pass whatever ``cfg``; another value is ignored with a note (BFL's CLI refuses it,
+      diffusers warns; ComfyUI's CFGGuider knows no variants and would run CFG).
+    * base Klein: CFG whenever cfg != 1, as BFL and ComfyUI (cfg < 1 leans toward the negative; diffusers guides only
+      above 1). Without a negative (``negative=False``: the node's input unconnected) it runs unguided, with a note.
     """
     scale = check_cfg(cfg)
     if variant.params.use_guidance_embed:
@@ -166,19 +141,10 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
             cfg: float = 1.0, ref: Tensor | None = None, ref_ids: Tensor | None = None,
             ref_kv: ReferenceKV | None = None, kv: bool = False, guidance: float | None = None,
             inpaint: Inpaint | None = None, callback: Callable[[Step], None] | None = None) -> Tensor:
-    """Run the Euler loop with a FLUX.2 transformer. Returns the latent at sigmas[-1].
-
-    x: latent [B, 128, h, w] at sigmas[0], in the compute dtype. txt: prompt embeddings [1 or B, Ltxt, C].
-    negative_txt given: CFG, v = v_neg + cfg * (v_txt - v_neg), both halves in one forward of batch 2B.
-    ref [1 or B, Lref, 128] with int64 ref_ids [1, Lref, 4]: reference tokens joined after the image tokens.
-    kv=True: the KV scheme instead; the reference K/V are computed once here from ref/ref_ids, or ``ref_kv`` is
-    passed in (computed earlier by ``model.reference_kv``), and reused at every step.
-    guidance: FLUX.2-dev's guidance embedding value (no CFG). ``guidance_for`` decides which of the two a model takes.
-    inpaint: masked denoising (``inpaint.Inpaint``; x must then start from its source and noise): the source is kept
-    outside the mask, blended by the convention it names.
-
-    The result is checked once for NaN / inf (``checks.finite``): a run that diverged stops here with its likely
-    causes rather than becoming a black image.
+    """x [B, 128, h, w] at sigmas[0], in the compute dtype; txt [1 or B, Ltxt, C]. With negative_txt: CFG
+    v = v_neg + cfg * (v_txt - v_neg), both halves in one forward of batch 2B. ref [1 or B, Lref, 128] with ref_ids
+    [1, Lref, 4] are joined after the image; with kv=True their K/V are computed once (or ``ref_kv`` given) and
+    reused every step. The result is checked for NaN / inf (``checks.finite``) with its likely causes.
     """
     if negative_txt is not None:
         check_cfg(cfg)

@@ -1,14 +1,7 @@
-"""Noise schedules: pure functions that return sigmas, from 1 (pure noise) down to 0 (clean image).
+"""Noise schedules: pure functions returning ``steps + 1`` sigmas from 1 (noise) to 0 (clean).
 
-A schedule is a plain list of ``steps + 1`` Python floats; step i moves from ``sigmas[i]`` to ``sigmas[i + 1]``.
-The values are float32 numbers (as in the reference, which builds them as an fp32 tensor and calls ``tolist()``),
-so the sampler's step sizes ``sigmas[i + 1] - sigmas[i]`` are exactly the reference's.
-
-* ``flux2_schedule``: the reference's schedule for every FLUX.2 model: ``linspace(1, 0, steps + 1)`` shifted by
-  the empirical ``mu``, which depends on the number of noisy image tokens (references are not counted).
-* ``linear_schedule`` / ``power_schedule``: unshifted alternatives, ``(1 - i/steps) ** rho``.
-* ``check_sigmas``: validates user-given sigmas.
-* ``truncate_for_strength``: the tail of a schedule that image-to-image with a denoise strength runs.
+The values are float32 numbers as Python floats (the reference builds an fp32 tensor and calls ``tolist()``), so the
+sampler's step sizes are exactly the reference's.
 """
 
 from __future__ import annotations
@@ -37,10 +30,8 @@ def check_steps(steps: int) -> None:
 
 
 def empirical_mu(image_tokens: int, steps: int) -> float:
-    """The shift ``mu`` of BFL's ``compute_empirical_mu``: linear in the step count, interpolated between fits at
-    10 and 200 steps (so extrapolated for 4 steps), and the 200-step fit alone above 4300 tokens.
-
-    ``image_tokens`` = (height/16) * (width/16) of the image being generated; reference tokens do not count.
+    """BFL's ``compute_empirical_mu``: linear in the step count between fits at 10 and 200 steps (extrapolated for 4),
+    the 200-step fit alone above 4300 tokens. ``image_tokens`` = (height/16) * (width/16); references do not count.
     """
     a10, b10 = MU_10_STEPS
     a200, b200 = MU_200_STEPS
@@ -53,23 +44,20 @@ def empirical_mu(image_tokens: int, steps: int) -> float:
 
 
 def time_shift(mu: float, t: torch.Tensor) -> torch.Tensor:
-    """exp(mu) / (exp(mu) + 1/t - 1), in t's dtype; maps 0 -> 0 (1/0 = inf) and 1 -> 1 (within fp32 rounding)."""
+    """In t's dtype; maps 0 -> 0 (1/0 = inf) and 1 -> 1 (within fp32 rounding)."""
     return math.exp(mu) / (math.exp(mu) + (1 / t - 1))
 
 
 def linear_schedule(steps: int) -> list[float]:
-    """1, 1 - 1/steps, ..., 0 (float32 values)."""
     check_steps(steps)
     return torch.linspace(1, 0, steps + 1, dtype=torch.float32).tolist()
 
 
 def flux2_schedule(steps: int, image_tokens: int) -> list[float]:
-    """BFL's ``get_schedule``: the linear schedule shifted by ``empirical_mu(image_tokens, steps)``, in float32.
-
-    mu grows with the image (about 45 at 8192^2), and in float32 the shifted noise levels then round to 1.0: from
-    about 4700^2 at 4 steps (4200^2 at 50, 3950^2 at 200) the first steps would repeat sigma 1 and do nothing, and
-    beyond about 11500^2 exp(mu) overflows to NaN. BFL's and ComfyUI's schedulers compute the same values; here such a
-    size is refused with the largest one that works (``max_image_tokens``)."""
+    """BFL's ``get_schedule``. mu grows with the image, and in float32 the first levels then round to 1.0: from about
+    4700^2 px at 4 steps (3950^2 at 200) the first steps would do nothing, and beyond about 11500^2 exp(mu) overflows.
+    BFL and ComfyUI compute the same values; here such a size is refused with the largest that works.
+    """
     check_steps(steps)
     if isinstance(image_tokens, bool) or not isinstance(image_tokens, int) or image_tokens < 1:
         raise Flux2Error(f"image_tokens must be a whole number >= 1, got {image_tokens!r}")
@@ -100,16 +88,14 @@ def _usable(sigmas: list[float]) -> bool:
 
 
 def max_image_tokens(steps: int) -> int:
-    """The most image tokens whose ``flux2_schedule`` of ``steps`` steps is usable (finite, strictly decreasing):
-    a bisection, as usability only falls with the size above MU_LARGE_IMAGE_TOKENS (mu then grows with it). At the
-    very edge the answer depends on whether the CPU flushes subnormal floats to zero (the CLI has it do so), so it is
-    kept per mode."""
+    """A bisection: usability only falls with the size above MU_LARGE_IMAGE_TOKENS. At the edge the answer depends on
+    whether the CPU flushes subnormals to zero (the CLI has it do so), so it is kept per mode.
+    """
     return _max_image_tokens(steps, torch.tensor([1e-39]).mul(1.0).item() == 0.0)
 
 
 @functools.lru_cache(maxsize=64)
 def _max_image_tokens(steps: int, flushing: bool) -> int:
-    """``max_image_tokens`` in the current subnormal mode (``flushing``: only the cache tells the modes apart)."""
     low, high = MU_LARGE_IMAGE_TOKENS + 1, 1 << 24          # usable / not usable (16^2 * 2^24 px: far past overflow)
     while high - low > 1:
         mid = (low + high) // 2
@@ -118,10 +104,7 @@ def _max_image_tokens(steps: int, flushing: bool) -> int:
 
 
 def power_schedule(steps: int, rho: float = 1.0) -> list[float]:
-    """(1 - i/steps) ** rho for i = 0..steps: rho > 1 spends more steps near the clean end, rho < 1 near the noise.
-
-    This is Karras' rho schedule with sigma_max = 1 and sigma_min = 0; rho = 1 is the linear schedule.
-    """
+    """Karras' rho schedule with sigma_max 1, sigma_min 0: rho > 1 spends more steps near the clean end."""
     check_steps(steps)
     rho = checks.number("rho", rho, 0.0, None, above_low=True, hint="1 gives the linear schedule")
     t = torch.linspace(1, 0, steps + 1, dtype=torch.float32)
@@ -132,8 +115,6 @@ SCHEDULES = ("flux2", "linear", "power")
 
 
 def named_schedule(name: str, steps: int, image_tokens: int, rho: float = 1.0) -> list[float]:
-    """The schedule called ``name`` (one of SCHEDULES): ``flux2_schedule`` for an image of ``image_tokens`` tokens,
-    ``linear_schedule``, or ``power_schedule`` with exponent ``rho`` (the others ignore it)."""
     if name == "flux2":
         return flux2_schedule(steps, image_tokens)
     if name == "linear":
@@ -144,10 +125,7 @@ def named_schedule(name: str, steps: int, image_tokens: int, rho: float = 1.0) -
 
 
 def check_sigmas(sigmas) -> list[float]:
-    """User-given sigmas as a list of floats: at least two, all in [0, 1], strictly decreasing.
-
-    They need not start at 1 (image-to-image) nor end at 0 (the result then keeps some noise).
-    """
+    """At least two, all in [0, 1], strictly decreasing; need not start at 1 nor end at 0."""
     values = [float(s) for s in (sigmas.tolist() if isinstance(sigmas, torch.Tensor) else sigmas)]
     if len(values) < 2:
         raise Flux2Error(f"sigmas need at least two values (one step), got {values}; e.g. [1.0, 0.5, 0.0]")
@@ -159,12 +137,8 @@ def check_sigmas(sigmas) -> list[float]:
 
 
 def truncate_for_strength(sigmas: list[float], strength: float) -> list[float]:
-    """The tail of ``sigmas`` that image-to-image runs at denoise ``strength`` in (0, 1].
-
-    Rule (the same as diffusers' image-to-image pipelines): of ``n = len(sigmas) - 1`` steps, skip the first
-    ``int(n - n * strength)`` and run the rest, so strength 1 runs the whole schedule from pure noise and strength
-    0.5 with 4 steps runs the last 2 (sigmas[2:]). The sampler starts from the encoded image noised to the first
-    sigma of the tail: ``x = (1 - s) * image + s * noise``.
+    """As diffusers' image-to-image: of n steps skip the first ``int(n - n * strength)``, so strength 0.5 with 4 steps
+    runs sigmas[2:]; the sampler starts from the image noised to the tail's first sigma.
     """
     strength = check_strength(strength, True)
     steps = len(sigmas) - 1
@@ -176,8 +150,7 @@ def truncate_for_strength(sigmas: list[float], strength: float) -> list[float]:
 
 
 def check_strength(strength: float, image: bool) -> float:
-    """The image-to-image rule: a denoise strength is a finite number in (0, 1], and one below 1 needs a start
-    ``image`` (else the CLI would ignore it, and the node would have nothing to noise). The strength as a float."""
+    """In (0, 1]; below 1 needs a start image (else the CLI would ignore it, the node have nothing to noise)."""
     strength = checks.number("denoise strength", strength, 0.0, 1.0, above_low=True, hint="1 ignores the input image")
     if strength < 1 and not image:
         raise Flux2Error(f"denoise strength {strength:g} < 1 is image-to-image, but there is no image to start from: "
