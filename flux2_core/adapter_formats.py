@@ -1,8 +1,7 @@
-"""Adapter file keys (LoRA, LoKr, LoHa, DoRA, full diffs): which of our weights, and which rows of it, a key names.
+"""Adapter file keys: which of our weights, and which rows of it, a key names.
 
-A key is ``<prefix><module path><suffix>``: the suffix says the tensor's role (``.lora_down.weight`` -> "down",
-``.lokr_w1`` -> "w1", ``.alpha`` -> "alpha"...), the module path names a Linear in one of the namings users' files have
-(``next-capabilities.md`` §1.2):
+A key is ``<prefix><module path><suffix>``: the suffix gives the tensor's role (``.lora_down.weight`` -> "down",
+``.lokr_w1`` -> "w1", ``.alpha``...), the path a Linear in one of the namings users' files have:
 
     diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight        BFL names (ai-toolkit, ComfyUI, fal), fused qkv
     lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight           kohya/musubi: BFL path with "." -> "_"
@@ -10,10 +9,8 @@ A key is ``<prefix><module path><suffix>``: the suffix says the tensor's role (`
     lycoris_transformer_blocks_0_attn_to_q.lokr_w1                    LyCORIS on diffusers: path with "." -> "_"
     lora_te_model_layers_0_self_attn_q_proj.lora_down.weight          text encoder (Qwen3), kept apart
 
-A diffusers module that is one part of our fused weight becomes a row slice of it: ``to_q``/``to_k``/``to_v`` are
-rows [0,H), [H,2H), [2H,3H) of ``img_attn.qkv`` ([3H, H]). diffusers' ``norm_out.linear`` is BFL's
-``final_layer.adaLN_modulation.1`` with its two halves swapped (diffusers: scale, shift; BFL: shift, scale).
-The diffusers names come from ``key_mapping.TRANSFORMER_FROM_DIFFUSERS``, the table our weight loader uses.
+A diffusers module that is part of a fused weight is a row slice of it (``to_q``/``to_k``/``to_v``: rows [0,H),
+[H,2H), [2H,3H) of ``img_attn.qkv``), by ``key_mapping.TRANSFORMER_FROM_DIFFUSERS``, the weight loader's table.
 """
 
 from __future__ import annotations
@@ -92,7 +89,7 @@ def model_name(hidden: int) -> str:
 
 
 def linear_shapes(params: TransformerParams) -> dict[str, tuple[int, int]]:
-    """Every Linear of the FLUX.2 transformer: our module name -> weight [out, in] (``next-capabilities.md`` §1.1)."""
+    """Every Linear of the FLUX.2 transformer: our module name -> weight [out, in]."""
     H, M = params.hidden_size, params.mlp_hidden
     shapes = {"img_in": (H, params.in_channels), "txt_in": (H, params.context_in_dim),
               "time_in.in_layer": (H, 256), "time_in.out_layer": (H, H)}

@@ -1,23 +1,13 @@
-"""Adapter files (LoRA, LoKr, LoHa, DoRA, full diffs) -> patches on our weights, with a report of what matched.
+"""Adapter files (LoRA, LoKr, LoHa, DoRA, full diffs) -> ``Patch``es on our weights, with a report of what matched.
 
-    adapter = read_adapter("my_lora.safetensors", params)         # or a state dict; Flux2Error on bad input
-    print(adapter.report.summary())                               # one line for the CLI / a node's UI
-    for p in adapter.patches:                                     # transformer weights (BFL module names)
-        W = weights[p.target + ".weight"]                         # [out, in]
-        rows = slice(*p.rows) if p.rows else slice(None)          # split q/k/v land on rows of fused qkv / linear1
-        W[rows] = p.merged(W[rows], strength)                     # W + strength·ΔW (DoRA: its decomposition)
-        # or at run time: y[..., rows] += strength * p.branch(x)  (not for DoRA: see Patch.dora_factor)
-    adapter.text_encoder_patches                                  # the same, on Qwen3 names ("layers.3.self_attn.q_proj")
-
-The math (``next-capabilities.md`` §1.3; every loader agrees), with ΔW [out, in] for the patch's rows:
+The math, with ΔW [out, in] for the patch's rows (every loader agrees):
     LoRA   ΔW = s · up @ down,                   up [out, r], down [r, in]; s = alpha / r, or 1 without alpha
     LoKr   ΔW = s · kron(W1, W2),                W1 [a1, a2] (lokr_w1, or w1_a @ w1_b), W2 [b1, b2]; out = a1·b1,
                                                  in = a2·b2; s = alpha / rank only when a factor is decomposed
                                                  (rank = w2_b's rows, else w1_b's), else 1
     LoHa   ΔW = s · (w1_a @ w1_b) ⊙ (w2_a @ w2_b), s = alpha / w1_b's rows
     diff   ΔW = diff
-For diffusers/PEFT files without .alpha keys, alpha comes from the ``lora_adapter_metadata`` safetensors metadata (a
-PEFT LoraConfig: lora_alpha, alpha_pattern, use_rslora -> s = alpha / sqrt(r)).
+Diffusers/PEFT files without .alpha keys carry alpha in their ``lora_adapter_metadata`` (use_rslora: alpha / sqrt(r)).
 """
 
 from __future__ import annotations
@@ -70,7 +60,6 @@ class Patch:
     group: str = "other"
 
     def _factor(self, name: str) -> Tensor:
-        """A LoKr factor W1 or W2, full or rebuilt from its low-rank pair (float32)."""
         t = self.tensors
         return t[name].float() if name in t else t[name + "_a"].float() @ t[name + "_b"].float()
 
@@ -91,11 +80,8 @@ class Patch:
         return self._in_our_order(d * self.scale, 0).to(dtype)
 
     def branch(self, x: Tensor) -> Tensor:
-        """x [..., in] -> ΔW x [..., out] without building ΔW where the kind allows, in x's dtype.
-
-        LoRA: s · (x Aᵀ) Bᵀ. LoKr: kron(W1, W2) x = vec(W1 · X · W2ᵀ) with X = x as [a2, b2] (row-major, so input
-        index j = j1·b2 + j2 and output index i = i1·b1 + i2, as torch.kron orders them). Others: x ΔWᵀ.
-        Not the DoRA result: a DoRA patch rescales the whole weight, see ``dora_factor``.
+        """x [..., in] -> ΔW x [..., out] without building ΔW where the kind allows. LoKr: kron(W1, W2) x =
+        vec(W1 · X · W2ᵀ) with X = x as [a2, b2], row-major as torch.kron orders. Not for DoRA: see ``dora_factor``.
         """
         t = {k: v.to(x.device, x.dtype) for k, v in self.tensors.items()}     # no copy once they are x's kind
         if self.kind == "lora":
@@ -110,14 +96,9 @@ class Patch:
         return self._in_our_order(y, -1)
 
     def dora_factor(self, weight: Tensor, comfyui_quirk: bool = False) -> Tensor:
-        """DoRA: the multiplier m / (‖W + ΔW‖ + eps), [out, 1] or [1, in], so that W' = (W + ΔW) · factor.
-
-        ``weight`` is the original W for the patch's rows ([out, in]). The norm is taken per output row when
-        dora_scale is [out, 1] (LyCORIS wd_on_out) and per input column when it is [1, in], always of the merged
-        weight W + ΔW, as LyCORIS does (``weight_decompose`` on the merged weight). ``comfyui_quirk=True`` copies
-        ComfyUI instead: for the output axis it divides by the norm of the original W (only for parity tests).
-        At run time, without merging: y = ((W + ΔW) x) · factorᵀ for the output axis ([out, 1] scales each output),
-        y = (W + ΔW)(x · factor) for the input axis ([1, in] scales each input feature).
+        """m / (‖W + ΔW‖ + eps), [out, 1] or [1, in], so that W' = (W + ΔW) · factor; ``weight`` is W for the patch's
+        rows. The norm is of the merged weight, per row or per column as dora_scale's shape says, as LyCORIS does;
+        ``comfyui_quirk`` takes the output-axis norm of the original W as ComfyUI does (for parity tests only).
         """
         if self.dora_scale is None:
             raise Flux2Error(f"{self.source} is no DoRA patch (it has no dora_scale)")
@@ -132,8 +113,7 @@ class Patch:
         return scale / (norm + torch.finfo(torch.float32).eps)
 
     def merged(self, weight: Tensor, strength: float = 1.0) -> Tensor:
-        """The patched weight for the patch's rows, in ``weight``'s dtype: W + strength·ΔW; for DoRA
-        W + strength·((W + ΔW)·factor − W) (ComfyUI's and LyCORIS's rule for strength ≠ 1)."""
+        """DoRA: W + strength·((W + ΔW)·factor − W), ComfyUI's and LyCORIS's rule for strength ≠ 1."""
         w = weight.float()
         if self.dora_scale is None:
             return (w + strength * self.delta()).to(weight.dtype)
@@ -171,9 +151,9 @@ class Adapter:
     _digests: dict = field(default_factory=dict, repr=False, compare=False)   # digest() by its argument
 
     def digest(self, text_encoder: bool = True) -> str:
-        """A hash of everything that decides what the adapter does (targets, rows, kinds, scales, tensors, DoRA
-        magnitudes): what caches key results by, with the strength, instead of a file name that can change.
-        ``text_encoder=False``: of what it does to the transformer alone. Computed once (it reads every tensor)."""
+        """What caches key results by (with the strength), instead of a file name that can change;
+        ``text_encoder=False``: of the transformer patches alone. Computed once: it reads every tensor.
+        """
         if text_encoder not in self._digests:
             self._digests[text_encoder] = self._hash(text_encoder)
         return self._digests[text_encoder]
@@ -189,8 +169,7 @@ class Adapter:
 
 @dataclass(frozen=True)
 class AdapterUse:
-    """One adapter as a run applies it: what a chain of LoRA nodes carries, and what follower processes are given
-    (everything but ``adapter``, which they read again from ``file`` and check against ``digest``)."""
+    """What a chain of LoRA nodes carries; followers read ``file`` again and check it against ``digest``."""
 
     file: str                      # a LoRA folder entry (the nodes) or a path (followers)
     digest: str                    # Adapter.digest of what it does, as read
@@ -199,18 +178,14 @@ class AdapterUse:
     adapter: Adapter | None = field(default=None, compare=False, repr=False)    # its patches, once read
 
     def shared(self) -> dict:
-        """The fields a follower process is sent (JSON)."""
         return {"file": self.file, "digest": self.digest, "strength": self.strength, "merge": self.merge}
 
 
 def read_adapter(source: str | Path | Mapping[str, Tensor], params: TransformerParams,
                  text_encoder_keys: Mapping[str, object] | Iterable[str] | None = None,
                  metadata: Mapping[str, str] | None = None, name: str | None = None) -> Adapter:
-    """Read an adapter file (a .safetensors path) or state dict into patches on the model with ``params``.
-
-    ``text_encoder_keys``: the text encoder's parameter names (``layers.0.self_attn.q_proj.weight``), as a mapping to
-    tensors or shapes (shapes are then checked) or as names; None keeps every text-encoder patch unchecked.
-    ``metadata``: the safetensors metadata of a state dict (a file's own is read from it).
+    """``text_encoder_keys``: the text encoder's parameter names, as a mapping to tensors or shapes (shapes are then
+    checked) or as names; None keeps every text-encoder patch unchecked.
     """
     if isinstance(source, Mapping):
         state, meta, where = dict(source), dict(metadata or {}), name or "the adapter"
@@ -258,7 +233,6 @@ def read_adapter(source: str | Path | Mapping[str, Tensor], params: TransformerP
 
 
 def _read_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Every tensor of a .safetensors adapter (pickles, GGUF and corrupt files refused by checkpoint.py)."""
     ckpt = open_checkpoint(path, "")
     state = {}
     for file in ckpt.files:
@@ -280,14 +254,14 @@ def _text_encoder_shapes(keys) -> dict[str, tuple[int, int] | None] | None:
 
 
 def _matrix(t: Tensor) -> Tensor:
-    """A 2-D view of a Linear factor stored as a 1x1 conv ([r, in, 1, 1]), as some trainers save them."""
+    """A Linear factor stored as a 1x1 conv ([r, in, 1, 1]), as some trainers save them, as a matrix."""
     return t.reshape(t.shape[0], -1) if t.dim() > 2 and all(n == 1 for n in t.shape[2:]) else t
 
 
 def _peft_alpha(meta: Mapping[str, str], path: str, rank: int, component: str = "transformer") -> float | None:
-    """s from a PEFT LoraConfig in ``lora_adapter_metadata``: diffusers writes one config per model it adapts, its
-    fields prefixed with the model's name ("transformer.", "text_encoder."); ``component`` is the model ``path``
-    belongs to, which takes its own config (none: no alpha), or the one config of a file without prefixes."""
+    """diffusers writes one LoraConfig per adapted model, its fields prefixed with the model's name ("transformer.",
+    "text_encoder."); a file without prefixes has one config for all.
+    """
     raw = meta.get("lora_adapter_metadata")
     if not raw:
         return None
@@ -320,9 +294,7 @@ def _peft_alpha(meta: Mapping[str, str], path: str, rank: int, component: str = 
 
 
 def check_tensors(where: str, path: str, t: dict[str, Tensor]) -> None:
-    """The one check of what an adapter module holds, before any of it is used: floating-point values, all finite,
-    not empty; ``alpha`` one number; every other tensor a matrix (a 1x1 conv's already flattened; ``dora_scale``'s
-    shape is checked against the weight later). Raises a Flux2Error naming the file (``where``) and the key."""
+    """The one check of a module's tensors before any is used; ``dora_scale``'s shape is checked later."""
     for role, tensor in t.items():
         key = f"{path}.{role}"
         if not tensor.is_floating_point():
@@ -342,7 +314,6 @@ def check_tensors(where: str, path: str, t: dict[str, Tensor]) -> None:
 
 
 def _patch(path: str, target: Target, t: dict[str, Tensor], meta, where: str, params) -> Patch | None:
-    """One module's tensors -> a Patch, after the checks that make its ΔW fit the target."""
     for role, what in CONV_ONLY.items():
         if role in t:
             raise Flux2Error(f"{where}: {path} has {what}, which exists only for convolutions; FLUX.2 Klein has "

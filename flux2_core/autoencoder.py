@@ -1,9 +1,6 @@
-"""The FLUX.2 autoencoder: a convolutional VAE (8x down) plus a 2x2 patchify and a latent BatchNorm.
-
-Pixels [B,3,H,W] in [-1,1]  <->  latents [B,128,H/16,W/16] (32 VAE channels x 2 x 2, BatchNorm-normalised).
-
-Module and parameter names follow BFL's ``ae.safetensors`` exactly, so its state dict loads with no renaming.
-The BatchNorm is only a holder for ``running_mean``/``running_var``; it is always applied in eval form, by hand.
+"""The FLUX.2 autoencoder: pixels [B,3,H,W] in [-1,1] <-> latents [B,128,H/16,W/16] (a convolutional VAE 8x down, its
+32 channels patchified 2x2, then BatchNorm-normalised). Names follow BFL's ``ae.safetensors``; the BatchNorm only
+holds ``running_mean``/``running_var`` and is applied by hand in eval form.
 """
 
 from __future__ import annotations
@@ -29,9 +26,9 @@ def group_norm(channels: int, groups: int) -> nn.GroupNorm:
 
 
 def conv_layout(x: torch.Tensor) -> torch.Tensor:
-    """The memory layout the convolutions run fastest in: channels-last on CPU (oneDNN's native layout; 1.3x faster
-    decode measured on a 2-core AMD EPYC) and for 16-bit activations on CUDA (the layout cuDNN's tensor-core kernels
-    work in; bench/gpu-check's decode figure measures it), unchanged elsewhere. The values are the same."""
+    """Channels-last on CPU (oneDNN's native layout: decode 1.3x faster on a 2-core AMD EPYC) and for 16-bit CUDA
+    activations (cuDNN's tensor-core layout; bench/gpu-check measures it); the values are the same.
+    """
     fast = x.is_cpu or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
     return x.contiguous(memory_format=torch.channels_last) if fast and x.ndim == 4 else x
 
@@ -42,7 +39,6 @@ def patchify(z: torch.Tensor) -> torch.Tensor:
 
 
 def unpatchify(z: torch.Tensor) -> torch.Tensor:
-    """[B,4C,h,w] -> [B,C,2h,2w]; the exact inverse of ``patchify``."""
     return rearrange(z, "b (c pi pj) h w -> b c (h pi) (w pj)", pi=2, pj=2)
 
 
@@ -126,10 +122,7 @@ class MidBlock(nn.Module):
 
 
 class Level(nn.Module):
-    """One resolution level: ResnetBlocks, then a ``downsample`` (encoder) or ``upsample`` (decoder) if any.
-
-    An absent resampler is an ``nn.Identity``, which has no weights and so adds no state-dict keys.
-    """
+    """An absent resampler is an ``nn.Identity``: no weights, so no state-dict keys."""
 
     def __init__(self, in_ch: int, out_ch: int, n_blocks: int, groups: int, resample: str | None):
         super().__init__()
@@ -196,21 +189,19 @@ class Decoder(nn.Module):
         return self.upsample(self.head(z))
 
     def head(self, z: torch.Tensor) -> torch.Tensor:
-        """z [B,z,h,w] -> [B,512,h,w]: the input convs and the mid block (whose attention sees every position)."""
+        """z [B,z,h,w] -> [B,512,h,w]: the mid block's attention sees every position, so it is never tiled."""
         return self.mid(self.conv_in(self.post_quant_conv(z)))
 
     def upsample(self, h: torch.Tensor) -> torch.Tensor:
-        """[B,512,h,w] -> image [B,3,8h,8w]: the levels and the output conv. Only convolutions and GroupNorms."""
+        """[B,512,h,w] -> [B,3,8h,8w]: only convolutions and GroupNorms, so it tiles."""
         for level in reversed(self.up):
             h = level(h)
         return self.conv_out(swish(self.norm_out(h)))
 
     @property
     def halo(self) -> int:
-        """How far (in latent cells of ``upsample``'s input, rounded up) one output pixel of ``upsample`` sees.
-
-        Every 3x3 conv at 2^k times the latent resolution reaches 2^-k cells: the ResnetBlocks' two convs per block, the
-        conv after each 2x upsample and the output conv.
+        """How far, in ``upsample``'s input cells rounded up, one output pixel sees (every 3x3 conv at 2^k x reaches
+        2^-k).
         """
         reach, levels = 0.0, len(self.up)
         for k, level in enumerate(reversed(self.up)):              # k = 0 at the latent resolution
@@ -230,7 +221,7 @@ MIN_TILE = 8                     # latent cells = 128 px
 
 
 def tile_spans(n: int, tile: int, overlap: int) -> list[tuple[int, int]]:
-    """Cover 0..n with spans of length ``tile`` (or one span of n) evenly spaced, neighbours overlapping >= overlap."""
+    """Spans of ``tile`` over 0..n evenly spaced, neighbours overlapping >= overlap."""
     if n <= tile:
         return [(0, n)]
     count = math.ceil((n - overlap) / (tile - overlap))
@@ -239,8 +230,7 @@ def tile_spans(n: int, tile: int, overlap: int) -> list[tuple[int, int]]:
 
 
 def _ramp(start: int, end: int, n: int, fade: int, scale: int) -> torch.Tensor:
-    """Blend weights [(end-start)*scale] of one tile along one axis: linear fades of ``fade`` pixels on the sides that
-    border another tile (not the image edge), 1 elsewhere. Never 0, so every pixel has weight."""
+    """One tile's blend weights along one axis: linear fades where it borders another tile; never 0."""
     weights = torch.ones((end - start) * scale)
     fade = min(fade, len(weights))
     if fade == 0:
@@ -258,11 +248,7 @@ def _ramp(start: int, end: int, n: int, fade: int, scale: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 
 class AutoEncoder(nn.Module):
-    """FLUX.2 AE. ``encode``: pixels -> normalised latents; ``decode``: the exact inverse, then the decoder.
-
-    The convolutions run in the dtype of the weights (inputs are cast to it). The latent BatchNorm is computed in
-    float32, so ``encode`` and ``normalize``/``denormalize`` return float32 latents.
-    """
+    """Convolutions run in the weights' dtype; the latent BatchNorm in float32, so latents come back float32."""
 
     def __init__(self, params: AutoEncoderParams):
         super().__init__()
@@ -281,7 +267,6 @@ class AutoEncoder(nn.Module):
 
     @property
     def pixels_per_latent(self) -> int:
-        """Side of the pixel square behind one latent cell: 8x downscale times the 2x2 patchify = 16."""
         return 2 * self.params.downscale
 
     @property
@@ -296,22 +281,17 @@ class AutoEncoder(nn.Module):
         return mean, std
 
     def normalize(self, z: torch.Tensor) -> torch.Tensor:
-        """Patchified VAE latent [B,128,h,w] -> model latent space (float32)."""
         mean, std = self._bn_stats(z)
         return (z.float() - mean) / std
 
     def denormalize(self, z: torch.Tensor) -> torch.Tensor:
-        """Model latent [B,128,h,w] -> patchified VAE latent (float32); the inverse of ``normalize``."""
         mean, std = self._bn_stats(z)
         return z.float() * std + mean
 
     # encode / decode ----------------------------------------------------------------------------------------------
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Image [B,3,H,W] in [-1,1], H and W multiples of 16 -> latent [B,128,H/16,W/16] (float32).
-
-        Both sides are checked for NaN / inf (``checks.finite``): a bad pixel or weight would spread over the whole
-        latent and from there into the image made from it."""
+        """[B,3,H,W] in [-1,1], sides multiples of 16 -> [B,128,H/16,W/16] float32; both checked for NaN / inf."""
         self._check_image(x)
         finite(x, "the image to encode", ["it came from a node or file that produced NaN/inf pixels"])
         moments = self.encoder(conv_layout(x.to(self.device, self.dtype)))   # [B,64,H/8,W/8]
@@ -319,11 +299,8 @@ class AutoEncoder(nn.Module):
         return finite(self.normalize(patchify(mean)), "the encoded latents", self._causes())   # [B,128,H/16,W/16]
 
     def decode(self, z: torch.Tensor, tile: int | None = None) -> torch.Tensor:
-        """Latent [B,128,h,w] -> image [B,3,16h,16w], roughly in [-1,1] (not clamped), in the weights' dtype.
-
-        In one piece, or with ``tile`` in tiles of that many latent cells (``decode_tiled``: what a caller picks when
-        memory is short, ``memory.decode_tile``). The latent and the image are checked for NaN / inf: either would
-        give a black image (``checks.finite``).
+        """[B,128,h,w] -> [B,3,16h,16w] in the weights' dtype, roughly in [-1,1] (not clamped); with ``tile`` in tiles
+        of that many latent cells (what ``memory.decode_tile`` picks when memory is short).
         """
         self._check_latent(z)
         finite(z, "the latents to decode", [("the sampler that made them produced NaN/inf (its model's weights, an "
@@ -340,14 +317,10 @@ class AutoEncoder(nn.Module):
     # tiled decode -------------------------------------------------------------------------------------------------
 
     def decode_tiled(self, z: torch.Tensor, tile: int | None = None, overlap: int = 4) -> torch.Tensor:
-        """``decode`` in overlapping tiles of ``tile`` x ``tile`` latent cells (16 px each), blended linearly.
-
-        The mid block (whose attention sees every position) runs on the whole latent, which is small; only the
-        upsampling levels, where the memory goes, run per tile. Each tile is decoded with a margin of ``decoder.halo``
-        cells of context on every side, which is the reach of all its convolutions, then cropped to the tile, and
-        neighbouring tiles are cross-faded over their ``overlap`` cells. Without GroupNorm this would be exactly the full
-        decode; with it, each tile normalises with its own statistics instead of the whole image's, which is the one
-        difference (small for large tiles, and the cross-fade hides seams). ``tile=None``: 64 cells (1024 px).
+        """The mid block runs on the whole (small) latent; only the upsampling levels, where the memory goes, run per
+        tile, each with ``decoder.halo`` cells of context, cropped, and cross-faded over ``overlap`` cells. Without
+        GroupNorm this would equal the full decode; with it each tile normalises with its own statistics (small for
+        large tiles).
         """
         self._check_latent(z)
         tile = tile or DEFAULT_TILE

@@ -1,12 +1,6 @@
-"""What the engine refuses, shared by the CLI and the nodes: numbers a user gives, tensors between stages.
-
-* ``number``: a setting (cfg, strength, a LoRA strength, ...) must be a finite number in its range. NaN slips
-  through every ``<`` / ``>`` comparison, so ranges alone do not catch it (ComfyUI's own min/max checks do not).
-* ``finite``: one ``torch.isfinite(x).all()`` at a stage boundary (prompt embeddings, the denoised latent, the
-  decoded image, an encoded image): a NaN or inf there would become a black image, so the run stops instead, naming
-  the stage and what usually causes it. One check per stage, never per step: it costs one device sync.
-
-The memory a stage needs, against what the device has free, is checked by ``memory.check_memory``.
+"""What the engine refuses, for the CLI and the nodes alike: a setting must be a finite number in range (``number``:
+NaN slips through every comparison, ComfyUI's own min/max checks included); a stage boundary's tensor must be
+finite (``finite``: NaN there would become a black image; one check per stage, never per step: it syncs the device).
 """
 
 from __future__ import annotations
@@ -22,8 +16,7 @@ from .errors import Flux2Error
 
 def number(name: str, value, low: float | None = None, high: float | None = None, *, above_low: bool = False,
            hint: str = "") -> float:
-    """``value`` as a float, refused unless it is a finite number within [low, high] ((low, high] with
-    ``above_low``); ``hint`` is appended to the message (what the setting does, the usual values)."""
+    """((low, high] with ``above_low``); ``hint`` says what the setting does."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise Flux2Error(f"{name} must be a number, got {value!r}{hint and '; ' + hint}")
     try:
@@ -40,8 +33,7 @@ def number(name: str, value, low: float | None = None, high: float | None = None
 
 
 def finite(x: Tensor, stage: str, causes: list[str]) -> Tensor:
-    """``x`` if it holds no NaN or inf, else a Flux2Error naming ``stage`` and the likely ``causes`` (most likely
-    first). One reduction and one device sync."""
+    """``causes``: most likely first."""
     if not bool(torch.isfinite(x).all()):
         raise Flux2Error(f"{stage} hold NaN or infinite values, so the image would come out black; the run was "
                          f"stopped. Likely causes: {'; or '.join(causes)}")
@@ -49,6 +41,5 @@ def finite(x: Tensor, stage: str, causes: list[str]) -> Tensor:
 
 
 def dtype_cause(dtype: torch.dtype, model: str) -> list[str]:
-    """The overflow cause for a stage computed in ``dtype`` by ``model`` (empty when the dtype cannot overflow)."""
     return [f"{model} runs in float16, which overflowed (its largest value is 65504): use bfloat16 or float32"] \
         if dtype == torch.float16 else []

@@ -1,9 +1,6 @@
-"""Tiny random models for ``--demo``: the whole pipeline runs on them in a second or two, with no weight files.
-
-Same architectures as the real models, much smaller: a 2+2-block transformer 64 wide, a 4-level autoencoder with
-channels (32, 32, 64, 64), and a Qwen3 32 wide with 27 layers and the full vocabulary; the tokenizer is the real
-Qwen3 tokenizer. The weights are drawn from a fixed seed, so every run gives the same pictures: noise-like, since the
-weights are random. Nothing is downloaded or written.
+"""Tiny random models for ``--demo``: the whole pipeline in a second or two with no weight files. Same architectures,
+much smaller (the Qwen3 keeps 27 layers and the full vocabulary; the tokenizer is real); weights from a fixed seed,
+so every run gives the same noise-like pictures.
 """
 
 from __future__ import annotations
@@ -51,8 +48,7 @@ def _shapes(module: torch.nn.Module) -> dict[str, torch.Size]:
 
 
 def demo_transformer(device="cpu", generator: torch.Generator | None = None) -> Flux2Transformer:
-    """The demo's transformer alone: its weights are the first drawn from the demo's seed (``generator``: one to
-    draw them from and go on with)."""
+    """Its weights are the first drawn from the demo's seed (``generator``: to draw them from and go on)."""
     g = generator or torch.Generator().manual_seed(DEMO_SEED)
     with torch.device("meta"):
         transformer = Flux2Transformer(DEMO_TRANSFORMER)
@@ -61,7 +57,7 @@ def demo_transformer(device="cpu", generator: torch.Generator | None = None) -> 
 
 
 def demo_models(variant: str = "klein-4b", device="cpu") -> Models:
-    """Models with tiny random weights; ``variant`` picks the sampling defaults (steps, CFG, KV) of that family."""
+    """``variant`` picks the sampling defaults (steps, CFG, KV) of that family."""
     from .weights import default_device_dtype
 
     device, _ = default_device_dtype(device, torch.float32)      # an unusable device: a Flux2Error, not a traceback
@@ -78,7 +74,6 @@ def demo_models(variant: str = "klein-4b", device="cpu") -> Models:
 
 
 def demo_variant(variant: str = "klein-4b") -> Variant:
-    """The demo's variant: ``variant``'s sampling defaults on the demo's sizes."""
     chosen = VARIANTS[variant]
     return replace(chosen, name=f"demo ({chosen.name} defaults)", params=DEMO_TRANSFORMER, files=(),
                    text_encoder=replace(QWEN3_4B, name="demo", hidden_size=DEMO_TEXT_WIDTH))

@@ -1,11 +1,8 @@
-"""Bias-free linear layers, computed by the fastest kernel for the device.
+"""Bias-free linear layers (the float storage ``layers.Layers`` makes), computed by the fastest kernel for the device.
 
-float32 matmuls on CPU go through oneDNN (the kernel torch.compile picks on CPU) rather than the default BLAS: on
-AMD CPUs MKL's sgemm runs a generic code path (70-95 GFLOP/s on our 2-core EPYC test machine; oneDNN: 200; see
-docs/benchmarks.md). Everything else (GPUs, bf16, autograd) uses ``F.linear``.
-
-    Linear(in, out)             # the models' float layers (same parameter and state dict as nn.Linear), made by
-                                # layers.Layers (the transformer's and the Qwen3 encoder's)
+float32 matmuls on CPU go through oneDNN (what torch.compile picks on CPU) rather than the default BLAS: on AMD CPUs
+MKL's sgemm runs a generic path (70-95 GFLOP/s on our 2-core EPYC; oneDNN: 200; docs/benchmarks.md). Everything
+else (GPUs, bf16, autograd) uses ``F.linear``.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldn
 
 
 def onednn_matmul(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight.T by oneDNN."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
@@ -37,7 +33,7 @@ def _(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x [..., in] @ weight [out, in]ᵀ (no bias): oneDNN for float32 on CPU without autograd, else F.linear."""
+    """x [..., in] @ weight [out, in]ᵀ: oneDNN for float32 on CPU without autograd, else F.linear."""
     if (ONEDNN_LINEAR and x.is_cpu and x.dtype == weight.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return onednn_linear(x, weight) if torch.compiler.is_compiling() else onednn_matmul(x, weight)
@@ -45,7 +41,6 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
 
 
 class Linear(nn.Linear, StoredLinear):
-    """A bias-free nn.Linear (same parameter) computed by ``linear``: the float storage."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
@@ -58,10 +53,8 @@ class Linear(nn.Linear, StoredLinear):
 
 
 class VectorLinear(Linear):
-    """A Linear for per-item vectors [B, in] (timestep embedding, modulations), applied one item at a time.
-
-    Matmul libraries pick other kernels for one row than for several, so a batched call would make an image depend
-    on its batch (by 1e-6, which can flip a pixel); one row each keeps item i of a batch equal to a batch-1 run.
+    """For per-item vectors [B, in], one item at a time: matmul libraries pick other kernels for one row than for
+    several, so a batched call would make an image depend on its batch (by 1e-6, which can flip a pixel).
     """
 
     item_by_item = True
@@ -71,5 +64,4 @@ class VectorLinear(Linear):
 
 
 def item_by_item(fn, x: Tensor) -> Tensor:
-    """``fn`` applied to each batch item of x [B, ...] on its own (one call when B is 1), results concatenated."""
     return torch.cat([fn(item) for item in x.split(1)]) if x.shape[0] > 1 else fn(x)

@@ -14,10 +14,8 @@ from .errors import Flux2Error
 
 
 def check_folder(path: str, option: str = "--out") -> Path:
-    """The output folder, proved usable (it exists and takes new files, or it can be created), else a Flux2Error
-    saying why not. Nothing is created here: write_new makes the folder when the first image is ready.
-
-    Called before models load or a prompt is queued, so a wrong --out costs seconds, not a whole generation.
+    """Proved usable (it takes new files, or can be created), but nothing is created here; called before models load
+    or a prompt is queued, so a wrong --out costs seconds, not a generation.
     """
     folder = existing = Path(path).expanduser()
     try:
@@ -38,11 +36,7 @@ def check_folder(path: str, option: str = "--out") -> Path:
 
 
 def write_new(folder: Path, name: str, write: Callable[[BinaryIO], object]) -> Path:
-    """Create folder/name (else name-1, name-2, ... before the extension) and fill it with ``write(file)``.
-
-    Never replaces a file, whether it was there before or another process makes it meanwhile (see _claim). A file
-    whose writing fails is removed. Returns the path written.
-    """
+    """Never replaces a file (name-1, name-2, ... instead); a file whose writing fails is removed."""
     try:
         folder.mkdir(parents=True, exist_ok=True)        # made with the first image (check_folder made nothing)
         file, path = _claim(folder, name)
@@ -59,8 +53,7 @@ def write_new(folder: Path, name: str, write: Callable[[BinaryIO], object]) -> P
 
 
 def _claim(folder: Path, name: str) -> tuple[BinaryIO, Path]:
-    """A new file, open for writing: mode "xb" takes the name and creates the file in one step (O_EXCL), so there
-    is no moment between a check and the write in which another file of that name could appear and be replaced."""
+    """Mode "xb" (O_EXCL) takes the name and creates the file in one step: no race with another writer."""
     stem, suffix = os.path.splitext(name)
     for n in itertools.count():
         path = folder / (name if n == 0 else f"{stem}-{n}{suffix}")

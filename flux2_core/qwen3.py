@@ -1,19 +1,10 @@
-"""Qwen3, as far as FLUX.2 reads it: the token embedding and the first decoder layers, returning hidden states.
+"""Qwen3 as far as FLUX.2 reads it: the embedding and the first decoder layers, returning hidden states (layers 28..,
+the final norm and the LM head never matter, so they are not built). Names are Hugging Face's, so checkpoints,
+LoRAs and GGUF tables map onto it unchanged.
 
-FLUX.2 Klein embeds a prompt with the hidden states 9, 18 and 27 of Qwen3-4B (Klein 4B) or Qwen3-8B (Klein 9B);
-layers 28..36, the final norm and the LM head never matter, so they are not built. One decoder layer, per token x:
-
-    h = x + o_proj(attention(rope(q_norm(q_proj(n))), rope(k_norm(k_proj(n))), v_proj(n)))   n = input_layernorm(x)
-    out = h + down_proj(silu(gate_proj(m)) * up_proj(m))                                     m = post_attention_layernorm(h)
-
-Attention is causal with grouped K/V heads (num_heads query heads share num_kv_heads K/V heads) and masks padding
-as keys only: a padded prompt's pad rows are computed (FLUX.2 sees all 512 rows) and attend to the real tokens.
-RMSNorms run in float32 and cast back before their weight multiplies (as Qwen3 was trained); RoPE rotates the two
-halves of each head ("rotate half"), its angles in float32 and cos/sin cast to the activations' dtype.
-
-Module and parameter names are Hugging Face's (``layers.N.self_attn.q_proj.weight``), so checkpoints, LoRAs and
-GGUF tables map onto it unchanged; the linear layers and the embedding come from ``layers.Layers`` (float, fp8 or
-GGUF blocks, chosen per layer at construction).
+Attention is causal with grouped K/V heads and masks padding as keys only: pad rows are computed (FLUX.2 sees all
+512) and attend to the real tokens. RMSNorms run in float32 and cast back before their weight multiplies (as Qwen3
+was trained); RoPE rotates halves, angles in float32, cos/sin cast to the activations' dtype.
 """
 
 from __future__ import annotations
@@ -42,8 +33,7 @@ class Qwen3Params:
 
     @classmethod
     def from_config(cls, config) -> Qwen3Params:
-        """From a config.json dict (or any object with its names as attributes, e.g. a transformers Qwen3Config),
-        every value checked: a Flux2Error names the first that Qwen3 cannot have."""
+        """Also from a transformers Qwen3Config; the first value Qwen3 cannot have is a Flux2Error."""
         get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
         rope = get("rope_parameters") or get("rope_scaling") or {}
         if not isinstance(rope, dict):
@@ -72,9 +62,9 @@ class Qwen3Params:
 
     @classmethod
     def from_state_dict(cls, sd: dict[str, Tensor]) -> Qwen3Params:
-        """From tensor shapes (Hugging Face names without prefix), for files without config.json. head_dim is the
-        length of q_norm.weight, so the head counts follow from q_proj / k_proj; rope_theta (1e6) and the norm eps
-        (1e-6) are Qwen3-4B/8B's, which no shape reveals."""
+        """For files without config.json: head_dim is q_norm's length; rope_theta and the norm eps, which no shape
+        reveals, are Qwen3-4B/8B's.
+        """
         head_dim = sd["layers.0.self_attn.q_norm.weight"].shape[0]
         return cls(vocab_size=sd["embed_tokens.weight"].shape[0], hidden_size=sd["embed_tokens.weight"].shape[1],
                    intermediate_size=sd["layers.0.mlp.gate_proj.weight"].shape[0],
@@ -88,7 +78,6 @@ def _div(a, b):
 
 
 class RMSNorm(nn.Module):
-    """Qwen3's RMSNorm over the last dim: normalized in float32, cast back, then multiplied by ``weight``."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -100,7 +89,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """positions [B, L] -> cos, sin [B, 1, L, head_dim] (angles in float32, each half repeated for rotate-half)."""
+    """positions [B, L] -> cos, sin [B, 1, L, head_dim], each half repeated for rotate-half."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
     angles = positions.float()[..., None] * inv_freq                     # [B, L, head_dim/2]
     angles = torch.cat([angles, angles], dim=-1)[:, None]                # [B, 1, L, head_dim]
@@ -108,7 +97,7 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dt
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE by halves: x [B, H, L, D] -> x cos + (-x2, x1) sin."""
+    """x [B, H, L, D] -> x cos + (-x2, x1) sin."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -159,8 +148,7 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3(nn.Module):
-    """The embedding and the first ``num_layers`` decoder layers of a Qwen3 (no final norm: FLUX.2 reads raw layer
-    outputs). ``dtype``: what a GGUF embedding's lookups return (float tables keep their own dtype)."""
+    """No final norm: FLUX.2 reads raw layer outputs. ``dtype``: what a GGUF embedding's lookups return."""
 
     def __init__(self, p: Qwen3Params, num_layers: int, layers: Layers | None = None,
                  dtype: torch.dtype = torch.float32):
@@ -174,8 +162,9 @@ class Qwen3(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(p, layers.scope(f"layers.{i}")) for i in range(num_layers))
 
     def forward(self, ids: Tensor, mask: Tensor, outputs: tuple[int, ...]) -> list[Tensor]:
-        """ids, mask [B, L] (mask 1 for tokens, 0 for padding; positions are 0..L-1, pads included) -> the hidden
-        states ``outputs`` (k: the output of decoder layer k, counting from 1), each [B, L, hidden]."""
+        """ids, mask [B, L] (1 for tokens; positions 0..L-1, pads included) -> hidden states ``outputs`` (k: the output
+        of decoder layer k, from 1), each [B, L, hidden].
+        """
         x = self.embed_tokens(ids)
         n = ids.shape[1]
         positions = torch.arange(n, device=ids.device).expand_as(ids)

@@ -1,18 +1,7 @@
-"""The Qwen3 prompt embedder: chat template, 512 tokens, hidden states 9/18/27 of a Qwen3 truncated to 27 layers.
-
-What BFL's ``Qwen3Embedder`` and diffusers' ``Flux2KleinPipeline._get_qwen3_prompt_embeds`` do, per prompt:
-
-    text = "<|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n"
-    ids, mask = tokenizer.padded([text], 512)                 # right pad (<|endoftext|>) / truncate
-    hs = qwen3(ids, mask, positions 0..511)                   # hs[k]: output of decoder layer k (from 1), no norm
-    embeds = cat(hs[9], hs[18], hs[27]) per token             # [512, 3*D], layer-major
-
-Pad tokens are masked as keys inside Qwen3 (causal + key-padding mask), but their rows are computed and kept: the
-FLUX.2 transformer sees all 512 tokens. Layers 28..36 and the final norm never matter, so the model (``qwen3.py``)
-is built with 27 decoder layers and no final norm.
-
-    encoder = build_qwen3_encoder(state_dict, device="cuda", dtype=torch.bfloat16)
-    out = encoder.encode(["a cat", ""])        # out.embeds [2, 512, 7680] for Qwen3-4B
+"""The Qwen3 prompt embedder, as BFL's ``Qwen3Embedder`` and diffusers' ``_get_qwen3_prompt_embeds``: the prompt in
+Qwen3's chat template, 512 tokens (right padded / truncated), embeds [B, 512, 3*D] = cat(hidden states 9, 18, 27)
+per token, un-normed. Pad tokens are masked as keys inside Qwen3 but their rows are kept: the transformer sees all
+512. Layers 28.. and the final norm never matter, so the model is built with 27 layers and no final norm.
 """
 
 from __future__ import annotations
@@ -40,8 +29,7 @@ class PromptEmbeds:
 
 
 def render_prompt(prompt: str) -> str:
-    """The prompt in Qwen3's chat template, as the text encoder reads it (one user message, the generation prompt,
-    thinking off: what ``apply_chat_template(..., add_generation_prompt=True, enable_thinking=False)`` renders)."""
+    """What ``apply_chat_template(..., add_generation_prompt=True, enable_thinking=False)`` renders."""
     if not isinstance(prompt, str):
         raise Flux2Error(f"a prompt must be a string, got {type(prompt).__name__}")
     try:
@@ -54,13 +42,11 @@ def render_prompt(prompt: str) -> str:
 
 
 def count_prompt_tokens(tokenizer: Qwen3Tokenizer, prompt: str) -> int:
-    """Tokens of the rendered prompt (chat template included) before truncation to 512: PromptEmbeds.token_counts,
-    and the exact count the web extension shows under the prompt."""
+    """Before truncation: the exact count the web extension shows under the prompt."""
     return len(tokenizer.encode(render_prompt(prompt)))
 
 
 class PromptEncoder:
-    """Turns prompts into FLUX.2 text embeddings with a truncated Qwen3 (``qwen3.Qwen3``)."""
 
     def __init__(self, model: Qwen3, tokenizer, spec: TextEncoderSpec):
         deepest = max(spec.output_layers)
@@ -76,11 +62,11 @@ class PromptEncoder:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype (a GGUF embedding's weight is blocks; it says what its lookups return)."""
+        """A GGUF embedding's weight is blocks; it says what its lookups return."""
         return getattr(self.model.embed_tokens, "dtype", self.model.embed_tokens.weight.dtype)
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """(ids [B, L], attention mask [B, L], untruncated token counts), each prompt tokenized on its own."""
+        """(ids [B, L], attention mask [B, L], untruncated token counts)."""
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise Flux2Error(f"prompts must be a list of strings, got {type(prompts).__name__}")
         if not prompts:
@@ -104,17 +90,14 @@ class PromptEncoder:
 
 
 def is_used(key: str, num_layers: int) -> bool:
-    """Whether FLUX.2 uses this Qwen3 weight (a key without prefix): not the final norm, no layer from num_layers on."""
+    """Not the final norm, no layer from num_layers on."""
     return key != "norm.weight" and not (key.startswith("layers.") and int(key.split(".")[1]) >= num_layers)
 
 
 def qwen3_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state dict with ``Qwen3Model`` key names (``embed_tokens.weight``, ``layers.N.…``, ``norm.weight``).
-
-    Accepts any prefix before ``embed_tokens``: Hugging Face ``Qwen3ForCausalLM`` files and ComfyUI's
-    ``qwen_3_4b.safetensors`` / ``qwen_3_8b_fp8mixed.safetensors`` use ``model.``, a bare ``Qwen3Model`` none, a ComfyUI
-    all-in-one checkpoint ``text_encoders.qwen3_4b.transformer.model.``. Keys outside the prefix (``lm_head``) are
-    dropped. Quantization scales must have been folded into the weights by the loader first.
+    """``Qwen3Model`` key names from any prefix before ``embed_tokens`` (HF and ComfyUI files: ``model.``; ComfyUI
+    all-in-one: ``text_encoders.qwen3_4b.transformer.model.``); keys outside it (``lm_head``) dropped. Quantization
+    scales must have been folded into the weights first.
     """
     embed = [k for k in state_dict if k.endswith("embed_tokens.weight")]
     if len(embed) != 1:
@@ -136,12 +119,7 @@ def qwen3_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, num_layers: int, device, dtype,
                       ggml_types: dict[str, int] | None = None) -> Qwen3:
-    """Our ``Qwen3`` with the first ``num_layers`` decoder layers of ``state_dict`` (no final norm).
-
-    Built on the meta device with the layers ``layers.Layers`` makes (float, or GGUF blocks for the layers
-    ``ggml_types`` names, by module name); the tensors, moved to ``device`` (floats cast to ``dtype``, blocks as they
-    are), then become the parameters themselves (no second copy). Deeper layers and the final norm are not read.
-    """
+    """Built on meta; the tensors become the parameters (no second copy). Deeper layers are not read."""
     sd = qwen3_state_dict(state_dict)
     keep = {k: v for k, v in sd.items() if is_used(k, num_layers)}
     with torch.device("meta"):
@@ -160,12 +138,8 @@ def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, 
 def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device="cpu", dtype=torch.bfloat16,
                         tokenizer=None, spec: TextEncoderSpec | None = None,
                         ggml_types: dict[str, int] | None = None) -> PromptEncoder:
-    """A ``PromptEncoder`` from a Qwen3 state dict (any key layout ``qwen3_state_dict`` accepts).
-
-    ``config``: ``qwen3.Qwen3Params``, a config.json dict (or an object with its names, e.g. a transformers
-    Qwen3Config), or None to read it from the shapes. ``tokenizer``: None for the built-in Qwen3 tokenizer.
-    ``ggml_types``: the layers given as GGUF blocks (module name -> GGML type). ``spec``: None picks Qwen3-4B / 8B
-    by width (other widths get the same layers, 9/18/27).
+    """``config``: ``Qwen3Params``, a config.json dict (or a transformers Qwen3Config), or None to read it from the
+    shapes. ``ggml_types``: module name -> GGML type of the layers given as GGUF blocks. ``spec``: None picks by width.
     """
     if config is None:
         params = Qwen3Params.from_state_dict(qwen3_state_dict(state_dict))

