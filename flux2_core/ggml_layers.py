@@ -3,7 +3,8 @@
     GGMLLinear(in, out, qtype)        weight: uint8 [out, row bytes] (blocks along ``in``), dequantized to the input's
                                       dtype at every call, then one matmul: memory holds the file's bytes, not floats.
                                       The dequantization is one fused kernel per type where ``kernels.py`` has them on
-                                      (CUDA, CPU; FLUX2_NO_FUSED=1 turns them off), the chain of torch ops elsewhere
+                                      (CUDA; the CPU for weights of 2^23 values or more; FLUX2_NO_FUSED=1 turns them
+                                      off), the chain of torch ops elsewhere
     GGMLEmbedding(vocab, dim, qtype)  weight: uint8 [vocab, row bytes]; a lookup dequantizes only the rows it reads
                                       (Qwen3's 151,936-row table stays as small as in the file)
 

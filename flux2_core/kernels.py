@@ -9,7 +9,8 @@ function per type and dtype) and the fp8 activation quantization (``quant.py``).
 needs none of it: inductor fuses the same plain ops there itself, so inside a compiled region ``fn`` runs plain.
 
 Where: on CUDA where Triton is installed (inductor's code generator for GPUs), and on the CPU (inductor writes C++;
-it needs a C++ compiler at run time), both by default. ``FLUX2_NO_FUSED=1`` in the environment turns it off. The
+it needs a C++ compiler at run time), both by default; a caller may ask for less (``ggml`` takes the CPU's only for
+large weights, where it measured faster). ``FLUX2_NO_FUSED=1`` in the environment turns it off. The
 log says once per device type whether they are used and why not; each kernel logs its first compile and its time.
 Should a kernel fail (no C++ compiler, a Triton error, a recompile past dynamo's limit), that call and every later
 one on the device type run plain torch, with a warning that says why.

@@ -2,6 +2,7 @@
 
     fused_on     kernels' decisions and compiled kernels forgotten, FLUX2_NO_FUSED unset: they are used on the CPU
                  (and on CUDA in the device mode), as a user gets them
+    fused_any_size   fused_on, and on the CPU for GGUF tensors of any size (ggml takes it only from 2^23 values)
     fused_off    FLUX2_NO_FUSED=1: the plain torch path
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux2_core import kernels
+from flux2_core import ggml, kernels
 
 
 @pytest.fixture
@@ -19,6 +20,11 @@ def fused_on(monkeypatch):
     kernels.forget()
     yield
     kernels.forget()
+
+
+@pytest.fixture
+def fused_any_size(monkeypatch, fused_on):
+    monkeypatch.setattr(ggml, "CPU_FUSED_MIN_VALUES", 0)
 
 
 @pytest.fixture

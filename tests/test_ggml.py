@@ -19,7 +19,7 @@ from gguf import quants
 from flux2_core.errors import Flux2Error
 from flux2_core.ggml import QUANTIZED, SUPPORTED, blocks_kernel, check_supported, dequantize, row_bytes, type_name
 from tests.device import DEVICE
-from tests.fused import fused_on, graphs, ran_fused  # noqa: F401 (fixtures)
+from tests.fused import fused_any_size, fused_on, graphs, ran_fused  # noqa: F401 (fixtures)
 
 QT = gguf.GGMLQuantizationType
 FROM_FLOATS = [QT.Q8_0, QT.Q5_0, QT.Q5_1, QT.Q4_0, QT.Q4_1, QT.BF16, QT.F16, QT.F32]
@@ -113,7 +113,7 @@ def fused_matches_gguf(qtype, dtype) -> None:
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0], ids=type_name)
-@pytest.mark.usefixtures("fused_on")
+@pytest.mark.usefixtures("fused_any_size")
 def test_fused_kernel_matches_gguf_exactly(qtype):
     fused_matches_gguf(qtype, torch.bfloat16)
 
@@ -121,19 +121,28 @@ def test_fused_kernel_matches_gguf_exactly(qtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("qtype", sorted(QUANTIZED), ids=type_name)
-@pytest.mark.usefixtures("fused_on")
+@pytest.mark.usefixtures("fused_any_size")
 def test_fused_kernel_of_every_type_and_dtype_matches_gguf_exactly(qtype, dtype):
     fused_matches_gguf(qtype, dtype)
 
 
 @pytest.mark.usefixtures("fused_on")
-def test_fused_kernel_is_off_unless_asked(monkeypatch):
-    """One-off dequantizations (loading, lookups) run the plain ops: no compile for what runs once."""
-    from flux2_core import kernels
+def test_fused_kernel_runs_where_asked_and_on_the_cpu_for_large_tensors_only(monkeypatch):
+    """One-off dequantizations (loading, lookups: fused=False) run the plain ops, and so do tensors under
+    CPU_FUSED_MIN_VALUES on the CPU, where the scalar C++ kernel loses to the vectorized ops while they stay in cache;
+    GPUs take every size. The values are gguf's either way."""
+    from flux2_core import ggml, kernels
 
-    monkeypatch.setattr(kernels, "call", lambda *a, **k: pytest.fail("compiled without fused=True"))
-    raw = make_bytes(QT.Q4_K, (2, 256))
-    assert torch.equal(ours(raw, QT.Q4_K, (2, 256)), reference(raw, QT.Q4_K))
+    assert ggml.CPU_FUSED_MIN_VALUES <= 3072 * 3072 < 2 * ggml.CPU_FUSED_MIN_VALUES    # Klein's smallest layer
+    calls = []
+    monkeypatch.setattr(kernels, "call", lambda fn, b, **k: calls.append(fn) or fn(b))
+    monkeypatch.setattr(ggml, "CPU_FUSED_MIN_VALUES", 4096)
+    raw, small = make_bytes(QT.Q4_K, (16, 256)), make_bytes(QT.Q4_K, (15, 256))
+    assert torch.equal(ours(raw, QT.Q4_K, (16, 256)), reference(raw, QT.Q4_K))                     # not asked
+    assert torch.equal(ours(small, QT.Q4_K, (15, 256), fused=True), reference(small, QT.Q4_K))    # 3840 values
+    assert len(calls) == (0 if DEVICE.type == "cpu" else 1)
+    assert torch.equal(ours(raw, QT.Q4_K, (16, 256), fused=True), reference(raw, QT.Q4_K))        # 4096 values
+    assert calls[-1] is blocks_kernel(QT.Q4_K, torch.float32)
 
 
 def test_every_supported_type_is_tested():
