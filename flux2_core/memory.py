@@ -56,14 +56,11 @@ def module_bytes(module: nn.Module) -> int:
 # --- the transformer ----------------------------------------------------------------------------------------------
 
 def denoise_memory(params: TransformerParams, tokens: int, batch: int, dtype: torch.dtype, ranks: int = 1) -> int:
-    """Peak activation bytes for ``tokens`` per item of the model batch (CFG doubles ``batch``); with ``ranks`` > 1, one
-    sequence-parallel rank's.
-
-    The peak is inside one single block. Per token, with H hidden and M = mlp_ratio·H: linear1's output [L, 3H + 2M],
-    the concat [L, H + M], the SwiGLU [L, M], about 8 H-wide tensors, and the float32 RoPE table [L, head_dim/2, 2]: 24
-    H-wide values per token for Klein, 23.5 measured on CPU (tests/test_pipeline.py). A rank holds at most
-    tokens / ranks + 1 tokens plus 8 heads-layout tensors [L, H / ranks], an upper bound (tests/test_parallel.py).
-    """
+    """Peak activation bytes per item of the model batch (CFG doubles it); with ``ranks`` > 1 one rank's."""
+    # The peak is inside one single block: per token, with H hidden and M = mlp_ratio·H, linear1's output 3H + 2M,
+    # the concat H + M, the SwiGLU M, about 8 H-wide tensors, and the float32 RoPE table [head_dim/2, 2]. For Klein
+    # 24 H-wide values per token, 23.5 measured on CPU (tests/test_pipeline.py). A rank holds at most
+    # tokens / ranks + 1 tokens plus 8 heads-layout tensors [L, H / ranks], an upper bound (tests/test_parallel.py).
     h, m = params.hidden_size, params.mlp_hidden
     values = (3 * h + 2 * m) + (h + m) + m + 8 * h
     local = tokens if ranks == 1 else -(-tokens // ranks) + 1
@@ -72,9 +69,7 @@ def denoise_memory(params: TransformerParams, tokens: int, batch: int, dtype: to
 
 
 def reference_kv_bytes(params: TransformerParams, tokens: int, dtype: torch.dtype, ranks: int = 1) -> int:
-    """A key and a value [1, heads, tokens, head_dim] per block (Klein 9B, bf16: 2 GiB for one 1024^2 reference); each
-    sequence-parallel rank keeps heads / ranks of them.
-    """
+    """Klein 9B, bf16: 2 GiB for one 1024^2 reference; each rank keeps heads / ranks of them."""
     return 2 * (params.depth + params.depth_single_blocks) * tokens * (params.hidden_size // ranks) * dtype.itemsize
 
 
@@ -100,32 +95,30 @@ def denoiser_memory(model: nn.Module, variant: Variant, batch: int, h: int, w: i
 
 # --- the autoencoder ----------------------------------------------------------------------------------------------
 
-DECODE_BYTES_PER_PIXEL = 10      # peak decode memory per output pixel per base channel per byte (see decode_bytes)
-ENCODE_BYTES_PER_PIXEL = 9       # the same for encode, per input pixel (see encode_bytes)
-MID_TENSORS = 8                  # [B, HW, 512] activations alive at once in the mid block (see mid_bytes)
+# Peak decode (encode) memory per output (input) pixel per base channel per byte: measured on CPU in float32 at
+# 7.7-8.4 for decode and 5.1 for encode (tensors only), rounded up for convolution workspaces.
+DECODE_BYTES_PER_PIXEL = 10
+ENCODE_BYTES_PER_PIXEL = 9
+# [B, HW, 512] activations alive at once in the mid block (7 beside its input, measured on CPU): SDPA's fused
+# kernels never hold the [HW, HW] scores, so the cost is linear in HW.
+MID_TENSORS = 8
 
 
 def mid_bytes(ae, batch: int, h: int, w: int, decoder: bool = True) -> int:
-    """The mid block of [batch,128,h,w] latents works on 2h x 2w positions of 512 channels; it is never tiled. SDPA's
-    fused kernel never holds the [HW, HW] scores, so the cost is ``MID_TENSORS`` x [batch, HW, 512] (7 beside the
-    input, measured on CPU).
-    """
+    """[batch,128,h,w] latents: 2h x 2w positions of 512 channels; never tiled."""
     positions = batch * 4 * h * w
     chans = ae.params.decoder_chans if decoder else ae.params.encoder_chans
     return MID_TENSORS * positions * chans[-1] * ae.dtype.itemsize
 
 
 def decode_bytes(ae, batch: int, h: int, w: int) -> int:
-    """Peak extra bytes of a one-piece decode. The upsampling levels dominate: ``DECODE_BYTES_PER_PIXEL`` was measured
-    at 7.7-8.4 on CPU (float32, several sizes) and rounded up for convolution workspaces.
-    """
+    """Peak extra bytes of a one-piece decode: the upsampling levels dominate."""
     pixels = batch * h * w * ae.pixels_per_latent ** 2
     levels = DECODE_BYTES_PER_PIXEL * pixels * ae.params.decoder_chans[0] * ae.dtype.itemsize
     return max(levels, mid_bytes(ae, batch, h, w))
 
 
 def encode_bytes(ae, batch: int, height: int, width: int) -> int:
-    """[batch,3,height,width] images; 5.1 bytes per pixel per channel measured on CPU, rounded up like decode's."""
     levels = ENCODE_BYTES_PER_PIXEL * batch * height * width * ae.params.ch * ae.dtype.itemsize
     n = ae.pixels_per_latent
     return max(levels, mid_bytes(ae, batch, height // n, width // n, decoder=False))
