@@ -260,11 +260,6 @@ class ReferenceKV:
                             for k, v in self.blocks], self.num_tokens, self.parallel_id)
 
 
-def reference_kv_bytes(params: TransformerParams, tokens: int, dtype: torch.dtype, ranks: int = 1) -> int:
-    """As ``memory.reference_kv_bytes``."""
-    return 2 * (params.depth + params.depth_single_blocks) * tokens * (params.hidden_size // ranks) * dtype.itemsize
-
-
 def _batched(x: Tensor, batch: int, name: str) -> Tensor:
     """[1 or batch, ...] -> [batch, ...]."""
     if x.shape[0] not in (1, batch):
