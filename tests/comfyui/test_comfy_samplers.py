@@ -148,14 +148,15 @@ def test_easycache_works_on_our_model_as_on_the_native_one(comfy):
     assert relative(cached, full) > 1e-3
 
 
-@pytest.mark.parametrize("role", ["transformer_fp8", "transformer_gguf"])
-def test_quantized_storage_is_kept_through_the_model_output(comfy, role):
-    """fp8 and GGUF files run in their own storage through the MODEL: ComfyUI's euler on it equals our Denoise
-    node on the same file (a dequantized copy would differ from the fp8 / Q4_0 path no more, but a float file does)."""
+@pytest.mark.parametrize("role, dtype", [("transformer_fp8", "auto"), ("transformer_gguf", "auto"),
+                                         ("transformer", "int8")])
+def test_quantized_storage_is_kept_through_the_model_output(comfy, role, dtype):
+    """fp8 and GGUF files, and int8 storage, run as they are stored through the MODEL: ComfyUI's euler on it equals
+    our Denoise node on the same file and dtype, and differs from the float weights."""
     file = comfy.files[role]
-    ours = latent(comfy, sampler_graph(comfy, engine=True, model_file=file, model_dtype="auto", seed=8))
+    ours = latent(comfy, sampler_graph(comfy, engine=True, model_file=file, model_dtype=dtype, seed=8))
     node = comfy.client.run(graphs.ours(comfy.files, "a red fox in the snow", seed=8, steps=4, output="latent",
-                                        model_file=file, model_dtype="auto", **SIZE))
+                                        model_file=file, model_dtype=dtype, **SIZE))
     denoised = graphs.saved_latent(comfy.base, comfy.client.history(node.prompt_id)).float()
     assert relative(ours, denoised) <= 1e-5
     full = latent(comfy, sampler_graph(comfy, engine=True, seed=8))
