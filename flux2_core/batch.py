@@ -482,7 +482,7 @@ class BatchClient:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The command: `queue` with --batch, several --prompt or several --server (queue_client.main sends them here).
+# The command: `queue` with --batch, several --prompt or several --server (queue_command.main sends them here).
 
 def batch_main(args) -> int:
     try:

@@ -5,7 +5,7 @@
     python -m flux2_core --transformer flux-2-klein-4b.safetensors --text-encoder qwen_3_4b.safetensors \\
                          --ae flux2-vae.safetensors --prompt "make it night" --ref photo.png
     python -m flux2_core --models ~/ComfyUI/models --prompt "a red sofa" --image room.png --mask sofa.png  # inpaint
-    python -m flux2_core queue workflow.api.json --server 127.0.0.1:8188         # see queue_client.py
+    python -m flux2_core queue workflow.api.json --server 127.0.0.1:8188         # see queue_command.py
     torchrun --nproc-per-node 2 -m flux2_core --models ~/ComfyUI/models --prompt "a red fox" --width 2048 --height 2048
 
 ``generate`` is the default command. Weights come from a ComfyUI models folder (``--models``: diffusion_models/,
@@ -543,7 +543,7 @@ def denormals_flushed():
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["queue"]:
-        from .queue_client import main as queue_main
+        from .queue_command import main as queue_main
 
         return queue_main(argv[1:], prog=f"{program()} queue")
     if argv[:1] == ["generate"]:

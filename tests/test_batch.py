@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from flux2_core import BatchClient, BatchJob, queue_client
+from flux2_core import BatchClient, BatchJob, queue_client, queue_command
 from flux2_core import batch as batch_module
 from flux2_core import manifest as manifest_module
 from flux2_core.batch_progress import BatchProgress
@@ -56,7 +56,7 @@ def jobs_file(tmp_path: Path, jobs: list[dict], name="jobs.jsonl") -> Path:
 
 
 def run_cli(argv, capsys) -> tuple[int, str, str]:
-    code = queue_client.main(argv)
+    code = queue_command.main(argv)
     out = capsys.readouterr()
     return code, out.out, out.err
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from flux2_core import queue_client, uploads
+from flux2_core import queue_client, queue_command, uploads
 from flux2_core.errors import Flux2Error
 from tests.batch_fakes import FakeServer
 from tests.tiny.pictures import png_bytes
@@ -180,13 +180,13 @@ def test_queue_uploads_the_image_and_names_it_in_the_workflow(fakes, tmp_path, c
     photo = picture_file(tmp_path / "photo.png")
     argv = [str(EDIT), "--server", server.address, "--image", f"10={photo}", "--prompt", "make it night",
             "--out", str(tmp_path / "out")]
-    assert queue_client.main(argv) == 0
+    assert queue_command.main(argv) == 0
     name = f"flux2-{hashlib.sha256(photo.read_bytes()).hexdigest()[:32]}.png"
     assert server.uploads == [name] and server.inputs == {name: photo.read_bytes()}
     assert server.prompts[0]["10"]["inputs"]["image"] == name and server.prompts[0]["4"]["inputs"]["prompt"] == \
         "make it night"
     assert f"uploaded {photo} to ComfyUI at {server.address} as {name}" in capsys.readouterr().err
-    assert queue_client.main(argv) == 0                       # again: the same name, one copy on the server
+    assert queue_command.main(argv) == 0                       # again: the same name, one copy on the server
     assert server.uploads == [name, name] and list(server.inputs) == [name]
     assert server.prompts[1]["10"]["inputs"]["image"] == name
     assert len(list((tmp_path / "out").glob("*.png"))) == 2
@@ -199,7 +199,7 @@ def test_queue_uses_the_name_the_server_answered(fakes, tmp_path):
     photo = picture_file(tmp_path / "photo.png")
     name = uploads.read_picture(str(photo), "x").name
     server.inputs[name] = b"someone else's file"
-    assert queue_client.main([str(EDIT), "--server", server.address, "--image", f"10={photo}",
+    assert queue_command.main([str(EDIT), "--server", server.address, "--image", f"10={photo}",
                               "--out", str(tmp_path / "out")]) == 0
     assert server.prompts[0]["10"]["inputs"]["image"] == name.replace(".png", " (1).png")
 
@@ -207,7 +207,7 @@ def test_queue_uses_the_name_the_server_answered(fakes, tmp_path):
 def test_a_bad_image_is_refused_before_anything_is_sent(fakes, tmp_path, capsys):
     server = fakes()
     (tmp_path / "notes.png").write_text("not a picture")
-    code = queue_client.main([str(EDIT), "--server", server.address, "--image", f"10={tmp_path / 'notes.png'}",
+    code = queue_command.main([str(EDIT), "--server", server.address, "--image", f"10={tmp_path / 'notes.png'}",
                               "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 1 and err.startswith(f"error: --image 10={tmp_path / 'notes.png'}: ") and "Traceback" not in err

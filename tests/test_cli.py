@@ -285,9 +285,9 @@ def test_a_decoder_alone_decodes_instead_of_the_autoencoders_own(tmp_path, capsy
 
 
 def test_queue_is_routed(monkeypatch, capsys):
-    from flux2_core import queue_client
+    from flux2_core import queue_command
     seen = []
-    monkeypatch.setattr(queue_client, "main", lambda argv, prog: seen.append((argv, prog)) or 0)
+    monkeypatch.setattr(queue_command, "main", lambda argv, prog: seen.append((argv, prog)) or 0)
     assert cli.main(["queue", "wf.json", "--seed", "3"]) == 0
     assert seen == [(["wf.json", "--seed", "3"], "flux2-klein queue")]
     assert cli.main(["paint", "--prompt", "x"]) == 2

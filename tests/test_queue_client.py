@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from flux2_core import queue_client
+from flux2_core import queue_client, queue_command
 from flux2_core.errors import Flux2Error
 from tests.tiny.pictures import png_bytes
 
@@ -210,7 +210,7 @@ def test_main_applies_overrides_and_prints_steps(fake, tmp_path, capsys):
     server = fake(steps=2)
     api = tmp_path / "wf.api.json"
     api.write_text(json.dumps(WORKFLOW))
-    code = queue_client.main([str(api), "--server", address(server), "--out", str(tmp_path / "out"),
+    code = queue_command.main([str(api), "--server", address(server), "--out", str(tmp_path / "out"),
                               "--prompt", "a red fox", "--seed", "42", "--set", "5.cfg=2.5", "--set", "6.filename_prefix=fox"])
     out = capsys.readouterr().out
     assert code == 0
@@ -233,7 +233,7 @@ def test_validation_failure_shows_server_answer(fake, tmp_path, capsys):
     server = fake()
     api = tmp_path / "wf.api.json"
     api.write_text(json.dumps(WORKFLOW))
-    assert queue_client.main([str(api), "--server", address(server), "--set", "5.cfg=bad"]) == 1
+    assert queue_command.main([str(api), "--server", address(server), "--set", "5.cfg=bad"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: ComfyUI at {address(server)}: refused the workflow (HTTP 400): Prompt outputs "
                           "failed validation\n  node 5 (Flux2KleinDenoise): Failed to convert an input value to a FLOAT "
@@ -253,7 +253,7 @@ def test_images_never_replace_a_file_and_names_are_unique_within_a_run(fake, tmp
     (out / "klein_00001_.png").write_bytes(b"an older picture")
     api = tmp_path / "wf.api.json"
     api.write_text(json.dumps(WORKFLOW))
-    assert queue_client.main([str(api), "--server", address(server), "--out", str(out)]) == 0
+    assert queue_command.main([str(api), "--server", address(server), "--out", str(out)]) == 0
     captured = capsys.readouterr()
     written = [line for line in captured.out.splitlines() if line.endswith(".png")]
     assert written == [str(out / "klein_00001_-1.png"), str(out / "klein_00001_-2.png")]
@@ -274,7 +274,7 @@ def test_a_bad_out_folder_is_refused_before_anything_is_queued(fake, tmp_path, c
     api = tmp_path / "wf.api.json"
     api.write_text(json.dumps(WORKFLOW))
     out = make_out(tmp_path)
-    assert queue_client.main([str(api), "--server", address(server), "--out", str(out)]) == 1
+    assert queue_command.main([str(api), "--server", address(server), "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: --out {out}") and says in err, err
     assert server.prompts == []                                   # nothing was queued on the server
@@ -342,7 +342,7 @@ def test_unreachable_server_says_what_to_check(tmp_path, capsys):
         port = s.getsockname()[1]
     api = tmp_path / "wf.api.json"
     api.write_text(json.dumps(WORKFLOW))
-    assert queue_client.main([str(api), "--server", f"127.0.0.1:{port}", "--out", str(tmp_path / "out")]) == 1
+    assert queue_command.main([str(api), "--server", f"127.0.0.1:{port}", "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: ComfyUI at 127.0.0.1:{port}: opening the websocket /ws: cannot connect "
                           "(connection refused). Is ComfyUI running?"), err
@@ -369,7 +369,7 @@ def test_ctrl_c_says_where_a_queued_prompt_goes(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(queue_client, "queue", interrupted)
     api = tmp_path / "wf.api.json"
     api.write_text(json.dumps(WORKFLOW))
-    assert queue_client.main([str(api)]) == 130
+    assert queue_command.main([str(api)]) == 130
     assert capsys.readouterr().err == ("interrupted: a prompt already queued keeps running in ComfyUI (its images go "
                                        "to ComfyUI's output folder); cancel it in ComfyUI's queue if you do not want "
                                        "it\n")

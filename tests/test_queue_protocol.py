@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from flux2_core import queue_client as qc
+from flux2_core import queue_command
 from flux2_core.errors import Flux2Error
 from tests.tiny.pictures import png_bytes
 
@@ -487,7 +488,7 @@ def test_a_misbehaving_server_gets_one_clear_error(scripted, script, says, capsy
     workflow = tmp_path / "wf.json"
     workflow.write_text(json.dumps({"1": {"class_type": "X", "inputs": {}}}))
     (tmp_path / "a.png").write_bytes(b"an older picture")
-    assert qc.main([str(workflow), "--server", scripted.address, "--out", str(tmp_path), "--timeout", "10"]) == 1
+    assert queue_command.main([str(workflow), "--server", scripted.address, "--out", str(tmp_path), "--timeout", "10"]) == 1
     err = capsys.readouterr().err
     error = err[err.index("error: "):]
     assert error.startswith(f"error: ComfyUI at {scripted.address}: {says}"), err
@@ -499,7 +500,7 @@ def test_images_saved_before_an_error_are_reported(scripted, capsys, tmp_path):
     scripted.script, scripted.served = {**GOOD, "view": second_view_fails}, []
     workflow = tmp_path / "wf.json"
     workflow.write_text(json.dumps({"1": {"class_type": "X", "inputs": {}}}))
-    assert qc.main([str(workflow), "--server", scripted.address, "--out", str(tmp_path / "out")]) == 1
+    assert queue_command.main([str(workflow), "--server", scripted.address, "--out", str(tmp_path / "out")]) == 1
     captured = capsys.readouterr()
     assert captured.out.splitlines() == ["running node 5", "  node 5: step 1/1", str(tmp_path / "out" / "a.png")]
     assert (tmp_path / "out" / "a.png").read_bytes() == png_bytes("image a.png from ''")

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux2_core import BatchClient, BatchJob, queue_client
+from flux2_core import BatchClient, BatchJob, queue_client, queue_command
 from flux2_core.batch_jobs import plan_jobs
 from flux2_core.batch_progress import BatchProgress
 from flux2_core.queue_client import load_workflow
@@ -61,7 +61,7 @@ def reference(comfy, pictures, tmp_path_factory) -> dict[int, bytes]:
         argv = [str(EDIT), "--server", comfy.server.address, "--out", str(folder), "--prompt", spec.prompt,
                 "--seed", str(seed), "--image", f"10={spec.images['10']}", "--set", f"5.width={SIZE[0]}",
                 "--set", f"5.height={SIZE[1]}"]
-        assert queue_client.main(argv) == 0, comfy.server.log()[-4000:]
+        assert queue_command.main(argv) == 0, comfy.server.log()[-4000:]
         (path,) = folder.glob("*.png")
         images[seed] = path.read_bytes()
     return images

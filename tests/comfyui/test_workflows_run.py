@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from flux2_core import queue_client
+from flux2_core import queue_client, queue_command
 
 ROOT = Path(__file__).resolve().parents[2]
 API_FILES = sorted((ROOT / "workflows" / "api").glob("*.json"))
@@ -28,7 +28,7 @@ def test_api_workflow_runs_and_yields_images(comfy, path, tmp_path, capsys):
     seed = 7 + API_FILES.index(path)     # one seed per workflow: a graph another one shares is run, not cached
     argv = [str(path), "--server", comfy.server.address, "--out", str(tmp_path), "--prompt", "a tiny test prompt",
             "--seed", str(seed), *[arg for item in small for arg in ("--set", item)]]
-    code = queue_client.main(argv)
+    code = queue_command.main(argv)
     out = capsys.readouterr()
     assert code == 0, out.err + comfy.server.log()[-4000:]
     steps = [line.split("step ")[1] for line in out.out.splitlines() if "step " in line]
