@@ -6,24 +6,20 @@ its parameters and its class stay as loaded."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from .offload import BlockStream
-    from .parallel import SequenceParallel
-    from .patching import AppliedAdapters
 
-
+# The fields' classes live in the modules that set them; this module imports none of them (it is below them all),
+# so each field names its class in a comment.
 @dataclass
 class RunState:
-    adapters: AppliedAdapters | None = None        # what to undo before the next set (patching.set_adapters)
+    adapters: object | None = None                 # patching.AppliedAdapters: what to undo before the next set
     adapter_key: tuple = ()                        # names the applied set; the caches key by it (cache.fingerprint)
-    stream: BlockStream | None = None              # the streamed blocks' hooks and stored tensors
+    stream: object | None = None                   # offload.BlockStream: the streamed blocks' hooks and tensors
     compiled: dict = field(default_factory=dict)   # torch.compile options of the compiled blocks ({}: eager)
     compiled_blocks: list[nn.Module] = field(default_factory=list)
-    sequence_parallel: SequenceParallel | None = None
+    sequence_parallel: object | None = None        # parallel.SequenceParallel: the ranks its passes spread over
 
 
 def run_state(model: nn.Module) -> RunState:
