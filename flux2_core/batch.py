@@ -127,6 +127,7 @@ class _Server:
     uploaded: dict[str, str] = field(default_factory=dict)     # picture name -> the name the server answered
     uploading: dict[str, threading.Lock] = field(default_factory=dict)     # picture name -> held while it uploads
     lock: threading.Lock = field(default_factory=threading.Lock)
+    watch: QueueWatch | None = None   # asks it for its queue while the batch runs; stopped when it is dropped
 
     @property
     def alive(self) -> bool:
@@ -274,14 +275,16 @@ class BatchClient:
                                   f"{', ...' if len(changed) > 5 else ''}); their new images replace the old ones")
             if pending:
                 self._probe(servers, progress)
-                watches = [QueueWatch(self._client(s), s.observe, self.poll) for s in servers if s.alive]
-                for watch in watches:
-                    watch.start()
+                for s in servers:
+                    s.watch = QueueWatch(self._client(s), s.observe, self.poll) if s.alive else None
+                    if s.watch is not None:
+                        s.watch.start()
                 try:
                     self._schedule(pending, servers, manifest, records, progress)
                 finally:
-                    for watch in watches:
-                        watch.stop()
+                    for s in servers:
+                        if s.watch is not None:
+                            s.watch.stop()
             if progress is not None:
                 progress.close()
         finally:
@@ -340,6 +343,8 @@ class BatchClient:
         if not server.alive:
             return
         server.summary.dropped = error.problem
+        if server.watch is not None:
+            server.watch.stop()                       # a dropped server is asked nothing more
         if progress is not None:
             progress.note(f"dropped {server.summary.server}: {error.problem}; its jobs go to the other servers")
 

@@ -506,6 +506,24 @@ def test_a_server_that_hangs_is_dropped_and_its_jobs_go_to_the_other(fakes, tmp_
     assert "1 job(s) went to the other servers" in summary.text()
 
 
+def test_a_dropped_server_is_no_longer_asked_for_its_queue(fakes, tmp_path, monkeypatch):
+    """Its watcher stops when it is dropped (before, it asked every second until the batch ended): the dropped
+    server's watcher is stopped twice (when dropped, then with the others at the end), the good one's once."""
+    hangs, good = fakes(), fakes()
+    hangs.hang_after, good.delay = 1, 0.2
+    stops = []
+
+    class CountedWatch(batch_module.QueueWatch):
+        def stop(self):
+            stops.append(self.client.server)
+            super().stop()
+    monkeypatch.setattr(batch_module, "QueueWatch", CountedWatch)
+    summary = BatchClient(WORKFLOW, [hangs.address, good.address], str(tmp_path), per_server=1,
+                          server_timeout=1).run([BatchJob(seed=i) for i in range(4)])
+    assert summary.ok and summary.servers[0].dropped
+    assert sorted(stops) == sorted([summary.servers[0].server] * 2 + [summary.servers[1].server])
+
+
 @pytest.mark.slow
 def test_a_server_that_dies_mid_batch_loses_no_job(fakes, tmp_path):
     dies, good = fakes(), fakes()
