@@ -1,16 +1,6 @@
-"""In-memory caches that let a repeated run skip work: prompt embeddings and 9B-KV reference keys/values.
-
-    prompts = PromptCache()
-    prompts.warm(encoder)                          # the empty negative prompt, encoded once up front
-    out = prompts.encode(encoder, ["a red fox"])   # a PromptEmbeds, like encoder.encode; later calls hit the cache
-
-    refs = ReferenceKVCache()
-    ref_kv = refs.get(model, ref, ref_ids)         # model.reference_kv(ref, ref_ids) the first time, then reused
-    ref_kv = refs.get_for_images(model, ae, images, dtype)   # keyed by the images: a hit skips the AE encode too
-
-Both are least-recently-used caches bounded by entry count and bytes. Keys hold a *fingerprint* of the model (shapes,
-dtypes, device and a few values of every tensor), not its ``id``: a reloaded copy of the same weights hits, a
-different checkpoint (or weights patched in place, e.g. by a LoRA) misses.
+"""In-memory LRU caches, bounded by entries and bytes, that let a repeated run skip work: prompt embeddings
+(``PromptCache``) and 9B-KV reference keys/values (``ReferenceKVCache``). Keys hold a ``fingerprint`` of the model,
+not its ``id``: a reloaded copy of the same weights hits; another checkpoint, or weights patched in place, misses.
 """
 
 from __future__ import annotations
@@ -30,11 +20,8 @@ SAMPLES_PER_TENSOR = 16   # values read from each end of every tensor for a fing
 
 
 def fingerprint(module: nn.Module) -> str:
-    """A short hash of a module's tensors (names, shapes, dtypes, device and the first and last few values of each)
-    and of the adapters applied to it (their run-time branches leave the tensors as they are).
-
-    Reads 2 x 16 values per tensor in one device-to-host copy, so it is cheap even for a 9B model on a GPU.
-    """
+    """A hash of the tensors' names, shapes, dtypes, device and first and last 16 values (one device-to-host copy:
+    cheap even for 9B on a GPU), and of the run-time adapters, which leave the tensors as they are."""
     h = hashlib.blake2b(digest_size=16)
     h.update(repr(run_state(module).adapter_key).encode())            # adapters applied (patching.set_adapters)
     samples = []
@@ -50,7 +37,6 @@ def fingerprint(module: nn.Module) -> str:
 
 
 def image_digest(images) -> str:
-    """A hash of PIL images' exact pixels (mode, size and bytes), in order."""
     h = hashlib.blake2b(digest_size=16)
     for im in images:
         h.update(f"{im.mode}:{im.size};".encode())
@@ -59,7 +45,6 @@ def image_digest(images) -> str:
 
 
 def tensor_digest(*tensors: Tensor) -> str:
-    """A hash of the exact contents (shape, dtype and bytes) of some tensors, e.g. reference latents and their ids."""
     h = hashlib.blake2b(digest_size=16)
     for t in tensors:
         t = t.detach().contiguous().cpu()
@@ -69,10 +54,7 @@ def tensor_digest(*tensors: Tensor) -> str:
 
 
 class LRUCache:
-    """A dict that forgets its least recently used entries beyond ``max_items`` entries or ``max_bytes`` bytes.
-
-    ``size(value)`` gives an entry's bytes. An entry larger than ``max_bytes`` on its own is not stored.
-    """
+    """``size(value)``: an entry's bytes. An entry larger than ``max_bytes`` on its own is not stored."""
 
     def __init__(self, max_items: int, max_bytes: int | None, size: Callable[[Any], int]):
         if max_items < 1:
@@ -113,8 +95,7 @@ class LRUCache:
         self.nbytes = 0
 
     def make_room(self) -> None:
-        """Forget the least recently used entries until one more fits by count: before making a large value, so the
-        one it replaces is freed first."""
+        """Evict until one more fits by count: before making a large value, so the one it replaces is freed first."""
         while self.entries and len(self.entries) >= self.max_items:
             _, old = self.entries.popitem(last=False)
             self.nbytes -= self.size(old)
@@ -123,24 +104,19 @@ class LRUCache:
 # --- prompt embeddings ----------------------------------------------------------------------------------------------
 
 class PromptCache:
-    """Prompt embeddings by (encoder fingerprint, encoder settings, text, caller's settings).
-
-    ``encode`` returns what ``encoder.encode`` returns (a ``PromptEmbeds``), encoding only the prompts it has not seen
-    (in one batch). ``storage``: where cached embeddings live ("cpu" frees GPU memory; None keeps the encoder's
-    device). Returned embeddings are on the encoder's device.
-    """
+    """``storage``: where cached embeddings live ("cpu" frees GPU memory; None: the encoder's device); they are
+    returned on the encoder's device."""
 
     def __init__(self, max_items: int = 64, max_bytes: int | None = 1 << 30, storage: str | torch.device | None = None):
         self.cache = LRUCache(max_items, max_bytes, size=lambda entry: entry[0].nbytes)
         self.storage = storage
 
     def encoder_key(self, encoder) -> tuple:
-        """Who encodes, and how: the weights' fingerprint, the spec (layers, length), dtype and device."""
         return (fingerprint(encoder.model), encoder.spec, str(encoder.dtype), str(encoder.device))
 
     def encode(self, encoder, prompts: Iterable[str], settings: Hashable = ()):
-        """Like ``encoder.encode(prompts)``, from the cache where possible. ``settings``: anything else that changes
-        the embeddings (a template, a LoRA name...), as a hashable value."""
+        """Like ``encoder.encode(prompts)``, encoding only the prompts not seen (one batch). ``settings``: anything
+        else that changes the embeddings (a template, a LoRA name...), hashable."""
         from .text_encoder import PromptEmbeds
 
         prompts = list(prompts) if not isinstance(prompts, str) else prompts
@@ -162,36 +138,27 @@ class PromptCache:
         return PromptEmbeds(embeds, [e[1] for e in entries], [e[2] for e in entries])
 
     def warm(self, encoder, prompts: Iterable[str] = ("",), settings: Hashable = ()) -> None:
-        """Encode prompts ahead of use; by default the empty negative prompt of CFG (base models)."""
+        """By default the empty negative prompt of CFG (base models)."""
         self.encode(encoder, list(prompts), settings)
 
 
 # --- 9B-KV reference keys and values --------------------------------------------------------------------------------
 
 def reference_kv_key(model_key: Hashable, ref: Tensor, ref_ids: Tensor) -> tuple:
-    """What reference K/V are cached by: the model, the exact reference tokens and ids, their dtype and device."""
     return (model_key, tensor_digest(ref, ref_ids), str(ref.dtype), str(ref.device))
 
 
 class ReferenceKVCache:
-    """``model.reference_kv(ref, ref_ids)`` results, by (model fingerprint, reference contents, dtype, device).
-
-    A repeated edit with the same reference image (same latents, same ids) and the same model gets the cached K/V and
-    skips the reference pass entirely. One 1024^2 reference costs about 2 GiB on Klein 9B (bf16), hence the defaults:
-    at most ``max_items`` = 2 entries and ``max_bytes`` = 8 GiB.
-    """
+    """``model.reference_kv(ref, ref_ids)`` results. One 1024^2 reference costs about 2 GiB on Klein 9B (bf16),
+    hence the defaults of 2 entries and 8 GiB."""
 
     def __init__(self, max_items: int = 2, max_bytes: int | None = 8 << 30, size=lambda kv: kv.nbytes):
         self.cache = LRUCache(max_items, max_bytes, size=size)
 
     def get(self, model, ref: Tensor, ref_ids: Tensor, model_key: Hashable | None = None, make=None):
-        """The ``ReferenceKV`` for references ref [B, Lref, 128] with ids [B, Lref, 4] (computed once, then reused).
-
-        ``model_key`` names the model's weights when the caller already knows them (default: ``fingerprint(model)``,
-        which reads a few values of every tensor). ``make()`` makes what is kept on a miss, for a caller that keeps
-        the K/V its own way (the ComfyUI node: under ComfyUI's model management; pass a ``size`` that measures it);
-        default ``model.reference_kv(ref, ref_ids)``. The least recent entry beyond ``max_items`` is dropped before
-        new K/V are made, so two sets never coexist for long."""
+        """The ``ReferenceKV`` for ref [B, Lref, 128] with ids [B, Lref, 4]. ``model_key``: the weights' name when
+        known (default ``fingerprint(model)``); ``make()``: what a miss keeps, for a caller that keeps the K/V its
+        own way (the ComfyUI node; pass a ``size`` that measures it)."""
         key = reference_kv_key(fingerprint(model) if model_key is None else model_key, ref, ref_ids)
         kv = self.cache.get(key)
         if kv is None:
@@ -201,16 +168,14 @@ class ReferenceKVCache:
         return kv
 
     def holds(self, model_key: Hashable, ref: Tensor, ref_ids: Tensor) -> bool:
-        """Whether ``get`` would be a hit (what a memory estimate needs: a miss makes new K/V)."""
+        """For a memory estimate: a miss makes new K/V."""
         return reference_kv_key(model_key, ref, ref_ids) in self.cache
 
     def clear(self) -> None:
         self.cache.clear()
 
     def get_for_images(self, model, autoencoder, images, dtype: torch.dtype | None = None):
-        """The ``ReferenceKV`` of reference images (PIL, any number), keyed by their pixels and both models' weights;
-        on a miss they are encoded with ``references.encode_references`` and run through ``model.reference_kv``, on a
-        hit neither the autoencoder nor the transformer runs."""
+        """Keyed by the PIL images' pixels and both models' weights: a hit runs neither model."""
         from .references import encode_references
 
         key = self._images_key(model, autoencoder, images, dtype)
@@ -222,7 +187,6 @@ class ReferenceKVCache:
         return kv
 
     def holds_images(self, model, autoencoder, images, dtype: torch.dtype | None = None) -> bool:
-        """Whether ``get_for_images`` would be a hit (what a memory estimate needs: a miss makes new K/V)."""
         return self._images_key(model, autoencoder, images, dtype) in self.cache
 
     @staticmethod

@@ -1,10 +1,5 @@
 """GGML / GGUF quantized weights dequantized in torch: vectorized, on any device, torch.compile friendly.
 
-    dequantize(data, qtype, shape, dtype)     raw bytes (uint8) -> the logical tensor of `shape`, in `dtype`
-    dequantize(..., fused=True)               the same values from one compiled kernel per type and dtype where
-                                              ``kernels.py`` has fused kernels on (CUDA; the CPU for large tensors):
-                                              for every layer call
-
 A GGUF tensor is stored row by row (the last torch dim, in_features of a Linear weight [out, in], is the innermost);
 each row is a run of blocks, each block holds `n` values in `bytes` bytes. All multi-byte fields are little-endian;
 `d`, `dmin`, `m` are fp16. A value is `d * q` or `d * q + m` (legacy types) or `(d * sc) * q - dmin * mn` (K-quants,
@@ -38,15 +33,9 @@ Bit packing of the K-quants (value index within the block, for 2-bit and 4-bit f
     Q6_K ql         byte h*64 + j, lo nibble -> value h*128 + j, hi nibble -> h*128 + 64 + j     (j < 64)
     Q6_K qh         byte h*32 + j, bits 2s..2s+1 -> bits 4..5 of value h*128 + s*32 + j
 
-The result is bit-exact with ``gguf.quants.dequantize`` (numpy): each value is computed in float32 and rounded at
-most once, so neither the device nor torch.compile's fusions can change it. The fp16 scale has 11 significant bits and the integers it is
-multiplied by have at most 12 (Q6_K's |sc * (q - 32)| <= 4096, Q4_K's sc * q <= 63 * 15, ...), so every product is
-exact in float32 (24 bits), whichever factor comes first; the one rounding is the addition of the min (``+ m``,
-``- dmin * mn``), which an FMA does not change either, its product being exact. We keep gguf's operand order all
-the same. The result is cast to `dtype` once at the end; the integer unpacking uses only uint8 / int16 / int32 /
-int64 ops. The fused kernel is this code compiled (inductor keeps float32 until the one cast it ends with), so it is
-bit-exact too; it reads the blocks once and writes only the result, where the chain of ops writes several float32
-and integer temporaries.
+Bit-exact with ``gguf.quants.dequantize``: fp16 scales (11 significant bits) times integers of at most 12 bits
+are exact in float32, so the one rounding is adding the min (an FMA does not change it either); the result is cast
+to `dtype` once. The fused kernel (``fused=True``) is this code compiled, so it is bit-exact too.
 """
 
 from __future__ import annotations
@@ -111,13 +100,10 @@ def row_bytes(qtype, n: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _from_le(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """b [..., k] little-endian bytes -> [...] of the k-byte float `dtype` with those bits.
-
-    Eager, aligned, contiguous bytes are simply viewed as `dtype` (this assumes a little-endian host, as gguf
-    itself does). Otherwise the bits are assembled in a wider int and brought into the signed range before the
-    narrowing cast, so that no cast overflows: that works at any offset, and under torch.compile (where
-    storage_offset cannot be traced) inductor fuses it into one pass."""
+    """b [..., k] little-endian bytes -> [...] of the k-byte float `dtype` with those bits."""
     k = b.shape[-1]
+    # Aligned eager bytes are viewed (a little-endian host, as gguf assumes); otherwise (any offset, or compiled,
+    # where storage_offset cannot be traced) the bits go through a wider int, signed before the narrowing cast.
     if not torch.compiler.is_compiling() and b.is_contiguous() and b.storage_offset() % k == 0:
         return b.view(dtype).squeeze(-1)
     wide, narrow = (torch.int32, torch.int16) if k == 2 else (torch.int64, torch.int32)
@@ -151,8 +137,7 @@ def _high_bits(qh: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# One function per type: blocks b [n, bytes] uint8 -> float32 [n, block values], in gguf's operand order (see the
-# module docstring for why the order cannot change the result anyway).
+# One function per type: blocks b [n, bytes] uint8 -> float32 [n, block values], in gguf's operand order.
 # ---------------------------------------------------------------------------------------------------------------
 
 def _q8_0(b):
@@ -257,8 +242,7 @@ CPU_FUSED_MIN_VALUES = 1 << 23
 
 @functools.cache
 def blocks_kernel(qtype: QType, dtype: torch.dtype):
-    """The function blocks [n, bytes] uint8 -> values [n, block] in `dtype` of one quantized type: what
-    ``kernels.call`` compiles, once per type and dtype (n is symbolic: one graph serves every layer size)."""
+    """blocks [n, bytes] uint8 -> [n, block] in `dtype`, for ``kernels.call`` to compile (n symbolic)."""
     blocks = _BLOCKS[qtype]
 
     def dequantize_blocks(b: torch.Tensor) -> torch.Tensor:
@@ -270,14 +254,9 @@ def blocks_kernel(qtype: QType, dtype: torch.dtype):
 
 def dequantize(data: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
                fused: bool = False) -> torch.Tensor:
-    """data: the tensor's bytes (uint8 or int8, any shape with the right total, e.g. [rows, row_bytes] or a subset
-    of an embedding table's rows) on any device -> the float32 values of `shape` (row-major, last dim innermost),
-    cast once to `dtype`. F32 / F16 / BF16 also take their values as any float tensor of `shape`. Like Tensor.to,
-    the result may share memory with `data` when nothing needs converting (F32 bytes or values, as float32).
-
-    ``fused``: a quantized type's blocks go through its compiled kernel where ``kernels`` has fused kernels on for
-    the data's device, on the CPU for tensors of CPU_FUSED_MIN_VALUES or more (the same values; worth its first-call
-    compile for what runs at every step)."""
+    """data: the bytes (uint8/int8, any shape with the right total, e.g. whole rows) -> values of `shape`
+    (row-major) in `dtype`; F32/F16/BF16 also take float values. May share memory with `data`, like Tensor.to.
+    ``fused``: through the compiled kernel where ``kernels`` has it on (the CPU from CPU_FUSED_MIN_VALUES)."""
     q = _enum(qtype)
     shape = tuple(shape)
     check_supported(qtype, f"a tensor of shape {list(shape)}")

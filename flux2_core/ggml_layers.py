@@ -1,16 +1,6 @@
-"""GGUF weight storage: layers that keep a GGUF file's quantized blocks and dequantize them as they compute.
-
-    GGMLLinear(in, out, qtype)        weight: uint8 [out, row bytes] (blocks along ``in``), dequantized to the input's
-                                      dtype at every call, then one matmul: memory holds the file's bytes, not floats.
-                                      The dequantization is one fused kernel per type where ``kernels.py`` has them on
-                                      (CUDA; the CPU for weights of 2^23 values or more; FLUX2_NO_FUSED=1 turns them
-                                      off), the chain of torch ops elsewhere
-    GGMLEmbedding(vocab, dim, qtype)  weight: uint8 [vocab, row bytes]; a lookup dequantizes only the rows it reads
-                                      (Qwen3's 151,936-row table stays as small as in the file)
-
-Made by ``layers.Layers`` for the layers a GGUF file stores quantized (``ggml`` argument), never swapped in later.
-The state dict holds the blocks as the file has them (``weight``), so ComfyUI moves and counts them like any
-buffer. Adapters go on top as run-time branches (``patching.py``); blocks are never re-quantized.
+"""GGUF weight storage: layers that keep a file's quantized blocks (uint8 [rows, row bytes]) and dequantize them at
+every call, so memory holds the file's bytes. Made by ``layers.Layers`` for what a GGUF file stores quantized; the
+blocks are never re-quantized or written (adapters patch the dequantized weight, ``patching.py``).
 """
 
 from __future__ import annotations
@@ -30,8 +20,7 @@ DEQUANTIZE_BYTES_PER_VALUE = 11
 
 
 class GGMLLinear(nn.Module, StoredLinear):
-    """A bias-free Linear [out, in] whose weight is GGML blocks of type ``qtype`` (``ggml.QUANTIZED``). The blocks
-    are never written: a merge asked for patches the weight as it is dequantized, at every call."""
+    """A bias-free Linear [out, in] of ``ggml.QUANTIZED`` blocks; a merge patches the weight as it is dequantized."""
 
     merges_adapters = False
     follows_input = True
@@ -49,8 +38,7 @@ class GGMLLinear(nn.Module, StoredLinear):
         return ggml.type_name(self.qtype)
 
     def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
-        """The weight as floats [out, in] (exact in float32; rounded once to other dtypes), with the adapters merged
-        at run time (``weight_patch``)."""
+        """[out, in], exact in float32, with ``weight_patch`` applied."""
         blocks = self.weight if device is None else self.weight.to(device, non_blocking=True)
         weight = ggml.dequantize(blocks, self.qtype, (self.out_features, self.in_features), dtype, fused=True)
         return weight if self.weight_patch is None else self.weight_patch(weight)
@@ -65,7 +53,7 @@ class GGMLLinear(nn.Module, StoredLinear):
         return self.in_features * self.out_features * (DEQUANTIZE_BYTES_PER_VALUE + dtype.itemsize)
 
     def forward(self, x: Tensor) -> Tensor:
-        """x [..., in] -> [..., out] in x's dtype; the weight is dequantized where x is."""
+        """x [..., in] -> [..., out]; the weight is dequantized where x is."""
         weight = self.float_weight(x.dtype, x.device)
         return item_by_item(lambda item: linear(item, weight), x) if self.item_by_item else linear(x, weight)
 
@@ -74,7 +62,7 @@ class GGMLLinear(nn.Module, StoredLinear):
 
 
 class GGMLEmbedding(nn.Module, Storage):
-    """An embedding table [num, dim] kept as GGML blocks; ``dtype`` is what lookups return (the model's dtype)."""
+    """[num, dim] as GGML blocks; a lookup dequantizes only its rows (Qwen3's 151,936 stay as in the file)."""
 
     follows_input = True
 
@@ -90,7 +78,6 @@ class GGMLEmbedding(nn.Module, Storage):
         return ggml.type_name(self.qtype)
 
     def forward(self, ids: Tensor) -> Tensor:
-        """ids [...] -> [..., dim]: only the rows looked up are dequantized."""
         rows = self.weight[ids.reshape(-1).to(self.weight.device)]
         values = ggml.dequantize(rows, self.qtype, (rows.shape[0], self.embedding_dim), self.dtype)
         return values.reshape(*ids.shape, self.embedding_dim).to(ids.device)
@@ -103,6 +90,6 @@ QUANTIZED_NAMES = frozenset(ggml.type_name(q) for q in ggml.QUANTIZED)
 
 
 def gguf_types(model: nn.Module) -> dict[str, int]:
-    """How many of the model's layers keep GGUF blocks, by type name ({"Q4_K": 40, "Q6_K": 8}; {} for none)."""
+    """{"Q4_K": 40, "Q6_K": 8}; {} for none."""
     return {kind: n for kind, n in census(model).items() if kind in QUANTIZED_NAMES}
 

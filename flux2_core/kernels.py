@@ -1,24 +1,9 @@
-"""Small eager computations run as one compiled kernel each: torch.compile of a plain torch function, which inductor
-turns into one Triton kernel on CUDA (one C++ loop nest on the CPU). The plain function stays the definition and the
-fallback; the compiled one computes the same values (the tests compare them bit for bit on the CPU).
-
-    call(fn, x, dynamic=(0,))   fn(x), run as its compiled kernel where fused kernels are on for x's device
-
-Used for what runs at every layer call outside a compiled block: the GGUF blocks' dequantization (``ggml.py``, one
-function per type and dtype) and the fp8 activation quantization (``quant.py``). A compiled block (``compile.py``)
-needs none of it: inductor fuses the same plain ops there itself, so inside a compiled region ``fn`` runs plain.
-
-Where: on CUDA where Triton is installed (inductor's code generator for GPUs), and on the CPU (inductor writes C++;
-it needs a C++ compiler at run time), both by default; a caller may ask for less (``ggml`` takes the CPU's only for
-large weights, where it measured faster). ``FLUX2_NO_FUSED=1`` in the environment turns it off. The
-log says once per device type whether they are used and why not; each kernel logs its first compile and its time.
-Should a kernel fail (no C++ compiler, a Triton error, a recompile past dynamo's limit), that call and every later
-one on the device type run plain torch, with a warning that says why.
-
-Cost, bounded: the first call of each function on a device compiles it, with the ``dynamic`` dims symbolic so
-that every layer size reuses one graph (two where a dynamic dim is 1: dynamo specializes size 1). On the CPU of this
-project's machine that took about 10 s for the first kernel of a process (inductor starting) and about 1 s for each
-further one; inductor caches them on disk, so a later process mostly loads them.
+"""Small eager computations run as one compiled kernel each (``call``): torch.compile of a plain torch function,
+one Triton kernel on CUDA, one C++ loop nest on the CPU. The plain function stays the definition and the fallback:
+``FLUX2_NO_FUSED=1``, a missing Triton or C++ compiler, or any kernel failure (warned once) means plain torch on that
+device type. Used outside compiled blocks only (GGUF dequantization, fp8 activation quantization); inside one,
+inductor fuses the same ops itself. Cost: the first kernel of a process compiled in ~10 s on this project's CPU,
+later ones ~1 s each, cached on disk by inductor.
 """
 
 from __future__ import annotations
@@ -70,25 +55,23 @@ def _has_triton() -> bool:
 
 
 def forget() -> None:
-    """Forget the decisions and compiled kernels so far (for tests, or when FLUX2_NO_FUSED changed)."""
+    """For tests, or when FLUX2_NO_FUSED changed."""
     _decided.clear()
     _compiled.clear()
     _proven.clear()
 
 
 def own_code(fn: Callable, name: str) -> Callable:
-    """``fn`` under a new code object named ``name``. Dynamo keeps its compiled graphs, and its recompile limit (8),
-    per code object: functions made by one ``def`` (closures over a type or dtype) share theirs, and so would count
-    against one limit, and dynamo has been seen to reuse one closure's graph for another."""
+    """``fn`` under its own code object: dynamo keys graphs and its recompile limit (8) per code object, so closures
+    from one ``def`` would share one limit (and dynamo has reused one closure's graph for another)."""
     names = {"co_name": name, **({"co_qualname": name} if hasattr(fn.__code__, "co_qualname") else {})}  # 3.11+
     code = fn.__code__.replace(**names)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def eager_numerics() -> dict[str, bool]:
-    """Inductor options that make its GPU code round as eager CUDA does, where this torch has them: float32 division
-    correctly rounded (Triton's ``/`` is an approximation within 2 ulp) and subnormals kept (not flushed to zero).
-    The kernels here are memory-bound, so exact division costs nothing measurable; the CPU's C++ is exact anyway."""
+    """Inductor options for eager CUDA's rounding, where this torch has them: exact float32 division (Triton's ``/``
+    is within 2 ulp) and no flush to zero; free for these memory-bound kernels."""
     from torch._inductor import config
 
     numerics = getattr(config, "eager_numerics", None)
@@ -96,8 +79,7 @@ def eager_numerics() -> dict[str, bool]:
 
 
 def compiled(fn: Callable, device: torch.device) -> Callable:
-    """The compiled twin of ``fn`` for ``device`` (made once, compiled at its first call). One per device, not per
-    device type: dynamo guards on the device index, so GPUs sharing one code object would share its recompile limit."""
+    """One per device, not device type: dynamo guards on the index, so GPUs would share one recompile limit."""
     key = (fn, device)
     if key not in _compiled:
         name = f"{fn.__name__}_{device.type}{'' if device.index is None else device.index}"
@@ -106,10 +88,8 @@ def compiled(fn: Callable, device: torch.device) -> Callable:
 
 
 def call(fn: Callable[[torch.Tensor], object], x: torch.Tensor, dynamic: tuple[int, ...] = (0,)):
-    """``fn(x)``, as one compiled kernel where fused kernels are on for x's device (``unavailable``), eagerly.
-
-    ``fn`` must be a module-level or cached function (its identity keys the compiled kernel), taking one tensor and
-    computing only from it; ``dynamic`` lists the dims of x that vary between calls (compiled as symbolic sizes)."""
+    """``fn(x)``, compiled where x's device allows (``unavailable``). ``fn`` must be module-level or cached (its
+    identity keys the kernel) and compute from x only; ``dynamic``: the dims of x compiled as symbolic sizes."""
     device_type = x.device.type
     # empty x (the 9B-KV reference pass has no text tokens): nothing to gain, and no graph specialized for size 0
     if torch.compiler.is_compiling() or not x.numel() or unavailable(device_type):

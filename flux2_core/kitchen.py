@@ -1,18 +1,7 @@
-"""comfy-kitchen (ComfyUI's own kernel library, in every ComfyUI install) where it helps, plain torch where it does
-not: each op is taken from it only when the package, the op and a backend worth using are there; otherwise the
-plain torch path runs and the log says once why.
-
-    available(op)   None when comfy-kitchen has ``op``, else why not (logged once per op)
-    fused(x, op)    whether ``op`` on ``x`` runs as comfy-kitchen's fused GPU kernel: on CUDA, eagerly (a compiled
-                    block lets inductor fuse the plain ops itself), where it has a GPU backend for ``op``; its CPU
-                    code is the same torch ops as ours, so the CPU keeps ours (the reason logged once)
-
-``FLUX2_NO_KITCHEN=1`` in the environment turns all of it off (the plain path everywhere).
-
-Its dispatch picks a backend per call (CUDA kernels on NVIDIA GPUs, Triton, or its eager reference in plain torch).
-The fused ops here (``rms_rope``: q/k RMSNorm + RoPE; ``adaln``: the modulation) compute what the plain path
-computes, rounded once instead of at each op; the W8A8 matmul (``int8_linear``) is chosen per model by
-``storage/int8.py``.
+"""comfy-kitchen (ComfyUI's kernel library) where it helps, plain torch where it does not: an op is taken from it only
+on CUDA, eagerly, with a GPU backend for the op (its CPU code is the same torch ops as ours); otherwise the plain
+path runs and the log says once why. ``FLUX2_NO_KITCHEN=1`` turns it all off. The fused ops compute what the plain
+path computes, rounded once instead of at each op.
 """
 
 from __future__ import annotations
@@ -34,7 +23,6 @@ except ImportError as error:                   # not installed, or its own impor
 
 @functools.cache
 def available(op: str) -> str | None:
-    """None when comfy-kitchen has ``op``, else the reason (logged once)."""
     if os.environ.get("FLUX2_NO_KITCHEN"):
         reason = "turned off (FLUX2_NO_KITCHEN is set)"
     elif ck is None:
@@ -48,14 +36,12 @@ def available(op: str) -> str | None:
 
 
 def forget() -> None:
-    """Forget the decisions taken so far (made once per op and device, with their log lines): for when the package,
-    its backends or FLUX2_NO_KITCHEN changed in a running process."""
+    """For when the package, its backends or FLUX2_NO_KITCHEN changed in a running process."""
     available.cache_clear()
     _fusing.cache_clear()
 
 
 def gpu_backends(op: str) -> list[str]:
-    """comfy-kitchen's available GPU backends (CUDA, Triton) that implement ``op``."""
     if ck is None:
         return []
     return [name for name, info in ck.list_backends().items() if name in ("cuda", "triton")
@@ -64,7 +50,6 @@ def gpu_backends(op: str) -> list[str]:
 
 @functools.cache
 def _fusing(op: str, device_type: str) -> bool:
-    """Whether ``op`` goes to comfy-kitchen on a ``device_type`` device (logged once when not)."""
     missing = available(op)
     if missing:
         return False
@@ -79,7 +64,6 @@ def _fusing(op: str, device_type: str) -> bool:
 
 
 def fused(x: torch.Tensor, op: str) -> bool:
-    """Whether ``op`` on ``x`` runs as comfy-kitchen's fused kernel (see the module docstring)."""
     return not torch.compiler.is_compiling() and _fusing(op, x.device.type)
 
 
@@ -99,6 +83,5 @@ def adaln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Te
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ (weight [N, K] int8 · weight_scale [N])ᵀ with x quantized per token to int8 (dynamic W8A8),
-    in x's dtype."""
+    """x [..., K] @ (weight [N, K] int8 · weight_scale [N])ᵀ, x quantized per token (dynamic W8A8)."""
     return ck.int8_linear(x, weight, weight_scale, out_dtype=x.dtype)

@@ -1,20 +1,8 @@
-"""fp8 weight storage: Linear weights kept as float8 (e4m3) with a float32 scale, computed in the activations' dtype.
-
-    w ≈ float(w8) · scale          w8 [out, in] float8_e4m3fn; scale [out] (per row, BFL's fp8 files) or [] (per tensor,
-                                   ComfyUI's scaled fp8 files)
-
-Because the scale belongs to an output row, it is applied to the *output*: ``y = (x @ w8ᵀ) · scale``. The cast of
-e4m3 to bf16 / fp32 is exact, so the only rounding beyond the matmul is one float32 multiply per output, written in
-place. The weight is cast to the compute dtype for each call and never kept so: weights take 1 byte per value instead
-of 2 (bf16), and Klein 4B's blocks shrink from about 7.5 GB to 3.8 GB.
-
-On CUDA with ``fp8_matmul=True`` the matmul itself runs in fp8 (``torch._scaled_mm``, Hopper / Ada and newer): the
-activations are quantized per token on the fly (one fused kernel, ``kernels.py``; FLUX2_NO_FUSED=1 for the plain
-ops), which is faster and changes results slightly. ``use_fp8_matmul`` turns it on where the GPU supports it (the
-CLI's --fp8-matmul, the model loader node).
-
-    quantize_transformer(model)                    # a loaded bf16 Flux2Transformer -> fp8 block weights, in place
-    load_transformer(path, fp8=None)               # weights/loading.py: an fp8 file's layers stay fp8, with the file's scales
+"""fp8 weight storage: Linear weights as float8 e4m3 [out, in] with a float32 scale [out] (per row, BFL's fp8 files)
+or [] (per tensor, ComfyUI's scaled fp8), computed in the activations' dtype: ``y = (x @ w8ᵀ) · scale``. The e4m3 cast
+is exact, so the one rounding beyond the matmul is the float32 scale multiply. 1 byte per weight instead of 2: Klein
+4B's blocks shrink from about 7.5 GB to 3.8 GB. ``fp8_matmul`` (CUDA, sm_89+) runs the matmul itself in fp8, the
+activations quantized per token: faster, results change slightly (``use_fp8_matmul``).
 """
 
 from __future__ import annotations
@@ -44,17 +32,13 @@ def quantize_fp8(weight: Tensor, per_row: bool = True) -> tuple[Tensor, Tensor]:
 
 
 def dequantize_fp8(w8: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The float weight [out, in] that (w8, scale) stands for."""
     scale = scale.float()
     return (w8.float() * (scale[:, None] if scale.ndim == 1 else scale)).to(dtype)
 
 
 class Fp8Linear(nn.Module, StoredLinear):
-    """A bias-free Linear whose weight is stored in fp8 with a per-row or per-tensor float32 scale.
-
-    State-dict keys are ``weight`` (fp8) and ``weight_scale`` (float32), as in BFL's fp8 checkpoints. Adapters run as
-    branches beside it unless a merge is asked for (then the merged weight is quantized again, with a new scale).
-    """
+    """State-dict keys ``weight`` (fp8) and ``weight_scale`` (float32), as in BFL's fp8 checkpoints. A merge
+    quantizes the merged weight again, with a new scale."""
 
     kind = "fp8"
     merges_adapters = False
@@ -69,7 +53,7 @@ class Fp8Linear(nn.Module, StoredLinear):
 
     @classmethod
     def like(cls, linear: nn.Linear, per_row: bool = True, fp8_matmul: bool = False) -> Fp8Linear:
-        """An Fp8Linear of ``linear``'s size, device and kind (per-item vector layers stay per item), weights unset."""
+        """Weights unset; per-item vector layers stay per item."""
         if linear.bias is not None:
             raise Flux2Error("Fp8Linear has no bias; FLUX.2 transformer linears have none")
         return cls(linear.in_features, linear.out_features, per_row, fp8_matmul, device=linear.weight.device,
@@ -82,7 +66,6 @@ class Fp8Linear(nn.Module, StoredLinear):
         return out
 
     def forward(self, x: Tensor) -> Tensor:
-        """x [..., in] -> [..., out] in x's dtype."""
         return item_by_item(self.matmul, x) if self.item_by_item else self.matmul(x)
 
     def matmul(self, x: Tensor) -> Tensor:
@@ -107,7 +90,6 @@ class Fp8Linear(nn.Module, StoredLinear):
         self.weight_scale.copy_(scale)
 
     def call_bytes(self, dtype: torch.dtype) -> int:
-        """The weight cast to the compute dtype for the matmul (none with fp8 matmul, which reads the fp8 weight)."""
         return 0 if self.fp8_matmul else self.in_features * self.out_features * dtype.itemsize
 
     def extra_repr(self) -> str:
@@ -120,32 +102,23 @@ def _on_cuda(x: Tensor) -> bool:
 
 
 def _scaled_mm_ok(x: Tensor, w8: Tensor) -> bool:
-    """torch._scaled_mm needs CUDA, 16-aligned sizes and e4m3 weights; we also ask for bf16 activations.
-
-    Its output is then bf16, which every cuBLAS with fp8 support writes; fp16 output is missing from some versions
-    (an error at run time, not a fallback). fp16 and fp32 activations take the dequantizing path instead of running
-    in bf16 and casting back: that would round the activations to bf16's 8-bit mantissa, coarser than what the user
-    picked fp16 (11 bits) or fp32 for, and the dequantizing path is exact in the weights.
-    """
+    """CUDA, 16-aligned sizes, e4m3 weights, and bf16 activations: bf16 output is what every fp8 cuBLAS writes
+    (fp16 fails at run time on some), and fp16/fp32 activations would lose precision going through bf16."""
     return (_on_cuda(x) and hasattr(torch, "_scaled_mm") and w8.dtype == FP8 and x.dtype == torch.bfloat16
             and x.shape[-1] % 16 == 0 and w8.shape[0] % 16 == 0)
 
 
 def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """Activations rows [M, K] -> (x8 [M, K] e4m3, float32 scale [M, 1]) with max|x8| = 448 per row (token).
-
-    As a chain of torch ops that is five kernels reading or writing [M, K] (|x|, the row max, the division, the clamp,
-    the cast) with a float32 temporary; ``kernels.call`` compiles it into one (the row max, then the quantized row)
-    that reads x and writes x8 only, computing the same values (x / scale in float32, as here). The scale is the row
-    max times 1/448, not over 448: inductor turns a division by a constant into that product on GPUs, so writing it
-    so keeps the plain and compiled scales equal to the bit (they differ from max/448 by one rounding at most)."""
+    """rows [M, K] -> (x8 [M, K] e4m3, float32 scale [M, 1]), max|x8| = 448 per row (token). ``kernels.call``
+    makes the five plain kernels one."""
+    # times 1/448, not over 448: inductor makes a division by a constant that product on GPUs, so the plain and
+    # compiled scales agree to the bit
     x_scale = (rows.abs().amax(dim=1, keepdim=True).float() * (1 / FP8_MAX)).clamp(min=1e-12)
     return (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), x_scale
 
 
 def _fp8_matmul(x: Tensor, w8: Tensor, w_scale: Tensor) -> Tensor:
-    """fp8 x fp8 matmul of bf16 x [..., K]: x quantized per token (row-wise scales; one fused kernel where
-    ``kernels`` has them on), w8 [N, K] with row-wise (or broadcast) scales. Returns bf16 [..., N]."""
+    """bf16 x [..., K], w8 [N, K] with row-wise (or broadcast) scales -> bf16 [..., N]; x quantized per token."""
     rows = x.reshape(-1, x.shape[-1])                                          # [M, K]
     # M (tokens) and K (a layer's inputs: a few per model) symbolic: one compiled graph for every layer and size
     x8, x_scale = kernels.call(quantize_rows, rows, dynamic=(0, 1))
@@ -159,7 +132,7 @@ FP8_MATMUL_CAPABILITY = (8, 9)     # Ada (sm_89), Hopper (sm_90) and newer have 
 
 
 def fp8_matmul_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why fp8 matmul (``torch._scaled_mm``) cannot run for a model on ``device`` computing in ``dtype``; None if it can."""
+    """Why fp8 matmul cannot run on ``device`` computing in ``dtype``; None if it can."""
     device = torch.device(device)
     if device.type != "cuda":
         return f"fp8 matmul needs an NVIDIA GPU; this model runs on {device.type}"
@@ -181,8 +154,8 @@ def fp8_matmul_unsupported(device: torch.device, dtype: torch.dtype) -> str | No
 
 @functools.cache
 def scaled_mm_failure(device: str) -> str | None:
-    """Run one tiny fp8 matmul as ``Fp8Linear`` runs them; its error (first line), or None when it works. Some torch
-    releases lack per-row scales on some GPUs that have fp8 tensor cores (sm_89 before 2025, sm_100/120 in some)."""
+    """One tiny fp8 matmul's error (first line), or None: some torch releases lack per-row scales on some fp8 GPUs
+    (sm_89 before 2025, sm_100/120 in some)."""
     try:
         _fp8_matmul(torch.ones(16, 16, device=device, dtype=torch.bfloat16),
                     torch.ones(16, 16, device=device).to(FP8), torch.ones(16, device=device))
@@ -193,11 +166,8 @@ def scaled_mm_failure(device: str) -> str | None:
 
 
 def use_fp8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Turn fp8 matmul on or off for the model's fp8 layers: ``choice`` "auto" (on where the GPU supports it), True
-    (refused with the reason where it cannot run) or False. Returns (on, a note for the user: "" without fp8 layers).
-
-    The weights stay what they are either way; fp8 matmul also quantizes the activations per token, which is faster
-    on fp8 tensor cores and changes results slightly (about 1e-2 relative per layer)."""
+    """``choice``: "auto" (on where the GPU supports it), True (Flux2Error where it cannot) or False. Returns (on, a
+    note for the user, "" without fp8 layers). Results change by about 1e-2 relative per layer."""
     if choice not in ("auto", True, False):
         raise Flux2Error(f"fp8 matmul must be 'auto', True or False, got {choice!r}")
     layers = [m for _, m in stored_linears(model) if m.kind == "fp8"]
@@ -217,20 +187,13 @@ def use_fp8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch.
 
 
 def in_blocks(name: str) -> bool:
-    """The default choice of layers to quantize: the blocks and the shared modulations (over 95% of the weights).
-
-    The embedders (img_in, txt_in, time_in) and the final layer stay in the compute dtype.
-    """
+    """The blocks and shared modulations (over 95% of the weights); embedders and final layer stay float."""
     return name.startswith(("double_blocks.", "single_blocks.", "double_stream_modulation", "single_stream_modulation"))
 
 
 def quantize_transformer(model: nn.Module, per_row: bool = True, fp8_matmul: bool = False) -> list[str]:
-    """Replace the block layers (``in_blocks``) a loaded model keeps in float by ``Fp8Linear`` in place. Returns
-    their names.
-
-    Do this after moving the model to its device and compute dtype (a later ``model.to(dtype)`` would cast the fp8
-    weights too, as they are floating-point buffers).
-    """
+    """Float ``in_blocks`` layers -> ``Fp8Linear`` in place; their names. After the model's move to its dtype: a
+    later ``model.to(dtype)`` would cast the fp8 buffers too."""
     names = [n for n, m in stored_linears(model) if m.kind == "float" and in_blocks(n)]
     for name in names:
         model.set_submodule(name, Fp8Linear.from_linear(model.get_submodule(name), per_row, fp8_matmul))
@@ -238,5 +201,4 @@ def quantize_transformer(model: nn.Module, per_row: bool = True, fp8_matmul: boo
 
 
 def count_fp8(model: nn.Module) -> int:
-    """How many of the model's layers store their weights in fp8."""
     return census(model).get("fp8", 0)
