@@ -1,20 +1,8 @@
-"""A batch's output folder: the images of its jobs and manifest.json, the record of what each job did.
+"""A batch's output folder: its jobs' images and manifest.json, the record of what each job did.
 
-    manifest = Manifest.open("edits/", "flux2-klein-edit.json")   # reads an earlier run's record; locks the folder
-    manifest.finished(key)                 # the record of a job done before, when all its files are still there
-    staged = manifest.stage(data, ".png")  # an image, written to a hidden temp file
-    done = manifest.publish(record, [staged])    # renamed into place (0003-1.png, never replacing a file) and
-                                                 # recorded as done, in one step
-    manifest.record(JobRecord(...))        # a failed job: manifest.json rewritten (temp file, then os.replace)
-
-Nothing half-written ever carries an image's or the manifest's name: both are written under a hidden temp name
-(.flux2-batch-*.part) and renamed once complete, so an interrupted run leaves whole files or temp files, which the
-next run on the folder removes. Image names are claimed with a hard link (or O_EXCL where links are not supported),
-which never replaces a file, so two jobs never write the same file. A lock on the folder keeps two batches apart.
-
-One folder holds one batch: the manifest names the workflow it was written for (by what it computes), and another
-workflow's batch is refused there. Within it a job is known by its key; a job whose id is kept but whose key
-changed (see begin) replaces its earlier record and images once its own are published.
+Nothing half-written ever carries a real name: images and the manifest are written under a hidden temp name
+(.flux2-batch-*.part, removed by the next run) and renamed once whole; image names are claimed with a hard link (or
+O_EXCL), which never replaces a file. A lock keeps two batches apart, and one folder holds one workflow's batch.
 """
 
 from __future__ import annotations
@@ -42,7 +30,7 @@ LOCK = ".flux2-batch.lock"
 
 @dataclass
 class JobRecord:
-    """What became of one job; `files` are names in the folder, in the order the workflow saved them."""
+    """`files`: names in the folder, in the order the workflow saved them."""
 
     id: str
     key: str                     # batch_jobs.job_key: the same key means the same job
@@ -56,8 +44,6 @@ class JobRecord:
 
 @dataclass
 class Staged:
-    """An image in a hidden temp file of the folder, waiting to be published with the other images of its job."""
-
     temp: str                    # the temp file's path
     suffix: str                  # how its published name ends (".png")
 
@@ -74,9 +60,8 @@ class Manifest:
 
     @classmethod
     def open(cls, out: str, workflow: str = "", workflow_key: str = "") -> Manifest:
-        """The folder (checked writable, created, locked, temp files of an interrupted run removed) and the record
-        it holds. workflow: the workflow's name for messages; workflow_key: what it computes (batch_jobs.job_key of
-        it). A folder holds one batch: a manifest written for another workflow is refused (see _load)."""
+        """The folder checked, created, locked and cleaned of temp files, with its record. workflow: a name for
+        messages; workflow_key: ``batch_jobs.job_key`` of it (another workflow's manifest is refused)."""
         folder = check_folder(out, "--out")
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -102,9 +87,8 @@ class Manifest:
                              "one another folder") from None
 
     def end(self) -> None:
-        """The batch writing here has ended: publish refuses from now on (a job still running writes nothing; the
-        next run does it again), and the folder is unlocked. It waits for a publish under way, so that once it
-        returns nothing more lands in the folder."""
+        """Publish refuses from now on (a running job writes nothing) and the folder is unlocked; waits for a publish
+        under way, so nothing lands after it returns."""
         with self.lock:
             self.ended.set()
         self.close()
@@ -137,10 +121,9 @@ class Manifest:
         self.workflow_key = self.workflow_key or theirs
 
     def begin(self, jobs: dict[str, str]) -> list[str]:
-        """The batch about to run, {id: key}. A record whose id is one of these but whose key is none of them is a
-        job changed since it ran (another prompt, seed, picture...): the new job's images replace it and its files
-        when they are published, rather than landing beside them as 0001-1-1.png. (A record whose key is still in
-        the batch under another id, after a line was put above it, is that job's and stays.) -> the changed ids."""
+        """jobs {id: key} -> the ids changed since they ran (id kept, key in none of the jobs): the new images replace
+        the old record and files when published, rather than landing beside them as 0001-1-1.png. A key still in
+        the batch under another id (a line put above it) is that job's and stays."""
         keys = set(jobs.values())
         self.replaced = {}
         for record in self.records.values():
@@ -149,19 +132,17 @@ class Manifest:
         return sorted(self.replaced)
 
     def finished(self, key: str) -> JobRecord | None:
-        """The record of a job done before whose files are all still in the folder."""
         record = self.records.get(key)
         if record and record.status == "done" and all((self.folder / name).is_file() for name in record.files):
             return record
         return None
 
     def record(self, record: JobRecord) -> None:
-        """Keep `record` (replacing the job's earlier one) and rewrite manifest.json in one atomic step."""
         with self.lock:
             self._save(record)
 
     def _save(self, record: JobRecord, dropped: list[str] = ()) -> None:
-        """record (and the records of keys `dropped` gone), the lock held; kept only once manifest.json holds it."""
+        """The lock held; kept only once manifest.json holds it."""
         records = {key: r for key, r in self.records.items() if key not in dropped}
         records[record.key] = record
         data = {"format": FORMAT, "workflow": self.workflow, "workflow_key": self.workflow_key,
@@ -179,7 +160,6 @@ class Manifest:
                              "permissions") from None
 
     def _temp(self, data: bytes) -> str:
-        """A hidden temp file in the folder holding `data`, flushed to the disk."""
         try:
             fd, temp = tempfile.mkstemp(prefix=TEMP, suffix=".part", dir=self.folder)
             try:
@@ -196,14 +176,11 @@ class Manifest:
         return temp
 
     def stage(self, data: bytes, suffix: str) -> Staged:
-        """An image's bytes in a temp file, to be published with the job's other images."""
         return Staged(self._temp(data), suffix)
 
     def publish(self, record: JobRecord, staged: list[Staged]) -> JobRecord:
-        """Rename the staged files to <id>-1<suffix>, -2, ... (a name taken gets -1, -2 after it, as write_new does)
-        and record the job as done with them -> its record. Both in one step under the lock: a Ctrl-C (or the end of
-        the batch) between the two would leave whole images that no record lists, which the next run would make
-        again beside them. Refused once the batch has ended (see end)."""
+        """Staged files -> <id>-1<suffix>, -2, ... and the job recorded done, in one step under the lock: a Ctrl-C
+        between the two would leave images no record lists, made again beside them next run. Refused after ``end``."""
         with self.lock:
             if self.ended.is_set():
                 raise Flux2Error("the batch ended before this job did; nothing was written")

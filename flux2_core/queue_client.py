@@ -1,20 +1,12 @@
-"""Headless ComfyUI client: queue an API-format workflow, follow its progress, download its images.
-
-    python -m flux2_core queue workflows/api/flux2-klein-text-to-image.json --server 127.0.0.1:8188 \\
-        --prompt "a red fox in the snow" --seed 7 --set 12.steps=8 --out output/
-
-HTTP and the websocket go through aiohttp (ComfyUI's own web library, so every ComfyUI environment has it), driven
-synchronously. Nothing here imports ComfyUI or torch. The protocol, as ComfyUI serves it:
+"""Headless ComfyUI client (aiohttp, driven synchronously; no ComfyUI or torch): queue an API-format workflow,
+follow it, download its images. The protocol, as ComfyUI serves it:
     POST /prompt {"prompt", "client_id"}      -> {"prompt_id", "number", "node_errors"}
-    ws /ws?clientId=X                         -> JSON messages {"type", "data"}: progress, executing, ...;
-                                                 binary frames: a 4-byte event type, then (previews) a 4-byte format
+    ws /ws?clientId=X                         -> JSON {"type", "data"}; binary: a 4-byte event type, then (previews)
+                                                 a 4-byte format
     GET /history/<prompt_id>                  -> {prompt_id: {"outputs": {node: {"images": [...]}}, "status": ...}}
-    GET /view?filename=&subfolder=&type=      -> the image bytes (checked to be a whole picture: parse_image)
-
-Every answer is untrusted: the check_* and parse_* functions below read one answer each, without a network, and
-whatever a server sends (broken or empty JSON, missing keys, odd frames, huge messages, dropped connections) ends
-in a ServerError that names the server and quotes what it sent. Images are written with outputs.write_new, which
-never replaces a file.
+    GET /view?filename=&subfolder=&type=      -> the image bytes
+Every answer is untrusted: the check_* / parse_* functions read one each, and whatever a server sends ends in a
+ServerError that names the server and quotes it. Images are written with ``outputs.write_new``: no file is replaced.
 """
 
 from __future__ import annotations
@@ -56,7 +48,6 @@ FIX_CONNECTION = ("Is ComfyUI running? Check the address and port against the li
 
 
 class ServerError(Flux2Error):
-    """What a ComfyUI server sent (or failed to send) that ends the job; the message names the server."""
 
     def __init__(self, server: str, problem: str):
         super().__init__(f"ComfyUI at {server}: {problem}")
@@ -64,8 +55,8 @@ class ServerError(Flux2Error):
 
 
 class ServerUnreachable(ServerError):
-    """The server stopped answering (no connection, a connection that broke, no answer in time): unlike an odd
-    answer, a sign that the server itself is gone, so a batch gives its jobs to the other servers."""
+    """No connection, a broken one, no answer in time: unlike an odd answer, the server itself is gone, so a batch
+    gives its jobs to the other servers."""
 
 
 def size(n: int) -> str:
@@ -73,8 +64,8 @@ def size(n: int) -> str:
 
 
 def shown(value, limit: int = SHOWN) -> str:
-    """A server's value as quoted in a message: at most `limit` characters, control characters escaped (a hostile
-    server must not write escape sequences to the user's terminal)."""
+    """At most `limit` characters, control characters escaped: a hostile server must not write escape sequences to
+    the user's terminal."""
     if isinstance(value, (bytes, bytearray)):
         return repr(bytes(value[:limit])) + (f"... ({len(value)} bytes)" if len(value) > limit else "")
     if not isinstance(value, str):
@@ -105,7 +96,6 @@ def parse_server(server: str) -> tuple[str, str]:
 
 
 def check_status(server: str, what: str, status: int, body: bytes) -> bytes:
-    """The body of a 200 answer; any other status is a ServerError quoting the body (a refused prompt in full)."""
     if status == 200:
         return body
     if what == "POST /prompt" and status == 400:
@@ -116,7 +106,7 @@ def check_status(server: str, what: str, status: int, body: bytes) -> bytes:
 
 def refusal(body: bytes) -> str:
     """ComfyUI's 400 answer to /prompt ({"error": {"message"}, "node_errors": {id: {"class_type", "errors":
-    [{"message", "details"}]}}}) as one line per problem; any other body quoted as it is."""
+    [{"message", "details"}]}}}), one line per problem."""
     def said(error: dict) -> str:
         return shown(error["message"]) + (f": {shown(error['details'])}" if error.get("details") else "")
 
@@ -132,7 +122,6 @@ def refusal(body: bytes) -> str:
 
 
 def parse_json(server: str, what: str, body: bytes | str):
-    """The JSON value of an answer."""
     if not body.strip():
         raise ServerError(server, f"{what} is empty, where JSON was expected")
     try:
@@ -144,7 +133,6 @@ def parse_json(server: str, what: str, body: bytes | str):
 
 
 def parse_submit(server: str, body: bytes) -> str:
-    """The prompt id in POST /prompt's answer {"prompt_id", "number", "node_errors"}."""
     answer = parse_json(server, "the answer to POST /prompt", body)
     prompt_id = answer.get("prompt_id") if isinstance(answer, dict) else None
     if not isinstance(prompt_id, str) or not 0 < len(prompt_id) <= 200 or not prompt_id.isprintable():
@@ -155,7 +143,6 @@ def parse_submit(server: str, body: bytes) -> str:
 
 
 def parse_message(server: str, text: str) -> dict:
-    """A websocket text message: {"type": str, "data": {...}}."""
     message = parse_json(server, "a websocket message", text)
     if not (isinstance(message, dict) and isinstance(message.get("type"), str)
             and isinstance(message.get("data"), dict)):
@@ -164,8 +151,8 @@ def parse_message(server: str, text: str) -> dict:
 
 
 def check_binary(server: str, frame: bytes) -> bytes:
-    """A binary websocket frame as ComfyUI builds them: a 4-byte event type, then for previews a 4-byte image format
-    (1 JPEG, 2 PNG), for text and previews with metadata the 4-byte length of the part that follows it."""
+    """A 4-byte event type, then for previews a 4-byte format (1 JPEG, 2 PNG), for text and previews with metadata
+    the 4-byte length of the part that follows."""
     event, second = struct.unpack(">II", frame[:8]) if len(frame) >= 8 else (None, None)
     if (event is None or (event == PREVIEW_IMAGE and second not in (1, 2))
             or (event in (TEXT, PREVIEW_WITH_METADATA) and 8 + second > len(frame))):
@@ -174,8 +161,7 @@ def check_binary(server: str, frame: bytes) -> bytes:
 
 
 def finished(server: str, message: dict) -> bool:
-    """Whether a message of our prompt ends it: `executing` with node null (sent once the history entry is stored).
-    An error or an interrupt raises."""
+    """`executing` with node null (sent once the history entry is stored); an error or an interrupt raises."""
     kind, data = message["type"], message["data"]
     if kind == "execution_error":      # the workflow failed, the server did nothing wrong: the node's message first
         # the class name alone: a pack's exception type carries the path of its folder (custom_nodes.<pack>.<module>)
@@ -190,11 +176,7 @@ def finished(server: str, message: dict) -> bool:
 
 def follow_frames(server: str, prompt_id: str, frames: Iterable[str | bytes], on_message=None,
                   on_preview=None) -> list[dict]:
-    """Read websocket frames until the prompt finishes; returns its JSON messages in order.
-
-    on_message(message) is called for each JSON message of this prompt, on_preview(frame) for each binary frame.
-    Other clients' messages are skipped. Frames that end before the prompt does raise, as does an execution error.
-    """
+    """This prompt's JSON messages until it finishes; other clients' are skipped. Frames that end first raise."""
     messages = []
     for frame in frames:
         if isinstance(frame, bytes):
@@ -215,7 +197,7 @@ def follow_frames(server: str, prompt_id: str, frames: Iterable[str | bytes], on
 
 
 def parse_history(server: str, prompt_id: str, body: bytes) -> list[dict]:
-    """The image records {filename, subfolder, type} in GET /history/<id>'s answer, in node order."""
+    """The image records {filename, subfolder, type}, in node order."""
     answer = parse_json(server, f"the answer to GET /history/{prompt_id}", body)
     entry = answer.get(prompt_id) if isinstance(answer, dict) else None
     if entry is None:
@@ -244,8 +226,8 @@ IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"
 
 
 def parse_image(server: str, image: dict, body: bytes) -> bytes:
-    """The bytes GET /view sent for ``image``, checked before anything is written: not empty, and a whole picture
-    in the format its name claims (decoded to the last pixel, so a cut or damaged file is caught)."""
+    """Checked before anything is written: not empty, and a whole picture in the format its name claims (decoded to
+    the last pixel, so a cut file is caught)."""
     name = image["filename"]
     what = f"GET /view sent {shown(name)}"
     if not body:
@@ -267,8 +249,7 @@ def parse_image(server: str, image: dict, body: bytes) -> bytes:
 
 
 def file_name(server: str, image: dict) -> str:
-    """The local name for a downloaded image: the server's file name without any folder part (so no name can
-    reach outside --out), refused when nothing usable is left."""
+    """The server's file name without any folder part, so no name can reach outside --out."""
     name = image["filename"].replace("\\", "/").rsplit("/", 1)[-1]
     if name in ("", ".", "..") or not name.isprintable() or len(name.encode("utf-8", "replace")) > 200:
         raise ServerError(server, f"an image is named {shown(image['filename'])}, which is no usable file name")
@@ -276,7 +257,6 @@ def file_name(server: str, image: dict) -> str:
 
 
 def check_frame(server: str, kind: aiohttp.WSMsgType, data) -> str | bytes | None:
-    """What aiohttp received on the websocket -> text, bytes, or None once it closed."""
     if kind in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
         return data
     if kind in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
@@ -294,7 +274,6 @@ def check_frame(server: str, kind: aiohttp.WSMsgType, data) -> str | bytes | Non
 # an event loop made for the call, a websocket on one of its own that lives as long as it does.
 
 def network_error(server: str, timeout: float, doing: str, error: Exception) -> ServerError:
-    """A failure of aiohttp or the socket below it, said with what to check."""
     if isinstance(error, aiohttp.WSServerHandshakeError):
         return ServerError(server, f"{doing}: the websocket was refused (HTTP {error.status} {shown(error.message)});"
                                    " is this ComfyUI, and the right port?")
@@ -320,12 +299,10 @@ NETWORK_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutErr
 
 
 class ComfyClient:
-    """A synchronous client of one ComfyUI server (the CLI's and the real-host tests')."""
 
     def __init__(self, server: str, timeout: float = 600.0, heartbeat: float | None = None):
-        """timeout: seconds to wait for any answer (a websocket message can take a whole step). heartbeat: when
-        given, the server must answer HTTP and the websocket's pings within that many seconds (ComfyUI answers pings
-        even while a step runs), so a server that hangs is found long before `timeout`."""
+        """timeout: seconds for any answer (a websocket message can take a whole step). heartbeat: seconds for HTTP
+        and the websocket's pings (ComfyUI answers those mid-step), so a hung server is found long before."""
         self.base, self.server = parse_server(server)
         for option, value in (("--timeout", timeout), ("--server-timeout", heartbeat)):
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -340,16 +317,14 @@ class ComfyClient:
 
     def _call(self, doing: str, coroutine, loop: asyncio.AbstractEventLoop | None = None,
               waited: float | None = None):
-        """Run one aiohttp coroutine to its end; network failures become ServerErrors (`waited`: the timeout it
-        ran under, when not the one of HTTP answers)."""
+        """Network failures become ServerErrors; `waited`: the timeout it ran under, if not ``answer_timeout``."""
         try:
             return loop.run_until_complete(coroutine) if loop else asyncio.run(coroutine)
         except NETWORK_ERRORS as e:
             raise network_error(self.server, waited or self.answer_timeout, doing, e) from None
 
     def exchange(self, path: str, body: dict | None = None, limit: int | None = None) -> tuple[str, int, bytes]:
-        """GET path, or POST body as JSON -> (what, status, answer), what being "GET /path" for messages; an answer
-        over `limit` bytes (default ANSWER_LIMIT) raises."""
+        """GET path, or POST body as JSON -> ("GET /path", status, answer); over `limit` bytes raises."""
         what = f"{'GET' if body is None else 'POST'} {path}"
         return what, *self._call(what, self._exchange(what, path, body, limit or ANSWER_LIMIT))
 
@@ -369,13 +344,11 @@ class ComfyClient:
             return response.status, bytes(data)
 
     def request(self, path: str, body: dict | None = None, limit: int | None = None) -> bytes:
-        """The answer to GET path, or to POST body as JSON; any status but 200 raises."""
         return check_status(self.server, *self.exchange(path, body, limit))
 
     def post_file(self, path: str, field: str, filename: str, data: bytes,
                   fields: dict[str, str]) -> tuple[str, int, bytes]:
-        """POST a multipart form (ComfyUI's upload routes): `data` as the file `field` named `filename`, and the
-        text `fields` -> (what, status, answer) as exchange gives them."""
+        """A multipart form (ComfyUI's upload routes) -> (what, status, answer), as ``exchange``."""
         what = f"POST {path}"
         form = aiohttp.FormData()
         for name, value in fields.items():
@@ -400,11 +373,9 @@ class ComfyClient:
         return parse_submit(self.server, self.request("/prompt", body))
 
     def follow(self, ws: WebSocket, prompt_id: str, on_message=None, on_preview=None) -> list[dict]:
-        """follow_frames on this websocket: its messages until the prompt finishes."""
         return follow_frames(self.server, prompt_id, iter(ws.recv, None), on_message, on_preview)
 
     def images(self, prompt_id: str) -> list[dict]:
-        """The image records {filename, subfolder, type} of a finished prompt, in node order."""
         return parse_history(self.server, prompt_id, self.request(f"/history/{urllib.parse.quote(prompt_id, '')}"))
 
     def download(self, image: dict) -> bytes:
@@ -416,8 +387,7 @@ class ComfyClient:
 
 
 class WebSocket:
-    """ComfyUI's websocket for one client id. recv() -> str (a JSON message), bytes (a binary frame), None (closed);
-    aiohttp answers pings and joins fragments."""
+    """recv() -> str (a JSON message), bytes (a binary frame), None (closed)."""
 
     def __init__(self, client: ComfyClient):
         self.client, self.loop = client, asyncio.new_event_loop()
@@ -442,18 +412,16 @@ class WebSocket:
         return check_frame(self.client.server, message.type, message.data)
 
     async def _receive(self) -> aiohttp.WSMessage | None:
-        """The next message, or None after `timeout` seconds without one. aiohttp's own receive timeout cannot be
-        used for this: it starts again at each pong of the heartbeat, so a server that answers pings but never
-        finishes the prompt would be waited on for ever."""
+        """None after `timeout` seconds. Not aiohttp's receive timeout: each heartbeat pong restarts it, so a server
+        that answers pings but never finishes would be waited on for ever."""
         try:
             return await asyncio.wait_for(self.ws.receive(), self.client.timeout)
         except (TimeoutError, asyncio.TimeoutError):
             return None
 
     def _silence(self) -> ServerError:
-        """The error for `timeout` seconds without a message. With a heartbeat the server is asked (GET /prompt):
-        one that answers has a slow or stuck prompt, which fails that job alone (a batch keeps the server); one that
-        does not is unreachable. Without one, nothing tells the two apart."""
+        """With a heartbeat the server is asked: one that answers has a slow or stuck prompt (that job fails, a batch
+        keeps the server); one that does not is unreachable. Without one, nothing tells the two apart."""
         silent = network_error(self.client.server, self.client.timeout, RECEIVING, TimeoutError())
         if self.client.heartbeat is None:
             return silent
@@ -492,7 +460,7 @@ def _linked(value) -> bool:
 
 
 def prompt_nodes(prompt: dict) -> list[str]:
-    """Ids of our prompt-encode nodes that feed a `positive` input (else every one of them)."""
+    """Our prompt-encode nodes that feed a `positive` input (else all of them)."""
     encoders = [nid for nid, node in prompt.items() if node["class_type"].startswith(OUR_PREFIX)
                 and any(isinstance(node["inputs"].get(k), str) for k in TEXT_INPUTS)]
     positive = set()
@@ -515,7 +483,6 @@ def parse_value(text: str):
 
 
 def apply_overrides(prompt: dict, sets=(), text: str | None = None, seed: int | None = None) -> dict:
-    """A copy of the API prompt with --set NODE.INPUT=VALUE, --prompt and --seed applied."""
     prompt = copy.deepcopy(prompt)
     if text is not None:
         targets = prompt_nodes(prompt)
@@ -557,7 +524,7 @@ def load_workflow(path: str) -> dict:
 
 
 def check_workflow(workflow, name: str) -> dict:
-    """`workflow` if it is an API-format prompt ({id: {class_type, inputs}}), else a Flux2Error naming `name`."""
+    """An API-format prompt ({id: {class_type, inputs}}), else a Flux2Error naming `name`."""
     if not (isinstance(workflow, dict) and workflow and "nodes" not in workflow and all(
             isinstance(n, dict) and isinstance(n.get("class_type"), str) and isinstance(n.get("inputs"), dict)
             for n in workflow.values())):
@@ -581,9 +548,8 @@ def note(text: str) -> None:
 
 def queue(workflow: dict, server: str, out_dir: str, timeout: float = 600.0, on_message=print_progress,
           on_saved=None) -> list[str]:
-    """Submit, follow, download: returns the paths of the saved images, and calls on_saved(path) as each is written
-    (so that an error later on does not hide the ones already saved). No file is ever replaced: an image whose name
-    is taken gets the next free one (name-1.png, ...)."""
+    """The saved images' paths; on_saved(path) as each is written, so a later error does not hide them. A taken name
+    gets the next free one (name-1.png, ...)."""
     client = ComfyClient(server, timeout=timeout)
     out = check_folder(out_dir, "--out")       # before the prompt is queued: a wrong --out must not cost a run
     ws = client.connect()                      # connect first so no progress message is missed

@@ -1,19 +1,9 @@
 """Pictures from the user's disk for a workflow on a ComfyUI server: checked, named by their content, uploaded.
 
-    picture = read_picture("photo.png", "--image 10=photo.png")       # checked: a whole picture, not too large
-    picture = read_picture("photo.png", "--image 10", mask="hole.png")  # with a mask: an RGBA PNG (see masked)
-    name = upload(client, picture)                                    # POST /upload/image -> the name to use
-    set_picture(workflow, "10", name, "--image 10=photo.png")         # LoadImage's `image` input
-
-A picture is uploaded under a name made from its bytes (flux2-<sha256>.png), with ComfyUI's overwrite off: the same
-picture always gets the same name, so a re-run (or the next job with it) finds it there and ComfyUI keeps one copy
-(it compares the bytes of an existing file of that name before writing another). ComfyUI answers
-{"name", "subfolder", "type"}; the workflow then names the file as ComfyUI answered.
-
-A mask is joined to its picture here, not through ComfyUI's /upload/mask: that route stores the picture with the
-mask's alpha under a new name, but compares the *mask's* bytes with the stored file to find a duplicate, so every
-re-run would store another copy. The client does the same alpha copy itself and uploads the result as a picture.
-Load Image reads the mask as 1 - alpha: transparent pixels are the part to repaint.
+A picture is uploaded as flux2-<sha256>.png with overwrite off: the same picture always gets the same name, so a
+re-run finds it and ComfyUI keeps one copy. A mask is joined to its picture here (``mask_alpha``), not through
+/upload/mask, which finds duplicates by the mask's bytes and so stores another copy each run. Load Image reads the
+mask as 1 - alpha: transparent pixels are the part to repaint.
 """
 
 from __future__ import annotations
@@ -36,8 +26,7 @@ SUFFIXES = {"PNG": ".png", "JPEG": ".jpg", "MPO": ".jpg", "WEBP": ".webp", "BMP"
 
 @dataclass(frozen=True)
 class Picture:
-    """A checked picture, ready to upload: its bytes are read again (and checked against `digest`) at upload time,
-    so a batch of a thousand pictures holds none of them in memory meanwhile."""
+    """Its bytes are read again (checked against `digest`) at upload, so a batch holds no picture in memory."""
 
     path: str                     # the local file
     name: str                     # the name it is uploaded as: flux2-<digest><suffix>
@@ -47,7 +36,6 @@ class Picture:
     mask: str | None = None       # the mask file whose alpha it carries (then the bytes are a PNG made here)
 
     def data(self) -> bytes:
-        """The bytes to upload, read again; a file changed since it was checked is refused."""
         data = _masked_bytes(self.path, self.mask, "upload") if self.mask else _read(self.path, "upload")
         if hashlib.sha256(data).hexdigest() != self.digest:
             raise Flux2Error(f"the picture {self.path} on this machine changed after it was checked (its bytes are "
@@ -71,7 +59,7 @@ def _read(path: str, what: str) -> bytes:
 
 
 def _open(path: str, data: bytes, what: str) -> Image.Image:
-    """The picture in `data`, decoded to the last pixel (a cut file is caught here, not in ComfyUI)."""
+    """Decoded to the last pixel: a cut file is caught here, not in ComfyUI."""
     try:
         picture = Image.open(io.BytesIO(data))
         if picture.width * picture.height > PIXEL_LIMIT:
@@ -90,8 +78,8 @@ def _open(path: str, data: bytes, what: str) -> Image.Image:
 
 
 def read_picture(path: str, what: str, mask: str | None = None) -> Picture:
-    """`path` checked to be a whole picture Load Image reads, of at most UPLOAD_LIMIT bytes and PIXEL_LIMIT pixels;
-    with `mask`, the picture with the mask's alpha (see masked). `what` names the option in messages."""
+    """Within UPLOAD_LIMIT and PIXEL_LIMIT; with `mask`, a PNG with the mask's alpha. `what`: the option, for
+    messages."""
     path = os.fspath(path)
     if mask is not None:
         data = _masked_bytes(path, os.fspath(mask), what)
@@ -106,15 +94,15 @@ def read_picture(path: str, what: str, mask: str | None = None) -> Picture:
 
 
 def mask_alpha(mask: Image.Image) -> Image.Image:
-    """The alpha Load Image should find for a mask file: its own alpha when it has one (ComfyUI's mask editor saves
-    those: transparent = repaint), else its grey levels turned over (white = repaint, black = keep)."""
+    """The mask's own alpha (ComfyUI's mask editor: transparent = repaint), else its grey levels turned over
+    (white = repaint)."""
     if "A" in mask.getbands() or "transparency" in mask.info:
         return mask.convert("RGBA").getchannel("A")
     return Image.eval(mask.convert("L"), lambda v: 255 - v)
 
 
 def _masked_bytes(path: str, mask_path: str, what: str) -> bytes:
-    """The picture with the mask as its alpha, as PNG bytes (the same bytes each time for the same two files)."""
+    """PNG bytes, the same each time for the same two files."""
     picture = _open(path, _read(path, what), what)
     mask = _open(mask_path, _read(mask_path, what), what)
     if mask.size != picture.size:
@@ -128,8 +116,7 @@ def _masked_bytes(path: str, mask_path: str, what: str) -> bytes:
 
 
 def parse_upload(server: str, body: bytes) -> str:
-    """ComfyUI's answer to an upload, {"name", "subfolder", "type": "input"} -> the value for Load Image's input
-    ("subfolder/name" when it put the file in a subfolder)."""
+    """{"name", "subfolder", "type": "input"} -> Load Image's input ("subfolder/name" in a subfolder)."""
     answer = parse_json(server, "the answer to POST /upload/image", body)
     name = answer.get("name") if isinstance(answer, dict) else None
     subfolder = answer.get("subfolder", "") if isinstance(answer, dict) else None
@@ -144,7 +131,6 @@ def parse_upload(server: str, body: bytes) -> str:
 
 
 def upload(client: ComfyClient, picture: Picture) -> str:
-    """Upload `picture` into the server's input folder (overwrite off) -> the name Load Image should be given."""
     what, status, body = client.post_file("/upload/image", "image", picture.name, picture.data(),
                                           {"type": "input", "overwrite": "false"})
     if status == 413:
@@ -157,13 +143,11 @@ def upload(client: ComfyClient, picture: Picture) -> str:
 
 
 def set_picture(workflow: dict, node: str, name: str, what: str) -> None:
-    """Set node `node`'s file input (`image`, as Load Image and Load Image (as Mask) name it) to `name`."""
     check_picture_node(workflow, node, what)
     workflow[node]["inputs"]["image"] = name
 
 
 def check_picture_node(workflow: dict, node: str, what: str) -> None:
-    """Node `node` exists and has a file input `image` (not a link), else a Flux2Error naming the ones that do."""
     if node not in workflow:
         raise Flux2Error(f"{what}: the workflow has no node {node!r}; its Load Image nodes are "
                          f"{image_nodes(workflow) or 'none'}")
@@ -177,7 +161,6 @@ def image_nodes(workflow: dict) -> list[str]:
 
 
 def parse_pairs(items, option: str) -> dict[str, str]:
-    """--image / --mask NODE=PATH items -> {node: path}; a node given twice is refused."""
     pairs = {}
     for item in items:
         node, eq, path = str(item).partition("=")
@@ -191,8 +174,7 @@ def parse_pairs(items, option: str) -> dict[str, str]:
 
 
 def plan_pictures(workflow: dict, images: dict[str, str], masks: dict[str, str], where: str = "") -> dict:
-    """{node: Picture} for the --image / --mask files of one job, each checked (and its node too) before anything is
-    uploaded; `where` prefixes messages (a batch line)."""
+    """{node: Picture}, all checked before anything is uploaded; `where` prefixes messages (a batch line)."""
     pictures = {}
     for node, mask in masks.items():
         if node not in images:
