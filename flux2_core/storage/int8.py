@@ -1,18 +1,9 @@
-"""int8 weight storage (W8A8): Linear weights kept as int8 with a float32 scale per output row.
+"""int8 weight storage: w ≈ w8 · scale, w8 [out, in] int8 in [-127, 127], scale [out] = max|w[row]| / 127 (float32).
 
-    w ≈ w8 · scale        w8 [out, in] int8 in [-127, 127]; scale [out] = max|w[row]| / 127, rounded half to even
-
-Two ways to compute, chosen per model (``use_int8_matmul``):
-
-* int8 matmul (W8A8): the activations are quantized per token to int8 as the layer runs and multiplied with the
-  int8 weight in integers (comfy-kitchen's ``int8_linear``: ``torch._int_mm`` with int32 sums), then scaled. Int8
-  tensor cores run twice the bf16 rate on NVIDIA GPUs since Turing (RTX 20xx / 30xx, A100 included: those without
-  fp8 tensor cores), and on the CPU the integer kernel beats the float32 one. The activation rounding adds about
-  1e-2 relative error per layer on top of the weights'.
-* otherwise the weight is cast to the activations' dtype for each call (exact in the stored weights) and the scale
-  applied to the output, as ``fp8.py`` does.
-
-Weights take one byte each, as fp8 does: Klein 4B's blocks take about 3.8 GB instead of 7.5 GB in bf16.
+Chosen per model (``use_int8_matmul``): int8 matmul (W8A8: activations quantized per token, integer matmul by
+comfy-kitchen's ``int8_linear``; twice bf16's rate on NVIDIA tensor cores since Turing, about 1e-2 relative error per
+layer more), else the weight cast to the activations' dtype (exact) and the scale applied to the output. One byte
+per weight: Klein 4B's blocks take about 3.8 GB instead of 7.5 GB in bf16.
 """
 
 from __future__ import annotations
@@ -35,16 +26,14 @@ INT8_CPU_MIN_INPUTS = 1024
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """weight [out, in] -> (w8 [out, in] int8, float32 scale [out]) with max|w8| = 127 per row, computed in float32."""
+    """weight [out, in] -> (w8 [out, in] int8, float32 scale [out]), max|w8| = 127 per row."""
     w = weight.detach().float()
     scale = (torch.linalg.vector_norm(w, float("inf"), dim=1) / INT8_MAX).clamp(min=1e-12)
     return torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 class Int8Linear(nn.Module, StoredLinear):
-    """A bias-free Linear whose weight is stored in int8 with a float32 scale per row (state dict: ``weight``,
-    ``weight_scale``). Adapters run as branches beside it unless a merge is asked for (then the merged weight is
-    quantized again)."""
+    """State dict: ``weight``, ``weight_scale``. A merge quantizes the merged weight again."""
 
     kind = "int8"
     merges_adapters = False
@@ -58,21 +47,19 @@ class Int8Linear(nn.Module, StoredLinear):
 
     @classmethod
     def from_linear(cls, layer: nn.Module) -> Int8Linear:
-        """An Int8Linear holding ``layer``'s weight (any storage) quantized per row."""
         out = cls(layer.in_features, layer.out_features, getattr(layer, "item_by_item", False),
                   device=layer.weight.device)
         out.weight, out.weight_scale = quantize_int8(layer.float_weight())
         return out
 
     def forward(self, x: Tensor) -> Tensor:
-        """x [..., in] -> [..., out] in x's dtype."""
         return item_by_item(self.matmul, x) if self.item_by_item else self.matmul(x)
 
     def matmul(self, x: Tensor) -> Tensor:
         if self.int8_matmul:
             return kitchen.int8_linear(x, self.weight, self.weight_scale)
         y = linear(x, self.weight.to(x.dtype))                   # int8 -> bf16 / fp32 is exact (|w8| <= 127)
-        return y.mul_(self.weight_scale)                          # per output, multiplied in float32 (see fp8.py)
+        return y.mul_(self.weight_scale)                          # per output, multiplied in float32 (as quant.Fp8Linear)
 
     def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
         device = device or self.weight.device
@@ -87,8 +74,7 @@ class Int8Linear(nn.Module, StoredLinear):
         self.weight_scale.copy_(scale)
 
     def call_bytes(self, dtype: torch.dtype) -> int:
-        """The weight cast to the compute dtype; with int8 matmul the weight's transposed int8 copy the integer
-        kernel takes (its activations' int8 copy and int32 sums are activation-sized)."""
+        """With int8 matmul: the transposed int8 copy the integer kernel takes."""
         return self.in_features * self.out_features * (1 if self.int8_matmul else dtype.itemsize)
 
     def extra_repr(self) -> str:
@@ -97,8 +83,8 @@ class Int8Linear(nn.Module, StoredLinear):
 
 
 def quantize_blocks(model: nn.Module, chosen) -> list[str]:
-    """Replace the layers ``chosen(name)`` picks (``fp8.in_blocks``: the blocks) of a loaded model, whatever their
-    storage, by ``Int8Linear`` in place; their names. Do this after moving the model to its device and dtype."""
+    """The layers ``chosen(name)`` picks (``quant.in_blocks``), any storage -> ``Int8Linear`` in place; their names.
+    After the model's move to its device and dtype."""
     names = [n for n, m in stored_linears(model) if m.kind != "int8" and chosen(n)]
     for name in names:
         model.set_submodule(name, Int8Linear.from_linear(model.get_submodule(name)))
@@ -106,8 +92,7 @@ def quantize_blocks(model: nn.Module, chosen) -> list[str]:
 
 
 def int8_matmul_blocked(device: torch.device) -> str | None:
-    """Why int8 matmul cannot run for a model on ``device``; None where it can: with comfy-kitchen, on NVIDIA GPUs
-    from Turing on and on CPUs."""
+    """None with comfy-kitchen on NVIDIA GPUs from Turing on and on CPUs; else why not."""
     device = torch.device(device)
     missing = kitchen.available("int8_linear")
     if missing:
@@ -122,9 +107,7 @@ def int8_matmul_blocked(device: torch.device) -> str | None:
 
 
 def int8_matmul_pays(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why int8 matmul is not the faster path for a model on ``device`` computing in ``dtype``; None where it is:
-    wherever it runs on a GPU, and on CPUs in float32 for layers of ``INT8_CPU_MIN_INPUTS`` inputs or more (in
-    bfloat16 the CPU's float kernel is faster)."""
+    """None where it is the faster path: GPUs, and CPUs in float32 (bf16's float kernel is faster there)."""
     blocked = int8_matmul_blocked(device)
     if blocked or torch.device(device).type != "cpu" or dtype == torch.float32:
         return blocked
@@ -132,8 +115,8 @@ def int8_matmul_pays(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def use_int8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Turn int8 matmul on or off for the model's int8 layers: ``choice`` "auto" (on where it is the faster path),
-    True (refused with the reason where it cannot run) or False. Returns (on, a note: "" without int8 layers)."""
+    """``choice``: "auto" (on where faster), True (Flux2Error where it cannot run) or False -> (on, a note, "" without
+    int8 layers)."""
     if choice not in ("auto", True, False):
         raise Flux2Error(f"int8 matmul must be 'auto', True or False, got {choice!r}")
     layers = [m for _, m in stored_linears(model) if m.kind == "int8"]

@@ -1,18 +1,12 @@
-"""The small protocol every weight storage class answers, so that patching, loading, streaming, ComfyUI's model
-management and the counters ask a layer instead of testing which class it is.
+"""The protocol every weight storage class answers, so that patching, loading, streaming, ComfyUI's model management
+and the counters ask a layer instead of testing its class.
 
-    kind            "float", "fp8" or a GGML type name ("Q4_K"): what the census and the load reports show
+    kind            "float", "fp8", "int8" or a GGML type name ("Q4_K"), as the census and load reports show it
     follows_input   the layer copies its stored tensors to its input's device itself, so a host may leave them on
                     an offload device between calls (GGUF blocks); else the host moves the layer or casts for it
     call_bytes      memory a call takes beside its input and output (a dequantized weight), for the estimates
-
-Linear layers (``StoredLinear``) also give their weight as floats and take adapters merged into it:
-
-    float_weight(dtype, device)   [out, in] as the layer computes with it (adapters merged at run time included)
-    merges_adapters               adapters merge into the weight by default (float); else run-time branches, so a
-                                  quantized weight is not rounded again (fp8, GGUF)
-    merge_weight(patch)           W <- patch(W) (float32 in, float32 out), kept until ``unmerge_weight`` restores
-                                  the stored tensors bit for bit
+    merges_adapters adapters merge into the weight by default (float); else run-time branches, so a quantized weight
+                    is not rounded again; ``unmerge_weight`` restores the stored tensors bit for bit
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ from torch import Tensor, nn
 
 
 class Storage:
-    """A layer's weight storage (a mixin of an ``nn.Module``); the defaults are those of a float layer."""
+    """A mixin of an ``nn.Module``; the defaults are a float layer's."""
 
     kind = "float"
     follows_input = False
@@ -34,9 +28,8 @@ class Storage:
 
 
 class StoredLinear(Storage):
-    """A bias-free linear layer [out, in] of any storage. Subclasses set in_features, out_features, item_by_item
-    (per-item vectors, one batch item at a time) and give ``float_weight``; a storage whose weight cannot be
-    written back (GGUF blocks) overrides ``merge_weight`` / ``unmerge_weight``."""
+    """A bias-free linear [out, in]. Subclasses set in_features, out_features, item_by_item and give
+    ``float_weight``; one that cannot write its weight back (GGUF) overrides ``merge_weight`` / ``unmerge_weight``."""
 
     merges_adapters = True
     item_by_item = False
@@ -49,7 +42,7 @@ class StoredLinear(Storage):
         return (self.weight,)
 
     def write_weight(self, weight: Tensor) -> None:
-        """Store a float32 weight [out, in] in this layer's storage, in place (the same tensors stay)."""
+        """float32 [out, in], in place (the same tensors stay)."""
         self.weight.copy_(weight)
 
     @torch.no_grad()
@@ -74,12 +67,11 @@ class StoredLinear(Storage):
 
 
 def stored_linears(model: nn.Module) -> list[tuple[str, StoredLinear]]:
-    """(name, layer) of every linear layer of ``model``, whatever its storage."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, StoredLinear)]
 
 
 def census(model: nn.Module) -> dict[str, int]:
-    """How many of the model's layers each storage kind holds, by kind ({"float": 12, "Q4_K": 40, ...})."""
+    """{"float": 12, "Q4_K": 40, ...}"""
     counts: dict[str, int] = {}
     for layer in model.modules():
         if isinstance(layer, Storage):
@@ -88,6 +80,5 @@ def census(model: nn.Module) -> dict[str, int]:
 
 
 def call_bytes(model: nn.Module, dtype: torch.dtype) -> int:
-    """The most memory any one of the model's layers takes during a call beside its input and output (0 for float
-    models); what the working-memory estimates add for quantized storage."""
+    """The most any one layer's call takes beside its input and output (0 for float models)."""
     return max((m.call_bytes(dtype) for m in model.modules() if isinstance(m, Storage)), default=0)
