@@ -1,11 +1,6 @@
-"""The jobs of a batch: what one job asks for (BatchJob), read from a JSON Lines file, and planned against the
-workflow (PlannedJob: every input checked, every picture read, a key that says whether it ran before).
-
-    jobs = read_batch("jobs.jsonl")          # one job a line: {"prompt", "seed", "size", "images", "masks", "set", "id"}
-    planned = plan_jobs(workflow, jobs, defaults)         # all checked before anything is queued
-    prompt = planned[0].workflow(workflow, {"10": "flux2-....png"})   # the API prompt, pictures named as uploaded
-
-Nothing here touches the network.
+"""The jobs of a batch (no network): ``BatchJob``s read from a JSON Lines file (``read_batch``: one a line, {"prompt",
+"seed", "size", "images", "masks", "set", "id"}) and planned against the workflow (``plan_jobs``: every input
+checked and picture read before anything is queued, each job keyed by what it sends, so a re-run can skip it).
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ MAX_ERRORS = 20                  # bad lines listed in one message
 
 @dataclass
 class BatchJob:
-    """One job: the workflow with these changes. Every field is optional; `sets` maps "NODE.INPUT" to a value."""
+    """Every field is optional; `sets` maps "NODE.INPUT" to a value."""
 
     prompt: str | None = None
     seed: int | None = None
@@ -42,8 +37,7 @@ class BatchJob:
 
 @dataclass
 class PlannedJob:
-    """A job checked against the workflow: its id, its key (a hash of the prompt it sends, pictures by content),
-    and its pictures, read and checked."""
+    """`key`: a hash of the prompt it sends, pictures by content."""
 
     job: BatchJob
     id: str
@@ -55,8 +49,7 @@ class PlannedJob:
         return f"job {self.id}" + (f" ({self.job.source})" if self.job.source else "")
 
     def workflow(self, base: dict, names: dict[str, str] | None = None) -> dict:
-        """The API prompt of this job; `names` {node: name}: the pictures as the server named them (default: the
-        names they are uploaded under)."""
+        """`names` {node: name}: the pictures as the server named them (default: as uploaded)."""
         return resolve(base, self.job, self.pictures, names)
 
 
@@ -113,8 +106,7 @@ def job_from_line(value, where: str, folder: Path) -> BatchJob:
 
 
 def parse_sets(items, where: str) -> dict[str, object]:
-    """NODE.INPUT=VALUE items (--set, or a batch line's "set" list) -> {"NODE.INPUT": value}; a VALUE that parses as
-    JSON is that JSON (8 is a number), else the plain string."""
+    """NODE.INPUT=VALUE items (--set, a line's "set") -> {"NODE.INPUT": value}, JSON where it parses (8 a number)."""
     sets = {}
     for item in items:
         target, eq, value = item.partition("=") if isinstance(item, str) else ("", "", "")
@@ -125,8 +117,7 @@ def parse_sets(items, where: str) -> dict[str, object]:
 
 
 def read_batch(path: str) -> list[BatchJob]:
-    """The jobs of a JSON Lines file (blank lines and lines starting with # are skipped); every bad line is listed
-    in one Flux2Error."""
+    """Blank lines and # lines are skipped; every bad line is listed in one Flux2Error."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -162,7 +153,6 @@ def errors_message(errors: list[str]) -> str:
 
 
 def resolve(base: dict, job: BatchJob, pictures: dict[str, Picture], names: dict[str, str] | None = None) -> dict:
-    """The workflow with the job's prompt, seed, size, settings and pictures applied (a copy)."""
     where = f"{job.source}: " if job.source else ""
     try:
         workflow = apply_overrides(base, (), job.prompt, job.seed)
@@ -201,9 +191,8 @@ def job_key(workflow: dict) -> str:
 
 def plan_jobs(base: dict, jobs: list[BatchJob], images: dict[str, str] | None = None,
               masks: dict[str, str] | None = None) -> list[PlannedJob]:
-    """Every job checked against the workflow, its pictures read (each file once), ids given and checked unique;
-    `images` / `masks`: pictures for every job (a job's own replace them node by node). All the bad jobs are
-    listed in one Flux2Error."""
+    """`images` / `masks`: pictures for every job (a job's own replace them node by node); each file is read once,
+    ids are checked unique, and all the bad jobs are listed in one Flux2Error."""
     planned, errors, ids, keys, seen = [], [], {}, {}, {}
     for number, job in enumerate(jobs, start=1):
         where = f"{job.source}: " if job.source else (f"job {number}: " if len(jobs) > 1 else "")

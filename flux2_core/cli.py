@@ -1,21 +1,8 @@
-"""The main job: ``flux2-klein`` / ``python -m flux2_core``, PNGs from a prompt and optional reference images.
-
-    python -m flux2_core --demo --prompt "a red fox in the snow"                 # tiny random weights, no files
-    python -m flux2_core --models ~/ComfyUI/models --prompt "a red fox" --seed 1
-    python -m flux2_core --transformer flux-2-klein-4b.safetensors --text-encoder qwen_3_4b.safetensors \\
-                         --ae flux2-vae.safetensors --prompt "make it night" --ref photo.png
-    python -m flux2_core --models ~/ComfyUI/models --prompt "a red sofa" --image room.png --mask sofa.png  # inpaint
-    python -m flux2_core queue workflow.api.json --server 127.0.0.1:8188         # see queue_command.py
-    torchrun --nproc-per-node 2 -m flux2_core --models ~/ComfyUI/models --prompt "a red fox" --width 2048 --height 2048
-
-``generate`` is the default command. Weights come from a ComfyUI models folder (``--models``: diffusion_models/,
-text_encoders/, vae/ with the usual file names) or from explicit paths, which win. Every PNG carries the generation
-settings as JSON in a tEXt chunk named ``parameters``.
-
-Started by torchrun with several processes (one per GPU, or CPU processes), the ranks share the work
-(``--parallel``): "sequence" spreads each image's transformer passes over all of them (``parallel.py``: rank 0 loads
-the text encoder and the autoencoder, encodes, samples and writes the PNGs; the others load only the transformer and
-follow); "data" gives each rank its own share of the images (every prompt x --batch), each rank a whole pipeline.
+"""``flux2-klein`` / ``python -m flux2_core``: PNGs from a prompt and optional reference images (``generate``, the
+default command), or ``queue`` (``queue_command.py``). Weights come from a ComfyUI models folder (``--models``) or
+explicit paths, which win; every PNG carries its settings as JSON in a tEXt chunk named ``parameters``. Under
+torchrun the ranks share the work (``--parallel``): "sequence" spreads each image's transformer passes over them
+(rank 0 alone runs the text encoder and autoencoder), "data" gives each rank a whole pipeline and a share of images.
 """
 
 from __future__ import annotations
@@ -48,7 +35,6 @@ YES_NO = {"auto": "auto", "yes": True, "no": False}
 
 
 def program() -> str:
-    """How the user called us, for --help: the installed script or the module."""
     return "python -m flux2_core" if Path(sys.argv[0]).parts[-2:] == ("flux2_core", "__main__.py") else "flux2-klein"
 
 
@@ -176,11 +162,8 @@ def _needed(variant: Variant) -> list[str]:
 
 def find_weights(models: str | None, variant: str | None, transformer: str | None = None,
                  text_encoder: str | None = None, ae: str | None = None) -> tuple[Path, Path, Path]:
-    """(transformer, text encoder, autoencoder) paths: the explicit ones, the rest from the ComfyUI models folder.
-
-    Without a variant the first Klein model found decides (klein-4b, klein-9b, klein-9b-kv, base 4B, base 9B), and
-    the text encoder must be the one it needs. Raises Flux2Error listing exactly the files that are missing.
-    """
+    """Explicit paths, the rest from the models folder. Without a variant the first Klein model found decides, and
+    the text encoder must be its own; Flux2Error lists exactly the files missing."""
     folder = Path(models).expanduser() if models else None
     if folder is not None and not folder.is_dir():
         raise Flux2Error(f"--models {models}: no such folder; pass ComfyUI's models folder (the one holding "
@@ -211,7 +194,7 @@ def find_weights(models: str | None, variant: str | None, transformer: str | Non
 # --- progress and output ---------------------------------------------------------------------------------------------
 
 class Progress:
-    """A step counter on stderr: tqdm when it is installed, else a plain line rewritten in place."""
+    """tqdm when installed, else a line rewritten in place (stderr)."""
 
     def __init__(self):
         try:
@@ -255,8 +238,7 @@ def open_image(path: str):
 # --- the command --------------------------------------------------------------------------------------------------
 
 def check_early(args, refs) -> None:
-    """The cheap checks of ``generate``, made before any weights are loaded (which can take minutes): the engine's
-    own rules (the same ones ``generate`` and the nodes apply), with the option's name in front."""
+    """The engine's own rules, checked before loading weights (minutes), with the option's name in front."""
     from . import inpaint, latents, sampling, schedules
     from .references import check_reference
 
@@ -303,7 +285,6 @@ def lora_argument(text: str) -> tuple[str, float]:
 
 
 def report_streaming(model, compiled: bool) -> None:
-    """Say on stderr how many blocks stream (they cost a copy every step) and that --compile skips them."""
     from .memory import GIB
     from .offload import streamed_blocks, streaming
 
@@ -377,7 +358,7 @@ def generate_command(argv: list[str]) -> int:
 
 
 def load_for_command(args, device, size: tuple[int, int]):
-    """(the three models loaded, LoRAs applied and optimized as the options ask, what the PNGs say about them)."""
+    """(the models, LoRAs applied and optimized as asked; what the PNGs say about them)."""
     import torch
 
     from .pipeline import apply_adapters, load_models, optimize_transformer
@@ -432,7 +413,6 @@ def encoder_offload(args):
 
 
 def models_generate(models, args, prompt: str, seed: int, batch: int, refs, image, mask, width, height):
-    """One ``pipeline.generate`` call with the command's options."""
     from .pipeline import generate
 
     return generate(models, prompt, references=refs, width=width, height=height, steps=args.steps, cfg=args.cfg,
@@ -444,7 +424,7 @@ def models_generate(models, args, prompt: str, seed: int, batch: int, refs, imag
 # --- several processes (torchrun) -----------------------------------------------------------------------------------
 
 def join_ranks(args):
-    """The group torchrun started this process in (``parallel.SequenceParallel``), or None for a lone process."""
+    """``parallel.SequenceParallel`` under torchrun, else None."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     from . import parallel
@@ -472,9 +452,7 @@ def shared_seed(seed: int | None, sp) -> int:
 
 
 def image_jobs(prompts: int, batch: int, seed: int, rank: int = 0, world: int = 1) -> list[tuple[int, int, int]]:
-    """(prompt index, first seed, count) for the images this process makes: each of the ``prompts``' ``batch``
-    images (seeds seed .. seed + batch - 1); under data parallelism, rank ``rank`` of ``world`` makes its contiguous
-    share of them."""
+    """(prompt index, first seed, count) of this rank's contiguous share of every prompt's ``batch`` images."""
     from .parallel import shares
 
     items = [(prompt, seed + i) for prompt in range(prompts) for i in range(batch)]
@@ -490,8 +468,7 @@ def image_jobs(prompts: int, batch: int, seed: int, rank: int = 0, world: int = 
 
 
 def follow(args, sp) -> int:
-    """A sequence-parallel follower: load the transformer alone (LoRAs, fp8 as the driver does), serve the driver's
-    transformer passes until it stops."""
+    """A sequence-parallel follower: the transformer alone, loaded as the driver's, serving its passes."""
     from . import parallel
     from .adapters import read_adapter
     from .followers import TransformerSource
@@ -527,9 +504,8 @@ def follow(args, sp) -> int:
 
 @contextlib.contextmanager
 def denormals_flushed():
-    """Values below float32's normal range (1e-38, e.g. SiLU of a large negative gate) slow the CPU matmuls that
-    meet them 10-100x; flushed to zero they change nothing visible. On for the command, then as it was (the CLI may
-    run inside another program, and torch has no getter: a subnormal times one reads 0 when flushing is on)."""
+    """Subnormals (below 1e-38, e.g. SiLU of a large negative gate) slow CPU matmuls 10-100x; flushed, nothing
+    visible changes. Restored after (torch has no getter: a subnormal times one reads 0 when flushing is on)."""
     import torch
 
     was = torch.tensor([1e-39]).mul(1.0).item() == 0.0
