@@ -1,8 +1,6 @@
-"""What a batch shows while it runs: one line for the whole batch (jobs done, images, rate, time left) beside the
-step of each running job, and a line for each job that ends.
-
-On a terminal the batch line is redrawn in place (at most ten times a second); elsewhere (a log file, a pipe) it
-is printed once each time a job ends, so a log holds the same record without a line per step.
+"""What a batch shows while it runs: one line for the whole batch (jobs done, images, rate, time left, each running
+job's step) and a line for each job that ends. On a terminal the batch line is redrawn in place (at most ten times a
+second); elsewhere (a log, a pipe) it is printed once per job that ends.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ def duration(seconds: float) -> str:
 
 
 class BatchProgress:
-    """Receives the batch's events (from its worker threads) and writes them to `stream`."""
+    """Events come from the batch's worker threads."""
 
     def __init__(self, total: int, stream: TextIO | None = None, tty: bool | None = None, width: int = 160):
         self.stream = stream or sys.stderr

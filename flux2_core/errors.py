@@ -2,4 +2,4 @@
 
 
 class Flux2Error(ValueError):
-    """Bad input (weights, prompt, image, size, settings). The message names the problem and the fix."""
+    """Bad input (weights, prompt, image, size, settings)."""

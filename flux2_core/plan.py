@@ -1,7 +1,6 @@
-"""The plan of a denoise: the one sequence of rules that the CLI and the Python API (``pipeline.generate``) and the
-Denoise node follow before anything runs. The sigmas are checked and, for image-to-image, trimmed to the strength's
-tail; the guidance rule of the model (``sampling.guidance_for``) says whether CFG runs. Callers then prepare their
-inputs (their own way: files and PIL images, or ComfyUI's tensors) and call ``sampling.denoise`` with the plan."""
+"""The plan of a denoise, the one set of rules the CLI, ``pipeline.generate`` and the Denoise node follow before
+anything runs: sigmas checked and, for image-to-image, trimmed to the strength's tail; ``sampling.guidance_for`` says
+whether CFG runs. Callers then call ``sampling.denoise`` with it."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ class DenoisePlan:
 
 def plan_denoise(variant, sigmas, cfg: float, *, strength: float = 1.0, image: bool = False,
                  negative: bool = True) -> DenoisePlan:
-    """The plan for ``variant`` over ``sigmas`` (a full schedule) at guidance scale ``cfg``: ``image`` says whether a
-    start image (latent) is given, which a ``strength`` below 1 needs; ``negative`` whether a negative prompt is at
-    hand (``guidance_for``). Flux2Error for settings that cannot run."""
+    """``sigmas``: a full schedule; ``image``: a start latent is given (a ``strength`` below 1 needs one);
+    ``negative``: a negative prompt is at hand. Flux2Error for settings that cannot run."""
     sigmas = check_sigmas(sigmas)
     strength = check_strength(strength, image)
     if strength < 1:

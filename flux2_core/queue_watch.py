@@ -1,18 +1,9 @@
-"""How much work waits on a ComfyUI server, as a batch sees it: GET /prompt asked on a thread of its own, every
-POLL seconds, for as long as the batch runs.
+"""How much work waits on a ComfyUI server, as a batch sees it: GET /prompt every POLL seconds on a thread of its own.
 
-    watch = QueueWatch(client, on_count=lambda remaining: ...)   # remaining: ComfyUI's exec_info.queue_remaining
-    watch.start()
-    ...
-    watch.stop()
-
-One watcher per server is the batch's single source of truth for the work there: it sees other clients' prompts as
-well as ours, whether or not a job of ours is running there (a job's own websocket only reports while it runs, so a
-server busy when the batch began would keep that count for the whole batch). queue_remaining counts every prompt
-queued or running, ours included; the batch takes its own out (batch._Server.observe).
-
-The watcher never drops a server: a question it gets no answer to is asked again at the next tick. Deciding that a
-server is gone is left to the jobs running there, whose errors say what they were doing.
+One watcher per server is the batch's source of truth for the work there: it sees other clients' prompts too, and
+keeps counting while no job of ours runs there (a job's websocket reports only while it runs). queue_remaining
+counts ours too; the batch takes them out (``batch._Server.observe``). A watcher never drops a server: deciding that
+one is gone is left to the jobs running there, whose errors say what they were doing.
 """
 
 from __future__ import annotations
@@ -26,7 +17,7 @@ POLL = 1.0                       # seconds between two questions to one server
 
 
 def parse_queue(server: str, body: bytes) -> int:
-    """ComfyUI's answer to GET /prompt, {"exec_info": {"queue_remaining": N}} -> N."""
+    """{"exec_info": {"queue_remaining": N}} -> N."""
     answer = parse_json(server, "the answer to GET /prompt", body)
     info = answer.get("exec_info") if isinstance(answer, dict) else None
     remaining = info.get("queue_remaining") if isinstance(info, dict) else None
