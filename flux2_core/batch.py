@@ -87,7 +87,11 @@ class BatchSummary:
 
     @property
     def failed(self) -> list[JobRecord]:
-        return [job for job in self.jobs if job.status != "done"]
+        return [job for job in self.jobs if job.status == "failed"]
+
+    @property
+    def cancelled(self) -> list[JobRecord]:
+        return [job for job in self.jobs if job.status == "cancelled"]
 
     def paths(self, job: JobRecord) -> list[Path]:
         return [self.folder / name for name in job.files]
@@ -98,8 +102,9 @@ class BatchSummary:
         images = sum(s.images for s in self.servers)
         rate = f" ({ran / self.seconds * 60:.1f} jobs/min)" if self.seconds > 0 and ran else ""
         skipped = f", {self.skipped} done before (skipped)" if self.skipped else ""
-        lines = [(f"batch of {len(self.jobs)} job(s): {done} done, {len(self.failed)} failed{skipped}; {images} "
-                  f"image(s) in {duration(self.seconds)}{rate}, in {self.folder}")]
+        cancelled = f", {len(self.cancelled)} cancelled" if self.cancelled else ""
+        lines = [(f"batch of {len(self.jobs)} job(s): {done} done, {len(self.failed)} failed{cancelled}{skipped}; "
+                  f"{images} image(s) in {duration(self.seconds)}{rate}, in {self.folder}")]
         for s in self.servers:
             line = f"  {s.server}: {s.done} done, {s.failed} failed, {s.images} image(s), {s.busy:.1f} s of jobs"
             if s.dropped:
@@ -109,7 +114,9 @@ class BatchSummary:
         if self.failed:
             lines.append("failed:")
             lines += [f"  {job.error}" for job in self.failed]
-            lines.append("run the same batch again to retry the failed jobs (the done ones are skipped)")
+        left = " and ".join(kind for kind, jobs in (("failed", self.failed), ("cancelled", self.cancelled)) if jobs)
+        if left:
+            lines.append(f"run the same batch again to retry the {left} jobs (the done ones are skipped)")
         return "\n".join(lines)
 
 

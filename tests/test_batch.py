@@ -617,6 +617,8 @@ def test_a_run_is_cancelled_from_another_thread(fakes, tmp_path):
     assert time.monotonic() - started < 2.0 and not summary.ok
     assert [job.status for job in summary.jobs] == ["done", "cancelled", "cancelled", "cancelled"]
     assert summary.jobs[1].error == "job 0002: cancelled before it ended; run the batch again to do it"
+    assert summary.failed == [] and len(summary.cancelled) == 3          # not counted as failed
+    assert summary.text().startswith("batch of 4 job(s): 1 done, 0 failed, 3 cancelled; ")
     assert len(server.prompts) <= 2
     time.sleep(0.6)                                  # a job still running meanwhile ends on the server
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["0001-1.png",
