@@ -82,7 +82,7 @@ def test_denoise_memory_covers_each_ranks_measured_peak(tmp_path, world):
     estimate = memory.denoise_memory(SIX_HEADS, tokens, 2, torch.float32, ranks=world)
     got = run_ranks(world, "memory", tmp_path)
     assert torch.isfinite(got["velocity"]).all()
-    # the least of 3 passes: the profiler pairs a few allocations and frees wrongly around the collectives, which
+    # the least of 6 passes: the profiler pairs a few allocations and frees wrongly around the collectives, which
     # only ever adds to a pass's figure
     peaks = [min(map(int, (tmp_path / f"peak{rank}.txt").read_text().split())) for rank in range(world)]
     print(f"{world} ranks: peaks {[round(p / 1e6, 2) for p in peaks]} MB, estimate {estimate / 1e6:.2f} MB")

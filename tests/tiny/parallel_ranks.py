@@ -86,7 +86,7 @@ def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
 
 
 MEMORY_GRID, MEMORY_TXT = (31, 33), 45      # 1068 tokens, uneven over 2 and 3 ranks
-MEMORY_PASSES = 3
+MEMORY_PASSES = 6
 
 
 def measure_passes(model: Flux2Transformer, folder: str, rank: int) -> None:
