@@ -37,3 +37,20 @@ def pytest_report_header(config):
 if DEVICE.type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture
+def fakes():
+    """start(**knobs) -> a running fake ComfyUI (tests/batch_fakes.py); each is stopped after the test (a hung one
+    cannot be, and its thread is a daemon)."""
+    from tests.batch_fakes import FakeServer
+
+    servers = []
+
+    def start(**kw):
+        servers.append(FakeServer(**kw))
+        return servers[-1]
+    yield start
+    for server in servers:
+        if not server.hung:
+            server.stop()

@@ -23,24 +23,19 @@ from flux2_core import batch as batch_module
 from flux2_core import manifest as manifest_module
 from flux2_core.batch_progress import BatchProgress
 from flux2_core.errors import Flux2Error
-from tests.batch_fakes import FakeServer, picture_for
+from tests.batch_fakes import picture_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EDIT = ROOT / "workflows" / "api" / "flux2-klein-edit.json"
 WORKFLOW = json.loads(EDIT.read_text())
 
 
-@pytest.fixture
-def fakes():
-    servers = []
+class CtrlC(BatchProgress):
+    """Progress that presses Ctrl-C as the first job ends."""
 
-    def start(**kw):
-        servers.append(FakeServer(**kw))
-        return servers[-1]
-    yield start
-    for server in servers:
-        if not server.hung:                  # a hung one cannot be stopped; its thread is a daemon
-            server.stop()
+    def ended(self, job_id, ok, images, text):
+        super().ended(job_id, ok, images, text)
+        raise KeyboardInterrupt
 
 
 def made_for(path: Path) -> dict:
@@ -341,10 +336,6 @@ def test_jobs_still_running_when_a_batch_is_interrupted_write_nothing(fakes, tmp
     fast, slow = fakes(), fakes()
     slow.delay = 0.5
 
-    class CtrlC(BatchProgress):
-        def ended(self, job_id, ok, images, text):
-            super().ended(job_id, ok, images, text)
-            raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
         BatchClient(WORKFLOW, [fast.address, slow.address], str(tmp_path), per_server=1,
                     progress=CtrlC(0, io.StringIO(), tty=False)).run([BatchJob(seed=1), BatchJob(seed=2)])
@@ -369,10 +360,6 @@ def test_nothing_lands_in_the_folder_once_the_batch_has_ended(fakes, tmp_path, m
         return publish(self, record, staged)
     monkeypatch.setattr(manifest_module.Manifest, "publish", paused)
 
-    class CtrlC(BatchProgress):
-        def ended(self, job_id, ok, images, text):
-            super().ended(job_id, ok, images, text)
-            raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
         BatchClient(WORKFLOW, [slow.address, fast.address], str(tmp_path), per_server=1,
                     progress=CtrlC(0, io.StringIO(), tty=False)).run([BatchJob(seed=1), BatchJob(seed=2)])

@@ -13,23 +13,10 @@ from PIL import Image
 
 from flux2_core import queue_client, queue_command, uploads
 from flux2_core.errors import Flux2Error
-from tests.batch_fakes import FakeServer
 from tests.tiny.pictures import png_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 EDIT = ROOT / "workflows" / "api" / "flux2-klein-edit.json"
-
-
-@pytest.fixture
-def fakes():
-    servers = []
-
-    def start(**kw):
-        servers.append(FakeServer(**kw))
-        return servers[-1]
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def picture_file(path: Path, mode="RGB", size=(8, 6), fmt="PNG", colour=None) -> Path:
