@@ -87,8 +87,7 @@ class LRUCache:
         self.entries[key] = value
         self.nbytes += nbytes
         while len(self.entries) > self.max_items or (self.max_bytes is not None and self.nbytes > self.max_bytes):
-            _, old = self.entries.popitem(last=False)
-            self.nbytes -= self.size(old)
+            self._drop_oldest()
 
     def clear(self) -> None:
         self.entries.clear()
@@ -97,8 +96,11 @@ class LRUCache:
     def make_room(self) -> None:
         """Evict until one more fits by count: before making a large value, so the one it replaces is freed first."""
         while self.entries and len(self.entries) >= self.max_items:
-            _, old = self.entries.popitem(last=False)
-            self.nbytes -= self.size(old)
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        _, old = self.entries.popitem(last=False)
+        self.nbytes -= self.size(old)
 
 
 # --- prompt embeddings ----------------------------------------------------------------------------------------------
