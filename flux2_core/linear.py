@@ -1,6 +1,6 @@
 """Bias-free linear layers (the float storage ``layers.Layers`` makes), computed by the fastest kernel for the device.
 
-float32 matmuls on CPU go through oneDNN (what torch.compile picks on CPU) rather than the default BLAS: on AMD CPUs
+Eager float32 matmuls on CPU go through oneDNN rather than the default BLAS: on AMD CPUs
 MKL's sgemm runs a generic path (70-95 GFLOP/s on our 2-core EPYC; oneDNN: 200; docs/benchmarks.md). Everything
 else (GPUs, bf16, autograd) uses ``F.linear``.
 """
@@ -20,23 +20,12 @@ def onednn_matmul(x: Tensor, weight: Tensor) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-@torch.library.custom_op("flux2_core::onednn_linear", mutates_args=())
-def onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``onednn_matmul`` as an opaque op for torch.compile, which would otherwise want the weight frozen. Eager code
-    calls ``onednn_matmul`` itself: a custom op's first call imports torch._dynamo (about 1 s)."""
-    return onednn_matmul(x, weight)
-
-
-@onednn_linear.register_fake
-def _(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
 def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x [..., in] @ weight [out, in]ᵀ: oneDNN for float32 on CPU without autograd, else F.linear."""
-    if (ONEDNN_LINEAR and x.is_cpu and x.dtype == weight.dtype == torch.float32
+    """x [..., in] @ weight [out, in]ᵀ: oneDNN for float32 on CPU, eager, without autograd; else F.linear. Compiled
+    code gets F.linear: inductor lowers oneDNN's op only for frozen weights, and chooses its own CPU matmul."""
+    if (ONEDNN_LINEAR and x.is_cpu and x.dtype == weight.dtype == torch.float32 and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return onednn_linear(x, weight) if torch.compiler.is_compiling() else onednn_matmul(x, weight)
+        return onednn_matmul(x, weight)
     return F.linear(x, weight)
 
 

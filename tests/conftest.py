@@ -4,7 +4,7 @@ float32 stays float32 (no TF32), so the float32 oracle is exact to float32. Fixt
 import pytest
 import torch
 
-from flux2_core import kitchen
+from flux2_core import kitchen, linear
 from tests.device import DEVICE, describe
 
 
@@ -18,9 +18,10 @@ def fresh_kitchen():
 
 @pytest.fixture
 def plain_ops(monkeypatch, fresh_kitchen):
-    """The plain torch path everywhere (FLUX2_NO_KITCHEN): what a compiled block runs, so eager and compiled compute
-    the same operations (on CUDA eager would otherwise take comfy-kitchen's fused kernels)."""
+    """The plain torch path everywhere: what a compiled block runs, so eager and compiled compute the same operations
+    (eager would otherwise take comfy-kitchen's fused kernels on CUDA, and oneDNN's matmul on the CPU)."""
     monkeypatch.setenv("FLUX2_NO_KITCHEN", "1")
+    monkeypatch.setattr(linear, "ONEDNN_LINEAR", False)
 
 
 @pytest.fixture

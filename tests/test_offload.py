@@ -216,6 +216,7 @@ def test_place_moves_only_the_resident_parts(monkeypatch):
     assert model.double_blocks not in moved and model.img_in in moved and model.final_layer in moved
 
 
+@pytest.mark.usefixtures("plain_ops")
 def test_compile_skips_streamed_blocks_and_streaming_refuses_compiled_blocks(monkeypatch):
     """With hooks that swap weights a streamed block cannot be a fullgraph graph: compile_blocks compiles only the
     resident ones (run here with the 'eager' backend: dynamo traces them with fullgraph=True, no inductor)."""

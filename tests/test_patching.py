@@ -248,6 +248,7 @@ def test_adapters_on_a_streamed_model_equal_the_resident_one():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("plain_ops")
 def test_compiled_fp8_model_follows_adapter_changes():
     """fp8 layers take LoRAs as forward hooks; blocks compiled before or after a change must run the current ones
     (dynamo would otherwise keep the hooks it first saw: a silently stale LoRA)."""
