@@ -83,7 +83,7 @@ def random_state(module: torch.nn.Module, seed: int, device: str, dtype: torch.d
     """Random weights for every state-dict entry of a module built on meta (the demo's init rule), on the CPU in dtype.
 
     Drawn on ``device`` one tensor at a time (fast on a GPU, little memory)."""
-    from flux2_core.demo import random_weights
+    from flux2_core.app.demo import random_weights
 
     g = torch.Generator(device).manual_seed(seed)
     out = {}
@@ -99,7 +99,7 @@ def write_weights(folder: Path, cfg: Config, distilled: bool, device: str) -> No
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from flux2_core.tokenizer import build_qwen3_tokenizer
+    from flux2_core.models.tokenizer import build_qwen3_tokenizer
     from tests.tiny.transformer import diffusers_transformer_config
 
     dtype = getattr(torch, cfg.dtype)
@@ -249,8 +249,8 @@ def load_ours(folder: Path, device: torch.device, dtype: torch.dtype, variant: s
 
 def run_ours(models, meter: Meter, args, refs=(), reference_kv=None):
     """One ``pipeline.generate``; returns the final latents as tokens [B, h*w, 128]."""
+    from flux2_core.models.rope import pack
     from flux2_core.pipeline import generate
-    from flux2_core.rope import pack
 
     clock = StepClock(meter)
     handle = models.transformer.register_forward_pre_hook(clock.before_forward)
@@ -273,9 +273,9 @@ def run_ours(models, meter: Meter, args, refs=(), reference_kv=None):
 
 def apply_options(models, args) -> None:
     """Our opt-in speed-ups, as the --ours-* flags ask."""
-    from flux2_core.compile import compile_blocks
-    from flux2_core.quant import in_blocks, quantize_transformer, use_fp8_matmul
+    from flux2_core.runtime.compile import compile_blocks
     from flux2_core.storage.int8 import quantize_blocks, use_int8_matmul
+    from flux2_core.storage.quant import in_blocks, quantize_transformer, use_fp8_matmul
 
     dtype = models.transformer.img_in.weight.dtype
     if args.ours_fp8:                   # where the GPU has fp8 tensor cores the matmuls run in fp8 too
@@ -287,7 +287,7 @@ def apply_options(models, args) -> None:
     if args.ours_small_decoder:
         models.autoencoder = with_small_decoder(models.autoencoder)
     if args.ours_compile_decoder:
-        from flux2_core.compile import compile_decoder
+        from flux2_core.runtime.compile import compile_decoder
 
         compile_decoder(models.autoencoder, backend=args.compile_backend)
     if args.ours_compile:
@@ -300,7 +300,7 @@ def with_small_decoder(ae):
     bench times it; the pictures are noise either way)."""
     from dataclasses import replace
 
-    from flux2_core.autoencoder import AutoEncoder
+    from flux2_core.models.autoencoder import AutoEncoder
 
     groups = ae.params.num_groups
     narrow = tuple(max(groups, round(c * 3 / 4 / groups) * groups) for c in ae.params.encoder_chans)
@@ -352,7 +352,7 @@ def transformer_flops(p: TransformerParams, n_img: int, n_txt: int = 512, batch:
 
 def matmul_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
     """The best of torch.mm and our ``linear`` (oneDNN on CPU) on square matrices (2048 on CPU, 8192 on CUDA)."""
-    from flux2_core.linear import linear
+    from flux2_core.storage.linear import linear
 
     n, inner = (8192, 10) if device.type == "cuda" else (2048, 1)
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
@@ -403,7 +403,8 @@ def kv_worker(args) -> None:
     ``ReferenceKVCache`` keyed by the image (a hit runs neither the AE encoder nor the reference pass)."""
     from PIL import Image
 
-    from flux2_core.cache import ReferenceKVCache
+    from flux2_core.runtime.cache import ReferenceKVCache
+    from flux2_core.sampling.references import encode_references
     from flux2_core.variants import get_variant
 
     device = torch.device(args.device)
@@ -425,7 +426,8 @@ def kv_worker(args) -> None:
                 kv = None
                 if name == "kv-cached":
                     meter.mark("ref-lookup")
-                    kv = cache.get_for_images(models.transformer, models.autoencoder, [ref], dtype)
+                    kv = cache.get_for_images(models.transformer, models.autoencoder, [ref], dtype,
+                                              encode=encode_references)
                 run_ours(models, meter, args, refs=[ref], reference_kv=kv)
                 entry[name] = {"total": time.perf_counter() - t, "times": meter.times, "peaks": meter.peaks}
             if i:

@@ -64,8 +64,8 @@ def write_files(folder: Path, params: TransformerParams) -> None:
     from safetensors.torch import save_file
 
     from bench import random_state  # bench/bench.py (this folder is first on sys.path)
-    from flux2_core.quant import in_blocks, quantize_fp8
-    from flux2_core.transformer import Flux2Transformer
+    from flux2_core.models.transformer import Flux2Transformer
+    from flux2_core.storage.quant import in_blocks, quantize_fp8
 
     with torch.device("meta"):
         model = Flux2Transformer(params)
@@ -89,9 +89,10 @@ def worker(args) -> None:
     if args.case == "baseline":
         print(json.dumps(report))
         return
-    from flux2_core import quant, weights
-    from flux2_core.ggml_layers import gguf_types
-    from flux2_core.memory import module_bytes
+    from flux2_core import weights
+    from flux2_core.runtime.memory import module_bytes
+    from flux2_core.storage import quant
+    from flux2_core.storage.ggml_layers import gguf_types
 
     file, fp8, quantize_after = CASES[args.case]
     t = time.perf_counter()

@@ -4,7 +4,7 @@
     python bench/lora.py --step-config tiny --apply-config medium --rounds 2     # a quick check
 
 A random rank-16 LoRA (ai-toolkit format: every block linear, as ai-toolkit trains) is read with
-``adapters.read_adapter`` and applied with ``patching.set_adapters``:
+``lora.read_adapter`` and applied with ``patching.set_adapters``:
 
     step        one transformer forward (1024 image + 512 text tokens on "medium"), median over rounds, for the
                 model as loaded, with the LoRA merged (expected: the same), and as a run-time branch (fp8's way)
@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import CONFIGS, machine, random_state  # bench/bench.py (this folder is first on sys.path)
-from flux2_core import rope
-from flux2_core.adapters import read_adapter
-from flux2_core.patching import set_adapters
-from flux2_core.transformer import Flux2Transformer
+from flux2_core.adapters.lora import read_adapter
+from flux2_core.adapters.patching import set_adapters
+from flux2_core.models import rope
+from flux2_core.models.transformer import Flux2Transformer
 
 RANK = 16
 

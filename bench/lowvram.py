@@ -39,7 +39,7 @@ def ballast_for(card_bytes: int | None, device: torch.device) -> torch.Tensor | 
 def main(argv=None) -> int:
     from bench import CONFIGS, PROMPT, write_weights  # bench.py beside this file
     from flux2_core import pipeline
-    from flux2_core.offload import streamed_blocks
+    from flux2_core.runtime.offload import streamed_blocks
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=["klein-4b", "klein-9b"], default="klein-9b")

@@ -1,11 +1,11 @@
-"""Sequence parallelism (``flux2_core/parallel.py``, Ulysses): step time, peak memory and communication per rank.
+"""Sequence parallelism (``flux2_core/models/parallel.py``, Ulysses): step time, peak memory and communication per rank.
 
     python bench/parallel.py                              # CPU: the medium config on 1 and 2 gloo ranks
     python bench/parallel.py --config medium --size 512 --steps 4 --repeats 3 --ranks 1 2
     python bench/parallel.py --model                      # no ranks: the expected speed-up for 9B at 2048^2, 2-8 GPUs
 
 Measured mode: for each N of ``--ranks``, N processes join a gloo group on the CPU and build the same random
-transformer (one seed); rank 0 drives ``sampling.denoise`` (one warm-up denoise, then ``--repeats`` timed ones of
+transformer (one seed); rank 0 drives ``euler.denoise`` (one warm-up denoise, then ``--repeats`` timed ones of
 ``--steps`` steps), the others follow (``parallel.serve``). The ranks share the machine's cores: each takes
 cores // N torch threads (N = 1 runs twice: with 1 thread, and with all cores). Per rank it reports:
 
@@ -45,7 +45,7 @@ try:                    # imported as bench.parallel (the tests)
 except ImportError:     # run as a script: bench.py is the module beside this file
     from bench import CONFIGS, fmt_bytes, machine, proc_status, random_state, transformer_flops
 
-from flux2_core.followers import free_port
+from flux2_core.runtime.followers import free_port
 from flux2_core.variants import KLEIN_9B, TransformerParams
 
 COLLECTIVES = ("all_to_all_single", "broadcast", "all_gather_into_tensor")
@@ -193,7 +193,7 @@ class TimedCollectives:
 
 def build_transformer(p: TransformerParams, dtype: torch.dtype):
     """The transformer with bench.py's random weights (seed 1): the same in every rank."""
-    from flux2_core.transformer import Flux2Transformer
+    from flux2_core.models.transformer import Flux2Transformer
 
     with torch.device("meta"):
         model = Flux2Transformer(p)
@@ -210,7 +210,8 @@ def reset_peak() -> None:
 
 def _rank(rank: int, world: int, port: int, threads: int, job: dict, out: str) -> None:
     """One rank of a measured run: rank 0 times the denoises, every rank writes ``rank{rank}.json`` to ``out``."""
-    from flux2_core import parallel, sampling, schedules
+    from flux2_core.models import parallel
+    from flux2_core.sampling import euler, schedules
 
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")   # torch 2.13's notice
     torch.set_num_threads(threads)
@@ -251,7 +252,7 @@ def _rank(rank: int, world: int, port: int, threads: int, job: dict, out: str) -
                 (sp.call(reset, "reset", {}) if sp else reset())
             marks = [time.perf_counter()]
             clock = marks.append
-            sampling.denoise(model, x, sigmas, txt, callback=lambda step, clock=clock: clock(time.perf_counter()))
+            euler.denoise(model, x, sigmas, txt, callback=lambda step, clock=clock: clock(time.perf_counter()))
             if i:
                 steps += [b - a for a, b in itertools.pairwise(marks)]
     report["steps"] = steps

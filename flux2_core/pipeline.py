@@ -4,7 +4,7 @@ uint8 images [B,H,W,3].
 
 Defaults are the reference's: a missing width/height comes from the input image, else the first prepared reference,
 else 1024 (sizes not a multiple of 16 are an error, never snapped); steps and cfg from the variant, with
-``sampling.guidance_for``'s rule for cfg; batch item i uses seed + i. Inpainting follows diffusers'
+``euler.guidance_for``'s rule for cfg; batch item i uses seed + i. Inpainting follows diffusers'
 Flux2KleinInpaintPipeline: the source is reference 1 and is blended back after every step (``inpaint.AFTER_STEP``).
 Everything that can be refused (numbers, schedules, memory) is refused before any model runs; non-finite stage
 outputs stop the run (``checks.finite``). The caches ``Models`` carries never change results.
@@ -21,14 +21,19 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from . import inpaint, memory
-from .autoencoder import AutoEncoder
-from .cache import PromptCache, ReferenceKVCache
 from .errors import Flux2Error
 from .latents import LATENT_CHANNELS, latent_size
-from .offload import place, stream_blocks, streamed_blocks
-from .plan import plan_denoise
-from .references import (
+from .models.autoencoder import AutoEncoder
+from .models.run_state import run_state
+from .models.text_encoder import PromptEmbeds, PromptEncoder
+from .models.transformer import Flux2Transformer, ReferenceKV
+from .runtime import memory
+from .runtime.cache import PromptCache, ReferenceKVCache
+from .runtime.offload import place, stream_blocks, streamed_blocks
+from .sampling import inpaint
+from .sampling.euler import add_noise, denoise, make_noise
+from .sampling.plan import plan_denoise
+from .sampling.references import (
     as_pil,
     center_crop_16,
     encode_references,
@@ -37,14 +42,10 @@ from .references import (
     reference_latents,
     reference_tokens,
 )
-from .runtime import run_state
-from .sampling import add_noise, denoise, make_noise
-from .schedules import check_strength, flux2_schedule
+from .sampling.schedules import check_strength, flux2_schedule
 from .storage.int8 import quantize_blocks
 from .storage.matmul import choose_matmuls
 from .storage.protocol import call_bytes
-from .text_encoder import PromptEmbeds, PromptEncoder
-from .transformer import Flux2Transformer, ReferenceKV
 from .variants import Variant
 
 DEFAULT_SIZE = 1024
@@ -114,8 +115,8 @@ def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool = Fals
     """In place, for a model already in memory (files load straight to fp8 / int8 with ``load_models``). ``compile``:
     the first step at each new image size pays the compile.
     """
-    from . import compile as compiling
-    from . import quant
+    from .runtime import compile as compiling
+    from .storage import quant
 
     if (fp8 or int8) and streamed_blocks(models.transformer):    # new layers would leave the old streamed copies
         raise Flux2Error("the transformer's blocks are streamed: quantize before streaming (load the file with "
@@ -140,8 +141,8 @@ def apply_adapters(models: Models, files: Sequence[tuple[str | Path, float]], me
     """Replaces any adapters applied before (an empty list: the models as loaded). Returns one match report line per
     adapter; the caches key their entries by the applied set.
     """
-    from .adapters import read_adapter
-    from .patching import set_adapters
+    from .adapters.lora import read_adapter
+    from .adapters.patching import set_adapters
 
     encoder = models.prompt_encoder.model
     shapes = {name: t.shape for name, t in encoder.state_dict().items()}
@@ -326,7 +327,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     # references (KV models: their K/V from the cache, which skips the AE encode and the reference pass on a hit;
     # inpainting: the source latent first, and no cache, which keys on reference images)
     if kv and reference_kv is None and models.reference_cache is not None and not masked:
-        reference_kv = models.reference_cache.get_for_images(model, ae, refs, dtype)
+        reference_kv = models.reference_cache.get_for_images(model, ae, refs, dtype, encode=encode_references)
     ref = ref_ids = blend = None
     if masked:
         ref, ref_ids = reference_tokens([start, *reference_latents(ae, refs, len(refs) + 1)])

@@ -1,6 +1,6 @@
 """FLUX.2 Klein LoRA: a LoRA / LoKr / LoHa / DoRA file from ComfyUI's loras folder, on our model, chainable.
 
-The node only reads the file and says what it matched; the Denoise node applies the chain (flux2_core.patching:
+The node only reads the file and says what it matched; the Denoise node applies the chain (flux2_core.adapters.patching:
 merged into full-precision weights, run beside fp8 ones) and restores the weights for models without it.
 """
 
@@ -11,7 +11,7 @@ import logging
 
 from comfy_api.latest import io, ui
 
-from ..flux2_core import adapters
+from ..flux2_core.adapters import lora
 from . import host, types
 
 log = logging.getLogger("flux2_klein")
@@ -53,7 +53,7 @@ class LoRA(io.ComfyNode):
     def execute(cls, model: host.Managed, lora_name: str, strength: float, merge_into_fp8: bool = False,
                 text_encoder=None) -> io.NodeOutput:
         shapes = None if text_encoder is None else {k: v.shape for k, v in text_encoder.core.model.state_dict().items()}
-        adapter = adapters.read_adapter(host.resolve("loras", lora_name), model.variant.params, shapes, name=lora_name)
+        adapter = lora.read_adapter(host.resolve("loras", lora_name), model.variant.params, shapes, name=lora_name)
         info = f"{adapter.report.summary()} (strength {strength:g})"
         if adapter.text_encoder_patches and text_encoder is None:
             info += (f"; its {len(adapter.text_encoder_patches)} text-encoder modules are not applied: connect the "
@@ -62,7 +62,7 @@ class LoRA(io.ComfyNode):
         if adapter.report.unmatched:
             log.warning("FLUX.2 Klein LoRA %s: keys that matched nothing: %s", lora_name, ", ".join(
                 f"{key} ({why})" for key, why in adapter.report.unmatched.items()))
-        entry = adapters.AdapterUse(lora_name, adapter.digest(), strength, merge_into_fp8, adapter)
+        entry = lora.AdapterUse(lora_name, adapter.digest(), strength, merge_into_fp8, adapter)
         chained = dataclasses.replace(model, adapters=(*model.adapters, entry))
         encoder = None if text_encoder is None else dataclasses.replace(text_encoder,
                                                                         adapters=(*text_encoder.adapters, entry))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from comfy_api.latest import io
 
-from ..flux2_core import memory, references
+from ..flux2_core.runtime import memory
+from ..flux2_core.sampling import references
 from . import host, types
 
 

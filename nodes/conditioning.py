@@ -18,8 +18,10 @@ import torch
 from comfy_api.latest import io, ui
 from PIL import Image
 
-from ..flux2_core import cache, memory, references
+from ..flux2_core.digests import image_digest
 from ..flux2_core.errors import Flux2Error
+from ..flux2_core.runtime import cache, memory
+from ..flux2_core.sampling import references
 from . import host, types
 
 log = logging.getLogger("flux2_klein")
@@ -132,7 +134,7 @@ def encode(ae: host.Managed, image: Image.Image, cap: int, index: int) -> torch.
     """BFL's reference preparation of reference ``index`` at pixel cap ``cap``, then its latent [1, 128, h, w]
     (from ``LATENTS`` when this autoencoder has encoded these pixels before)."""
     prepared = references.prepare_reference(image, cap, index)
-    key = ae.key + (cache.image_digest([prepared]),)
+    key = ae.key + (image_digest([prepared]),)
     latent = LATENTS.get(key)
     if latent is None:
         ae.ready(memory.encode_bytes(ae.core, 1, prepared.height, prepared.width))

@@ -34,9 +34,11 @@ import comfy.supported_models
 import torch
 from torch import nn
 
-from ..flux2_core import memory, references, rope
-from ..flux2_core.cache import ReferenceKVCache
 from ..flux2_core.errors import Flux2Error
+from ..flux2_core.models import rope
+from ..flux2_core.runtime import memory
+from ..flux2_core.runtime.cache import ReferenceKVCache
+from ..flux2_core.sampling import references
 from ..flux2_core.variants import Variant
 
 RUN = "flux2_klein_run"        # our key in transformer_options (and for our wrapper): the MODEL's EngineRun

@@ -36,13 +36,14 @@ from comfy_api.latest import io
 from server import PromptServer
 from torch import nn
 
-from ..flux2_core import checks, patching
-from ..flux2_core.adapters import AdapterUse
-from ..flux2_core.cache import fingerprint
+from ..flux2_core import checks
+from ..flux2_core.adapters import patching
+from ..flux2_core.adapters.lora import AdapterUse
 from ..flux2_core.errors import Flux2Error
-from ..flux2_core.followers import FollowerGroup, TransformerSource
-from ..flux2_core.runtime import run_state
-from ..flux2_core.transformer import ReferenceKV
+from ..flux2_core.models.run_state import run_state
+from ..flux2_core.models.transformer import ReferenceKV
+from ..flux2_core.runtime.cache import fingerprint
+from ..flux2_core.runtime.followers import FollowerGroup, TransformerSource
 from ..flux2_core.variants import Variant
 from .engine_model import Flux2KleinTransformer
 
@@ -221,7 +222,7 @@ class Managed:
         """Apply the LoRAs this model came with (FLUX.2 Klein LoRA nodes) to ``module``, its transformer or its
         Qwen3, with ``patches_of(adapter)`` picking their patches for it; the weights as loaded when there are none.
         The module is shared by every branch using the loader's output, so each user sets the LoRAs it needs;
-        flux2_core.patching restores the original weights bit for bit in between."""
+        flux2_core.adapters.patching restores the original weights bit for bit in between."""
         if run_state(module).adapter_key != self.adapter_key:
             merge = patching.merge_asked(a.merge for a in self.adapters if a.strength)
             patching.set_adapters(module, [(patch, a.strength) for a in self.adapters
@@ -229,7 +230,7 @@ class Managed:
 
     @property
     def adapter_key(self) -> tuple:
-        """The LoRAs this model runs with: (file, content digest, strength, merge) each (flux2_core.patching's key)."""
+        """The LoRAs this model runs with: (file, content digest, strength, merge) each (flux2_core.adapters.patching's key)."""
         return tuple((a.file, a.digest, a.strength, a.merge) for a in self.adapters if a.strength != 0)
 
 
@@ -332,7 +333,7 @@ class StepReporter:
         self.bar = comfy.utils.ProgressBar(steps)
         self.previewer = latent_preview.get_previewer(device, latent_formats.Flux2())
 
-    def __call__(self, step) -> None:          # step: flux2_core.sampling.Step
+    def __call__(self, step) -> None:          # step: flux2_core.sampling.euler.Step
         check_interrupt()
         preview = None
         if self.previewer is not None:

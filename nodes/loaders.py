@@ -9,8 +9,8 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ..flux2_core import weights
-from ..flux2_core.followers import TransformerSource
-from ..flux2_core.ggml_layers import gguf_types
+from ..flux2_core.runtime.followers import TransformerSource
+from ..flux2_core.storage.ggml_layers import gguf_types
 from ..flux2_core.storage.matmul import choose_matmuls
 from ..flux2_core.storage.protocol import census
 from . import host, types

@@ -19,8 +19,8 @@ import json
 
 from aiohttp import web
 
-from ..flux2_core.text_encoder import count_prompt_tokens
-from ..flux2_core.tokenizer import load_tokenizer
+from ..flux2_core.models.text_encoder import count_prompt_tokens
+from ..flux2_core.models.tokenizer import load_tokenizer
 from ..flux2_core.variants import QWEN3_4B
 
 ROUTE = "/flux2_klein/tokens"

@@ -17,11 +17,14 @@ import math
 import torch
 from comfy_api.latest import io, ui
 
-from ..flux2_core import cache, inpaint, latents, memory, parallel, references, sampling, schedules, weights
-from ..flux2_core import compile as compiling
-from ..flux2_core.adapters import AdapterUse
+from ..flux2_core import latents, weights
+from ..flux2_core.adapters.lora import AdapterUse
 from ..flux2_core.errors import Flux2Error
-from ..flux2_core.plan import plan_denoise
+from ..flux2_core.models import parallel
+from ..flux2_core.runtime import cache, memory
+from ..flux2_core.runtime import compile as compiling
+from ..flux2_core.sampling import euler, inpaint, references, schedules
+from ..flux2_core.sampling.plan import plan_denoise
 from . import host, types
 
 log = logging.getLogger("flux2_klein")
@@ -54,7 +57,7 @@ class Noise(io.ComfyNode):
     def execute(cls, seed: int, width: int, height: int, batch_size: int, latent=None) -> io.NodeOutput:
         if latent is not None:
             height, width = (latents.PIXELS_PER_LATENT * n for n in latent["samples"].shape[-2:])
-        noise = sampling.make_noise(batch_size, height, width, seed, device=host.intermediate_device())
+        noise = euler.make_noise(batch_size, height, width, seed, device=host.intermediate_device())
         return io.NodeOutput({"samples": noise})
 
 
@@ -118,7 +121,7 @@ class Denoise(io.ComfyNode):
                     io.Conditioning.Input("positive", tooltip="The prompt (and references)."),
                     io.Latent.Input("noise", tooltip="Starting noise (FLUX.2 Klein Noise)."),
                     io.Sigmas.Input("sigmas", tooltip="Noise levels, from FLUX.2 Klein Scheduler or any scheduler."),
-                    io.Float.Input("cfg", default=1.0, min=0.0, max=sampling.MAX_CFG, step=0.1, round=0.01,
+                    io.Float.Input("cfg", default=1.0, min=0.0, max=euler.MAX_CFG, step=0.1, round=0.01,
                                    tooltip="Guidance scale. Distilled Klein: 1 (no negative needed; other values are "
                                            "ignored); base: about 4 with a negative (an empty prompt)."),
                     io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01,
@@ -164,13 +167,13 @@ class Denoise(io.ComfyNode):
                               fix="use a smaller size or batch, or fewer or smaller references")
         model.use_adapters(model.core, lambda adapter: adapter.patches)
         set_compiled(model)
-        x = sampling.add_noise(start, noise, sigmas[0]).to(device, model.dtype)      # = noise when sigmas[0] is 1
+        x = euler.add_noise(start, noise, sigmas[0]).to(device, model.dtype)      # = noise when sigmas[0] is 1
         ref_kv, info = reference_kv(model, ref, ref_ids, device, needed) if kv_cached else (None, None)
         if ref_kv is not None:
             ref = ref_ids = None                                                     # the K/V stand for them
         parallel.attach(model.core, spread_over(model) if spread else None)
         try:
-            out = sampling.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant)
+            out = euler.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant)
                                    if rule.cfg else None, cfg=rule.scale, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
                                    kv=variant.use_kv_cache, guidance=rule.embedded, inpaint=blend,
                                    callback=host.StepReporter(len(sigmas) - 1, device))

@@ -4,7 +4,8 @@ float32 stays float32 (no TF32), so the float32 oracle is exact to float32. Fixt
 import pytest
 import torch
 
-from flux2_core import kitchen, linear
+from flux2_core import kitchen
+from flux2_core.storage import linear
 from tests.device import DEVICE, describe
 
 

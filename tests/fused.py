@@ -1,4 +1,4 @@
-"""Fixtures for the fused kernels (``flux2_core/kernels.py``): import them into a test file to use them.
+"""Fixtures for the fused kernels (``flux2_core/storage/kernels.py``): import them into a test file to use them.
 
     fused_on     kernels' decisions and compiled kernels forgotten, FLUX2_NO_FUSED unset: they are used on the CPU
                  (and on CUDA in the device mode), as a user gets them
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux2_core import ggml, kernels
+from flux2_core.storage import ggml, kernels
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Adapter files -> patches (flux2_core/adapters.py) on tiny random weights, float32.
+"""Adapter files -> patches (flux2_core/adapters/lora.py) on tiny random weights, float32.
 
 Expectations come from outside the module: diffusers 0.42.1 loading and fusing the same file (its own converters),
 ΔW written out here in plain torch from the documented math, and the same adapter written in every format.
@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flux2_core.adapter_formats import linear_shapes
-from flux2_core.adapters import read_adapter
+from flux2_core.adapters.formats import linear_shapes
+from flux2_core.adapters.lora import read_adapter
 from flux2_core.errors import Flux2Error
 from flux2_core.variants import KLEIN_4B, KLEIN_9B
 from tests.tiny.adapters import (
@@ -64,7 +64,7 @@ def merge(adapter, weights, strength=1.0):
 
 
 def test_linear_shapes_are_the_transformers():
-    from flux2_core.transformer import Flux2Transformer
+    from flux2_core.models.transformer import Flux2Transformer
 
     for params in (P, KLEIN_4B, KLEIN_9B):
         with torch.device("meta"):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux2_core import memory
-from flux2_core.autoencoder import AttnBlock, AutoEncoder, MidBlock
-from flux2_core.memory import MID_TENSORS
+from flux2_core.models.autoencoder import AttnBlock, AutoEncoder, MidBlock
+from flux2_core.runtime import memory
+from flux2_core.runtime.memory import MID_TENSORS
 from flux2_core.variants import FLUX2_AE
 from tests.memory import peak_bytes
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder

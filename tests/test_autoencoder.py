@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flux2_core.autoencoder import AutoEncoder, patchify, unpatchify
 from flux2_core.errors import Flux2Error
+from flux2_core.models.autoencoder import AutoEncoder, patchify, unpatchify
 from flux2_core.variants import FLUX2_AE
 from tests.device import DEVICE, DTYPE, to, tolerance
 from tests.tiny.autoencoder import TINY_AE_PARAMS, build_diffusers_autoencoder, save_bfl_autoencoder

@@ -1,4 +1,4 @@
-"""Batches (flux2_core/batch.py, batch_jobs.py, manifest.py) against fake and misbehaving ComfyUI servers
+"""Batches (flux2_core/app/batch.py, batch_jobs.py, manifest.py) against fake and misbehaving ComfyUI servers
 (tests/batch_fakes.py): jobs spread over servers, each job's own images in its own files, a manifest that lets a
 rerun skip what is done, servers that hang, die, refuse uploads or answer another job's images, and bad input
 refused before anything is queued."""
@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from flux2_core import BatchClient, BatchJob, queue_client, queue_command
-from flux2_core import batch as batch_module
-from flux2_core import manifest as manifest_module
-from flux2_core.batch_progress import BatchProgress
+from flux2_core import BatchClient, BatchJob
+from flux2_core.app import batch as batch_module
+from flux2_core.app import manifest as manifest_module
+from flux2_core.app import queue_client, queue_command
+from flux2_core.app.batch_progress import BatchProgress
 from flux2_core.errors import Flux2Error
 from tests.batch_fakes import picture_for
 
@@ -167,8 +168,8 @@ def test_equal_servers_take_turns(fakes, tmp_path):
 def test_the_queue_count_is_the_servers_own_without_our_prompts(fakes):
     """The watcher asks GET /prompt as the batch runs (a change is seen without any job of ours there); ComfyUI's
     count includes our prompts, which the scheduler does not count twice."""
-    from flux2_core.batch import ServerSummary, _Server
-    from flux2_core.queue_watch import QueueWatch
+    from flux2_core.app.batch import ServerSummary, _Server
+    from flux2_core.app.queue_watch import QueueWatch
     server = fakes()
     server.queue_remaining = 4
     seen = _Server(server.address, ServerSummary(server.address), 0)
@@ -724,7 +725,7 @@ def test_every_bad_line_is_listed_at_once(fakes, tmp_path, capsys):
     (lambda p: Image.new("RGB", (300, 300)).save(p), "pixels, over the"),
 ])
 def test_a_bad_picture_is_refused_before_anything_is_queued(fakes, tmp_path, capsys, monkeypatch, make, says):
-    from flux2_core import uploads
+    from flux2_core.app import uploads
     monkeypatch.setattr(uploads, "PIXEL_LIMIT", 256 * 256)
     make(tmp_path / "bad.png")
     error = bad_input(fakes, tmp_path, capsys, ['{"images": {"10": "bad.png"}}'])

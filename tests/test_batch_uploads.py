@@ -1,4 +1,4 @@
-"""Pictures from disk for a workflow (flux2_core/uploads.py): checks, content-addressed names, masks, ComfyUI's
+"""Pictures from disk for a workflow (flux2_core/app/uploads.py): checks, content-addressed names, masks, ComfyUI's
 answers to an upload, and `queue --image` against a fake server (tests/batch_fakes.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from flux2_core import queue_client, queue_command, uploads
+from flux2_core.app import queue_client, queue_command, uploads
 from flux2_core.errors import Flux2Error
 from tests.tiny.pictures import png_bytes
 

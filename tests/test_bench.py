@@ -12,8 +12,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import bench
-from flux2_core import rope
-from flux2_core.transformer import Flux2Transformer
+from flux2_core.models import rope
+from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.variants import TransformerParams
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux2_core import rope
-from flux2_core.cache import LRUCache, PromptCache, ReferenceKVCache, fingerprint, tensor_digest
-from flux2_core.transformer import Flux2Transformer
+from flux2_core.digests import tensor_digest
+from flux2_core.models import rope
+from flux2_core.models.transformer import Flux2Transformer
+from flux2_core.runtime.cache import LRUCache, PromptCache, ReferenceKVCache, fingerprint
 from tests.device import DEVICE, DTYPE, to
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
 
@@ -27,7 +28,7 @@ def encoder():
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
-    from flux2_core.text_encoder import build_qwen3_encoder
+    from flux2_core.models.text_encoder import build_qwen3_encoder
 
     config = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=28,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6,
@@ -207,8 +208,8 @@ def test_tensor_digest_sees_dtype_shape_and_values():
 def test_reference_kv_cache_by_images_skips_the_autoencoder_too():
     from PIL import Image
 
-    from flux2_core.autoencoder import AutoEncoder
-    from flux2_core.references import encode_references
+    from flux2_core.models.autoencoder import AutoEncoder
+    from flux2_core.sampling.references import encode_references
     from tests.tiny.autoencoder import TINY_AE_PARAMS
 
     g = torch.Generator().manual_seed(0)
@@ -217,12 +218,12 @@ def test_reference_kv_cache_by_images_skips_the_autoencoder_too():
     image = Image.fromarray((torch.rand(64, 80, 3, generator=g) * 255).byte().numpy())
     cache = ReferenceKVCache()
     with torch.no_grad():
-        kv = cache.get_for_images(model, ae, [image], DTYPE)
+        kv = cache.get_for_images(model, ae, [image], DTYPE, encode=encode_references)
         assert (encodes[0], passes[0]) == (1, 1)
-        assert cache.get_for_images(model, ae, [image.copy()], DTYPE) is kv      # same pixels: nothing runs
+        assert cache.get_for_images(model, ae, [image.copy()], DTYPE, encode=encode_references) is kv      # same pixels: nothing runs
         assert (encodes[0], passes[0]) == (1, 1)
         ref, ref_ids = encode_references(ae, [image], DTYPE)
         assert torch.equal(kv.blocks[-1][1], model.reference_kv(ref, ref_ids).blocks[-1][1])
         other = image.copy()
         other.putpixel((0, 0), (0, 0, 0) if image.getpixel((0, 0)) != (0, 0, 0) else (1, 1, 1))
-        assert cache.get_for_images(model, ae, [other], DTYPE) is not kv        # one pixel changed: recomputed
+        assert cache.get_for_images(model, ae, [other], DTYPE, encode=encode_references) is not kv        # one pixel changed: recomputed

@@ -12,8 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from flux2_core import cli, memory
+from flux2_core.app import cli
 from flux2_core.errors import Flux2Error
+from flux2_core.runtime import memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,8 +136,8 @@ def test_find_gguf_weights_by_their_quant_suffix(tmp_path):
 
 def write_models_folder(folder, fp8_file: bool = False):
     """Tiny real weight files under ComfyUI's names (the transformer as a BFL fp8 file: per-row scales, if asked)."""
-    from flux2_core.quant import quantize_transformer
-    from flux2_core.transformer import Flux2Transformer
+    from flux2_core.models.transformer import Flux2Transformer
+    from flux2_core.storage.quant import quantize_transformer
     from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
     from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_comfyui_transformer
@@ -285,7 +286,7 @@ def test_a_decoder_alone_decodes_instead_of_the_autoencoders_own(tmp_path, capsy
 
 
 def test_queue_is_routed(monkeypatch, capsys):
-    from flux2_core import queue_command
+    from flux2_core.app import queue_command
     seen = []
     monkeypatch.setattr(queue_command, "main", lambda argv, prog: seen.append((argv, prog)) or 0)
     assert cli.main(["queue", "wf.json", "--seed", "3"]) == 0
@@ -314,7 +315,7 @@ def test_help_shows_the_queue_command_and_its_own_help():
     (lambda tmp: tmp / "locked" / "pics", "cannot create it in"),
 ])
 def test_out_is_checked_before_any_model_loads(tmp_path, monkeypatch, capsys, make_out, says):
-    from flux2_core import demo
+    from flux2_core.app import demo
 
     (tmp_path / "locked").mkdir(mode=0o500)
     if "locked" in str(make_out(tmp_path)) and os.access(tmp_path / "locked", os.W_OK):
@@ -343,7 +344,7 @@ def test_pngs_never_replace_a_file(tmp_path, monkeypatch, capsys):
 
 
 def test_plain_progress_without_tqdm(monkeypatch, capsys):
-    from flux2_core.sampling import Step
+    from flux2_core.sampling.euler import Step
     monkeypatch.setitem(sys.modules, "tqdm", None)
     progress = cli.Progress()
     for i in range(2):
@@ -353,7 +354,7 @@ def test_plain_progress_without_tqdm(monkeypatch, capsys):
 
 
 def test_demo_with_fp8_weights(tmp_path, monkeypatch, capsys):
-    from flux2_core import quant
+    from flux2_core.storage import quant
 
     quantized = []
     original = quant.quantize_transformer
@@ -392,8 +393,8 @@ def test_demo_with_int8_weights(tmp_path, monkeypatch, capsys):
 def test_compile_and_offload_flags_reach_the_engine(tmp_path, monkeypatch, flag, offload):
     """--compile calls compile.compile_blocks on the transformer (stubbed here: compiling takes minutes on a CPU);
     --offload-encoder reaches generate."""
-    from flux2_core import compile as compiling
     from flux2_core import pipeline
+    from flux2_core.runtime import compile as compiling
 
     compiled, seen = [], []
     monkeypatch.setattr(compiling, "compile_blocks", lambda model: compiled.append(model) or model)
@@ -435,8 +436,9 @@ def test_offload_flag_reaches_load_models_and_generate(tmp_path, monkeypatch, ca
 def test_streamed_blocks_are_reported_and_compile_says_it_skips_them(tmp_path, monkeypatch, capsys):
     """A load that streams (forced here: on the CPU nothing streams) is reported; --compile says it compiles only
     the resident blocks (compile_blocks is stubbed: inductor takes minutes on a CPU)."""
-    from flux2_core import compile as compiling
-    from flux2_core import offload, pipeline
+    from flux2_core import pipeline
+    from flux2_core.runtime import compile as compiling
+    from flux2_core.runtime import offload
 
     write_models_folder(tmp_path)
     real_load = pipeline.load_models
@@ -461,7 +463,7 @@ def test_streamed_blocks_are_reported_and_compile_says_it_skips_them(tmp_path, m
 
 def test_an_out_folder_that_refuses_files_is_refused(tmp_path, monkeypatch, capsys):
     """What a read-only mount or missing permission does (as root neither can be made here): the probe file fails."""
-    from flux2_core import outputs
+    from flux2_core.app import outputs
 
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux2_core import cli
+from flux2_core.app import cli
 from flux2_core.errors import Flux2Error
 
 ROOT = Path(__file__).resolve().parents[1]

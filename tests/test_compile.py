@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from flux2_core import rope
-from flux2_core.compile import compile_blocks, is_compiled, uncompile_blocks
 from flux2_core.errors import Flux2Error
-from flux2_core.transformer import Flux2Transformer
+from flux2_core.models import rope
+from flux2_core.models.transformer import Flux2Transformer
+from flux2_core.runtime.compile import compile_blocks, is_compiled, uncompile_blocks
 from tests.device import DEVICE, DTYPE, assert_close, to
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
 
@@ -123,7 +123,7 @@ def test_blocks_that_stream_weights_compile_in_pieces():
     """ComfyUI's partial loading (and block streaming) move weights inside a layer's call, code that breaks the
     graph. Stand-in: each linear layer fetches its weight through a call dynamo cannot trace. fullgraph=True fails
     loudly; fullgraph=False (what the Denoise node uses for a partially loaded model) runs and equals eager."""
-    from flux2_core.linear import Linear
+    from flux2_core.storage.linear import Linear
 
     class Streamed(Linear):
         def forward(self, x):
@@ -158,8 +158,8 @@ def test_a_compiled_decoder_decodes_as_the_eager_one():
     decode equals the eager decode, and the next one of the same size reuses the graph."""
     from torch._dynamo.testing import CompileCounter
 
-    from flux2_core.autoencoder import AutoEncoder
-    from flux2_core.compile import compile_decoder
+    from flux2_core.models.autoencoder import AutoEncoder
+    from flux2_core.runtime.compile import compile_decoder
     from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder
 
     ae = AutoEncoder(TINY_AE_PARAMS)

@@ -1,4 +1,4 @@
-"""Follower processes for a driver inside another program (flux2_core/followers.py, what the ComfyUI node uses): this
+"""Follower processes for a driver inside another program (flux2_core/runtime/followers.py, what the ComfyUI node uses): this
 test process drives, a follower started by torch's elastic launcher loads the same file; the denoise equals one
 process's, LoRAs reach the follower, closing frees it, and failures come back as messages, not hangs."""
 
@@ -9,11 +9,12 @@ import time
 import pytest
 import torch
 
-from flux2_core import parallel, rope, sampling
-from flux2_core.adapters import AdapterUse, read_adapter
+from flux2_core.adapters.lora import AdapterUse, read_adapter
+from flux2_core.adapters.patching import set_adapters
 from flux2_core.errors import Flux2Error
-from flux2_core.followers import FollowerGroup, TransformerSource
-from flux2_core.patching import set_adapters
+from flux2_core.models import parallel, rope
+from flux2_core.runtime.followers import FollowerGroup, TransformerSource
+from flux2_core.sampling import euler
 from flux2_core.weights import load_transformer
 from tests.tiny.adapters import lora_state_dict, random_lora, save_adapter
 from tests.tiny.parallel_ranks import SIGMAS, SIX_HEADS, build_model, job
@@ -161,7 +162,7 @@ def test_a_lora_changed_since_the_driver_read_it_is_refused_and_release_drops_th
         group.sp.release()                                  # the followers dropped their shares: kv is stale now
         x, txt = torch.randn(1, 128, 3, 5, generator=g), torch.randn(1, 7, SIX_HEADS.context_in_dim, generator=g)
         with pytest.raises(Flux2Error, match="earlier reference pass"):
-            sampling.denoise(model, x, SIGMAS, txt, ref_kv=kv, kv=True)
+            euler.denoise(model, x, SIGMAS, txt, ref_kv=kv, kv=True)
 
         group.set_adapters([AdapterUse(str(lora), "a digest of another file", 1.0)])
         with pytest.raises(Flux2Error, match=r"rank 1: Flux2Error: the LoRA .*lora.safetensors has changed"):

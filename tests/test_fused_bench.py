@@ -1,4 +1,4 @@
-"""What the GPU session runs to measure the fused kernels (flux2_core/kernels.py): bench/gpu-check's stages pair
+"""What the GPU session runs to measure the fused kernels (flux2_core/storage/kernels.py): bench/gpu-check's stages pair
 every quantized storage (GGUF Q4_K and Q8_0, fp8) with and without them beside the plain bf16 stage, bench.py's
 --ours-no-fused reaches the worker as FLUX2_NO_FUSED, and the report's "Steps against bf16" table divides each stage's
 steps by the bf16 stage's."""

@@ -1,6 +1,6 @@
-"""GGML / GGUF dequantization (flux2_core/ggml.py) against gguf's own numpy reference, ``gguf.quants.dequantize``:
+"""GGML / GGUF dequantization (flux2_core/storage/ggml.py) against gguf's own numpy reference, ``gguf.quants.dequantize``:
 equal to the bit in float32 for every supported type, and the reference rounded once in bf16; through the plain torch
-ops and through the fused kernel (``fused=True``: the same code compiled, flux2_core/kernels.py), including blocks
+ops and through the fused kernel (``fused=True``: the same code compiled, flux2_core/storage/kernels.py), including blocks
 whose fp16 scales are extreme (the largest, the smallest normal and subnormal, zero, negative).
 
 The legacy types and the float types are quantized from random floats by ``gguf.quants.quantize``, so their bytes
@@ -17,7 +17,15 @@ import torch
 from gguf import quants
 
 from flux2_core.errors import Flux2Error
-from flux2_core.ggml import QUANTIZED, SUPPORTED, blocks_kernel, check_supported, dequantize, row_bytes, type_name
+from flux2_core.storage.ggml import (
+    QUANTIZED,
+    SUPPORTED,
+    blocks_kernel,
+    check_supported,
+    dequantize,
+    row_bytes,
+    type_name,
+)
 from tests.device import DEVICE
 from tests.fused import fused_any_size, fused_on, graphs, ran_fused  # noqa: F401 (fixtures)
 
@@ -131,7 +139,7 @@ def test_fused_kernel_runs_where_asked_and_on_the_cpu_for_large_tensors_only(mon
     """One-off dequantizations (loading, lookups: fused=False) run the plain ops, and so do tensors under
     CPU_FUSED_MIN_VALUES on the CPU, where the scalar C++ kernel loses to the vectorized ops while they stay in cache;
     GPUs take every size. The values are gguf's either way."""
-    from flux2_core import ggml, kernels
+    from flux2_core.storage import ggml, kernels
 
     assert ggml.CPU_FUSED_MIN_VALUES <= 3072 * 3072 < 2 * ggml.CPU_FUSED_MIN_VALUES    # Klein's smallest layer
     calls = []

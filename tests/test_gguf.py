@@ -17,14 +17,15 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter
 from safetensors.torch import save_file
 
-from flux2_core import rope, weights
-from flux2_core.adapters import read_adapter
-from flux2_core.autoencoder import AutoEncoder
+from flux2_core import weights
+from flux2_core.adapters.lora import read_adapter
+from flux2_core.adapters.patching import set_adapters
 from flux2_core.errors import Flux2Error
-from flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear, gguf_types
-from flux2_core.patching import set_adapters
+from flux2_core.models import rope
+from flux2_core.models.autoencoder import AutoEncoder
+from flux2_core.models.tokenizer import build_qwen3_tokenizer
 from flux2_core.pipeline import Models, generate
-from flux2_core.tokenizer import build_qwen3_tokenizer
+from flux2_core.storage.ggml_layers import GGMLEmbedding, GGMLLinear, gguf_types
 from flux2_core.variants import VARIANTS, TransformerParams
 from tests.fused import fused_on, graphs, ran_fused  # noqa: F401 (fixtures)
 from tests.tiny.adapters import adapter_state_dict, lora_state_dict, random_lora
@@ -89,9 +90,9 @@ def test_dit_computes_what_its_dequantized_values_compute(tmp_path, qtype):
 @pytest.mark.usefixtures("fused_on")
 def test_fused_dequantization_leaves_a_forward_unchanged_with_one_graph_per_type(tmp_path, monkeypatch):
     """A Q4_K file with its MLPs in Q6_K (as Q4_K_M files have some layers): the forward with the fused kernels
-    (flux2_core/kernels.py; on the CPU for every layer size here) equals the plain ops' to the bit, at two image sizes, and the
+    (flux2_core/storage/kernels.py; on the CPU for every layer size here) equals the plain ops' to the bit, at two image sizes, and the
     model's layers of five different shapes compile one graph per type and dtype: two."""
-    from flux2_core import ggml, kernels
+    from flux2_core.storage import ggml, kernels
 
     q4_k = dit_types(T.Q4_K)
     path, _ = save_gguf(random_bfl_transformer_state_dict(WIDE, seed=6), tmp_path / "k-m.gguf",
@@ -323,7 +324,7 @@ def test_dequantizing_needs_the_memory_the_estimate_gives(tmp_path, qtype):
     ggml.dequantize makes for it into bf16, counted while its storage lives)."""
     import weakref
 
-    from flux2_core import ggml
+    from flux2_core.storage import ggml
     from flux2_core.storage.protocol import call_bytes
 
     path, _ = save_gguf(random_bfl_transformer_state_dict(WIDE, seed=14), tmp_path / "k.gguf", dit_types(qtype))

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from flux2_core import cli
+from flux2_core.app import cli
 from flux2_core.errors import Flux2Error
-from flux2_core.references import MAX_IMAGE_PIXELS, as_pil, open_image, prepare_references
+from flux2_core.sampling.references import MAX_IMAGE_PIXELS, as_pil, open_image, prepare_references
 
 SETTINGS = settings(max_examples=150, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -305,7 +305,7 @@ def test_damaged_files_decode_right_or_fail_cleanly(tmp_path, saved, width, heig
 def test_every_input_picture_fits_the_16_pixel_grid_or_is_refused_by_name(width, height):
     """grid_size, the one rule for every input picture: the largest multiple-of-16 crop, or (smaller than one cell)
     a Flux2Error naming the input and the smallest size that works."""
-    from flux2_core.references import center_crop_16, grid_size
+    from flux2_core.sampling.references import center_crop_16, grid_size
 
     if width < 16 or height < 16:
         with pytest.raises(Flux2Error, match=rf"^the mask is {width}x{height} pixels.*at least 16x16 pixels"):
@@ -334,7 +334,7 @@ def test_a_picture_too_small_for_the_grid_is_refused_before_any_model_loads(tmp_
 
 def test_generate_refuses_an_image_to_edit_too_small_for_the_grid():
     """The Python API applies the same rule (a 1x1 start image used to run as if there were none)."""
-    from flux2_core.demo import demo_models
+    from flux2_core.app.demo import demo_models
     from flux2_core.pipeline import generate
 
     models = demo_models("klein-4b", "cpu")

@@ -1,4 +1,4 @@
-"""Masks and the two blending conventions of flux2_core/inpaint.py, against hand-computed values.
+"""Masks and the two blending conventions of flux2_core/sampling/inpaint.py, against hand-computed values.
 
 The whole runs are compared with their peers elsewhere: the engine's (AFTER_STEP) with diffusers'
 Flux2KleinInpaintPipeline in tests/test_pipeline.py, the node's (BEFORE_MODEL) with ComfyUI's own sampler in
@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from flux2_core import inpaint
 from flux2_core.errors import Flux2Error
-from flux2_core.inpaint import AFTER_STEP, BEFORE_MODEL, Inpaint
-from flux2_core.sampling import add_noise, euler
+from flux2_core.sampling import inpaint
+from flux2_core.sampling.euler import add_noise, euler
+from flux2_core.sampling.inpaint import AFTER_STEP, BEFORE_MODEL, Inpaint
 
 
 def test_a_mask_image_is_its_grey_level():

@@ -13,13 +13,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from flux2_core import cli, kitchen, rope, weights
+from flux2_core import kitchen, weights
+from flux2_core.app import cli
 from flux2_core.errors import Flux2Error
-from flux2_core.linear import Linear
-from flux2_core.quant import in_blocks
+from flux2_core.models import rope
+from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.storage.int8 import Int8Linear, quantize_blocks, quantize_int8, use_int8_matmul
+from flux2_core.storage.linear import Linear
 from flux2_core.storage.protocol import census
-from flux2_core.transformer import Flux2Transformer
+from flux2_core.storage.quant import in_blocks
 from tests.tiny.gguf import dit_types, save_gguf
 from tests.tiny.layouts import comfy_fp8, save_prefixed
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_bfl_transformer
@@ -207,7 +209,7 @@ def test_cli_int8_and_fp8_together_are_refused(capsys):
 def test_quantizing_a_model_with_loras_applied_is_refused(tmp_path):
     """optimize_transformer(int8=/fp8=) after apply_adapters would build the layers from the merged weights, and the
     LoRAs could never be taken off: refused, with the order that works; after removing them it runs."""
-    from flux2_core.demo import demo_models
+    from flux2_core.app.demo import demo_models
     from flux2_core.errors import Flux2Error
     from flux2_core.pipeline import apply_adapters, optimize_transformer
     from tests.tiny.adapters import lora_state_dict, random_lora, save_adapter

@@ -1,4 +1,4 @@
-"""The fused-kernel mechanism (flux2_core/kernels.py): a plain torch function compiled once per device type into one
+"""The fused-kernel mechanism (flux2_core/storage/kernels.py): a plain torch function compiled once per device type into one
 kernel, computing what the function computes; a bounded number of graphs whatever the sizes; the plain function where
 kernels are off (FLUX2_NO_FUSED, a device without them, inside a compiled region, no elements) or a compile failed,
 and the log saying so once. What the real kernels compute is tested where they are used (test_ggml, test_quant)."""
@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from flux2_core import kernels
+from flux2_core.storage import kernels
 from tests.fused import fused_off, fused_on, graphs, ran_fused  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported")

@@ -10,8 +10,9 @@ import logging
 import pytest
 import torch
 
-from flux2_core import kitchen, rope
-from flux2_core.transformer import Flux2Transformer, QKNorm, modulate
+from flux2_core import kitchen
+from flux2_core.models import rope
+from flux2_core.models.transformer import Flux2Transformer, QKNorm, modulate
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
 
 pytestmark = pytest.mark.skipif(kitchen.ck is None, reason=f"comfy-kitchen is not importable: {kitchen.MISSING}")

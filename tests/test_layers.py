@@ -1,12 +1,12 @@
-"""The seam where the transformer's linear layers are made (flux2_core/layers.py): every layer is asked for by the
+"""The seam where the transformer's linear layers are made (flux2_core/models/layers.py): every layer is asked for by the
 name it ends up with, storage is chosen per name at construction, per-item layers stay per item."""
 
 import torch
 
-from flux2_core.layers import Layers
-from flux2_core.linear import Linear, VectorLinear
-from flux2_core.quant import Fp8Linear
-from flux2_core.transformer import Flux2Transformer
+from flux2_core.models.layers import Layers
+from flux2_core.models.transformer import Flux2Transformer
+from flux2_core.storage.linear import Linear, VectorLinear
+from flux2_core.storage.quant import Fp8Linear
 from tests.tiny.transformer import TINY_TRANSFORMER, bfl_transformer_shapes
 
 

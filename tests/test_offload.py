@@ -8,11 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flux2_core import compile as compiling
-from flux2_core import memory, offload, quant, rope
 from flux2_core.errors import Flux2Error
+from flux2_core.models import rope
+from flux2_core.models.transformer import Flux2Transformer
+from flux2_core.runtime import compile as compiling
+from flux2_core.runtime import memory, offload
+from flux2_core.storage import quant
 from flux2_core.storage.protocol import call_bytes
-from flux2_core.transformer import Flux2Transformer
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
 
 PARAMS = replace(TINY_TRANSFORMER, depth=3, depth_single_blocks=3)
@@ -131,7 +133,7 @@ def test_gguf_blocks_stream_and_the_output_is_bit_identical(monkeypatch, tmp_pat
     from gguf import GGMLQuantizationType
 
     from flux2_core import weights
-    from flux2_core.ggml_layers import GGMLLinear
+    from flux2_core.storage.ggml_layers import GGMLLinear
     from tests.tiny.gguf import dit_types, save_gguf
 
     path, _ = save_gguf(random_bfl_transformer_state_dict(PARAMS, seed=1), tmp_path / "q.gguf",

@@ -9,8 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-from flux2_core import cli, inpaint
+from flux2_core.app import cli
 from flux2_core.errors import Flux2Error
+from flux2_core.sampling import inpaint
 
 
 def picture(width=96, height=64, seed=0) -> Image.Image:
@@ -57,9 +58,9 @@ def test_a_canvas_over_the_limit_is_refused():
 def test_outpainting_keeps_the_image_s_latent_where_the_mask_keeps_it():
     """The canvas on the inpainting path (demo weights): cells the latent mask keeps (0) end exactly at the image's
     latent; the added area is painted anew."""
-    from flux2_core.demo import demo_models
+    from flux2_core.app.demo import demo_models
     from flux2_core.pipeline import generate
-    from flux2_core.references import image_to_tensor
+    from flux2_core.sampling.references import image_to_tensor
 
     models = demo_models("klein-4b", "cpu")
     canvas = inpaint.expand_canvas(picture(64, 64), (0, 0, 64, 0), feather=16)

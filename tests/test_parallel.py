@@ -1,4 +1,4 @@
-"""Sequence parallelism (flux2_core/parallel.py) on 2 and 3 gloo ranks on the CPU equals one process on the same
+"""Sequence parallelism (flux2_core/models/parallel.py) on 2 and 3 gloo ranks on the CPU equals one process on the same
 tiny weights: text-to-image, CFG, three joint references and the 9B-KV scheme, with token counts that do not divide
 evenly; and its errors."""
 
@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
-from flux2_core import memory, parallel, rope
 from flux2_core.errors import Flux2Error
+from flux2_core.models import parallel, rope
+from flux2_core.runtime import memory
 from tests.memory import peak_bytes
 from tests.tiny.parallel_ranks import MEMORY_GRID, MEMORY_TXT, SIX_HEADS, build_model, job, run_ranks
 

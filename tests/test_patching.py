@@ -1,4 +1,4 @@
-"""Adapters applied to models (flux2_core/patching.py, pipeline.apply_adapters, the CLI's --lora): merged float
+"""Adapters applied to models (flux2_core/adapters/patching.py, pipeline.apply_adapters, the CLI's --lora): merged float
 weights equal W + strength·s·B·A computed here, fp8 layers run a branch equal to the merged float computation,
 strength 0 and removal give the original model bit for bit after any number of changes, and a whole generation
 with a LoRA equals one on the weights diffusers 0.42.1 fuses the same LoRA into."""
@@ -14,14 +14,18 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from flux2_core import cli, memory, pipeline, quant, rope
-from flux2_core.adapters import read_adapter
-from flux2_core.cache import fingerprint
-from flux2_core.demo import DEMO_TRANSFORMER
+from flux2_core import pipeline
+from flux2_core.adapters.lora import read_adapter
+from flux2_core.adapters.patching import set_adapters
+from flux2_core.app import cli
+from flux2_core.app.demo import DEMO_TRANSFORMER
 from flux2_core.errors import Flux2Error
-from flux2_core.patching import set_adapters
-from flux2_core.runtime import run_state
-from flux2_core.transformer import Flux2Transformer
+from flux2_core.models import rope
+from flux2_core.models.run_state import run_state
+from flux2_core.models.transformer import Flux2Transformer
+from flux2_core.runtime import memory
+from flux2_core.runtime.cache import fingerprint
+from flux2_core.storage import quant
 from tests.tiny.adapters import diffusers_fused_weights, lora_state_dict, random_lora, save_adapter
 from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
 from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
@@ -230,7 +234,7 @@ def test_cli_lora_flag(tmp_path, monkeypatch, capsys):
 def test_adapters_on_a_streamed_model_equal_the_resident_one():
     """Block streaming swaps a streamed block's weights for device copies while it runs and back after; merged
     patches live in the stored weights, branches run where the layer computes. (CPU 'device': the placement logic.)"""
-    from flux2_core import offload
+    from flux2_core.runtime import offload
 
     a, _, _ = lora(1)
     patches = [(p, 0.6) for p in a.patches]
@@ -254,7 +258,7 @@ def test_compiled_fp8_model_follows_adapter_changes():
     (dynamo would otherwise keep the hooks it first saw: a silently stale LoRA)."""
     from torch._dynamo.testing import CompileCounter
 
-    from flux2_core.compile import compile_blocks
+    from flux2_core.runtime.compile import compile_blocks
 
     a, _, _ = lora(1)
 

@@ -12,15 +12,17 @@ import pytest
 import torch
 from PIL import Image
 
-from flux2_core import memory, pipeline, rope
-from flux2_core.autoencoder import AutoEncoder
-from flux2_core.cache import PromptCache, ReferenceKVCache
+from flux2_core import pipeline
 from flux2_core.errors import Flux2Error
+from flux2_core.models import rope
+from flux2_core.models.autoencoder import AutoEncoder
+from flux2_core.models.text_encoder import build_qwen3_encoder
+from flux2_core.models.tokenizer import build_qwen3_tokenizer
+from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.pipeline import Models, generate, to_uint8
-from flux2_core.sampling import make_noise
-from flux2_core.text_encoder import build_qwen3_encoder
-from flux2_core.tokenizer import build_qwen3_tokenizer
-from flux2_core.transformer import Flux2Transformer
+from flux2_core.runtime import memory
+from flux2_core.runtime.cache import PromptCache, ReferenceKVCache
+from flux2_core.sampling.euler import make_noise
 from flux2_core.variants import VARIANTS, TransformerParams
 from tests.device import DEVICE, DTYPE, assert_close, image_levels, relative_error, to, tolerance
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder, save_bfl_autoencoder
@@ -351,7 +353,7 @@ def test_kv_uses_a_precomputed_cache(tiny):
     models = tiny[0]["kv"]
     refs = [photo(64, 64, 2)]
     first = generate(models, PROMPT, references=refs, width=32, height=32, steps=2)
-    from flux2_core.references import encode_references
+    from flux2_core.sampling.references import encode_references
     ref, ref_ids = encode_references(models.autoencoder, refs)
     cache = models.transformer.reference_kv(ref.to(DTYPE), ref_ids)
     again = generate(models, PROMPT, references=refs, width=32, height=32, steps=2, reference_kv=cache)

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from flux2_core import kernels, quant, rope
 from flux2_core.errors import Flux2Error
-from flux2_core.quant import FP8, Fp8Linear, count_fp8, dequantize_fp8, quantize_fp8, quantize_transformer
-from flux2_core.transformer import Flux2Transformer
+from flux2_core.models import rope
+from flux2_core.models.transformer import Flux2Transformer
+from flux2_core.storage import kernels, quant
+from flux2_core.storage.quant import FP8, Fp8Linear, count_fp8, dequantize_fp8, quantize_fp8, quantize_transformer
 from flux2_core.weights import load_transformer
 from tests.device import DEVICE, DTYPE, assert_close, relative_error, to
 from tests.fused import fused_on, graphs, ran_fused  # noqa: F401 (fixtures)
@@ -219,7 +220,7 @@ def test_fp8_matmul_on_cuda_is_close_to_dequantized_bf16():
 def test_fp8_matmul_gate_takes_bf16_activations_only(monkeypatch):
     """On CUDA (faked: the gate's device check says yes) only bf16 activations with 16-aligned sizes go to
     torch._scaled_mm; fp16 (whose output some cuBLAS versions cannot write) and fp32 do not."""
-    from flux2_core import quant
+    from flux2_core.storage import quant
 
     monkeypatch.setattr(quant, "_on_cuda", lambda x: True)
     w8 = torch.zeros(32, 64, dtype=FP8, device="meta")
@@ -235,7 +236,7 @@ def test_fp8_matmul_gate_takes_bf16_activations_only(monkeypatch):
 def test_fp16_activations_use_the_dequantizing_path(monkeypatch):
     """fp8_matmul=True with fp16 activations on 'CUDA' (faked): the layer never calls the fp8 matmul and gives the
     matmul over the dequantized weight, in fp16."""
-    from flux2_core import quant
+    from flux2_core.storage import quant
 
     def no_fp8(*args):
         raise AssertionError("fp16 activations must not reach torch._scaled_mm")
@@ -252,7 +253,7 @@ def test_fp16_activations_use_the_dequantizing_path(monkeypatch):
 
 
 def fake_gpu(monkeypatch, capability: tuple[int, int], name: str = "NVIDIA H100", failure: str | None = None) -> None:
-    from flux2_core import quant
+    from flux2_core.storage import quant
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
@@ -275,7 +276,7 @@ def fake_gpu(monkeypatch, capability: tuple[int, int], name: str = "NVIDIA H100"
 def test_fp8_matmul_is_used_where_the_gpu_supports_it(monkeypatch, device, capability, dtype, choice, note):
     """The GPU is faked (capability and name); nothing runs. auto turns fp8 matmul on for the fp8 layers exactly on
     GPUs with fp8 tensor cores and bf16 compute, and the note says why not elsewhere; plain layers are left alone."""
-    from flux2_core import quant
+    from flux2_core.storage import quant
 
     if capability:
         fake_gpu(monkeypatch, capability, "NVIDIA RTX 3090" if capability < (8, 9) else "NVIDIA H100")
@@ -287,7 +288,7 @@ def test_fp8_matmul_is_used_where_the_gpu_supports_it(monkeypatch, device, capab
 
 
 def test_fp8_matmul_refusals_say_why(monkeypatch):
-    from flux2_core import quant
+    from flux2_core.storage import quant
 
     fake_gpu(monkeypatch, (8, 6), "NVIDIA RTX 3090")
     fp8_model = torch.nn.Sequential(Fp8Linear.from_linear(torch.nn.Linear(32, 32, bias=False)))
@@ -304,7 +305,7 @@ def test_fp8_matmul_refusals_say_why(monkeypatch):
 def test_fp8_matmul_stays_off_where_this_torch_cannot_run_it(monkeypatch):
     """A GPU with fp8 tensor cores but a torch whose _scaled_mm lacks per-row scales there: the probe's error is
     the reason, instead of a RuntimeError in the middle of a generation."""
-    from flux2_core import quant
+    from flux2_core.storage import quant
 
     fake_gpu(monkeypatch, (12, 0), "NVIDIA RTX 5090", failure="CUDA error: operation not supported")
     model = torch.nn.Sequential(Fp8Linear.from_linear(torch.nn.Linear(32, 32, bias=False)))
@@ -316,7 +317,7 @@ def test_fp8_matmul_stays_off_where_this_torch_cannot_run_it(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# fp8 matmul's activation quantization as one fused kernel (flux2_core/kernels.py): the plain ops' values to the bit.
+# fp8 matmul's activation quantization as one fused kernel (flux2_core/storage/kernels.py): the plain ops' values to the bit.
 # torch._scaled_mm runs on the CPU too (this torch), so the whole fp8 matmul path is checked here, the GPU's
 # `_on_cuda` gate faked; on a GPU the device mode runs the same tests there.
 # ---------------------------------------------------------------------------------------------------------------

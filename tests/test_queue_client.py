@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from flux2_core import queue_client, queue_command
+from flux2_core.app import queue_client, queue_command
 from flux2_core.errors import Flux2Error
 from tests.tiny.pictures import png_bytes
 
@@ -398,7 +398,7 @@ def test_a_connection_nobody_answers_times_out_with_the_fix(tmp_path):
 def test_a_prompt_queued_with_node_errors_says_which_outputs_are_left_out(capsys):
     """ComfyUI queues a workflow whose other outputs are valid and lists the invalid ones in node_errors (HTTP 200):
     the client goes on with the prompt id and says which nodes were left out and why."""
-    from flux2_core.queue_client import parse_submit
+    from flux2_core.app.queue_client import parse_submit
 
     answer = {"prompt_id": "abc", "number": 1, "node_errors": {"9": {"class_type": "SaveImage", "errors": [
         {"message": "Required input is missing", "details": "images"}]}}}

@@ -26,8 +26,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from flux2_core import queue_client as qc
-from flux2_core import queue_command
+from flux2_core.app import queue_client as qc
+from flux2_core.app import queue_command
 from flux2_core.errors import Flux2Error
 from tests.tiny.pictures import png_bytes
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from flux2_core.autoencoder import AutoEncoder
 from flux2_core.errors import Flux2Error
-from flux2_core.references import (
+from flux2_core.models.autoencoder import AutoEncoder
+from flux2_core.sampling.references import (
     batched_reference_tokens,
     encode_references,
     image_to_tensor,

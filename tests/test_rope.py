@@ -8,8 +8,8 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux2 import Flux2PosEmbed
 from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline as Klein
 
-from flux2_core import rope
 from flux2_core.errors import Flux2Error
+from flux2_core.models import rope
 
 
 def test_text_ids():

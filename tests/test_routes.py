@@ -18,8 +18,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flux2_core.text_encoder import count_prompt_tokens
-from flux2_core.tokenizer import load_tokenizer
+from flux2_core.models.text_encoder import count_prompt_tokens
+from flux2_core.models.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,10 +15,13 @@ import pytest
 import torch
 from PIL import Image
 
-from flux2_core import checks, cli, memory, pipeline, sampling
-from flux2_core.cache import PromptCache
-from flux2_core.demo import demo_models
+from flux2_core import checks, pipeline
+from flux2_core.app import cli
+from flux2_core.app.demo import demo_models
 from flux2_core.errors import Flux2Error
+from flux2_core.runtime import memory
+from flux2_core.runtime.cache import PromptCache
+from flux2_core.sampling import euler
 from flux2_core.variants import VARIANTS
 
 SIZE = {"width": 64, "height": 64}
@@ -71,7 +74,7 @@ KLEIN, BASE, KV, DEV = (VARIANTS[n] for n in ("klein-4b", "klein-base-4b", "klei
     (DEV, 3.5, True, False, 3.5, False),
 ])
 def test_one_guidance_rule(variant, cfg, negative, cfg_on, embedded, noted):
-    rule = sampling.guidance_for(variant, cfg, negative)
+    rule = euler.guidance_for(variant, cfg, negative)
     assert (rule.cfg, rule.embedded, bool(rule.note), rule.scale) == (cfg_on, embedded, noted, cfg)
 
 
@@ -79,7 +82,7 @@ def test_one_guidance_rule(variant, cfg, negative, cfg_on, embedded, noted):
 def test_guidance_refuses_absurd_scales_for_every_variant(cfg):
     for variant in (KLEIN, BASE, DEV):
         with pytest.raises(Flux2Error, match="cfg"):
-            sampling.guidance_for(variant, cfg)
+            euler.guidance_for(variant, cfg)
 
 
 # --- settings refused before any model runs -------------------------------------------------------------------------
@@ -142,7 +145,7 @@ def test_float16_overflow_is_named_with_its_fix(models):
 def test_the_cli_writes_no_black_image(models, tmp_path, monkeypatch, capsys):
     broken = with_copy(models, "autoencoder")
     poison(broken.autoencoder, "decoder.conv_in.weight", math.inf)
-    monkeypatch.setattr("flux2_core.demo.demo_models", lambda variant, device: broken)
+    monkeypatch.setattr("flux2_core.app.demo.demo_models", lambda variant, device: broken)
     assert cli.main(["--demo", "--prompt", "a fox", "--steps", "1", "--width", "64", "--height", "64",
                      "--out", str(tmp_path / "out")]) == 2
     assert "error: the decoded images hold NaN" in capsys.readouterr().err
@@ -176,10 +179,10 @@ def test_the_refusal_is_the_estimate_of_the_largest_stage(models, monkeypatch):
 def test_noise_that_cannot_fit_is_refused_before_it_is_drawn(monkeypatch):
     nbytes = 2 * 128 * (64 // 16) * (48 // 16) * 4                   # batch x channels x latent cells x float32
     monkeypatch.setattr(memory, "free_memory", lambda device: nbytes)
-    assert sampling.make_noise(2, 64, 48, 0).shape == (2, 128, 4, 3)
+    assert euler.make_noise(2, 64, 48, 0).shape == (2, 128, 4, 3)
     monkeypatch.setattr(memory, "free_memory", lambda device: nbytes - 1)
     with pytest.raises(Flux2Error, match="noise for 2 x 48x64 on cpu"):
-        sampling.make_noise(2, 64, 48, 0)
+        euler.make_noise(2, 64, 48, 0)
 
 
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="needs Linux's /proc/meminfo")
@@ -206,7 +209,7 @@ def test_large_work_is_said_before_the_first_step(models, monkeypatch):
 
 
 def test_the_cli_prints_notes_before_sampling(monkeypatch, tmp_path, capsys, models):
-    monkeypatch.setattr("flux2_core.demo.demo_models", lambda variant, device: models)
+    monkeypatch.setattr("flux2_core.app.demo.demo_models", lambda variant, device: models)
     monkeypatch.setattr(pipeline, "LARGE_PIXELS", 1000)
     monkeypatch.setattr(cli.Progress, "__call__", lambda self, step: print("STEP", file=sys.stderr))
     assert cli.main(["--demo", "--prompt", "a fox", "--steps", "1", "--width", "64", "--height", "64", "--cfg", "3",
@@ -228,7 +231,7 @@ def test_unusable_devices_are_said_before_loading(capsys, device, message):
 
 
 def test_out_of_memory_ends_in_a_message_not_a_traceback(monkeypatch, capsys, models):
-    monkeypatch.setattr("flux2_core.demo.demo_models", lambda variant, device: models)
+    monkeypatch.setattr("flux2_core.app.demo.demo_models", lambda variant, device: models)
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")

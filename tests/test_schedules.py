@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flux2_core.errors import Flux2Error
-from flux2_core.schedules import (
+from flux2_core.sampling.schedules import (
     check_sigmas,
     empirical_mu,
     flux2_schedule,
@@ -164,7 +164,7 @@ def test_steps_and_named_schedules():
 
 
 def test_strength_needs_an_image_below_one():
-    from flux2_core.schedules import check_strength
+    from flux2_core.sampling.schedules import check_strength
     assert check_strength(1.0, False) == 1.0 and check_strength(0.3, True) == 0.3
     for strength, image, what in [(0.3, False, "no image"), (float("nan"), True, "finite"), (0.0, True, r"\(0, 1\]")]:
         with pytest.raises(Flux2Error, match=what):

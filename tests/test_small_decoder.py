@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from flux2_core import memory, weights
+from flux2_core import weights
 from flux2_core.errors import Flux2Error
+from flux2_core.runtime import memory
 from tests.tiny.autoencoder import (
     TINY_AE_DIFFUSERS_CONFIG,
     bfl_state_dict,

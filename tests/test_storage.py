@@ -7,13 +7,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear, gguf_types
-from flux2_core.layers import Layers
-from flux2_core.linear import Linear, VectorLinear
-from flux2_core.quant import Fp8Linear, count_fp8
+from flux2_core.models.layers import Layers
+from flux2_core.models.transformer import Flux2Transformer
+from flux2_core.storage.ggml_layers import GGMLEmbedding, GGMLLinear, gguf_types
 from flux2_core.storage.int8 import Int8Linear
+from flux2_core.storage.linear import Linear, VectorLinear
 from flux2_core.storage.protocol import StoredLinear, call_bytes, census, stored_linears
-from flux2_core.transformer import Flux2Transformer
+from flux2_core.storage.quant import Fp8Linear, count_fp8
 from tests.tiny.transformer import TINY_TRANSFORMER
 
 OUT, IN = 48, 64

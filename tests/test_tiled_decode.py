@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from flux2_core import memory
-from flux2_core.autoencoder import AutoEncoder, tile_spans
 from flux2_core.errors import Flux2Error
+from flux2_core.models.autoencoder import AutoEncoder, tile_spans
+from flux2_core.runtime import memory
 from flux2_core.variants import FLUX2_AE
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder
 

@@ -11,7 +11,7 @@ from importlib import resources
 import pytest
 
 from flux2_core.errors import Flux2Error
-from flux2_core.tokenizer import build_qwen3_tokenizer, find_tokenizer_folder, load_tokenizer
+from flux2_core.models.tokenizer import build_qwen3_tokenizer, find_tokenizer_folder, load_tokenizer
 
 # Documented Qwen3 ids (Qwen/Qwen3-4B tokenizer_config.json), written out here independently of flux2_core.
 QWEN3_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|object_ref_start|>": 151646,
@@ -91,7 +91,7 @@ def test_build_is_offline_quick_and_cached():
 def test_the_built_tokenizer_is_kept_in_the_cache_folder(tmp_path, monkeypatch, tiktoken_qwen):
     """The first build writes tokenizer.json to $XDG_CACHE_HOME/flux2-klein-engine; later processes read it and encode
     exactly as tiktoken does; a damaged file is rebuilt and replaced; an unwritable cache folder only costs time."""
-    from flux2_core import tokenizer as tk
+    from flux2_core.models import tokenizer as tk
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     built = tk.cached_backend_tokenizer()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flux2_core import queue_client
+from flux2_core.app import queue_client
 
 ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "web"
@@ -93,7 +93,7 @@ def test_snap_to_16():
 
 @needs_node
 def test_token_estimate_is_close_to_the_qwen3_tokenizer():
-    tokenizer = pytest.importorskip("flux2_core.tokenizer").build_qwen3_tokenizer()
+    tokenizer = pytest.importorskip("flux2_core.models.tokenizer").build_qwen3_tokenizer()
     template = tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
                                              add_generation_prompt=True, enable_thinking=False)
     helpers = run_node("console.log(JSON.stringify({t: h.TEMPLATE_TOKENS, m: h.MAX_TOKENS, n: "

@@ -16,8 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flux2_core import rope, weights
+from flux2_core import weights
 from flux2_core.errors import Flux2Error
+from flux2_core.models import rope
 from flux2_core.variants import KLEIN_4B, KLEIN_9B, get_variant
 from flux2_core.weights import dequantize, loading
 from tests.tiny.autoencoder import (
@@ -242,7 +243,7 @@ PROMPTS = ["a red fox in the snow", ""]
 def te(tmp_path_factory):
     from diffusers import Flux2KleinPipeline
 
-    from flux2_core.tokenizer import build_qwen3_tokenizer
+    from flux2_core.models.tokenizer import build_qwen3_tokenizer
 
     tmp = tmp_path_factory.mktemp("te")
     model = build_tiny_qwen3(seed=0)
@@ -292,13 +293,13 @@ def test_text_encoder_matches_diffusers(te):
 def test_text_encoder_tokenizer_comes_from_the_folder(te, monkeypatch):
     """A folder's tokenizer is looked up beside its weights (tokenizer.py finds text_encoder/../tokenizer/);
     a single file gets the built-in tokenizer."""
-    from flux2_core.tokenizer import Qwen3Tokenizer, cached_backend_tokenizer
+    from flux2_core.models.tokenizer import Qwen3Tokenizer, cached_backend_tokenizer
 
     asked, folders, builtin = [], Qwen3Tokenizer(cached_backend_tokenizer()), Qwen3Tokenizer(cached_backend_tokenizer())
     monkeypatch.setattr(loading, "load_tokenizer", lambda folder: asked.append(folder) or folders)
     assert weights.load_text_encoder(te.files["diffusers-root"], device="cpu").tokenizer is folders
     assert asked == [te.files["diffusers-folder"]]
-    monkeypatch.setattr("flux2_core.text_encoder.load_tokenizer", lambda: builtin)
+    monkeypatch.setattr("flux2_core.models.text_encoder.load_tokenizer", lambda: builtin)
     assert weights.load_text_encoder(te.files["comfyui"], device="cpu").tokenizer is builtin
     assert len(asked) == 1
 

@@ -1,2 +1,3 @@
-"""Weight storage: the protocol (``protocol.py``), int8 (``int8.py``), 8-bit matmul choice (``matmul.py``); float,
-fp8 and GGUF storage are ``linear.py``, ``quant.py`` and ``ggml_layers.py``."""
+"""How weights are held at run time, each kind one class behind one protocol (``protocol``): float (``linear``), fp8
+(``quant``), int8 (``int8``), GGUF blocks (``ggml``, ``ggml_layers``); how 8-bit layers multiply (``matmul``) and the
+fused kernels they use outside compiled code (``kernels``)."""

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .. import kitchen
 from ..errors import Flux2Error
-from ..linear import item_by_item, linear
+from .linear import item_by_item, linear
 from .protocol import StoredLinear, stored_linears
 
 INT8_MAX = 127

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..quant import use_fp8_matmul
 from .int8 import use_int8_matmul
+from .quant import use_fp8_matmul
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import BinaryIO
 import torch
 
 from ..errors import Flux2Error
-from ..ggml import row_bytes
+from ..storage.ggml import row_bytes
 from .gguf_file import is_gguf, read_gguf
 from .tensors import MAX_COUNT, TORCH_DTYPES, Checkpoint, TensorInfo, element_count, short
 

@@ -18,9 +18,6 @@ from .checkpoint import Checkpoint, TensorInfo, read_tensor, short
 # Quantised weights
 # ---------------------------------------------------------------------------------------------------------------
 
-SCALE_SUFFIXES = (".weight_scale", ".scale_weight", ".weight_scale_inv")
-# keys beside the weights that are not weights (``scaled_fp8``: the marker of ComfyUI's older fp8 files)
-DROPPED_SUFFIXES = (".input_scale", ".scale_input", ".comfy_quant", ".weight_scale_2", "scaled_fp8") + SCALE_SUFFIXES
 UNSUPPORTED_SUFFIXES = {".qweight": "GPTQ/AWQ", ".qzeros": "GPTQ/AWQ", ".g_idx": "GPTQ", ".SCB": "bitsandbytes int8",
                         ".absmax": "bitsandbytes", ".quant_map": "bitsandbytes",
                         ".quant_state.bitsandbytes__nf4": "bitsandbytes nf4",

@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
 from ..errors import Flux2Error
-from ..ggml import check_supported, row_bytes, type_name
+from ..storage.ggml import check_supported, row_bytes, type_name
 from .key_mapping import describe
 from .tensors import TensorInfo, element_count, short
 

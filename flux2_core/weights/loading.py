@@ -19,16 +19,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .. import ggml
-from ..autoencoder import AutoEncoder
 from ..errors import Flux2Error
-from ..layers import Layers
-from ..quant import FP8_DTYPES, in_blocks, quantize_fp8
-from ..qwen3 import Qwen3Params
+from ..models.autoencoder import AutoEncoder
+from ..models.layers import Layers
+from ..models.qwen3 import Qwen3Params
+from ..models.text_encoder import PromptEncoder, build_qwen3_encoder, is_used, qwen3_state_dict
+from ..models.tokenizer import load_tokenizer
+from ..models.transformer import Flux2Transformer
+from ..storage import ggml
 from ..storage.int8 import quantize_int8
-from ..text_encoder import PromptEncoder, build_qwen3_encoder, is_used, qwen3_state_dict
-from ..tokenizer import load_tokenizer
-from ..transformer import Flux2Transformer
+from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, in_blocks, quantize_fp8
 from ..variants import (
     QWEN3_4B,
     QWEN3_8B,
@@ -39,7 +39,7 @@ from ..variants import (
     variant_for_params,
 )
 from .checkpoint import TORCH_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json, read_tensor
-from .dequantize import COMFY_FP8, DROPPED_SUFFIXES, SCALE_SUFFIXES, comfy_formats, dequantize, dequantize_nvfp4
+from .dequantize import COMFY_FP8, comfy_formats, dequantize, dequantize_nvfp4
 from .gguf_file import architecture, describe_gguf
 from .key_mapping import (
     AUTOENCODER_LAYOUTS,

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from flux2_core.autoencoder import AutoEncoder
-from flux2_core.demo import random_weights
+from flux2_core.app.demo import random_weights
+from flux2_core.models.autoencoder import AutoEncoder
 from flux2_core.variants import AutoEncoderParams, TransformerParams
 from tests.comfyui.host import PACK_FOLDER
 
@@ -67,7 +67,7 @@ EXTRA_PATHS = """comfyui-gguf:
 def write_tiny_models(models: Path) -> dict[str, str]:
     """Random weights in ComfyUI's model folders: BFL transformer (also as a base, a KV and an fp8mixed model),
     ComfyUI Qwen3 file, BFL autoencoders (tiny, and one of the real size). Returns {role: file name}."""
-    from flux2_core.quant import in_blocks
+    from flux2_core.storage.quant import in_blocks
     from tests.tiny.adapters import (
         adapter_state_dict,
         lora_state_dict,

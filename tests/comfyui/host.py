@@ -23,8 +23,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from flux2_core.app.queue_client import ComfyClient
 from flux2_core.errors import Flux2Error
-from flux2_core.queue_client import ComfyClient
 
 PACK_FOLDER = "flux2-klein-engine"       # the pack's folder name in custom_nodes (its registry id)
 

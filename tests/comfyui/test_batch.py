@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux2_core import BatchClient, BatchJob, queue_client, queue_command
-from flux2_core.batch_jobs import plan_jobs
-from flux2_core.batch_progress import BatchProgress
-from flux2_core.queue_client import load_workflow
-from flux2_core.queue_watch import ask_queue
-from flux2_core.uploads import read_picture, upload
+from flux2_core import BatchClient, BatchJob
+from flux2_core.app import queue_client, queue_command
+from flux2_core.app.batch_jobs import plan_jobs
+from flux2_core.app.batch_progress import BatchProgress
+from flux2_core.app.queue_client import load_workflow
+from flux2_core.app.queue_watch import ask_queue
+from flux2_core.app.uploads import read_picture, upload
 
 ROOT = Path(__file__).resolve().parents[2]
 EDIT = ROOT / "workflows" / "api" / "flux2-klein-edit.json"

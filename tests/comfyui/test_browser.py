@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageChops
 
-from flux2_core.text_encoder import count_prompt_tokens
-from flux2_core.tokenizer import load_tokenizer
+from flux2_core.models.text_encoder import count_prompt_tokens
+from flux2_core.models.tokenizer import load_tokenizer
 from tests.comfyui.host import PACK_FOLDER
 
 HERE = Path(__file__).resolve().parent

@@ -1,6 +1,6 @@
 """Inpainting in the real host: our Denoise honours the noise_mask that ComfyUI's own nodes put into a LATENT, and
 gives what ComfyUI's native FLUX.2 sampler gives on the same LATENT (UNETLoader + SamplerCustomAdvanced(euler),
-whose KSamplerX0Inpaint blends before each model call, as ours does: flux2_core/inpaint.py, BEFORE_MODEL).
+whose KSamplerX0Inpaint blends before each model call, as ours does: flux2_core/sampling/inpaint.py, BEFORE_MODEL).
 
 Same tiny weights, prompt, seed and sigmas on both sides, float32 on CPU; the mask is a PNG read by LoadImageMask.
 The measured differences are printed (pytest -s). With a black-and-white mask the two blending conventions give the

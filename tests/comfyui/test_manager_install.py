@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flux2_core import queue_client
+from flux2_core.app import queue_client
 from tests.comfyui.base_dir import build_base
 from tests.comfyui.host import PACK_FOLDER, ComfyServer, HostClient, write_torch_stubs
 from tests.comfyui.test_pack_loads import declared_node_ids

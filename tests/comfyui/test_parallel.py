@@ -15,11 +15,11 @@ CASE = {"prompt": "a red fox on two ranks", "seed": 12, "steps": 3, "width": 64,
 
 
 def follower_pids() -> list[int]:
-    """The running follower processes (python -m flux2_core.followers) on this machine."""
+    """The running follower processes (python -m flux2_core.runtime.followers) on this machine."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
-            if (proc.name.isdigit() and b"flux2_core.followers" in (proc / "cmdline").read_bytes()
+            if (proc.name.isdigit() and b"flux2_core.runtime.followers" in (proc / "cmdline").read_bytes()
                     and (proc / "stat").read_text().split()[2] != "Z"):
                 found.append(int(proc.name))
         except OSError:

@@ -13,7 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from flux2_core import pipeline, quant
+from flux2_core import pipeline
+from flux2_core.storage import quant
 from tests.comfyui import graphs
 
 SIZE = {"width": 64, "height": 48}
@@ -139,7 +140,7 @@ def test_fp8_option_quantizes_a_full_precision_file(comfy):
 
 
 def test_a_distilled_model_ignores_cfg_in_the_node_as_in_flux2_core(comfy, direct_models):
-    """One guidance rule for both (sampling.guidance_for): a distilled model given a negative and cfg 3 runs one pass
+    """One guidance rule for both (euler.guidance_for): a distilled model given a negative and cfg 3 runs one pass
     per step in the node, as pipeline.generate does (and BFL's and diffusers' pipelines), and both say so. ComfyUI's
     own CFGGuider, which knows no variants, would run CFG here: this case is ours alone."""
     case = {"prompt": "a red fox in the snow", "seed": 7, "steps": 3, "cfg": 3.0, "negative": ""}

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from flux2_core.text_encoder import count_prompt_tokens
-from flux2_core.tokenizer import load_tokenizer
+from flux2_core.models.text_encoder import count_prompt_tokens
+from flux2_core.models.tokenizer import load_tokenizer
 from tests.comfyui import graphs
 from tests.comfyui.host import post_raw as post
 

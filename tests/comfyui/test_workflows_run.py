@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from flux2_core import queue_client, queue_command
+from flux2_core.app import queue_client, queue_command
 
 ROOT = Path(__file__).resolve().parents[2]
 API_FILES = sorted((ROOT / "workflows" / "api").glob("*.json"))

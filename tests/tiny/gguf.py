@@ -131,7 +131,7 @@ def hf_names(llama_values: dict[str, torch.Tensor], hf_keys) -> dict[str, torch.
 def qwen3_tokens(vocab_size: int) -> list[str]:
     """The ``tokenizer.ggml.tokens`` of a Qwen3 GGUF with ``vocab_size`` rows: Qwen3's own tokens by id (what
     llama.cpp writes; the loader checks them against the built-in tokenizer), padding names for the spare rows."""
-    from flux2_core.tokenizer import build_qwen3_tokenizer
+    from flux2_core.models.tokenizer import build_qwen3_tokenizer
 
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     for token, i in build_qwen3_tokenizer().get_vocab().items():

@@ -12,10 +12,11 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from flux2_core import parallel, rope, sampling
 from flux2_core.errors import Flux2Error
-from flux2_core.followers import free_port
-from flux2_core.transformer import Flux2Transformer
+from flux2_core.models import parallel, rope
+from flux2_core.models.transformer import Flux2Transformer
+from flux2_core.runtime.followers import free_port
+from flux2_core.sampling import euler
 from flux2_core.variants import TransformerParams
 from tests.memory import peak_bytes
 from tests.tiny.transformer import random_bfl_transformer_state_dict
@@ -39,29 +40,29 @@ def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
     x = torch.randn(1, 128, 3, 5, generator=g)
     txt = torch.randn(1, TXT_TOKENS, SIX_HEADS.context_in_dim, generator=g)
     if name == "t2i":
-        return {"latents": sampling.denoise(model, x, SIGMAS, txt)}
+        return {"latents": euler.denoise(model, x, SIGMAS, txt)}
     if name == "cfg":
         negative = torch.randn(1, TXT_TOKENS, SIX_HEADS.context_in_dim, generator=g)
-        return {"latents": sampling.denoise(model, x.repeat(2, 1, 1, 1), SIGMAS, txt, negative_txt=negative, cfg=3.5)}
+        return {"latents": euler.denoise(model, x.repeat(2, 1, 1, 1), SIGMAS, txt, negative_txt=negative, cfg=3.5)}
     if name == "small_ref":         # 2 reference tokens over 3 ranks: the reference pass leaves one rank none
         ref, ref_ids = torch.randn(1, 2, 128, generator=g), rope.reference_ids([(1, 2)])
         kv = model.reference_kv(ref, ref_ids)
-        return {"latents": sampling.denoise(model, x, SIGMAS, txt, ref_kv=kv, kv=True)}
+        return {"latents": euler.denoise(model, x, SIGMAS, txt, ref_kv=kv, kv=True)}
     grids = [(2, 3), (3, 3), (1, 5)]
     ref = torch.randn(1, sum(h * w for h, w in grids), 128, generator=g)
     ref_ids = rope.reference_ids(grids)
     if name == "refs":
-        return {"latents": sampling.denoise(model, x, SIGMAS, txt, ref=ref, ref_ids=ref_ids)}
+        return {"latents": euler.denoise(model, x, SIGMAS, txt, ref=ref, ref_ids=ref_ids)}
     if name == "kv":
         kv = model.reference_kv(ref, ref_ids)
-        first = sampling.denoise(model, x, SIGMAS, txt, ref_kv=kv, kv=True)
+        first = euler.denoise(model, x, SIGMAS, txt, ref_kv=kv, kv=True)
         other = torch.randn(1, TXT_TOKENS, SIX_HEADS.context_in_dim, generator=g)
-        return {"latents": first, "again": sampling.denoise(model, x, SIGMAS, other, ref_kv=kv, kv=True)}
+        return {"latents": first, "again": euler.denoise(model, x, SIGMAS, other, ref_kv=kv, kv=True)}
     if name == "quiet_calls":       # calls with no collectives, which slow followers read late, then a denoise
         sp = model.sequence_parallel
         for _ in range(3):
             sp.call(lambda: None, "nothing", {})
-        return {"latents": sampling.denoise(model, x, SIGMAS, txt)}
+        return {"latents": euler.denoise(model, x, SIGMAS, txt)}
     if name == "memory":            # one pass over many tokens, each rank's peak measured (measure_passes)
         img = torch.randn(2, MEMORY_GRID[0] * MEMORY_GRID[1], 128, generator=g)
         txt = torch.randn(2, MEMORY_TXT, SIX_HEADS.context_in_dim, generator=g)
@@ -72,13 +73,13 @@ def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
         old = model.reference_kv(ref, ref_ids)
         model.reference_kv(ref[:, :6], ref_ids[:, :6])
         try:
-            sampling.denoise(model, x, SIGMAS, txt, ref_kv=old, kv=True)
+            euler.denoise(model, x, SIGMAS, txt, ref_kv=old, kv=True)
         except Flux2Error as e:
             return {"error": torch.tensor(list(str(e).encode()), dtype=torch.uint8)}
         return {}
     if name == "rank_dies":
         try:
-            sampling.denoise(model, x, SIGMAS, txt)
+            euler.denoise(model, x, SIGMAS, txt)
         except Flux2Error as e:
             return {"error": torch.tensor(list(str(e).encode()), dtype=torch.uint8)}
         return {}

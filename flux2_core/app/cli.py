@@ -1,0 +1,547 @@
+"""``flux2-klein`` / ``python -m flux2_core``: PNGs from a prompt and optional reference images (``generate``, the
+default command), or ``queue`` (``queue_command.py``). Weights come from a ComfyUI models folder (``--models``) or
+explicit paths, which win; every PNG carries its settings as JSON in a tEXt chunk named ``parameters``. Under
+torchrun the ranks share the work (``--parallel``): "sequence" spreads each image's transformer passes over them
+(rank 0 alone runs the text encoder and autoencoder), "data" gives each rank a whole pipeline and a share of images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+from ..errors import Flux2Error
+from ..variants import VARIANTS, Variant
+from .outputs import check_folder, write_new
+
+# ComfyUI model folders (and their legacy names) and the usual file names in them.
+TRANSFORMER_FOLDERS = ("diffusion_models", "unet")
+TEXT_ENCODER_FOLDERS = ("text_encoders", "clip")
+AE_FOLDERS = ("vae",)
+AE_FILES = ("flux2-vae.safetensors", "ae.safetensors", "full_encoder_small_decoder.safetensors")
+KLEIN = [name for name in VARIANTS if name != "dev"]   # what --models searches for, in this order
+DEMO_SIZE = 256
+# --offload: (text encoder, transformer blocks) as pipeline.load_models' offload_encoder and offload_blocks take them
+OFFLOAD = {"auto": ("auto", "auto"), "none": (False, False), "encoder": (True, False), "blocks": (True, True)}
+YES_NO = {"auto": "auto", "yes": True, "no": False}
+
+
+def program() -> str:
+    return "python -m flux2_core" if Path(sys.argv[0]).parts[-2:] == ("flux2_core", "__main__.py") else "flux2-klein"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=program(), formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [generate] --prompt TEXT [options]\n       %(prog)s queue WORKFLOW.json [--server HOST:PORT] "
+              "[options]",
+        description="FLUX.2 Klein: PNGs from a prompt and optional reference images.",
+        epilog="commands:\n"
+               "  generate  the default: make PNGs on this machine, with the options above\n"
+               "  queue     send an API-format workflow (workflows/api/*.json) to a running ComfyUI\n"
+               "            and download its images; its options: %(prog)s queue --help")
+    p.add_argument("--prompt", required=True, action="append",
+                   help="what to generate (or how to edit the references); repeat for several prompts, each making "
+                        "--batch images")
+    p.add_argument("--ref", action="append", default=[], metavar="IMG", help="a reference image (repeatable)")
+    p.add_argument("--width", type=int, help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
+    p.add_argument("--height", type=int, help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
+    p.add_argument("--steps", type=int, help="sampling steps (default: the model's, 4 distilled / 50 base)")
+    p.add_argument("--cfg", type=float, help="guidance scale for base models (default 4; distilled models ignore it)")
+    p.add_argument("--negative", default="", help="negative prompt for base models with CFG (default empty)")
+    p.add_argument("--seed", type=int, help="seed of the first image; image i uses seed + i (default: random)")
+    p.add_argument("--batch", type=int, default=1, help="number of images (default 1)")
+    p.add_argument("--image", metavar="IMG", help="image-to-image: start from this image")
+    p.add_argument("--mask", metavar="MASK", help="inpainting: repaint the white areas of this mask over --image, keep "
+                                                "the black ones (grey blends); the same size as the image")
+    p.add_argument("--expand", metavar="L,T,R,B",
+                   help="outpainting: add LEFT,TOP,RIGHT,BOTTOM pixels around --image (each rounded up to a multiple "
+                        "of 16) and paint them, fading into the image over 32 pixels so the seam is repainted too "
+                        "(the image itself is kept: its latent stays the image's); the output is the whole canvas")
+    p.add_argument("--strength", type=float, default=1.0,
+                   help="image-to-image and inpainting denoise strength in (0, 1] (default 1)")
+    p.add_argument("--out", default="output", help="folder for the PNGs (default output/); existing files are kept, "
+                   "a taken name gets -1, -2, ...")
+    p.add_argument("--models", metavar="DIR", help="ComfyUI's models folder (the one holding diffusion_models/, "
+                   "text_encoders/ and vae/): the weights are looked up there by their usual names")
+    p.add_argument("--transformer", metavar="PATH", help="FLUX.2 Klein diffusion model file (.safetensors or .gguf) or "
+                   "diffusers folder")
+    p.add_argument("--text-encoder", metavar="PATH", help="Qwen3 text encoder file (.safetensors or .gguf) or folder")
+    p.add_argument("--ae", metavar="PATH", help="FLUX.2 autoencoder file (flux2-vae.safetensors / ae.safetensors; "
+                   "BFL's full_encoder_small_decoder.safetensors decodes faster)")
+    p.add_argument("--decoder", metavar="PATH",
+                   help="a decoder on its own (BFL's small_decoder.safetensors, about 44%% fewer parameters, visually "
+                        "the same pictures) to decode with instead of the autoencoder's own; the autoencoder (--ae or "
+                        "--models) still encodes and gives the latent statistics")
+    p.add_argument("--variant", choices=sorted(VARIANTS), help="model variant (default: detected from the weights)")
+    p.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                   help="transformer and text-encoder dtype (default bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--bfl-noise", action="store_true",
+                   help="draw noise like the reference CLI (bf16 on the device) instead of float32 on the CPU")
+    p.add_argument("--fp8", nargs="?", choices=["auto", "yes", "no"], const="yes", default="auto",
+                   help="transformer weights in fp8 (e4m3, one scale per row), computed in the --dtype. --fp8 (yes): "
+                        "every block, quantized as it loads: about half the memory of bf16 (Klein 4B: 7.5 -> 3.8 GB), "
+                        "images differ slightly. auto (default): an fp8 file's fp8 layers stay fp8, with its own "
+                        "scales. no: an fp8 file is dequantized to the --dtype")
+    p.add_argument("--int8", action="store_true",
+                   help="transformer block weights in int8 (one scale per row), quantized as they load from any file "
+                        "(bf16, fp8, GGUF): about half the memory of bf16; multiplied in int8 with the activations "
+                        "quantized per token (comfy-kitchen's int8_linear) on NVIDIA GPUs from Turing on (RTX 20xx, "
+                        "30xx, A100: no fp8 tensor cores needed) and on CPUs in float32, else computed in the "
+                        "--dtype; images differ slightly")
+    p.add_argument("--fp8-matmul", choices=["auto", "yes", "no"], default="auto",
+                   help="multiply fp8 weights in fp8 (torch._scaled_mm: activations quantized per token; faster, "
+                        "results differ slightly). auto (default): whenever the weights are fp8 and the GPU has fp8 "
+                        "tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell) with bfloat16 compute")
+    p.add_argument("--compile-decoder", action="store_true",
+                   help="torch.compile the autoencoder's decoder: the first picture of each size pays the compile, "
+                        "later ones decode faster; worth it for many pictures of one size")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the transformer blocks: the first step pays the compile (about a minute on a "
+                        "GPU, several on a CPU), later steps of the same size run faster; worth it for many steps or "
+                        "a large --batch, not for one quick image")
+    p.add_argument("--offload", choices=list(OFFLOAD), default="auto",
+                   help="what waits in CPU memory so that a smaller GPU suffices. none: everything on the GPU. "
+                        "encoder: the text encoder rests on the CPU between prompts (Qwen3-4B about 6 GB, 8B about "
+                        "12 GB in bf16), costing a copy to the GPU for each new prompt. blocks: that, and the "
+                        "transformer's blocks that do not fit beside the working memory of a --width x --height "
+                        "image (default 1024^2) stay in pinned CPU memory and are copied to the GPU as they run, "
+                        "every step (Klein 9B on a 12 GB card; slower, more so without --fp8). auto (default): on "
+                        "CUDA, each only when the free memory is short. Not used with --demo")
+    p.add_argument("--offload-encoder", choices=["auto", "yes", "no"],
+                   help="the text encoder alone, overriding --offload's choice for it: yes rests it on the CPU, no "
+                        "keeps it on the GPU, auto when free memory is short")
+    p.add_argument("--lora", action="append", default=[], metavar="FILE[:STRENGTH]",
+                   help="apply a LoRA / LoKr / LoHa / DoRA file (ai-toolkit, kohya/musubi, diffusers/PEFT, ComfyUI, "
+                        "LyCORIS formats) with a strength (default 1); repeat for several. Merged into full-precision "
+                        "weights (no cost per step), run beside fp8 ones. Prints what each file matched")
+    p.add_argument("--lora-merge", action="store_true",
+                   help="merge the LoRAs into fp8 weights too (dequantized, patched and quantized again: no cost per "
+                        "step, one more fp8 rounding) instead of running them beside the fp8 weights")
+    p.add_argument("--parallel", choices=["sequence", "data"], default="sequence",
+                   help="under torchrun --nproc-per-node N (one process per GPU): sequence (default) spreads every "
+                        "image over the N processes, for one large image sooner; the number of attention heads must be "
+                        "divisible by N (Klein 4B: 24 heads, 9B: 32). data: each process makes its share of the images "
+                        "(prompts x --batch) with its own copy of the models")
+    p.add_argument("--demo", action="store_true",
+                   help="tiny built-in RANDOM weights: checks the install, makes noise-like pictures")
+    return p
+
+
+# --- finding weights ------------------------------------------------------------------------------------------------
+
+def _first_file(models: Path, folders: tuple[str, ...], names: tuple[str, ...], gguf_stem: str = "") -> Path | None:
+    """The first of ``names`` found in the folders, else the first GGUF named ``<gguf_stem>-<quant>.gguf`` (the
+    quant starts with Q, IQ, BF or F: Q4_K_M, BF16, ...; so flux-2-klein-9b-kv-*.gguf is not a klein-9b file)."""
+    for name in names:
+        for folder in folders:
+            if (models / folder / name).is_file():
+                return models / folder / name
+    for folder in folders:
+        found = sorted((models / folder).glob(f"{gguf_stem}-[QqIiBbFf]*.gguf")) if gguf_stem else []
+        if found:
+            return found[0]
+    return None
+
+
+def _needed(variant: Variant) -> list[str]:
+    return [f"  {TRANSFORMER_FOLDERS[0]}/{' or '.join(variant.files)} (or {variant.gguf_stem}-<quant>.gguf)",
+            (f"  {TEXT_ENCODER_FOLDERS[0]}/{' or '.join(variant.text_encoder.files)} "
+             f"(or {variant.text_encoder.gguf_stem}-<quant>.gguf)"),
+            f"  {AE_FOLDERS[0]}/{' or '.join(AE_FILES)}"]
+
+
+def find_weights(models: str | None, variant: str | None, transformer: str | None = None,
+                 text_encoder: str | None = None, ae: str | None = None) -> tuple[Path, Path, Path]:
+    """Explicit paths, the rest from the models folder. Without a variant the first Klein model found decides, and
+    the text encoder must be its own; Flux2Error lists exactly the files missing."""
+    folder = Path(models).expanduser() if models else None
+    if folder is not None and not folder.is_dir():
+        raise Flux2Error(f"--models {models}: no such folder; pass ComfyUI's models folder (the one holding "
+                         "diffusion_models/, text_encoders/ and vae/)")
+    candidates = [VARIANTS[variant]] if variant else [VARIANTS[name] for name in KLEIN]
+    chosen = candidates[0]
+    if transformer is None and folder is not None:
+        for v in candidates:
+            if found := _first_file(folder, TRANSFORMER_FOLDERS, v.files, v.gguf_stem):
+                transformer, chosen = found, v
+                break
+    if folder is not None:
+        text_encoder = text_encoder or _first_file(folder, TEXT_ENCODER_FOLDERS, chosen.text_encoder.files,
+                                                   chosen.text_encoder.gguf_stem)
+        ae = ae or _first_file(folder, AE_FOLDERS, AE_FILES)
+    missing = [what for what, path in (("--transformer", transformer), ("--text-encoder", text_encoder),
+                                       ("--ae", ae)) if path is None]
+    if missing:
+        where = f"in {folder}" if folder else "(no --models folder given)"
+        options = "\n".join(f"for {v.name}:\n" + "\n".join(_needed(v)) for v in candidates)
+        raise Flux2Error(f"no weights found {where} for {', '.join(missing)}. Either pass --models with the path of "
+                         f"a ComfyUI models folder that holds the files below (each in the subfolder shown), or give "
+                         f"each file with --transformer, --text-encoder and --ae. No weights at hand? --demo runs "
+                         f"with random ones.\n{options}")
+    return Path(transformer), Path(text_encoder), Path(ae)
+
+
+# --- progress and output ---------------------------------------------------------------------------------------------
+
+class Progress:
+    """tqdm when installed, else a line rewritten in place (stderr)."""
+
+    def __init__(self):
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        self.tqdm, self.bar = tqdm, None
+
+    def __call__(self, step) -> None:
+        if self.tqdm is not None:
+            if self.bar is None:
+                self.bar = self.tqdm(total=step.total, desc="sampling", unit="step", file=sys.stderr)
+            self.bar.update(1)
+            if step.index + 1 == step.total:
+                self.bar.close()
+                self.bar = None
+            return
+        end = "\n" if step.index + 1 == step.total else ""
+        print(f"\rsampling: step {step.index + 1}/{step.total} (sigma {step.sigma_next:.3f})", end=end,
+              file=sys.stderr, flush=True)
+
+
+def save_png(image, file, parameters: dict) -> None:
+    """uint8 [H, W, 3] -> PNG (into an open binary file) with ``parameters`` as JSON in a tEXt chunk."""
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("parameters", json.dumps(parameters, ensure_ascii=False))
+    info.add_text("Software", "flux2-klein-engine")
+    Image.fromarray(image.numpy()).save(file, format="PNG", pnginfo=info)
+
+
+def open_image(path: str):
+    """--ref / --image / --mask files: bounded, upright, 16-bit scaled RGB (``references.open_image``)."""
+    from ..sampling.references import open_image as decode
+
+    return decode(path)
+
+
+# --- the command --------------------------------------------------------------------------------------------------
+
+def check_early(args, refs) -> None:
+    """The engine's own rules, checked before loading weights (minutes), with the option's name in front."""
+    from .. import latents
+    from ..sampling import euler, inpaint, schedules
+    from ..sampling.references import check_reference
+
+    rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or latents.latent_size(
+                 16 if args.height is None else args.height, 16 if args.width is None else args.width)),
+             (["--steps"], lambda: args.steps is None or schedules.check_steps(args.steps)),
+             # a size whose flux2 schedule breaks at 4 steps (the least demanding default) breaks at any default
+             (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or schedules.flux2_schedule(
+                 args.steps or 4, math.prod(latents.latent_size(args.height, args.width)))),
+             (["--cfg"], lambda: args.cfg is None or euler.check_cfg(args.cfg)),
+             (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None)),
+             (["--mask"], lambda: inpaint.check_source(args.mask is not None, args.image is not None)),
+             (["--expand"], lambda: args.expand is None or inpaint.parse_expand(args.expand)),
+             (["--expand"], lambda: args.expand is None or inpaint.check_outpaint(args.image is not None,
+                                                                                  args.mask is not None))]
+    for options, rule in rules:
+        try:
+            rule()
+        except Flux2Error as e:
+            raise Flux2Error(f"{'/'.join(options)}: {e}") from None
+    if args.batch < 1:
+        raise Flux2Error(f"--batch must be >= 1, got {args.batch}")
+    if args.demo and args.decoder:
+        raise Flux2Error("--decoder replaces the decoder of a real autoencoder; --demo has none: leave one out")
+    if args.int8 and args.fp8 == "yes":
+        raise Flux2Error("--int8 and --fp8 both choose how the blocks' weights are stored: pick one")
+    for i, ref in enumerate(refs):
+        check_reference(ref, i)
+    for path, strength in map(lora_argument, args.lora):
+        if not math.isfinite(strength):
+            raise Flux2Error(f"--lora {path}: the strength must be a finite number, got {strength}")
+        if not Path(path).expanduser().is_file():
+            raise Flux2Error(f"--lora {path}: no such file; give the path of a .safetensors LoRA, optionally with "
+                             f":STRENGTH (e.g. --lora style.safetensors:0.8)")
+
+
+def lora_argument(text: str) -> tuple[str, float]:
+    """--lora FILE[:STRENGTH] -> (file, strength); a strength is a number after the last colon (so C:\\x works)."""
+    path, _, strength = text.rpartition(":")
+    try:
+        return (path, float(strength)) if path else (text, 1.0)
+    except ValueError:
+        return text, 1.0
+
+
+def report_streaming(model, compiled: bool) -> None:
+    from ..runtime.memory import GIB
+    from ..runtime.offload import streamed_blocks, streaming
+
+    streamed = streamed_blocks(model)
+    if not streamed:
+        return
+    total = len(model.double_blocks) + len(model.single_blocks)
+    print(f"note: {len(streamed)} of {total} transformer blocks ({streaming(model).streamed_bytes / GIB:.1f} GiB) do "
+          f"not fit the GPU and are copied from CPU memory at every step (--offload)", file=sys.stderr)
+    if compiled:
+        print("note: --compile compiles only the blocks that stay on the GPU; the streamed blocks run uncompiled",
+              file=sys.stderr)
+
+
+def generate_command(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    out = check_folder(args.out, "--out")          # before anything slow: a wrong --out must not cost a generation
+    from ..pipeline import DEFAULT_SIZE
+    from ..sampling.references import MAX_IMAGE_PIXELS, grid_size
+
+    refs = [open_image(p) for p in args.ref]
+    image = open_image(args.image) if args.image else None
+    check_early(args, refs)
+    mask = open_image(args.mask) if args.mask else None
+    if image is not None:                # before any model loads (a mask is fitted to the image: the image decides)
+        grid_size(*image.size, f"--image {args.image}")
+    if args.expand:                      # outpainting: the canvas and its mask become the image and the mask
+        from ..sampling import inpaint, schedules
+
+        limit = min(MAX_IMAGE_PIXELS, schedules.max_image_tokens(args.steps or 4) * 16 * 16)   # as any input, any size
+        canvas = inpaint.expand_canvas(image, inpaint.parse_expand(args.expand), max_pixels=limit)
+        image, mask = canvas.image, canvas.mask
+    sp = join_ranks(args)
+    seed = shared_seed(args.seed, sp)
+    sequence = sp is not None and args.parallel == "sequence"
+    if sequence and not sp.driver:
+        return follow(args, sp)
+    width, height = args.width, args.height
+    if args.demo and not refs and image is None:
+        width, height = width or DEMO_SIZE, height or DEMO_SIZE
+    started = time.time()
+    try:
+        models, files = load_for_command(args, sp.device if sp else args.device, (width or DEFAULT_SIZE,
+                                                                                  height or DEFAULT_SIZE))
+        if sequence:
+            from ..models.parallel import attach
+
+            attach(models.transformer, sp)
+            files["parallel"] = f"sequence, {sp.world} ranks"
+        share = (sp.rank, sp.world) if sp is not None and not sequence else (0, 1)
+        jobs = image_jobs(len(args.prompt), args.batch, seed, *share)
+        made = 0
+        for index, first, count in jobs:
+            result = models_generate(models, args, args.prompt[index], first, count, refs, image, mask, width, height)
+            name = f"flux2_p{index + 1}_{{}}.png" if len(args.prompt) > 1 else "flux2_{}.png"
+            for img, img_seed in zip(result.images, result.seeds):
+                parameters = {**result.settings, "seed": img_seed, **files}
+                parameters.pop("batch")
+                print(write_new(out, name.format(img_seed), partial(save_png, img, parameters=parameters)))
+            made += len(result.seeds)
+    finally:
+        if sequence:
+            sp.stop()                    # the followers return; then the group closes
+        elif sp is not None:
+            from ..models.parallel import leave
+
+            leave()
+    where = f" (rank {sp.rank} of {sp.world})" if sp is not None and not sequence else ""
+    print(f"{made} image(s) in {out}{where} ({time.time() - started:.1f}s)", file=sys.stderr)
+    return 0
+
+
+def load_for_command(args, device, size: tuple[int, int]):
+    """(the models, LoRAs applied and optimized as asked; what the PNGs say about them)."""
+    import torch
+
+    from ..pipeline import apply_adapters, load_models, optimize_transformer
+    from ..storage.matmul import choose_matmuls
+    from ..storage.protocol import census
+
+    offload, offload_blocks = encoder_offload(args), OFFLOAD[args.offload][1]
+    if args.demo:
+        from .demo import demo_models
+
+        print("DEMO MODE: tiny built-in RANDOM weights. The pictures are noise; this only checks that every stage "
+              "runs. Use --models or --transformer/--text-encoder/--ae for real images.")
+        models, files = demo_models(args.variant or "klein-4b", device or "cpu"), {"weights": "demo (random)"}
+    else:
+        paths = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae)
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        print(f"loading {paths[0].name}, {paths[1].name}, {paths[2].name}", file=sys.stderr)
+        models = load_models(*paths, device=device, dtype=dtype, variant=args.variant,
+                             fp8={"auto": None, "yes": True, "no": False}[args.fp8], int8=args.int8,
+                             offload_encoder=offload, offload_blocks=offload_blocks, size=size, decoder=args.decoder)
+        files = {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
+        if args.decoder:
+            files["decoder"] = Path(args.decoder).name
+    optimize_transformer(models, fp8=args.demo and args.fp8 == "yes", int8=args.demo and args.int8)  # files: on load
+    if args.lora:
+        loras = [lora_argument(a) for a in args.lora]
+        for line in apply_adapters(models, loras, merge=True if args.lora_merge else None):
+            print(f"LoRA {line}", file=sys.stderr)
+        files["loras"] = [{"file": Path(path).name, "strength": strength} for path, strength in loras]
+    optimize_transformer(models, compile=args.compile)                          # after the LoRAs: a compiled graph
+    if args.compile_decoder:
+        from ..runtime.compile import compile_decoder
+
+        compile_decoder(models.autoencoder)
+    report_streaming(models.transformer, args.compile)
+    stored = [kind for kind in census(models.transformer) if kind != "float"]
+    if stored:
+        files["transformer_weights"] = "+".join(stored)          # e.g. "fp8", "Q4_K+Q6_K", "int8"
+    matmuls = choose_matmuls(models.transformer, models.device, models.transformer.img_in.weight.dtype,
+                             fp8=YES_NO[args.fp8_matmul])
+    for note in matmuls.notes:
+        print(note, file=sys.stderr)
+    for kind, on, note in (("fp8", matmuls.fp8, matmuls.fp8_note), ("int8", matmuls.int8, matmuls.int8_note)):
+        if note:
+            files[f"{kind}_matmul"] = "on" if on else "off"
+    return models, files
+
+
+def encoder_offload(args):
+    """Where the text encoder rests: --offload-encoder, else what --offload says for it."""
+    return OFFLOAD[args.offload][0] if args.offload_encoder is None else YES_NO[args.offload_encoder]
+
+
+def models_generate(models, args, prompt: str, seed: int, batch: int, refs, image, mask, width, height):
+    from ..pipeline import generate
+
+    return generate(models, prompt, references=refs, width=width, height=height, steps=args.steps, cfg=args.cfg,
+                    negative=args.negative, seed=seed, batch=batch, image=image, mask=mask, strength=args.strength,
+                    bfl_cuda_noise=args.bfl_noise, offload_encoder=encoder_offload(args), callback=Progress(),
+                    warn=lambda note: print(f"note: {note}", file=sys.stderr, flush=True))
+
+
+# --- several processes (torchrun) -----------------------------------------------------------------------------------
+
+def join_ranks(args):
+    """``parallel.SequenceParallel`` under torchrun, else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from ..models import parallel
+
+    if args.compile:
+        raise Flux2Error("--compile does not run across several processes yet: leave it out under torchrun")
+    if args.parallel == "sequence" and args.offload == "blocks":
+        raise Flux2Error("--offload blocks does not run across several processes: the ranks already share the "
+                         "transformer's work; leave it out, or use --parallel data")
+    # data parallel needs the group only to agree on the seed: gloo, whatever the devices
+    return parallel.start_from_env(args.device, backend="gloo" if args.parallel == "data" else None)
+
+
+def shared_seed(seed: int | None, sp) -> int:
+    """--seed, or a random one; every rank takes rank 0's."""
+    import torch
+    import torch.distributed as dist
+
+    seed = seed if seed is not None else random.randrange(2 ** 31)
+    if sp is None:
+        return seed
+    value = torch.tensor([seed], dtype=torch.int64, device=sp.device if dist.get_backend() == "nccl" else "cpu")
+    dist.broadcast(value, 0)
+    return int(value.item())
+
+
+def image_jobs(prompts: int, batch: int, seed: int, rank: int = 0, world: int = 1) -> list[tuple[int, int, int]]:
+    """(prompt index, first seed, count) of this rank's contiguous share of every prompt's ``batch`` images."""
+    from ..models.parallel import shares
+
+    items = [(prompt, seed + i) for prompt in range(prompts) for i in range(batch)]
+    sizes = shares(len(items), world)
+    items = items[sum(sizes[:rank]):sum(sizes[:rank + 1])]
+    jobs: list[tuple[int, int, int]] = []
+    for prompt, item_seed in items:
+        if jobs and jobs[-1][0] == prompt and jobs[-1][1] + jobs[-1][2] == item_seed:
+            jobs[-1] = (prompt, jobs[-1][1], jobs[-1][2] + 1)
+        else:
+            jobs.append((prompt, item_seed, 1))
+    return jobs
+
+
+def follow(args, sp) -> int:
+    """A sequence-parallel follower: the transformer alone, loaded as the driver's, serving its passes."""
+    from ..adapters.lora import read_adapter
+    from ..adapters.patching import set_adapters
+    from ..models import parallel
+    from ..runtime.followers import TransformerSource
+    from ..storage.matmul import choose_matmuls
+
+    if args.demo:
+        from .demo import demo_transformer
+
+        model = demo_transformer(sp.device)
+        if args.fp8 == "yes":
+            from ..storage.quant import quantize_transformer
+
+            quantize_transformer(model)
+        if args.int8:
+            from ..storage.int8 import quantize_blocks
+            from ..storage.quant import in_blocks
+
+            quantize_blocks(model, in_blocks)
+        choose_matmuls(model, sp.device, model.img_in.weight.dtype, fp8=YES_NO[args.fp8_matmul])
+    else:                           # as the followers ComfyUI's process starts load
+        path = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae)[0]
+        source = TransformerSource.of(path, args.dtype, {"auto": None, "yes": True, "no": False}[args.fp8],
+                                      args.variant, int8=args.int8)
+        model = source.load(sp.device, fp8_matmul=YES_NO[args.fp8_matmul])
+    if args.lora:
+        read = [(read_adapter(path, model.params), strength) for path, strength in map(lora_argument, args.lora)]
+        set_adapters(model, [(patch, s) for a, s in read for patch in a.patches], merge=True if args.lora_merge else None)
+    parallel.serve(model, sp)
+    parallel.leave()
+    return 0
+
+
+@contextlib.contextmanager
+def denormals_flushed():
+    """Subnormals (below 1e-38, e.g. SiLU of a large negative gate) slow CPU matmuls 10-100x; flushed, nothing
+    visible changes. Restored after (torch has no getter: a subnormal times one reads 0 when flushing is on)."""
+    import torch
+
+    was = torch.tensor([1e-39]).mul(1.0).item() == 0.0
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(was)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["queue"]:
+        from .queue_command import main as queue_main
+
+        return queue_main(argv[1:], prog=f"{program()} queue")
+    if argv[:1] == ["generate"]:
+        argv = argv[1:]
+    elif argv and not argv[0].startswith("-"):
+        print(f"{program()}: unknown command {argv[0]!r}; use generate (the default) or queue (see --help)",
+              file=sys.stderr)
+        return 2
+    try:
+        with denormals_flushed():
+            return generate_command(argv)
+    except Flux2Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except MemoryError as e:       # the estimates refuse most sizes first; what slips past ends here, not a traceback
+        print(f"error: out of memory ({e or 'CPU'}): use a smaller size, batch or fewer references, or --offload "
+              "blocks / --fp8 on a GPU", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        if not any(text in str(e).lower() for text in ("out of memory", "can't allocate memory")):
+            raise
+        print(f"error: out of memory ({str(e).splitlines()[0]}): use a smaller size, batch or fewer references, or "
+              "--offload blocks / --fp8 on a GPU", file=sys.stderr)
+        return 2

@@ -1,0 +1,228 @@
+"""A batch's output folder: its jobs' images and manifest.json, the record of what each job did.
+
+Nothing half-written ever carries a real name: images and the manifest are written under a hidden temp name
+(.flux2-batch-*.part, removed by the next run) and renamed once whole; image names are claimed with a hard link (or
+O_EXCL), which never replaces a file. A lock keeps two batches apart, and one folder holds one workflow's batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from ..errors import Flux2Error
+from .outputs import check_folder
+
+try:
+    import fcntl
+except ImportError:              # Windows: no lock, and stale temp files are left for the user
+    fcntl = None
+
+NAME = "manifest.json"
+FORMAT = "flux2-klein batch manifest 1"
+TEMP = ".flux2-batch-"           # prefix of every temp file a batch writes in its folder
+LOCK = ".flux2-batch.lock"
+
+
+@dataclass
+class JobRecord:
+    """`files`: names in the folder, in the order the workflow saved them."""
+
+    id: str
+    key: str                     # batch_jobs.job_key: the same key means the same job
+    status: str                  # "done" or "failed"
+    files: list[str] = field(default_factory=list)
+    server: str = ""
+    error: str = ""
+    seconds: float = 0.0
+    source: str = ""
+
+
+@dataclass
+class Staged:
+    temp: str                    # the temp file's path
+    suffix: str                  # how its published name ends (".png")
+
+
+class Manifest:
+    def __init__(self, folder: Path, workflow: str, workflow_key: str = ""):
+        self.folder, self.workflow, self.workflow_key = folder, workflow, workflow_key
+        self.path = folder / NAME
+        self.records: dict[str, JobRecord] = {}
+        self.replaced: dict[str, list[JobRecord]] = {}     # job id -> the records its next images replace (begin)
+        self.lock = threading.Lock()
+        self._lock_file = None
+        self.ended = threading.Event()             # the batch writing here has ended (see end)
+
+    @classmethod
+    def open(cls, out: str, workflow: str = "", workflow_key: str = "") -> Manifest:
+        """The folder checked, created, locked and cleaned of temp files, with its record. workflow: a name for
+        messages; workflow_key: ``batch_jobs.job_key`` of it (another workflow's manifest is refused)."""
+        folder = check_folder(out, "--out")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise Flux2Error(f"--out {out}: cannot create it ({e.strerror or e}); choose a folder you can write "
+                             "to") from None
+        manifest = cls(folder, workflow, workflow_key)
+        manifest._take_lock(out)
+        for stale in folder.glob(f"{TEMP}*.part"):
+            stale.unlink(missing_ok=True)
+        manifest._load(out)
+        return manifest
+
+    def _take_lock(self, out: str) -> None:
+        if fcntl is None:
+            return
+        self._lock_file = open(self.folder / LOCK, "a+b")       # noqa: SIM115 - held until close()
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.close()
+            raise Flux2Error(f"--out {out}: another batch is writing there now; wait for it to end, or give this "
+                             "one another folder") from None
+
+    def end(self) -> None:
+        """Publish refuses from now on (a running job writes nothing) and the folder is unlocked; waits for a publish
+        under way, so nothing lands after it returns."""
+        with self.lock:
+            self.ended.set()
+        self.close()
+
+    def close(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    def _load(self, out: str) -> None:
+        if not self.path.exists():
+            return
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+            if data.get("format") != FORMAT:
+                raise ValueError(f"its format is {data.get('format')!r}")
+            records = [JobRecord(**record) for record in data["jobs"]]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise Flux2Error(f"--out {out}: {self.path} is not a batch manifest this client can read ({e}); move it "
+                             "away (the batch then runs every job again) or choose another folder") from None
+        theirs = data.get("workflow_key") or ""
+        if theirs and self.workflow_key and theirs != self.workflow_key:
+            self.close()
+            named = f" ({data.get('workflow')})" if data.get("workflow") else ""
+            raise Flux2Error(f"--out {out}: {self.path} records a batch of another workflow{named}, or of this one "
+                             "before it was changed; one folder holds one batch, whose ids name its files. Give this "
+                             f"batch another --out, or remove {self.path} (and the images it lists) to start over "
+                             "there")
+        self.records = {record.key: record for record in records}
+        self.workflow_key = self.workflow_key or theirs
+
+    def begin(self, jobs: dict[str, str]) -> list[str]:
+        """jobs {id: key} -> the ids changed since they ran (id kept, key in none of the jobs): the new images replace
+        the old record and files when published, rather than landing beside them as 0001-1-1.png. A key still in
+        the batch under another id (a line put above it) is that job's and stays."""
+        keys = set(jobs.values())
+        self.replaced = {}
+        for record in self.records.values():
+            if record.id in jobs and record.key not in keys:
+                self.replaced.setdefault(record.id, []).append(record)
+        return sorted(self.replaced)
+
+    def finished(self, key: str) -> JobRecord | None:
+        record = self.records.get(key)
+        if record and record.status == "done" and all((self.folder / name).is_file() for name in record.files):
+            return record
+        return None
+
+    def record(self, record: JobRecord) -> None:
+        with self.lock:
+            self._save(record)
+
+    def _save(self, record: JobRecord, dropped: list[str] = ()) -> None:
+        """The lock held; kept only once manifest.json holds it."""
+        records = {key: r for key, r in self.records.items() if key not in dropped}
+        records[record.key] = record
+        data = {"format": FORMAT, "workflow": self.workflow, "workflow_key": self.workflow_key,
+                "jobs": [asdict(r) for r in records.values()]}
+        self._replace(self.path, json.dumps(data, indent=1, ensure_ascii=False).encode())
+        self.records = records
+
+    def _replace(self, path: Path, data: bytes) -> None:
+        temp = self._temp(data)
+        try:
+            os.replace(temp, path)
+        except OSError as e:
+            Path(temp).unlink(missing_ok=True)
+            raise Flux2Error(f"cannot write {path}: {e.strerror or e}; check the free space and the folder's "
+                             "permissions") from None
+
+    def _temp(self, data: bytes) -> str:
+        try:
+            fd, temp = tempfile.mkstemp(prefix=TEMP, suffix=".part", dir=self.folder)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                Path(temp).unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            raise Flux2Error(f"cannot write in {self.folder}: {e.strerror or e}; check the free space and the "
+                             "folder's permissions") from None
+        return temp
+
+    def stage(self, data: bytes, suffix: str) -> Staged:
+        return Staged(self._temp(data), suffix)
+
+    def publish(self, record: JobRecord, staged: list[Staged]) -> JobRecord:
+        """Staged files -> <id>-1<suffix>, -2, ... and the job recorded done, in one step under the lock: a Ctrl-C
+        between the two would leave images no record lists, made again beside them next run. Refused after ``end``."""
+        with self.lock:
+            if self.ended.is_set():
+                raise Flux2Error("the batch ended before this job did; nothing was written")
+            old = self.replaced.pop(record.id, [])
+            for earlier in old:                      # the changed job's earlier images: their names are for these
+                for name in earlier.files:
+                    (self.folder / name).unlink(missing_ok=True)
+            names: list[str] = []
+            try:
+                for number, image in enumerate(staged, start=1):
+                    names.append(self._claim(f"{record.id}-{number}", image.suffix, image.temp))
+                done = replace(record, status="done", files=names)
+                self._save(done, [earlier.key for earlier in old])
+            except BaseException:
+                for name in names:                  # no image without its record
+                    (self.folder / name).unlink(missing_ok=True)
+                raise
+            return done
+
+    def discard(self, staged: list[Staged]) -> None:
+        for image in staged:
+            Path(image.temp).unlink(missing_ok=True)
+
+    def _claim(self, stem: str, suffix: str, temp: str) -> str:
+        n = 0
+        while True:
+            name = f"{stem}{suffix}" if n == 0 else f"{stem}-{n}{suffix}"
+            path = self.folder / name
+            try:
+                try:
+                    os.link(temp, path)             # atomic, and fails where the name is taken
+                except FileExistsError:
+                    raise
+                except OSError:                     # no hard links here (FAT, some network shares)
+                    with open(path, "xb"):          # take the name, then put the whole file in its place
+                        pass
+                    os.replace(temp, path)
+                    return name
+                os.unlink(temp)
+                return name
+            except FileExistsError:
+                n += 1
+            except OSError as e:
+                raise Flux2Error(f"cannot write {path}: {e.strerror or e}; check the free space and the folder's "
+                                 "permissions") from None

@@ -1,0 +1,50 @@
+"""Where the models' linear layers are made: the one seam for weight storage (ComfyUI's ``operations=`` idea).
+
+The model asks for each layer by its full name (the BFL key without ``.weight``), so the storage (float, fp8, int8,
+GGUF blocks) is chosen per layer at construction, never by swapping layers in afterwards. Per-item vector layers
+(timestep embedding, modulations) stay per item in every storage, so a batch stays equal to single runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..storage.ggml_layers import GGMLEmbedding, GGMLLinear
+from ..storage.int8 import Int8Linear
+from ..storage.linear import Linear, VectorLinear
+from ..storage.quant import Fp8Linear
+
+
+class Layers:
+    """``int8(name)``, ``ggml(name)`` (a GGML type or None), ``fp8(name)`` choose in that order; default: float."""
+
+    def __init__(self, fp8: Callable[[str], bool] | None = None, prefix: str = "",
+                 ggml: Callable[[str], int | None] | None = None, int8: Callable[[str], bool] | None = None):
+        self.fp8, self.prefix, self.ggml = fp8 or (lambda name: False), prefix, ggml or (lambda name: None)
+        self.int8 = int8 or (lambda name: False)
+
+    def scope(self, name: str) -> Layers:
+        return Layers(self.fp8, f"{self.prefix}{name}.", self.ggml, self.int8)
+
+    def linear(self, name: str, in_features: int, out_features: int, per_item: bool = False) -> nn.Module:
+        """Bias-free [out, in]; ``per_item``: one batch item at a time, for the per-item vectors [B, in]."""
+        if self.int8(self.prefix + name):
+            return Int8Linear(in_features, out_features, item_by_item=per_item)
+        qtype = self.ggml(self.prefix + name)
+        if qtype is not None:
+            return GGMLLinear(in_features, out_features, qtype, item_by_item=per_item)
+        if self.fp8(self.prefix + name):
+            return Fp8Linear(in_features, out_features, item_by_item=per_item)
+        return (VectorLinear if per_item else Linear)(in_features, out_features)
+
+    def embedding(self, name: str, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """Float ``nn.Embedding``, or GGUF blocks whose looked-up rows are dequantized to ``dtype``."""
+        qtype = self.ggml(self.prefix + name)
+        if qtype is not None:
+            return GGMLEmbedding(rows, dim, qtype, dtype)
+        # the table is always loaded from a file: no random init (on the meta device torch's init would import
+        # torch._dynamo, ~1 s)
+        return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))

@@ -1,0 +1,150 @@
+"""The Qwen3 prompt embedder, as BFL's ``Qwen3Embedder`` and diffusers' ``_get_qwen3_prompt_embeds``: the prompt in
+Qwen3's chat template, 512 tokens (right padded / truncated), embeds [B, 512, 3*D] = cat(hidden states 9, 18, 27)
+per token, un-normed. Pad tokens are masked as keys inside Qwen3 but their rows are kept: the transformer sees all
+512. Layers 28.. and the final norm never matter, so the model is built with 27 layers and no final norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..checks import dtype_cause, finite
+from ..errors import Flux2Error
+from ..storage.quant import DROPPED_SUFFIXES
+from ..variants import QWEN3_4B, QWEN3_8B, TextEncoderSpec
+from .layers import Layers
+from .qwen3 import Qwen3, Qwen3Params
+from .tokenizer import Qwen3Tokenizer, as_qwen3_tokenizer, load_tokenizer
+
+# Known Qwen3 sizes, by hidden width.
+SPECS_BY_HIDDEN = {QWEN3_4B.hidden_size: QWEN3_4B, QWEN3_8B.hidden_size: QWEN3_8B}
+
+
+@dataclass
+class PromptEmbeds:
+    embeds: torch.Tensor       # [B, max_length, 3*D] in the model's dtype
+    token_counts: list[int]    # tokens of each rendered prompt (chat template included), before truncation and padding
+    dropped: list[int]         # tokens cut off by truncation to max_length (0 when the prompt fits)
+
+
+def render_prompt(prompt: str) -> str:
+    """What ``apply_chat_template(..., add_generation_prompt=True, enable_thinking=False)`` renders."""
+    if not isinstance(prompt, str):
+        raise Flux2Error(f"a prompt must be a string, got {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:    # lone surrogates: bytes that were not UTF-8 (a shell in another encoding)
+        raise Flux2Error(f"the prompt is not valid text: character {e.start} stands for a byte that is not UTF-8 "
+                         f"({prompt[max(0, e.start - 20):e.start]!r} comes before it); pass the prompt as UTF-8 text "
+                         f"(check the terminal's or file's encoding)") from None
+    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def count_prompt_tokens(tokenizer: Qwen3Tokenizer, prompt: str) -> int:
+    """Before truncation: the exact count the web extension shows under the prompt."""
+    return len(tokenizer.encode(render_prompt(prompt)))
+
+
+class PromptEncoder:
+
+    def __init__(self, model: Qwen3, tokenizer, spec: TextEncoderSpec):
+        deepest = max(spec.output_layers)
+        if len(model.layers) < deepest:
+            raise Flux2Error(f"the text encoder has {len(model.layers)} layers, {spec.name} needs {deepest}")
+        self.model = model
+        self.tokenizer = as_qwen3_tokenizer(tokenizer)
+        self.spec = spec
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """A GGUF embedding's weight is blocks; it says what its lookups return."""
+        return getattr(self.model.embed_tokens, "dtype", self.model.embed_tokens.weight.dtype)
+
+    def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(ids [B, L], attention mask [B, L], untruncated token counts)."""
+        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+            raise Flux2Error(f"prompts must be a list of strings, got {type(prompts).__name__}")
+        if not prompts:
+            raise Flux2Error("no prompt to encode: pass at least one (an empty string is a valid prompt)")
+        ids, mask, counts = self.tokenizer.padded([render_prompt(p) for p in prompts], self.spec.max_length)
+        return torch.tensor(ids), torch.tensor(mask), counts
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> PromptEmbeds:
+        ids, mask, counts = self.tokenize(prompts)
+        batch, length = ids.shape
+        states = self.model(ids.to(self.device), mask.to(self.device), self.spec.output_layers)
+        layers = torch.stack(states, dim=2)                                                 # [B, L, 3, D]
+        embeds = layers.reshape(batch, length, -1)                                          # [B, L, 3*D]
+        # checked here, before any cache keeps them: NaN embeddings make every image from them black
+        finite(embeds, "the prompt embeddings", [*dtype_cause(self.dtype, "the text encoder"),
+                                                 ("the text encoder's weights hold NaN/inf (a damaged or wrongly "
+                                                  "converted file: download it again)")])
+        dropped = [max(0, n - self.spec.max_length) for n in counts]
+        return PromptEmbeds(embeds, counts, dropped)
+
+
+def is_used(key: str, num_layers: int) -> bool:
+    """Not the final norm, no layer from num_layers on."""
+    return key != "norm.weight" and not (key.startswith("layers.") and int(key.split(".")[1]) >= num_layers)
+
+
+def qwen3_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``Qwen3Model`` key names from any prefix before ``embed_tokens`` (HF and ComfyUI files: ``model.``; ComfyUI
+    all-in-one: ``text_encoders.qwen3_4b.transformer.model.``); keys outside it (``lm_head``) dropped. Quantization
+    scales must have been folded into the weights first.
+    """
+    embed = [k for k in state_dict if k.endswith("embed_tokens.weight")]
+    if len(embed) != 1:
+        raise Flux2Error("this is not a Qwen3 text encoder: expected one '…embed_tokens.weight' tensor, found "
+                         f"{len(embed)}. FLUX.2 Klein needs Qwen3-4B (Klein 4B) or Qwen3-8B (Klein 9B)")
+    prefix = embed[0][: -len("embed_tokens.weight")]
+    sd = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if "layers.0.self_attn.q_norm.weight" not in sd:
+        raise Flux2Error("this text encoder has no q_norm in its attention, so it is not Qwen3 (Qwen2.5, Llama and "
+                         "Mistral have none). FLUX.2 Klein needs Qwen3-4B (Klein 4B) or Qwen3-8B (Klein 9B)")
+    quantized = [k for k in sd if k.endswith(DROPPED_SUFFIXES)]   # scales beside weights
+    if quantized:
+        raise Flux2Error(f"the text-encoder weights are quantized ({quantized[0]}, …): dequantize them to a float "
+                         "dtype before building the encoder (flux2_core.weights does this for supported formats)")
+    return sd
+
+
+def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, num_layers: int, device, dtype,
+                      ggml_types: dict[str, int] | None = None) -> Qwen3:
+    """Built on meta; the tensors become the parameters (no second copy). Deeper layers are not read."""
+    sd = qwen3_state_dict(state_dict)
+    keep = {k: v for k, v in sd.items() if is_used(k, num_layers)}
+    with torch.device("meta"):
+        model = Qwen3(params, num_layers, Layers(ggml=(ggml_types or {}).get), dtype)
+    keep = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in keep.items()}
+    misfit = f"the text-encoder weights do not fit Qwen3 ({params.hidden_size} wide, {num_layers} layers)"
+    try:
+        missing, unexpected = model.load_state_dict(keep, strict=False, assign=True)
+    except RuntimeError as e:   # a shape differs from the config
+        raise Flux2Error(f"{misfit}: {e}") from e
+    if missing or unexpected:
+        raise Flux2Error(f"{misfit}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.eval().requires_grad_(False)
+
+
+def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device="cpu", dtype=torch.bfloat16,
+                        tokenizer=None, spec: TextEncoderSpec | None = None,
+                        ggml_types: dict[str, int] | None = None) -> PromptEncoder:
+    """``config``: ``Qwen3Params``, a config.json dict (or a transformers Qwen3Config), or None to read it from the
+    shapes. ``ggml_types``: module name -> GGML type of the layers given as GGUF blocks. ``spec``: None picks by width.
+    """
+    if config is None:
+        params = Qwen3Params.from_state_dict(qwen3_state_dict(state_dict))
+    else:
+        params = config if isinstance(config, Qwen3Params) else Qwen3Params.from_config(config)
+    if spec is None:
+        spec = SPECS_BY_HIDDEN.get(params.hidden_size) or replace(QWEN3_4B, name="custom", hidden_size=params.hidden_size)
+    model = build_qwen3_model(state_dict, params, max(spec.output_layers), device, dtype, ggml_types)
+    return PromptEncoder(model, tokenizer if tokenizer is not None else load_tokenizer(), spec)

@@ -1,0 +1,74 @@
+"""Opt-in ``torch.compile`` of a loaded transformer's blocks, in place; the first forward compiles.
+
+Each block's forward is compiled on its own: all blocks of a kind share one graph (their weights are graph inputs),
+so the cost is two graphs, not 25 or 32; what is outside the blocks is a few small ops per step and runs eagerly.
+New steps and prompts reuse the graphs (text is always 512 tokens); a new resolution, batch, reference count or the
+KV path compiles once more per set of shapes (``dynamic=False``; ``dynamic=None`` lets torch switch to shape-generic
+kernels). ``fullgraph=True`` makes a graph break an error: code that moves weights inside a block's call (ComfyUI's
+partial loading) needs ``fullgraph=False``; our block streaming does not (its hooks run around the call).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import Flux2Error
+from ..models.run_state import run_state
+from .offload import streamed_blocks
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    if not hasattr(model, "double_blocks") or not hasattr(model, "single_blocks"):
+        raise Flux2Error(f"compile_blocks needs a Flux2Transformer, got {type(model).__name__}")
+    return [*model.double_blocks, *model.single_blocks]
+
+
+def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None, dynamic: bool | None = False,
+                   fullgraph: bool = True, max_shapes: int = 16) -> nn.Module:
+    """Streamed blocks are left eager. ``max_shapes`` raises torch's recompile limit (8 graphs per block kind, then
+    eager with a warning). ``mode``: e.g. "max-autotune-no-cudagraphs" on a GPU.
+    """
+    # Compiled code must see forward hooks added, replaced or removed later (patching.set_adapters runs LoRA
+    # branches of fp8 layers as hooks): by default dynamo does not guard on hooks and would keep the old ones.
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), max_shapes))
+    options = {"backend": backend, "dynamic": dynamic, "fullgraph": fullgraph}
+    if mode is not None:
+        options["mode"] = mode
+    streamed = set(streamed_blocks(model))
+    uncompile_blocks(model)
+    state = run_state(model)
+    for block in blocks(model):
+        if block not in streamed:
+            block.forward = torch.compile(type(block).forward.__get__(block), **options)
+            state.compiled_blocks.append(block)
+    state.compiled = options
+    return model
+
+
+def compile_decoder(ae: nn.Module, backend="inductor", mode: str | None = None) -> nn.Module:
+    """Lazily; each new image size compiles once more. Tiled decodes run the decoder's parts eagerly."""
+    decoder = ae.decoder
+    options = {"backend": backend, "dynamic": False, **({"mode": mode} if mode else {})}
+    decoder.forward = torch.compile(type(decoder).forward.__get__(decoder), **options)
+    return ae
+
+
+def is_compiled(model: nn.Module, **options) -> bool:
+    """With ``options`` (e.g. fullgraph=False): compiled with those."""
+    state = run_state(model)
+    streamed = set(streamed_blocks(model))
+    compiled = bool(state.compiled) and all(block in state.compiled_blocks for block in blocks(model)
+                                            if block not in streamed)
+    return compiled and all(state.compiled.get(k) == v for k, v in options.items())
+
+
+def uncompile_blocks(model: nn.Module) -> nn.Module:
+    """Compiled code stays cached in torch."""
+    state = run_state(model)
+    for block in state.compiled_blocks:
+        del block.forward                  # the class's forward again
+    state.compiled, state.compiled_blocks = {}, []
+    return model

@@ -1,0 +1,197 @@
+"""Noise and the Euler sampler: one loop (``euler``) over a velocity function, which ``denoise`` builds for every
+FLUX.2 case (distilled, CFG, joint or KV references, FLUX.2-dev's guidance embedding, inpainting).
+
+Dtypes follow the reference: the latent is in the compute dtype, the model sees the sigma rounded to it, and each
+step ``x + (sigma_next - sigma) * v`` runs in it with the step size from the float32 schedule (in float32 this is
+exactly diffusers').
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .. import checks
+from ..errors import Flux2Error
+from ..latents import LATENT_CHANNELS, latent_size
+from ..models import rope
+from ..models.transformer import ReferenceKV
+from ..runtime import memory
+
+MAX_CFG = 100.0          # as ComfyUI's CFGGuider and KSampler; far beyond any useful scale, still finite in bf16 steps
+
+
+# --- noise ------------------------------------------------------------------------------------------------------
+
+def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", dtype=torch.float32,
+               bfl_cuda_noise: bool = False) -> Tensor:
+    """[batch, 128, height/16, width/16]; item i uses seed + i, so it equals a batch-1 run with that seed. Drawn on a
+    CPU generator in float32 (diffusers' and ComfyUI's convention: the same on every device); ``bfl_cuda_noise`` draws
+    bf16 on ``device`` as the reference CLI does.
+    """
+    h, w = latent_size(height, width)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed + batch - 1 < 2 ** 63:
+        raise Flux2Error(f"seed must be a whole number in [0, 2^63 - batch], got {seed!r}")
+    if batch < 1:
+        raise Flux2Error(f"batch must be >= 1, got {batch}")
+    # the items are drawn on the generator's device, then copied; a batch that cannot fit is refused before drawing
+    values = batch * LATENT_CHANNELS * h * w
+    for where in {torch.device("cpu" if not bfl_cuda_noise else device), torch.device(device)}:
+        memory.fits(values * 4, memory.free_memory(where), f"noise for {batch} x {width}x{height} on {where}",
+                    "use a smaller size or batch")
+    gen_device, gen_dtype = (device, torch.bfloat16) if bfl_cuda_noise else ("cpu", torch.float32)
+    items = [torch.randn((1, LATENT_CHANNELS, h, w), dtype=gen_dtype, device=gen_device,
+                         generator=torch.Generator(gen_device).manual_seed(seed + i)) for i in range(batch)]
+    return torch.cat(items).to(device=device, dtype=dtype)
+
+
+def add_noise(latent: Tensor, noise: Tensor, sigma: float) -> Tensor:
+    """The flow-matching forward process (the image-to-image start point)."""
+    return (1 - sigma) * latent + sigma * noise
+
+
+# --- the Euler loop ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Step:
+
+    index: int
+    total: int
+    sigma: float          # the noise level the step started from
+    sigma_next: float     # ... and went to
+    x: Tensor             # latent [B, 128, h, w] at sigma_next
+    denoised: Tensor      # the model's clean-latent estimate at this step, x_start - sigma * v (for previews)
+
+
+Velocity = Callable[[Tensor, Tensor], Tensor]   # (x [B, 128, h, w], t [B] in x's dtype) -> v like x
+
+
+class Inpaint(Protocol):
+    """What the loop asks of ``inpaint.Inpaint`` (a protocol here: inpaint.py imports this module)."""
+
+    def to(self, device, dtype) -> Inpaint: ...
+
+    def velocity(self, velocity: Velocity, x: Tensor, t: Tensor, sigma: float) -> Tensor: ...
+
+    def after_step(self, x: Tensor, sigma_next: float) -> Tensor: ...
+
+
+def euler(velocity: Velocity, x: Tensor, sigmas: list[float], callback: Callable[[Step], None] | None = None,
+          inpaint: Inpaint | None = None) -> Tensor:
+    """x [B, 128, h, w] in the compute dtype. ``callback(Step)`` may raise to interrupt."""
+    total = len(sigmas) - 1
+    for i, (sigma, sigma_next) in enumerate(itertools.pairwise(sigmas)):
+        t = torch.full((x.shape[0],), sigma, dtype=x.dtype, device=x.device)
+        v = velocity(x, t) if inpaint is None else inpaint.velocity(velocity, x, t, sigma)
+        x_next = x + (sigma_next - sigma) * v
+        if inpaint is not None:
+            x_next = inpaint.after_step(x_next, sigma_next)
+        if callback is not None:
+            callback(Step(i, total, sigma, sigma_next, x_next, x - sigma * v))
+        x = x_next
+    return x
+
+
+# --- guidance ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Guidance:
+
+    scale: float                  # the scale as given (checked)
+    cfg: bool                     # classifier-free guidance: a negative pass beside the prompt's at every step
+    embedded: float | None        # FLUX.2-dev: the value fed to the guidance embedding (no CFG)
+    note: str = ""                # for the user, when the scale is not applied as given ("" otherwise)
+
+
+def check_cfg(cfg: float, name: str = "cfg") -> float:
+    return checks.number(name, cfg, 0.0, MAX_CFG, hint="1 turns guidance off; base models use about 4")
+
+
+def guidance_for(variant, cfg: float, negative: bool = True) -> Guidance:
+    """The one rule for the guidance scale, asked by ``pipeline.generate`` and the Denoise node:
+
+    * FLUX.2-dev: ``cfg`` is the guidance embedding's value; one pass per step.
+    * guidance-distilled Klein: one pass whatever ``cfg``; another value is ignored with a note (BFL's CLI refuses it,
+      diffusers warns; ComfyUI's CFGGuider knows no variants and would run CFG).
+    * base Klein: CFG whenever cfg != 1, as BFL and ComfyUI (cfg < 1 leans toward the negative; diffusers guides only
+      above 1). Without a negative (``negative=False``: the node's input unconnected) it runs unguided, with a note.
+    """
+    scale = check_cfg(cfg)
+    if variant.params.use_guidance_embed:
+        return Guidance(scale, False, scale)
+    if variant.guidance_distilled:
+        note = "" if scale == 1 else (f"cfg {scale:g} is ignored: {variant.name} is guidance-distilled (one pass per "
+                                      f"step, no CFG); set cfg to 1")
+        return Guidance(scale, False, None, note)
+    if math.isclose(scale, 1.0):
+        return Guidance(scale, False, None)
+    if not negative:
+        return Guidance(scale, False, None, f"cfg {scale:g} is not applied: {variant.name} guides with a negative "
+                                            f"prompt (usually an empty one), and none is connected; running unguided")
+    return Guidance(scale, True, None)
+
+
+# --- FLUX.2 velocity ----------------------------------------------------------------------------------------------
+
+def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt: Tensor | None = None,
+            cfg: float = 1.0, ref: Tensor | None = None, ref_ids: Tensor | None = None,
+            ref_kv: ReferenceKV | None = None, kv: bool = False, guidance: float | None = None,
+            inpaint: Inpaint | None = None, callback: Callable[[Step], None] | None = None) -> Tensor:
+    """x [B, 128, h, w] at sigmas[0], in the compute dtype; txt [1 or B, Ltxt, C]. With negative_txt: CFG
+    v = v_neg + cfg * (v_txt - v_neg), both halves in one forward of batch 2B. ref [1 or B, Lref, 128] with ref_ids
+    [1, Lref, 4] are joined after the image; with kv=True their K/V are computed once (or ``ref_kv`` given) and
+    reused every step. The result is checked for NaN / inf (``checks.finite``) with its likely causes.
+    """
+    if negative_txt is not None:
+        check_cfg(cfg)
+    if guidance is not None:
+        check_cfg(guidance, "guidance")
+    batch, _, h, w = x.shape
+    dtype, device = x.dtype, x.device
+    sides = 1 if negative_txt is None else 2             # the model batch is [neg..., pos...] with CFG
+    n = sides * batch
+    if kv and ref is not None:
+        if ref_kv is None:
+            ref_kv = model.reference_kv(ref.to(device, dtype), ref_ids.to(device))
+        ref = ref_ids = None
+    if ref is not None and ref_kv is not None:
+        raise Flux2Error("give references either as tokens (ref, ref_ids) or as a KV cache (ref_kv), not both")
+    if ref is not None:                                   # [1 or n, Lref, 128]
+        ref, ref_ids = ref.to(device, dtype), ref_ids.to(device)
+        ref = ref.repeat(sides, 1, 1) if ref.shape[0] > 1 else ref
+    if ref_kv is not None:
+        ref_kv = ref_kv.to(device, dtype)
+
+    prompts = [txt] if negative_txt is None else [negative_txt, txt]
+    txt = torch.cat([p.expand(batch, *p.shape[1:]) for p in prompts]).to(device, dtype)   # [n, Ltxt, C]
+    txt_ids = rope.text_ids(n, txt.shape[1], device=device)
+    img_ids = rope.image_ids(n, h, w, device=device)
+    guidance_vec = None if guidance is None else torch.full((n,), guidance, dtype=dtype, device=device)
+
+    def velocity(x: Tensor, t: Tensor) -> Tensor:
+        img = rope.pack(x).repeat(sides, 1, 1)                              # [n, h*w, 128]
+        v = model(img, img_ids, t.repeat(sides), txt, txt_ids, guidance=guidance_vec,
+                  ref=ref, ref_ids=ref_ids, ref_kv=ref_kv)                   # [n, h*w, 128]
+        if sides == 2:
+            v_neg, v_pos = v.chunk(2)
+            v = v_neg + cfg * (v_pos - v_neg)
+        return rope.unpack(v, h, w)
+
+    if inpaint is not None:
+        inpaint = inpaint.to(device, dtype)
+    with torch.no_grad():
+        out = euler(velocity, x, sigmas, callback, inpaint)
+    causes = [*checks.dtype_cause(dtype, "the transformer"),
+              ("the transformer's weights hold NaN/inf (a damaged or wrongly converted file: download it again, "
+               "or remove a LoRA that holds NaN)")]
+    if sides == 2:
+        causes.append(f"the guidance scale cfg {cfg:g} pushed the latent out of range: lower it (base models use "
+                      f"about 4)")
+    causes.append("the start latent, noise, prompt embeddings or reference latents already held NaN/inf")
+    return checks.finite(out, "the denoised latents", causes)

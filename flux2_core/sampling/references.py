@@ -1,0 +1,200 @@
+"""Input images and references: decoding, BFL's reference preprocessing, AE encoding into reference tokens.
+
+Decoding (every image, the image to edit too): files over 8192 x 8192 are refused before decoding; the EXIF
+orientation is applied (as diffusers' ``load_image``); 16-bit greyscale becomes round(v / 257), where PIL would clip;
+32-bit float images are refused (no fixed range). Everything else is ``convert("RGB")``, as BFL and diffusers do:
+alpha is dropped, not composited (the parity rule).
+
+Preprocessing (BFL's ``encode_image_refs``): a side below 64 px or an aspect ratio above 8 is refused; over the
+pixel cap (``pixel_cap``) scaled by sqrt(cap / (w*h)) with LANCZOS; centre-cropped to multiples of 16. Reference i
+(0-based) gets ids with t = 10 * (i + 1) on its own (h, w) grid; there is no limit on the count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from ..errors import Flux2Error
+from ..latents import PIXELS_PER_LATENT
+from ..models import rope
+
+MAX_IMAGE_PIXELS = 8192 * 8192          # 67 megapixels: decoded, 200 MB of RGB; references are used at <= 2024^2
+SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+MIN_SIDE = 64
+MAX_ASPECT = 8
+SINGLE_REFERENCE_PIXELS = 2024 * 2024   # "2024" as in the reference code, not 2048
+MULTI_REFERENCE_PIXELS = 1024 * 1024    # per image, when there are two or more
+
+
+def open_image(path) -> Image.Image:
+    try:
+        with Image.open(path) as image:
+            w, h = image.size
+            if w * h > MAX_IMAGE_PIXELS:
+                raise _too_large(path, f"{w}x{h}, {w * h:,} pixels")
+            return as_pil(image, f"image {path}")
+    except FileNotFoundError:
+        raise Flux2Error(f"image {path}: no such file") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:   # PIL's own limit, set lower
+        raise _too_large(path, str(e)) from None
+    except Flux2Error:
+        raise
+    except Exception as e:  # noqa: BLE001 (Pillow raises many types on bad files; its own fuzzers catch Exception)
+        raise Flux2Error(f"image {path} could not be read ({type(e).__name__}: {e}); pass a PNG, JPEG or WebP "
+                         f"file: if it is one, it is damaged or cut short, save or download it again") from None
+
+
+def _too_large(path, detail: str) -> Flux2Error:
+    return Flux2Error(f"image {path} is too large ({detail}): an input image may have at most "
+                      f"{MAX_IMAGE_PIXELS:,} pixels (8192 x 8192); scale it down")
+
+
+def as_pil(image, name: str = "an image") -> Image.Image:
+    """From a PIL image or a uint8 array HxW or HxWxC (C = 1 to 4)."""
+    image = _pil(image, name)
+    try:
+        image.load()                # a lazily opened file decodes here
+    except Exception as e:  # noqa: BLE001 (Pillow raises many types on bad data; its own fuzzers catch Exception)
+        raise Flux2Error(f"{name} could not be decoded ({type(e).__name__}: {e}); it is damaged or cut short: "
+                         f"save or download it again") from None
+    return _to_rgb(_upright(image))
+
+
+def _pil(image, name: str) -> Image.Image:
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, np.ndarray) and image.dtype == np.uint8 and (image.ndim == 2 or (
+            image.ndim == 3 and 1 <= image.shape[2] <= 4)):
+        return Image.fromarray(image[..., 0] if image.ndim == 3 and image.shape[2] == 1 else image)
+    if isinstance(image, np.ndarray):
+        raise Flux2Error(f"{name} must be a PIL image or a uint8 HxWxC array (C = 1 to 4), got a {image.dtype} "
+                         f"array of shape {list(image.shape)}")
+    raise Flux2Error(f"{name} must be a PIL image or a uint8 HxWxC array (C = 1 to 4), got {type(image).__name__}")
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """EXIF that cannot be read is ignored: the pixels are valid, the orientation only a hint."""
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception:  # noqa: BLE001 (malformed EXIF: Pillow raises many types)
+        return image
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode == "F":           # no fixed range: PIL would clip to 0..255, and a 0..1 image would come out black
+        raise Flux2Error("32-bit floating-point images (a float TIFF, PIL mode F) have no fixed value range, so they "
+                         "cannot be read as colours reliably: save the image as an 8- or 16-bit PNG")
+    if image.mode in SIXTEEN_BIT:
+        values = np.asarray(image).astype(np.int64).clip(0, 65535)
+        # round(v / 257) in integers: v / 257 = 255 v / 65535 is never a half, so rounding up at .5 is exact
+        image = Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8))
+    elif image.mode == "La":        # premultiplied: PIL converts it only to LA (unpremultiplied)
+        image = image.convert("LA")
+    return image.convert("RGB")
+
+
+def check_reference(image: Image.Image, index: int = 0) -> None:
+    w, h = image.size
+    if min(w, h) < MIN_SIDE:
+        raise Flux2Error(f"reference image {index + 1} is {w}x{h}; both sides must be at least {MIN_SIDE} px: "
+                         f"use a larger image or upscale it")
+    if max(w, h) > MAX_ASPECT * min(w, h):
+        raise Flux2Error(f"reference image {index + 1} is {w}x{h}, an aspect ratio of {max(w, h) / min(w, h):.1f}; "
+                         f"at most {MAX_ASPECT}:1 is supported: crop it closer to square")
+
+
+def cap_pixels(image: Image.Image, max_pixels: int) -> Image.Image:
+    """LANCZOS, int() floors, as BFL; smaller images are left alone."""
+    w, h = image.size
+    if w * h <= max_pixels:
+        return image
+    s = math.sqrt(max_pixels / (w * h))
+    return image.resize((int(w * s), int(h * s)), Image.Resampling.LANCZOS)
+
+
+def grid_size(width: int, height: int, name: str) -> tuple[int, int]:
+    """The one rule for every input picture (image to edit, mask, reference; CLI and nodes)."""
+    n = PIXELS_PER_LATENT
+    if width < n or height < n:
+        raise Flux2Error(f"{name} is {width}x{height} pixels, smaller than one {n}x{n} cell of the model's grid, so "
+                         f"nothing of it would be used: it must be at least {n}x{n} pixels (use a larger picture)")
+    return width // n * n, height // n * n
+
+
+def grid_crop(width: int, height: int, name: str) -> tuple[int, int, int, int]:
+    """(left, top, width, height): also where a mask of the picture's size is cut to stay on the same pixels."""
+    new_w, new_h = grid_size(width, height, name)
+    return (width - new_w) // 2, (height - new_h) // 2, new_w, new_h
+
+
+def center_crop_16(image: Image.Image, name: str = "the image") -> Image.Image:
+    left, top, w, h = grid_crop(*image.size, name)
+    return image.crop((left, top, left + w, top + h))
+
+
+def pixel_cap(count: int) -> int:
+    """BFL: 2024^2 alone, 1024^2 each otherwise."""
+    return SINGLE_REFERENCE_PIXELS if count == 1 else MULTI_REFERENCE_PIXELS
+
+
+def prepare_reference(image: Image.Image, cap: int, index: int = 0) -> Image.Image:
+    check_reference(image, index)
+    return center_crop_16(cap_pixels(image, cap), f"reference image {index + 1}")
+
+
+def prepare_references(images, count: int | None = None) -> list[Image.Image]:
+    """``count``: as how many references each is capped (inpainting adds the source as one more)."""
+    images = [as_pil(im, f"reference image {i + 1}") for i, im in enumerate(images)]
+    for i, im in enumerate(images):
+        check_reference(im, i)              # every image checked before any is scaled
+    cap = pixel_cap(len(images) if count is None else count)
+    return [prepare_reference(im, cap, i) for i, im in enumerate(images)]
+
+
+def image_to_tensor(image: Image.Image) -> torch.Tensor:
+    """-> float32 [1, 3, H, W] in [-1, 1]."""
+    x = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).float() / 255
+    return (x * 2 - 1)[None]
+
+
+@torch.no_grad()
+def encode_references(ae, images, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> tokens [1, Lref, 128] in ``dtype`` and int64 ids [1, Lref, 4], Lref = sum of (h/16)*(w/16), on the AE's
+    device.
+    """
+    tokens, ids = reference_tokens(reference_latents(ae, images))
+    return tokens.to(dtype or tokens.dtype), ids
+
+
+def reference_latents(ae, images, count: int | None = None) -> list[torch.Tensor]:
+    """Each [1, 128, h/16, w/16]."""
+    return [ae.encode(image_to_tensor(im)) for im in prepare_references(images, count)]
+
+
+def reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """latents each [n, 128, h, w], every item one reference -> tokens [1, Lref, 128], int64 ids [1, Lref, 4];
+    (None, None) for none.
+    """
+    items = [z[i:i + 1] for z in latents for i in range(z.shape[0])]
+    if not items:
+        return None, None
+    tokens = torch.cat([rope.pack(z) for z in items], dim=1)
+    return tokens, rope.reference_ids([tuple(z.shape[-2:]) for z in items], device=tokens.device)
+
+
+def batched_reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """ComfyUI's ``ref_latents`` as its samplers batch them (reference i of item b is ``latents[i][b]``, each
+    [1 or B, 128, h, w]) -> tokens [1 or B, Lref, 128], ids [1, Lref, 4].
+    """
+    if not latents:
+        return None, None
+    batch = max(z.shape[0] for z in latents)
+    if any(z.shape[0] not in (1, batch) for z in latents):
+        raise Flux2Error(f"reference latents of batches {[z.shape[0] for z in latents]} cannot go together: each must "
+                         f"hold one latent or one per image of the batch")
+    tokens = torch.cat([rope.pack(z).expand(batch, -1, -1) for z in latents], dim=1)
+    return tokens, rope.reference_ids([tuple(z.shape[-2:]) for z in latents], device=tokens.device)

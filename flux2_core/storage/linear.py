@@ -1,0 +1,56 @@
+"""Bias-free linear layers (the float storage ``layers.Layers`` makes), computed by the fastest kernel for the device.
+
+Eager float32 matmuls on CPU go through oneDNN rather than the default BLAS: on AMD CPUs
+MKL's sgemm runs a generic path (70-95 GFLOP/s on our 2-core EPYC; oneDNN: 200; docs/benchmarks.md). Everything
+else (GPUs, bf16, autograd) uses ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .protocol import StoredLinear
+
+ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_matmul(x: Tensor, weight: Tensor) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [..., in] @ weight [out, in]ᵀ: oneDNN for float32 on CPU, eager, without autograd; else F.linear. Compiled
+    code gets F.linear: inductor lowers oneDNN's op only for frozen weights, and chooses its own CPU matmul."""
+    if (ONEDNN_LINEAR and x.is_cpu and x.dtype == weight.dtype == torch.float32 and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return onednn_matmul(x, weight)
+    return F.linear(x, weight)
+
+
+class Linear(nn.Linear, StoredLinear):
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight)
+
+    def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
+        return self.weight.detach().to(device or self.weight.device, dtype)
+
+
+class VectorLinear(Linear):
+    """For per-item vectors [B, in], one item at a time: matmul libraries pick other kernels for one row than for
+    several, so a batched call would make an image depend on its batch (by 1e-6, which can flip a pixel).
+    """
+
+    item_by_item = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        return item_by_item(lambda item: linear(item, self.weight), x)
+
+
+def item_by_item(fn, x: Tensor) -> Tensor:
+    return torch.cat([fn(item) for item in x.split(1)]) if x.shape[0] > 1 else fn(x)

@@ -1,0 +1,89 @@
+"""The engine's layout (docs/architecture.md): each package imports only from the packages below it, lazy imports
+inside functions included, and no module reaches itself again through its module-level imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "flux2_core"
+
+# lowest first; a top-level file is its own layer: the base modules, then pipeline.py (the public API)
+LAYERS = [
+    {"errors"}, {"variants", "checks", "latents", "digests", "kitchen"}, {"storage"}, {"models"}, {"weights"},
+    {"adapters"}, {"runtime"}, {"sampling"}, {"pipeline"}, {"app", "__main__", "__init__"},
+]
+
+
+def layer_of(module: str) -> int:
+    """``module``: dotted below flux2_core ("models.transformer", "errors", "" for the package itself)."""
+    head = module.split(".")[0] or "__init__"
+    return next(i for i, names in enumerate(LAYERS) if head in names)
+
+
+def module_of(path: Path, core: Path = CORE) -> str:
+    parts = path.relative_to(core).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def imports(path: Path, top_level_only: bool = False, core: Path = CORE) -> set[str]:
+    """The flux2_core modules ``path`` imports (a package's own name where a name is not a module)."""
+    module, is_package = module_of(path, core), path.name == "__init__.py"
+    body = ast.parse(path.read_text()).body if top_level_only else list(ast.walk(ast.parse(path.read_text())))
+    found = set()
+    for node in body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = module.split(".") if is_package else module.split(".")[:-1]
+            base = [p for p in base[:len(base) - node.level + 1] if p and p != "__init__"]
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{target}.{alias.name}" if target else alias.name
+                where = core / sub.replace(".", "/")
+                is_module = where.with_suffix(".py").exists() or where.is_dir()
+                found.add(sub if is_module else target)
+    return found
+
+
+def test_every_module_has_a_layer():
+    for path in CORE.rglob("*.py"):
+        layer_of(module_of(path))
+
+
+def test_no_package_imports_from_a_package_above_it():
+    upward = []
+    for path in sorted(CORE.rglob("*.py")):
+        module = module_of(path)
+        for target in imports(path):
+            if layer_of(target) > layer_of(module):
+                upward.append(f"{module} imports {target}")
+    assert not upward, "imports running up the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles_between_modules():
+    graph = {module_of(p): imports(p, top_level_only=True) for p in CORE.rglob("*.py")}
+    state: dict[str, str] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                raise AssertionError("import cycle: " + " -> ".join([*trail, module, target]))
+            if target not in state:
+                visit(target, [*trail, module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+
+
+def test_the_check_sees_a_lazy_upward_import(tmp_path):
+    core = tmp_path / "flux2_core"
+    (core / "storage").mkdir(parents=True)
+    (core / "models").mkdir()
+    (core / "models" / "transformer.py").write_text("")
+    (core / "storage" / "bad.py").write_text("def f():\n    from ..models import transformer\n")
+    assert imports(core / "storage" / "bad.py", core=core) == {"models.transformer"}
+    assert imports(core / "storage" / "bad.py", top_level_only=True, core=core) == set()
+    assert layer_of("models.transformer") > layer_of(module_of(core / "storage" / "bad.py", core))
