@@ -171,3 +171,11 @@ def test_a_lora_changed_since_the_driver_read_it_is_refused_and_release_drops_th
         parallel.attach(model, None)
         group.close()
     assert not torch.distributed.is_initialized()
+
+
+def test_followers_import_path_holds_the_engine():
+    """Followers run ``python -m flux2_core.runtime.followers`` with PACKAGE_ROOT on their path: inside ComfyUI the
+    pack is not installed, so that folder must hold the engine package."""
+    from flux2_core.runtime import followers
+
+    assert (followers.PACKAGE_ROOT / "flux2_core" / "runtime" / "followers.py").is_file()

@@ -29,7 +29,7 @@ from ..models import parallel
 
 START_TIMEOUT = 600.0       # seconds for every follower to load its transformer and report ready
 ADAPTERS = "adapters"       # the call that gives the followers the driver's LoRAs (parallel.serve handler)
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]     # the folder holding flux2_core: the followers' import path
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]     # the folder holding flux2_core: the followers' import path
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,9 @@ def placement(managed, ggml_layers) -> dict:
 def main() -> None:
     pack_dir, transformer_path, encoder_path = sys.argv[1:4]
     pack = import_pack(Path(pack_dir))
-    from flux2_pack.flux2_core import rope, weights
-    from flux2_pack.flux2_core.ggml_layers import GGMLEmbedding, GGMLLinear
+    from flux2_pack.flux2_core import weights
+    from flux2_pack.flux2_core.models import rope
+    from flux2_pack.flux2_core.storage.ggml_layers import GGMLEmbedding, GGMLLinear
     from flux2_pack.nodes import host
     ggml_layers = (GGMLLinear, GGMLEmbedding)
 
