@@ -95,6 +95,7 @@ class Variant:
     use_kv_cache: bool = False         # 9B-KV: references at t=0, self-attending, K/V cached
     files: tuple[str, ...] = field(default=())   # usual file names, for finding weights (the first one's stem,
                                                  # plus -<quant>.gguf, names its GGUF files: flux-2-klein-4b-Q4_K_M.gguf)
+    title: str = ""                    # what messages call it ("FLUX.2 Klein 9B KV"); custom variants have none
 
     @property
     def gguf_stem(self) -> str:
@@ -104,6 +105,11 @@ class Variant:
     def uses_cfg(self) -> bool:
         return not self.guidance_distilled
 
+    @property
+    def family(self) -> str:
+        """"base" (CFG), "kv" (9B-KV references) or "distilled"."""
+        return "base" if self.uses_cfg else "kv" if self.use_kv_cache else "distilled"
+
 
 KLEIN_4B = TransformerParams(context_in_dim=7680, hidden_size=3072, num_heads=24, depth=5, depth_single_blocks=20)
 KLEIN_9B = TransformerParams(context_in_dim=12288, hidden_size=4096, num_heads=32, depth=8, depth_single_blocks=24)
@@ -111,17 +117,17 @@ DEV = TransformerParams(context_in_dim=15360, hidden_size=6144, num_heads=48, de
                         use_guidance_embed=True)
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
-    Variant("klein-4b", KLEIN_4B, QWEN3_4B, 4, 1.0, True,
+    Variant("klein-4b", KLEIN_4B, QWEN3_4B, 4, 1.0, True, title="FLUX.2 Klein 4B",
             files=("flux-2-klein-4b.safetensors", "flux-2-klein-4b-fp8.safetensors")),
-    Variant("klein-9b", KLEIN_9B, QWEN3_8B, 4, 1.0, True,
+    Variant("klein-9b", KLEIN_9B, QWEN3_8B, 4, 1.0, True, title="FLUX.2 Klein 9B",
             files=("flux-2-klein-9b.safetensors", "flux-2-klein-9b-fp8.safetensors")),
-    Variant("klein-9b-kv", KLEIN_9B, QWEN3_8B, 4, 1.0, True, use_kv_cache=True,
+    Variant("klein-9b-kv", KLEIN_9B, QWEN3_8B, 4, 1.0, True, use_kv_cache=True, title="FLUX.2 Klein 9B KV",
             files=("flux-2-klein-9b-kv.safetensors",)),
-    Variant("klein-base-4b", KLEIN_4B, QWEN3_4B, 50, 4.0, False,
+    Variant("klein-base-4b", KLEIN_4B, QWEN3_4B, 50, 4.0, False, title="FLUX.2 Klein Base 4B",
             files=("flux-2-klein-base-4b.safetensors", "flux-2-klein-base-4b-fp8.safetensors")),
-    Variant("klein-base-9b", KLEIN_9B, QWEN3_8B, 50, 4.0, False,
+    Variant("klein-base-9b", KLEIN_9B, QWEN3_8B, 50, 4.0, False, title="FLUX.2 Klein Base 9B",
             files=("flux-2-klein-base-9b.safetensors", "flux-2-klein-base-9b-fp8.safetensors")),
-    Variant("dev", DEV, MISTRAL_SMALL, 50, 4.0, True, files=("flux2-dev.safetensors",)),
+    Variant("dev", DEV, MISTRAL_SMALL, 50, 4.0, True, title="FLUX.2 [dev]", files=("flux2-dev.safetensors",)),
 ]}
 
 FLUX2_AE = AutoEncoderParams()
@@ -151,9 +157,8 @@ def variant_for_params(params: TransformerParams, hint: str = "") -> Variant:
     for v in VARIANTS.values():
         if not _same_architecture(v.params, params):
             continue
-        if v.name == "dev" or {"base": v.name.startswith("klein-base"), "kv": v.use_kv_cache,
-                                "distilled": not v.use_kv_cache and not v.name.startswith("klein-base")}[family]:
+        if v.name == "dev" or v.family == family:
             return v
     template = VARIANTS[{"base": "klein-base-4b", "kv": "klein-9b-kv", "distilled": "klein-4b"}[family]]
     encoder = TextEncoderSpec("custom", params.context_in_dim // 3)
-    return replace(template, name="custom", params=params, text_encoder=encoder, files=())
+    return replace(template, name="custom", params=params, text_encoder=encoder, files=(), title="")

@@ -238,3 +238,28 @@ def test_out_of_memory_ends_in_a_message_not_a_traceback(monkeypatch, capsys, mo
     monkeypatch.setattr(pipeline, "generate", oom)
     assert cli.main(["--demo", "--prompt", "x"]) == 2
     assert "error: out of memory (CUDA out of memory. Tried to allocate 20.00 GiB)" in capsys.readouterr().err
+
+
+
+def test_each_variant_has_its_family_and_title_and_a_file_name_picks_it():
+    """One registry: the family (which the file name hints and CFG follows) and the name that messages use."""
+    from types import SimpleNamespace
+
+    from flux2_core.variants import variant_for_params
+    from flux2_core.weights import check_text_encoder_fits
+    from tests.tiny.transformer import TINY_TRANSFORMER
+
+    expected = {"klein-4b": ("distilled", "FLUX.2 Klein 4B"), "klein-9b": ("distilled", "FLUX.2 Klein 9B"),
+                "klein-9b-kv": ("kv", "FLUX.2 Klein 9B KV"), "klein-base-4b": ("base", "FLUX.2 Klein Base 4B"),
+                "klein-base-9b": ("base", "FLUX.2 Klein Base 9B")}
+    for name, (family, title) in expected.items():
+        variant = VARIANTS[name]
+        assert (variant.family, variant.title, variant.uses_cfg) == (family, title, family == "base")
+        assert variant_for_params(variant.params, f"flux-2-{name}-Q4_K_M.gguf") is variant
+    custom = variant_for_params(TINY_TRANSFORMER, "my-base-finetune")
+    assert (custom.name, custom.family, custom.title) == ("custom", "base", "")
+    qwen3_4b = SimpleNamespace(model=SimpleNamespace(embed_tokens=torch.nn.Embedding(1, 2560)))
+    with pytest.raises(Flux2Error, match=r"this is FLUX.2 Klein 9B KV; it needs the .*Qwen3-8B"):
+        check_text_encoder_fits(VARIANTS["klein-9b-kv"], qwen3_4b)
+    with pytest.raises(Flux2Error, match=r"this is a FLUX.2 model taking \d+-wide text embeddings"):
+        check_text_encoder_fits(custom, qwen3_4b)

@@ -632,9 +632,7 @@ def check_text_encoder_fits(variant: Variant, encoder: PromptEncoder) -> None:
     needed = variant.params.context_in_dim
     if 3 * hidden == needed:
         return
-    title = {"klein-4b": "FLUX.2 Klein 4B", "klein-9b": "FLUX.2 Klein 9B", "klein-9b-kv": "FLUX.2 Klein 9B KV",
-             "klein-base-4b": "FLUX.2 Klein Base 4B", "klein-base-9b": "FLUX.2 Klein Base 9B",
-             "dev": "FLUX.2 [dev]"}.get(variant.name, f"a FLUX.2 model taking {needed}-wide text embeddings")
+    title = variant.title or f"a FLUX.2 model taking {needed}-wide text embeddings"
     wanted = ENCODER_FILES.get(variant.text_encoder.name, f"text encoder with hidden size {needed // 3}")
     raise Flux2Error(f"this is {title}; it needs the {wanted}, but you gave {qwen3_name(hidden)} encoder (hidden "
                      f"{hidden}, so {3 * hidden}-wide embeddings where the model takes {needed}). Load the matching "
