@@ -244,7 +244,7 @@ def check_early(args, refs) -> None:
     from ..sampling.references import check_reference
 
     rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or latents.latent_size(
-                 16 if args.height is None else args.height, 16 if args.width is None else args.width)),
+                 *(latents.PIXELS_PER_LATENT if side is None else side for side in (args.height, args.width)))),
              (["--steps"], lambda: args.steps is None or schedules.check_steps(args.steps)),
              # a size whose flux2 schedule breaks at 4 steps (the least demanding default) breaks at any default
              (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or schedules.flux2_schedule(
@@ -313,9 +313,11 @@ def generate_command(argv: list[str]) -> int:
     if image is not None:                # before any model loads (a mask is fitted to the image: the image decides)
         grid_size(*image.size, f"--image {args.image}")
     if args.expand:                      # outpainting: the canvas and its mask become the image and the mask
+        from ..latents import PIXELS_PER_LATENT
         from ..sampling import inpaint, schedules
 
-        limit = min(MAX_IMAGE_PIXELS, schedules.max_image_tokens(args.steps or 4) * 16 * 16)   # as any input, any size
+        # as any input, any size
+        limit = min(MAX_IMAGE_PIXELS, schedules.max_image_tokens(args.steps or 4) * PIXELS_PER_LATENT ** 2)
         canvas = inpaint.expand_canvas(image, inpaint.parse_expand(args.expand), max_pixels=limit)
         image, mask = canvas.image, canvas.mask
     sp = join_ranks(args)
