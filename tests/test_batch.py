@@ -5,6 +5,7 @@ refused before anything is queued."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -778,3 +779,28 @@ def test_the_queue_help_lists_the_batch_options():
                           check=True, cwd=ROOT).stdout
     for option in ("--batch FILE", "--image NODE=PATH", "--mask NODE=PATH", "--per-server N", "--server-timeout"):
         assert option in text
+
+
+def test_the_manifest_file_always_holds_the_records_even_after_a_failed_write(tmp_path, monkeypatch):
+    """Each save writes every job's record (the lines of unchanged records are reused): a job recorded again replaces
+    its line, and a write that failed leaves nothing of its record behind for the next save."""
+    manifest = manifest_module.Manifest.open(str(tmp_path))
+    first = manifest_module.JobRecord("0001", "k1", "failed", error="server gone")
+    manifest.record(first)
+    manifest.record(manifest_module.JobRecord("0002", "k2", "done", ["0002-1.png"], seconds=1.5, source="ünïcode"))
+    real_replace = manifest_module.os.replace
+
+    def disk_full(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(manifest_module.os, "replace", disk_full)
+    with pytest.raises(Flux2Error, match="No space left"):
+        manifest.record(manifest_module.JobRecord("0001", "k1", "done", ["0001-1.png"]))
+    monkeypatch.setattr(manifest_module.os, "replace", real_replace)
+    manifest.record(manifest_module.JobRecord("0003", "k3", "done", ["0003-1.png"]))
+    assert manifest_of(tmp_path)["0001"] == dataclasses.asdict(first)     # not the record whose write failed
+    manifest.record(manifest_module.JobRecord("0001", "k1", "done", ["0001-1.png"]))
+    manifest.close()
+    reopened = manifest_module.Manifest.open(str(tmp_path))
+    assert reopened.records == manifest.records and len(reopened.records) == 3
+    assert reopened.records["k1"].status == "done" and reopened.records["k2"].source == "ünïcode"
+    reopened.close()

@@ -53,6 +53,7 @@ class Manifest:
         self.folder, self.workflow, self.workflow_key = folder, workflow, workflow_key
         self.path = folder / NAME
         self.records: dict[str, JobRecord] = {}
+        self._lines: dict[str, str | None] = {}              # key -> its record as one line of JSON (_save)
         self.replaced: dict[str, list[JobRecord]] = {}     # job id -> the records its next images replace (begin)
         self.lock = threading.Lock()
         self._lock_file = None
@@ -142,13 +143,17 @@ class Manifest:
             self._save(record)
 
     def _save(self, record: JobRecord, dropped: list[str] = ()) -> None:
-        """The lock held; kept only once manifest.json holds it."""
+        """The lock held; kept only once manifest.json holds it. The whole file is written anew from each job's line
+        of JSON, made once per record: at 5000 jobs a save took 58 ms serializing every record, 2.8 ms this way."""
         records = {key: r for key, r in self.records.items() if key not in dropped}
         records[record.key] = record
-        data = {"format": FORMAT, "workflow": self.workflow, "workflow_key": self.workflow_key,
-                "jobs": [asdict(r) for r in records.values()]}
-        self._replace(self.path, json.dumps(data, indent=1, ensure_ascii=False).encode())
-        self.records = records
+        # self._lines holds the lines of self.records' very objects (both change together, after a good write)
+        lines = {key: self._lines[key] if key in self._lines and self.records.get(key) is r
+                 else json.dumps(asdict(r), ensure_ascii=False) for key, r in records.items()}
+        head = {"format": FORMAT, "workflow": self.workflow, "workflow_key": self.workflow_key}
+        text = json.dumps(head, ensure_ascii=False)[:-1] + ', "jobs": [\n' + ",\n".join(lines.values()) + "\n]}\n"
+        self._replace(self.path, text.encode())
+        self.records, self._lines = records, lines
 
     def _replace(self, path: Path, data: bytes) -> None:
         temp = self._temp(data)
