@@ -222,14 +222,14 @@ def test_fp8_matmul_gate_takes_bf16_activations_only(monkeypatch):
     torch._scaled_mm; fp16 (whose output some cuBLAS versions cannot write) and fp32 do not."""
     from flux2_core.storage import quant
 
-    monkeypatch.setattr(quant, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(quant, "FP8_MATMUL_DEVICES", {"meta"})
     w8 = torch.zeros(32, 64, dtype=FP8, device="meta")
     assert quant._scaled_mm_ok(torch.empty(4, 64, dtype=torch.bfloat16, device="meta"), w8)
     for dtype in (torch.float16, torch.float32):
         assert not quant._scaled_mm_ok(torch.empty(4, 64, dtype=dtype, device="meta"), w8)
     assert not quant._scaled_mm_ok(torch.empty(4, 56, dtype=torch.bfloat16, device="meta"), w8[:, :56])  # K % 16
     assert not quant._scaled_mm_ok(torch.empty(4, 64, dtype=torch.bfloat16, device="meta"), w8.to(torch.float8_e5m2))
-    monkeypatch.setattr(quant, "_on_cuda", lambda x: False)
+    monkeypatch.setattr(quant, "FP8_MATMUL_DEVICES", {"cuda"})
     assert not quant._scaled_mm_ok(torch.empty(4, 64, dtype=torch.bfloat16, device="meta"), w8)
 
 
@@ -241,7 +241,7 @@ def test_fp16_activations_use_the_dequantizing_path(monkeypatch):
     def no_fp8(*args):
         raise AssertionError("fp16 activations must not reach torch._scaled_mm")
 
-    monkeypatch.setattr(quant, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(quant, "FP8_MATMUL_DEVICES", {"cuda", "cpu"})
     monkeypatch.setattr(quant, "_fp8_matmul", no_fp8)
     g = torch.Generator().manual_seed(0)
     layer = Fp8Linear.from_linear(torch.nn.Linear(64, 32, bias=False), fp8_matmul=True)
@@ -319,7 +319,7 @@ def test_fp8_matmul_stays_off_where_this_torch_cannot_run_it(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # fp8 matmul's activation quantization as one fused kernel (flux2_core/storage/kernels.py): the plain ops' values to the bit.
 # torch._scaled_mm runs on the CPU too (this torch), so the whole fp8 matmul path is checked here, the GPU's
-# `_on_cuda` gate faked; on a GPU the device mode runs the same tests there.
+# gate (`FP8_MATMUL_DEVICES`) opened to the CPU; on a GPU the device mode runs the same tests there.
 # ---------------------------------------------------------------------------------------------------------------
 
 def fp8_matmul_runs_here() -> str | None:
@@ -384,7 +384,7 @@ def test_fused_activation_quantization_equals_the_plain_ops():
 def test_fp8_matmul_with_the_fused_quantizer_is_the_plain_one_within_the_activation_rounding(monkeypatch):
     """One fp8 layer (fp8 matmul on, bf16 activations): the fused quantizer's output equals the plain ops' to the bit,
     and both are within the rounding of the activations to e4m3 of the exact product with the fp8 weight."""
-    monkeypatch.setattr(quant, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(quant, "FP8_MATMUL_DEVICES", {"cuda", "cpu"})
     torch.manual_seed(0)
     layer = Fp8Linear.from_linear(torch.nn.Linear(512, 256, bias=False), fp8_matmul=True).to(DEVICE)
     x = activations(3 * 40, 512).reshape(3, 40, 512)
@@ -408,7 +408,7 @@ def test_fp8_matmul_with_the_fused_quantizer_is_the_plain_one_within_the_activat
 def test_a_transformer_with_fp8_matmul_computes_the_same_with_the_fused_quantizer(monkeypatch):
     """A whole forward, fp8 matmul in every block layer, one batch item (the modulations' single token: the
     size-1 graph): equal to the bit to the plain quantizer's forward; two graphs for every layer."""
-    monkeypatch.setattr(quant, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(quant, "FP8_MATMUL_DEVICES", {"cuda", "cpu"})
     model = tiny_model(torch.bfloat16)
     assert quantize_transformer(model, fp8_matmul=True)
     inputs = [x.bfloat16() if x.is_floating_point() and x.ndim == 3 else x for x in tiny_inputs(batch=1)]

@@ -23,6 +23,8 @@ SCALE_SUFFIXES = (".weight_scale", ".scale_weight", ".weight_scale_inv")
 DROPPED_SUFFIXES = (".input_scale", ".scale_input", ".comfy_quant", ".weight_scale_2", "scaled_fp8") + SCALE_SUFFIXES
 
 FP8 = torch.float8_e4m3fn
+# device types whose torch._scaled_mm an fp8 layer calls (the CPU has one too, exact but slow: the tests add "cpu")
+FP8_MATMUL_DEVICES = frozenset({"cuda"})
 FP8_MAX = torch.finfo(FP8).max          # 448
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -102,15 +104,11 @@ class Fp8Linear(nn.Module, StoredLinear):
         return f"in={self.in_features}, out={self.out_features}, {self.weight.dtype}, {kind} scale"
 
 
-def _on_cuda(x: Tensor) -> bool:
-    return x.is_cuda
-
-
 def _scaled_mm_ok(x: Tensor, w8: Tensor) -> bool:
     """CUDA, 16-aligned sizes, e4m3 weights, and bf16 activations: bf16 output is what every fp8 cuBLAS writes
     (fp16 fails at run time on some), and fp16/fp32 activations would lose precision going through bf16."""
-    return (_on_cuda(x) and hasattr(torch, "_scaled_mm") and w8.dtype == FP8 and x.dtype == torch.bfloat16
-            and x.shape[-1] % 16 == 0 and w8.shape[0] % 16 == 0)
+    return (x.device.type in FP8_MATMUL_DEVICES and hasattr(torch, "_scaled_mm") and w8.dtype == FP8
+            and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0 and w8.shape[0] % 16 == 0)
 
 
 def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
