@@ -19,7 +19,9 @@ LAYERS = [
 def layer_of(module: str) -> int:
     """``module``: dotted below flux2_core ("models.transformer", "errors", "" for the package itself)."""
     head = module.split(".")[0] or "__init__"
-    return next(i for i, names in enumerate(LAYERS) if head in names)
+    layer = next((i for i, names in enumerate(LAYERS) if head in names), None)
+    assert layer is not None, f"flux2_core.{module} is in no layer: add {head!r} to LAYERS and to docs/architecture.md"
+    return layer
 
 
 def module_of(path: Path, core: Path = CORE) -> str:
