@@ -1,5 +1,6 @@
 """What the engine refuses, for the CLI and the nodes alike: a setting must be a finite number in range (``number``:
-NaN slips through every comparison, ComfyUI's own min/max checks included); a stage boundary's tensor must be
+NaN slips through every comparison, ComfyUI's own min/max checks included); a number written as text (an option, a
+part of one) is read by ``parse_number`` alone; a stage boundary's tensor must be
 finite (``finite``: NaN there would become a black image; one check per stage, never per step: it syncs the device).
 """
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 
 import torch
 from torch import Tensor
@@ -29,6 +31,30 @@ def number(name: str, value, low: float | None = None, high: float | None = None
     if too_low or (high is not None and value > high):
         span = f"{'(' if above_low else '['}{'-inf' if low is None else f'{low:g}'}, {'inf' if high is None else f'{high:g}'}]"
         raise Flux2Error(f"{name} must be in {span}, got {value:g}{hint and '; ' + hint}")
+    return value
+
+
+# ASCII digits only: str.isdigit() takes "²" (which int() refuses) and int() takes "٣" or "３" (no user means them);
+# a length bound, since int() refuses over 4300 digits and float() makes inf of long ones.
+WHOLE_TEXT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+REAL_TEXT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+MAX_NUMBER_TEXT = 40
+
+
+def parse_number(text: str, name: str, low: float | None = None, high: float | None = None, *, whole: bool = False,
+                 above_low: bool = False, hint: str = "") -> int | float:
+    """Text a user typed -> the number (an int with ``whole``), checked as ``number`` checks it; anything else is a
+    Flux2Error naming ``name``."""
+    kind = "a whole number" if whole else "a number"
+    if not isinstance(text, str) or len(text.strip()) > MAX_NUMBER_TEXT:
+        what = f"{len(text)} characters long" if isinstance(text, str) else f"a {type(text).__name__}"
+        raise Flux2Error(f"{name} must be {kind} of at most {MAX_NUMBER_TEXT} characters, got one {what}"
+                         f"{hint and '; ' + hint}")
+    if not (WHOLE_TEXT if whole else REAL_TEXT).fullmatch(text.strip()):
+        digits = "digits 0-9" + ("" if whole else ", a point and an exponent such as 1e-3")
+        raise Flux2Error(f"{name} must be {kind} written with {digits}, got {text!r}{hint and '; ' + hint}")
+    value = int(text) if whole else float(text)
+    number(name, value, low, high, above_low=above_low, hint=hint)
     return value
 
 

@@ -66,8 +66,6 @@ def test_demo_writes_pngs_with_metadata(tmp_path, monkeypatch):
     (["--batch", "0"], "batch"),
     (["--strength", "1.5"], "strength"),
     (["--strength", "0.5"], "--strength: denoise strength 0.5 < 1 is image-to-image, but there is no image"),
-    (["--cfg", "nan"], "--cfg: cfg must be a finite number"),
-    (["--cfg=-inf"], "--cfg: cfg must be a finite number"),
     (["--steps", "100000"], "--steps: steps must be a whole number from 1 to 10000"),
     (["--mask", "m.png"], "--mask: a mask needs the image it masks"),
     (["--width", "16384", "--height", "16384"], "at most about 4688x4688 px (86166 tokens) with 4 steps"),
@@ -77,6 +75,19 @@ def test_bad_settings_fail_before_loading(args, message, capsys):
     assert cli.main(["--prompt", "x", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--cfg", "nan"], "argument --cfg: --cfg must be a number written with digits 0-9"),
+    (["--cfg=-inf"], "argument --cfg: --cfg must be a number written with digits 0-9"),
+    (["--width", "１０２４"], "argument --width: --width must be a whole number written with digits 0-9"),
+    (["--cfg", "1e999"], "argument --cfg: --cfg must be a finite number, got inf"),
+    (["--seed", "9" * 41], "argument --seed: --seed must be a whole number of at most 40 characters"),
+])
+def test_numbers_not_written_in_digits_are_refused_by_the_usage_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--prompt", "x", *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("size,message", [((40, 200), "at least 64"), ((64, 700), "aspect ratio")])

@@ -26,7 +26,10 @@ def test_expand_is_rounded_up_to_the_grid(text, sides):
 
 
 @pytest.mark.parametrize("text,message", [("0,0,0,0", "adds nothing"), ("10,10", "four whole numbers"),
-                                          ("-16,0,0,0", "four whole numbers"), ("a,b,c,d", "four whole numbers")])
+                                          ("-16,0,0,0", r"LEFT pixels must be in \[0, 8192\]"),
+                                          ("a,b,c,d", "LEFT pixels must be a whole number written with digits 0-9"),
+                                          ("0,0,²,0", "RIGHT pixels must be a whole number written with digits 0-9"),
+                                          ("0,0,0,9999", r"BOTTOM pixels must be in \[0, 8192\]")])
 def test_bad_expands(text, message):
     with pytest.raises(Flux2Error, match=message):
         inpaint.parse_expand(text)
@@ -84,6 +87,6 @@ def test_cli_expand(tmp_path, capsys):
     for extra, message in ((["--expand", "0,0,16,0"], "give the image to expand"),
                            (["--image", str(src), "--mask", str(src), "--expand", "0,0,16,0"], "makes its own mask"),
                            (["--image", str(src), "--expand", "0,0,0"], "four whole numbers"),
-                           (["--image", str(src), "--expand", "0,0,10000,10000"], "canvas")):
+                           (["--steps", "200", "--image", str(src), "--expand", "0,0,8000,8000"], "canvas")):
         assert cli.main([*argv, *extra, "--out", str(tmp_path / "x")]) == 2
         assert message in capsys.readouterr().err or pytest.fail(message)

@@ -113,3 +113,29 @@ def test_memory_estimates_follow_the_smaller_decoder(tmp_path):
     assert memory.mid_bytes(small, 1, 8, 8) * 2 == memory.mid_bytes(wide, 1, 8, 8)
     assert memory.mid_bytes(small, 1, 8, 8, decoder=False) == memory.mid_bytes(wide, 1, 8, 8, decoder=False)
     assert dataclasses.replace(small.params, decoder_channels=None) == wide.params
+
+
+@pytest.mark.parametrize("tile", [None, 5])
+def test_a_nan_picture_from_a_decoder_file_names_the_decoder(tmp_path, image, tile):
+    """A decoder given on its own (--decoder, the loader's decoder input) that holds NaN: the error names that file,
+    not the autoencoder (whose file is fine); an autoencoder's own decoder still names the autoencoder's file."""
+    full = build_diffusers_autoencoder(seed=2, config=WIDE)
+    ae_file = save_bfl_autoencoder(full, tmp_path / "flux2-vae.safetensors")
+    decoder_only = {k.removeprefix("decoder."): v.clone() for k, v in bfl_state_dict(full).items()
+                    if k.startswith("decoder.")}
+    decoder_only["conv_out.weight"].view(-1)[0] = float("nan")
+    decoder_file = tmp_path / "small_decoder.safetensors"
+    save_file(decoder_only, str(decoder_file))
+    ae = weights.load_autoencoder(ae_file, "cpu", torch.float32, decoder=decoder_file)
+    with torch.no_grad():
+        latent = ae.encode(image)                         # the encoder is the autoencoder file's, and fine
+        with pytest.raises(Flux2Error, match=rf"the decoder's weights \({decoder_file}\) hold NaN/inf .*download "
+                                             r"small_decoder.safetensors again") as error:
+            ae.decode(latent, tile=tile)
+    assert str(ae_file) not in str(error.value) and "autoencoder's weights" not in str(error.value)
+
+    own = {**bfl_state_dict(full), "decoder.conv_out.weight": decoder_only["conv_out.weight"]}
+    save_file(own, str(tmp_path / "damaged-vae.safetensors"))
+    ae = weights.load_autoencoder(tmp_path / "damaged-vae.safetensors", "cpu", torch.float32)
+    with torch.no_grad(), pytest.raises(Flux2Error, match=r"the autoencoder's weights \(.*damaged-vae.safetensors\)"):
+        ae.decode(latent, tile=tile)

@@ -42,7 +42,7 @@ from PIL import Image
 from ..errors import Flux2Error
 from .batch_jobs import BatchJob, PlannedJob, job_from_line, job_key, parse_sets, plan_jobs, read_batch
 from .batch_progress import BatchProgress, duration
-from .manifest import JobRecord, Manifest
+from .manifest import JobRecord, Manifest, image_suffix
 from .queue_client import (
     ComfyClient,
     ServerError,
@@ -57,6 +57,7 @@ from .queue_client import (
 from .queue_watch import POLL, QueueWatch, ask_queue
 from .uploads import parse_pairs, upload
 
+MAX_PER_SERVER = 64             # jobs queued at once on one server
 LOST_SERVERS = 2                 # a job whose server stopped answering this many times fails (see _schedule)
 
 
@@ -215,8 +216,8 @@ class BatchClient:
         self.workflow = load_workflow(workflow) if isinstance(workflow, (str, os.PathLike)) else check_workflow(
             workflow, "the workflow given to BatchClient")
         self.servers = check_servers([servers] if isinstance(servers, str) else list(servers))
-        if not (isinstance(per_server, int) and 1 <= per_server <= 64):
-            raise Flux2Error(f"--per-server {per_server} must be a whole number from 1 to 64")
+        if isinstance(per_server, bool) or not (isinstance(per_server, int) and 1 <= per_server <= MAX_PER_SERVER):
+            raise Flux2Error(f"--per-server {per_server} must be a whole number from 1 to {MAX_PER_SERVER}")
         ComfyClient(self.servers[0], timeout=timeout, heartbeat=server_timeout)       # checks both timeouts
         self.out, self.per_server, self.timeout, self.server_timeout = out, per_server, timeout, server_timeout
         self.images, self.masks, self.sets, self.seed = dict(images or {}), dict(masks or {}), dict(sets or {}), seed
@@ -276,6 +277,9 @@ class BatchClient:
                     rest = f"running the other {len(pending)}" if pending else "nothing left to run"
                     progress.note(f"{skipped} of the {len(planned)} jobs were done before (see {manifest.path}); "
                                   f"{rest}")
+                if manifest.unread:
+                    progress.note(f"{manifest.unread} record(s) of {manifest.path} are damaged (a field missing or "
+                                  "of the wrong kind, or a file name outside the folder); their jobs run again")
                 if changed:
                     progress.note(f"{len(changed)} job(s) changed since they ran in {manifest.folder} (the same id, "
                                   f"another prompt, seed, size, picture or setting: {', '.join(changed[:5])}"
@@ -484,7 +488,7 @@ class BatchClient:
                 name = file_name(client.server, image)
                 data = client.download(image)
                 made_by(client.server, prompt_id, image, data, workflow)
-                staged.append(manifest.stage(data, os.path.splitext(name)[1] or ".png"))
+                staged.append(manifest.stage(data, image_suffix(name)))
             # published and recorded at once; refused if the batch was interrupted meanwhile
             return manifest.publish(JobRecord(job.id, job.key, "done", [], client.server, "",
                                               round(time.monotonic() - start, 3), job.job.source), staged)

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checks import parse_number
 from ..errors import Flux2Error
 from .queue_client import apply_overrides, parse_value, shown
 from .uploads import Picture, plan_pictures, set_picture
@@ -18,6 +19,7 @@ from .uploads import Picture, plan_pictures, set_picture
 KEYS = ("id", "prompt", "seed", "size", "images", "masks", "set")
 EXAMPLE = '{"prompt": "a red fox", "seed": 1, "size": "768x1024", "images": {"10": "photo.png"}}'
 ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+MAX_SEED = 2 ** 64 - 1           # ComfyUI's seed inputs take 0 to 2^64 - 1
 MAX_ERRORS = 20                  # bad lines listed in one message
 
 
@@ -62,8 +64,8 @@ def quoted(value) -> str:
 
 
 def parse_size(value, where: str) -> tuple[int, int]:
-    if isinstance(value, str) and re.fullmatch(r"\d{1,5}x\d{1,5}", value):
-        value = [int(v) for v in value.split("x")]
+    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,5}x[0-9]{1,5}", value):
+        value = [parse_number(v, f'{where}: "size"', whole=True) for v in value.split("x")]
     if not (isinstance(value, (list, tuple)) and len(value) == 2
             and all(isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= 16384 for v in value)):
         raise Flux2Error(f'{where}: "size" {quoted(value)} is not WIDTHxHEIGHT (e.g. "768x1024", each 16 to 16384)')
@@ -83,7 +85,7 @@ def job_from_line(value, where: str, folder: Path) -> BatchJob:
             raise Flux2Error(f'{where}: "prompt" must be a string')
         job.prompt = value["prompt"]
     if value.get("seed") is not None:
-        if not isinstance(value["seed"], int) or isinstance(value["seed"], bool) or not 0 <= value["seed"] < 2 ** 64:
+        if not isinstance(value["seed"], int) or isinstance(value["seed"], bool) or not 0 <= value["seed"] <= MAX_SEED:
             raise Flux2Error(f'{where}: "seed" {quoted(value["seed"])} must be a whole number from 0 to 2^64-1')
         job.seed = value["seed"]
     if value.get("size") is not None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import Flux2Error
 from ..variants import VARIANTS, Variant
+from .option_types import number_option
 from .outputs import check_folder, write_new
 
 # ComfyUI model folders (and their legacy names) and the usual file names in them.
@@ -52,13 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what to generate (or how to edit the references); repeat for several prompts, each making "
                         "--batch images")
     p.add_argument("--ref", action="append", default=[], metavar="IMG", help="a reference image (repeatable)")
-    p.add_argument("--width", type=int, help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
-    p.add_argument("--height", type=int, help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
-    p.add_argument("--steps", type=int, help="sampling steps (default: the model's, 4 distilled / 50 base)")
-    p.add_argument("--cfg", type=float, help="guidance scale for base models (default 4; distilled models ignore it)")
+    p.add_argument("--width", type=number_option("--width", whole=True),
+                   help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
+    p.add_argument("--height", type=number_option("--height", whole=True),
+                   help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
+    p.add_argument("--steps", type=number_option("--steps", whole=True),
+                   help="sampling steps (default: the model's, 4 distilled / 50 base)")
+    p.add_argument("--cfg", type=number_option("--cfg"),
+                   help="guidance scale for base models (default 4; distilled models ignore it)")
     p.add_argument("--negative", default="", help="negative prompt for base models with CFG (default empty)")
-    p.add_argument("--seed", type=int, help="seed of the first image; image i uses seed + i (default: random)")
-    p.add_argument("--batch", type=int, default=1, help="number of images (default 1)")
+    p.add_argument("--seed", type=number_option("--seed", whole=True),
+                   help="seed of the first image; image i uses seed + i (default: random)")
+    p.add_argument("--batch", type=number_option("--batch", whole=True), default=1,
+                   help="number of images (default 1)")
     p.add_argument("--image", metavar="IMG", help="image-to-image: start from this image")
     p.add_argument("--mask", metavar="MASK", help="inpainting: repaint the white areas of this mask over --image, keep "
                                                 "the black ones (grey blends); the same size as the image")
@@ -66,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="outpainting: add LEFT,TOP,RIGHT,BOTTOM pixels around --image (each rounded up to a multiple "
                         "of 16) and paint them, fading into the image over 32 pixels so the seam is repainted too "
                         "(the image itself is kept: its latent stays the image's); the output is the whole canvas")
-    p.add_argument("--strength", type=float, default=1.0,
+    p.add_argument("--strength", type=number_option("--strength"), default=1.0,
                    help="image-to-image and inpainting denoise strength in (0, 1] (default 1)")
     p.add_argument("--out", default="output", help="folder for the PNGs (default output/); existing files are kept, "
                    "a taken name gets -1, -2, ...")
@@ -250,6 +257,7 @@ def check_early(args, refs) -> None:
              (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or schedules.flux2_schedule(
                  args.steps or 4, math.prod(latents.latent_size(args.height, args.width)))),
              (["--cfg"], lambda: args.cfg is None or euler.check_cfg(args.cfg)),
+             (["--seed", "--batch"], lambda: euler.check_seed(0 if args.seed is None else args.seed, args.batch)),
              (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None)),
              (["--mask"], lambda: inpaint.check_source(args.mask is not None, args.image is not None)),
              (["--expand"], lambda: args.expand is None or inpaint.parse_expand(args.expand)),
@@ -260,17 +268,13 @@ def check_early(args, refs) -> None:
             rule()
         except Flux2Error as e:
             raise Flux2Error(f"{'/'.join(options)}: {e}") from None
-    if args.batch < 1:
-        raise Flux2Error(f"--batch must be >= 1, got {args.batch}")
     if args.demo and args.decoder:
         raise Flux2Error("--decoder replaces the decoder of a real autoencoder; --demo has none: leave one out")
     if args.int8 and args.fp8 == "yes":
         raise Flux2Error("--int8 and --fp8 both choose how the blocks' weights are stored: pick one")
     for i, ref in enumerate(refs):
         check_reference(ref, i)
-    for path, strength in map(lora_argument, args.lora):
-        if not math.isfinite(strength):
-            raise Flux2Error(f"--lora {path}: the strength must be a finite number, got {strength}")
+    for path, _strength in map(lora_argument, args.lora):
         if not Path(path).expanduser().is_file():
             raise Flux2Error(f"--lora {path}: no such file; give the path of a .safetensors LoRA, optionally with "
                              f":STRENGTH (e.g. --lora style.safetensors:0.8)")
@@ -278,11 +282,12 @@ def check_early(args, refs) -> None:
 
 def lora_argument(text: str) -> tuple[str, float]:
     """--lora FILE[:STRENGTH] -> (file, strength); a strength is a number after the last colon (so C:\\x works)."""
+    from ..checks import REAL_TEXT, parse_number
+
     path, _, strength = text.rpartition(":")
-    try:
-        return (path, float(strength)) if path else (text, 1.0)
-    except ValueError:
+    if not path or not REAL_TEXT.fullmatch(strength.strip()):
         return text, 1.0
+    return path, parse_number(strength, f"--lora {path}: the strength")
 
 
 def report_streaming(model, compiled: bool) -> None:

@@ -3,19 +3,25 @@
 Nothing half-written ever carries a real name: images and the manifest are written under a hidden temp name
 (.flux2-batch-*.part, removed by the next run) and renamed once whole; image names are claimed with a hard link (or
 O_EXCL), which never replaces a file. A lock keeps two batches apart, and one folder holds one workflow's batch.
+manifest.json is data from disk, perhaps damaged or edited: a record is used only as ``JobRecord.read`` finds it, its
+files only by names ``folder_name`` allows (never outside the folder), and an image only while its bytes hash as
+recorded (a cut or changed one is made again).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+import re
 import tempfile
 import threading
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from ..errors import Flux2Error
-from .outputs import check_folder
+from .outputs import PICTURE_ERRORS, check_folder, picture_format
 
 try:
     import fcntl
@@ -26,11 +32,31 @@ NAME = "manifest.json"
 FORMAT = "flux2-klein batch manifest 1"
 TEMP = ".flux2-batch-"           # prefix of every temp file a batch writes in its folder
 LOCK = ".flux2-batch.lock"
+FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", re.ASCII)    # what a published image may be named
+SUFFIX = re.compile(r"\.[A-Za-z0-9]{1,16}", re.ASCII)
+STATUSES = ("done", "failed")
+
+
+def folder_name(name) -> bool:
+    """The one rule for a name the manifest may give a file: one plain name in the folder (no separator, no "..", not
+    hidden, not the manifest), as publish makes them, so a record can reach nothing outside it."""
+    return isinstance(name, str) and bool(FILE_NAME.fullmatch(name)) and name != NAME
+
+
+def image_suffix(name: str) -> str:
+    """How a published image's name ends: the server's own suffix (".png", ".webp") where it is a plain one."""
+    suffix = os.path.splitext(name)[1]
+    return suffix if SUFFIX.fullmatch(suffix) else ".png"
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass
 class JobRecord:
-    """`files`: names in the folder, in the order the workflow saved them."""
+    """`files`: names in the folder, in the order the workflow saved them; `digests`: the SHA-256 of each as
+    published (empty in records of earlier clients)."""
 
     id: str
     key: str                     # batch_jobs.job_key: the same key means the same job
@@ -40,12 +66,36 @@ class JobRecord:
     error: str = ""
     seconds: float = 0.0
     source: str = ""
+    digests: list[str] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, value) -> JobRecord | None:
+        """A record as manifest.json holds it, or None where it is not one this client could have written (a field
+        missing, null or of another type, a file name ``folder_name`` refuses): the job is then unknown, run again."""
+        if not isinstance(value, dict):
+            return None
+        texts = ("id", "key", "status", "server", "error", "source")
+        if not all(isinstance(value.get(name, ""), str) for name in texts) or not value.get("id") or \
+                not value.get("key") or value.get("status") not in STATUSES:
+            return None
+        files, digests = value.get("files", []), value.get("digests", [])
+        seconds = value.get("seconds", 0.0)
+        if not (isinstance(files, list) and all(map(folder_name, files)) and len(set(files)) == len(files)):
+            return None
+        if not (isinstance(digests, list) and len(digests) in (0, len(files))
+                and all(isinstance(d, str) and re.fullmatch(r"[0-9a-f]{64}", d) for d in digests)):
+            return None
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+            return None
+        known = {f.name for f in fields(cls)}
+        return cls(**{name: item for name, item in value.items() if name in known})
 
 
 @dataclass
 class Staged:
     temp: str                    # the temp file's path
     suffix: str                  # how its published name ends (".png")
+    digest: str                  # the SHA-256 of its bytes
 
 
 class Manifest:
@@ -55,6 +105,7 @@ class Manifest:
         self.records: dict[str, JobRecord] = {}
         self._lines: dict[str, str | None] = {}              # key -> its record as one line of JSON (_save)
         self.replaced: dict[str, list[JobRecord]] = {}     # job id -> the records its next images replace (begin)
+        self.unread = 0                                      # records of manifest.json that JobRecord.read refused
         self.lock = threading.Lock()
         self._lock_file = None
         self.ended = threading.Event()             # the batch writing here has ended (see end)
@@ -104,12 +155,19 @@ class Manifest:
             return
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
-            if data.get("format") != FORMAT:
-                raise ValueError(f"its format is {data.get('format')!r}")
-            records = [JobRecord(**record) for record in data["jobs"]]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise ValueError(f"its format is {data.get('format') if isinstance(data, dict) else None!r}")
+            if not isinstance(data.get("jobs"), list):
+                raise TypeError('"jobs" is not a list')
+            for name in ("workflow", "workflow_key"):
+                if not isinstance(data.get(name, ""), str):
+                    raise TypeError(f'"{name}" is not a string')
+        except (OSError, ValueError, TypeError, RecursionError) as e:
+            self.close()
             raise Flux2Error(f"--out {out}: {self.path} is not a batch manifest this client can read ({e}); move it "
                              "away (the batch then runs every job again) or choose another folder") from None
+        records = [record for record in map(JobRecord.read, data["jobs"]) if record is not None]
+        self.unread = len(data["jobs"]) - len(records)
         theirs = data.get("workflow_key") or ""
         if theirs and self.workflow_key and theirs != self.workflow_key:
             self.close()
@@ -124,19 +182,42 @@ class Manifest:
     def begin(self, jobs: dict[str, str]) -> list[str]:
         """jobs {id: key} -> the ids changed since they ran (id kept, key in none of the jobs): the new images replace
         the old record and files when published, rather than landing beside them as 0001-1-1.png. A key still in
-        the batch under another id (a line put above it) is that job's and stays."""
+        the batch under another id (a line put above it) is that job's and stays. A done job whose images are no
+        longer whole is made again in their place too (not counted as changed)."""
         keys = set(jobs.values())
-        self.replaced = {}
+        self.replaced, changed = {}, set()
         for record in self.records.values():
             if record.id in jobs and record.key not in keys:
-                self.replaced.setdefault(record.id, []).append(record)
-        return sorted(self.replaced)
+                changed.add(record.id)
+            elif not (jobs.get(record.id) == record.key and record.status == "done" and not self.finished(record.key)):
+                continue
+            self.replaced.setdefault(record.id, []).append(record)
+        return sorted(changed)
 
     def finished(self, key: str) -> JobRecord | None:
+        """The job's record if it is done and each of its images is in the folder whole, as it was published."""
         record = self.records.get(key)
-        if record and record.status == "done" and all((self.folder / name).is_file() for name in record.files):
+        if record and record.status == "done" and all(self._whole(name, i, record)
+                                                        for i, name in enumerate(record.files)):
             return record
         return None
+
+    def _whole(self, name: str, index: int, record: JobRecord) -> bool:
+        """A plain file (not a link out of the folder) of the bytes published; a record of an earlier client, which
+        kept no digests, at least a picture that decodes to its last pixel."""
+        try:
+            fd = os.open(self.folder / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(fd, "rb") as f:
+                data = f.read()
+        except OSError:
+            return False
+        if record.digests:
+            return digest(data) == record.digests[index]
+        try:
+            picture_format(data)
+        except PICTURE_ERRORS:
+            return False
+        return True
 
     def record(self, record: JobRecord) -> None:
         with self.lock:
@@ -182,7 +263,7 @@ class Manifest:
         return temp
 
     def stage(self, data: bytes, suffix: str) -> Staged:
-        return Staged(self._temp(data), suffix)
+        return Staged(self._temp(data), suffix, digest(data))
 
     def publish(self, record: JobRecord, staged: list[Staged]) -> JobRecord:
         """Staged files -> <id>-1<suffix>, -2, ... and the job recorded done, in one step under the lock: a Ctrl-C
@@ -198,7 +279,7 @@ class Manifest:
             try:
                 for number, image in enumerate(staged, start=1):
                     names.append(self._claim(f"{record.id}-{number}", image.suffix, image.temp))
-                done = replace(record, status="done", files=names)
+                done = replace(record, status="done", files=names, digests=[image.digest for image in staged])
                 self._save(done, [earlier.key for earlier in old])
             except BaseException:
                 for name in names:                  # no image without its record

@@ -3,6 +3,7 @@ an existing one (the CLI's PNGs and the images the queue client downloads)."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import os
 import tempfile
@@ -10,7 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from PIL import Image
+
 from ..errors import Flux2Error
+
+PICTURE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 def check_folder(path: str, option: str = "--out") -> Path:
@@ -61,3 +66,14 @@ def _claim(folder: Path, name: str) -> tuple[BinaryIO, Path]:
             return open(path, "xb"), path          # write_new's `with` closes it
         except FileExistsError:
             continue
+
+
+def picture_format(data: bytes) -> str:
+    """The format of a whole picture (PIL's name: "PNG"), or one of PICTURE_ERRORS: its chunks checked to the end
+    (PNG's CRCs and IEND) and its pixels decoded to the last, so a file cut anywhere is caught."""
+    with Image.open(io.BytesIO(data)) as picture:
+        found = picture.format
+        picture.verify()
+    with Image.open(io.BytesIO(data)) as picture:
+        picture.load()
+    return found

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import io
+import ipaddress
 import json
 import math
 import os
@@ -25,10 +25,10 @@ import uuid
 from collections.abc import Iterable
 
 import aiohttp
-from PIL import Image
 
+from ..checks import parse_number
 from ..errors import Flux2Error
-from .outputs import check_folder, write_new
+from .outputs import PICTURE_ERRORS, check_folder, picture_format, write_new
 
 OUR_PREFIX = "Flux2Klein"          # every node id of this pack starts with this
 TEXT_INPUTS = ("text", "prompt")   # the prompt-encode node's string input
@@ -81,18 +81,33 @@ def shown(value, limit: int = SHOWN) -> str:
 # Answers, checked: each function reads one answer of the server and returns what the client needs, or raises.
 
 def parse_server(server: str) -> tuple[str, str]:
-    """--server [http[s]://]HOST:PORT -> (base URL, HOST:PORT as messages name it)."""
-    text = server.strip().rstrip("/")
-    url = urllib.parse.urlsplit(text if "://" in text else f"http://{text}")
+    """--server [http[s]://]HOST:PORT -> (base URL, HOST:PORT as messages name it), both in one written form whatever
+    the user's (host in lower case, an IP address in its short form, the port without leading zeros), so one server
+    given twice is seen as one."""
+    wrong = Flux2Error(f"--server {shown(str(server))} is not HOST:PORT; use e.g. 127.0.0.1:8188 (the address and "
+                       "port ComfyUI prints at startup)")
+    text = server.strip().rstrip("/") if isinstance(server, str) else ""
     try:
-        port = url.port
-    except ValueError:                 # not a number, or past 65535
-        port = None
-    if (url.scheme not in ("http", "https") or not port or url.path or url.query or url.fragment or "@" in url.netloc
-            or not re.fullmatch(r"[\w.-]+|[0-9a-f:.]+", url.hostname or "")):
-        raise Flux2Error(f"--server {server!r} is not HOST:PORT; use e.g. 127.0.0.1:8188 (the address and port "
-                         "ComfyUI prints at startup)")
-    return f"{url.scheme}://{url.netloc}", url.netloc
+        url = urllib.parse.urlsplit(text if "://" in text else f"http://{text}")
+    except ValueError:                                       # "[not-an-address]:80"
+        raise wrong from None
+    host, colon, port = url.netloc.rpartition(":")
+    if (url.scheme not in ("http", "https") or not colon or url.path or url.query or url.fragment or "@" in host
+            or not re.fullmatch(r"[0-9]+", port)):
+        raise wrong
+    try:
+        port = parse_number(port, "the port", 1, 65535, whole=True)
+    except Flux2Error:
+        raise wrong from None
+    host = host.removeprefix("[").removesuffix("]") if host.startswith("[") else host
+    try:
+        host = ipaddress.ip_address(host).compressed        # ::0:1 and ::1 are one address
+    except ValueError:
+        host = host.lower().removesuffix(".")                # host names: case and a final dot say nothing
+        if not re.fullmatch(r"[\w-]+(\.[\w-]+)*", host):
+            raise wrong from None
+    name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"{url.scheme}://{name}", name
 
 
 def check_status(server: str, what: str, status: int, body: bytes) -> bytes:
@@ -237,10 +252,8 @@ def parse_image(server: str, image: dict, body: bytes) -> bytes:
     if expected is None:
         return body
     try:
-        with Image.open(io.BytesIO(body)) as picture:
-            found = picture.format
-            picture.load()
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+        found = picture_format(body)
+    except PICTURE_ERRORS as error:
         raise ServerError(server, f"{what} as {size(len(body))} that are not a readable {expected} picture "
                                   f"({error}); nothing was written. Starts with {shown(body[:16])}") from None
     if found != expected:
@@ -547,10 +560,10 @@ def note(text: str) -> None:
 
 
 def queue(workflow: dict, server: str, out_dir: str, timeout: float = 600.0, on_message=print_progress,
-          on_saved=None) -> list[str]:
+          on_saved=None, heartbeat: float | None = None) -> list[str]:
     """The saved images' paths; on_saved(path) as each is written, so a later error does not hide them. A taken name
-    gets the next free one (name-1.png, ...)."""
-    client = ComfyClient(server, timeout=timeout)
+    gets the next free one (name-1.png, ...). heartbeat: as ComfyClient's (--server-timeout)."""
+    client = ComfyClient(server, timeout=timeout, heartbeat=heartbeat)
     out = check_folder(out_dir, "--out")       # before the prompt is queued: a wrong --out must not cost a run
     ws = client.connect()                      # connect first so no progress message is missed
     try:

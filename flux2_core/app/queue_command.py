@@ -8,7 +8,9 @@ import sys
 
 from ..errors import Flux2Error
 from . import queue_client
-from .batch import batch_main
+from .batch import MAX_PER_SERVER, batch_main
+from .batch_jobs import MAX_SEED
+from .option_types import number_option
 from .outputs import check_folder
 from .uploads import parse_pairs, plan_pictures, set_picture, upload
 
@@ -35,7 +37,8 @@ def options(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--prompt", action="append", metavar="TEXT",
                         help="prompt text for the FLUX.2 Klein prompt-encode node feeding `positive`; repeatable: one "
                              "job per prompt")
-    parser.add_argument("--seed", type=int, help="seed for every node with a seed input")
+    parser.add_argument("--seed", type=number_option("--seed", 0, MAX_SEED, whole=True),
+                        help="seed for every node with a seed input")
     parser.add_argument("--image", action="append", default=[], metavar="NODE=PATH",
                         help="a picture from this machine for Load Image node NODE, uploaded to ComfyUI's input "
                              "folder under a name made from its bytes (repeatable)")
@@ -44,17 +47,20 @@ def options(prog: str) -> argparse.ArgumentParser:
                              "becomes the picture's alpha, which Load Image gives as the mask")
     parser.add_argument("--out", default="output", metavar="DIR", help="folder for the downloaded images (default "
                         "output/); existing files are kept, a taken name gets -1, -2, ...")
-    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+    parser.add_argument("--timeout", type=number_option("--timeout", 0, above_low=True), default=600.0,
+                        metavar="SECONDS",
                         help="how long to wait for any server answer (default 600)")
     batch = parser.add_argument_group("batches")
     batch.add_argument("--batch", metavar="FILE", help="JSON Lines, one job a line (see below); paths in it are "
                        "relative to the file. Done jobs are recorded in DIR/manifest.json: running the same "
                        "batch again skips them and retries the failed ones")
-    batch.add_argument("--per-server", type=int, default=2, metavar="N",
+    batch.add_argument("--per-server", type=number_option("--per-server", 1, MAX_PER_SERVER, whole=True), default=2,
+                       metavar="N",
                        help="jobs queued at once on each server (default 2: one runs while the next waits)")
-    batch.add_argument("--server-timeout", type=float, default=60.0, metavar="SECONDS",
+    batch.add_argument("--server-timeout", type=number_option("--server-timeout", 0, above_low=True), default=60.0,
+                       metavar="SECONDS",
                        help="a server that answers nothing (HTTP, websocket pings) for this long is dropped and its "
-                            "jobs go to the others (default 60)")
+                            "jobs go to the others; with one prompt, the prompt fails (default 60)")
     return parser
 
 
@@ -73,7 +79,8 @@ def main(argv=None, prog: str = "flux2-klein queue") -> int:
         workflow = queue_client.apply_overrides(workflow, args.set, (args.prompt or [None])[0], args.seed)
         if args.image or args.mask:
             workflow = upload_pictures(workflow, args, server)
-        paths = queue_client.queue(workflow, server, args.out, args.timeout, on_saved=print)
+        paths = queue_client.queue(workflow, server, args.out, args.timeout, on_saved=print,
+                                   heartbeat=args.server_timeout)
     except Flux2Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -90,7 +97,7 @@ def upload_pictures(workflow: dict, args: argparse.Namespace, server: str) -> di
     """The workflow with the --image (and --mask) files uploaded and their nodes set to the names ComfyUI gave."""
     pictures = plan_pictures(workflow, parse_pairs(args.image, "--image"), parse_pairs(args.mask, "--mask"))
     check_folder(args.out, "--out")                  # every check before the first upload
-    client = queue_client.ComfyClient(server, timeout=args.timeout)
+    client = queue_client.ComfyClient(server, timeout=args.timeout, heartbeat=args.server_timeout)
     for node, picture in pictures.items():
         name = upload(client, picture)
         set_picture(workflow, node, name, f"--image {node}")

@@ -6,6 +6,8 @@ holds ``running_mean``/``running_var`` and is applied by hand in eval form.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -247,6 +249,12 @@ def _ramp(start: int, end: int, n: int, fade: int, scale: int) -> torch.Tensor:
 # The autoencoder
 # ---------------------------------------------------------------------------------------------------------------
 
+@dataclass
+class WeightFiles:
+    autoencoder: str | None = None        # the autoencoder file (encoder, latent statistics, decoder unless ...)
+    decoder: str | None = None            # ... a decoder file of its own replaced its decoder
+
+
 class AutoEncoder(nn.Module):
     """Convolutions run in the weights' dtype; the latent BatchNorm in float32, so latents come back float32."""
 
@@ -256,6 +264,8 @@ class AutoEncoder(nn.Module):
         self.encoder = Encoder(params)
         self.decoder = Decoder(params)
         self.bn = nn.BatchNorm2d(4 * params.z_channels, eps=params.bn_eps, affine=False, track_running_stats=True)
+        # the files the weights came from, for messages (set by the loader): a separate decoder's NaN is its own
+        self.files = WeightFiles()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -296,7 +306,8 @@ class AutoEncoder(nn.Module):
         finite(x, "the image to encode", ["it came from a node or file that produced NaN/inf pixels"])
         moments = self.encoder(conv_layout(x.to(self.device, self.dtype)))   # [B,64,H/8,W/8]
         mean = moments[:, : self.params.z_channels]                     # posterior mean; log-variance unused
-        return finite(self.normalize(patchify(mean)), "the encoded latents", self._causes())   # [B,128,H/16,W/16]
+        return finite(self.normalize(patchify(mean)), "the encoded latents",                   # [B,128,H/16,W/16]
+                      self._causes(self.files.autoencoder))
 
     def decode(self, z: torch.Tensor, tile: int | None = None) -> torch.Tensor:
         """[B,128,h,w] -> [B,3,16h,16w] in the weights' dtype, roughly in [-1,1] (not clamped); with ``tile`` in tiles
@@ -305,14 +316,18 @@ class AutoEncoder(nn.Module):
         self._check_latent(z)
         finite(z, "the latents to decode", [("the sampler that made them produced NaN/inf (its model's weights, an "
                                              "extreme cfg, or float16 overflow in it)")])
+        causes = self._causes(self.files.decoder or self.files.autoencoder, self.files.decoder is not None)
         if tile is not None:
-            return finite(self.decode_tiled(z, tile), "the decoded images", self._causes())
+            return finite(self.decode_tiled(z, tile), "the decoded images", causes)
         z = unpatchify(self.denormalize(z.to(self.device)))             # [B,32,2h,2w]
-        return finite(self.decoder(conv_layout(z.to(self.dtype))), "the decoded images", self._causes())
+        return finite(self.decoder(conv_layout(z.to(self.dtype))), "the decoded images", causes)
 
-    def _causes(self) -> list[str]:
-        return [*dtype_cause(self.dtype, "the autoencoder"), ("the autoencoder's weights hold NaN/inf (a damaged or "
-                "wrongly converted file: download flux2-vae.safetensors again)")]
+    def _causes(self, file: str | None, decoder: bool = False) -> list[str]:
+        """``decoder``: the weights are those of a decoder file of its own (``--decoder``), not the autoencoder's."""
+        part = "the decoder" if decoder else "the autoencoder"
+        again = Path(file).name if file else "small_decoder.safetensors" if decoder else "flux2-vae.safetensors"
+        return [*dtype_cause(self.dtype, part), (f"{part}'s weights{f' ({file})' if file else ''} hold NaN/inf (a "
+                f"damaged or wrongly converted file: download {again} again)")]
 
     # tiled decode -------------------------------------------------------------------------------------------------
 

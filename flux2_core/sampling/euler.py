@@ -36,10 +36,7 @@ def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", 
     bf16 on ``device`` as the reference CLI does.
     """
     h, w = latent_size(height, width)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed + batch - 1 < 2 ** 63:
-        raise Flux2Error(f"seed must be a whole number in [0, 2^63 - batch], got {seed!r}")
-    if batch < 1:
-        raise Flux2Error(f"batch must be >= 1, got {batch}")
+    check_seed(seed, batch)
     # the items are drawn on the generator's device, then copied; a batch that cannot fit is refused before drawing
     values = batch * LATENT_CHANNELS * h * w
     for where in {torch.device("cpu" if not bfl_cuda_noise else device), torch.device(device)}:
@@ -49,6 +46,14 @@ def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", 
     items = [torch.randn((1, LATENT_CHANNELS, h, w), dtype=gen_dtype, device=gen_device,
                          generator=torch.Generator(gen_device).manual_seed(seed + i)) for i in range(batch)]
     return torch.cat(items).to(device=device, dtype=dtype)
+
+
+def check_seed(seed: int, batch: int = 1) -> None:
+    """Item i draws with seed + i, and torch's generators take seeds below 2^63 here."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise Flux2Error(f"batch must be a whole number >= 1, got {batch!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed + batch - 1 < 2 ** 63:
+        raise Flux2Error(f"seed must be a whole number in [0, 2^63 - batch] (batch {batch}), got {seed!r}")
 
 
 def add_noise(latent: Tensor, noise: Tensor, sigma: float) -> Tensor:

@@ -14,6 +14,7 @@ latent's noise, by one of two conventions:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,9 +23,10 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
+from ..checks import parse_number
 from ..errors import Flux2Error
 from .euler import Velocity, add_noise
-from .references import as_pil, center_crop_16, grid_crop
+from .references import MAX_IMAGE_PIXELS, as_pil, center_crop_16, grid_crop
 
 AFTER_STEP = "after_step"        # diffusers: blend after each step, at the next sigma
 BEFORE_MODEL = "before_model"    # ComfyUI: blend before each model call, at the current sigma
@@ -56,10 +58,12 @@ def check_outpaint(image: bool, mask: bool) -> None:
 def parse_expand(text: str) -> tuple[int, int, int, int]:
     """"LEFT,TOP,RIGHT,BOTTOM" pixels -> each rounded up to the 16-pixel grid."""
     parts = text.split(",")
-    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+    if len(parts) != 4:
         raise Flux2Error(f"expand must be four whole numbers of pixels LEFT,TOP,RIGHT,BOTTOM (e.g. 0,0,256,0), got "
                          f"{text!r}")
-    sides = tuple(-(-int(p) // CELL) * CELL for p in parts)
+    widest = math.isqrt(MAX_IMAGE_PIXELS)            # a side beyond it makes a canvas no input may be
+    sides = tuple(-(-parse_number(part, f"expand's {name} pixels", 0, widest, whole=True) // CELL) * CELL
+                  for part, name in zip(parts, ("LEFT", "TOP", "RIGHT", "BOTTOM")))
     if not any(sides):
         raise Flux2Error("expand adds nothing (0,0,0,0): give the pixels to add on at least one side")
     return sides

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..errors import Flux2Error
-from ..models.autoencoder import AutoEncoder
+from ..models.autoencoder import AutoEncoder, WeightFiles
 from ..models.layers import Layers
 from ..models.qwen3 import Qwen3Params
 from ..models.text_encoder import PromptEncoder, build_qwen3_encoder, is_used, qwen3_state_dict
@@ -514,7 +514,9 @@ def load_autoencoder(path: str | Path, device=None, dtype: torch.dtype | None = 
     params = autoencoder_params(source)
     if decoder is None:
         model = build_on_meta(lambda: AutoEncoder(params))
-        return assign(model, read_state_dict(source, model.state_dict(), device, dtype))
+        model = assign(model, read_state_dict(source, model.state_dict(), device, dtype))
+        model.files = WeightFiles(str(source.ckpt.path))
+        return model
     decoder_source = open_source(decoder, "vae", DECODER_LAYOUTS, "a FLUX.2 decoder", DECODER_HINT)
     takes = need_shape(decoder_source, "decoder.conv_in.weight")[1]
     if takes != params.z_channels or need_shape(decoder_source, "decoder.conv_out.weight")[0] != params.out_ch:
@@ -530,7 +532,9 @@ def load_autoencoder(path: str | Path, device=None, dtype: torch.dtype | None = 
     state = read_state_dict(replace(source, keys=source.keys - own_decoder), ours, device, dtype)
     state |= read_state_dict(decoder_source, {k: v for k, v in expected.items() if k.startswith("decoder.")},
                              device, dtype)
-    return assign(model, state)
+    model = assign(model, state)
+    model.files = WeightFiles(str(source.ckpt.path), str(decoder_source.ckpt.path))
+    return model
 
 
 def _autoencoder_source(path) -> Source:
