@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from .devices import compute_dtype
 from .errors import Flux2Error
 from .latents import LATENT_CHANNELS, latent_size
 from .models.autoencoder import AutoEncoder
@@ -76,7 +77,9 @@ class Models:
 def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: torch.dtype | None = None,
                 variant: str | None = None, fp8: bool | None = None, int8: bool = False, offload_encoder="auto",
                 offload_blocks=False, size: tuple[int, int] = (DEFAULT_SIZE, DEFAULT_SIZE), decoder=None) -> Models:
-    """dtype: the transformer's and text encoder's; the AE stays float32. fp8 / int8: as ``weights.load_transformer``.
+    """dtype: the transformer's and text encoder's compute dtype; None: what the device computes fast
+    (``devices.compute_dtype``; the text encoder never float16); the AE stays float32. A 16-bit file's weights stay
+    16-bit where the compute dtype is wider, cast per layer. fp8 / int8: as ``weights.load_transformer``.
     offload_encoder: where the text encoder rests between encodes (True: the CPU; "auto": the CPU on CUDA unless it
     fits beside the transformer with a ``size`` image's working memory); it never visits the device before its first
     encode. offload_blocks (``memory.should_stream``): True, or "auto" when the transformer and that working memory do
@@ -84,7 +87,7 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     """
     from . import weights
 
-    cpu, stream = torch.device("cpu"), False
+    cpu, stream, asked = torch.device("cpu"), False, dtype
     if offload_blocks is not False:            # decided from the headers: streamed weights are read to the CPU only
         device, dtype = weights.default_device_dtype(device, dtype)
         _, planned = weights.inspect_transformer(transformer, variant=variant)
@@ -97,7 +100,9 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
         device, dtype = model.img_in.weight.device, model.img_in.weight.dtype      # as the transformer resolved them
     choose_matmuls(model, device, dtype)          # the fastest matmuls of its fp8 / int8 layers on this device
     needed = memory.working_memory(chosen, size, dtype) + call_bytes(model, dtype)
-    encoder = weights.load_text_encoder(text_encoder, cpu if device.type == "cuda" else device, dtype)
+    # the encoder's own default where none is asked: float16 may suit the transformer (with its clamps), not Qwen3
+    encoder = weights.load_text_encoder(text_encoder, cpu if device.type == "cuda" else device,
+                                        asked or compute_dtype(device, fp16=False).dtype)
     weights.check_text_encoder_fits(chosen, encoder)
     rest_choice = True if stream and offload_encoder == "auto" else offload_encoder   # blocks need the memory more
     if not memory.should_offload(rest_choice, encoder, device, needed):

@@ -11,7 +11,7 @@ CORE = ROOT / "flux2_core"
 
 # lowest first; a top-level file is its own layer: the base modules, then pipeline.py (the public API)
 LAYERS = [
-    {"errors"}, {"variants", "checks", "latents", "digests", "kitchen"}, {"storage"}, {"models"}, {"weights"},
+    {"errors"}, {"variants", "checks", "latents", "digests", "kitchen", "devices"}, {"storage"}, {"models"}, {"weights"},
     {"adapters"}, {"runtime"}, {"sampling"}, {"pipeline"}, {"app", "__main__", "__init__"},
 ]
 

@@ -91,7 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", choices=sorted(VARIANTS), help="model variant (default: detected from the weights)")
     p.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
-                   help="transformer and text-encoder dtype (default bfloat16 on cuda, float32 on cpu)")
+                   help="transformer and text-encoder compute dtype (default: what the device runs fast: bfloat16 on "
+                        "NVIDIA GPUs from Ampere on and on CPUs with AMX or AVX-512 BF16; float16 for the transformer "
+                        "on Volta / Turing GPUs such as the T4 and RTX 20xx; else float32). A bf16 or fp16 file's "
+                        "weights stay 16-bit where the compute dtype is wider, cast per layer as it runs"),
     p.add_argument("--bfl-noise", action="store_true",
                    help="draw noise like the reference CLI (bf16 on the device) instead of float32 on the CPU")
     p.add_argument("--fp8", nargs="?", choices=["auto", "yes", "no"], const="yes", default="auto",
@@ -381,13 +384,22 @@ def load_for_command(args, device, size: tuple[int, int]):
               "runs. Use --models or --transformer/--text-encoder/--ae for real images.")
         models, files = demo_models(args.variant or "klein-4b", device or "cpu"), {"weights": "demo (random)"}
     else:
-        paths = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae)
+        paths, files = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae), {}
         dtype = getattr(torch, args.dtype) if args.dtype else None
+        if dtype is None:
+            from ..devices import compute_dtype
+            from ..weights import default_device_dtype
+
+            chosen = compute_dtype(default_device_dtype(device, None)[0])
+            print(f"computing in {chosen.name}: {chosen.why}", file=sys.stderr)
+            files["dtype"] = f"{chosen.name} ({chosen.why})"
+        else:
+            files["dtype"] = f"{args.dtype} (--dtype)"
         print(f"loading {paths[0].name}, {paths[1].name}, {paths[2].name}", file=sys.stderr)
         models = load_models(*paths, device=device, dtype=dtype, variant=args.variant,
                              fp8={"auto": None, "yes": True, "no": False}[args.fp8], int8=args.int8,
                              offload_encoder=offload, offload_blocks=offload_blocks, size=size, decoder=args.decoder)
-        files = {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
+        files |= {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
         if args.decoder:
             files["decoder"] = Path(args.decoder).name
     optimize_transformer(models, fp8=args.demo and args.fp8 == "yes", int8=args.demo and args.int8)  # files: on load

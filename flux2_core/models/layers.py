@@ -14,20 +14,22 @@ from torch import nn
 
 from ..storage.ggml_layers import GGMLEmbedding, GGMLLinear
 from ..storage.int8 import Int8Linear
-from ..storage.linear import Linear, VectorLinear
+from ..storage.linear import CastLinear, Linear, VectorLinear
 from ..storage.quant import Fp8Linear
 
 
 class Layers:
-    """``int8(name)``, ``ggml(name)`` (a GGML type or None), ``fp8(name)`` choose in that order; default: float."""
+    """``int8(name)``, ``ggml(name)`` (a GGML type or None), ``fp8(name)``, ``kept(name)`` (a 16-bit dtype to keep the
+    weight in, cast at each call, or None) choose in that order; default: float in the model's dtype."""
 
     def __init__(self, fp8: Callable[[str], bool] | None = None, prefix: str = "",
-                 ggml: Callable[[str], int | None] | None = None, int8: Callable[[str], bool] | None = None):
+                 ggml: Callable[[str], int | None] | None = None, int8: Callable[[str], bool] | None = None,
+                 kept: Callable[[str], torch.dtype | None] | None = None):
         self.fp8, self.prefix, self.ggml = fp8 or (lambda name: False), prefix, ggml or (lambda name: None)
-        self.int8 = int8 or (lambda name: False)
+        self.int8, self.kept = int8 or (lambda name: False), kept or (lambda name: None)
 
     def scope(self, name: str) -> Layers:
-        return Layers(self.fp8, f"{self.prefix}{name}.", self.ggml, self.int8)
+        return Layers(self.fp8, f"{self.prefix}{name}.", self.ggml, self.int8, self.kept)
 
     def linear(self, name: str, in_features: int, out_features: int, per_item: bool = False) -> nn.Module:
         """Bias-free [out, in]; ``per_item``: one batch item at a time, for the per-item vectors [B, in]."""
@@ -38,6 +40,9 @@ class Layers:
             return GGMLLinear(in_features, out_features, qtype, item_by_item=per_item)
         if self.fp8(self.prefix + name):
             return Fp8Linear(in_features, out_features, item_by_item=per_item)
+        kept = self.kept(self.prefix + name)
+        if kept is not None:
+            return CastLinear(in_features, out_features, kept, item_by_item=per_item)
         return (VectorLinear if per_item else Linear)(in_features, out_features)
 
     def embedding(self, name: str, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> nn.Module:

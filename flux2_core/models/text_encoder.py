@@ -117,13 +117,16 @@ def qwen3_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, num_layers: int, device, dtype,
-                      ggml_types: dict[str, int] | None = None) -> Qwen3:
-    """Built on meta; the tensors become the parameters (no second copy). Deeper layers are not read."""
+                      ggml_types: dict[str, int] | None = None, kept: dict[str, torch.dtype] | None = None) -> Qwen3:
+    """Built on meta; the tensors become the parameters (no second copy). Deeper layers are not read. ``kept``: linear
+    layers (module names) whose weights stay in that 16-bit dtype, cast at each call."""
     sd = qwen3_state_dict(state_dict)
     keep = {k: v for k, v in sd.items() if is_used(k, num_layers)}
+    kept = kept or {}
     with torch.device("meta"):
-        model = Qwen3(params, num_layers, Layers(ggml=(ggml_types or {}).get), dtype)
-    keep = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in keep.items()}
+        model = Qwen3(params, num_layers, Layers(ggml=(ggml_types or {}).get, kept=kept.get), dtype)
+    keep = {k: v.to(device=device, dtype=kept.get(k.removesuffix(".weight"), dtype) if v.is_floating_point()
+                    else v.dtype) for k, v in keep.items()}
     misfit = f"the text-encoder weights do not fit Qwen3 ({params.hidden_size} wide, {num_layers} layers)"
     try:
         missing, unexpected = model.load_state_dict(keep, strict=False, assign=True)
@@ -136,7 +139,8 @@ def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, 
 
 def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device="cpu", dtype=torch.bfloat16,
                         tokenizer=None, spec: TextEncoderSpec | None = None,
-                        ggml_types: dict[str, int] | None = None) -> PromptEncoder:
+                        ggml_types: dict[str, int] | None = None, kept: dict[str, torch.dtype] | None = None
+                        ) -> PromptEncoder:
     """``config``: ``Qwen3Params``, a config.json dict (or a transformers Qwen3Config), or None to read it from the
     shapes. ``ggml_types``: module name -> GGML type of the layers given as GGUF blocks. ``spec``: None picks by width.
     """
@@ -146,5 +150,5 @@ def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device
         params = config if isinstance(config, Qwen3Params) else Qwen3Params.from_config(config)
     if spec is None:
         spec = SPECS_BY_HIDDEN.get(params.hidden_size) or replace(QWEN3_4B, name="custom", hidden_size=params.hidden_size)
-    model = build_qwen3_model(state_dict, params, max(spec.output_layers), device, dtype, ggml_types)
+    model = build_qwen3_model(state_dict, params, max(spec.output_layers), device, dtype, ggml_types, kept)
     return PromptEncoder(model, tokenizer if tokenizer is not None else load_tokenizer(), spec)

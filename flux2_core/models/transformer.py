@@ -34,6 +34,15 @@ if TYPE_CHECKING:
     from .parallel import SequenceParallel, TokenShards
 
 TIME_EMBED_DIM = 256
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def fp16_bounded(x: Tensor) -> Tensor:
+    """float16 residual streams can outgrow fp16's range (65504) on some prompts and turn to inf; ComfyUI clamps them
+    back at three places (a double block's text stream, the image stream after the double blocks, a single block's
+    stream) and so do we, with the same values. A NaN stays NaN (ComfyUI zeroes it and goes on), so the NaN guard stops
+    a run that overflowed past saving, or broken weights. Other dtypes pass untouched."""
+    return x.clamp(-FP16_MAX, FP16_MAX) if x.dtype == torch.float16 else x
 
 
 def timestep_embedding(t: Tensor, dim: int = TIME_EMBED_DIM, max_period: float = 10000.0) -> Tensor:
@@ -189,7 +198,7 @@ class DoubleStreamBlock(nn.Module):
         out, kv = attention(q, k, v, n_txt, ref_kv, shards)
 
         img = _stream_update(img, out[:, n_txt:], self.img_attn, self.img_mlp, mod_img)
-        txt = _stream_update(txt, out[:, :n_txt], self.txt_attn, self.txt_mlp, mod_txt)
+        txt = fp16_bounded(_stream_update(txt, out[:, :n_txt], self.txt_attn, self.txt_mlp, mod_txt))
         return img, txt, kv
 
 
@@ -214,7 +223,7 @@ class SingleStreamBlock(nn.Module):
 
         out, kv = attention(q, k, v, n_txt, ref_kv, shards)
 
-        x = x + gate * self.linear2(torch.cat([out, swiglu(mlp_in)], dim=-1))
+        x = fp16_bounded(x + gate * self.linear2(torch.cat([out, swiglu(mlp_in)], dim=-1)))
         return x, kv
 
 
@@ -398,7 +407,7 @@ class Flux2Transformer(nn.Module):
                 kv_out.append((kv[0].clone(), kv[1].clone()))
             del kv
 
-        x = torch.cat([txt, img], dim=1)
+        x = torch.cat([txt, fp16_bounded(img)], dim=1)
         for block, block_kv in zip(self.single_blocks, cached[len(self.double_blocks):]):
             x, kv = block(x, pe, mod_single, n_txt, block_kv, shards)
             if kv_out is not None:

@@ -41,6 +41,33 @@ class Linear(nn.Linear, StoredLinear):
         return self.weight.detach().to(device or self.weight.device, dtype)
 
 
+class CastLinear(Linear):
+    """A weight kept in the file's 16-bit dtype and cast to the input's dtype at each call (``devices.kept_dtype``:
+    a bf16 file computed in float32 on a CPU without bf16 instructions holds half the memory, with the same values,
+    since bf16 and fp16 widen to float32 exactly). Adapters merge into the 16-bit weight, as into a 16-bit model's."""
+
+    casts_weight = True            # in ComfyUI, its manual cast does the cast (nodes/host.py), as for its own layers
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, item_by_item: bool = False):
+        super().__init__(in_features, out_features)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=self.weight.device))
+        self.item_by_item = item_by_item
+
+    @property
+    def kind(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.weight.dtype, "float")
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight.to(x.dtype)
+        return item_by_item(lambda item: linear(item, weight), x) if self.item_by_item else linear(x, weight)
+
+    def call_bytes(self, dtype: torch.dtype) -> int:
+        return 0 if dtype == self.weight.dtype else self.in_features * self.out_features * dtype.itemsize
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kept in {self.weight.dtype}"
+
+
 class VectorLinear(Linear):
     """For per-item vectors [B, in], one item at a time: matmul libraries pick other kernels for one row than for
     several, so a batched call would make an image depend on its batch (by 1e-6, which can flip a pixel).

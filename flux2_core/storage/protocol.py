@@ -1,7 +1,8 @@
 """The protocol every weight storage class answers, so that patching, loading, streaming, ComfyUI's model management
 and the counters ask a layer instead of testing its class.
 
-    kind            "float", "fp8", "int8" or a GGML type name ("Q4_K"), as the census and load reports show it
+    kind            "float", "bf16" / "fp16" (a 16-bit weight cast to a wider compute dtype at each call), "fp8",
+                    "int8" or a GGML type name ("Q4_K"), as the census and load reports show it
     follows_input   the layer copies its stored tensors to its input's device itself, so a host may leave them on
                     an offload device between calls (GGUF blocks); else the host moves the layer or casts for it
     call_bytes      memory a call takes beside its input and output (a dequantized weight), for the estimates
@@ -15,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+
+FLOAT_KINDS = ("float", "bf16", "fp16")        # weights held as plain floats, whatever the compute dtype
 
 
 class Storage:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from ..errors import Flux2Error
 from . import kernels
 from .linear import item_by_item, linear
-from .protocol import StoredLinear, census, stored_linears
+from .protocol import FLOAT_KINDS, StoredLinear, census, stored_linears
 
 # in weight files, beside a quantized layer's weight: the keys of its scales (fp8, nvfp4, ComfyUI's comfy_quant)
 SCALE_SUFFIXES = (".weight_scale", ".scale_weight", ".weight_scale_inv")
@@ -197,7 +197,7 @@ def in_blocks(name: str) -> bool:
 def quantize_transformer(model: nn.Module, per_row: bool = True, fp8_matmul: bool = False) -> list[str]:
     """Float ``in_blocks`` layers -> ``Fp8Linear`` in place; their names. After the model's move to its dtype: a
     later ``model.to(dtype)`` would cast the fp8 buffers too."""
-    names = [n for n, m in stored_linears(model) if m.kind == "float" and in_blocks(n)]
+    names = [n for n, m in stored_linears(model) if m.kind in FLOAT_KINDS and in_blocks(n)]
     for name in names:
         model.set_submodule(name, Fp8Linear.from_linear(model.get_submodule(name), per_row, fp8_matmul))
     return names

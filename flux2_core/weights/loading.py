@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from ..devices import SIXTEEN_BIT, compute_dtype, kept_dtype
 from ..errors import Flux2Error
 from ..models.autoencoder import AutoEncoder, WeightFiles
 from ..models.layers import Layers
@@ -95,6 +96,14 @@ class Source:
         """ComfyUI's uint8 containers of fp8 count as float8."""
         return file_key in self.keys and (self.info(file_key).dtype in FP8_CODES or (
             self.info(file_key).dtype == "U8" and file_key.removesuffix(".weight") in self.formats))
+
+    def float_dtype(self, key: str) -> torch.dtype | None:
+        """The dtype the file stores the key's tensors in, where all are one plain float dtype (bf16, fp16, ...)."""
+        dtypes = {TORCH_DTYPES.get(self.info(s).dtype) for s in self.recipe(key).sources if s in self.keys}
+        if len(dtypes) != 1 or any(self.is_float8(s) or self.info(s).quantized for s in self.recipe(key).sources):
+            return None
+        dtype = dtypes.pop()
+        return dtype if dtype is not None and dtype.is_floating_point else None
 
     def ggml_type(self, key: str) -> int | None:
         sources = self.recipe(key).sources
@@ -253,7 +262,9 @@ def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: t
                 state[key], state[key + "_scale"] = weight, scale
             else:
                 tensor = fit(read.full(source.recipe(key)), like, key, source)
-                state[key] = tensor.to(dtype if like.is_floating_point() else like.dtype)
+                # a 16-bit layer is one the file's 16-bit weight is kept in (storage.linear.CastLinear)
+                state[key] = tensor.to(like.dtype if like.dtype in SIXTEEN_BIT or not like.is_floating_point()
+                                       else dtype)
     return state
 
 
@@ -314,9 +325,9 @@ def config_value(source: Source, key: str, kind, default, within: dict | None = 
     return value
 
 
-def default_device_dtype(device, dtype) -> tuple[torch.device, torch.dtype]:
-    """cuda if available, else cpu; bf16 on cuda, float32 elsewhere. A device this torch cannot use is a Flux2Error
-    here, before anything is loaded for it.
+def default_device_dtype(device, dtype, fp16: bool = True) -> tuple[torch.device, torch.dtype]:
+    """cuda if available, else cpu; the dtype the device computes fast (``devices.compute_dtype``; ``fp16``: the model
+    is safe in float16). A device this torch cannot use is a Flux2Error here, before anything is loaded for it.
     """
     try:
         device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
@@ -334,7 +345,7 @@ def default_device_dtype(device, dtype) -> tuple[torch.device, torch.dtype]:
             device = torch.device("cuda", torch.cuda.current_device())
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise Flux2Error(f"device {device} asked for, but this torch has no Apple GPU (MPS) available: use cpu")
-    return device, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return device, dtype or compute_dtype(device, fp16).dtype
 
 
 def build_on_meta(make: Callable[[], nn.Module]) -> nn.Module:
@@ -419,31 +430,42 @@ def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = 
     if int8 not in (True, False):
         raise Flux2Error(f"int8 must be True or False, got {int8!r}")
     device, dtype = default_device_dtype(device, dtype)
-    source, model, chosen = _transformer_on_meta(path, params, variant, fp8, int8)
+    source, model, chosen = _transformer_on_meta(path, params, variant, fp8, int8, dtype)
     return assign(model, read_state_dict(source, model.state_dict(), device, dtype)), chosen
 
 
 def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | None = None,
                       fp8: bool | None = None, int8: bool = False) -> int:
     """The weight bytes ``load_transformer`` would make, from the headers alone."""
-    _, model, _ = _transformer_on_meta(path, None, variant, fp8, int8)
+    _, model, _ = _transformer_on_meta(path, None, variant, fp8, int8, dtype)
     state = model.state_dict()
     scales = {k + "_scale" for k, t in state.items() if t.dtype in QUANTIZED_WEIGHTS}
-    return sum(t.numel() * (dtype.itemsize if t.is_floating_point() and t.dtype not in FP8_DTYPES
+    return sum(t.numel() * (dtype.itemsize if t.is_floating_point() and t.dtype not in (*FP8_DTYPES, *SIXTEEN_BIT)
                             and k not in scales else t.itemsize) for k, t in state.items())
 
 
-def _transformer_on_meta(path, params: TransformerParams | None, variant: str | None,
-                         fp8: bool | None, int8: bool = False) -> tuple[Source, Flux2Transformer, Variant]:
+def _transformer_on_meta(path, params: TransformerParams | None, variant: str | None, fp8: bool | None,
+                         int8: bool = False, dtype: torch.dtype = torch.float32
+                         ) -> tuple[Source, Flux2Transformer, Variant]:
     source = _transformer_source(path)
     params, chosen = _transformer_spec(source, params, variant)
-    layers = Layers(fp8=fp8_storage(source, fp8), ggml=gguf_storage(source), int8=in_blocks if int8 else None)
+    layers = Layers(fp8=fp8_storage(source, fp8), ggml=gguf_storage(source), int8=in_blocks if int8 else None,
+                    kept=kept_storage(source, dtype))
     model = build_on_meta(lambda: Flux2Transformer(params, layers))
     return source, model, chosen
 
 
 def fp8_storage(source: Source, fp8: bool | None) -> Callable[[str], bool]:
     return lambda name: fp8 is not False and (source.stores_fp8(name + ".weight") or bool(fp8 and in_blocks(name)))
+
+
+def kept_storage(source: Source, dtype: torch.dtype) -> Callable[[str], torch.dtype | None]:
+    """Block layers of a 16-bit file computed in a wider dtype keep the file's dtype (``devices.kept_dtype``); the
+    embedders and final layer are small, and the model reads its compute dtype from img_in."""
+    def kept(name: str) -> torch.dtype | None:
+        stored = kept_dtype(source.float_dtype(name + ".weight"), dtype) if in_blocks(name) else dtype
+        return None if stored == dtype else stored
+    return kept
 
 
 def gguf_storage(source: Source) -> Callable[[str], int | None]:
@@ -509,7 +531,7 @@ def load_autoencoder(path: str | Path, device=None, dtype: torch.dtype | None = 
     """With ``decoder`` (BFL's ``small_decoder.safetensors``) that decoder replaces the file's; the encoder and latent
     statistics stay. BFL runs the AE in float32: pass it.
     """
-    device, dtype = default_device_dtype(device, dtype)
+    device, dtype = default_device_dtype(device, dtype, fp16=False)
     source = _autoencoder_source(path)
     params = autoencoder_params(source)
     if decoder is None:
@@ -580,7 +602,7 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     """Only what FLUX.2 uses is read: the embedding and layers 0..26. The tokenizer: ``tokenizer``, else the folder's,
     else the built-in Qwen3 one (checked against a GGUF's vocabulary).
     """
-    device, dtype = default_device_dtype(device, dtype)
+    device, dtype = default_device_dtype(device, dtype, fp16=False)
     source = open_source(path, "text_encoder", TEXT_ENCODER_LAYOUTS, "a Qwen3 text encoder",
                          "FLUX.2 Klein 4B needs Qwen3-4B (qwen_3_4b.safetensors or a Qwen3-4B GGUF), Klein 9B needs "
                          "Qwen3-8B.", GGUF_ENCODER_ARCHS)
@@ -588,15 +610,20 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     keys = sorted(k for k in map(source.layout.ours, source.keys) if k is not None and is_used(k, last))
     ggml_types = {k.removesuffix(".weight"): source.ggml_type(k) for k in keys if source.ggml_type(k) is not None}
     shapes = {k: torch.empty(need_shape(source, k), device="meta") for k in keys}
+    kept = {k: stored for k in keys if len(shapes[k].shape) == 2 and not k.endswith("embed_tokens.weight")
+            and k.removesuffix(".weight") not in ggml_types
+            and (stored := kept_dtype(source.float_dtype(k), dtype)) != dtype}      # linears of a 16-bit file
     with closing(TensorReader(source, device)) as read:
         state = {key: read.blocks(key) if key.removesuffix(".weight") in ggml_types
-                 else _cast(read.full(source.recipe(key)), dtype) for key in keys}
+                 else _cast(read.full(source.recipe(key)), kept.get(key, dtype)) for key in keys}
+    prefix = next((k for k in keys if k.endswith("embed_tokens.weight")), "")[: -len("embed_tokens.weight")]
+    kept = {k[len(prefix):].removesuffix(".weight"): stored for k, stored in kept.items() if k.startswith(prefix)}
     if tokenizer is None and source.ckpt.path.is_dir():
         tokenizer = load_tokenizer(source.ckpt.files[0].parent)
     try:
         config = qwen3_config(source) or Qwen3Params.from_state_dict(qwen3_state_dict(shapes))
         encoder = build_qwen3_encoder(state, config=config, device=device, dtype=dtype, tokenizer=tokenizer,
-                                      ggml_types=ggml_types)
+                                      ggml_types=ggml_types, kept=kept)
     except Flux2Error as e:
         raise Flux2Error(f"{source.ckpt.path}: {e} ({source.describe()})") from None
     if "tokenizer.ggml.tokens" in source.ckpt.metadata:

@@ -1,0 +1,82 @@
+"""The one rule for the dtype a device computes in, and the dtype a 16-bit file's weights are kept in.
+
+    compute_dtype(device)   bf16 where the device multiplies it fast (NVIDIA from Ampere, Apple GPUs on macOS 14+,
+                            Intel GPUs with bf16, CPUs with AMX or AVX-512 BF16 that torch may use); fp16 where bf16 is
+                            slow but fp16 is not (NVIDIA Volta / Turing: T4, RTX 20xx); float32 otherwise (CPUs
+                            without bf16 instructions run a bf16 matmul 5-7x slower than a float32 one; GTX 10xx / 16xx)
+    kept_dtype(file, compute)  a 16-bit file's weights stay 16-bit when the compute dtype is wider: cast per layer as it
+                            runs (``storage.linear.CastLinear``), half the memory of float32 for the same values
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+# NVIDIA Turing cards without fp16 tensor cores, whose fp16 results ComfyUI also refuses (black images)
+NO_FP16 = ("1660", "1650", "1630", "T500", "T550", "T600", "MX550", "MX450", "CMP 30HX", "T2000", "T1000", "T1200")
+# oneDNN's ISA names below the first with bf16 instructions (ONEDNN_MAX_CPU_ISA caps what it may use)
+ONEDNN_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+@dataclass(frozen=True)
+class ComputeDtype:
+    dtype: torch.dtype
+    why: str                       # for the log and the PNG metadata
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def compute_dtype(device: torch.device | str, fp16: bool = True) -> ComputeDtype:
+    """``fp16``: the model is safe in float16 (FLUX.2's transformer is, with its clamps; a text encoder may not be)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda(device, fp16)
+    if device.type == "mps":
+        new = torch.backends.mps.is_macos_or_newer(14, 0)
+        if new or fp16:
+            return ComputeDtype(torch.bfloat16 if new else torch.float16, f"Apple GPU on macOS {'14+' if new else '< 14'}")
+    if device.type == "xpu" and torch.xpu.is_bf16_supported():
+        return ComputeDtype(torch.bfloat16, "Intel GPU with bf16")
+    if device.type == "cpu":
+        why = cpu_bf16()
+        if why:
+            return ComputeDtype(torch.bfloat16, why)
+        return ComputeDtype(torch.float32, "this CPU has no bf16 instructions (AMX or AVX-512 BF16) torch may use: "
+                                           "bf16 would run several times slower than float32")
+    return ComputeDtype(torch.float32, f"{device.type} device")
+
+
+def _cuda(device: torch.device, fp16: bool) -> ComputeDtype:
+    props = torch.cuda.get_device_properties(device)
+    card = f"{props.name} (compute capability {props.major}.{props.minor})"
+    if torch.version.hip:
+        return ComputeDtype(torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16, f"AMD GPU {card}")
+    if props.major >= 8:
+        return ComputeDtype(torch.bfloat16, f"{card} runs bf16 fast")
+    if props.major == 7 and fp16 and not any(name in props.name for name in NO_FP16):
+        return ComputeDtype(torch.float16, f"{card} runs fp16 fast but not bf16")
+    return ComputeDtype(torch.float32, f"{card} runs neither bf16 nor fp16 fast")
+
+
+def cpu_bf16() -> str:
+    """Why this CPU computes bf16 fast, or "" where it does not (torch or oneDNN held below AVX-512 counts as not)."""
+    amx, avx512 = torch.cpu._is_amx_tile_supported(), torch.cpu._is_avx512_bf16_supported()
+    if not (amx or avx512):
+        return ""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):       # ATEN_CPU_CAPABILITY below it
+        return ""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_WITHOUT_BF16:
+        return ""
+    return f"this CPU has {'AMX' if amx else 'AVX-512 BF16'} instructions"
+
+
+def kept_dtype(file_dtype: torch.dtype | None, compute: torch.dtype) -> torch.dtype:
+    """The dtype a float weight of the file is kept in: the file's own 16-bit dtype where computing needs a wider one
+    (cast per layer as it runs), else the compute dtype."""
+    return file_dtype if file_dtype in SIXTEEN_BIT and compute.itemsize > file_dtype.itemsize else compute

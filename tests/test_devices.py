@@ -1,0 +1,213 @@
+"""The dtype each device computes in (``devices.compute_dtype``), 16-bit weights kept as the file stores them and cast
+per layer (``storage.linear.CastLinear``), and fp16 made safe as ComfyUI makes it (the transformer's clamps).
+
+Expectations are written by hand from the devices' instruction sets; the kept model is checked against the same file
+loaded wholly in float32 (bf16 widens to float32 exactly, so the two compute the same numbers).
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flux2_core import devices, weights
+from flux2_core.app import cli
+from flux2_core.app.demo import demo_models
+from flux2_core.models import transformer as transformer_module
+from flux2_core.storage.linear import CastLinear, Linear
+from flux2_core.storage.protocol import call_bytes, census
+from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
+from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_bfl_transformer
+
+
+def gpu(monkeypatch, name: str, major: int, minor: int):
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(name=name, major=major, minor=minor))
+
+
+@pytest.mark.parametrize("name,capability,fp16,expected", [
+    ("NVIDIA H100 80GB HBM3", (9, 0), True, torch.bfloat16),
+    ("NVIDIA GeForce RTX 3060", (8, 6), True, torch.bfloat16),
+    ("Tesla T4", (7, 5), True, torch.float16),                   # Turing: fp16 tensor cores, no bf16 ones
+    ("NVIDIA GeForce RTX 2080 Ti", (7, 5), True, torch.float16),
+    ("Tesla V100-SXM2-16GB", (7, 0), True, torch.float16),
+    ("Tesla T4", (7, 5), False, torch.float32),                  # a model unsafe in fp16 (the text encoder)
+    ("NVIDIA GeForce GTX 1660 SUPER", (7, 5), True, torch.float32),   # Turing without fp16 tensor cores
+    ("NVIDIA GeForce GTX 1080", (6, 1), True, torch.float32),
+])
+def test_gpus_compute_in_what_they_run_fast(monkeypatch, name, capability, fp16, expected):
+    gpu(monkeypatch, name, *capability)
+    chosen = devices.compute_dtype(torch.device("cuda", 0), fp16=fp16)
+    assert chosen.dtype == expected and name in chosen.why
+
+
+@pytest.mark.parametrize("amx,avx512_bf16,capability,isa,expected", [
+    (True, True, "AVX512", "", torch.bfloat16),          # Sapphire Rapids and later
+    (False, True, "AVX512", "", torch.bfloat16),         # Zen 4 / 5, Cooper Lake
+    (False, True, "AVX512", "AVX512_CORE_AMX", torch.bfloat16),
+    (False, False, "AVX512", "", torch.float32),         # Skylake-X, Ice Lake: AVX-512 without BF16
+    (False, False, "AVX2", "", torch.float32),           # Zen 2 / 3, most laptops
+    (False, True, "AVX2", "", torch.float32),            # ATEN_CPU_CAPABILITY=avx2 holds torch below AVX-512
+    (True, True, "AVX512", "AVX2", torch.float32),       # ONEDNN_MAX_CPU_ISA=AVX2 holds oneDNN below its bf16
+])
+def test_cpus_are_told_apart_by_their_bf16_instructions(monkeypatch, amx, avx512_bf16, capability, isa, expected):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    assert devices.compute_dtype("cpu").dtype == expected
+
+
+@pytest.mark.parametrize("stored,compute,kept", [
+    (torch.bfloat16, torch.float32, torch.bfloat16), (torch.float16, torch.float32, torch.float16),
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float16, torch.float16),
+    (torch.float32, torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32, torch.float32),
+    (None, torch.float32, torch.float32),
+])
+def test_sixteen_bit_weights_stay_sixteen_bit_only_under_a_wider_compute_dtype(stored, compute, kept):
+    assert devices.kept_dtype(stored, compute) == kept
+
+
+@pytest.fixture(scope="module")
+def bf16_file(tmp_path_factory):
+    sd = {k: v.to(torch.bfloat16) for k, v in random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=3).items()}
+    return save_bfl_transformer(sd, tmp_path_factory.mktemp("bf16") / "flux-2-klein-tiny.safetensors")
+
+
+def inputs(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = TINY_TRANSFORMER
+    img = torch.randn(1, 12, p.in_channels, generator=g)
+    txt = torch.randn(1, 5, p.context_in_dim, generator=g)
+    ids = torch.zeros(1, 12, 4)
+    ids[0, :, 1], ids[0, :, 2] = torch.arange(12) // 4, torch.arange(12) % 4
+    txt_ids = torch.zeros(1, 5, 4)
+    txt_ids[0, :, 3] = torch.arange(5)
+    return {"img": img.to(dtype), "img_ids": ids, "timesteps": torch.tensor([0.7]).to(dtype), "txt": txt.to(dtype),
+                "txt_ids": txt_ids}
+
+
+def test_a_bf16_file_computed_in_float32_keeps_its_blocks_in_bf16_with_the_same_result(bf16_file):
+    kept, _ = weights.load_transformer(bf16_file, "cpu", torch.float32)
+    kinds = census(kept)
+    assert set(kinds) == {"float", "bf16"} and kinds["bf16"] > kinds["float"], kinds
+    assert kept.img_in.weight.dtype == torch.float32           # the compute dtype, read by the pipeline
+    with torch.no_grad():
+        assert torch.equal(kept(**inputs()), reference_velocity(bf16_file))
+    held = sum(t.nbytes for t in [*kept.parameters(), *kept.buffers()])
+    assert held == weights.transformer_bytes(bf16_file, torch.float32)
+    full = sum(t.numel() * 4 for t in kept.state_dict().values())
+    assert held < 0.6 * full                                   # the blocks at 2 bytes a weight, not 4
+    assert call_bytes(kept, torch.float32) == max(m.in_features * m.out_features * 4 for m in kept.modules()
+                                                  if isinstance(m, CastLinear))
+
+
+def reference_velocity(path) -> torch.Tensor:
+    """The file's weights widened to float32 by safetensors' own reader, into a model built in float32."""
+    from safetensors.torch import load_file
+
+    from flux2_core.models.transformer import Flux2Transformer
+
+    model = Flux2Transformer(TINY_TRANSFORMER)
+    model.load_state_dict({k: v.float() for k, v in load_file(str(path)).items()})
+    with torch.no_grad():
+        return model(**inputs())
+
+
+def test_a_bf16_file_computed_in_bf16_is_plain_bf16(bf16_file):
+    model, _ = weights.load_transformer(bf16_file, "cpu", torch.bfloat16)
+    assert set(census(model)) == {"float"} and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_kept_text_encoder_equals_the_widened_one(tmp_path):
+    qwen = build_tiny_qwen3(seed=1)
+    path = save_comfyui_text_encoder(qwen, tmp_path / "qwen.safetensors", dtype=torch.bfloat16)
+    kept = weights.load_text_encoder(path, "cpu", torch.float32)
+    kinds = census(kept.model)
+    assert kinds.get("bf16", 0) == 7 * len(kept.model.layers), kinds     # q, k, v, o, gate, up, down in each layer
+    widened = weights.load_text_encoder(path, "cpu", torch.float32)
+    for name, layer in list(widened.model.named_modules()):     # each kept layer made a float32 one by hand
+        if isinstance(layer, CastLinear):
+            plain = Linear(layer.in_features, layer.out_features)
+            plain.weight = torch.nn.Parameter(layer.weight.detach().float())
+            widened.model.set_submodule(name, plain)
+    assert set(census(widened.model)) == {"float"}
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ours, theirs = kept.model(ids, mask, (1, 2)), widened.model(ids, mask, (1, 2))
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+# --- fp16 --------------------------------------------------------------------------------------------------------
+
+def test_fp16_streams_are_clamped_where_comfyui_clamps_them_and_nan_still_stops(monkeypatch):
+    """A residual stream pushed past 65504 comes back as 65504 (ComfyUI's nan_to_num bounds, the same values); a NaN
+    from broken weights still reaches the NaN guard instead of becoming zeros."""
+    x = torch.tensor([1.0, 7e4, -7e4, float("inf"), float("-inf")], dtype=torch.float16)
+    assert torch.equal(transformer_module.fp16_bounded(x), torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504))
+    assert torch.isnan(transformer_module.fp16_bounded(torch.tensor([float("nan")], dtype=torch.float16))).all()
+    wide = torch.tensor([7e4], dtype=torch.float32)
+    assert transformer_module.fp16_bounded(wide) is wide
+
+    models = demo_models("klein-4b", "cpu")
+    half = {k: v.to(torch.float16) if v.is_floating_point() else v for k, v in demo_inputs(models).items()}
+    model = copy.deepcopy(models.transformer).to(torch.float16)
+    with torch.no_grad():                   # text and single streams pushed past 65504 in every block
+        for block in model.double_blocks:
+            block.txt_mlp[2].weight.mul_(1e5)
+        for block in model.single_blocks:
+            block.linear2.weight.mul_(1e5)
+    bounded = transformer_module.fp16_bounded
+    seen = []
+
+    def recorded(x, bound=True):
+        seen.append(not bool(torch.isfinite(x).all()))
+        return bounded(x) if bound else x
+
+    monkeypatch.setattr(transformer_module, "fp16_bounded", recorded)
+    with torch.no_grad():
+        assert torch.isfinite(model(**half)).all()
+    # ComfyUI's three places: each double block's text stream, the image stream once, each single block's stream
+    assert len(seen) == len(model.double_blocks) + 1 + len(model.single_blocks) and any(seen)
+    monkeypatch.setattr(transformer_module, "fp16_bounded", lambda x: recorded(x, bound=False))
+    with torch.no_grad():
+        assert not torch.isfinite(model(**half)).all()          # the same run unbounded: inf, then NaN
+    monkeypatch.setattr(transformer_module, "fp16_bounded", bounded)
+    with torch.no_grad():
+        dict(model.named_parameters())["img_in.weight"].view(-1)[0] = float("nan")
+        assert torch.isnan(model(**half)).any()                 # broken weights still reach the NaN guard
+
+
+def demo_inputs(models):
+    p = models.transformer.params
+    g = torch.Generator().manual_seed(0)
+    ids = torch.zeros(1, 16, 4)
+    ids[0, :, 1], ids[0, :, 2] = torch.arange(16) // 4, torch.arange(16) % 4
+    txt_ids = torch.zeros(1, 6, 4)
+    txt_ids[0, :, 3] = torch.arange(6)
+    return {"img": torch.randn(1, 16, p.in_channels, generator=g), "img_ids": ids, "timesteps": torch.tensor([0.5]),
+                "txt": torch.randn(1, 6, p.context_in_dim, generator=g), "txt_ids": txt_ids}
+
+
+# --- what the user sees ------------------------------------------------------------------------------------------
+
+def test_the_cli_names_the_devices_choice_in_the_log_and_the_png(tmp_path, capsys):
+    """The chosen dtype and why, in the log and in the PNG's parameters (real files, so the automatic choice runs)."""
+    from tests.test_cli import png_parameters, write_models_folder
+
+    write_models_folder(tmp_path)
+    code = cli.main(["--prompt", "x", "--models", str(tmp_path), "--width", "32", "--height", "32", "--steps", "1",
+                     "--seed", "1", "--out", str(tmp_path / "o"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    chosen = devices.compute_dtype("cpu")
+    assert f"computing in {chosen.name}: {chosen.why}" in err
+    assert png_parameters(tmp_path / "o" / "flux2_1.png")[1]["dtype"] == f"{chosen.name} ({chosen.why})"
+    code = cli.main(["--prompt", "x", "--models", str(tmp_path), "--width", "32", "--height", "32", "--steps", "1",
+                     "--seed", "1", "--out", str(tmp_path / "p"), "--device", "cpu", "--dtype", "float32"])
+    assert code == 0 and png_parameters(tmp_path / "p" / "flux2_1.png")[1]["dtype"] == "float32 (--dtype)"
