@@ -340,9 +340,8 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     elif refs and reference_kv is None:
         ref, ref_ids = encode_references(ae, refs, dtype)
 
-    latents = denoise(model, x.to(dtype), sigmas, txt, negative_txt=negative_txt, cfg=rule.scale,
-                      ref=ref, ref_ids=ref_ids, ref_kv=reference_kv, kv=kv, guidance=rule.embedded, inpaint=blend,
-                      callback=callback)
+    latents = denoise(model, x, sigmas, txt, negative_txt=negative_txt, cfg=rule.scale, ref=ref, ref_ids=ref_ids,
+                      ref_kv=reference_kv, kv=kv, guidance=rule.embedded, inpaint=blend, callback=callback, dtype=dtype)
 
     tile = memory.decode_tile(ae, 1, h, w, memory.free_memory(device))       # None: in one piece
     images = torch.cat([to_uint8(ae.decode(latents[i:i + 1], tile)) for i in range(batch)])

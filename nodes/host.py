@@ -115,13 +115,23 @@ def devices(kind: str) -> tuple[torch.device, torch.device]:
     return mm.vae_device(), mm.vae_offload_device()
 
 
-def pick_dtype(choice: str, kind: str, device: torch.device) -> torch.dtype:
-    """The dtype a loader's option names; "auto": bfloat16 where the device runs it well, else float32 (the
-    autoencoder follows ComfyUI's VAE dtype rules, so --fp32-vae / --bf16-vae apply)."""
+FLUX2_DTYPES = [torch.bfloat16, torch.float16, torch.float32]    # ComfyUI's inference dtypes for FLUX.2, in its order
+
+
+def pick_dtype(choice: str, kind: str, device: torch.device, weight_dtype: torch.dtype | None = None,
+               parameters: int = 0) -> torch.dtype:
+    """The compute dtype a loader's option names. "auto": for the transformer, ComfyUI's own choice for FLUX.2 on this
+    device (as its UNETLoader makes it from the file's ``weight_dtype`` and ``parameters``, so --fp16-unet,
+    --bf16-unet, --force-fp32 apply; float32 on a CPU, fp16 on a T4); the autoencoder follows ComfyUI's VAE rules
+    (--fp32-vae / --bf16-vae); the text encoder bfloat16 where the device runs it well, else float32. A 16-bit file's
+    weights stay 16-bit under a wider compute dtype either way (the engine's rule)."""
     if choice != "auto":
         return DTYPES[choice]
     if kind == "ae":
         return mm.vae_dtype(device, [torch.bfloat16, torch.float32])
+    if kind == "transformer":
+        stored = mm.unet_dtype(model_params=parameters, supported_dtypes=FLUX2_DTYPES, weight_dtype=weight_dtype)
+        return mm.unet_manual_cast(stored, device, FLUX2_DTYPES) or stored
     return torch.bfloat16 if mm.should_use_bf16(device) else torch.float32
 
 
@@ -139,6 +149,9 @@ def intermediate_device() -> torch.device:
 CASTABLE = {nn.Linear: comfy.ops.disable_weight_init.Linear, nn.Conv2d: comfy.ops.disable_weight_init.Conv2d,
             nn.GroupNorm: comfy.ops.disable_weight_init.GroupNorm, nn.LayerNorm: comfy.ops.disable_weight_init.LayerNorm,
             nn.Embedding: comfy.ops.disable_weight_init.Embedding}
+
+
+MANUAL_CAST = {nn.Linear: comfy.ops.manual_cast.Linear}
 
 
 class _Streamed(comfy.ops.CastWeightBiasOp):
@@ -163,13 +176,17 @@ def _host_class(ours: type, base: type | None) -> type:
     subclass of ComfyUI's class and of ours, with torch's own forward between the two: ComfyUI's forward streams the
     weight when it left it on the offload device and otherwise runs torch's, as for its own layers (so a layer
     computes the same loaded whole or streamed, whatever kernel our class would pick), and the storage protocol
-    (adapters, census) stays."""
+    (adapters, census) stays. A storage that casts its weight to the compute dtype (``casts_weight``: a 16-bit weight
+    under a float32 compute dtype) takes ComfyUI's manual-cast class, whose forward always casts."""
     if base is None:
         return type(ours.__name__, (ours, _Streamed), {})
     if ours is base:
         return CASTABLE[base]
     torch_forward = type(f"Torch{base.__name__}Forward", (), {"forward": base.forward})
-    return type(ours.__name__, (CASTABLE[base], torch_forward, ours), {})
+    # a weight kept in another dtype than the compute one: ComfyUI's manual-cast class casts it at each call, as it
+    # does for its own models' weights
+    comfy_class = MANUAL_CAST[base] if getattr(ours, "casts_weight", False) else CASTABLE[base]
+    return type(ours.__name__, (comfy_class, torch_forward, ours), {})
 
 
 class Holder(nn.Module):

@@ -15,13 +15,16 @@ from ..flux2_core.storage.matmul import choose_matmuls
 from ..flux2_core.storage.protocol import census
 from . import host, types
 
-DTYPE_TOOLTIP = ("Weight and compute dtype. auto: bfloat16 on GPUs that run it well, else float32. "
-                 "fp8 files are dequantized to this dtype on load.")
+DTYPE_TOOLTIP = ("Compute dtype. auto: bfloat16 on GPUs that run it well, else float32. A bf16 / fp16 file's weights "
+                 "stay 16-bit under float32, cast per layer; fp8 files are dequantized to this dtype on load.")
 FP8 = "fp8_e4m3fn"
 INT8 = "int8"
-MODEL_DTYPE_TOOLTIP = ("Weight and compute dtype. auto: bfloat16 on GPUs that run it well, else float32; the layers an "
-                       "fp8 file stores in fp8 stay fp8, with the file's scales. bfloat16 / float16 / float32: "
-                       f"everything in that dtype (fp8 files dequantized). {FP8}: every block's weights in fp8 "
+MODEL_DTYPE_TOOLTIP = ("Compute dtype. auto: what ComfyUI picks for FLUX.2 on this device (bfloat16 on GPUs from "
+                       "Ampere on, float16 on Volta / Turing such as the T4, float32 on CPUs and older GPUs; "
+                       "--fp16-unet / --bf16-unet / --force-fp32 apply); the layers an fp8 file stores in fp8 stay "
+                       "fp8, with the file's scales. bfloat16 / float16 / float32: computed in that dtype (fp8 files "
+                       "dequantized). A bf16 / fp16 file's weights stay 16-bit under a wider dtype, cast per layer "
+                       f"(half the memory of float32). float16 clamps the residual streams as ComfyUI does. {FP8}: every block's weights in fp8 "
                        "(about half the memory of bfloat16), quantized as they load, computed in the auto dtype; "
                        "results differ slightly. fp8 layers multiply in fp8 on GPUs with fp8 tensor cores (Ada, "
                        f"Hopper, Blackwell; the node says whether). {INT8}: every block's weights in int8 (about "
@@ -68,21 +71,22 @@ class ModelLoader(io.ComfyNode):
     def execute(cls, model_name: str, dtype: str) -> io.NodeOutput:
         load_device, offload_device = host.devices("transformer")
         fp8, int8 = {"auto": None, FP8: True}.get(dtype, False), dtype == INT8      # see weights.load_transformer
-        dtype = host.pick_dtype("auto" if dtype in (FP8, INT8) else dtype, "transformer", load_device)
-        model, variant = weights.load_transformer(host.resolve("diffusion_models", model_name), offload_device, dtype,
-                                                  fp8=fp8, int8=int8)
+        path = host.resolve("diffusion_models", model_name)
+        dtype = host.pick_dtype("auto" if dtype in (FP8, INT8) else dtype, "transformer", load_device,
+                                *weights.stored_dtype(path))
+        model, variant = weights.load_transformer(path, offload_device, dtype, fp8=fp8, int8=int8)
         kinds = census(model)
         matmuls = choose_matmuls(model, load_device, dtype)
         kind = "CFG" if variant.uses_cfg else "distilled"
         stored = "".join(f"{kinds[k]} layers in {k} ({note}), " for k, note in (("fp8", matmuls.fp8_note),
                                                                                    ("int8", matmuls.int8_note))
                          if kinds.get(k))
+        kept = "".join(f"{kinds[k]} layers kept in {k}, computed in " for k in ("bf16", "fp16") if kinds.get(k))
         info = (f"{variant.name} ({kind}; defaults: {variant.default_steps} steps, cfg {variant.default_cfg}), "
-                f"{stored}{gguf_note(model)}{host.dtype_name(dtype)}")
+                f"{stored}{gguf_note(model)}{kept}{host.dtype_name(dtype)}")
         managed = host.manage(model, model, "transformer", dtype, variant=variant,
                               full_load=bool(kinds.get("fp8") or kinds.get("int8")))
-        managed.recipe = TransformerSource.of(host.resolve("diffusion_models", model_name), host.dtype_name(dtype), fp8,
-                                              int8=int8)
+        managed.recipe = TransformerSource.of(path, host.dtype_name(dtype), fp8, int8=int8)
         return io.NodeOutput(managed, ui=ui.PreviewText(info))
 
 

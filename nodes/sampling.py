@@ -167,7 +167,7 @@ class Denoise(io.ComfyNode):
                               fix="use a smaller size or batch, or fewer or smaller references")
         model.use_adapters(model.core, lambda adapter: adapter.patches)
         set_compiled(model)
-        x = euler.add_noise(start, noise, sigmas[0]).to(device, model.dtype)      # = noise when sigmas[0] is 1
+        x = euler.add_noise(start, noise, sigmas[0]).to(device)                  # = noise when sigmas[0] is 1
         ref_kv, info = reference_kv(model, ref, ref_ids, device, needed) if kv_cached else (None, None)
         if ref_kv is not None:
             ref = ref_ids = None                                                     # the K/V stand for them
@@ -176,7 +176,7 @@ class Denoise(io.ComfyNode):
             out = euler.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant)
                                    if rule.cfg else None, cfg=rule.scale, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
                                    kv=variant.use_kv_cache, guidance=rule.embedded, inpaint=blend,
-                                   callback=host.StepReporter(len(sigmas) - 1, device))
+                                   callback=host.StepReporter(len(sigmas) - 1, device), dtype=model.dtype)
             if spread:
                 model.core.sequence_parallel.release()          # the followers' share of the reference K/V
         except BaseException:

@@ -144,11 +144,20 @@ def guidance_for(variant, cfg: float, negative: bool = True) -> Guidance:
 
 # --- FLUX.2 velocity ----------------------------------------------------------------------------------------------
 
+def loop_dtype(compute: torch.dtype) -> torch.dtype:
+    """The dtype of the latent between steps and of the time the model is given. In bfloat16 BFL's reference keeps
+    both in bf16 (and ours equals it there); in float16 BFL has no reference, and ComfyUI's native FLUX.2 is the one
+    users compare with: a float32 latent and time, the model's input cast to float16 at each call."""
+    return torch.bfloat16 if compute == torch.bfloat16 else torch.float32
+
+
 def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt: Tensor | None = None,
             cfg: float = 1.0, ref: Tensor | None = None, ref_ids: Tensor | None = None,
             ref_kv: ReferenceKV | None = None, kv: bool = False, guidance: float | None = None,
-            inpaint: Inpaint | None = None, callback: Callable[[Step], None] | None = None) -> Tensor:
-    """x [B, 128, h, w] at sigmas[0], in the compute dtype; txt [1 or B, Ltxt, C]. With negative_txt: CFG
+            inpaint: Inpaint | None = None, callback: Callable[[Step], None] | None = None,
+            dtype: torch.dtype | None = None) -> Tensor:
+    """x [B, 128, h, w] at sigmas[0]; ``dtype``: the compute dtype (default x's). The latent is kept in its
+    ``loop_dtype`` between steps, and so returned. txt [1 or B, Ltxt, C]. With negative_txt: CFG
     v = v_neg + cfg * (v_txt - v_neg), both halves in one forward of batch 2B. ref [1 or B, Lref, 128] with ref_ids
     [1, Lref, 4] are joined after the image; with kv=True their K/V are computed once (or ``ref_kv`` given) and
     reused every step. The result is checked for NaN / inf (``checks.finite``) with its likely causes.
@@ -158,7 +167,8 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
     if guidance is not None:
         check_cfg(guidance, "guidance")
     batch, _, h, w = x.shape
-    dtype, device = x.dtype, x.device
+    dtype, device = dtype or x.dtype, x.device
+    x = x.to(loop_dtype(dtype))
     sides = 1 if negative_txt is None else 2             # the model batch is [neg..., pos...] with CFG
     n = sides * batch
     if kv and ref is not None:
@@ -177,19 +187,20 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
     txt = torch.cat([p.expand(batch, *p.shape[1:]) for p in prompts]).to(device, dtype)   # [n, Ltxt, C]
     txt_ids = rope.text_ids(n, txt.shape[1], device=device)
     img_ids = rope.image_ids(n, h, w, device=device)
-    guidance_vec = None if guidance is None else torch.full((n,), guidance, dtype=dtype, device=device)
+    guidance_vec = None if guidance is None else torch.full((n,), guidance, dtype=x.dtype, device=device)
 
     def velocity(x: Tensor, t: Tensor) -> Tensor:
-        img = rope.pack(x).repeat(sides, 1, 1)                              # [n, h*w, 128]
+        img = rope.pack(x.to(dtype)).repeat(sides, 1, 1)                    # [n, h*w, 128]
         v = model(img, img_ids, t.repeat(sides), txt, txt_ids, guidance=guidance_vec,
                   ref=ref, ref_ids=ref_ids, ref_kv=ref_kv)                   # [n, h*w, 128]
+        v = v.to(x.dtype)
         if sides == 2:
             v_neg, v_pos = v.chunk(2)
             v = v_neg + cfg * (v_pos - v_neg)
         return rope.unpack(v, h, w)
 
     if inpaint is not None:
-        inpaint = inpaint.to(device, dtype)
+        inpaint = inpaint.to(device, x.dtype)
     with torch.no_grad():
         out = euler(velocity, x, sigmas, callback, inpaint)
     causes = [*checks.dtype_cause(dtype, "the transformer"),

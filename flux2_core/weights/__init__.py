@@ -10,8 +10,9 @@ from .loading import (
     load_autoencoder,
     load_text_encoder,
     load_transformer,
+    stored_dtype,
     transformer_bytes,
 )
 
 __all__ = ["ENCODER_FILES", "check_text_encoder_fits", "default_device_dtype", "inspect_transformer",
-           "load_autoencoder", "load_text_encoder", "load_transformer", "transformer_bytes"]
+           "load_autoencoder", "load_text_encoder", "load_transformer", "stored_dtype", "transformer_bytes"]

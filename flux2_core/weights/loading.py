@@ -99,8 +99,12 @@ class Source:
 
     def float_dtype(self, key: str) -> torch.dtype | None:
         """The dtype the file stores the key's tensors in, where all are one plain float dtype (bf16, fp16, ...)."""
-        dtypes = {TORCH_DTYPES.get(self.info(s).dtype) for s in self.recipe(key).sources if s in self.keys}
-        if len(dtypes) != 1 or any(self.is_float8(s) or self.info(s).quantized for s in self.recipe(key).sources):
+        sources = self.recipe(key).sources
+        if not all(s in self.keys for s in sources) or any(self.is_float8(s) or self.info(s).quantized
+                                                           for s in sources):
+            return None                               # missing (an error later, naming it), fp8 or GGUF blocks
+        dtypes = {TORCH_DTYPES.get(self.info(s).dtype) for s in sources}
+        if len(dtypes) != 1:
             return None
         dtype = dtypes.pop()
         return dtype if dtype is not None and dtype.is_floating_point else None
@@ -432,6 +436,18 @@ def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = 
     device, dtype = default_device_dtype(device, dtype)
     source, model, chosen = _transformer_on_meta(path, params, variant, fp8, int8, dtype)
     return assign(model, read_state_dict(source, model.state_dict(), device, dtype)), chosen
+
+
+def stored_dtype(path: str | Path) -> tuple[torch.dtype | None, int]:
+    """The dtype most of a transformer file's values are stored in (None: GGUF blocks) and how many values it holds,
+    from the header: what ComfyUI's own loader weighs to choose a dtype."""
+    source = _transformer_source(path)
+    counts: dict[torch.dtype | None, int] = {}
+    for key in source.keys:
+        info = source.info(key)
+        dtype = None if info.quantized else TORCH_DTYPES.get(info.dtype)
+        counts[dtype] = counts.get(dtype, 0) + math.prod(info.shape)
+    return max(counts, key=counts.get, default=None), sum(counts.values())
 
 
 def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | None = None,

@@ -32,10 +32,13 @@ TWO_HEADS = TransformerParams(in_channels=128, context_in_dim=96, hidden_size=12
                               depth_single_blocks=2, axes_dim=(16, 16, 16, 16))
 WORKFLOW_MODELS = {"model_name": ("diffusion_models", "transformer"), "text_encoder_name": ("text_encoders", "text_encoder"),
                    "ae_name": ("vae", "ae"), "lora_name": ("loras", "lora")}    # loader input -> (folder, tiny file)
+LOUD = 3e4                     # the "loud" transformer's scale (see build_models)
 GGUF_ROLE = "{}_gguf"          # the role of a tiny GGUF stand-in: "transformer_gguf" for a workflow's .gguf model
 FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "flux-2-klein-base-tiny.safetensors",
          "transformer_kv": "flux-2-klein-9b-kv-tiny.safetensors",
          "transformer_fp8": "flux-2-klein-tiny-fp8mixed.safetensors",
+         "transformer_bf16": "flux-2-klein-tiny-bf16.safetensors",
+         "transformer_loud": "flux-2-klein-tiny-loud.safetensors",
          "transformer_two_heads": "flux-2-klein-tiny-two-heads.safetensors",
          "transformer_two_heads_kv": "flux-2-klein-9b-kv-tiny-two-heads.safetensors",
          "text_encoder": "qwen_3_tiny.safetensors", "ae": "flux2-vae-tiny.safetensors",
@@ -97,6 +100,12 @@ def write_tiny_models(models: Path) -> dict[str, str]:
     # the same weights under "base" and "kv" names: the variant (CFG, distilled, KV) comes from the file name
     for role in ("transformer_base", "transformer_kv"):
         os.link(models / "diffusion_models" / FILES["transformer"], models / "diffusion_models" / FILES[role])
+    # and in bfloat16, as BFL and ComfyUI publish Klein; and "loud": the text stream's MLP and the single blocks'
+    # output scaled up, so that in float16 the residual streams outgrow 65504 (what ComfyUI's fp16 clamps are for)
+    save_bfl_transformer({k: v.to(torch.bfloat16) for k, v in transformer.items()},
+                         models / "diffusion_models" / FILES["transformer_bf16"])
+    save_bfl_transformer({k: v * LOUD if k.endswith(("txt_mlp.2.weight", "linear2.weight")) else v
+                          for k, v in transformer.items()}, models / "diffusion_models" / FILES["transformer_loud"])
     # and as ComfyUI's "fp8mixed" files: the blocks' linear weights float8 with per-tensor scales, named in metadata
     blocks = [k.removesuffix(".weight") for k, v in transformer.items() if v.ndim == 2
               and in_blocks(k.removesuffix(".weight"))]
