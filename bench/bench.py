@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from flux2_core.variants import FLUX2_AE, KLEIN_4B, KLEIN_9B, AutoEncoderParams, TransformerParams
 
 OURS_OPTIONS = ("ours_fp8", "ours_int8", "ours_compile", "ours_compile_decoder", "ours_gguf", "ours_no_kitchen",
-                "ours_no_fused", "ours_small_decoder")
+                "ours_no_fused", "ours_small_decoder", "ours_compute")
 PROMPT = "A red fox standing in fresh snow at dawn, soft golden light, detailed fur, shallow depth of field"
 
 
@@ -234,12 +234,16 @@ class StepClock:
 # The two sides
 # ---------------------------------------------------------------------------------------------------------------
 
-def load_ours(folder: Path, device: torch.device, dtype: torch.dtype, variant: str | None, gguf: str | None = None):
+def load_ours(folder: Path, device: torch.device, dtype: torch.dtype, variant: str | None, gguf: str | None = None,
+              compute: str | None = None):
+    """``compute``: the transformer's compute dtype, if not ``dtype`` ("auto": the device's choice); 16-bit weights
+    under a wider one stay 16-bit."""
     from flux2_core import weights
     from flux2_core.pipeline import Models
 
     path = folder / f"transformer-{gguf}.gguf" if gguf else folder / "transformer"
-    transformer, chosen = weights.load_transformer(path, device, dtype, variant=variant)
+    compute = dtype if compute is None else None if compute == "auto" else getattr(torch, compute)
+    transformer, chosen = weights.load_transformer(path, device, compute, variant=variant)
     encoder = weights.load_text_encoder(folder / "text_encoder", device, dtype)
     ae = weights.load_autoencoder(folder / "vae", device, dtype)   # diffusers runs its VAE in the pipeline dtype too
     # No caches: every timed run encodes its prompt and references afresh, as diffusers does (the kv mode measures
@@ -377,7 +381,7 @@ def worker(args) -> None:
     dtype = getattr(torch, args.dtype or CONFIGS[args.config].dtype)
     t = time.perf_counter()
     if args.worker == "ours":
-        model, run = load_ours(Path(args.weights), device, dtype, None, args.ours_gguf), run_ours
+        model, run = load_ours(Path(args.weights), device, dtype, None, args.ours_gguf, args.ours_compute), run_ours
         apply_options(model, args)
     else:
         model, run = load_diffusers(Path(args.weights), device, dtype), run_diffusers
@@ -545,6 +549,9 @@ def main(argv=None) -> None:
                          "(plain torch ops: FLUX2_NO_FUSED)")
     ap.add_argument("--ours-gguf", choices=GGUF_TYPES, help="ours: the transformer from a GGUF of this type (written "
                     "once from the same weights: Q8_0/Q4_0 quantized, K-quants random blocks: speed, not accuracy)")
+    ap.add_argument("--ours-compute", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="ours: the transformer's compute dtype, the weights as written (--dtype): a bf16 file "
+                         "computed in float32 keeps its blocks bf16, cast per layer; auto: the device's choice")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend for --ours-compile (default inductor; 'eager' checks the path quickly)")
     ap.add_argument("--cfg", type=float, help=argparse.SUPPRESS)

@@ -180,12 +180,13 @@ def prompt_conditioning(context_in_dim: int) -> list:
 # The two sides: each a loaded model and its sampler call
 # ---------------------------------------------------------------------------------------------------------------
 
-def native_side(dtype: torch.dtype, cast: bool, cond: list, sigmas: torch.Tensor, size: int):
+def native_side(dtype: torch.dtype, cast: str, cond: list, sigmas: torch.Tensor, size: int):
     """ComfyUI's path: (the sampler call, what it computes in, its attention function).
 
     UNETLoader offers no float32 / bfloat16 choice (its "default" lets ComfyUI pick: float32 on a CPU, bfloat16 on
-    recent GPUs), so this is the call it makes, with ComfyUI's own dtype option set to ``dtype``. ``cast`` False drops
-    ComfyUI's manual cast (on a CPU: bfloat16 weights computed in float32), so that it computes in ``dtype``."""
+    recent GPUs), so this is the call it makes, with ComfyUI's own dtype option set to ``dtype``. ``cast`` "off" drops
+    ComfyUI's manual cast (on a CPU: bfloat16 weights computed in float32), so that it computes in ``dtype``;
+    "loader" leaves the dtype to ComfyUI as UNETLoader's "default" does (on a CPU: the weights made float32)."""
     import comfy.ldm.flux.math
     import comfy.sd
     import folder_paths
@@ -194,8 +195,8 @@ def native_side(dtype: torch.dtype, cast: bool, cond: list, sigmas: torch.Tensor
 
     with torch.inference_mode():           # as ComfyUI's executor runs every node
         patcher = comfy.sd.load_diffusion_model(folder_paths.get_full_path_or_raise("diffusion_models", MODEL_FILE),
-                                                model_options={"dtype": dtype})
-    if not cast:
+                                                model_options={} if cast == "loader" else {"dtype": dtype})
+    if cast == "off":
         patcher.model.manual_cast_dtype = None
     compute = patcher.model.manual_cast_dtype or patcher.model.get_dtype()
     (guider,) = run_node(custom.BasicGuider, model=patcher, conditioning=cond)
@@ -208,7 +209,7 @@ def native_side(dtype: torch.dtype, cast: bool, cond: list, sigmas: torch.Tensor
                           latent_image=latent)
         return out["samples"]
     attention = comfy.ldm.flux.math.optimized_attention
-    return call, compute, getattr(attention, "__name__", type(attention).__name__)
+    return call, compute, getattr(attention, "__name__", type(attention).__name__), patcher.model_size()
 
 
 def our_side(pack: dict, dtype_name: str, cond: list, sigmas: torch.Tensor, size: int):
@@ -220,7 +221,7 @@ def our_side(pack: dict, dtype_name: str, cond: list, sigmas: torch.Tensor, size
         (out,) = run_node(pack["sampling"].Denoise, model=model, positive=cond, noise=noise, sigmas=sigmas, cfg=1.0,
                           denoise=1.0)
         return out["samples"]
-    return call, model.dtype
+    return call, model.dtype, model.patcher.model_size()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -300,12 +301,14 @@ def print_table(result: dict) -> None:
     others = "unknown" if r["other_processes_cores"] is None else f"{r['other_processes_cores']:.2f}"
     print(f"{r['threads']} torch threads; other processes kept {others} cores busy on average while timing "
           f"(a busy machine slows both sides, and unevenly)")
-    print(f"{'side':<8} {'computes':>9} {'median s/step':>14} {'best s/step':>12} {'peak above start':>17}")
+    print(f"{'side':<8} {'computes':>9} {'median s/step':>14} {'best s/step':>12} {'peak above start':>17} "
+          f"{'weights':>10}")
     for side in SIDES:
         s = sides[side]
         print(f"{side:<8} {s['compute_dtype']:>9} {s['step_median_s']:14.4f} {s['step_best_s']:12.4f} "
-              f"{BENCH.fmt_bytes(s['peak_bytes']):>17}")
-    print(f"{'ours/native':<18} {r['ratio']['median']:14.3f} {r['ratio']['best']:12.3f}")
+              f"{BENCH.fmt_bytes(s['peak_bytes']):>17} {BENCH.fmt_bytes(s['weight_bytes']):>10}")
+    print(f"{'ours/native':<18} {r['ratio']['median']:14.3f} {r['ratio']['best']:12.3f} {'':>17} "
+          f"{r['weight_ratio']:10.3f}")
     print(f"final latents: max|ours - native| {r['latent_max_abs_diff']:.3g}, relative to max|native| "
           f"{r['latent_rel_diff']:.3g}")
 
@@ -328,9 +331,12 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--size", type=int, help="image side in pixels, a multiple of 16 (default: the config's)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cpu (ComfyUI's --cpu) or cuda (ComfyUI's default GPU)")
-    ap.add_argument("--native-cast", choices=["comfyui", "off"], default="comfyui",
+    ap.add_argument("--native-cast", choices=["comfyui", "off", "loader"], default="comfyui",
                     help="comfyui: ComfyUI's own compute dtype (on a CPU, bfloat16 weights computed in float32); "
-                         "off: ComfyUI computes in --dtype, as ours")
+                         "off: ComfyUI computes in --dtype, as ours; loader: as UNETLoader's default loads the file "
+                         "(ComfyUI picks the weights' dtype too: float32 on a CPU)")
+    ap.add_argument("--ours-dtype", choices=["auto", *DTYPES],
+                    help="our loader's dtype option (default: --dtype); auto: the device's choice, as users run it")
     ap.add_argument("--comfyui-args", default="", help="more ComfyUI command-line options, one string")
     ap.add_argument("--json", type=Path, help="write the results to this file")
     args = ap.parse_args(argv)
@@ -363,18 +369,19 @@ def main(argv=None) -> dict:
         (sigmas,) = run_node(pack["sampling"].Scheduler, steps=args.steps, schedule="flux2", rho=2.0, width=size,
                              height=size)
         t = time.perf_counter()
-        native, native_dtype, attention = native_side(dtype, args.native_cast == "comfyui", cond, sigmas, size)
+        native, native_dtype, attention, native_bytes = native_side(dtype, args.native_cast, cond, sigmas, size)
         loaded = {"native": time.perf_counter() - t}
         t = time.perf_counter()
-        ours, ours_dtype = our_side(pack, dtype_name, cond, sigmas, size)
+        ours, ours_dtype, ours_bytes = our_side(pack, args.ours_dtype or dtype_name, cond, sigmas, size)
         loaded["ours"] = time.perf_counter() - t
         meter = BENCH.Meter(torch.device(args.device))
         cpu = cpu_seconds()
         runs, last = measure({"native": native, "ours": ours}, meter, args.repeats)
         others = other_processes_cores(cpu, cpu_seconds())
     sides = {side: summarize(runs[side], args.steps) for side in SIDES}
-    for side, compute in (("native", native_dtype), ("ours", ours_dtype)):
+    for side, compute, held in (("native", native_dtype, native_bytes), ("ours", ours_dtype, ours_bytes)):
         sides[side]["compute_dtype"] = str(compute).removeprefix("torch.")
+        sides[side]["weight_bytes"] = held
         sides[side]["load_s"] = loaded[side]
     result = {
         "machine": BENCH.machine(), "comfyui_version": comfyui_version.__version__, "config": args.config,
@@ -383,6 +390,7 @@ def main(argv=None) -> dict:
         "comfyui_args": args.comfyui_args, "native_attention": attention, "threads": torch.get_num_threads(),
         "sides": sides,
         "ratio": {k: sides["ours"][f"step_{k}_s"] / sides["native"][f"step_{k}_s"] for k in ("median", "best")},
+        "weight_ratio": ours_bytes / native_bytes,
         **latent_difference(last["ours"], last["native"]),
         "other_processes_cores": others, "weights_written_s": written,
         "wall_s": time.perf_counter() - started,

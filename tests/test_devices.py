@@ -211,3 +211,17 @@ def test_the_cli_names_the_devices_choice_in_the_log_and_the_png(tmp_path, capsy
     code = cli.main(["--prompt", "x", "--models", str(tmp_path), "--width", "32", "--height", "32", "--steps", "1",
                      "--seed", "1", "--out", str(tmp_path / "p"), "--device", "cpu", "--dtype", "float32"])
     assert code == 0 and png_parameters(tmp_path / "p" / "flux2_1.png")[1]["dtype"] == "float32 (--dtype)"
+
+
+def test_the_files_own_dtype_is_read_from_its_header(bf16_file, tmp_path):
+    """What ComfyUI's loader weighs to choose its dtype (nodes pass it on): the dtype of most values, and their count."""
+    dtype, values = weights.stored_dtype(bf16_file)
+    expected = sum(t.numel() for t in random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=3).values())
+    assert dtype == torch.bfloat16 and values == expected
+    mixed = {k: v if "single_blocks" in k else v.half()
+             for k, v in random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=3).items()}
+    path = save_bfl_transformer(mixed, tmp_path / "flux-2-klein-mixed.safetensors")
+    by_dtype = {}
+    for v in mixed.values():
+        by_dtype[v.dtype] = by_dtype.get(v.dtype, 0) + v.numel()
+    assert weights.stored_dtype(path)[0] == max(by_dtype, key=by_dtype.get)
