@@ -60,7 +60,7 @@ HERE = Path(__file__).resolve().parent
 MODEL_FILE = "flux-2-klein-native-bench.safetensors"    # no "base" / "kv" in it: our loader reads distilled Klein
 TEXT_TOKENS = 512                  # Klein pads every prompt to 512 tokens (ComfyUI's tokenizer and ours)
 SEED = 0
-SIDES = ("native", "ours")
+SIDES = ("native", "ours", "cli")    # cli: the engine as the command line runs it (its default dtype)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -224,6 +224,28 @@ def our_side(pack: dict, dtype_name: str, cond: list, sigmas: torch.Tensor, size
     return call, model.dtype, model.patcher.model_size()
 
 
+def cli_side(device: str, cond: list, sigmas: torch.Tensor, size: int):
+    """The engine as ``flux2-klein`` runs it with no --dtype (the device's own choice): (the denoise call, its compute
+    dtype, its weight bytes). The same file, conditioning, noise and sigmas as the nodes."""
+    from flux2_core import weights
+    from flux2_core.sampling.euler import denoise, make_noise
+
+    model, _ = weights.load_transformer(folder_paths_file(), device)
+    dtype = model.img_in.weight.dtype
+    noise = make_noise(1, size, size, SEED, device=device)
+    txt = cond[0][0].to(device)
+
+    def call() -> torch.Tensor:
+        return denoise(model, noise, sigmas.tolist(), txt, dtype=dtype)
+    return call, dtype, sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+
+
+def folder_paths_file() -> str:
+    import folder_paths
+
+    return folder_paths.get_full_path_or_raise("diffusion_models", MODEL_FILE)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------------------------
@@ -309,6 +331,8 @@ def print_table(result: dict) -> None:
               f"{BENCH.fmt_bytes(s['peak_bytes']):>17} {BENCH.fmt_bytes(s['weight_bytes']):>10}")
     print(f"{'ours/native':<18} {r['ratio']['median']:14.3f} {r['ratio']['best']:12.3f} {'':>17} "
           f"{r['weight_ratio']:10.3f}")
+    print(f"{'cli/native':<18} {r['cli_ratio']['median']:14.3f} {r['cli_ratio']['best']:12.3f} {'':>17} "
+          f"{r['cli_weight_ratio']:10.3f}")
     print(f"final latents: max|ours - native| {r['latent_max_abs_diff']:.3g}, relative to max|native| "
           f"{r['latent_rel_diff']:.3g}")
 
@@ -374,12 +398,16 @@ def main(argv=None) -> dict:
         t = time.perf_counter()
         ours, ours_dtype, ours_bytes = our_side(pack, args.ours_dtype or dtype_name, cond, sigmas, size)
         loaded["ours"] = time.perf_counter() - t
+        t = time.perf_counter()
+        cli, cli_dtype, cli_bytes = cli_side(args.device, cond, sigmas, size)
+        loaded["cli"] = time.perf_counter() - t
         meter = BENCH.Meter(torch.device(args.device))
         cpu = cpu_seconds()
-        runs, last = measure({"native": native, "ours": ours}, meter, args.repeats)
+        runs, last = measure({"native": native, "ours": ours, "cli": cli}, meter, args.repeats)
         others = other_processes_cores(cpu, cpu_seconds())
     sides = {side: summarize(runs[side], args.steps) for side in SIDES}
-    for side, compute, held in (("native", native_dtype, native_bytes), ("ours", ours_dtype, ours_bytes)):
+    for side, compute, held in (("native", native_dtype, native_bytes), ("ours", ours_dtype, ours_bytes),
+                                ("cli", cli_dtype, cli_bytes)):
         sides[side]["compute_dtype"] = str(compute).removeprefix("torch.")
         sides[side]["weight_bytes"] = held
         sides[side]["load_s"] = loaded[side]
@@ -391,6 +419,8 @@ def main(argv=None) -> dict:
         "sides": sides,
         "ratio": {k: sides["ours"][f"step_{k}_s"] / sides["native"][f"step_{k}_s"] for k in ("median", "best")},
         "weight_ratio": ours_bytes / native_bytes,
+        "cli_ratio": {k: sides["cli"][f"step_{k}_s"] / sides["native"][f"step_{k}_s"] for k in ("median", "best")},
+        "cli_weight_ratio": cli_bytes / native_bytes,
         **latent_difference(last["ours"], last["native"]),
         "other_processes_cores": others, "weights_written_s": written,
         "wall_s": time.perf_counter() - started,
