@@ -281,7 +281,7 @@ def apply_options(models, args) -> None:
     from flux2_core.storage.int8 import quantize_blocks, use_int8_matmul
     from flux2_core.storage.quant import in_blocks, quantize_transformer, use_fp8_matmul
 
-    dtype = models.transformer.img_in.weight.dtype
+    dtype = models.transformer.dtype
     if args.ours_fp8:                   # where the GPU has fp8 tensor cores the matmuls run in fp8 too
         quantize_transformer(models.transformer)
         print(use_fp8_matmul(models.transformer, "auto", models.device, dtype)[1])

@@ -58,7 +58,7 @@ def random_lora(model: Flux2Transformer, dtype: torch.dtype) -> list:
 def step_times(model: Flux2Transformer, rounds: int, size: int) -> list[float]:
     g = torch.Generator().manual_seed(2)
     h = w = size // 16
-    p, dtype = model.params, model.img_in.weight.dtype
+    p, dtype = model.params, model.dtype
     img, txt = torch.randn(1, h * w, p.in_channels, generator=g).to(dtype), torch.randn(1, 512, p.context_in_dim,
                                                                                       generator=g).to(dtype)
     args = (img, rope.image_ids(1, h, w), torch.tensor([0.5], dtype=dtype), txt, rope.text_ids(1, 512))

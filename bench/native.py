@@ -231,7 +231,7 @@ def cli_side(device: str, cond: list, sigmas: torch.Tensor, size: int):
     from flux2_core.sampling.euler import denoise, make_noise
 
     model, _ = weights.load_transformer(folder_paths_file(), device)
-    dtype = model.img_in.weight.dtype
+    dtype = model.dtype
     noise = make_noise(1, size, size, SEED, device=device)
     txt = cond[0][0].to(device)
 

@@ -71,7 +71,7 @@ class Models:
     @property
     def device(self) -> torch.device:
         """The text encoder runs there too (it may rest on the CPU in between)."""
-        return self.transformer.img_in.weight.device
+        return self.transformer.device
 
 
 def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: torch.dtype | None = None,
@@ -97,7 +97,7 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     model, chosen = weights.load_transformer(transformer, cpu if stream else device, dtype, variant=variant, fp8=fp8,
                                              int8=int8)
     if not stream:
-        device, dtype = model.img_in.weight.device, model.img_in.weight.dtype      # as the transformer resolved them
+        device, dtype = model.device, model.dtype          # as the transformer resolved them
     choose_matmuls(model, device, dtype)          # the fastest matmuls of its fp8 / int8 layers on this device
     needed = memory.working_memory(chosen, size, dtype) + call_bytes(model, dtype)
     # the encoder's own default where none is asked: float16 may suit the transformer (with its clamps), not Qwen3
@@ -136,7 +136,7 @@ def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool = Fals
     if int8:
         quantize_blocks(models.transformer, quant.in_blocks)
     if fp8 or int8:
-        choose_matmuls(models.transformer, models.device, models.transformer.img_in.weight.dtype)
+        choose_matmuls(models.transformer, models.device, models.transformer.dtype)
     if compile:
         compiling.compile_blocks(models.transformer)
     return models
@@ -253,7 +253,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     ``Result.warnings``), so a caller can show them before the work.
     """
     variant, model, ae = models.variant, models.transformer, models.autoencoder
-    device, dtype = models.device, model.img_in.weight.dtype
+    device, dtype = models.device, model.dtype
     if not isinstance(prompt, str):
         raise Flux2Error(f"prompt must be a string, got {type(prompt).__name__}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:

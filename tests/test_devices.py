@@ -95,7 +95,8 @@ def test_a_bf16_file_computed_in_float32_keeps_its_blocks_in_bf16_with_the_same_
     kept, _ = weights.load_transformer(bf16_file, "cpu", torch.float32)
     kinds = census(kept)
     assert set(kinds) == {"float", "bf16"} and kinds["bf16"] > kinds["float"], kinds
-    assert kept.img_in.weight.dtype == torch.float32           # the compute dtype, read by the pipeline
+    assert kept.dtype == torch.float32 and kept.device == torch.device("cpu")   # the compute dtype, as asked
+    assert len(kept.blocks()) == TINY_TRANSFORMER.depth + TINY_TRANSFORMER.depth_single_blocks
     with torch.no_grad():
         assert torch.equal(kept(**inputs()), reference_velocity(bf16_file))
     held = sum(t.nbytes for t in [*kept.parameters(), *kept.buffers()])

@@ -546,8 +546,7 @@ def test_load_models_loads_the_text_encoder_where_it_will_rest(tmp_path, monkeyp
 
     def on_cuda(path, device, dtype, **kwargs):                     # asked for CUDA, built on the CPU
         _, variant = real_transformer(path, "cpu", dtype, **kwargs)
-        weight = SimpleNamespace(device=CUDA, dtype=torch.float32)
-        return SimpleNamespace(img_in=SimpleNamespace(weight=weight), modules=lambda: iter(()),
+        return SimpleNamespace(device=CUDA, dtype=torch.float32, modules=lambda: iter(()),
                                named_modules=lambda: iter(())), variant
 
     def encoder_at(path, device, dtype):

@@ -300,7 +300,7 @@ def report_streaming(model, compiled: bool) -> None:
     streamed = streamed_blocks(model)
     if not streamed:
         return
-    total = len(model.double_blocks) + len(model.single_blocks)
+    total = len(model.blocks())
     print(f"note: {len(streamed)} of {total} transformer blocks ({streaming(model).streamed_bytes / GIB:.1f} GiB) do "
           f"not fit the GPU and are copied from CPU memory at every step (--offload)", file=sys.stderr)
     if compiled:
@@ -417,7 +417,7 @@ def load_for_command(args, device, size: tuple[int, int]):
     stored = [kind for kind in census(models.transformer) if kind != "float"]
     if stored:
         files["transformer_weights"] = "+".join(stored)          # e.g. "fp8", "Q4_K+Q6_K", "int8"
-    matmuls = choose_matmuls(models.transformer, models.device, models.transformer.img_in.weight.dtype,
+    matmuls = choose_matmuls(models.transformer, models.device, models.transformer.dtype,
                              fp8=YES_NO[args.fp8_matmul])
     for note in matmuls.notes:
         print(note, file=sys.stderr)
@@ -508,7 +508,7 @@ def follow(args, sp) -> int:
             from ..storage.quant import in_blocks
 
             quantize_blocks(model, in_blocks)
-        choose_matmuls(model, sp.device, model.img_in.weight.dtype, fp8=YES_NO[args.fp8_matmul])
+        choose_matmuls(model, sp.device, model.dtype, fp8=YES_NO[args.fp8_matmul])
     else:                           # as the followers ComfyUI's process starts load
         path = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae)[0]
         source = TransformerSource.of(path, args.dtype, {"auto": None, "yes": True, "no": False}[args.fp8],

@@ -304,6 +304,21 @@ class Flux2Transformer(nn.Module):
                                            for i in range(p.depth_single_blocks))
         self.final_layer = LastLayer(p.hidden_size, p.in_channels, layers.scope("final_layer"))
 
+    # what runtime code may ask of any transformer (offload, streaming, compile, the pipeline), instead of its layers
+
+    def blocks(self) -> list[nn.Module]:
+        """The repeated blocks, in the order they run: what streaming, compiling and offloading handle one by one."""
+        return [*self.double_blocks, *self.single_blocks]
+
+    @property
+    def device(self) -> torch.device:
+        return self.img_in.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (16-bit weights kept under a wider one are cast to it as each layer runs)."""
+        return self.img_in.weight.dtype
+
     def forward(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
                 guidance: Tensor | None = None, ref: Tensor | None = None, ref_ids: Tensor | None = None,
                 ref_kv: ReferenceKV | None = None) -> Tensor:

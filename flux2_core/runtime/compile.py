@@ -19,9 +19,9 @@ from .offload import streamed_blocks
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    if not hasattr(model, "double_blocks") or not hasattr(model, "single_blocks"):
-        raise Flux2Error(f"compile_blocks needs a Flux2Transformer, got {type(model).__name__}")
-    return [*model.double_blocks, *model.single_blocks]
+    if not callable(getattr(model, "blocks", None)):
+        raise Flux2Error(f"compile_blocks needs a transformer (a model with blocks()), got {type(model).__name__}")
+    return model.blocks()
 
 
 def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None, dynamic: bool | None = False,

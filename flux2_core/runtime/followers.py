@@ -59,7 +59,7 @@ class TransformerSource:
                              f"different weights. Load the model again (in ComfyUI: Unload models, then run)")
         model, _ = load_transformer(self.path, device, getattr(torch, self.dtype) if self.dtype else None,
                                     variant=self.variant, fp8=self.fp8, int8=self.int8)
-        choose_matmuls(model, device, model.img_in.weight.dtype, fp8=fp8_matmul)
+        choose_matmuls(model, device, model.dtype, fp8=fp8_matmul)
         return model.eval()
 
 

@@ -40,7 +40,7 @@ def stream_blocks(model: nn.Module, device, budget: int, storage=CPU) -> BlockSt
 
 def split_blocks(model: nn.Module, budget: int) -> tuple[list[nn.Module], list[nn.Module]]:
     """(resident, streamed) for a weight ``budget`` in bytes; a Flux2Error if not even the fixed parts fit."""
-    blocks = [*model.double_blocks, *model.single_blocks]
+    blocks = model.blocks()
     sizes = [module_bytes(b) for b in blocks]
     fixed = module_bytes(model) - sum(sizes)
     if fixed + sum(sizes) <= budget:
@@ -84,9 +84,10 @@ def unstream(model: nn.Module, resident: bool = False) -> nn.Module:
 
 
 def resident_parts(model: nn.Module) -> list[nn.Module]:
-    streamed = set(streamed_blocks(model))
-    others = [m for m in model.children() if m is not model.double_blocks and m is not model.single_blocks]
-    return others + [b for b in [*model.double_blocks, *model.single_blocks] if b not in streamed]
+    streamed, blocks = set(streamed_blocks(model)), model.blocks()
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    others = [m for m in model.children() if not any(id(p) in in_blocks for p in m.parameters())]
+    return others + [b for b in blocks if b not in streamed]
 
 
 def place(model: nn.Module, device) -> nn.Module:
