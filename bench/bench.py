@@ -570,7 +570,7 @@ def main(argv=None) -> None:
         args.size = args.size or CONFIGS[args.config].size
         return kv_worker(args) if args.worker == "ours-kv" else worker(args)
 
-    results = {"machine": machine(), "mode": args.mode, "steps": args.steps, "configs": {},
+    results = {"machine": machine(), "mode": args.mode, "steps": args.steps, "configs": {}, "dtype": args.dtype,
                "ours_options": [o for o in OURS_OPTIONS if getattr(args, o)]}
     print(results["machine"])
     for name in list(args.config):

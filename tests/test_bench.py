@@ -79,7 +79,8 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     report = (tmp_path / "gpu-check-smoke.md").read_text()
     stages = {"machine": True, "install": True, "tests": True, "bench tiny distilled": True, "bench tiny fp8": slow,
               "bench tiny int8": slow, "bench tiny no kitchen": slow, "bench tiny compile": slow,
-              "bench tiny GGUF": slow, "bench tiny base CFG": slow, "bench tiny-KV edit": True}
+              "bench tiny GGUF": slow, "bench tiny base CFG": slow, "bench tiny float32 parity": slow,
+              "bench tiny-KV edit": True}
     for stage, selected in stages.items():
         status = "ok" if selected else re.escape("not selected (--only)")
         assert f"\n## {stage}\n" in report and re.search(rf"\| {re.escape(stage)} \| {status} \|", report), stage
@@ -87,10 +88,12 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     assert "FLUX2_TEST_DEVICE=cpu FLUX2_TEST_DTYPE=bfloat16" in report
 
     figures = [json.loads(block) for block in re.findall(r"```json\n(.*?)\n```", report, re.DOTALL)]
-    tests, runs = figures[0], {r["mode"] + "".join(r.get("ours_options", [])): r for r in figures[1:]}
+    tests, runs = figures[0], {r["mode"] + "".join(r.get("ours_options", [])) + (r.get("dtype") or ""): r
+                               for r in figures[1:]}
     assert tests["passed"] == tests["tests"] == 4 and tests["failures"] == tests["errors"] == 0
     assert set(runs) == ({"distilled", "distilledours_fp8", "distilledours_int8", "distilledours_no_kitchen",
-                          "distilledours_compileours_compile_decoder", "distilledours_gguf", "base", "kv"} if slow
+                          "distilledours_compileours_compile_decoder", "distilledours_gguf", "base", "kv",
+                          "distilledfloat32"} if slow
                          else {"distilled", "kv"})
     for name, r in runs.items():
         if name == "kv":
