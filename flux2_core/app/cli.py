@@ -288,6 +288,8 @@ def lora_argument(text: str) -> tuple[str, float]:
     from ..checks import REAL_TEXT, parse_number
 
     path, _, strength = text.rpartition(":")
+    if path and strength.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        raise Flux2Error(f"--lora {path}: the strength must be a finite number, got {strength}")
     if not path or not REAL_TEXT.fullmatch(strength.strip()):
         return text, 1.0
     return path, parse_number(strength, f"--lora {path}: the strength")
