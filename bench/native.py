@@ -92,14 +92,15 @@ def load_bench():
 # ---------------------------------------------------------------------------------------------------------------
 
 def stub_torch_extras(folder: Path) -> None:
-    """ComfyUI imports torchvision and torchaudio at start-up and FLUX.2 uses neither; where they do not import, the
-    real-host tests' stand-ins (tests/comfyui/host.py) let ComfyUI import. Using a stubbed name raises."""
+    """ComfyUI imports torchvision, torchaudio and PyAV at start-up and FLUX.2 uses none of them; where they do not
+    import, the real-host tests' stand-ins (tests/comfyui/host.py) let ComfyUI import. Using a stubbed name raises."""
     host = load_module("flux2_tests_host", ROOT / "tests" / "comfyui" / "host.py")
     stubs = host.write_torch_stubs(folder, sys.executable)
     if any(stubs.iterdir()):
         sys.path.insert(0, str(stubs))      # before site-packages, where a torchvision that fails to import may be
-        print(f"torchvision / torchaudio do not import here: test-only stubs from {stubs} stand in (FLUX.2 uses "
-              f"neither)", flush=True)
+        names = ", ".join(sorted(p.name for p in stubs.iterdir()))
+        print(f"{names} do not import here: test-only stubs from {stubs} stand in (FLUX.2 uses none of them)",
+              flush=True)
 
 
 def start_comfyui(comfy_dir: Path, device: str, extra: str):

@@ -79,7 +79,7 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     report = (tmp_path / "gpu-check-smoke.md").read_text()
     stages = {"machine": True, "install": True, "tests": True, "bench tiny distilled": True, "bench tiny fp8": slow,
               "bench tiny int8": slow, "bench tiny no kitchen": slow, "bench tiny compile": slow,
-              "bench tiny GGUF": slow, "bench tiny base CFG": slow, "bench tiny float32 parity": slow,
+              "bench tiny GGUF Q4_0": slow, "bench tiny base CFG": slow, "bench tiny float32 parity": slow,
               "bench tiny-KV edit": True}
     for stage, selected in stages.items():
         status = "ok" if selected else re.escape("not selected (--only)")

@@ -45,7 +45,7 @@ class Missing:
         return Missing(self.name + "." + attr)
 
     def __call__(self, *args, **kwargs):
-        raise RuntimeError(self.name + " is a test stub: torchvision/torchaudio are not installed here")
+        raise RuntimeError(self.name + " is a test stub: it is not installed here")
 
 
 def __getattr__(attr):
@@ -54,7 +54,10 @@ def __getattr__(attr):
     return Missing("{name}." + attr)
 '''
 STUB_MODULES = {"torchvision": ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"),
-                "torchaudio": ("torchaudio",)}
+                "torchaudio": ("torchaudio",),
+                # PyAV: ComfyUI's video input types import it at start-up; its wheel is too large to carry to a GPU
+                # machine for the native benchmark, and FLUX.2 reads no video
+                "av": ("av", "av.container", "av.subtitles", "av.subtitles.stream")}
 
 
 def write_torch_stubs(folder: Path, python: str) -> Path:
