@@ -277,16 +277,17 @@ def run_ours(models, meter: Meter, args, refs=(), reference_kv=None):
 
 def apply_options(models, args) -> None:
     """Our opt-in speed-ups, as the --ours-* flags ask."""
+    from flux2_core.families.flux2 import quantizable
     from flux2_core.runtime.compile import compile_blocks
     from flux2_core.storage.int8 import quantize_blocks, use_int8_matmul
-    from flux2_core.storage.quant import in_blocks, quantize_transformer, use_fp8_matmul
+    from flux2_core.storage.quant import quantize_transformer, use_fp8_matmul
 
     dtype = models.transformer.dtype
     if args.ours_fp8:                   # where the GPU has fp8 tensor cores the matmuls run in fp8 too
-        quantize_transformer(models.transformer)
+        quantize_transformer(models.transformer, quantizable)
         print(use_fp8_matmul(models.transformer, "auto", models.device, dtype)[1])
     if args.ours_int8:                  # int8 matmuls where they are the faster path (GPUs from Turing on, CPU float32)
-        quantize_blocks(models.transformer, in_blocks)
+        quantize_blocks(models.transformer, quantizable)
         print(use_int8_matmul(models.transformer, "auto", models.device, dtype)[1])
     if args.ours_small_decoder:
         models.autoencoder = with_small_decoder(models.autoencoder)

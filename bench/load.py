@@ -64,8 +64,9 @@ def write_files(folder: Path, params: TransformerParams) -> None:
     from safetensors.torch import save_file
 
     from bench import random_state  # bench/bench.py (this folder is first on sys.path)
+    from flux2_core.families.flux2 import quantizable
     from flux2_core.models.transformer import Flux2Transformer
-    from flux2_core.storage.quant import in_blocks, quantize_fp8
+    from flux2_core.storage.quant import quantize_fp8
 
     with torch.device("meta"):
         model = Flux2Transformer(params)
@@ -73,7 +74,7 @@ def write_files(folder: Path, params: TransformerParams) -> None:
     save_file(bf16, str(folder / "bf16.safetensors"))
     fp8 = dict(bf16)
     for name, layer in model.named_modules():
-        if isinstance(layer, torch.nn.Linear) and in_blocks(name):
+        if isinstance(layer, torch.nn.Linear) and quantizable(name):
             fp8[name + ".weight"], fp8[name + ".weight_scale"] = quantize_fp8(bf16[name + ".weight"])
     save_file(fp8, str(folder / "fp8.safetensors"))
     from gguf import GGMLQuantizationType
@@ -90,6 +91,7 @@ def worker(args) -> None:
         print(json.dumps(report))
         return
     from flux2_core import weights
+    from flux2_core.families.flux2 import quantizable
     from flux2_core.runtime.memory import module_bytes
     from flux2_core.storage import quant
     from flux2_core.storage.ggml_layers import gguf_types
@@ -99,7 +101,7 @@ def worker(args) -> None:
     model, _ = weights.load_transformer(file_path(Path(args.folder), file), device, torch.bfloat16,
                                         params=CONFIGS[args.config], fp8=fp8)
     if quantize_after:
-        quant.quantize_transformer(model)
+        quant.quantize_transformer(model, quantizable)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report.update(seconds=time.perf_counter() - t, peak=peak_bytes(device),

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .devices import compute_dtype
 from .errors import Flux2Error
+from .families import family_of_params
 from .latents import LATENT_CHANNELS, latent_size
 from .models.autoencoder import AutoEncoder
 from .models.run_state import run_state
@@ -131,10 +132,11 @@ def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool = Fals
         # the new layers would be made from the merged weights, and the adapters could never be taken off them again
         raise Flux2Error("the transformer has LoRAs applied: quantize first, then apply them (optimize_transformer "
                          "before apply_adapters), or remove them first (apply_adapters(models, []))")
+    quantizable = family_of_params(models.transformer.params).quantizable
     if fp8:
-        quant.quantize_transformer(models.transformer)
+        quant.quantize_transformer(models.transformer, quantizable)
     if int8:
-        quantize_blocks(models.transformer, quant.in_blocks)
+        quantize_blocks(models.transformer, quantizable)
     if fp8 or int8:
         choose_matmuls(models.transformer, models.device, models.transformer.dtype)
     if compile:

@@ -71,11 +71,17 @@ class AutoEncoderParams:
 @dataclass(frozen=True)
 class TextEncoderSpec:
     name: str               # "qwen3-4b", "qwen3-8b", "mistral-small-3.2"
-    hidden_size: int        # one layer's width; the model's context_in_dim is 3x this
-    output_layers: tuple[int, ...] = (9, 18, 27)
+    hidden_size: int        # one layer's width
+    output_layers: tuple[int, ...] = (9, 18, 27)   # the hidden states read, concatenated along the width
     max_length: int = 512
     files: tuple[str, ...] = ()   # usual file names (ComfyUI text_encoders/), for finding weights
     gguf_stem: str = ""           # GGUF files are named <stem>-<quant>.gguf (llama.cpp / unsloth: Qwen3-4B-Q4_K_M.gguf)
+
+    @property
+    def width(self) -> int:
+        """The width of the embeddings it gives: one layer's hidden size for each layer read (the model's
+        context_in_dim)."""
+        return len(self.output_layers) * self.hidden_size
 
 
 QWEN3_4B = TextEncoderSpec("qwen3-4b", 2560, files=("qwen_3_4b.safetensors",), gguf_stem="Qwen3-4B")
@@ -96,6 +102,7 @@ class Variant:
     files: tuple[str, ...] = field(default=())   # usual file names, for finding weights (the first one's stem,
                                                  # plus -<quant>.gguf, names its GGUF files: flux-2-klein-4b-Q4_K_M.gguf)
     title: str = ""                    # what messages call it ("FLUX.2 Klein 9B KV"); custom variants have none
+    family: str = "flux2"              # its model family (``families.FAMILIES``)
 
     @property
     def gguf_stem(self) -> str:
@@ -106,8 +113,8 @@ class Variant:
         return not self.guidance_distilled
 
     @property
-    def family(self) -> str:
-        """"base" (CFG), "kv" (9B-KV references) or "distilled"."""
+    def edition(self) -> str:
+        """"base" (CFG), "kv" (9B-KV references) or "distilled": the releases of one architecture."""
         return "base" if self.uses_cfg else "kv" if self.use_kv_cache else "distilled"
 
 
@@ -150,15 +157,16 @@ def variant_for_params(params: TransformerParams, hint: str = "") -> Variant:
 
     Base, distilled and KV checkpoints share one architecture, so ``hint`` (usually the file name) decides
     between them: "base" picks the base model, "kv" the KV model. Small (test) architectures get a variant
-    named "custom" with the defaults of the hinted family.
+    named "custom" with the defaults of the hinted edition.
     """
     hint = hint.lower()
-    family = "base" if "base" in hint else "kv" if "kv" in hint else "distilled"
+    edition = "base" if "base" in hint else "kv" if "kv" in hint else "distilled"
     for v in VARIANTS.values():
         if not _same_architecture(v.params, params):
             continue
-        if v.name == "dev" or v.family == family:
+        if v.name == "dev" or v.edition == edition:
             return v
-    template = VARIANTS[{"base": "klein-base-4b", "kv": "klein-9b-kv", "distilled": "klein-4b"}[family]]
-    encoder = TextEncoderSpec("custom", params.context_in_dim // 3)
+    template = VARIANTS[{"base": "klein-base-4b", "kv": "klein-9b-kv", "distilled": "klein-4b"}[edition]]
+    layers = template.text_encoder.output_layers
+    encoder = TextEncoderSpec("custom", params.context_in_dim // len(layers), layers)
     return replace(template, name="custom", params=params, text_encoder=encoder, files=(), title="")

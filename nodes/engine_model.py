@@ -9,9 +9,8 @@ ComfyUI samples a ``model_base.BaseModel``: its ``model_sampling`` (FLUX.2 flow 
         -> velocity [B, 128, h, w]
 
 ``KleinModel`` is ComfyUI's FLUX.2 BaseModel with ``EngineCall`` as that diffusion model. EngineCall holds the
-engine's layers under the engine's own names, which are BFL's and so ComfyUI's (``diffusion_model.double_blocks.0.
-img_attn.qkv.weight``): what addresses a FLUX.2 model's weights by name (model management, ComfyUI's LoRA key maps)
-finds ours. Every transformer the loader makes lives in a KleinModel, so our Denoise node and ComfyUI's samplers
+engine's layers under the engine's own names, which are BFL's and so ComfyUI's (``diffusion_model.`` + the key in
+BFL's file): what addresses a FLUX.2 model's weights by name (model management, ComfyUI's LoRA key maps) finds ours. Every transformer the loader makes lives in a KleinModel, so our Denoise node and ComfyUI's samplers
 share one ModelPatcher (the MODEL is a clone of it) and ComfyUI loads the weights once.
 
 ``comfy_model`` makes the MODEL: a clone of that ModelPatcher carrying an ``EngineRun`` (the LoRAs of FLUX.2 Klein

@@ -290,7 +290,8 @@ def prompt_embeds(conditioning, variant) -> torch.Tensor:
     embeds = conditioning[0][0]
     needed = variant.params.context_in_dim
     if embeds.ndim != 3 or embeds.shape[-1] != needed:
-        encoder = weights.ENCODER_FILES.get(variant.text_encoder.name, f"text encoder of hidden size {needed // 3}")
+        spec = variant.text_encoder
+        encoder = weights.ENCODER_FILES.get(spec.name, f"text encoder of hidden size {spec.hidden_size}")
         raise Flux2Error(f"the prompt embeddings are {embeds.shape[-1]} wide but this model ({variant.name}) takes "
                          f"{needed}: encode the prompt with the {encoder}")
     return embeds

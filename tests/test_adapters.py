@@ -71,6 +71,13 @@ def test_linear_shapes_are_the_transformers():
             model = Flux2Transformer(params)
         want = {k.removesuffix(".weight"): tuple(v.shape) for k, v in model.state_dict().items() if v.dim() == 2}
         assert linear_shapes(params) == want
+    # hand-computed for Klein 4B (hidden 3072, MLP 9216, 5 double and 20 single blocks, 7680-wide text)
+    shapes = linear_shapes(KLEIN_4B)
+    assert len(shapes) == 4 + 3 + 5 * 2 * 4 + 20 * 2 + 2
+    assert (shapes["txt_in"], shapes["single_blocks.19.linear1"], shapes["single_blocks.19.linear2"]) == (
+        (3072, 7680), (3 * 3072 + 2 * 9216, 3072), (3072, 3072 + 9216))
+    assert (shapes["double_blocks.4.txt_mlp.0"], shapes["double_stream_modulation_img.lin"]) == (
+        (2 * 9216, 3072), (6 * 3072, 3072))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -147,6 +147,7 @@ def test_find_gguf_weights_by_their_quant_suffix(tmp_path):
 
 def write_models_folder(folder, fp8_file: bool = False):
     """Tiny real weight files under ComfyUI's names (the transformer as a BFL fp8 file: per-row scales, if asked)."""
+    from flux2_core.families.flux2 import quantizable
     from flux2_core.models.transformer import Flux2Transformer
     from flux2_core.storage.quant import quantize_transformer
     from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
@@ -159,7 +160,7 @@ def write_models_folder(folder, fp8_file: bool = False):
     if fp8_file:
         model = Flux2Transformer(TINY_TRANSFORMER)
         model.load_state_dict(sd)
-        quantize_transformer(model)
+        quantize_transformer(model, quantizable)
         sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_comfyui_transformer(sd, folder / "diffusion_models" / "flux-2-klein-4b.safetensors")
     save_comfyui_text_encoder(build_tiny_qwen3(), folder / "text_encoders" / "qwen_3_4b.safetensors")
@@ -369,7 +370,7 @@ def test_demo_with_fp8_weights(tmp_path, monkeypatch, capsys):
 
     quantized = []
     original = quant.quantize_transformer
-    monkeypatch.setattr(quant, "quantize_transformer", lambda model: quantized.append(model) or original(model))
+    monkeypatch.setattr(quant, "quantize_transformer", lambda model, *args, **kwargs: quantized.append(model) or original(model, *args, **kwargs))
     monkeypatch.chdir(tmp_path)
     argv = ["--demo", "--prompt", "a red fox", "--seed", "3", "--width", "64", "--height", "64", "--steps", "2"]
     assert cli.main([*argv, "--fp8", "--out", "fp8"]) == 0, capsys.readouterr().err

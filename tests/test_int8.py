@@ -16,12 +16,12 @@ from gguf import GGMLQuantizationType as T
 from flux2_core import kitchen, weights
 from flux2_core.app import cli
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2 import quantizable
 from flux2_core.models import rope
 from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.storage.int8 import Int8Linear, quantize_blocks, quantize_int8, use_int8_matmul
 from flux2_core.storage.linear import Linear
 from flux2_core.storage.protocol import census
-from flux2_core.storage.quant import in_blocks
 from tests.tiny.gguf import dit_types, save_gguf
 from tests.tiny.layouts import comfy_fp8, save_prefixed
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_bfl_transformer
@@ -122,8 +122,8 @@ def test_an_int8_transformer_stays_near_the_float_model(int8_matmul):
     model, args = tiny_model(), tiny_inputs()
     with torch.no_grad():
         want = model(*args)
-        names = quantize_blocks(model, in_blocks)
-        assert census(model)["int8"] == len(names) and all(in_blocks(n) for n in names)
+        names = quantize_blocks(model, quantizable)
+        assert census(model)["int8"] == len(names) and all(quantizable(n) for n in names)
         on, note = use_int8_matmul(model, int8_matmul, CPU, torch.float32)
         assert on == int8_matmul and ("int8 matmul: on" in note) == int8_matmul
         got = model(*args)
@@ -133,7 +133,7 @@ def test_an_int8_transformer_stays_near_the_float_model(int8_matmul):
 @needs_kitchen
 def test_auto_turns_int8_matmul_on_where_it_is_faster():
     model = tiny_model()
-    quantize_blocks(model, in_blocks)
+    quantize_blocks(model, quantizable)
     narrow = census(model)["int8"]                                               # all narrower than 1024
     on, note = use_int8_matmul(model, "auto", CPU, torch.float32)                # the CPU's integer kernel wins...
     assert on is True and f"{narrow} narrow layers compute in float32" in note   # ...from 1024 inputs on only
@@ -154,7 +154,7 @@ def test_without_comfy_kitchen_the_plain_path_runs_and_the_log_says_why(no_kitch
     model, args = tiny_model(), tiny_inputs()
     with torch.no_grad():
         want = model(*args)
-        quantize_blocks(model, in_blocks)
+        quantize_blocks(model, quantizable)
         with caplog.at_level(logging.INFO, logger="flux2_klein"):
             on, note = use_int8_matmul(model, "auto", CPU, torch.float32)
             use_int8_matmul(model, "auto", CPU, torch.float32)
@@ -173,7 +173,7 @@ def file_layouts(tmp_path):
     its block weights stand for."""
     state = random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=4)
     bf16 = {k: v.to(torch.bfloat16) for k, v in state.items()}
-    fp8_layers = [k.removesuffix(".weight") for k, v in state.items() if v.ndim == 2 and in_blocks(k)]
+    fp8_layers = [k.removesuffix(".weight") for k, v in state.items() if v.ndim == 2 and quantizable(k)]
     fp8_state, metadata = comfy_fp8(state, fp8_layers)
     gguf_path, gguf_values = save_gguf(state, tmp_path / "flux-2-klein-tiny-Q8_0.gguf", dit_types(T.Q8_0))
     fp8_values = {f"{layer}.weight": fp8_state[f"{layer}.weight"].float() * fp8_state[f"{layer}.weight_scale"]
@@ -192,7 +192,7 @@ def test_int8_loads_from_any_file_quantizing_the_values_it_holds(tmp_path, layou
     path, values = file_layouts(tmp_path)[layout]
     model, _ = weights.load_transformer(path, CPU, torch.float32, int8=True)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
-    assert set(layers) == {n for n, m in model.named_modules() if isinstance(m, torch.nn.Module) and in_blocks(n)
+    assert set(layers) == {n for n, m in model.named_modules() if isinstance(m, torch.nn.Module) and quantizable(n)
                            and hasattr(m, "weight") and m.weight.ndim == 2}
     for name, layer in layers.items():
         w8, scale = quantize_int8(values[name + ".weight"])

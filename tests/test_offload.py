@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2 import quantizable
 from flux2_core.models import rope
 from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.runtime import compile as compiling
@@ -53,7 +54,7 @@ def tiny_model(fp8=False):
     model = Flux2Transformer(PARAMS)
     model.load_state_dict(random_bfl_transformer_state_dict(PARAMS, seed=1))
     if fp8:
-        quant.quantize_transformer(model)
+        quant.quantize_transformer(model, quantizable)
     return model.eval().requires_grad_(False)
 
 

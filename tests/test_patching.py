@@ -20,6 +20,7 @@ from flux2_core.adapters.patching import set_adapters
 from flux2_core.app import cli
 from flux2_core.app.demo import DEMO_TRANSFORMER
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2 import quantizable
 from flux2_core.models import rope
 from flux2_core.models.run_state import run_state
 from flux2_core.models.transformer import Flux2Transformer
@@ -122,7 +123,7 @@ def test_fp8_layers_take_a_branch_unless_asked_to_merge():
     """The fp8 weights stay as they are; the result equals merging the LoRA into the dequantized float weights."""
     a, _, _ = lora(1)
     fp8 = tiny_model()
-    quant.quantize_transformer(fp8)
+    quant.quantize_transformer(fp8, quantizable)
     reference = tiny_model()                              # the float model the fp8 one stands for, LoRA merged
     with torch.no_grad():
         for name, layer in fp8.named_modules():
@@ -264,7 +265,7 @@ def test_compiled_fp8_model_follows_adapter_changes():
 
     def fp8_model():
         model = tiny_model()
-        quant.quantize_transformer(model)
+        quant.quantize_transformer(model, quantizable)
         return model
 
     torch._dynamo.reset()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2 import quantizable
 from flux2_core.models import rope
 from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.storage import kernels, quant
@@ -71,7 +72,7 @@ def test_fp8_linear_equals_linear_over_dequantized_weight(per_row):
 def test_quantized_transformer_equals_transformer_with_dequantized_weights():
     model = tiny_model()
     original = model(*tiny_inputs())
-    names = quantize_transformer(model)
+    names = quantize_transformer(model, quantizable)
     assert names and all(n.startswith(("double_blocks", "single_blocks", "double_stream_mod", "single_stream_mod"))
                          for n in names)
     assert not any(n.startswith(("img_in", "txt_in", "time_in", "final_layer")) for n in names)
@@ -94,7 +95,7 @@ def test_block_weights_take_one_byte_per_weight():
     model = tiny_model()
     before = sum(model.get_submodule(n).weight.nbytes for n, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and n.startswith(("double_blocks", "single_blocks")))
-    quantize_transformer(model)
+    quantize_transformer(model, quantizable)
     after = sum(m.weight.nbytes for n, m in model.named_modules() if isinstance(m, Fp8Linear)
                 and n.startswith(("double_blocks", "single_blocks")))
     assert after * DTYPE.itemsize == before           # a quarter of float32, half of bf16
@@ -107,7 +108,7 @@ def fp8_file(tmp_path, layout: str) -> tuple[torch.nn.Module, str]:
     ``weight_scale`` [] named in the ``_quantization_metadata``, behind ``model.diffusion_model.``; comfyui-old: the
     older ``scaled_fp8`` files with ``scale_weight`` [1]."""
     model = tiny_model()
-    quantize_transformer(model, per_row=layout == "bfl")
+    quantize_transformer(model, quantizable, per_row=layout == "bfl")
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     names = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
     meta, prefix = None, ""
@@ -155,7 +156,7 @@ def test_fp8_true_quantizes_what_the_file_stores_in_full_precision(tmp_path):
     path = save_prefixed(sd, tmp_path / "flux-2-klein-tiny.safetensors")
     loaded, _ = load_transformer(path, DEVICE, DTYPE, fp8=True)
     expected = tiny_model(torch.float32)     # quantized from the file's float32 values, not from their DTYPE rounding
-    names = quantize_transformer(expected)
+    names = quantize_transformer(expected, quantizable)
     assert [n for n, m in loaded.named_modules() if isinstance(m, Fp8Linear)] == names
     got, want = loaded.state_dict(), expected.state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))
@@ -410,7 +411,7 @@ def test_a_transformer_with_fp8_matmul_computes_the_same_with_the_fused_quantize
     size-1 graph): equal to the bit to the plain quantizer's forward; two graphs for every layer."""
     monkeypatch.setattr(quant, "FP8_MATMUL_DEVICES", {"cuda", "cpu"})
     model = tiny_model(torch.bfloat16)
-    assert quantize_transformer(model, fp8_matmul=True)
+    assert quantize_transformer(model, quantizable, fp8_matmul=True)
     inputs = [x.bfloat16() if x.is_floating_point() and x.ndim == 3 else x for x in tiny_inputs(batch=1)]
     before = graphs()
     with torch.no_grad():

@@ -241,8 +241,9 @@ def test_out_of_memory_ends_in_a_message_not_a_traceback(monkeypatch, capsys, mo
 
 
 
-def test_each_variant_has_its_family_and_title_and_a_file_name_picks_it():
-    """One registry: the family (which the file name hints and CFG follows) and the name that messages use."""
+def test_each_variant_has_its_edition_and_title_and_a_file_name_picks_it():
+    """One registry: the edition (which the file name hints and CFG follows), the model family and the name that
+    messages use."""
     from types import SimpleNamespace
 
     from flux2_core.variants import variant_for_params
@@ -252,12 +253,13 @@ def test_each_variant_has_its_family_and_title_and_a_file_name_picks_it():
     expected = {"klein-4b": ("distilled", "FLUX.2 Klein 4B"), "klein-9b": ("distilled", "FLUX.2 Klein 9B"),
                 "klein-9b-kv": ("kv", "FLUX.2 Klein 9B KV"), "klein-base-4b": ("base", "FLUX.2 Klein Base 4B"),
                 "klein-base-9b": ("base", "FLUX.2 Klein Base 9B")}
-    for name, (family, title) in expected.items():
+    for name, (edition, title) in expected.items():
         variant = VARIANTS[name]
-        assert (variant.family, variant.title, variant.uses_cfg) == (family, title, family == "base")
+        assert (variant.edition, variant.title, variant.uses_cfg) == (edition, title, edition == "base")
+        assert variant.family == "flux2"
         assert variant_for_params(variant.params, f"flux-2-{name}-Q4_K_M.gguf") is variant
     custom = variant_for_params(TINY_TRANSFORMER, "my-base-finetune")
-    assert (custom.name, custom.family, custom.title) == ("custom", "base", "")
+    assert (custom.name, custom.edition, custom.title) == ("custom", "base", "")
     qwen3_4b = SimpleNamespace(model=SimpleNamespace(embed_tokens=torch.nn.Embedding(1, 2560)))
     with pytest.raises(Flux2Error, match=r"this is FLUX.2 Klein 9B KV; it needs the .*Qwen3-8B"):
         check_text_encoder_fits(VARIANTS["klein-9b-kv"], qwen3_4b)

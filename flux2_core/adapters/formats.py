@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import Flux2Error
+from ..families import linear_shapes
 from ..variants import TransformerParams
 from ..weights.key_mapping import SWAPPED_FROM_DIFFUSERS, TRANSFORMER_FROM_DIFFUSERS, table_recipes
 
@@ -86,25 +87,6 @@ class Target:
 
 def model_name(hidden: int) -> str:
     return MODELS_BY_HIDDEN.get(hidden, f"a model with hidden size {hidden}")
-
-
-def linear_shapes(params: TransformerParams) -> dict[str, tuple[int, int]]:
-    """Every Linear of the FLUX.2 transformer: our module name -> weight [out, in]."""
-    H, M = params.hidden_size, params.mlp_hidden
-    shapes = {"img_in": (H, params.in_channels), "txt_in": (H, params.context_in_dim),
-              "time_in.in_layer": (H, 256), "time_in.out_layer": (H, H)}
-    if params.use_guidance_embed:
-        shapes |= {"guidance_in.in_layer": (H, 256), "guidance_in.out_layer": (H, H)}
-    shapes |= {"double_stream_modulation_img.lin": (6 * H, H), "double_stream_modulation_txt.lin": (6 * H, H),
-               "single_stream_modulation.lin": (3 * H, H)}
-    for n in range(params.depth):
-        for s in ("img", "txt"):
-            shapes |= {f"double_blocks.{n}.{s}_attn.qkv": (3 * H, H), f"double_blocks.{n}.{s}_attn.proj": (H, H),
-                       f"double_blocks.{n}.{s}_mlp.0": (2 * M, H), f"double_blocks.{n}.{s}_mlp.2": (H, M)}
-    for n in range(params.depth_single_blocks):
-        shapes |= {f"single_blocks.{n}.linear1": (3 * H + 2 * M, H), f"single_blocks.{n}.linear2": (H, H + M)}
-    shapes |= {"final_layer.linear": (params.in_channels, H), "final_layer.adaLN_modulation.1": (2 * H, H)}
-    return shapes
 
 
 def _group(module: str) -> str:

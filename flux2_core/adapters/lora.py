@@ -48,7 +48,7 @@ CONV_ONLY = {"mid": "a LoCon mid weight", "t2": "a LoKr Tucker factor (lokr_t2)"
 @dataclass
 class Patch:
     """ΔW for rows ``rows`` (all rows when None) of our weight ``target``: one adapter module of a file."""
-    target: str                             # our module name, e.g. "double_blocks.0.img_attn.qkv"
+    target: str                             # our module name (the model's own, e.g. a block's fused qkv)
     rows: tuple[int, int] | None            # [start, stop) of the weight's rows; q/k/v of a fused qkv or linear1
     kind: str                               # "lora" | "lokr" | "loha" | "diff"
     tensors: dict[str, Tensor]              # by role: down/up, w1/w1_a/w1_b/w2/w2_a/w2_b, hada_*, diff (as stored)

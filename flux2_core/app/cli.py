@@ -498,18 +498,19 @@ def follow(args, sp) -> int:
     from ..storage.matmul import choose_matmuls
 
     if args.demo:
-        from .demo import demo_transformer
+        from ..families import family_of
+        from .demo import demo_transformer, demo_variant
 
         model = demo_transformer(sp.device)
+        quantizable = family_of(demo_variant()).quantizable
         if args.fp8 == "yes":
             from ..storage.quant import quantize_transformer
 
-            quantize_transformer(model)
+            quantize_transformer(model, quantizable)
         if args.int8:
             from ..storage.int8 import quantize_blocks
-            from ..storage.quant import in_blocks
 
-            quantize_blocks(model, in_blocks)
+            quantize_blocks(model, quantizable)
         choose_matmuls(model, sp.device, model.dtype, fp8=YES_NO[args.fp8_matmul])
     else:                           # as the followers ComfyUI's process starts load
         path = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae)[0]

@@ -17,7 +17,8 @@ from ..pipeline import Models
 from ..variants import QWEN3_4B, VARIANTS, AutoEncoderParams, TransformerParams, Variant
 
 DEMO_TEXT_WIDTH = 32
-DEMO_TRANSFORMER = TransformerParams(context_in_dim=3 * DEMO_TEXT_WIDTH, hidden_size=64, num_heads=2, depth=2,
+DEMO_TEXT = replace(QWEN3_4B, name="demo", hidden_size=DEMO_TEXT_WIDTH)
+DEMO_TRANSFORMER = TransformerParams(context_in_dim=DEMO_TEXT.width, hidden_size=64, num_heads=2, depth=2,
                                      depth_single_blocks=2, axes_dim=(8, 8, 8, 8))
 DEMO_AUTOENCODER = AutoEncoderParams(ch=32, ch_mult=(1, 1, 2, 2))
 DEMO_QWEN3 = {"vocab_size": 151936, "hidden_size": DEMO_TEXT_WIDTH, "intermediate_size": 64, "num_hidden_layers": 27,
@@ -76,4 +77,4 @@ def demo_models(variant: str = "klein-4b", device="cpu") -> Models:
 def demo_variant(variant: str = "klein-4b") -> Variant:
     chosen = VARIANTS[variant]
     return replace(chosen, name=f"demo ({chosen.name} defaults)", params=DEMO_TRANSFORMER, files=(),
-                   text_encoder=replace(QWEN3_4B, name="demo", hidden_size=DEMO_TEXT_WIDTH))
+                   text_encoder=DEMO_TEXT)

@@ -83,7 +83,7 @@ class Int8Linear(nn.Module, StoredLinear):
 
 
 def quantize_blocks(model: nn.Module, chosen) -> list[str]:
-    """The layers ``chosen(name)`` picks (``quant.in_blocks``), any storage -> ``Int8Linear`` in place; their names.
+    """The layers ``chosen(name)`` picks (its family's ``quantizable``), any storage -> ``Int8Linear`` in place; their names.
     After the model's move to its device and dtype."""
     names = [n for n, m in stored_linears(model) if m.kind != "int8" and chosen(n)]
     for name in names:

@@ -8,6 +8,7 @@ activations quantized per token: faster, results change slightly (``use_fp8_matm
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -189,15 +190,11 @@ def use_fp8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch.
                 f"fp8 matmul: off ({reason or 'turned off'}); the fp8 weights compute in {name}")
 
 
-def in_blocks(name: str) -> bool:
-    """The blocks and shared modulations (over 95% of the weights); embedders and final layer stay float."""
-    return name.startswith(("double_blocks.", "single_blocks.", "double_stream_modulation", "single_stream_modulation"))
-
-
-def quantize_transformer(model: nn.Module, per_row: bool = True, fp8_matmul: bool = False) -> list[str]:
-    """Float ``in_blocks`` layers -> ``Fp8Linear`` in place; their names. After the model's move to its dtype: a
-    later ``model.to(dtype)`` would cast the fp8 buffers too."""
-    names = [n for n, m in stored_linears(model) if m.kind in FLOAT_KINDS and in_blocks(n)]
+def quantize_transformer(model: nn.Module, chosen: Callable[[str], bool], per_row: bool = True,
+                         fp8_matmul: bool = False) -> list[str]:
+    """The float layers ``chosen(name)`` picks (its family's ``quantizable``) -> ``Fp8Linear`` in place; their names.
+    After the model's move to its dtype: a later ``model.to(dtype)`` would cast the fp8 buffers too."""
+    names = [n for n, m in stored_linears(model) if m.kind in FLOAT_KINDS and chosen(n)]
     for name in names:
         model.set_submodule(name, Fp8Linear.from_linear(model.get_submodule(name), per_row, fp8_matmul))
     return names

@@ -19,8 +19,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from .. import families
 from ..devices import SIXTEEN_BIT, compute_dtype, kept_dtype
 from ..errors import Flux2Error
+from ..families import Family
 from ..models.autoencoder import AutoEncoder, WeightFiles
 from ..models.layers import Layers
 from ..models.qwen3 import Qwen3Params
@@ -29,7 +31,7 @@ from ..models.tokenizer import load_tokenizer
 from ..models.transformer import Flux2Transformer
 from ..storage import ggml
 from ..storage.int8 import quantize_int8
-from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, in_blocks, quantize_fp8
+from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, quantize_fp8
 from ..variants import (
     QWEN3_4B,
     QWEN3_8B,
@@ -37,7 +39,6 @@ from ..variants import (
     TransformerParams,
     Variant,
     get_variant,
-    variant_for_params,
 )
 from .checkpoint import TORCH_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json, read_tensor
 from .dequantize import COMFY_FP8, comfy_formats, dequantize, dequantize_nvfp4
@@ -385,22 +386,41 @@ def need_shape(source: Source, key: str) -> tuple[int, ...]:
 # 3. the transformer
 # ---------------------------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class SourceShapes:
+    """A file's tensors as a family reads its parameters from them (``families.ShapeReader``)."""
+
+    source: Source
+
+    @property
+    def where(self) -> str:
+        return str(self.source.ckpt.path)
+
+    def has(self, key: str) -> bool:
+        return self.source.has(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return need_shape(self.source, key)
+
+    def count(self, template: str) -> int:
+        return count(self.source, template)
+
+    def config(self, key: str, kind: str, default):
+        return config_value(self.source, key, kind, default)
+
+
+def transformer_family(source: Source) -> Family:
+    """The family whose transformer the file holds (``families.detect``); else what it lacks to be one."""
+    family = families.detect(source.has)
+    if family is None:
+        markers = [s for f in families.FAMILIES.values() for s in source.recipe(f.marker).sources]
+        raise Flux2Error(mismatch_message(source, markers, []))
+    return family
+
+
 def transformer_params(source: Source) -> TransformerParams:
-    """RoPE axes and theta from a diffusers config.json when there is one."""
-    hidden, in_channels = need_shape(source, "img_in.weight")
-    head_dim = need_shape(source, "double_blocks.0.img_attn.norm.query_norm.scale")[0]
-    mlp_hidden = need_shape(source, "double_blocks.0.img_mlp.2.weight")[1]
-    axes = tuple(config_value(source, "axes_dims_rope", "ints", None) or (head_dim // 4,) * 4)
-    try:
-        return TransformerParams(
-            in_channels=in_channels, context_in_dim=need_shape(source, "txt_in.weight")[1], hidden_size=hidden,
-            num_heads=hidden // head_dim, depth=count(source, "double_blocks.{}.img_attn.qkv.weight"),
-            depth_single_blocks=count(source, "single_blocks.{}.linear1.weight"), mlp_ratio=mlp_hidden / hidden,
-            axes_dim=axes, theta=int(config_value(source, "rope_theta", "number", 2000)),
-            use_guidance_embed=source.has("guidance_in.in_layer.weight"))
-    except ValueError as e:
-        raise Flux2Error(f"{source.ckpt.path}: the architecture read from the file is inconsistent ({e}); pass "
-                         f"params= explicitly") from None
+    """The architecture the file's shapes give, read by its family."""
+    return transformer_family(source).read_params(SourceShapes(source))
 
 
 def variant_hint(source: Source) -> str:
@@ -464,31 +484,35 @@ def _transformer_on_meta(path, params: TransformerParams | None, variant: str | 
                          int8: bool = False, dtype: torch.dtype = torch.float32
                          ) -> tuple[Source, Flux2Transformer, Variant]:
     source = _transformer_source(path)
+    family = transformer_family(source)
     params, chosen = _transformer_spec(source, params, variant)
-    layers = Layers(fp8=fp8_storage(source, fp8), ggml=gguf_storage(source), int8=in_blocks if int8 else None,
-                    kept=kept_storage(source, dtype))
-    model = build_on_meta(lambda: Flux2Transformer(params, layers))
+    quantizable = family.quantizable
+    layers = Layers(fp8=fp8_storage(source, fp8, quantizable), ggml=gguf_storage(source, quantizable),
+                    int8=quantizable if int8 else None, kept=kept_storage(source, dtype, quantizable))
+    model = build_on_meta(lambda: family.build(params, layers))
     return source, model, chosen
 
 
-def fp8_storage(source: Source, fp8: bool | None) -> Callable[[str], bool]:
-    return lambda name: fp8 is not False and (source.stores_fp8(name + ".weight") or bool(fp8 and in_blocks(name)))
+# Each storage below holds only the layers the family's ``quantizable`` names (its blocks); the others are small and
+# stay float in the compute dtype.
+
+def fp8_storage(source: Source, fp8: bool | None, quantizable: Callable[[str], bool]) -> Callable[[str], bool]:
+    """The layers the file stores in fp8; with ``fp8=True`` every quantizable one too; none with False."""
+    return lambda name: fp8 is not False and (source.stores_fp8(name + ".weight") or bool(fp8 and quantizable(name)))
 
 
-def kept_storage(source: Source, dtype: torch.dtype) -> Callable[[str], torch.dtype | None]:
-    """Block layers of a 16-bit file computed in a wider dtype keep the file's dtype (``devices.kept_dtype``); the
-    embedders and final layer are small, and the model reads its compute dtype from img_in."""
+def kept_storage(source: Source, dtype: torch.dtype,
+                 quantizable: Callable[[str], bool]) -> Callable[[str], torch.dtype | None]:
+    """Layers of a 16-bit file computed in a wider dtype keep the file's dtype (``devices.kept_dtype``)."""
     def kept(name: str) -> torch.dtype | None:
-        stored = kept_dtype(source.float_dtype(name + ".weight"), dtype) if in_blocks(name) else dtype
+        stored = kept_dtype(source.float_dtype(name + ".weight"), dtype) if quantizable(name) else dtype
         return None if stored == dtype else stored
     return kept
 
 
-def gguf_storage(source: Source) -> Callable[[str], int | None]:
-    """Only block and modulation layers keep GGUF blocks: the embedders and final layer are small, and the model reads
-    its dtype from img_in.
-    """
-    return lambda name: source.ggml_type(name + ".weight") if in_blocks(name) else None
+def gguf_storage(source: Source, quantizable: Callable[[str], bool]) -> Callable[[str], int | None]:
+    """The GGML type of each layer a GGUF file stores in blocks."""
+    return lambda name: source.ggml_type(name + ".weight") if quantizable(name) else None
 
 
 def _transformer_source(path) -> Source:
@@ -501,7 +525,7 @@ def _transformer_spec(source: Source, params: TransformerParams | None,
                       variant: str | None) -> tuple[TransformerParams, Variant]:
     params = params or transformer_params(source)
     if not variant:
-        return params, variant_for_params(params, variant_hint(source))
+        return params, transformer_family(source).variant_for(params, variant_hint(source))
     chosen = get_variant(variant)
     if chosen.params.hidden_size != params.hidden_size or chosen.params.context_in_dim != params.context_in_dim:
         raise Flux2Error(f"variant {variant!r} is {chosen.params.hidden_size} wide with {chosen.params.context_in_dim}"
@@ -677,10 +701,12 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def check_text_encoder_fits(variant: Variant, encoder: PromptEncoder) -> None:
     hidden = encoder.model.embed_tokens.embedding_dim
     needed = variant.params.context_in_dim
-    if 3 * hidden == needed:
+    gives = replace(variant.text_encoder, hidden_size=hidden).width      # the layers the model reads, of this width
+    if gives == needed:
         return
     title = variant.title or f"a FLUX.2 model taking {needed}-wide text embeddings"
-    wanted = ENCODER_FILES.get(variant.text_encoder.name, f"text encoder with hidden size {needed // 3}")
+    wanted = ENCODER_FILES.get(variant.text_encoder.name,
+                               f"text encoder with hidden size {variant.text_encoder.hidden_size}")
     raise Flux2Error(f"this is {title}; it needs the {wanted}, but you gave {qwen3_name(hidden)} encoder (hidden "
-                     f"{hidden}, so {3 * hidden}-wide embeddings where the model takes {needed}). Load the matching "
+                     f"{hidden}, so {gives}-wide embeddings where the model takes {needed}). Load the matching "
                      f"text encoder")

@@ -70,7 +70,7 @@ EXTRA_PATHS = """comfyui-gguf:
 def write_tiny_models(models: Path) -> dict[str, str]:
     """Random weights in ComfyUI's model folders: BFL transformer (also as a base, a KV and an fp8mixed model),
     ComfyUI Qwen3 file, BFL autoencoders (tiny, and one of the real size). Returns {role: file name}."""
-    from flux2_core.storage.quant import in_blocks
+    from flux2_core.families.flux2 import quantizable
     from tests.tiny.adapters import (
         adapter_state_dict,
         lora_state_dict,
@@ -108,7 +108,7 @@ def write_tiny_models(models: Path) -> dict[str, str]:
                           for k, v in transformer.items()}, models / "diffusion_models" / FILES["transformer_loud"])
     # and as ComfyUI's "fp8mixed" files: the blocks' linear weights float8 with per-tensor scales, named in metadata
     blocks = [k.removesuffix(".weight") for k, v in transformer.items() if v.ndim == 2
-              and in_blocks(k.removesuffix(".weight"))]
+              and quantizable(k.removesuffix(".weight"))]
     fp8, meta = comfy_fp8(transformer, blocks)
     save_file({k: v.contiguous() for k, v in fp8.items()}, str(models / "diffusion_models" / FILES["transformer_fp8"]),
               metadata=meta)

@@ -1,0 +1,69 @@
+"""The registry of model families: what differs between FLUX.2 and the families after it, one record each.
+
+A family is a transformer architecture with its file layouts, its text encoder and its variants; FLUX.2 (Klein 4B / 9B,
+base, 9B-KV, dev) is the first. The layers below the registry (weights, adapters, runtime, sampling, the nodes) ask a
+family record for what they must know of the model they hold — how to read its parameters from a file, how to build
+it, which of its linears a quantized storage may hold — and never test which family it is.
+
+    family = families.detect(has)                 # from a file's keys, in our (BFL) names
+    params = family.read_params(shapes)           # the architecture from the file's shapes (``ShapeReader``)
+    variant = family.variant_for(params, hint)    # which registered variant those parameters (and the name) are
+    model = family.build(params, layers)          # the transformer, its linears made by ``layers``
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from ..errors import Flux2Error
+from ..models.layers import Layers
+from ..storage.protocol import stored_linears
+from ..variants import Variant
+from .family import Family, ShapeReader
+from .flux2 import FLUX2
+
+__all__ = ["FAMILIES", "Family", "ShapeReader", "detect", "family_of", "family_of_params", "get_family",
+           "linear_shapes"]
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (FLUX2,)}
+
+
+def get_family(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise Flux2Error(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}") from None
+
+
+def family_of(variant: Variant) -> Family:
+    return get_family(variant.family)
+
+
+def family_of_params(params) -> Family:
+    """The family whose architecture ``params`` describe (each family has its own parameter class)."""
+    family = next((f for f in FAMILIES.values() if type(params) is f.params_type), None)
+    if family is None:
+        raise Flux2Error(f"{type(params).__name__} is no model family's parameters; known: "
+                         f"{', '.join(f.params_type.__name__ for f in FAMILIES.values())}")
+    return family
+
+
+def linear_shapes(params) -> dict[str, tuple[int, int]]:
+    """Every linear of the model ``params`` describe: module name -> weight [out, in], read off the model built on
+    the meta device (what adapters may target; no hand-kept list to drift from the model)."""
+    return dict(_linear_shapes(params))
+
+
+@functools.lru_cache(maxsize=8)
+def _linear_shapes(params) -> tuple[tuple[str, tuple[int, int]], ...]:
+    with torch.device("meta"):
+        model = family_of_params(params).build(params, Layers())
+    return tuple((name, (m.out_features, m.in_features)) for name, m in stored_linears(model))
+
+
+def detect(has: Callable[[str], bool]) -> Family | None:
+    """The family whose transformer files hold these keys, or None."""
+    return next((f for f in FAMILIES.values() if f.recognizes(has)), None)

@@ -1,0 +1,45 @@
+"""The FLUX.2 family's record: Klein 4B / 9B (distilled, base, 9B-KV) and dev, BFL's transformer
+(``models/transformer.py``) on Qwen3 (Klein) or Mistral (dev) prompt embeddings."""
+
+from __future__ import annotations
+
+from ..errors import Flux2Error
+from ..models.layers import Layers
+from ..models.transformer import Flux2Transformer
+from ..variants import TransformerParams, variant_for_params
+from .family import Family, ShapeReader
+
+# the blocks and the shared modulations: over 95% of the weights; the embedders and the final layer stay float (they
+# are small, and the model reads nothing from them)
+QUANTIZABLE = ("double_blocks.", "single_blocks.", "double_stream_modulation", "single_stream_modulation")
+
+
+def quantizable(name: str) -> bool:
+    return name.startswith(QUANTIZABLE)
+
+
+def read_params(file: ShapeReader) -> TransformerParams:
+    """The architecture from the shapes of a file's tensors; RoPE axes and theta from a diffusers config.json when
+    there is one (a file does not record them otherwise: BFL's are 4 equal axes, theta 2000)."""
+    hidden, in_channels = file.shape("img_in.weight")
+    head_dim = file.shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
+    mlp_hidden = file.shape("double_blocks.0.img_mlp.2.weight")[1]
+    axes = tuple(file.config("axes_dims_rope", "ints", None) or (head_dim // 4,) * 4)
+    try:
+        return TransformerParams(
+            in_channels=in_channels, context_in_dim=file.shape("txt_in.weight")[1], hidden_size=hidden,
+            num_heads=hidden // head_dim, depth=file.count("double_blocks.{}.img_attn.qkv.weight"),
+            depth_single_blocks=file.count("single_blocks.{}.linear1.weight"), mlp_ratio=mlp_hidden / hidden,
+            axes_dim=axes, theta=int(file.config("rope_theta", "number", 2000)),
+            use_guidance_embed=file.has("guidance_in.in_layer.weight"))
+    except ValueError as e:
+        raise Flux2Error(f"{file.where}: the architecture read from the file is inconsistent ({e}); pass params= "
+                         f"explicitly") from None
+
+
+def build(params: TransformerParams, layers: Layers) -> Flux2Transformer:
+    return Flux2Transformer(params, layers)
+
+
+FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", marker="double_stream_modulation_img.lin.weight",
+               read_params=read_params, build=build, quantizable=quantizable, variant_for=variant_for_params)
