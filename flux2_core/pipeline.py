@@ -282,7 +282,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     if sigmas is None:
         sigmas = flux2_schedule(variant.default_steps if steps is None else steps, h * w)
     plan = plan_denoise(variant, sigmas, variant.default_cfg if cfg is None else cfg, strength=strength,
-                        image=init is not None)
+                        image=init is not None, references=bool(refs) or masked)
     sigmas, rule = plan.sigmas, plan.guidance
     for note in [rule.note, *large_work(width, height, plan.steps)]:
         if note:
@@ -300,7 +300,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     # prompt(s): [prompt] or [prompt, negative] from the prompt cache; the encoder rests where the denoise leaves
     # room (KV models: a reference pass makes the K/V unless given or cached; inpainting's are never cached)
     ref_tokens = sum(math.prod(latent_size(im.height, im.width)) for im in refs) + (h * w if masked else 0)
-    kv = variant.use_kv_cache and (bool(refs) or masked)
+    kv = plan.reference_kv
     cache = models.reference_cache
     new_kv = kv and reference_kv is None and (masked or cache is None or not cache.holds_images(model, ae, refs, dtype))
     needed = memory.denoiser_memory(model, variant, batch, h, w, dtype, ref_tokens=ref_tokens, cfg=rule.cfg,

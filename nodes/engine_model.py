@@ -38,6 +38,7 @@ from ..flux2_core.models import rope
 from ..flux2_core.runtime import memory
 from ..flux2_core.runtime.cache import ReferenceKVCache
 from ..flux2_core.sampling import references
+from ..flux2_core.sampling.plan import references_as_kv
 from ..flux2_core.variants import Variant
 
 RUN = "flux2_klein_run"        # our key in transformer_options (and for our wrapper): the MODEL's EngineRun
@@ -89,7 +90,7 @@ class EngineCall(nn.Module):
         ref_kv = None
         if ref is not None:
             ref, ref_ids = ref.to(device, dtype), ref_ids.to(device)
-            if self.variant.use_kv_cache:                    # 9B-KV: the references' K/V, once per sampling
+            if references_as_kv(self.variant, True):         # 9B-KV: the references' K/V, once per sampling
                 ref_kv = run.kv.get(self.engine, ref, ref_ids, model_key=run.model_key)
                 ref = ref_ids = None
         use_guidance = self.variant.params.use_guidance_embed and guidance is not None
@@ -140,7 +141,7 @@ class KleinModel(comfy.model_base.Flux2):
         ref_tokens = max((math.prod(shape[2:]) for shape in (cond_shapes or {}).get("ref_latents", [])), default=0)
         return memory.denoiser_memory(diffusion.engine, diffusion.variant, n, h, w, diffusion.dtype,
                                       ref_tokens=ref_tokens,
-                                      new_reference_kv=diffusion.variant.use_kv_cache and ref_tokens > 0)
+                                      new_reference_kv=references_as_kv(diffusion.variant, ref_tokens > 0))
 
 
 # ComfyUI's log names the model it loads by its class: "Requested to load Flux2KleinTransformer"

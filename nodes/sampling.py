@@ -145,8 +145,9 @@ class Denoise(io.ComfyNode):
     def execute(cls, model: host.Managed, positive, noise, sigmas, cfg: float, denoise: float,
                 negative=None, latent=None) -> io.NodeOutput:
         variant = model.variant
+        ref, ref_ids = references.reference_tokens(positive[0][1].get("reference_latents", []))  # both CFG branches
         plan = plan_denoise(variant, sigmas, cfg, strength=denoise, image=latent is not None,   # the CLI's plan
-                            negative=negative is not None)
+                            negative=negative is not None, references=ref is not None)
         sigmas, rule = plan.sigmas, plan.guidance
         if rule.note:
             log.warning("FLUX.2 Klein Denoise: %s", rule.note)
@@ -155,13 +156,12 @@ class Denoise(io.ComfyNode):
         start = torch.zeros_like(noise) if latent is None else image_latent(latent["samples"], noise)
         blend, mask_note = masked(latent, start, noise)                              # ComfyUI's noise_mask
         txt = prompt_embeds(positive, variant)
-        ref, ref_ids = references.reference_tokens(positive[0][1].get("reference_latents", []))  # both CFG branches
         spread = model.ranks > 1 and model.recipe is not None
         if spread:
             parallel.check_world(variant.params.num_heads, model.ranks)             # before followers start
             if model.compiled:
                 raise Flux2Error("FLUX.2 Klein Compile and FLUX.2 Klein Parallel do not run together yet: bypass one")
-        needed, kv_cached = denoise_request(model, noise, txt, ref, ref_ids, rule.cfg, model.ranks if spread else 1)
+        needed, kv_cached = denoise_request(model, noise, txt, ref, ref_ids, plan, model.ranks if spread else 1)
         device = model.ready(needed)
         memory.check_memory(device, needed, f"denoising {list(noise.shape)} latents", free=host.free_memory,
                               fix="use a smaller size or batch, or fewer or smaller references")
@@ -175,7 +175,7 @@ class Denoise(io.ComfyNode):
         try:
             out = euler.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant)
                                    if rule.cfg else None, cfg=rule.scale, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
-                                   kv=variant.use_kv_cache, guidance=rule.embedded, inpaint=blend,
+                                   kv=plan.reference_kv, guidance=rule.embedded, inpaint=blend,
                                    callback=host.StepReporter(len(sigmas) - 1, device), dtype=model.dtype)
             if spread:
                 model.core.sequence_parallel.release()          # the followers' share of the reference K/V
@@ -228,15 +228,14 @@ def set_compiled(model: host.Managed) -> None:
         compiling.uncompile_blocks(model.core)
 
 
-def denoise_request(model: host.Managed, noise, txt, ref, ref_ids, cfg: bool, ranks: int) -> tuple[int, bool]:
+def denoise_request(model: host.Managed, noise, txt, ref, ref_ids, plan, ranks: int) -> tuple[int, bool]:
     """(the bytes to ask ComfyUI for beside the weights, whether the references' K/V come from ``REFERENCE_KV``): the
-    CLI's estimate (memory.denoiser_memory), the reference K/V counted when a KV model's reference pass will make
+    CLI's estimate (memory.denoiser_memory), the reference K/V counted when the plan's reference pass will make
     them; with ``ranks`` > 1, this process's share of a parallel run, whose denoise makes its own split K/V."""
     batch, _, h, w = noise.shape
-    cached = model.variant.use_kv_cache and ref is not None and ranks == 1
-    new_kv = model.variant.use_kv_cache and ref is not None and not (
-        cached and REFERENCE_KV.holds(model.key, ref.to(model.dtype), ref_ids))
-    needed = memory.denoiser_memory(model.core, model.variant, batch, h, w, model.dtype, cfg=cfg,
+    cached = plan.reference_kv and ranks == 1
+    new_kv = plan.reference_kv and not (cached and REFERENCE_KV.holds(model.key, ref.to(model.dtype), ref_ids))
+    needed = memory.denoiser_memory(model.core, model.variant, batch, h, w, model.dtype, cfg=plan.guidance.cfg,
                                     ref_tokens=0 if ref is None else ref.shape[1], text_tokens=txt.shape[1],
                                     ranks=ranks, new_reference_kv=new_kv)
     return needed, cached

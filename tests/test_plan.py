@@ -24,6 +24,15 @@ def test_the_guidance_rule_of_the_model_decides_cfg():
     assert not alone.cfg and "none is connected" in alone.note
 
 
+@pytest.mark.parametrize("name", ["klein-4b", "klein-9b", "klein-9b-kv", "klein-base-4b", "klein-base-9b", "dev"])
+def test_only_the_kv_edition_takes_references_as_kv_and_only_when_there_are_some(name):
+    """BFL's reference: Klein 9B-KV runs its references once and caches their K/V; every other model joins them."""
+    variant = VARIANTS[name]
+    assert plan_denoise(variant, SIGMAS, 1.0, references=True).reference_kv is (name == "klein-9b-kv")
+    assert plan_denoise(variant, SIGMAS, 1.0, references=False).reference_kv is False
+    assert plan_denoise(variant, SIGMAS, 1.0).reference_kv is False
+
+
 @pytest.mark.parametrize("sigmas, strength, image, message", [
     ([1.0], 1.0, False, "at least two values"),
     ([1.0, 0.5, 0.6], 1.0, False, "strictly decrease"),
