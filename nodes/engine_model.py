@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..flux2_core.errors import Flux2Error
-from ..flux2_core.models import rope
+from ..flux2_core.families import family_of
 from ..flux2_core.runtime import memory
 from ..flux2_core.runtime.cache import ReferenceKVCache
 from ..flux2_core.sampling import references
@@ -84,7 +84,7 @@ class EngineCall(nn.Module):
                              "through that node")
         refuse_unsupported(control, transformer_options, kwargs)
         run.prepare()
-        batch, _, h, w = x.shape
+        _, _, h, w = x.shape
         dtype, device = x.dtype, x.device                    # apply_model cast x to our dtype
         ref, ref_ids = references.batched_reference_tokens(list(ref_latents or []))
         ref_kv = None
@@ -94,11 +94,10 @@ class EngineCall(nn.Module):
                 ref_kv = run.kv.get(self.engine, ref, ref_ids, model_key=run.model_key)
                 ref = ref_ids = None
         use_guidance = self.variant.params.use_guidance_embed and guidance is not None
-        v = self.engine(rope.pack(x), rope.image_ids(batch, h, w, device=device), timestep.to(dtype),
-                        context.to(device, dtype), rope.text_ids(batch, context.shape[1], device=device),
-                        guidance=guidance.to(device, dtype) if use_guidance else None,
-                        ref=ref, ref_ids=ref_ids, ref_kv=ref_kv)
-        return rope.unpack(v, h, w)
+        velocity = family_of(self.variant).condition(
+            self.engine, context.to(device, dtype), h, w, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
+            guidance=guidance.to(device, dtype) if use_guidance else None)
+        return velocity(x, timestep.to(dtype), None)            # ComfyUI's model call does not give the next sigma
 
 
 def refuse_unsupported(control, transformer_options: dict, extra: dict) -> None:

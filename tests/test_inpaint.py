@@ -121,7 +121,7 @@ def fields(seed=0):
     return source, noise, mask
 
 
-def model(x, t):
+def model(x, t, t_next=None):
     """Any velocity that depends on x and t, so a wrong blend shows."""
     return torch.tanh(x) * (1 + t.view(-1, 1, 1, 1)) - 0.3
 
@@ -148,7 +148,7 @@ def test_before_model_is_comfyuis_loop():
     source, noise, mask = fields(1)
     x = add_noise(source, noise, SIGMAS[0])
     seen = []
-    out = euler(lambda x, t: (seen.append(x), model(x, t))[1], x, SIGMAS,
+    out = euler(lambda x, t, t_next: (seen.append(x), model(x, t, t_next))[1], x, SIGMAS,
                 inpaint=Inpaint(source, noise, mask, BEFORE_MODEL))
     expected = x
     for i, (sigma, sigma_next) in enumerate(itertools.pairwise(SIGMAS)):

@@ -66,15 +66,15 @@ def test_euler_on_a_straight_path():
     seen = []
     sigmas = [1.0, 0.9, 0.5, 0.2, 0.0]
 
-    def velocity(x, t):
-        assert t.shape == (2,) and t.dtype == x.dtype
-        seen.append(t[0].item())
+    def velocity(x, t, t_next):
+        assert t.shape == t_next.shape == (2,) and t.dtype == t_next.dtype == x.dtype
+        seen.append((t[0].item(), t_next[0].item()))
         return noise - x0
 
     steps = []
     out = euler(velocity, noise, sigmas, callback=steps.append)
     torch.testing.assert_close(out, x0, rtol=0, atol=1e-6)
-    assert seen == pytest.approx(sigmas[:-1])
+    assert seen == [pytest.approx(pair) for pair in itertools.pairwise(sigmas)]
     assert [(s.index, s.total, s.sigma, s.sigma_next) for s in steps] == [
         (i, 4, a, b) for i, (a, b) in enumerate(itertools.pairwise(sigmas))]
     for s in steps:
@@ -88,7 +88,7 @@ def test_euler_bf16_follows_the_reference_rounding():
     x = torch.randn(1, 128, 2, 2, generator=torch.Generator().manual_seed(1)).bfloat16()
     seen = []
     v = torch.full_like(x, 0.3)
-    out = euler(lambda x, t: (seen.append(t.clone()), v)[1], x, sigmas)
+    out = euler(lambda x, t, t_next: (seen.append(t.clone()), v)[1], x, sigmas)
     assert [(1000 * t).item() for t in seen] == [1000, 968, 908, 764]    # bfl-flux2-klein.md 1.3
     assert all(t.dtype == torch.bfloat16 for t in seen)
     expected = x
@@ -108,7 +108,7 @@ def test_callback_can_interrupt():
 
     calls = []
     with pytest.raises(Stop):
-        euler(lambda x, t: (calls.append(1), x)[1], torch.zeros(1, 128, 1, 1), [1.0, 0.5, 0.2, 0.0], stop_at_2)
+        euler(lambda x, t, t_next: (calls.append(1), x)[1], torch.zeros(1, 128, 1, 1), [1.0, 0.5, 0.2, 0.0], stop_at_2)
     assert len(calls) == 2
 
 

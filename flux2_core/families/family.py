@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from torch import nn
+from torch import Tensor, nn
 
 from ..models.layers import Layers
 from ..variants import Variant
@@ -40,6 +40,10 @@ class Family:
     build: Callable[[object, Layers], nn.Module]    # (params, layers) -> the transformer (the model protocol)
     quantizable: Callable[[str], bool]              # the linears a quantized storage may hold (by module name)
     variant_for: Callable[[object, str], Variant]   # (params, a name hint) -> the registered or a custom variant
+    # (model, txt [n, L, C], h, w, *, ref, ref_ids, ref_kv, guidance) -> velocity(x [n, C, h, w], t [n], t_next [n]
+    # or None where the sampler does not say): how the model sees a latent batch and one conditioning, and its answer
+    # back on the latent grid; the samplers around it (Euler, CFG, inpainting, ComfyUI's) are the same for every family
+    condition: Callable[..., Callable[[Tensor, Tensor, Tensor | None], Tensor]]
 
     def recognizes(self, has: Callable[[str], bool]) -> bool:
         return has(self.marker)

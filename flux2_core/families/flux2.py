@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from torch import Tensor
+
 from ..errors import Flux2Error
+from ..models import rope
 from ..models.layers import Layers
-from ..models.transformer import Flux2Transformer
+from ..models.transformer import Flux2Transformer, ReferenceKV
 from ..variants import TransformerParams, variant_for_params
 from .family import Family, ShapeReader
 
@@ -41,5 +46,25 @@ def build(params: TransformerParams, layers: Layers) -> Flux2Transformer:
     return Flux2Transformer(params, layers)
 
 
+def condition(model: Flux2Transformer, txt: Tensor, h: int, w: int, *, ref: Tensor | None = None,
+              ref_ids: Tensor | None = None, ref_kv: ReferenceKV | None = None,
+              guidance: Tensor | None = None) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
+    """The model's velocity on the latent grid for one conditioning: txt [n, L, C] at ids (0, 0, 0, l); the latent
+    [n, 128, h, w] packed to h*w tokens at (0, row, col, 0); references joined after the image (``ref`` [1 or n, Lref,
+    128] at ``ref_ids``) or attended through their cached K/V (``ref_kv``); FLUX.2-dev's ``guidance`` [n]. FLUX.2
+    reads the current time alone (``t_next`` is not used)."""
+    ids: dict[int, tuple[Tensor, Tensor]] = {}          # by batch: (image ids, text ids), made once
+
+    def velocity(x: Tensor, t: Tensor, t_next: Tensor | None) -> Tensor:
+        n = x.shape[0]
+        if n not in ids:
+            ids[n] = rope.image_ids(n, h, w, device=x.device), rope.text_ids(n, txt.shape[1], device=x.device)
+        img_ids, txt_ids = ids[n]
+        v = model(rope.pack(x), img_ids, t, txt, txt_ids, guidance=guidance, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv)
+        return rope.unpack(v, h, w)                                          # [n, h*w, 128] -> [n, 128, h, w]
+    return velocity
+
+
 FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", marker="double_stream_modulation_img.lin.weight",
-               read_params=read_params, build=build, quantizable=quantizable, variant_for=variant_for_params)
+               read_params=read_params, build=build, quantizable=quantizable, variant_for=variant_for_params,
+               condition=condition)

@@ -1,5 +1,6 @@
-"""Noise and the Euler sampler: one loop (``euler``) over a velocity function, which ``denoise`` builds for every
-FLUX.2 case (distilled, CFG, joint or KV references, FLUX.2-dev's guidance embedding, inpainting).
+"""Noise and the Euler sampler: one loop (``euler``) over a velocity function, which ``denoise`` builds for every case
+(distilled, CFG, joint or KV references, FLUX.2-dev's guidance embedding, inpainting) around the model's velocity on
+the latent grid, as its family's ``condition`` gives it.
 
 Dtypes follow the reference: the latent is in the compute dtype, the model sees the sigma rounded to it, and each
 step ``x + (sigma_next - sigma) * v`` runs in it with the step size from the float32 schedule (in float32 this is
@@ -19,8 +20,8 @@ from torch import Tensor
 
 from .. import checks
 from ..errors import Flux2Error
+from ..families import family_of_params
 from ..latents import LATENT_CHANNELS, latent_size
-from ..models import rope
 from ..models.transformer import ReferenceKV
 from ..runtime import memory
 
@@ -74,7 +75,9 @@ class Step:
     denoised: Tensor      # the model's clean-latent estimate at this step, x_start - sigma * v (for previews)
 
 
-Velocity = Callable[[Tensor, Tensor], Tensor]   # (x [B, 128, h, w], t [B] in x's dtype) -> v like x
+# (x [B, 128, h, w], t [B], t_next [B], both in x's dtype) -> v like x: the time the step goes to is given too, as a
+# distilled flow-map model needs it (FLUX.2 reads t alone)
+Velocity = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 class Inpaint(Protocol):
@@ -82,7 +85,7 @@ class Inpaint(Protocol):
 
     def to(self, device, dtype) -> Inpaint: ...
 
-    def velocity(self, velocity: Velocity, x: Tensor, t: Tensor, sigma: float) -> Tensor: ...
+    def velocity(self, velocity: Velocity, x: Tensor, t: Tensor, t_next: Tensor, sigma: float) -> Tensor: ...
 
     def after_step(self, x: Tensor, sigma_next: float) -> Tensor: ...
 
@@ -92,8 +95,8 @@ def euler(velocity: Velocity, x: Tensor, sigmas: list[float], callback: Callable
     """x [B, 128, h, w] in the compute dtype. ``callback(Step)`` may raise to interrupt."""
     total = len(sigmas) - 1
     for i, (sigma, sigma_next) in enumerate(itertools.pairwise(sigmas)):
-        t = torch.full((x.shape[0],), sigma, dtype=x.dtype, device=x.device)
-        v = velocity(x, t) if inpaint is None else inpaint.velocity(velocity, x, t, sigma)
+        t, t_next = (torch.full((x.shape[0],), s, dtype=x.dtype, device=x.device) for s in (sigma, sigma_next))
+        v = velocity(x, t, t_next) if inpaint is None else inpaint.velocity(velocity, x, t, t_next, sigma)
         x_next = x + (sigma_next - sigma) * v
         if inpaint is not None:
             x_next = inpaint.after_step(x_next, sigma_next)
@@ -185,19 +188,17 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
 
     prompts = [txt] if negative_txt is None else [negative_txt, txt]
     txt = torch.cat([p.expand(batch, *p.shape[1:]) for p in prompts]).to(device, dtype)   # [n, Ltxt, C]
-    txt_ids = rope.text_ids(n, txt.shape[1], device=device)
-    img_ids = rope.image_ids(n, h, w, device=device)
     guidance_vec = None if guidance is None else torch.full((n,), guidance, dtype=x.dtype, device=device)
+    model_velocity = family_of_params(model.params).condition(model, txt, h, w, ref=ref, ref_ids=ref_ids,
+                                                              ref_kv=ref_kv, guidance=guidance_vec)
 
-    def velocity(x: Tensor, t: Tensor) -> Tensor:
-        img = rope.pack(x.to(dtype)).repeat(sides, 1, 1)                    # [n, h*w, 128]
-        v = model(img, img_ids, t.repeat(sides), txt, txt_ids, guidance=guidance_vec,
-                  ref=ref, ref_ids=ref_ids, ref_kv=ref_kv)                   # [n, h*w, 128]
-        v = v.to(x.dtype)
+    def velocity(x: Tensor, t: Tensor, t_next: Tensor) -> Tensor:
+        v = model_velocity(x.to(dtype).repeat(sides, 1, 1, 1), t.repeat(sides), t_next.repeat(sides))
+        v = v.to(x.dtype)                                                    # [n, 128, h, w]
         if sides == 2:
             v_neg, v_pos = v.chunk(2)
             v = v_neg + cfg * (v_pos - v_neg)
-        return rope.unpack(v, h, w)
+        return v
 
     if inpaint is not None:
         inpaint = inpaint.to(device, x.dtype)

@@ -194,12 +194,12 @@ class Inpaint:
     def keep(self, x: Tensor, sigma: float) -> Tensor:
         return self.mask * x + (1 - self.mask) * add_noise(self.source, self.noise, sigma)
 
-    def velocity(self, velocity: Velocity, x: Tensor, t: Tensor, sigma: float) -> Tensor:
+    def velocity(self, velocity: Velocity, x: Tensor, t: Tensor, t_next: Tensor, sigma: float) -> Tensor:
         """BEFORE_MODEL: the model's clean estimate clamped to the source, as a velocity from x."""
         if self.blend == AFTER_STEP:
-            return velocity(x, t)
+            return velocity(x, t, t_next)
         x_in = self.keep(x, sigma)
-        clean = self.mask * (x_in - sigma * velocity(x_in, t)) + (1 - self.mask) * self.source
+        clean = self.mask * (x_in - sigma * velocity(x_in, t, t_next)) + (1 - self.mask) * self.source
         return (x - clean) / sigma
 
     def after_step(self, x: Tensor, sigma_next: float) -> Tensor:
