@@ -31,6 +31,17 @@ class ShapeReader(Protocol):
 
 
 @dataclass(frozen=True)
+class MemoryInputs:
+    """What ``runtime.memory`` needs to know of an architecture to estimate a denoise (its formulas are the same for
+    every family)."""
+
+    peak_values: int          # values per token alive at the peak of one block's call
+    table_bytes: int          # float32 bytes per token of the RoPE table (or other per-token tables) at that peak
+    hidden: int               # the token width: sequence parallelism splits it by heads over the ranks
+    kv_layers: int            # the blocks that keep a reference's K/V (each K and V [tokens, hidden])
+
+
+@dataclass(frozen=True)
 class Family:
     name: str                                       # the registry key, and ``Variant.family`` of its variants
     params_type: type                               # its architecture's parameters (a frozen dataclass)
@@ -44,6 +55,7 @@ class Family:
     # or None where the sampler does not say): how the model sees a latent batch and one conditioning, and its answer
     # back on the latent grid; the samplers around it (Euler, CFG, inpainting, ComfyUI's) are the same for every family
     condition: Callable[..., Callable[[Tensor, Tensor, Tensor | None], Tensor]]
+    memory: Callable[[object], MemoryInputs]        # params -> the inputs of its memory estimate
 
     def recognizes(self, has: Callable[[str], bool]) -> bool:
         return has(self.marker)

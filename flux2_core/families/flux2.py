@@ -12,7 +12,7 @@ from ..models import rope
 from ..models.layers import Layers
 from ..models.transformer import Flux2Transformer, ReferenceKV
 from ..variants import TransformerParams, variant_for_params
-from .family import Family, ShapeReader
+from .family import Family, MemoryInputs, ShapeReader
 
 # the blocks and the shared modulations: over 95% of the weights; the embedders and the final layer stay float (they
 # are small, and the model reads nothing from them)
@@ -65,6 +65,16 @@ def condition(model: Flux2Transformer, txt: Tensor, h: int, w: int, *, ref: Tens
     return velocity
 
 
+def memory(params: TransformerParams) -> MemoryInputs:
+    """The peak is inside one single block: per token, with H hidden and M = mlp_ratio·H, linear1's output 3H + 2M,
+    the concat H + M, the SwiGLU M, about 8 H-wide tensors, and the float32 RoPE table [head_dim/2, 2]. For Klein
+    24 H-wide values per token, 23.5 measured on CPU (tests/test_pipeline.py). Every double and single block keeps a
+    reference's K/V in the KV edition."""
+    h, m = params.hidden_size, params.mlp_hidden
+    return MemoryInputs(peak_values=(3 * h + 2 * m) + (h + m) + m + 8 * h, table_bytes=params.head_dim * 4, hidden=h,
+                        kv_layers=params.depth + params.depth_single_blocks)
+
+
 FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", marker="double_stream_modulation_img.lin.weight",
                read_params=read_params, build=build, quantizable=quantizable, variant_for=variant_for_params,
-               condition=condition)
+               condition=condition, memory=memory)

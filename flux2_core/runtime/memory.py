@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from ..errors import Flux2Error
+from ..families import family_of_params
 from ..latents import latent_size
 from ..models.autoencoder import MIN_TILE
 from ..models.parallel import world_of
 from ..storage.protocol import call_bytes
-from ..variants import TransformerParams, Variant
+from ..variants import Variant
 
 GIB = 1 << 30
 STREAM_MARGIN = 512 << 20     # bytes kept free beside streamed weights and activations (fragmentation, workspaces)
@@ -55,22 +56,22 @@ def module_bytes(module: nn.Module) -> int:
 
 # --- the transformer ----------------------------------------------------------------------------------------------
 
-def denoise_memory(params: TransformerParams, tokens: int, batch: int, dtype: torch.dtype, ranks: int = 1) -> int:
-    """Peak activation bytes per item of the model batch (CFG doubles it); with ``ranks`` > 1 one rank's."""
-    # The peak is inside one single block: per token, with H hidden and M = mlp_ratio·H, linear1's output 3H + 2M,
-    # the concat H + M, the SwiGLU M, about 8 H-wide tensors, and the float32 RoPE table [head_dim/2, 2]. For Klein
-    # 24 H-wide values per token, 23.5 measured on CPU (tests/test_pipeline.py). A rank holds at most
-    # tokens / ranks + 1 tokens plus 8 heads-layout tensors [L, H / ranks], an upper bound (tests/test_parallel.py).
-    h, m = params.hidden_size, params.mlp_hidden
-    values = (3 * h + 2 * m) + (h + m) + m + 8 * h
+def denoise_memory(params, tokens: int, batch: int, dtype: torch.dtype, ranks: int = 1) -> int:
+    """Peak activation bytes per item of the model batch (CFG doubles it); with ``ranks`` > 1 one rank's. The
+    architecture's part comes from its family (``Family.memory``: the values alive per token at the peak)."""
+    # A rank holds at most tokens / ranks + 1 tokens plus 8 heads-layout tensors [L, H / ranks], an upper bound
+    # (tests/test_parallel.py).
+    arch = family_of_params(params).memory(params)
     local = tokens if ranks == 1 else -(-tokens // ranks) + 1
-    heads_layout = 0 if ranks == 1 else 8 * tokens * (h // ranks) * dtype.itemsize
-    return batch * (local * (values * dtype.itemsize + params.head_dim * 4) + heads_layout)
+    heads_layout = 0 if ranks == 1 else 8 * tokens * (arch.hidden // ranks) * dtype.itemsize
+    return batch * (local * (arch.peak_values * dtype.itemsize + arch.table_bytes) + heads_layout)
 
 
-def reference_kv_bytes(params: TransformerParams, tokens: int, dtype: torch.dtype, ranks: int = 1) -> int:
-    """Klein 9B, bf16: 2 GiB for one 1024^2 reference; each rank keeps heads / ranks of them."""
-    return 2 * (params.depth + params.depth_single_blocks) * tokens * (params.hidden_size // ranks) * dtype.itemsize
+def reference_kv_bytes(params, tokens: int, dtype: torch.dtype, ranks: int = 1) -> int:
+    """Each block's K and V of the reference tokens (Klein 9B, bf16: 2 GiB for one 1024^2 reference); each rank
+    keeps heads / ranks of them."""
+    arch = family_of_params(params).memory(params)
+    return 2 * arch.kv_layers * tokens * (arch.hidden // ranks) * dtype.itemsize
 
 
 def working_memory(variant: Variant, size: tuple[int, int], dtype: torch.dtype) -> int:
