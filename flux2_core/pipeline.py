@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .devices import compute_dtype
 from .errors import Flux2Error
-from .families import family_of_params
+from .families import family_of, family_of_params
 from .latents import LATENT_CHANNELS, latent_size
 from .models.autoencoder import AutoEncoder
 from .models.run_state import run_state
@@ -44,7 +44,7 @@ from .sampling.references import (
     reference_latents,
     reference_tokens,
 )
-from .sampling.schedules import check_strength, flux2_schedule
+from .sampling.schedules import check_strength, named_schedule
 from .storage.int8 import quantize_blocks
 from .storage.matmul import choose_matmuls
 from .storage.protocol import call_bytes
@@ -280,7 +280,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     width, height = output_size(width, height, [im for im in [init, *refs] if im is not None])
     h, w = latent_size(height, width)
     if sigmas is None:
-        sigmas = flux2_schedule(variant.default_steps if steps is None else steps, h * w)
+        sigmas = named_schedule(family_of(variant).schedule, variant.default_steps if steps is None else steps, h * w)
     plan = plan_denoise(variant, sigmas, variant.default_cfg if cfg is None else cfg, strength=strength,
                         image=init is not None, references=bool(refs) or masked)
     sigmas, rule = plan.sigmas, plan.guidance

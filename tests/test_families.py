@@ -1,6 +1,7 @@
 """The registry of model families (flux2_core/families/): what each family record answers, checked against the
 FLUX.2 model it describes and against values worked out by hand."""
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -64,3 +65,71 @@ def test_memory_inputs_by_hand():
     assert (arch.peak_values, arch.table_bytes, arch.hidden, arch.kv_layers) == (24 * 3072, 128 * 4, 3072, 25)
     assert memory.reference_kv_bytes(KLEIN_9B, 4096, torch.bfloat16) == 2 * 2**30
     assert memory.denoise_memory(KLEIN_4B, 1000, 2, torch.bfloat16) == 2 * 1000 * (24 * 3072 * 2 + 512)
+
+
+# --- a second family through the engine (tests/toy_family.py: its registry entry and its model only) ---------------
+
+@pytest.fixture
+def toy(monkeypatch):
+    from tests.toy_family import TOY
+
+    monkeypatch.setitem(families.FAMILIES, TOY.name, TOY)
+    return TOY
+
+
+def toy_models(toy):
+    """The toy transformer beside the demo's autoencoder and Qwen3 (prompt embeddings 96 wide)."""
+    from flux2_core.app.demo import demo_models
+    from flux2_core.pipeline import Models
+    from tests.toy_family import ToyModel, ToyParams
+
+    demo = demo_models("klein-base-4b")
+    model = ToyModel(ToyParams())
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+    return Models(model.eval(), toy.variant_for(model.params, ""), demo.autoencoder, demo.prompt_encoder)
+
+
+def euler_by_hand(model, embeds, noise, sigmas, cfg):
+    """The Euler loop with CFG written out: x += (s' - s) (v_neg + cfg (v_pos - v_neg)), the toy model called alone."""
+    x = noise
+    for s, s_next in itertools.pairwise(sigmas):
+        t = torch.full((x.shape[0],), s)
+        v_pos, v_neg = model(x, t, embeds[:1]), model(x, t, embeds[1:])
+        x = x + (s_next - s) * (v_neg + cfg * (v_pos - v_neg))
+    return x
+
+
+@pytest.mark.parametrize("storage", ["float", "int8"])
+def test_a_second_family_runs_through_generate(toy, storage):
+    """generate with a model of another family: its schedule, CFG (the toy is not guidance-distilled), the memory
+    estimate from its entry and, with int8, the storage its ``quantizable`` picks; the latents equal the Euler loop
+    written out by hand around the toy model."""
+    from flux2_core import pipeline
+    from flux2_core.sampling.euler import make_noise
+    from flux2_core.sampling.schedules import flux2_schedule
+    from flux2_core.storage.protocol import census
+
+    models = toy_models(toy)
+    if storage == "int8":
+        pipeline.optimize_transformer(models, int8=True)
+        assert census(models.transformer).get("int8") == 1           # toy_out alone
+    result = pipeline.generate(models, "a red fox", negative="", cfg=3.0, width=64, height=48, seed=5, steps=3)
+    embeds = models.prompt_encoder.encode(["a red fox", ""]).embeds
+    sigmas = flux2_schedule(3, 4 * 3)
+    expected = euler_by_hand(models.transformer, embeds, make_noise(1, 48, 64, 5), sigmas, 3.0)
+    torch.testing.assert_close(result.latents, expected, rtol=1e-5, atol=1e-5)
+    assert result.settings["steps"] == 3 and result.settings["variant"] == "toy"
+    assert result.images.shape == (1, 48, 64, 3)
+
+
+def test_a_second_family_refuses_what_it_cannot_take(toy):
+    from PIL import Image
+
+    from flux2_core import pipeline
+
+    with pytest.raises(Flux2Error, match="the toy model takes no references"):
+        pipeline.generate(toy_models(toy), "a red fox", references=[Image.new("RGB", (64, 64))], width=64, height=64,
+                          steps=2)

@@ -22,11 +22,11 @@ from ..errors import Flux2Error
 from ..models.layers import Layers
 from ..storage.protocol import stored_linears
 from ..variants import Variant
-from .family import Family, MemoryInputs, ShapeReader
+from .family import Family, MemoryInputs, ModelParams, ShapeReader
 from .flux2 import FLUX2
 
-__all__ = ["FAMILIES", "Family", "MemoryInputs", "ShapeReader", "detect", "family_of", "family_of_params", "get_family",
-           "linear_shapes"]
+__all__ = ["FAMILIES", "Family", "MemoryInputs", "ModelParams", "ShapeReader", "detect", "family_of",
+           "family_of_params", "get_family", "linear_shapes"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (FLUX2,)}
 

@@ -13,6 +13,13 @@ from ..models.layers import Layers
 from ..variants import Variant
 
 
+class ModelParams(Protocol):
+    """What the code around a model reads of any family's parameters (the rest is the family's own)."""
+
+    context_in_dim: int          # the width of the prompt embeddings the model takes
+    use_guidance_embed: bool     # a guidance-embedding model: the guidance scale is an input, not CFG
+
+
 class ShapeReader(Protocol):
     """What a family reads its parameters from: a file's tensors by our names (the loader's ``Source``)."""
 
@@ -56,6 +63,7 @@ class Family:
     # back on the latent grid; the samplers around it (Euler, CFG, inpainting, ComfyUI's) are the same for every family
     condition: Callable[..., Callable[[Tensor, Tensor, Tensor | None], Tensor]]
     memory: Callable[[object], MemoryInputs]        # params -> the inputs of its memory estimate
+    schedule: str                                   # its default sigmas: a name ``schedules.named_schedule`` knows
 
     def recognizes(self, has: Callable[[str], bool]) -> bool:
         return has(self.marker)

@@ -77,4 +77,4 @@ def memory(params: TransformerParams) -> MemoryInputs:
 
 FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", marker="double_stream_modulation_img.lin.weight",
                read_params=read_params, build=build, quantizable=quantizable, variant_for=variant_for_params,
-               condition=condition, memory=memory)
+               condition=condition, memory=memory, schedule="flux2")
