@@ -133,3 +133,25 @@ def test_a_second_family_refuses_what_it_cannot_take(toy):
     with pytest.raises(Flux2Error, match="the toy model takes no references"):
         pipeline.generate(toy_models(toy), "a red fox", references=[Image.new("RGB", (64, 64))], width=64, height=64,
                           steps=2)
+
+
+def test_a_second_familys_file_loads_by_its_entry_and_is_refused_without_it(toy, tmp_path, monkeypatch):
+    """The loader reads a toy file through the toy's layout, parameters and build, with int8 where its ``quantizable``
+    says; without the toy's entry the same file is refused, naming what to pass."""
+    from safetensors.torch import save_file
+
+    from flux2_core.storage.protocol import census
+    from tests.toy_family import ToyModel, ToyParams
+
+    params = ToyParams(hidden=12)
+    state = {k: torch.randn(v.shape) for k, v in ToyModel(params).state_dict().items()}
+    path = tmp_path / "toy.safetensors"
+    save_file({"model.diffusion_model." + k: v for k, v in state.items()}, str(path))    # behind ComfyUI's prefix
+    model, variant = weights.load_transformer(path, "cpu", torch.float32, int8=True)
+    assert isinstance(model, ToyModel) and model.params == params and variant.family == "toy"
+    assert census(model) == {"float": 2, "int8": 1}
+    assert torch.equal(model.toy_in.weight, state["toy_in.weight"])
+    monkeypatch.delitem(families.FAMILIES, toy.name)
+    with pytest.raises(Flux2Error, match=r"toy.safetensors is not a FLUX.2 transformer: .*Pass a FLUX.2 diffusion "
+                                         r"model: flux-2-klein-\*.safetensors"):
+        weights.load_transformer(path, "cpu", torch.float32)

@@ -12,7 +12,7 @@ CORE = ROOT / "flux2_core"
 
 # lowest first; a top-level file is its own layer: the base modules, then pipeline.py (the public API)
 LAYERS = [
-    {"errors"}, {"variants", "checks", "latents", "digests", "kitchen", "devices"}, {"storage"}, {"models"}, {"families"}, {"weights"},
+    {"errors"}, {"variants", "checks", "latents", "digests", "kitchen", "devices", "key_tables"}, {"storage"}, {"models"}, {"families"}, {"weights"},
     {"adapters"}, {"runtime"}, {"sampling"}, {"pipeline"}, {"app", "__main__", "__init__"},
 ]
 
@@ -98,7 +98,7 @@ FLUX2_NAMES = re.compile(r"\b(img_in|txt_in|time_in|guidance_in|double_blocks|si
                          r"|single_stream_modulation|final_layer)\b")
 FLUX2_HOME = {"flux2_core/models/transformer.py", "flux2_core/families/flux2.py"}
 # FLUX.2's key maps (its file layouts, its adapters' names), still to move into its family entry: this set only shrinks
-FLUX2_NOT_MOVED_YET = {"flux2_core/weights/key_mapping.py", "flux2_core/adapters/formats.py"}
+FLUX2_NOT_MOVED_YET = {"flux2_core/adapters/formats.py"}
 
 
 def test_flux2_module_names_stay_in_the_flux2_model_and_its_family_entry():

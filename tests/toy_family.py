@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from flux2_core.errors import Flux2Error
 from flux2_core.families import Family, MemoryInputs
+from flux2_core.key_tables import Layout, same_names
 from flux2_core.models.layers import Layers
 from flux2_core.variants import TextEncoderSpec, Variant
 
@@ -71,7 +72,9 @@ def variant_for(params: ToyParams, hint: str) -> Variant:
                    default_cfg=1.0, guidance_distilled=False, title="Toy", family="toy")
 
 
-TOY = Family(name="toy", params_type=ToyParams, title="Toy", marker="toy_in.weight", read_params=read_params,
+TOY = Family(name="toy", params_type=ToyParams, title="Toy", marker="toy_in.weight",
+             layouts=(Layout("toy", "toy_in.weight", same_names),), lookalikes=(), gguf_archs=(),
+             files_hint="toy.safetensors", read_params=read_params,
              build=ToyModel, quantizable=lambda name: name == "toy_out", variant_for=variant_for,
              condition=condition,
              memory=lambda p: MemoryInputs(peak_values=3 * p.hidden, table_bytes=0, hidden=p.hidden, kv_layers=0),

@@ -10,7 +10,7 @@ A key is ``<prefix><module path><suffix>``: the suffix gives the tensor's role (
     lora_te_model_layers_0_self_attn_q_proj.lora_down.weight          text encoder (Qwen3), kept apart
 
 A diffusers module that is part of a fused weight is a row slice of it (``to_q``/``to_k``/``to_v``: rows [0,H),
-[H,2H), [2H,3H) of ``img_attn.qkv``), by ``key_mapping.TRANSFORMER_FROM_DIFFUSERS``, the weight loader's table.
+[H,2H), [2H,3H) of ``img_attn.qkv``), by ``families.flux2.FROM_DIFFUSERS``, the weight loader's table.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from ..errors import Flux2Error
 from ..families import linear_shapes
+from ..families.flux2 import FROM_DIFFUSERS, SWAPPED_FROM_DIFFUSERS
+from ..key_tables import table_recipes
 from ..variants import TransformerParams
-from ..weights.key_mapping import SWAPPED_FROM_DIFFUSERS, TRANSFORMER_FROM_DIFFUSERS, table_recipes
 
 # file suffix -> role; the longest matching suffix wins (".lora_A.default.weight" before ".weight" forms)
 SUFFIXES = {
@@ -102,7 +103,7 @@ FUSED_DIFFUSERS = {("to_q", "to_k", "to_v"): "to_qkv", ("add_q_proj", "add_k_pro
 def transformer_names(params: TransformerParams) -> tuple[dict[str, Target], dict[str, Target]]:
     """(dotted names, underscore names) -> Target, for BFL and diffusers module paths of this model."""
     dotted: dict[str, Target] = {}
-    recipe = table_recipes(TRANSFORMER_FROM_DIFFUSERS, SWAPPED_FROM_DIFFUSERS)
+    recipe = table_recipes(FROM_DIFFUSERS, SWAPPED_FROM_DIFFUSERS)
     for module, shape in linear_shapes(params).items():
         swapped, group = module + ".weight" in SWAPPED_FROM_DIFFUSERS, _group(module)
         dotted[module] = Target(module, shape, group=group)

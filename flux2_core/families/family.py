@@ -9,6 +9,7 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
+from ..key_tables import Layout
 from ..models.layers import Layers
 from ..variants import Variant
 
@@ -54,6 +55,10 @@ class Family:
     params_type: type                               # its architecture's parameters (a frozen dataclass)
     title: str                                      # what messages call it: "FLUX.2"
     marker: str                                     # a key (our names) that only this family's transformer files hold
+    layouts: tuple[Layout, ...]                     # the namings of its transformer files (key_tables.Layout)
+    lookalikes: tuple[tuple[str, str], ...]         # (a key, what the file is): files often taken for this family's
+    gguf_archs: tuple[str, ...]                     # the general.architecture values of its GGUF transformer files
+    files_hint: str                                 # the files to pass, for messages
     read_params: Callable[[ShapeReader], object]    # the architecture from a file's shapes
     build: Callable[[object, Layers], nn.Module]    # (params, layers) -> the transformer (the model protocol)
     quantizable: Callable[[str], bool]              # the linears a quantized storage may hold (by module name)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from ..errors import Flux2Error
+from ..key_tables import Layout, same_names, table_recipes
 from ..models import rope
 from ..models.layers import Layers
 from ..models.transformer import Flux2Transformer, ReferenceKV
@@ -46,6 +47,51 @@ def build(params: TransformerParams, layers: Layers) -> Flux2Transformer:
     return Flux2Transformer(params, layers)
 
 
+# our (BFL's) keys <- diffusers' (a tuple of sources is concatenated along dim 0: diffusers splits q, k, v)
+FROM_DIFFUSERS = [
+    ("img_in.weight", "x_embedder.weight"),
+    ("txt_in.weight", "context_embedder.weight"),
+    ("time_in.in_layer.weight", "time_guidance_embed.timestep_embedder.linear_1.weight"),
+    ("time_in.out_layer.weight", "time_guidance_embed.timestep_embedder.linear_2.weight"),
+    ("guidance_in.in_layer.weight", "time_guidance_embed.guidance_embedder.linear_1.weight"),
+    ("guidance_in.out_layer.weight", "time_guidance_embed.guidance_embedder.linear_2.weight"),
+    ("double_stream_modulation_img.lin.weight", "double_stream_modulation_img.linear.weight"),
+    ("double_stream_modulation_txt.lin.weight", "double_stream_modulation_txt.linear.weight"),
+    ("single_stream_modulation.lin.weight", "single_stream_modulation.linear.weight"),
+    ("double_blocks.{i}.img_attn.qkv.weight", ("transformer_blocks.{i}.attn.to_q.weight",
+                                               "transformer_blocks.{i}.attn.to_k.weight",
+                                               "transformer_blocks.{i}.attn.to_v.weight")),
+    ("double_blocks.{i}.txt_attn.qkv.weight", ("transformer_blocks.{i}.attn.add_q_proj.weight",
+                                               "transformer_blocks.{i}.attn.add_k_proj.weight",
+                                               "transformer_blocks.{i}.attn.add_v_proj.weight")),
+    ("double_blocks.{i}.img_attn.norm.query_norm.scale", "transformer_blocks.{i}.attn.norm_q.weight"),
+    ("double_blocks.{i}.img_attn.norm.key_norm.scale", "transformer_blocks.{i}.attn.norm_k.weight"),
+    ("double_blocks.{i}.txt_attn.norm.query_norm.scale", "transformer_blocks.{i}.attn.norm_added_q.weight"),
+    ("double_blocks.{i}.txt_attn.norm.key_norm.scale", "transformer_blocks.{i}.attn.norm_added_k.weight"),
+    ("double_blocks.{i}.img_attn.proj.weight", "transformer_blocks.{i}.attn.to_out.0.weight"),
+    ("double_blocks.{i}.txt_attn.proj.weight", "transformer_blocks.{i}.attn.to_add_out.weight"),
+    ("double_blocks.{i}.img_mlp.0.weight", "transformer_blocks.{i}.ff.linear_in.weight"),
+    ("double_blocks.{i}.img_mlp.2.weight", "transformer_blocks.{i}.ff.linear_out.weight"),
+    ("double_blocks.{i}.txt_mlp.0.weight", "transformer_blocks.{i}.ff_context.linear_in.weight"),
+    ("double_blocks.{i}.txt_mlp.2.weight", "transformer_blocks.{i}.ff_context.linear_out.weight"),
+    ("single_blocks.{i}.linear1.weight", "single_transformer_blocks.{i}.attn.to_qkv_mlp_proj.weight"),
+    ("single_blocks.{i}.linear2.weight", "single_transformer_blocks.{i}.attn.to_out.weight"),
+    ("single_blocks.{i}.norm.query_norm.scale", "single_transformer_blocks.{i}.attn.norm_q.weight"),
+    ("single_blocks.{i}.norm.key_norm.scale", "single_transformer_blocks.{i}.attn.norm_k.weight"),
+    ("final_layer.linear.weight", "proj_out.weight"),
+    ("final_layer.adaLN_modulation.1.weight", "norm_out.linear.weight"),      # halves swapped
+]
+SWAPPED_FROM_DIFFUSERS = {"final_layer.adaLN_modulation.1.weight"}
+
+# BFL's names (its single files, ComfyUI's behind their prefix, GGUFs) and diffusers' transformer/ folders
+LAYOUTS = (Layout("BFL", "double_stream_modulation_img.lin.weight", same_names),
+           Layout("diffusers", "double_stream_modulation_img.linear.weight",
+                  lambda keys: table_recipes(FROM_DIFFUSERS, SWAPPED_FROM_DIFFUSERS)))
+# files users take for a FLUX.2 Klein transformer: a key only they hold, and what to tell them
+FLUX1 = "a FLUX.1 transformer; FLUX.2 Klein needs its own flux-2-klein-*.safetensors"
+LOOKALIKES = (("double_blocks.0.img_mod.lin.weight", FLUX1), ("transformer_blocks.0.norm1.linear.weight", FLUX1))
+
+
 def condition(model: Flux2Transformer, txt: Tensor, h: int, w: int, *, ref: Tensor | None = None,
               ref_ids: Tensor | None = None, ref_kv: ReferenceKV | None = None,
               guidance: Tensor | None = None) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
@@ -75,6 +121,9 @@ def memory(params: TransformerParams) -> MemoryInputs:
                         kv_layers=params.depth + params.depth_single_blocks)
 
 
-FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", marker="double_stream_modulation_img.lin.weight",
+FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", marker=LAYOUTS[0].signature,
+               layouts=LAYOUTS, lookalikes=LOOKALIKES, gguf_archs=("flux", ""),
+               files_hint="flux-2-klein-*.safetensors or .gguf (ComfyUI models/diffusion_models) or a diffusers "
+                          "transformer/ folder",
                read_params=read_params, build=build, quantizable=quantizable, variant_for=variant_for_params,
                condition=condition, memory=memory, schedule="flux2")

@@ -23,6 +23,7 @@ from .. import families
 from ..devices import SIXTEEN_BIT, compute_dtype, kept_dtype
 from ..errors import Flux2Error
 from ..families import Family
+from ..key_tables import Layout, Recipe, same_names, table_names, table_recipes
 from ..models.autoencoder import AutoEncoder, WeightFiles
 from ..models.layers import Layers
 from ..models.qwen3 import Qwen3Params
@@ -43,20 +44,7 @@ from ..variants import (
 from .checkpoint import TORCH_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json, read_tensor
 from .dequantize import COMFY_FP8, comfy_formats, dequantize, dequantize_nvfp4
 from .gguf_file import architecture, describe_gguf
-from .key_mapping import (
-    AUTOENCODER_LAYOUTS,
-    OPTIONAL_KEYS,
-    QWEN3_FROM_LLAMA_CPP,
-    TRANSFORMER_LAYOUTS,
-    Layout,
-    Recipe,
-    describe,
-    find_layout,
-    qwen3_name,
-    same_names,
-    table_names,
-    table_recipes,
-)
+from .key_mapping import AUTOENCODER_LAYOUTS, OPTIONAL_KEYS, QWEN3_FROM_LLAMA_CPP, describe, find_layout, qwen3_name
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. reading our state dict: recipes -> tensors on the target device, dequantized, cast, shape-fitted
@@ -129,7 +117,6 @@ class Source:
 
 # GGUF architectures (``general.architecture``) each model can come in: Klein DiTs as ComfyUI-GGUF reads them ("flux";
 # "" for stable-diffusion.cpp's files, which have none), Qwen3 encoders as llama.cpp writes them
-GGUF_DIT_ARCHS = ("flux", "")
 GGUF_ENCODER_ARCHS = ("qwen3",)
 
 
@@ -410,8 +397,10 @@ class SourceShapes:
 
 
 def transformer_family(source: Source) -> Family:
-    """The family whose transformer the file holds (``families.detect``); else what it lacks to be one."""
-    family = families.detect(source.has)
+    """The family whose naming the file has (its layout), else whose keys it holds (``families.detect``); else what
+    it lacks to be one."""
+    family = next((f for f in families.FAMILIES.values() if source.layout in f.layouts), None) or \
+        families.detect(source.has)
     if family is None:
         markers = [s for f in families.FAMILIES.values() for s in source.recipe(f.marker).sources]
         raise Flux2Error(mismatch_message(source, markers, []))
@@ -516,9 +505,11 @@ def gguf_storage(source: Source, quantizable: Callable[[str], bool]) -> Callable
 
 
 def _transformer_source(path) -> Source:
-    return open_source(path, "transformer", TRANSFORMER_LAYOUTS, "a FLUX.2 transformer",
-                       "Pass a FLUX.2 diffusion model: flux-2-klein-*.safetensors or .gguf (ComfyUI "
-                       "models/diffusion_models) or a diffusers transformer/ folder.", GGUF_DIT_ARCHS)
+    known = families.FAMILIES.values()
+    titles = " or ".join(f.title for f in known)
+    return open_source(path, "transformer", [layout for f in known for layout in f.layouts], f"a {titles} transformer",
+                       f"Pass a {titles} diffusion model: {'; '.join(f.files_hint for f in known)}.",
+                       tuple(arch for f in known for arch in f.gguf_archs))
 
 
 def _transformer_spec(source: Source, params: TransformerParams | None,
