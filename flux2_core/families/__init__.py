@@ -1,9 +1,10 @@
 """The registry of model families: what differs between FLUX.2 and the families after it, one record each.
 
 A family is a transformer architecture with its file layouts, its text encoder and its variants; FLUX.2 (Klein 4B / 9B,
-base, 9B-KV, dev) is the first. The layers below the registry (weights, adapters, runtime, sampling, the nodes) ask a
-family record for what they must know of the model they hold — how to read its parameters from a file, how to build
-it, which of its linears a quantized storage may hold — and never test which family it is.
+base, 9B-KV, dev) is the first. The code around the model (weights, adapters, runtime, sampling, the nodes, all in the
+layers above this one) asks a family record what it must know of the model it holds — its files' namings, how to read
+its parameters and build it, which of its linears a quantized storage may hold, how it sees a latent batch, its memory
+estimate's inputs, its schedule — and never tests which family it is.
 
     family = families.detect(has)                 # from a file's keys, in our (BFL) names
     params = family.read_params(shapes)           # the architecture from the file's shapes (``ShapeReader``)
