@@ -72,7 +72,7 @@ def variant_for(params: ToyParams, hint: str) -> Variant:
                    default_cfg=1.0, guidance_distilled=False, title="Toy", family="toy")
 
 
-TOY = Family(name="toy", params_type=ToyParams, title="Toy", marker="toy_in.weight",
+TOY = Family(name="toy", params_type=ToyParams, title="Toy",
              layouts=(Layout("toy", "toy_in.weight", same_names),), lookalikes=(), gguf_archs=(),
              files_hint="toy.safetensors", read_params=read_params,
              build=ToyModel, quantizable=lambda name: name == "toy_out", variant_for=variant_for,

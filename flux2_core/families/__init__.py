@@ -6,7 +6,7 @@ layers above this one) asks a family record what it must know of the model it ho
 its parameters and build it, which of its linears a quantized storage may hold, how it sees a latent batch, its memory
 estimate's inputs, its schedule — and never tests which family it is.
 
-    family = families.detect(has)                 # from a file's keys, in our (BFL) names
+    family = ...                                  # the one whose file layout (key_tables.Layout) the file has
     params = family.read_params(shapes)           # the architecture from the file's shapes (``ShapeReader``)
     variant = family.variant_for(params, hint)    # which registered variant those parameters (and the name) are
     model = family.build(params, layers)          # the transformer, its linears made by ``layers``
@@ -15,7 +15,6 @@ estimate's inputs, its schedule — and never tests which family it is.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 
@@ -26,7 +25,7 @@ from ..variants import Variant
 from .family import Family, MemoryInputs, ModelParams, ShapeReader
 from .flux2 import FLUX2
 
-__all__ = ["FAMILIES", "Family", "MemoryInputs", "ModelParams", "ShapeReader", "detect", "family_of",
+__all__ = ["FAMILIES", "Family", "MemoryInputs", "ModelParams", "ShapeReader", "family_of",
            "family_of_params", "get_family", "linear_shapes"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (FLUX2,)}
@@ -64,7 +63,3 @@ def _linear_shapes(params) -> tuple[tuple[str, tuple[int, int]], ...]:
         model = family_of_params(params).build(params, Layers())
     return tuple((name, (m.out_features, m.in_features)) for name, m in stored_linears(model))
 
-
-def detect(has: Callable[[str], bool]) -> Family | None:
-    """The family whose transformer files hold these keys, or None."""
-    return next((f for f in FAMILIES.values() if f.recognizes(has)), None)

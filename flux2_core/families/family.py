@@ -54,8 +54,8 @@ class Family:
     name: str                                       # the registry key, and ``Variant.family`` of its variants
     params_type: type                               # its architecture's parameters (a frozen dataclass)
     title: str                                      # what messages call it: "FLUX.2"
-    marker: str                                     # a key (our names) that only this family's transformer files hold
-    layouts: tuple[Layout, ...]                     # the namings of its transformer files (key_tables.Layout)
+    layouts: tuple[Layout, ...]                     # the namings of its transformer files, each known by a key only
+                                                    # it holds (key_tables.Layout)
     lookalikes: tuple[tuple[str, str], ...]         # (a key, what the file is): files often taken for this family's
     gguf_archs: tuple[str, ...]                     # the general.architecture values of its GGUF transformer files
     files_hint: str                                 # the files to pass, for messages
@@ -69,6 +69,3 @@ class Family:
     condition: Callable[..., Callable[[Tensor, Tensor, Tensor | None], Tensor]]
     memory: Callable[[object], MemoryInputs]        # params -> the inputs of its memory estimate
     schedule: str                                   # its default sigmas: a name ``schedules.named_schedule`` knows
-
-    def recognizes(self, has: Callable[[str], bool]) -> bool:
-        return has(self.marker)

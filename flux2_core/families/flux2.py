@@ -121,8 +121,7 @@ def memory(params: TransformerParams) -> MemoryInputs:
                         kv_layers=params.depth + params.depth_single_blocks)
 
 
-FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", marker=LAYOUTS[0].signature,
-               layouts=LAYOUTS, lookalikes=LOOKALIKES, gguf_archs=("flux", ""),
+FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", layouts=LAYOUTS, lookalikes=LOOKALIKES, gguf_archs=("flux", ""),
                files_hint="flux-2-klein-*.safetensors or .gguf (ComfyUI models/diffusion_models) or a diffusers "
                           "transformer/ folder",
                read_params=read_params, build=build, quantizable=quantizable, variant_for=variant_for_params,

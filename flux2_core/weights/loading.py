@@ -397,14 +397,8 @@ class SourceShapes:
 
 
 def transformer_family(source: Source) -> Family:
-    """The family whose naming the file has (its layout), else whose keys it holds (``families.detect``); else what
-    it lacks to be one."""
-    family = next((f for f in families.FAMILIES.values() if source.layout in f.layouts), None) or \
-        families.detect(source.has)
-    if family is None:
-        markers = [s for f in families.FAMILIES.values() for s in source.recipe(f.marker).sources]
-        raise Flux2Error(mismatch_message(source, markers, []))
-    return family
+    """The family whose naming (layout) the file has: the transformer source is opened with every family's."""
+    return next(f for f in families.FAMILIES.values() if source.layout in f.layouts)
 
 
 def transformer_params(source: Source) -> TransformerParams:
