@@ -152,3 +152,31 @@ def test_a_second_familys_file_loads_by_its_entry_and_is_refused_without_it(toy,
     with pytest.raises(Flux2Error, match=r"toy.safetensors is not a FLUX.2 transformer: .*Pass a FLUX.2 diffusion "
                                          r"model: flux-2-klein-\*.safetensors"):
         weights.load_transformer(path, "cpu", torch.float32)
+
+
+def test_a_lora_on_a_second_family_matches_its_names_and_patches_its_model(toy):
+    """An adapter file for the toy: its keys are matched against the toy's own linears (kohya's underscore naming
+    behind its prefix), the report counts them in the toy's groups, and the patched model computes with
+    W + (alpha / rank) up @ down worked out here; FLUX.2 keys match nothing of it and are refused."""
+    from flux2_core.adapters.lora import read_adapter
+    from flux2_core.adapters.patching import set_adapters
+    from tests.toy_family import ToyModel, ToyParams
+
+    params = ToyParams()
+    model = ToyModel(params).eval()
+    down, up = torch.randn(2, params.hidden), torch.randn(params.channels, 2)
+    adapter = read_adapter({"lora_unet_toy_out.lora_down.weight": down, "lora_unet_toy_out.lora_up.weight": up,
+                            "lora_unet_toy_out.alpha": torch.tensor(1.0)}, params, name="toy-lora")
+    assert adapter.report.tensors == {"toy layers": 3, "other": 0, "text encoder": 0}
+    assert "kohya/musubi (lora_unet_)" in adapter.report.formats
+    x, t, txt = torch.randn(1, params.channels, 2, 3), torch.tensor([0.5]), torch.randn(1, 4, params.context_in_dim)
+    expected = ToyModel(params).eval()
+    expected.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected.toy_out.weight += 0.5 * up @ down * 0.7
+    set_adapters(model, [(p, 0.7) for p in adapter.patches])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, t, txt), expected(x, t, txt))
+    with pytest.raises(Flux2Error, match="none of its 2 keys is a LoRA/LoKr weight of Toy"):
+        read_adapter({"diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": down,
+                      "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight": up}, params)

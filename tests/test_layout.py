@@ -97,8 +97,6 @@ def test_the_check_sees_a_lazy_upward_import(tmp_path):
 FLUX2_NAMES = re.compile(r"\b(img_in|txt_in|time_in|guidance_in|double_blocks|single_blocks|double_stream_modulation"
                          r"|single_stream_modulation|final_layer)\b")
 FLUX2_HOME = {"flux2_core/models/transformer.py", "flux2_core/families/flux2.py"}
-# FLUX.2's key maps (its file layouts, its adapters' names), still to move into its family entry: this set only shrinks
-FLUX2_NOT_MOVED_YET = {"flux2_core/adapters/formats.py"}
 
 
 def test_flux2_module_names_stay_in_the_flux2_model_and_its_family_entry():
@@ -106,9 +104,7 @@ def test_flux2_module_names_stay_in_the_flux2_model_and_its_family_entry():
     for path in sorted([*CORE.rglob("*.py"), *(ROOT / "nodes").rglob("*.py")]):
         name = path.relative_to(ROOT).as_posix()
         hits = sorted(set(FLUX2_NAMES.findall(path.read_text())))
-        if hits and name not in FLUX2_HOME | FLUX2_NOT_MOVED_YET:
+        if hits and name not in FLUX2_HOME:
             found[name] = hits
     assert not found, ("FLUX.2's module names outside its model and family entry (ask the model or its family "
                        f"instead): {found}")
-    stale = sorted(n for n in FLUX2_NOT_MOVED_YET if not FLUX2_NAMES.search((ROOT / n).read_text()))
-    assert not stale, f"no FLUX.2 names left in {stale}: drop them from FLUX2_NOT_MOVED_YET"

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flux2_core.errors import Flux2Error
-from flux2_core.families import Family, MemoryInputs
+from flux2_core.families import AdapterNaming, Family, MemoryInputs
 from flux2_core.key_tables import Layout, same_names
 from flux2_core.models.layers import Layers
 from flux2_core.variants import TextEncoderSpec, Variant
@@ -78,4 +78,6 @@ TOY = Family(name="toy", params_type=ToyParams, title="Toy",
              build=ToyModel, quantizable=lambda name: name == "toy_out", variant_for=variant_for,
              condition=condition,
              memory=lambda p: MemoryInputs(peak_values=3 * p.hidden, table_bytes=0, hidden=p.hidden, kv_layers=0),
-             schedule="flux2")
+             schedule="flux2",
+             adapters=AdapterNaming(groups=(("toy layers", "toy_"),), models={16: "the toy"}, lookalikes=(),
+                                    shape_hint=lambda module, found, hidden: ""))

@@ -1,28 +1,29 @@
 """Adapter file keys: which of our weights, and which rows of it, a key names.
 
 A key is ``<prefix><module path><suffix>``: the suffix gives the tensor's role (``.lora_down.weight`` -> "down",
-``.lokr_w1`` -> "w1", ``.alpha``...), the path a Linear in one of the namings users' files have:
+``.lokr_w1`` -> "w1", ``.alpha``...), the path a Linear in one of the namings users' files have (FLUX.2 Klein's
+examples; each family's file layouts give its own names):
 
-    diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight        BFL names (ai-toolkit, ComfyUI, fal), fused qkv
-    lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight           kohya/musubi: BFL path with "." -> "_"
+    diffusion_model.<our module>.lora_A.weight                        our (BFL's) names: ai-toolkit, ComfyUI, fal
+    lora_unet_<our module with "." -> "_">.lora_down.weight           kohya/musubi
     transformer.transformer_blocks.0.attn.to_q.lora_A.weight          diffusers/PEFT: q, k, v separate
     lycoris_transformer_blocks_0_attn_to_q.lokr_w1                    LyCORIS on diffusers: path with "." -> "_"
     lora_te_model_layers_0_self_attn_q_proj.lora_down.weight          text encoder (Qwen3), kept apart
 
-A diffusers module that is part of a fused weight is a row slice of it (``to_q``/``to_k``/``to_v``: rows [0,H),
-[H,2H), [2H,3H) of ``img_attn.qkv``), by ``families.flux2.FROM_DIFFUSERS``, the weight loader's table.
+A module that is part of a fused weight in a file's naming is a row slice of it (diffusers' ``to_q``/``to_k``/``to_v``:
+rows [0,H), [H,2H), [2H,3H) of our fused qkv), by the model family's file layouts (``Family.layouts``, the weight
+loader's tables); which linears there are is read off the built model (``families.linear_shapes``).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
 from ..errors import Flux2Error
-from ..families import linear_shapes
-from ..families.flux2 import FROM_DIFFUSERS, SWAPPED_FROM_DIFFUSERS
-from ..key_tables import table_recipes
-from ..variants import TransformerParams
+from ..families import Family, family_of_params, linear_shapes
+from ..variants import VARIANTS
 
 # file suffix -> role; the longest matching suffix wins (".lora_A.default.weight" before ".weight" forms)
 SUFFIXES = {
@@ -47,12 +48,10 @@ UNDERSCORE_PREFIXES = [("lora_unet_", "kohya/musubi"), ("lora_transformer_", "On
 TEXT_ENCODER = re.compile(r"(?:^|[._])layers[._](\d+)[._](self_attn|mlp)[._](q_proj|k_proj|v_proj|o_proj|gate_proj|"
                           r"up_proj|down_proj)$")
 
-# Other model families, by names FLUX.2 Klein never has (checked on keys that matched none of our names).
+# Other model families, by names none of ours has (checked on keys that matched none of the model's names); a family
+# adds the ones often taken for it (``AdapterNaming.lookalikes``).
 OTHER_FAMILIES = [
     (re.compile(r"(?:img|txt)_mod[._]1(?:$|[._])|(?:img|txt)_mlp[._]net[._]"), "Qwen-Image"),
-    (re.compile(r"(?:img|txt)_mod[._]lin(?:$|[._])|single_blocks[._]\d+[._]modulation[._]lin|norm1(?:_context)?"
-                r"[._]linear|single_transformer_blocks[._]\d+[._](?:proj_mlp|norm[._]linear)|ff(?:_context)?[._]net"
-                r"[._]|distilled_guidance_layer"), "FLUX.1"),
     (re.compile(r"(?:^|[._])(?:down_blocks|up_blocks|mid_block|input_blocks|output_blocks|middle_block)[._]\d|"
                 r"^lora_te[12]_|text_model[._]encoder"), "Stable Diffusion 1.x/2.x/SDXL"),
     (re.compile(r"joint_blocks[._]\d+[._](?:x|context)_block"), "Stable Diffusion 3"),
@@ -62,22 +61,19 @@ OTHER_FAMILIES = [
      "Lumina 2 / Z-Image"),
 ]
 
-# known hidden sizes, for "made for X" hints
-MODELS_BY_HIDDEN = {3072: "Klein 4B", 4096: "Klein 9B", 6144: "FLUX.2 dev"}
-BLOCKS = re.compile(r"(?:^|[._])(double_blocks|single_blocks|transformer_blocks|single_transformer_blocks)[._](\d+)"
-                    r"(?:[._]|$)")
-
-GROUPS = ("double blocks", "single blocks", "other", "text encoder")   # "other": embedders, modulation, final layer
+OTHER = "other"          # the report group of modules in none of the family's groups (embedders, modulation, ...)
+TEXT_ENCODER_GROUP = "text encoder"
 
 
 @dataclass(frozen=True)
 class Target:
     """One of our Linear weights, or a row slice of it, as an adapter module patches it."""
-    module: str                          # our module name: "double_blocks.0.img_attn.qkv", "layers.3.mlp.up_proj"
+    module: str                          # our module name: a block's fused qkv, "layers.3.mlp.up_proj"
     shape: tuple[int, int] | None        # the whole weight's [out, in] (None: a text-encoder weight not given)
     rows: tuple[int, int] | None = None  # the slice [start, stop) of the weight's rows this module is
     swap_halves: bool = False            # diffusers order (scale, shift) -> ours (shift, scale)
-    group: str = "other"
+    group: str = OTHER
+    naming: str = ""                     # the file layout whose name for the module this is ("BFL", "diffusers")
 
     @property
     def delta_shape(self) -> tuple[int, int] | None:
@@ -86,36 +82,69 @@ class Target:
         return (self.rows[1] - self.rows[0], self.shape[1]) if self.rows else self.shape
 
 
-def model_name(hidden: int) -> str:
-    return MODELS_BY_HIDDEN.get(hidden, f"a model with hidden size {hidden}")
-
-
-def _group(module: str) -> str:
-    return next((g for g, p in (("double blocks", "double_blocks."), ("single blocks", "single_blocks."))
-                 if module.startswith(p)), "other")
-
-
 # diffusers' fused projections (``fuse_qkv_projections``; a LoKr loaded on fused qkv is saved back under these): the
 # names of the three split ones -> the fused one's, which covers all of our fused qkv weight
 FUSED_DIFFUSERS = {("to_q", "to_k", "to_v"): "to_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"): "to_added_qkv"}
+BLOCK_INDEX = re.compile(r"(?<=[._])\d+(?=[._]|$)")       # a module path's first index: its block's
 
 
-def transformer_names(params: TransformerParams) -> tuple[dict[str, Target], dict[str, Target]]:
-    """(dotted names, underscore names) -> Target, for BFL and diffusers module paths of this model."""
+@dataclass(frozen=True)
+class ModelNames:
+    """Every name adapter files give the linears of one model, and what a name with another block index would be."""
+    family: Family
+    dotted: dict[str, Target]                   # every layout's module paths -> the weight (rows) they name
+    underscored: dict[str, Target]              # the same with "." -> "_" (kohya, LyCORIS)
+    blocks: dict[str, tuple[str, str, int]]     # a path with its block index as "#" -> (its block list as the file
+                                                # names it, the report group, the blocks the model has in that list)
+    depths: dict[str, int]                      # the family's block groups -> the blocks the model has in each
+
+    def model_name(self, hidden: int) -> str:
+        return self.family.adapters.models.get(hidden, f"a model with hidden size {hidden}")
+
+
+def block_template(path: str) -> tuple[str, str, int] | None:
+    """(the path with its block index as "#", the block list's name, the index), or None outside a block."""
+    match = BLOCK_INDEX.search(path)
+    if match is None:
+        return None
+    return path[: match.start()] + "#" + path[match.end():], path[: match.start() - 1], int(match[0])
+
+
+def _depths(family: Family, params) -> dict[str, int]:
+    """The family's groups of numbered blocks -> how many blocks the model has in each."""
+    indices = {group: {t[2] for m in linear_shapes(params) if m.startswith(prefix) and (t := block_template(m))}
+               for group, prefix in family.adapters.groups}
+    return {group: len(found) for group, found in indices.items() if found}
+
+
+@functools.lru_cache(maxsize=8)
+def model_names(params) -> ModelNames:
+    """The names adapter files may give this model's linears: ours and each of the family's file layouts'."""
+    family = family_of_params(params)
+    groups = family.adapters.groups
     dotted: dict[str, Target] = {}
-    recipe = table_recipes(FROM_DIFFUSERS, SWAPPED_FROM_DIFFUSERS)
-    for module, shape in linear_shapes(params).items():
-        swapped, group = module + ".weight" in SWAPPED_FROM_DIFFUSERS, _group(module)
-        dotted[module] = Target(module, shape, group=group)
-        names = [source.removesuffix(".weight") for source in recipe(module + ".weight").sources]   # q, k, v: 3
-        part = shape[0] // len(names)
-        for i, name in enumerate(names):
-            rows = (i * part, (i + 1) * part) if len(names) > 1 else None
-            dotted[name] = Target(module, shape, rows, swapped, group)
-        parent, leaves = names[0].rpartition(".")[0], tuple(name.rpartition(".")[2] for name in names)
-        if leaves in FUSED_DIFFUSERS:
-            dotted[f"{parent}.{FUSED_DIFFUSERS[leaves]}"] = Target(module, shape, None, swapped, group)
-    return dotted, {name.replace(".", "_"): t for name, t in dotted.items()}
+    for layout in family.layouts:
+        recipe = layout.recipes(set())
+        for module, shape in linear_shapes(params).items():
+            made = recipe(module + ".weight")
+            group = next((g for g, prefix in groups if module.startswith(prefix)), OTHER)
+            names = [source.removesuffix(".weight") for source in made.sources]       # fused q, k, v: three
+            part = shape[0] // len(names)
+            for i, name in enumerate(names):
+                rows = (i * part, (i + 1) * part) if len(names) > 1 else None
+                dotted.setdefault(name, Target(module, shape, rows, made.swap_halves, group, layout.name))
+            parent, leaves = names[0].rpartition(".")[0], tuple(name.rpartition(".")[2] for name in names)
+            if leaves in FUSED_DIFFUSERS:
+                dotted.setdefault(f"{parent}.{FUSED_DIFFUSERS[leaves]}",
+                                  Target(module, shape, None, made.swap_halves, group, layout.name))
+    underscored = {name.replace(".", "_"): t for name, t in dotted.items()}
+    depths = _depths(family, params)
+    blocks = {}
+    for name, target in [*dotted.items(), *underscored.items()]:
+        template = block_template(name)
+        if template and target.group in depths:
+            blocks[template[0]] = (template[1], target.group, depths[target.group])
+    return ModelNames(family, dotted, underscored, blocks, depths)
 
 
 def split_key(key: str) -> tuple[str, str] | None:
@@ -124,17 +153,25 @@ def split_key(key: str) -> tuple[str, str] | None:
     return (key[: -len(suffix)], SUFFIXES[suffix]) if suffix else None
 
 
-def resolve(path: str, dotted: dict[str, Target], underscored: dict[str, Target],
+def _unprefixed(path: str):
+    """(the path without a producer's prefix, "." or "_" naming, what the prefix says) for every prefix it has."""
+    for prefix, producer in UNDERSCORE_PREFIXES:
+        if path.startswith(prefix):
+            yield path[len(prefix):], "_", f"{producer} ({prefix})"
+    for prefix, producer in DOTTED_PREFIXES:
+        if path.startswith(prefix):
+            yield path[len(prefix):], ".", f"{producer} ({prefix or 'no prefix'}"
+
+
+def resolve(path: str, names: ModelNames,
             text_encoder_shapes: dict[str, tuple[int, int]] | None) -> tuple[Target, str] | None:
     """The Target a module path names and the file format it shows, or None."""
-    for prefix, producer in UNDERSCORE_PREFIXES:
-        if path.startswith(prefix) and path[len(prefix):] in underscored:
-            return underscored[path[len(prefix):]], f"{producer} ({prefix})"
-    for prefix, producer in DOTTED_PREFIXES:
-        if path.startswith(prefix) and path[len(prefix):] in dotted:
-            target = dotted[path[len(prefix):]]
-            naming = "BFL names" if path[len(prefix):] == target.module else "diffusers names"
-            return target, f"{producer} ({prefix or 'no prefix'}, {naming})"
+    for rest, joiner, producer in _unprefixed(path):
+        if joiner == "_" and rest in names.underscored:
+            return names.underscored[rest], producer
+        if joiner == "." and rest in names.dotted:
+            target = names.dotted[rest]
+            return target, f"{producer}, {target.naming} names)"
     match = TEXT_ENCODER.search(path)
     if match:
         module = f"layers.{match[1]}.{match[2]}.{match[3]}"
@@ -143,52 +180,57 @@ def resolve(path: str, dotted: dict[str, Target], underscored: dict[str, Target]
             if module not in text_encoder_shapes:
                 return None
             shape = text_encoder_shapes[module]
-        return Target(module, shape, group="text encoder"), f"text encoder ({path[: match.start(0) + 1] or 'bare'})"
+        return Target(module, shape, group=TEXT_ENCODER_GROUP), f"text encoder ({path[: match.start(0) + 1] or 'bare'})"
     return None
 
 
-def refuse_other_family(keys: list[str], where: str) -> None:
+def refuse_other_family(keys: list[str], names: ModelNames, where: str) -> None:
     """Flux2Error when keys that matched nothing carry another model family's names."""
     for key in keys:
-        for pattern, family in OTHER_FAMILIES:
+        for pattern, family in (*names.family.adapters.lookalikes, *OTHER_FAMILIES):
             if pattern.search(key):
-                raise Flux2Error(f"{where} is an adapter for {family}, not FLUX.2 Klein (key {key!r}); load a LoRA "
-                                 f"made for FLUX.2 Klein")
+                raise Flux2Error(f"{where} is an adapter for {family}, not {names.family.title} (key {key!r}); load "
+                                 f"a LoRA made for {names.family.title}")
 
 
-def refuse_missing_blocks(keys: list[str], params: TransformerParams, where: str) -> None:
-    """Flux2Error when a key names a block index this model does not have (an adapter for a deeper model)."""
-    counts = {"double_blocks": params.depth, "transformer_blocks": params.depth,
-              "single_blocks": params.depth_single_blocks, "single_transformer_blocks": params.depth_single_blocks}
-    deepest: dict[str, int] = {}
+def refuse_missing_blocks(keys: list[str], names: ModelNames, params, where: str) -> None:
+    """Flux2Error when a key names a block index this model does not have (an adapter for a deeper model), with the
+    family's model it fits."""
+    found = []                                                    # (key, block list, group, blocks there, index)
     for key in keys:
-        match = BLOCKS.search(key)
-        if match:
-            kind = "double" if match[1] in ("double_blocks", "transformer_blocks") else "single"
-            deepest[kind] = max(deepest.get(kind, -1), int(match[2]))
-    for key in keys:
-        match = BLOCKS.search(key)
-        if match and int(match[2]) >= counts[match[1]]:
-            double, single = deepest.get("double", -1) + 1, deepest.get("single", -1) + 1
-            guess = {(8, 24): "Klein 9B", (19, 38): "FLUX.1", (8, 48): "FLUX.2 dev"}.get((double, single))
-            made = f"; it was probably made for {guess}" if guess else ""
-            raise Flux2Error(f"{where} targets block {match[2]} of the {match[1]} ({key!r}), but the model has "
-                             f"{params.depth} double and {params.depth_single_blocks} single blocks "
-                             f"({model_name(params.hidden_size)}){made}. Use a LoRA made for "
-                             f"{model_name(params.hidden_size)}")
+        split = split_key(key)
+        for rest, _, _ in _unprefixed(split[0]) if split else ():
+            template = block_template(rest)
+            if template and template[0] in names.blocks:
+                found.append((key, *names.blocks[template[0]], template[2]))
+                break
+    beyond = [f for f in found if f[4] >= f[3]]
+    if not beyond:
+        return
+    key, block_list, _, _, index = beyond[0]
+    deepest = {group: max(f[4] for f in found if f[2] == group) for group in {f[2] for f in found}}
+    has = ", ".join(f"{n} {group}" for group, n in names.depths.items())
+    model = names.model_name(params.hidden_size)
+    fits = [(sum(d.values()), names.model_name(v.params.hidden_size))
+            for v in VARIANTS.values() if v.family == names.family.name and v.params != params
+            for d in [_depths(names.family, v.params)] if all(i < d[g] for g, i in deepest.items())]
+    made = f"; it was probably made for {min(fits)[1]}" if fits else ""
+    raise Flux2Error(f"{where} targets block {index} of the {block_list} ({key!r}), but the model has {has} "
+                     f"({model}){made}. Use a LoRA made for {model}")
 
 
-def shape_error(where: str, key: str, target: Target, found: tuple[int, int], params: TransformerParams) -> Flux2Error:
+def shape_error(where: str, key: str, target: Target, found: tuple[int, int], names: ModelNames,
+                params) -> Flux2Error:
     """The error for an adapter module whose ΔW shape does not fit our weight, with what it was probably made for."""
     expected = target.delta_shape
     H = params.hidden_size
     hint = ""
-    if target.group != "text encoder":
-        if found[1] in MODELS_BY_HIDDEN and found[1] != H and expected[1] == H:
-            hint = (f" This adapter was made for {model_name(found[1])} (hidden {found[1]}); the model is "
-                    f"{model_name(H)} ({H}): use a LoRA made for {model_name(H)}.")
-        elif target.module.endswith((".linear1", "_mlp.0")) and found[0] in (7 * H, 4 * H):
-            hint = " Its MLP width is FLUX.1's (4x hidden): this is a FLUX.1 LoRA, which does not fit FLUX.2."
+    if target.group != TEXT_ENCODER_GROUP:
+        if found[1] in names.family.adapters.models and found[1] != H and expected[1] == H:
+            hint = (f" This adapter was made for {names.model_name(found[1])} (hidden {found[1]}); the model is "
+                    f"{names.model_name(H)} ({H}): use a LoRA made for {names.model_name(H)}.")
+        else:
+            hint = names.family.adapters.shape_hint(target.module, found, H)
     if not hint:
         hint = " The adapter was made for another model; use one made for this model."
     return Flux2Error(f"{where}: {key!r} gives a weight change of shape {list(found)} but {target.module}"

@@ -25,18 +25,20 @@ from torch import Tensor
 
 from ..digests import tensor_digest
 from ..errors import Flux2Error
-from ..variants import TransformerParams
+from ..families import ModelParams
 from ..weights.checkpoint import TORCH_DTYPES, open_checkpoint, read_tensor
 from .formats import (
-    GROUPS,
+    OTHER,
     TEXT_ENCODER,
+    TEXT_ENCODER_GROUP,
+    ModelNames,
     Target,
+    model_names,
     refuse_missing_blocks,
     refuse_other_family,
     resolve,
     shape_error,
     split_key,
-    transformer_names,
 )
 
 ROLES = {"lora": ("down", "up"), "lokr": ("w1", "w1_a", "w1_b", "w2", "w2_a", "w2_b"),
@@ -57,7 +59,7 @@ class Patch:
     source: str = ""                        # the module path in the file (for messages)
     swap_halves: bool = False               # ΔW's rows come in the other half order (diffusers' norm_out.linear)
     dora_scale: Tensor | None = None        # DoRA magnitude: [out, 1] (per output row) or [1, in] (per input column)
-    group: str = "other"
+    group: str = OTHER
 
     def _factor(self, name: str) -> Tensor:
         t = self.tensors
@@ -125,14 +127,19 @@ class Patch:
 class MatchReport:
     """What an adapter file's keys matched: tensors per block group, and every key that matched nothing (why)."""
     name: str
-    tensors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0))   # group -> matched keys
-    modules: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0))   # group -> patches (file modules)
+    groups: tuple[str, ...]                                                             # the family's, other, text encoder
+    tensors: dict[str, int] = field(default_factory=dict)                               # group -> matched keys
+    modules: dict[str, int] = field(default_factory=dict)                               # group -> patches (file modules)
     unmatched: dict[str, str] = field(default_factory=dict)                             # key -> why
     formats: list[str] = field(default_factory=list)                                    # as seen, in key order
     kinds: list[str] = field(default_factory=list)                                      # lora, lokr, ... (+dora)
 
+    def __post_init__(self):
+        self.tensors = dict.fromkeys(self.groups, 0) | self.tensors
+        self.modules = dict.fromkeys(self.groups, 0) | self.modules
+
     def summary(self, limit: int = 5) -> str:
-        groups = ", ".join(f"{g} {self.tensors[g]}" for g in GROUPS if self.tensors[g])
+        groups = ", ".join(f"{g} {self.tensors[g]}" for g in self.groups if self.tensors[g])
         line = (f"{self.name}: {'/'.join(self.kinds) or 'nothing'} ({'; '.join(self.formats)}), "
                 f"{sum(self.tensors.values())} tensors in {sum(self.modules.values())} modules: {groups or 'none'}")
         if self.unmatched:
@@ -181,7 +188,7 @@ class AdapterUse:
         return {"file": self.file, "digest": self.digest, "strength": self.strength, "merge": self.merge}
 
 
-def read_adapter(source: str | Path | Mapping[str, Tensor], params: TransformerParams,
+def read_adapter(source: str | Path | Mapping[str, Tensor], params: ModelParams,
                  text_encoder_keys: Mapping[str, object] | Iterable[str] | None = None,
                  metadata: Mapping[str, str] | None = None, name: str | None = None) -> Adapter:
     """``text_encoder_keys``: the text encoder's parameter names, as a mapping to tensors or shapes (shapes are then
@@ -193,16 +200,17 @@ def read_adapter(source: str | Path | Mapping[str, Tensor], params: TransformerP
         state, meta = _read_file(source)
         where = name or Path(source).name
     te_shapes = _text_encoder_shapes(text_encoder_keys)
-    dotted, underscored = transformer_names(params)
-    report = MatchReport(where)
+    names = model_names(params)
+    groups = (*(g for g, _ in names.family.adapters.groups), OTHER, TEXT_ENCODER_GROUP)
+    report = MatchReport(where, groups)
     modules: dict[tuple[str, str], tuple[Target, dict[str, str]]] = {}      # (path, our module) -> (target, role keys)
     for key in state:
         split = split_key(key)
-        found = resolve(split[0], dotted, underscored, te_shapes) if split else None
+        found = resolve(split[0], names, te_shapes) if split else None
         if found is None:
             report.unmatched[key] = ("not an adapter tensor" if not split else
                                      "a text-encoder layer this encoder does not have" if TEXT_ENCODER.search(split[0])
-                                     else "no FLUX.2 Klein weight has this name")
+                                     else f"no {names.family.title} weight has this name")
             continue
         target, fmt = found
         if fmt not in report.formats:
@@ -210,11 +218,11 @@ def read_adapter(source: str | Path | Mapping[str, Tensor], params: TransformerP
         modules.setdefault((split[0], target.module), (target, {}))[1][split[1]] = key
 
     unmatched = list(report.unmatched)
-    refuse_other_family(unmatched, where)
-    refuse_missing_blocks(unmatched, params, where)
+    refuse_other_family(unmatched, names, where)
+    refuse_missing_blocks(unmatched, names, params, where)
     patches = []
     for (path, _), (target, roles) in modules.items():
-        patch = _patch(path, target, {role: state[k] for role, k in roles.items()}, meta, where, params)
+        patch = _patch(path, target, {role: state[k] for role, k in roles.items()}, meta, where, names, params)
         if patch is None:
             report.unmatched.update({k: "an alpha or dora_scale without adapter weights" for k in roles.values()})
             continue
@@ -226,10 +234,10 @@ def read_adapter(source: str | Path | Mapping[str, Tensor], params: TransformerP
             report.kinds.append(kind)
     if not patches:
         keys = ", ".join(list(state)[:4]) or "none"
-        raise Flux2Error(f"{where}: none of its {len(state)} keys is a LoRA/LoKr weight of FLUX.2 Klein (keys such as "
+        raise Flux2Error(f"{where}: none of its {len(state)} keys is a LoRA/LoKr weight of {names.family.title} (keys such as "
                          f"{keys}); it is not an adapter for this model")
-    return Adapter(where, [p for p in patches if p.group != "text encoder"],
-                   [p for p in patches if p.group == "text encoder"], report)
+    return Adapter(where, [p for p in patches if p.group != TEXT_ENCODER_GROUP],
+                   [p for p in patches if p.group == TEXT_ENCODER_GROUP], report)
 
 
 def _read_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -313,15 +321,17 @@ def check_tensors(where: str, path: str, t: dict[str, Tensor]) -> None:
                              f"file is damaged (download it again)")
 
 
-def _patch(path: str, target: Target, t: dict[str, Tensor], meta, where: str, params) -> Patch | None:
+def _patch(path: str, target: Target, t: dict[str, Tensor], meta, where: str, names: ModelNames,
+           params) -> Patch | None:
+    title = names.family.title
     for role, what in CONV_ONLY.items():
         if role in t:
-            raise Flux2Error(f"{where}: {path} has {what}, which exists only for convolutions; FLUX.2 Klein has "
+            raise Flux2Error(f"{where}: {path} has {what}, which exists only for convolutions; {title} has "
                              f"none, so this adapter is for another model")
     for role in ("diff_b", "set_weight"):
         if role in t:
             raise Flux2Error(f"{where}: {path}.{role} is not supported ("
-                             f"{'FLUX.2 Klein linears have no bias' if role == 'diff_b' else 'a replaced weight'})")
+                             f"{f'{title} linears have no bias' if role == 'diff_b' else 'a replaced weight'})")
     kinds = [k for k, roles in ROLES.items() if any(r in t for r in roles)]
     if not kinds:
         return None
@@ -349,7 +359,7 @@ def _patch(path: str, target: Target, t: dict[str, Tensor], meta, where: str, pa
         fit("up @ down", t["up"], t["down"])
         rank = t["down"].shape[0]
         shape = (t["up"].shape[0], t["down"].shape[1])
-        component = "text_encoder" if target.group == "text encoder" else "transformer"
+        component = "text_encoder" if target.group == TEXT_ENCODER_GROUP else "transformer"
         peft = _peft_alpha(meta, path, rank, component) if alpha is None else None
         scale = alpha / rank if alpha is not None else peft if peft is not None else 1.0
     elif kind == "lokr":
@@ -374,7 +384,7 @@ def _patch(path: str, target: Target, t: dict[str, Tensor], meta, where: str, pa
         shape, scale = tuple(t["diff"].shape), 1.0
     shape = tuple(int(n) for n in shape)
     if len(shape) != 2 or (target.delta_shape is not None and shape != target.delta_shape):
-        raise shape_error(where, path, target, shape, params)
+        raise shape_error(where, path, target, shape, names, params)
     if dora is not None and tuple(dora.shape) not in ((shape[0], 1), (1, shape[1])):
         raise Flux2Error(f"{where}: {path}.dora_scale has shape {list(dora.shape)}; it must be [{shape[0]}, 1] or "
                          f"[1, {shape[1]}] for this weight")

@@ -22,10 +22,10 @@ from ..errors import Flux2Error
 from ..models.layers import Layers
 from ..storage.protocol import stored_linears
 from ..variants import Variant
-from .family import Family, MemoryInputs, ModelParams, ShapeReader
+from .family import AdapterNaming, Family, MemoryInputs, ModelParams, ShapeReader
 from .flux2 import FLUX2
 
-__all__ = ["FAMILIES", "Family", "MemoryInputs", "ModelParams", "ShapeReader", "family_of",
+__all__ = ["FAMILIES", "AdapterNaming", "Family", "MemoryInputs", "ModelParams", "ShapeReader", "family_of",
            "family_of_params", "get_family", "linear_shapes"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (FLUX2,)}

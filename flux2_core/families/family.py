@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -50,6 +51,18 @@ class MemoryInputs:
 
 
 @dataclass(frozen=True)
+class AdapterNaming:
+    """What adapter files (LoRAs) need of a family beyond the model's own linears (read off the built model) and its
+    file layouts' names for them (``Family.layouts``)."""
+
+    groups: tuple[tuple[str, str], ...]              # (a report group, the module prefix it holds): the rest is "other"
+    models: dict[int, str]                           # hidden size -> the model, for "made for X" messages
+    lookalikes: tuple[tuple[re.Pattern, str], ...]   # a key pattern of a family often taken for this one -> its name
+    shape_hint: Callable[[str, tuple[int, int], int], str]   # (our module, ΔW [out, in] found, hidden) -> what the
+                                                     # shape says the adapter was made for, "" where it says nothing
+
+
+@dataclass(frozen=True)
 class Family:
     name: str                                       # the registry key, and ``Variant.family`` of its variants
     params_type: type                               # its architecture's parameters (a frozen dataclass)
@@ -69,3 +82,4 @@ class Family:
     condition: Callable[..., Callable[[Tensor, Tensor, Tensor | None], Tensor]]
     memory: Callable[[object], MemoryInputs]        # params -> the inputs of its memory estimate
     schedule: str                                   # its default sigmas: a name ``schedules.named_schedule`` knows
+    adapters: AdapterNaming                         # what LoRA matching and its messages know of it

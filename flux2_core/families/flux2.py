@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from torch import Tensor
@@ -13,7 +14,7 @@ from ..models import rope
 from ..models.layers import Layers
 from ..models.transformer import Flux2Transformer, ReferenceKV
 from ..variants import TransformerParams, variant_for_params
-from .family import Family, MemoryInputs, ShapeReader
+from .family import AdapterNaming, Family, MemoryInputs, ShapeReader
 
 # the blocks and the shared modulations: over 95% of the weights; the embedders and the final layer stay float (they
 # are small, and the model reads nothing from them)
@@ -121,8 +122,25 @@ def memory(params: TransformerParams) -> MemoryInputs:
                         kv_layers=params.depth + params.depth_single_blocks)
 
 
-FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", layouts=LAYOUTS, lookalikes=LOOKALIKES, gguf_archs=("flux", ""),
+# LoRAs: a FLUX.1 adapter's names (checked on keys that matched none of ours); FLUX.1's MLP is 4 x hidden, FLUX.2's 3 x
+FLUX1_ADAPTER = re.compile(r"(?:img|txt)_mod[._]lin(?:$|[._])|single_blocks[._]\d+[._]modulation[._]lin|norm1(?:_context)?"
+                           r"[._]linear|single_transformer_blocks[._]\d+[._](?:proj_mlp|norm[._]linear)|ff(?:_context)?"
+                           r"[._]net[._]|distilled_guidance_layer")
+
+
+def adapter_shape_hint(module: str, found: tuple[int, int], hidden: int) -> str:
+    if module.endswith((".linear1", "_mlp.0")) and found[0] in (7 * hidden, 4 * hidden):
+        return " Its MLP width is FLUX.1's (4x hidden): this is a FLUX.1 LoRA, which does not fit FLUX.2."
+    return ""
+
+
+ADAPTERS = AdapterNaming(groups=(("double blocks", "double_blocks."), ("single blocks", "single_blocks.")),
+                         models={3072: "Klein 4B", 4096: "Klein 9B", 6144: "FLUX.2 dev"},
+                         lookalikes=((FLUX1_ADAPTER, "FLUX.1"),), shape_hint=adapter_shape_hint)
+
+FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", layouts=LAYOUTS, lookalikes=LOOKALIKES,
+               gguf_archs=("flux", ""),
                files_hint="flux-2-klein-*.safetensors or .gguf (ComfyUI models/diffusion_models) or a diffusers "
                           "transformer/ folder",
                read_params=read_params, build=build, quantizable=quantizable, variant_for=variant_for_params,
-               condition=condition, memory=memory, schedule="flux2")
+               condition=condition, memory=memory, schedule="flux2", adapters=ADAPTERS)
