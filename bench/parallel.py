@@ -1,4 +1,4 @@
-"""Sequence parallelism (``flux2_core/models/parallel.py``, Ulysses): step time, peak memory and communication per rank.
+"""Sequence parallelism (``flux2_core/runtime/parallel.py``, Ulysses): step time, peak memory and communication per rank.
 
     python bench/parallel.py                              # CPU: the medium config on 1 and 2 gloo ranks
     python bench/parallel.py --config medium --size 512 --steps 4 --repeats 3 --ranks 1 2
@@ -210,7 +210,7 @@ def reset_peak() -> None:
 
 def _rank(rank: int, world: int, port: int, threads: int, job: dict, out: str) -> None:
     """One rank of a measured run: rank 0 times the denoises, every rank writes ``rank{rank}.json`` to ``out``."""
-    from flux2_core.models import parallel
+    from flux2_core.runtime import parallel
     from flux2_core.sampling import euler, schedules
 
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")   # torch 2.13's notice

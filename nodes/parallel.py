@@ -1,4 +1,4 @@
-"""FLUX.2 Klein Parallel: the model's denoising spread over several GPUs (sequence parallelism, flux2_core/models/parallel.py).
+"""FLUX.2 Klein Parallel: the model's denoising spread over several GPUs (sequence parallelism, flux2_core/runtime/parallel.py).
 
 This ComfyUI process stays rank 0 and runs the sampler as usual (progress, previews and cancel work as without it);
 follower processes, one per other GPU, load the same transformer file and take their share of every pass. They start

@@ -20,8 +20,7 @@ from comfy_api.latest import io, ui
 from ..flux2_core import latents, weights
 from ..flux2_core.adapters.lora import AdapterUse
 from ..flux2_core.errors import Flux2Error
-from ..flux2_core.models import parallel
-from ..flux2_core.runtime import cache, memory
+from ..flux2_core.runtime import cache, memory, parallel
 from ..flux2_core.runtime import compile as compiling
 from ..flux2_core.sampling import euler, inpaint, references, schedules
 from ..flux2_core.sampling.plan import plan_denoise
@@ -178,7 +177,7 @@ class Denoise(io.ComfyNode):
                                    kv=plan.reference_kv, guidance=rule.embedded, inpaint=blend,
                                    callback=host.StepReporter(len(sigmas) - 1, device), dtype=model.dtype)
             if spread:
-                model.core.sequence_parallel.release()          # the followers' share of the reference K/V
+                parallel.group_of(model.core).release()          # the followers' share of the reference K/V
         except BaseException:
             host.close_broken_followers()       # cancelled or failed inside a pass: the next run starts new ones
             raise

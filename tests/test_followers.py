@@ -12,7 +12,8 @@ import torch
 from flux2_core.adapters.lora import AdapterUse, read_adapter
 from flux2_core.adapters.patching import set_adapters
 from flux2_core.errors import Flux2Error
-from flux2_core.models import parallel, rope
+from flux2_core.models import rope
+from flux2_core.runtime import parallel
 from flux2_core.runtime.followers import FollowerGroup, TransformerSource
 from flux2_core.sampling import euler
 from flux2_core.weights import load_transformer

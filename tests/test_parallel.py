@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flux2_core.errors import Flux2Error
-from flux2_core.models import parallel, rope
-from flux2_core.runtime import memory
+from flux2_core.models import rope
+from flux2_core.runtime import memory, parallel
 from tests.memory import peak_bytes
 from tests.tiny.parallel_ranks import MEMORY_GRID, MEMORY_TXT, SIX_HEADS, build_model, job, run_ranks
 
@@ -40,7 +40,7 @@ def test_world_must_divide_the_heads():
     sp = parallel.SequenceParallel(0, 4, "cpu", store=None)
     with pytest.raises(Flux2Error, match=r"4 ranks do not divide this model's 6 attention heads: use 2, 3, 6"):
         parallel.attach(model, sp)
-    assert model.sequence_parallel is None
+    assert parallel.group_of(model) is None
 
 
 def test_a_missing_backend_is_named():
@@ -51,10 +51,13 @@ def test_a_missing_backend_is_named():
 
 
 @pytest.mark.slow
-def test_stale_reference_kv_is_refused_before_the_ranks_start(tmp_path):
+def test_stale_reference_kv_and_bad_input_are_refused_before_the_ranks_start(tmp_path):
+    """Both are refused on the driver before the call is announced, so the followers never see them and the group
+    then runs a denoise equal to one process's."""
     got = run_ranks(2, "stale_kv", tmp_path)
-    message = bytes(got["error"].tolist()).decode()
-    assert "earlier reference pass" in message
+    assert "earlier reference pass" in bytes(got["error"].tolist()).decode()
+    assert "text embeddings must be" in bytes(got["bad_input"].tolist()).decode()
+    assert relative(got["latents"], job(build_model(), "t2i")["latents"]) <= 1e-5
 
 
 @pytest.mark.slow

@@ -343,7 +343,7 @@ def generate_command(argv: list[str]) -> int:
         models, files = load_for_command(args, sp.device if sp else args.device, (width or DEFAULT_SIZE,
                                                                                   height or DEFAULT_SIZE))
         if sequence:
-            from ..models.parallel import attach
+            from ..runtime.parallel import attach
 
             attach(models.transformer, sp)
             files["parallel"] = f"sequence, {sp.world} ranks"
@@ -362,7 +362,7 @@ def generate_command(argv: list[str]) -> int:
         if sequence:
             sp.stop()                    # the followers return; then the group closes
         elif sp is not None:
-            from ..models.parallel import leave
+            from ..runtime.parallel import leave
 
             leave()
     where = f" (rank {sp.rank} of {sp.world})" if sp is not None and not sequence else ""
@@ -449,7 +449,7 @@ def join_ranks(args):
     """``parallel.SequenceParallel`` under torchrun, else None."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    from ..models import parallel
+    from ..runtime import parallel
 
     if args.compile:
         raise Flux2Error("--compile does not run across several processes yet: leave it out under torchrun")
@@ -475,7 +475,7 @@ def shared_seed(seed: int | None, sp) -> int:
 
 def image_jobs(prompts: int, batch: int, seed: int, rank: int = 0, world: int = 1) -> list[tuple[int, int, int]]:
     """(prompt index, first seed, count) of this rank's contiguous share of every prompt's ``batch`` images."""
-    from ..models.parallel import shares
+    from ..runtime.parallel import shares
 
     items = [(prompt, seed + i) for prompt in range(prompts) for i in range(batch)]
     sizes = shares(len(items), world)
@@ -493,7 +493,7 @@ def follow(args, sp) -> int:
     """A sequence-parallel follower: the transformer alone, loaded as the driver's, serving its passes."""
     from ..adapters.lora import read_adapter
     from ..adapters.patching import set_adapters
-    from ..models import parallel
+    from ..runtime import parallel
     from ..runtime.followers import TransformerSource
     from ..storage.matmul import choose_matmuls
 

@@ -1,6 +1,6 @@
 """What a run adds to a loaded model beside its weights, kept in one object per model (``run_state``): the adapters
 applied (``patching``), the blocks streamed (``offload``), the compile options (``compile``) and the ranks its
-passes are spread over (``parallel``). Each of those modules sets and reads its own field; the model's state dict,
+passes are spread over (``runtime/parallel``). Each of those modules sets and reads its own field; the model's state dict,
 its parameters and its class stay as loaded."""
 
 from __future__ import annotations

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +23,10 @@ from torch import Tensor, nn
 from .. import kitchen
 from ..errors import Flux2Error
 from ..variants import TransformerParams
-from . import parallel
 from .layers import Layers
 from .rope import apply_rope, rope_table
 from .run_state import run_state
-
-if TYPE_CHECKING:
-    from .parallel import SequenceParallel, TokenShards
+from .shards import TokenShards
 
 TIME_EMBED_DIM = 256
 FP16_MAX = torch.finfo(torch.float16).max
@@ -279,12 +274,8 @@ def _batched(x: Tensor, batch: int, name: str) -> Tensor:
 
 
 class Flux2Transformer(nn.Module):
-    """``state_dict()`` keys are exactly those of BFL's single-file checkpoints."""
-
-    @property
-    def sequence_parallel(self) -> SequenceParallel | None:
-        """None: it runs whole."""
-        return run_state(self).sequence_parallel
+    """``state_dict()`` keys are exactly those of BFL's single-file checkpoints. Spread over ranks
+    (``runtime/parallel.py``), it runs its share of the tokens and trades them around attention (``TokenShards``)."""
 
     def __init__(self, params: TransformerParams, layers: Layers | None = None):
         super().__init__()
@@ -326,7 +317,21 @@ class Flux2Transformer(nn.Module):
         context_in_dim], txt_ids [B, Ltxt, 4]; guidance [B] (FLUX.2-dev only). ref [B or 1, Lref, in_channels]: joint
         references. Returns the velocity [B, Limg, in_channels].
         """
-        self._check_tokens(img, txt)          # everything is checked before a sequence-parallel call is announced
+        self.check_forward(img, img_ids, timesteps, txt, txt_ids, guidance, ref, ref_ids, ref_kv)
+        return self._velocity(img, img_ids, timesteps, txt, txt_ids, guidance, ref, ref_ids, ref_kv)
+
+    @torch.no_grad()
+    def reference_kv(self, ref: Tensor, ref_ids: Tensor) -> ReferenceKV:
+        """The references alone at t = 0 with no text; ref [B, Lref, in_channels], usually B = 1."""
+        self.check_reference_kv(ref, ref_ids)
+        return self._reference_kv(ref, ref_ids)
+
+    # the checks of each call, also run by a sequence-parallel driver before it announces the call to the other ranks
+
+    def check_forward(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
+                      guidance: Tensor | None = None, ref: Tensor | None = None, ref_ids: Tensor | None = None,
+                      ref_kv: ReferenceKV | None = None) -> None:
+        self._check_tokens(img, txt)
         batch = img.shape[0]
         for name, x in (("img_ids", img_ids), ("txt_ids", txt_ids), ("ref", ref), ("ref_ids", ref_ids)):
             if x is not None:
@@ -338,25 +343,10 @@ class Flux2Transformer(nn.Module):
             self._check_cache(ref_kv, batch)
         if self.params.use_guidance_embed and guidance is None:
             raise Flux2Error("this model has a guidance embedding (FLUX.2-dev): pass guidance, e.g. 4.0 per item")
-        inputs = {"img": img, "img_ids": img_ids, "timesteps": timesteps, "txt": txt, "txt_ids": txt_ids,
-                  "guidance": guidance, "ref": ref, "ref_ids": ref_ids}
-        run = partial(self._velocity, ref_kv=ref_kv)
-        sp = self.sequence_parallel
-        if sp is None:
-            return run(**inputs)
-        return sp.call(run, parallel.FORWARD, inputs, {"ref_kv": None if ref_kv is None else ref_kv.parallel_id})
 
-    @torch.no_grad()
-    def reference_kv(self, ref: Tensor, ref_ids: Tensor) -> ReferenceKV:
-        """The references alone at t = 0 with no text; ref [B, Lref, in_channels], usually B = 1."""
+    def check_reference_kv(self, ref: Tensor, ref_ids: Tensor) -> None:
         self._check_tokens(ref, None)
         _batched(ref_ids, ref.shape[0], "ref_ids")
-        sp = self.sequence_parallel
-        if sp is None:
-            return self._reference_kv(ref, ref_ids)
-        kv = sp.call(self._reference_kv, parallel.REFERENCE_KV, {"ref": ref, "ref_ids": ref_ids})
-        kv.parallel_id = sp.last_kv = f"{sp.token}/{sp.calls}"   # the followers keep their shares of this one (only)
-        return kv
 
     def _velocity(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
                   guidance: Tensor | None, ref: Tensor | None, ref_ids: Tensor | None,
@@ -391,7 +381,9 @@ class Flux2Transformer(nn.Module):
         return ReferenceKV(kv, ref.shape[1] if shards is None else sum(shards.rest))
 
     def _shards(self, n_txt: int, n_rest: int) -> TokenShards | None:
-        return None if self.sequence_parallel is None else self.sequence_parallel.shards(n_txt, n_rest)
+        """This rank's token split where the passes are spread over ranks (``runtime/parallel.py`` sets the group)."""
+        group = run_state(self).sequence_parallel
+        return None if group is None else group.shards(n_txt, n_rest)
 
     def _vector(self, timesteps: Tensor, guidance: Tensor | None, dtype: torch.dtype) -> Tensor:
         """vec [B, H]."""
@@ -447,12 +439,10 @@ class Flux2Transformer(nn.Module):
         if ref_kv.batch not in (1, batch):
             raise Flux2Error(f"the reference KV cache has batch {ref_kv.batch} but the image tokens have batch "
                              f"{batch}; build it from batch-1 references to share it")
-        sp = self.sequence_parallel
-        heads = self.params.num_heads // (1 if sp is None else sp.world)
+        group = run_state(self).sequence_parallel
+        heads = self.params.num_heads // (1 if group is None else group.world)
         if ref_kv.blocks[0][0].shape[1] != heads:
             raise Flux2Error(f"the reference KV cache holds {ref_kv.blocks[0][0].shape[1]} heads but this model "
-                             f"attends with {heads} here{' (sequence-parallel)' if sp else ''}: it was made before the "
-                             f"model was spread over ranks or gathered back; rebuild it with this model's reference_kv")
-        if sp is not None and ref_kv.parallel_id != sp.last_kv:
-            raise Flux2Error("these reference K/V come from an earlier reference pass, and the other ranks keep only "
-                             "their share of the last one: compute them again with model.reference_kv")
+                             f"attends with {heads} here{' (sequence-parallel)' if group else ''}: it was made before "
+                             f"the model was spread over ranks or gathered back; rebuild it with this model's "
+                             f"reference_kv")

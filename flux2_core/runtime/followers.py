@@ -25,7 +25,7 @@ import torch
 
 from ..adapters.lora import AdapterUse
 from ..errors import Flux2Error
-from ..models import parallel
+from . import parallel
 
 START_TIMEOUT = 600.0       # seconds for every follower to load its transformer and report ready
 ADAPTERS = "adapters"       # the call that gives the followers the driver's LoRAs (parallel.serve handler)

@@ -16,9 +16,9 @@ from ..errors import Flux2Error
 from ..families import family_of_params
 from ..latents import latent_size
 from ..models.autoencoder import MIN_TILE
-from ..models.parallel import world_of
 from ..storage.protocol import call_bytes
 from ..variants import Variant
+from .parallel import world_of
 
 GIB = 1 << 30
 STREAM_MARGIN = 512 << 20     # bytes kept free beside streamed weights and activations (fragmentation, workspaces)

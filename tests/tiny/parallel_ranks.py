@@ -13,8 +13,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from flux2_core.errors import Flux2Error
-from flux2_core.models import parallel, rope
+from flux2_core.models import rope
 from flux2_core.models.transformer import Flux2Transformer
+from flux2_core.runtime import parallel
 from flux2_core.runtime.followers import free_port
 from flux2_core.sampling import euler
 from flux2_core.variants import TransformerParams
@@ -59,7 +60,7 @@ def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
         other = torch.randn(1, TXT_TOKENS, SIX_HEADS.context_in_dim, generator=g)
         return {"latents": first, "again": euler.denoise(model, x, SIGMAS, other, ref_kv=kv, kv=True)}
     if name == "quiet_calls":       # calls with no collectives, which slow followers read late, then a denoise
-        sp = model.sequence_parallel
+        sp = parallel.group_of(model)
         for _ in range(3):
             sp.call(lambda: None, "nothing", {})
         return {"latents": euler.denoise(model, x, SIGMAS, txt)}
@@ -69,14 +70,17 @@ def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
         inputs = (img, rope.image_ids(2, *MEMORY_GRID), torch.full((2,), 0.5), txt, rope.text_ids(2, MEMORY_TXT))
         with torch.no_grad():
             return {"velocity": [model(*inputs) for _ in range(MEMORY_PASSES)][-1]}
-    if name == "stale_kv":
+    if name == "stale_kv":        # refused on the driver before the followers hear of it: the group runs on
         old = model.reference_kv(ref, ref_ids)
         model.reference_kv(ref[:, :6], ref_ids[:, :6])
-        try:
-            euler.denoise(model, x, SIGMAS, txt, ref_kv=old, kv=True)
-        except Flux2Error as e:
-            return {"error": torch.tensor(list(str(e).encode()), dtype=torch.uint8)}
-        return {}
+        said = {}
+        for key, call in (("error", lambda: euler.denoise(model, x, SIGMAS, txt, ref_kv=old, kv=True)),
+                          ("bad_input", lambda: euler.denoise(model, x, SIGMAS, txt[..., :-1]))):
+            try:
+                call()
+            except Flux2Error as e:
+                said[key] = torch.tensor(list(str(e).encode()), dtype=torch.uint8)
+        return said | {"latents": euler.denoise(model, x, SIGMAS, txt)}
     if name == "rank_dies":
         try:
             euler.denoise(model, x, SIGMAS, txt)

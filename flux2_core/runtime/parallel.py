@@ -1,25 +1,25 @@
 """Sequence parallelism (Ulysses): one transformer pass spread over the ranks of a torch.distributed group.
 
-Everything but attention works token by token, so each rank runs it on its share of the tokens. Around attention
-two all-to-alls swap the split: q, k, v [B, H, l_r, D] -> [B, H/P, L, D] -> out back to [B, H, l_r, D] (RoPE is
-already applied and there is no mask, so key order is free). Image velocities are gathered after the final layer;
-KV references stay split by heads ([B, H/P, Lref, D] per rank).
-
-Rank 0 drives: it runs the whole pipeline and announces each transformer call to the followers (``serve``) through
-the group's store, so a follower can wait between generations for as long as it takes; input tensors go by
-broadcast. A failing rank leaves its message in the store, and the driver's error quotes it.
+The model's maths sees the ranks only as a token split with trades around attention (``models/shards.py``, which it
+asks ``run_state(model).sequence_parallel`` for); this module holds the ranks: starting and joining the group, its
+store, and the calls. Rank 0 drives: it runs the whole pipeline, and ``attach`` makes its model announce each call
+(``forward``, ``reference_kv``) to the followers (``serve``) through the group's store before running it, so a
+follower can wait between generations for as long as it takes; input tensors go by broadcast, and K/V that a
+reference pass made stay on each rank (its heads' share, [B, H/P, Lref, D]) and go by name. A failing rank leaves its
+message in the store, and the driver's error quotes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -27,83 +27,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..errors import Flux2Error
-from .run_state import run_state
+from ..models.run_state import run_state
+from ..models.shards import TokenShards, shares
+
+__all__ = ["SequenceParallel", "TokenShards", "attach", "check_world", "connect_store", "join", "leave", "serve",
+           "shares", "start", "start_from_env", "world_of"]
 
 DRIVER = 0
 GROUP_TIMEOUT = timedelta(minutes=10)   # a collective waiting this long means a rank is stuck: the pass fails
 POLL = timedelta(seconds=1)             # how often an idle follower checks that the driver is still there
-# the calls a driver announces and ``serve`` runs (other modules add their own through ``serve``'s handlers)
+# the calls a driver announces and ``serve`` runs (other modules add their own through ``serve``'s handlers): the
+# model's two methods (``reference_kv`` makes what the followers keep), and the group's own
 FORWARD, REFERENCE_KV, RELEASE, STOP = "forward", "reference_kv", "release", "stop"
+KEPT = "kept"         # the extra field naming a call's arguments that are K/V each rank kept from a reference pass
 DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64,
                                                      torch.int32, torch.uint8)}
-
-
-def shares(n: int, world: int) -> tuple[int, ...]:
-    """7 over 3 -> (3, 2, 2)."""
-    base, extra = divmod(n, world)
-    return tuple(base + (r < extra) for r in range(world))
-
-
-@dataclass(frozen=True)
-class TokenShards:
-
-    group: object
-    rank: int
-    txt: tuple[int, ...]     # text tokens held by each rank
-    rest: tuple[int, ...]    # image (then joint reference) tokens held by each rank
-
-    @property
-    def world(self) -> int:
-        return len(self.txt)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [t + s for t, s in zip(self.txt, self.rest)]
-
-    def local_txt(self, x: Tensor) -> Tensor:
-        """x [B, Ltxt, ...]."""
-        return x.narrow(1, sum(self.txt[:self.rank]), self.txt[self.rank])
-
-    def local_rest(self, x: Tensor) -> Tensor:
-        """x [B, Lrest, ...]."""
-        return x.narrow(1, sum(self.rest[:self.rank]), self.rest[self.rank])
-
-    def image_shares(self, n_img: int) -> list[int]:
-        """The image tokens are the first ``n_img`` of the rest."""
-        starts = [sum(self.rest[:r]) for r in range(self.world)]
-        return [max(0, min(n, n_img - start)) for n, start in zip(self.rest, starts)]
-
-    def heads_from_tokens(self, x: Tensor) -> Tensor:
-        """[B, H, l_r, D] (all heads of this rank's tokens) -> [B, H/P, L, D] (this rank's heads of all tokens)."""
-        batch, heads, local, dim = x.shape
-        mine = heads // self.world
-        send = x.reshape(batch, self.world, mine, local, dim).transpose(0, 1).contiguous()   # [P, B, H/P, l_r, D]
-        sizes = [batch * mine * n * dim for n in self.lengths]
-        got = x.new_empty(sum(sizes))
-        dist.all_to_all_single(got, send.view(-1), output_split_sizes=sizes,
-                               input_split_sizes=[send[0].numel()] * self.world, group=self.group)
-        return torch.cat([part.view(batch, mine, n, dim) for part, n in zip(got.split(sizes), self.lengths)], dim=2)
-
-    def tokens_from_heads(self, x: Tensor) -> Tensor:
-        """[B, H/P, L, D] -> [B, H, l_r, D]."""
-        batch, mine, _, dim = x.shape
-        local = self.lengths[self.rank]
-        send = torch.cat([part.reshape(-1) for part in x.split(self.lengths, dim=2)])
-        got = x.new_empty(self.world * batch * mine * local * dim)
-        dist.all_to_all_single(got, send, output_split_sizes=[batch * mine * local * dim] * self.world,
-                               input_split_sizes=[batch * mine * n * dim for n in self.lengths], group=self.group)
-        return got.view(self.world, batch, mine, local, dim).transpose(0, 1).reshape(batch, self.world * mine, local, dim)
-
-    def gather(self, x: Tensor, sizes: list[int]) -> Tensor:
-        """Every rank's x [B, sizes[r], C] -> [B, sum(sizes), C] in rank order, on every rank."""
-        batch, _, channels = x.shape
-        most = max(sizes)
-        padded = x.new_zeros(batch, most, channels)
-        padded[:, :x.shape[1]] = x
-        got = x.new_empty(self.world * batch, most, channels)
-        # torch 2.13 renamed all_gather_into_tensor; older builds (as on many GPU machines) have only that name
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(got, padded, group=self.group)
-        return torch.cat([part[:, :n] for part, n in zip(got.view(self.world, batch, most, channels), sizes)], dim=1)
 
 
 class SequenceParallel:
@@ -246,15 +184,53 @@ def check_world(heads: int, world: int) -> None:
 
 
 def attach(model, sp: SequenceParallel | None) -> None:
-    """None: run it whole again. The world size must divide the attention heads."""
+    """Spread ``model``'s passes over ``sp``'s ranks; None: run it whole again. The world size must divide the
+    attention heads. On the driver the model's ``forward`` and ``reference_kv`` announce themselves (``_announcing``).
+    """
     if sp is not None:
         check_world(model.params.num_heads, sp.world)
-    run_state(model).sequence_parallel = sp if sp is not None and sp.world > 1 else None
+    sp = sp if sp is not None and sp.world > 1 else None
+    run_state(model).sequence_parallel = sp
+    for name in (FORWARD, REFERENCE_KV):
+        model.__dict__.pop(name, None)                      # the class's own method again
+        if sp is not None and sp.driver and hasattr(model, name):
+            model.__dict__[name] = _announcing(model, sp, name, getattr(model, name))
+
+
+def group_of(model) -> SequenceParallel | None:
+    """The ranks ``model``'s passes are spread over (None: it runs whole)."""
+    return run_state(model).sequence_parallel
 
 
 def world_of(model) -> int:
-    sp = run_state(model).sequence_parallel
+    sp = group_of(model)
     return 1 if sp is None else sp.world
+
+
+def _announcing(model, sp: SequenceParallel, name: str, method: Callable) -> Callable:
+    """``model.<name>`` on the driver: checked by the model's ``check_<name>`` before the followers hear of it (bad
+    input fails here alone and the group stays usable), announced with its tensors, then run on every rank. An
+    argument that is neither a tensor nor None is K/V kept from a reference pass: it goes by the name of the call that
+    made it, and must be the last such call's (the followers keep only that one)."""
+    signature = inspect.signature(method)
+    check = getattr(model, f"check_{name}", None)
+
+    @functools.wraps(method)
+    def announced(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments
+        if check is not None:
+            check(**arguments)
+        tensors = {k: v for k, v in arguments.items() if v is None or isinstance(v, Tensor)}
+        kept = {k: v for k, v in arguments.items() if k not in tensors}
+        for value in kept.values():
+            if getattr(value, "parallel_id", None) != sp.last_kv:
+                raise Flux2Error("these reference K/V come from an earlier reference pass, and the other ranks keep "
+                                 "only their share of the last one: compute them again with model.reference_kv")
+        result = sp.call(lambda **given: method(**given, **kept), name, tensors, {KEPT: sorted(kept)})
+        if name == REFERENCE_KV:
+            result.parallel_id = sp.last_kv = f"{sp.token}/{sp.calls}"    # the followers keep this one (only)
+        return result
+    return announced
 
 
 def serve(model, sp: SequenceParallel, handlers: dict[str, Callable[[dict], None]] | None = None,
@@ -269,7 +245,7 @@ def serve(model, sp: SequenceParallel, handlers: dict[str, Callable[[dict], None
                 if name == STOP:
                     return
                 if name == FORWARD:
-                    model(**tensors, ref_kv=kv if extra.get("ref_kv") is not None else None)
+                    model(**tensors, **dict.fromkeys(extra.get(KEPT, ()), kv))
                 elif name == REFERENCE_KV:
                     kv = None                                   # the last one goes before the new one is made
                     kv = model.reference_kv(**tensors)
