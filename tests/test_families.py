@@ -180,3 +180,34 @@ def test_a_lora_on_a_second_family_matches_its_names_and_patches_its_model(toy):
     with pytest.raises(Flux2Error, match="none of its 2 keys is a LoRA/LoKr weight of Toy"):
         read_adapter({"diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": down,
                       "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight": up}, params)
+
+
+def test_a_second_family_runs_from_the_command_line(toy, tmp_path, capsys):
+    """The main job with a toy transformer file beside FLUX.2's text encoder and autoencoder files: the file is read
+    through the toy's entry, and the PNG equals pipeline.generate on the same files (itself proven above against the
+    Euler loop by hand), with the toy's default steps in its metadata."""
+    import numpy as np
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from flux2_core import pipeline
+    from flux2_core.app import cli
+    from tests.test_cli import png_parameters, write_models_folder
+    from tests.toy_family import ToyModel, ToyParams
+
+    write_models_folder(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    state = {k: torch.randn(v.shape, generator=g) / v.shape[1] ** 0.5
+             for k, v in ToyModel(ToyParams()).state_dict().items()}
+    toy_file = tmp_path / "diffusion_models" / "toy.safetensors"
+    save_file(state, str(toy_file))
+    files = (toy_file, tmp_path / "text_encoders" / "qwen_3_4b.safetensors", tmp_path / "vae" / "flux2-vae.safetensors")
+    code = cli.main(["--transformer", str(files[0]), "--text-encoder", str(files[1]), "--ae", str(files[2]),
+                     "--prompt", "a fox", "--cfg", "2.5", "--width", "48", "--height", "32", "--seed", "4",
+                     "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    size, params = png_parameters(tmp_path / "out" / "flux2_4.png")
+    assert size == (48, 32) and params["variant"] == "toy" and params["steps"] == 3 and params["cfg"] == 2.5
+    models = pipeline.load_models(*files, device="cpu", dtype=torch.float32)
+    expected = pipeline.generate(models, "a fox", cfg=2.5, width=48, height=32, seed=4)
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / "flux2_4.png")), expected.images[0].numpy())
