@@ -286,11 +286,6 @@ def prompt_embeds(conditioning, variant) -> torch.Tensor:
     if len(conditioning) > 1:
         log.warning("FLUX.2 Klein Denoise uses the first of %d conditioning entries", len(conditioning))
     embeds = conditioning[0][0]
-    needed = variant.params.context_in_dim
-    if embeds.ndim != 3 or embeds.shape[-1] != needed:
-        spec = variant.text_encoder
-        encoder = weights.ENCODER_FILES.get(spec.name, f"text encoder of hidden size {spec.hidden_size}")
-        raise Flux2Error(f"the prompt embeddings are {embeds.shape[-1]} wide but this model ({variant.name}) takes "
-                         f"{needed}: encode the prompt with the {encoder}")
+    weights.check_embeddings_fit(variant, embeds)
     return embeds
 

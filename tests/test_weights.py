@@ -316,6 +316,16 @@ def test_text_encoder_fits(dit, te):
     weights.check_text_encoder_fits(get_variant("klein-9b-kv"), qwen3_8b)
 
 
+def test_prompt_embeddings_made_elsewhere_fit_the_model():
+    """A CONDITIONING's embeddings against the model's text width (3 layers x 2560 for Klein 4B, 3 x 4096 for 9B)."""
+    weights.check_embeddings_fit(get_variant("klein-4b"), torch.zeros(1, 512, 3 * 2560))
+    with pytest.raises(Flux2Error, match=r"12288 wide but this model \(klein-4b\) takes 7680: encode the prompt "
+                                         r"with the Qwen3-4B text encoder \(qwen_3_4b.safetensors\)"):
+        weights.check_embeddings_fit(get_variant("klein-4b"), torch.zeros(1, 512, 3 * 4096))
+    with pytest.raises(Flux2Error, match="takes 12288"):
+        weights.check_embeddings_fit(get_variant("klein-9b"), torch.zeros(512, 3 * 4096))      # no batch axis
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # quantised files
 # ---------------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 
 from .loading import (
     ENCODER_FILES,
+    check_embeddings_fit,
     check_text_encoder_fits,
     default_device_dtype,
     inspect_transformer,
@@ -14,5 +15,5 @@ from .loading import (
     transformer_bytes,
 )
 
-__all__ = ["ENCODER_FILES", "check_text_encoder_fits", "default_device_dtype", "inspect_transformer",
+__all__ = ["ENCODER_FILES", "check_embeddings_fit", "check_text_encoder_fits", "default_device_dtype", "inspect_transformer",
            "load_autoencoder", "load_text_encoder", "load_transformer", "stored_dtype", "transformer_bytes"]

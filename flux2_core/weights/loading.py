@@ -683,6 +683,20 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
+def encoder_wanted(variant: Variant) -> str:
+    """The text encoder ``variant`` reads its prompts from, as messages name it."""
+    spec = variant.text_encoder
+    return ENCODER_FILES.get(spec.name, f"text encoder of hidden size {spec.hidden_size}")
+
+
+def check_embeddings_fit(variant: Variant, embeds) -> None:
+    """Prompt embeddings [B, L, C] made elsewhere (a ComfyUI CONDITIONING) against the width the model takes."""
+    needed = variant.params.context_in_dim
+    if embeds.ndim != 3 or embeds.shape[-1] != needed:
+        raise Flux2Error(f"the prompt embeddings are {embeds.shape[-1]} wide but this model ({variant.name}) takes "
+                         f"{needed}: encode the prompt with the {encoder_wanted(variant)}")
+
+
 def check_text_encoder_fits(variant: Variant, encoder: PromptEncoder) -> None:
     hidden = encoder.model.embed_tokens.embedding_dim
     needed = variant.params.context_in_dim
@@ -690,8 +704,7 @@ def check_text_encoder_fits(variant: Variant, encoder: PromptEncoder) -> None:
     if gives == needed:
         return
     title = variant.title or f"a FLUX.2 model taking {needed}-wide text embeddings"
-    wanted = ENCODER_FILES.get(variant.text_encoder.name,
-                               f"text encoder with hidden size {variant.text_encoder.hidden_size}")
-    raise Flux2Error(f"this is {title}; it needs the {wanted}, but you gave {qwen3_name(hidden)} encoder (hidden "
+    raise Flux2Error(f"this is {title}; it needs the {encoder_wanted(variant)}, but you gave {qwen3_name(hidden)} "
+                     f"encoder (hidden "
                      f"{hidden}, so {gives}-wide embeddings where the model takes {needed}). Load the matching "
                      f"text encoder")
