@@ -32,7 +32,8 @@ class ToComfyModel(io.ComfyNode):
         if model.ranks > 1:
             raise Flux2Error("FLUX.2 Klein to MODEL does not take a model spread over several GPUs yet: bypass "
                              "FLUX.2 Klein Parallel, or use FLUX.2 Klein Denoise")
-        return io.NodeOutput(engine_model.comfy_model(model.patcher, partial(prepare, model), model.key))
+        return io.NodeOutput(engine_model.comfy_model(model.patcher, model.variant, partial(prepare, model),
+                                                         model.key))
 
 
 def prepare(model: host.Managed) -> None:

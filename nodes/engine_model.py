@@ -8,9 +8,10 @@ ComfyUI samples a ``model_base.BaseModel``: its ``model_sampling`` (FLUX.2 flow 
                     ref_latents (list of [1 or B, 128, h', w']), control, transformer_options, **extra)
         -> velocity [B, 128, h, w]
 
-``KleinModel`` is ComfyUI's FLUX.2 BaseModel with ``EngineCall`` as that diffusion model. EngineCall holds the
+``KleinModel`` is ComfyUI's FLUX.2 BaseModel (ComfyUI's model of the family, ``HOST_MODELS``) with ``EngineCall`` as
+that diffusion model. EngineCall holds the
 engine's layers under the engine's own names, which are BFL's and so ComfyUI's (``diffusion_model.`` + the key in
-BFL's file): what addresses a FLUX.2 model's weights by name (model management, ComfyUI's LoRA key maps) finds ours. Every transformer the loader makes lives in a KleinModel, so our Denoise node and ComfyUI's samplers
+BFL's file): what addresses a FLUX.2 model's weights by name (model management, ComfyUI's LoRA key maps) finds ours. Every FLUX.2 transformer the loader makes lives in a KleinModel, so our Denoise node and ComfyUI's samplers
 share one ModelPatcher (the MODEL is a clone of it) and ComfyUI loads the weights once.
 
 ``comfy_model`` makes the MODEL: a clone of that ModelPatcher carrying an ``EngineRun`` (the LoRAs of FLUX.2 Klein
@@ -22,6 +23,7 @@ refused with a message rather than ignored. With nodes/host.py, the one module t
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,18 +120,39 @@ def refuse_unsupported(control, transformer_options: dict, extra: dict) -> None:
                          f"leave it out")
 
 
-class KleinModel(comfy.model_base.Flux2):
-    """ComfyUI's FLUX.2 model (sampling, conditioning, latent format: its own) with the engine's transformer."""
-
-    def __init__(self, engine: nn.Module, variant: Variant, dtype: torch.dtype, device: torch.device):
-        p = variant.params
-        config = comfy.supported_models.Flux2({
-            "image_model": "flux2", "in_channels": p.in_channels, "out_channels": p.in_channels, "patch_size": 1,
+def flux2_config(p) -> dict:
+    """A FLUX.2 transformer's parameters as ComfyUI's model detection describes them (its ``unet_config``)."""
+    return {"image_model": "flux2", "in_channels": p.in_channels, "out_channels": p.in_channels, "patch_size": 1,
             "hidden_size": p.hidden_size, "num_heads": p.num_heads, "depth": p.depth,
             "depth_single_blocks": p.depth_single_blocks, "context_in_dim": p.context_in_dim,
             "axes_dim": list(p.axes_dim), "theta": p.theta, "mlp_ratio": p.mlp_ratio,
-            "guidance_embed": p.use_guidance_embed})
-        super().__init__(config, device=device, unet_model=lambda **_: EngineCall(engine, variant, dtype))
+            "guidance_embed": p.use_guidance_embed}
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """ComfyUI's own model of one of our families: its BaseModel (sampling, conditioning, latent format), its
+    supported-model class, and the config its detection would read off the family's files."""
+
+    base: type
+    supported: type
+    config: Callable[[object], dict]
+
+
+# the families ComfyUI runs natively, by family name (flux2_core.families); a family without an entry is sampled by
+# our Denoise node alone, and FLUX.2 Klein to MODEL refuses it
+HOST_MODELS = {"flux2": HostModel(comfy.model_base.Flux2, comfy.supported_models.Flux2, flux2_config)}
+HOLDER_NAME = "Flux2KleinTransformer"       # ComfyUI's log names a model by its class: "Requested to load ..."
+
+
+class KleinModel:
+    """Mixed into ComfyUI's BaseModel of the transformer's family (``HOST_MODELS``): its sampling, conditioning and
+    latent format, with the engine's transformer as the diffusion model."""
+
+    def __init__(self, engine: nn.Module, variant: Variant, dtype: torch.dtype, device: torch.device):
+        host_model = HOST_MODELS[variant.family]
+        super().__init__(host_model.supported(host_model.config(variant.params)), device=device,
+                         unet_model=lambda **_: EngineCall(engine, variant, dtype))
 
     def memory_required(self, input_shape, cond_shapes=None):
         """The engine's estimate (memory.denoiser_memory) for ComfyUI's sampler: input_shape is the model batch
@@ -143,13 +166,36 @@ class KleinModel(comfy.model_base.Flux2):
                                       new_reference_kv=references_as_kv(diffusion.variant, ref_tokens > 0))
 
 
-# ComfyUI's log names the model it loads by its class: "Requested to load Flux2KleinTransformer"
-Flux2KleinTransformer = type("Flux2KleinTransformer", (KleinModel,), {})
+class EngineHolder(nn.Module):
+    """The transformer of a family ComfyUI has no model of, under its model management: the engine as its only child
+    (our Denoise node samples it)."""
+
+    def __init__(self, engine: nn.Module, variant: Variant, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.module = engine
 
 
-def comfy_model(patcher, prepare: Callable[[], None], model_key: tuple):
+@functools.cache
+def holder_class(family: str) -> type:
+    host_model = HOST_MODELS.get(family)
+    bases = (KleinModel, host_model.base) if host_model else (EngineHolder,)
+    return type(HOLDER_NAME, bases, {})
+
+
+def transformer_holder(engine: nn.Module, variant: Variant, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """What a loaded transformer lives in under ComfyUI's model management: ComfyUI's own model of its family where
+    ComfyUI has one (so our Denoise node and ComfyUI's samplers share one ModelPatcher), else a plain holder."""
+    return holder_class(variant.family)(engine, variant, dtype, device)
+
+
+def comfy_model(patcher, variant: Variant, prepare: Callable[[], None], model_key: tuple):
     """The MODEL for ComfyUI's samplers: a clone of ``patcher`` (a KleinModel's) that runs ``prepare`` before every
-    model call; ``model_key`` names the weights as loaded (for the 9B-KV reference K/V)."""
+    model call; ``model_key`` names the weights as loaded (for the 9B-KV reference K/V). A transformer of a family
+    ComfyUI has no model of is refused."""
+    if not isinstance(patcher.model, KleinModel):
+        title = variant.title or family_of(variant).title
+        raise Flux2Error(f"ComfyUI has no model of {title}, so its samplers cannot drive it: sample it with "
+                         f"FLUX.2 Klein Denoise instead of FLUX.2 Klein to MODEL")
     run = EngineRun(prepare, model_key)
     model = patcher.clone()
     model.model_options.setdefault("transformer_options", {})[RUN] = run
