@@ -68,6 +68,11 @@ class AutoEncoderParams:
         return 2 ** (len(self.ch_mult) - 1)
 
 
+# Qwen3's chat template for one user turn with the generation prompt, thinking off (what transformers'
+# apply_chat_template(..., add_generation_prompt=True, enable_thinking=False) renders)
+QWEN3_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
 @dataclass(frozen=True)
 class TextEncoderSpec:
     name: str               # "qwen3-4b", "qwen3-8b", "mistral-small-3.2"
@@ -76,6 +81,15 @@ class TextEncoderSpec:
     max_length: int = 512
     files: tuple[str, ...] = ()   # usual file names (ComfyUI text_encoders/), for finding weights
     gguf_stem: str = ""           # GGUF files are named <stem>-<quant>.gguf (llama.cpp / unsloth: Qwen3-4B-Q4_K_M.gguf)
+    template: str = QWEN3_TEMPLATE   # the text the prompt is put in ("{prompt}" marks where) before tokenizing
+    pad_multiple: int = 0         # 0: every prompt padded (or cut) to max_length tokens; n: a batch padded to the
+                                  # next multiple of n of its longest prompt, at most max_length
+
+    def padded_length(self, longest: int) -> int:
+        """The tokens each prompt of a batch is padded or cut to, for a batch whose longest prompt has ``longest``."""
+        if not self.pad_multiple:
+            return self.max_length
+        return min(self.max_length, max(1, -(-longest // self.pad_multiple)) * self.pad_multiple)
 
     @property
     def width(self) -> int:

@@ -1,6 +1,6 @@
 """The Qwen3 prompt embedder, as BFL's ``Qwen3Embedder`` and diffusers' ``_get_qwen3_prompt_embeds``: the prompt in
 Qwen3's chat template, 512 tokens (right padded / truncated), embeds [B, 512, 3*D] = cat(hidden states 9, 18, 27)
-per token, un-normed. Pad tokens are masked as keys inside Qwen3 but their rows are kept: the transformer sees all
+per token, un-normed (FLUX.2's ``TextEncoderSpec``; another family's spec gives its template, layers and padding). Pad tokens are masked as keys inside Qwen3 but their rows are kept: the transformer sees all
 512. Layers 28.. and the final norm never matter, so the model is built with 27 layers and no final norm.
 """
 
@@ -13,7 +13,7 @@ import torch
 from ..checks import dtype_cause, finite
 from ..errors import Flux2Error
 from ..storage.quant import DROPPED_SUFFIXES
-from ..variants import QWEN3_4B, QWEN3_8B, TextEncoderSpec
+from ..variants import QWEN3_4B, QWEN3_8B, QWEN3_TEMPLATE, TextEncoderSpec
 from .layers import Layers
 from .qwen3 import Qwen3, Qwen3Params
 from .tokenizer import Qwen3Tokenizer, as_qwen3_tokenizer, load_tokenizer
@@ -29,8 +29,8 @@ class PromptEmbeds:
     dropped: list[int]         # tokens cut off by truncation to max_length (0 when the prompt fits)
 
 
-def render_prompt(prompt: str) -> str:
-    """What ``apply_chat_template(..., add_generation_prompt=True, enable_thinking=False)`` renders."""
+def render_prompt(prompt: str, template: str = QWEN3_TEMPLATE) -> str:
+    """The prompt in its encoder's template (``TextEncoderSpec.template``; Qwen3's chat template by default)."""
     if not isinstance(prompt, str):
         raise Flux2Error(f"a prompt must be a string, got {type(prompt).__name__}")
     try:
@@ -39,12 +39,12 @@ def render_prompt(prompt: str) -> str:
         raise Flux2Error(f"the prompt is not valid text: character {e.start} stands for a byte that is not UTF-8 "
                          f"({prompt[max(0, e.start - 20):e.start]!r} comes before it); pass the prompt as UTF-8 text "
                          f"(check the terminal's or file's encoding)") from None
-    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    return template.replace("{prompt}", prompt)
 
 
-def count_prompt_tokens(tokenizer: Qwen3Tokenizer, prompt: str) -> int:
+def count_prompt_tokens(tokenizer: Qwen3Tokenizer, prompt: str, template: str = QWEN3_TEMPLATE) -> int:
     """Before truncation: the exact count the web extension shows under the prompt."""
-    return len(tokenizer.encode(render_prompt(prompt)))
+    return len(tokenizer.encode(render_prompt(prompt, template)))
 
 
 class PromptEncoder:
@@ -72,7 +72,9 @@ class PromptEncoder:
             raise Flux2Error(f"prompts must be a list of strings, got {type(prompts).__name__}")
         if not prompts:
             raise Flux2Error("no prompt to encode: pass at least one (an empty string is a valid prompt)")
-        ids, mask, counts = self.tokenizer.padded([render_prompt(p) for p in prompts], self.spec.max_length)
+        texts = [render_prompt(p, self.spec.template) for p in prompts]
+        longest = max(len(self.tokenizer.encode(text)) for text in texts)
+        ids, mask, counts = self.tokenizer.padded(texts, self.spec.padded_length(longest))
         return torch.tensor(ids), torch.tensor(mask), counts
 
     @torch.no_grad()
