@@ -25,6 +25,7 @@ from flux2_core.variants import TextEncoderSpec, Variant
 class ToyParams:
     context_in_dim: int = 96         # the prompt embeddings' width (the demo's Qwen3: 3 layers x 32)
     use_guidance_embed: bool = False
+    num_heads: int = 1               # no attention: nothing to spread over ranks
     channels: int = 128
     hidden: int = 16
 

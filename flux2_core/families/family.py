@@ -20,6 +20,7 @@ class ModelParams(Protocol):
 
     context_in_dim: int          # the width of the prompt embeddings the model takes
     use_guidance_embed: bool     # a guidance-embedding model: the guidance scale is an input, not CFG
+    num_heads: int               # attention heads: what sequence parallelism splits over the ranks
 
 
 class ShapeReader(Protocol):
