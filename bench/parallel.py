@@ -147,8 +147,9 @@ def model_report(args) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 class TimedCollectives:
-    """torch.distributed as parallel.py sees it (``parallel.dist``), with the collectives it calls timed: seconds,
-    calls and bytes received from the other ranks, per collective. Everything else is torch.distributed's."""
+    """torch.distributed as the ranks (runtime/parallel.py) and the model's token trades (models/shards.py) see it, with
+    the collectives they call timed: seconds, calls and bytes received from the other ranks, per collective.
+    Everything else is torch.distributed's."""
 
     def __init__(self, real, rank: int):
         self._real, self._rank = real, rank
@@ -210,6 +211,7 @@ def reset_peak() -> None:
 
 def _rank(rank: int, world: int, port: int, threads: int, job: dict, out: str) -> None:
     """One rank of a measured run: rank 0 times the denoises, every rank writes ``rank{rank}.json`` to ``out``."""
+    from flux2_core.models import shards
     from flux2_core.runtime import parallel
     from flux2_core.sampling import euler, schedules
 
@@ -223,7 +225,7 @@ def _rank(rank: int, world: int, port: int, threads: int, job: dict, out: str) -
     model = build_transformer(cfg.transformer, dtype)
     weights_rss = proc_status("VmRSS")
     timed = TimedCollectives(parallel.dist, rank)
-    parallel.dist = timed
+    parallel.dist = shards.dist = timed          # the ranks' calls and the model's trades around attention
     report = {"rank": rank, "world": world, "threads": threads, "weights_rss": weights_rss}
 
     def reset():
