@@ -14,19 +14,33 @@ import torch
 
 log = logging.getLogger("flux2_klein")
 
-try:
-    import comfy_kitchen as ck
-    MISSING = ""
-except ImportError as error:                   # not installed, or its own imports fail (it needs `packaging`)
-    ck, MISSING = None, str(error)
+
+@functools.cache
+def _imported() -> tuple[object | None, str]:
+    """(the comfy_kitchen module or None, why not). Imported on first use, not with the engine: it imports
+    torch._dynamo (seconds on a small CPU), which a run that never asks for a kernel does without."""
+    try:
+        import comfy_kitchen
+        return comfy_kitchen, ""
+    except ImportError as error:               # not installed, or its own imports fail (it needs `packaging`)
+        return None, str(error)
+
+
+def __getattr__(name: str):
+    """``kitchen.ck`` (the module or None) and ``kitchen.MISSING`` (why it is None), imported when first read."""
+    if name == "ck":
+        return _imported()[0]
+    if name == "MISSING":
+        return _imported()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.cache
 def available(op: str) -> str | None:
     if os.environ.get("FLUX2_NO_KITCHEN"):
         reason = "turned off (FLUX2_NO_KITCHEN is set)"
-    elif ck is None:
-        reason = f"comfy-kitchen is not importable ({MISSING}); pip install comfy-kitchen packaging"
+    elif (ck := _imported()[0]) is None:
+        reason = f"comfy-kitchen is not importable ({_imported()[1]}); pip install comfy-kitchen packaging"
     elif not hasattr(ck, op):
         reason = f"this comfy-kitchen ({getattr(ck, '__version__', 'unknown version')}) has no {op}; update it"
     else:
@@ -42,6 +56,7 @@ def forget() -> None:
 
 
 def gpu_backends(op: str) -> list[str]:
+    ck = _imported()[0]
     if ck is None:
         return []
     return [name for name, info in ck.list_backends().items() if name in ("cuda", "triton")
@@ -50,8 +65,8 @@ def gpu_backends(op: str) -> list[str]:
 
 @functools.cache
 def _fusing(op: str, device_type: str) -> bool:
-    missing = available(op)
-    if missing:
+    # the CPU is ruled out before the package is asked: a CPU run never imports it for these
+    if device_type != "cpu" and available(op):
         return False
     if device_type != "cuda":
         reason = "comfy-kitchen's kernels are for GPUs (its CPU code is the same torch ops)"
@@ -73,15 +88,15 @@ def rms_rope(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor, k_scale: t
     table [B, L, D/2, 2] (cos, sin), in one kernel; both in ``dtype``."""
     cos, sin = table.unbind(-1)
     rotation = torch.stack([cos, -sin, sin, cos], dim=-1).unflatten(-1, (2, 2))[:, None]   # [B, 1, L, D/2, 2, 2]
-    q, k = ck.rms_rope(q, k, rotation, q_scale, k_scale, 1e-6)
+    q, k = _imported()[0].rms_rope(q, k, rotation, q_scale, k_scale, 1e-6)
     return q.to(dtype), k.to(dtype)
 
 
 def adaln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(1 + scale) · LayerNorm(x) + shift (no affine, eps 1e-6) in one kernel."""
-    return ck.adaln(x, scale, shift, 1e-6)
+    return _imported()[0].adaln(x, scale, shift, 1e-6)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] int8 · weight_scale [N])ᵀ, x quantized per token (dynamic W8A8)."""
-    return ck.int8_linear(x, weight, weight_scale, out_dtype=x.dtype)
+    return _imported()[0].int8_linear(x, weight, weight_scale, out_dtype=x.dtype)

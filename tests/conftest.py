@@ -28,8 +28,7 @@ def plain_ops(monkeypatch, fresh_kitchen):
 @pytest.fixture
 def no_kitchen(monkeypatch, fresh_kitchen):
     """comfy-kitchen as if it were not installed."""
-    monkeypatch.setattr(kitchen, "ck", None)
-    monkeypatch.setattr(kitchen, "MISSING", "No module named 'comfy_kitchen'")
+    monkeypatch.setattr(kitchen, "_imported", lambda: (None, "No module named 'comfy_kitchen'"))
 
 
 def pytest_report_header(config):
