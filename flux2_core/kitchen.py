@@ -50,7 +50,7 @@ def available(op: str) -> str | None:
 
 
 def forget() -> None:
-    """For when the package, its backends or FLUX2_NO_KITCHEN changed in a running process."""
+    """For when its backends or FLUX2_NO_KITCHEN changed in a running process (the import itself is tried once)."""
     available.cache_clear()
     _fusing.cache_clear()
 

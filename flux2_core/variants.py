@@ -81,15 +81,8 @@ class TextEncoderSpec:
     max_length: int = 512
     files: tuple[str, ...] = ()   # usual file names (ComfyUI text_encoders/), for finding weights
     gguf_stem: str = ""           # GGUF files are named <stem>-<quant>.gguf (llama.cpp / unsloth: Qwen3-4B-Q4_K_M.gguf)
-    template: str = QWEN3_TEMPLATE   # the text the prompt is put in ("{prompt}" marks where) before tokenizing
-    pad_multiple: int = 0         # 0: every prompt padded (or cut) to max_length tokens; n: a batch padded to the
-                                  # next multiple of n of its longest prompt, at most max_length
-
-    def padded_length(self, longest: int) -> int:
-        """The tokens each prompt of a batch is padded or cut to, for a batch whose longest prompt has ``longest``."""
-        if not self.pad_multiple:
-            return self.max_length
-        return min(self.max_length, max(1, -(-longest // self.pad_multiple)) * self.pad_multiple)
+    template: str = QWEN3_TEMPLATE   # the text the prompt is put in ("{prompt}" marks where) before tokenizing;
+                                     # every prompt is then padded (or cut) to max_length tokens
 
     @property
     def width(self) -> int:

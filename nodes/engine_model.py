@@ -166,26 +166,17 @@ class KleinModel:
                                       new_reference_kv=references_as_kv(diffusion.variant, ref_tokens > 0))
 
 
-class EngineHolder(nn.Module):
-    """The transformer of a family ComfyUI has no model of, under its model management: the engine as its only child
-    (our Denoise node samples it)."""
-
-    def __init__(self, engine: nn.Module, variant: Variant, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.module = engine
-
-
 @functools.cache
-def holder_class(family: str) -> type:
-    host_model = HOST_MODELS.get(family)
-    bases = (KleinModel, host_model.base) if host_model else (EngineHolder,)
-    return type(HOLDER_NAME, bases, {})
+def _host_class(family: str) -> type:
+    return type(HOLDER_NAME, (KleinModel, HOST_MODELS[family].base), {})
 
 
-def transformer_holder(engine: nn.Module, variant: Variant, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """What a loaded transformer lives in under ComfyUI's model management: ComfyUI's own model of its family where
-    ComfyUI has one (so our Denoise node and ComfyUI's samplers share one ModelPatcher), else a plain holder."""
-    return holder_class(variant.family)(engine, variant, dtype, device)
+def host_model(engine: nn.Module, variant: Variant, dtype: torch.dtype, device: torch.device) -> nn.Module | None:
+    """ComfyUI's own model of the transformer's family around it (so our Denoise node and ComfyUI's samplers share
+    one ModelPatcher); None for a family ComfyUI has no model of."""
+    if variant.family not in HOST_MODELS:
+        return None
+    return _host_class(variant.family)(engine, variant, dtype, device)
 
 
 def comfy_model(patcher, variant: Variant, prepare: Callable[[], None], model_key: tuple):

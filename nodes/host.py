@@ -45,7 +45,7 @@ from ..flux2_core.models.transformer import ReferenceKV
 from ..flux2_core.runtime.cache import fingerprint
 from ..flux2_core.runtime.followers import FollowerGroup, TransformerSource
 from ..flux2_core.variants import Variant
-from .engine_model import transformer_holder
+from .engine_model import HOLDER_NAME, host_model
 
 log = logging.getLogger("flux2_klein")
 
@@ -200,9 +200,9 @@ class Holder(nn.Module):
 
 # One holder class per kind, so ComfyUI's log says "Requested to load Flux2KleinTextEncoder"; a transformer's holder
 # is ComfyUI's own model of its family around it where ComfyUI has one (engine_model.py), which ComfyUI's samplers
-# can drive too.
+# can drive too, else a plain holder.
 HOLDERS = {kind: type(name, (Holder,), {}) for kind, name in [
-    ("text_encoder", "Flux2KleinTextEncoder"), ("ae", "Flux2KleinAE")]}
+    ("text_encoder", "Flux2KleinTextEncoder"), ("ae", "Flux2KleinAE"), ("transformer", HOLDER_NAME)]}
 
 
 @dataclass
@@ -274,8 +274,8 @@ def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str =
         elif next(layer.children(), None) is None and next(layer.parameters(recurse=False), None) is not None:
             layer.register_forward_pre_hook(_follow_input)   # a leaf layer with parameters, e.g. an RMS norm
     load_device, offload_device = devices(kind)
-    holder = (transformer_holder(module, variant, dtype, offload_device) if kind == "transformer"
-              else HOLDERS[kind](module))
+    holder = host_model(module, variant, dtype, offload_device) if kind == "transformer" else None
+    holder = holder if holder is not None else HOLDERS[kind](module)
     patcher = comfy.model_patcher.ModelPatcher(holder, load_device=load_device, offload_device=offload_device)
     return Managed(core, patcher, dtype, variant, full_load, fingerprint(module))
 

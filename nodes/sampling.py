@@ -177,7 +177,7 @@ class Denoise(io.ComfyNode):
                                    kv=plan.reference_kv, guidance=rule.embedded, inpaint=blend,
                                    callback=host.StepReporter(len(sigmas) - 1, device), dtype=model.dtype)
             if spread:
-                parallel.group_of(model.core).release()          # the followers' share of the reference K/V
+                parallel.sequence_parallel_of(model.core).release()          # the followers' share of the reference K/V
         except BaseException:
             host.close_broken_followers()       # cancelled or failed inside a pass: the next run starts new ones
             raise

@@ -393,6 +393,14 @@ def test_blocks_the_model_lacks():
         read_adapter(sd, P)
 
 
+def test_blocks_only_flux1_has_are_named():
+    """An attention-only FLUX.1 LoRA (no modulation keys to tell it by): its block indices go past every FLUX.2
+    model's (19 double, 38 single blocks in FLUX.1)."""
+    sd = lora_keys("lora_unet_double_blocks_18_img_attn_proj", "lora_unet_single_blocks_37_linear2")
+    with pytest.raises(Flux2Error, match="targets block 18 of the double_blocks.*probably made for FLUX.1"):
+        read_adapter(sd, P)
+
+
 @pytest.mark.parametrize(("sd", "message"), [
     (lora_keys("diffusion_model.img_in", down=(3, 128), up=(H, 2)), "ranks 2 and 3 differ"),
     ({"diffusion_model.img_in.lora_A.weight": torch.randn(2, 128)}, "no up tensor"),

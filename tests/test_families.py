@@ -177,6 +177,10 @@ def test_a_lora_on_a_second_family_matches_its_names_and_patches_its_model(toy):
     set_adapters(model, [(p, 0.7) for p in adapter.patches])
     with torch.no_grad():
         torch.testing.assert_close(model(x, t, txt), expected(x, t, txt))
+    with pytest.raises(Flux2Error, match=r"'lora_unet_toy_out' gives a weight change of shape \[4, 16\] but toy_out "
+                                         r"is \[128, 16\]. The adapter was made for another model"):
+        read_adapter({"lora_unet_toy_out.lora_down.weight": down, "lora_unet_toy_out.lora_up.weight": up[:4]},
+                     params)
     with pytest.raises(Flux2Error, match="none of its 2 keys is a LoRA/LoKr weight of Toy"):
         read_adapter({"diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": down,
                       "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight": up}, params)

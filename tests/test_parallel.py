@@ -1,6 +1,6 @@
-"""Sequence parallelism (flux2_core/models/parallel.py) on 2 and 3 gloo ranks on the CPU equals one process on the same
-tiny weights: text-to-image, CFG, three joint references and the 9B-KV scheme, with token counts that do not divide
-evenly; and its errors."""
+"""Sequence parallelism (flux2_core/runtime/parallel.py, models/shards.py) on 2 and 3 gloo ranks on the CPU equals one
+process on the same tiny weights: text-to-image, CFG, three joint references and the 9B-KV scheme, with token counts
+that do not divide evenly; and its errors."""
 
 import os
 
@@ -40,7 +40,7 @@ def test_world_must_divide_the_heads():
     sp = parallel.SequenceParallel(0, 4, "cpu", store=None)
     with pytest.raises(Flux2Error, match=r"4 ranks do not divide this model's 6 attention heads: use 2, 3, 6"):
         parallel.attach(model, sp)
-    assert parallel.group_of(model) is None
+    assert parallel.sequence_parallel_of(model) is None
 
 
 def test_a_missing_backend_is_named():

@@ -69,23 +69,21 @@ def test_a_prompt_holding_bytes_that_are_not_utf8_is_refused(tokenizer, encoder)
         encoder.encode([prompt])
 
 
-def test_an_encoders_spec_gives_its_template_and_padding(tokenizer, encoder):
-    """Another family's encoder spec (its own template, a batch padded to a multiple of 16 tokens): the counts are
-    the tokens of the prompt in that template, the batch is padded to the multiple above its longest prompt, and each
-    row equals the same prompt padded to 512 (Qwen3 is causal and masks the pads as keys: what follows a token never
-    reaches it)."""
+def test_an_encoders_spec_gives_its_template_and_length(tokenizer, encoder):
+    """Another family's encoder spec (its own template, 48 tokens): the counts are the tokens of the prompt in that
+    template, and each row equals the same prompt in the same template padded to 512 (Qwen3 is causal and masks the
+    pads as keys: what follows a token never reaches it)."""
     from dataclasses import replace
 
     template = "<|im_start|>system\nDraw.<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n"
     prompts = ["a red fox in the snow", "Ein Café in Zürich"]
     counts = [len(tokenizer.encode(template.replace("{prompt}", p))) for p in prompts]
-    fixed = build_qwen3_encoder(build_tiny_qwen3().state_dict(), device="cpu", dtype=torch.float32,
-                                tokenizer=tokenizer, spec=replace(encoder.spec, template=template))
-    multiple = build_qwen3_encoder(build_tiny_qwen3().state_dict(), device="cpu", dtype=torch.float32,
-                                   tokenizer=tokenizer, spec=replace(fixed.spec, pad_multiple=16))
-    short, full = multiple.encode(prompts), fixed.encode(prompts)
-    length = 16 * -(-max(counts) // 16)
-    assert short.token_counts == full.token_counts == counts and short.embeds.shape[1] == length < 512
-    torch.testing.assert_close(short.embeds, full.embeds[:, :length], rtol=1e-5, atol=1e-6)
+    full = build_qwen3_encoder(build_tiny_qwen3().state_dict(), device="cpu", dtype=torch.float32,
+                               tokenizer=tokenizer, spec=replace(encoder.spec, template=template))
+    short = build_qwen3_encoder(build_tiny_qwen3().state_dict(), device="cpu", dtype=torch.float32,
+                                tokenizer=tokenizer, spec=replace(full.spec, max_length=48))
+    cut, whole = short.encode(prompts), full.encode(prompts)
+    assert cut.token_counts == whole.token_counts == counts and max(counts) < 48 and cut.embeds.shape[1] == 48
+    torch.testing.assert_close(cut.embeds, whole.embeds[:, :48], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(whole.embeds, encoder.encode(prompts).embeds)          # Qwen3's own template differs
     assert count_prompt_tokens(tokenizer, prompts[0], template) == counts[0]
-    assert replace(multiple.spec, max_length=20).padded_length(max(counts)) == 20      # never beyond max_length

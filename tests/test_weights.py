@@ -322,7 +322,8 @@ def test_prompt_embeddings_made_elsewhere_fit_the_model():
     with pytest.raises(Flux2Error, match=r"12288 wide but this model \(klein-4b\) takes 7680: encode the prompt "
                                          r"with the Qwen3-4B text encoder \(qwen_3_4b.safetensors\)"):
         weights.check_embeddings_fit(get_variant("klein-4b"), torch.zeros(1, 512, 3 * 4096))
-    with pytest.raises(Flux2Error, match="takes 12288"):
+    with pytest.raises(Flux2Error, match=r"shape \[512, 12288\] but this model \(klein-9b\) takes \[batch, tokens, "
+                                         r"12288\]"):
         weights.check_embeddings_fit(get_variant("klein-9b"), torch.zeros(512, 3 * 4096))      # no batch axis
 
 

@@ -29,6 +29,10 @@ class ToyParams:
     channels: int = 128
     hidden: int = 16
 
+    @property
+    def hidden_size(self) -> int:
+        return self.hidden
+
 
 class ToyModel(nn.Module):
     def __init__(self, params: ToyParams, layers: Layers | None = None):
@@ -80,5 +84,5 @@ TOY = Family(name="toy", params_type=ToyParams, title="Toy",
              condition=condition,
              memory=lambda p: MemoryInputs(peak_values=3 * p.hidden, table_bytes=0, hidden=p.hidden, kv_layers=0),
              schedule="flux2",
-             adapters=AdapterNaming(groups=(("toy layers", "toy_"),), models={16: "the toy"}, lookalikes=(),
+             adapters=AdapterNaming(groups=(("toy layers", "toy_"),), models={16: "the toy"}, lookalikes=(), other_depths=(),
                                     shape_hint=lambda module, found, hidden: ""))

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from ..errors import Flux2Error
 from ..families import Family, family_of_params, linear_shapes
@@ -92,11 +94,12 @@ BLOCK_INDEX = re.compile(r"(?<=[._])\d+(?=[._]|$)")       # a module path's firs
 class ModelNames:
     """Every name adapter files give the linears of one model, and what a name with another block index would be."""
     family: Family
-    dotted: dict[str, Target]                   # every layout's module paths -> the weight (rows) they name
-    underscored: dict[str, Target]              # the same with "." -> "_" (kohya, LyCORIS)
-    blocks: dict[str, tuple[str, str, int]]     # a path with its block index as "#" -> (its block list as the file
+    dotted: Mapping[str, Target]                # every layout's module paths -> the weight (rows) they name
+    underscored: Mapping[str, Target]           # the same with "." -> "_" (kohya, LyCORIS)
+    blocks: Mapping[str, tuple[str, str, int]]  # a path with its block index as "#" -> (its block list as the file
                                                 # names it, the report group, the blocks the model has in that list)
-    depths: dict[str, int]                      # the family's block groups -> the blocks the model has in each
+    depths: Mapping[str, int]                   # the family's block groups -> the blocks the model has in each
+                                                # (read-only: one ModelNames serves every adapter of the model)
 
     def model_name(self, hidden: int) -> str:
         return self.family.adapters.models.get(hidden, f"a model with hidden size {hidden}")
@@ -144,7 +147,8 @@ def model_names(params) -> ModelNames:
         template = block_template(name)
         if template and target.group in depths:
             blocks[template[0]] = (template[1], target.group, depths[target.group])
-    return ModelNames(family, dotted, underscored, blocks, depths)
+    return ModelNames(family, MappingProxyType(dotted), MappingProxyType(underscored), MappingProxyType(blocks),
+                      MappingProxyType(depths))
 
 
 def split_key(key: str) -> tuple[str, str] | None:
@@ -154,24 +158,25 @@ def split_key(key: str) -> tuple[str, str] | None:
 
 
 def _unprefixed(path: str):
-    """(the path without a producer's prefix, "." or "_" naming, what the prefix says) for every prefix it has."""
+    """(the path without a producer's prefix, the names it is looked up in, the producer, the prefix) for every
+    prefix it has: underscore prefixes (kohya, LyCORIS) name modules with "." -> "_", dotted ones as they are."""
     for prefix, producer in UNDERSCORE_PREFIXES:
         if path.startswith(prefix):
-            yield path[len(prefix):], "_", f"{producer} ({prefix})"
+            yield path[len(prefix):], "_", producer, prefix
     for prefix, producer in DOTTED_PREFIXES:
         if path.startswith(prefix):
-            yield path[len(prefix):], ".", f"{producer} ({prefix or 'no prefix'}"
+            yield path[len(prefix):], ".", producer, prefix
 
 
 def resolve(path: str, names: ModelNames,
             text_encoder_shapes: dict[str, tuple[int, int]] | None) -> tuple[Target, str] | None:
     """The Target a module path names and the file format it shows, or None."""
-    for rest, joiner, producer in _unprefixed(path):
+    for rest, joiner, producer, prefix in _unprefixed(path):
         if joiner == "_" and rest in names.underscored:
-            return names.underscored[rest], producer
+            return names.underscored[rest], f"{producer} ({prefix})"
         if joiner == "." and rest in names.dotted:
             target = names.dotted[rest]
-            return target, f"{producer}, {target.naming} names)"
+            return target, f"{producer} ({prefix or 'no prefix'}, {target.naming} names)"
     match = TEXT_ENCODER.search(path)
     if match:
         module = f"layers.{match[1]}.{match[2]}.{match[3]}"
@@ -184,13 +189,14 @@ def resolve(path: str, names: ModelNames,
     return None
 
 
-def refuse_other_family(keys: list[str], names: ModelNames, where: str) -> None:
+def refuse_other_family(keys: list[str], names: ModelNames, params, where: str) -> None:
     """Flux2Error when keys that matched nothing carry another model family's names."""
+    model = names.model_name(params.hidden_size)
     for key in keys:
         for pattern, family in (*names.family.adapters.lookalikes, *OTHER_FAMILIES):
             if pattern.search(key):
-                raise Flux2Error(f"{where} is an adapter for {family}, not {names.family.title} (key {key!r}); load "
-                                 f"a LoRA made for {names.family.title}")
+                raise Flux2Error(f"{where} is an adapter for {family}, not {names.family.title} ({model}) (key "
+                                 f"{key!r}); load a LoRA made for {model}")
 
 
 def refuse_missing_blocks(keys: list[str], names: ModelNames, params, where: str) -> None:
@@ -199,7 +205,7 @@ def refuse_missing_blocks(keys: list[str], names: ModelNames, params, where: str
     found = []                                                    # (key, block list, group, blocks there, index)
     for key in keys:
         split = split_key(key)
-        for rest, _, _ in _unprefixed(split[0]) if split else ():
+        for rest, *_ in _unprefixed(split[0]) if split else ():
             template = block_template(rest)
             if template and template[0] in names.blocks:
                 found.append((key, *names.blocks[template[0]], template[2]))
@@ -211,9 +217,10 @@ def refuse_missing_blocks(keys: list[str], names: ModelNames, params, where: str
     deepest = {group: max(f[4] for f in found if f[2] == group) for group in {f[2] for f in found}}
     has = ", ".join(f"{n} {group}" for group, n in names.depths.items())
     model = names.model_name(params.hidden_size)
-    fits = [(sum(d.values()), names.model_name(v.params.hidden_size))
-            for v in VARIANTS.values() if v.family == names.family.name and v.params != params
-            for d in [_depths(names.family, v.params)] if all(i < d[g] for g, i in deepest.items())]
+    models = [*((names.model_name(v.params.hidden_size), _depths(names.family, v.params))
+                for v in VARIANTS.values() if v.family == names.family.name and v.params != params),
+              *names.family.adapters.other_depths]
+    fits = [(sum(d.values()), name) for name, d in models if all(i < d.get(g, 0) for g, i in deepest.items())]
     made = f"; it was probably made for {min(fits)[1]}" if fits else ""
     raise Flux2Error(f"{where} targets block {index} of the {block_list} ({key!r}), but the model has {has} "
                      f"({model}){made}. Use a LoRA made for {model}")

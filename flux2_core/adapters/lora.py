@@ -218,7 +218,7 @@ def read_adapter(source: str | Path | Mapping[str, Tensor], params: ModelParams,
         modules.setdefault((split[0], target.module), (target, {}))[1][split[1]] = key
 
     unmatched = list(report.unmatched)
-    refuse_other_family(unmatched, names, where)
+    refuse_other_family(unmatched, names, params, where)
     refuse_missing_blocks(unmatched, names, params, where)
     patches = []
     for (path, _), (target, roles) in modules.items():

@@ -21,6 +21,7 @@ class ModelParams(Protocol):
     context_in_dim: int          # the width of the prompt embeddings the model takes
     use_guidance_embed: bool     # a guidance-embedding model: the guidance scale is an input, not CFG
     num_heads: int               # attention heads: what sequence parallelism splits over the ranks
+    hidden_size: int             # the token width (what LoRA messages tell models apart by)
 
 
 class ShapeReader(Protocol):
@@ -59,6 +60,8 @@ class AdapterNaming:
     groups: tuple[tuple[str, str], ...]              # (a report group, the module prefix it holds): the rest is "other"
     models: dict[int, str]                           # hidden size -> the model, for "made for X" messages
     lookalikes: tuple[tuple[re.Pattern, str], ...]   # a key pattern of a family often taken for this one -> its name
+    other_depths: tuple[tuple[str, dict[str, int]], ...]   # other models whose LoRAs share our names: blocks per
+                                                     # group, to say what a LoRA deeper than ours was made for
     shape_hint: Callable[[str, tuple[int, int], int], str]   # (our module, ΔW [out, in] found, hidden) -> what the
                                                      # shape says the adapter was made for, "" where it says nothing
 

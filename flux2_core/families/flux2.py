@@ -136,7 +136,9 @@ def adapter_shape_hint(module: str, found: tuple[int, int], hidden: int) -> str:
 
 ADAPTERS = AdapterNaming(groups=(("double blocks", "double_blocks."), ("single blocks", "single_blocks.")),
                          models={3072: "Klein 4B", 4096: "Klein 9B", 6144: "FLUX.2 dev"},
-                         lookalikes=((FLUX1_ADAPTER, "FLUX.1"),), shape_hint=adapter_shape_hint)
+                         lookalikes=((FLUX1_ADAPTER, "FLUX.1"),),
+                         other_depths=(("FLUX.1", {"double blocks": 19, "single blocks": 38}),),
+                         shape_hint=adapter_shape_hint)
 
 FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", layouts=LAYOUTS, lookalikes=LOOKALIKES,
                gguf_archs=("flux", ""),

@@ -1,6 +1,6 @@
 """The Qwen3 prompt embedder, as BFL's ``Qwen3Embedder`` and diffusers' ``_get_qwen3_prompt_embeds``: the prompt in
 Qwen3's chat template, 512 tokens (right padded / truncated), embeds [B, 512, 3*D] = cat(hidden states 9, 18, 27)
-per token, un-normed (FLUX.2's ``TextEncoderSpec``; another family's spec gives its template, layers and padding). Pad tokens are masked as keys inside Qwen3 but their rows are kept: the transformer sees all
+per token, un-normed (FLUX.2's ``TextEncoderSpec``; another family's spec gives its template, layers and length). Pad tokens are masked as keys inside Qwen3 but their rows are kept: the transformer sees all
 512. Layers 28.. and the final norm never matter, so the model is built with 27 layers and no final norm.
 """
 
@@ -72,9 +72,8 @@ class PromptEncoder:
             raise Flux2Error(f"prompts must be a list of strings, got {type(prompts).__name__}")
         if not prompts:
             raise Flux2Error("no prompt to encode: pass at least one (an empty string is a valid prompt)")
-        texts = [render_prompt(p, self.spec.template) for p in prompts]
-        longest = max(len(self.tokenizer.encode(text)) for text in texts)
-        ids, mask, counts = self.tokenizer.padded(texts, self.spec.padded_length(longest))
+        ids, mask, counts = self.tokenizer.padded([render_prompt(p, self.spec.template) for p in prompts],
+                                                  self.spec.max_length)
         return torch.tensor(ids), torch.tensor(mask), counts
 
     @torch.no_grad()

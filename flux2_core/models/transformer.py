@@ -382,8 +382,8 @@ class Flux2Transformer(nn.Module):
 
     def _shards(self, n_txt: int, n_rest: int) -> TokenShards | None:
         """This rank's token split where the passes are spread over ranks (``runtime/parallel.py`` sets the group)."""
-        group = run_state(self).sequence_parallel
-        return None if group is None else group.shards(n_txt, n_rest)
+        ranks = run_state(self).sequence_parallel
+        return None if ranks is None else ranks.shards(n_txt, n_rest)
 
     def _vector(self, timesteps: Tensor, guidance: Tensor | None, dtype: torch.dtype) -> Tensor:
         """vec [B, H]."""
@@ -439,10 +439,10 @@ class Flux2Transformer(nn.Module):
         if ref_kv.batch not in (1, batch):
             raise Flux2Error(f"the reference KV cache has batch {ref_kv.batch} but the image tokens have batch "
                              f"{batch}; build it from batch-1 references to share it")
-        group = run_state(self).sequence_parallel
-        heads = self.params.num_heads // (1 if group is None else group.world)
+        ranks = run_state(self).sequence_parallel
+        heads = self.params.num_heads // (1 if ranks is None else ranks.world)
         if ref_kv.blocks[0][0].shape[1] != heads:
             raise Flux2Error(f"the reference KV cache holds {ref_kv.blocks[0][0].shape[1]} heads but this model "
-                             f"attends with {heads} here{' (sequence-parallel)' if group else ''}: it was made before "
+                             f"attends with {heads} here{' (sequence-parallel)' if ranks else ''}: it was made before "
                              f"the model was spread over ranks or gathered back; rebuild it with this model's "
                              f"reference_kv")

@@ -19,6 +19,7 @@ import os
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -30,8 +31,8 @@ from ..errors import Flux2Error
 from ..models.run_state import run_state
 from ..models.shards import TokenShards, shares
 
-__all__ = ["SequenceParallel", "TokenShards", "attach", "check_world", "connect_store", "join", "leave", "serve",
-           "shares", "start", "start_from_env", "world_of"]
+__all__ = ["SequenceParallel", "TokenShards", "attach", "check_world", "connect_store", "join", "leave",
+           "sequence_parallel_of", "serve", "shares", "start", "start_from_env", "world_of"]
 
 DRIVER = 0
 GROUP_TIMEOUT = timedelta(minutes=10)   # a collective waiting this long means a rank is stuck: the pass fails
@@ -40,6 +41,7 @@ POLL = timedelta(seconds=1)             # how often an idle follower checks that
 # model's two methods (``reference_kv`` makes what the followers keep), and the group's own
 FORWARD, REFERENCE_KV, RELEASE, STOP = "forward", "reference_kv", "release", "stop"
 KEPT = "kept"         # the extra field naming a call's arguments that are K/V each rank kept from a reference pass
+VALUES = "values"     # the extra field holding a call's arguments that are neither tensors nor kept K/V
 DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64,
                                                      torch.int32, torch.uint8)}
 
@@ -179,6 +181,9 @@ class SequenceParallel:
 def check_world(heads: int, world: int) -> None:
     if world > 1 and heads % world:
         fits = [p for p in range(2, heads + 1) if heads % p == 0]
+        if not fits:
+            raise Flux2Error(f"this model has {heads} attention head{'s' * (heads != 1)}, which cannot be split over "
+                             f"ranks: run it in one process")
         raise Flux2Error(f"{world} ranks do not divide this model's {heads} attention heads: use "
                          f"{', '.join(map(str, fits[:6]))} ranks (processes / GPUs) instead")
 
@@ -192,44 +197,56 @@ def attach(model, sp: SequenceParallel | None) -> None:
     sp = sp if sp is not None and sp.world > 1 else None
     run_state(model).sequence_parallel = sp
     for name in (FORWARD, REFERENCE_KV):
-        model.__dict__.pop(name, None)                      # the class's own method again
-        if sp is not None and sp.driver and hasattr(model, name):
-            model.__dict__[name] = _announcing(model, sp, name, getattr(model, name))
+        if getattr(model.__dict__.get(name), ANNOUNCING, False):
+            del model.__dict__[name]                        # ours goes: the class's own method again
+        if sp is not None and sp.driver and hasattr(type(model), name):
+            model.__dict__[name] = _announcing(model, sp, name)
 
 
-def group_of(model) -> SequenceParallel | None:
+def sequence_parallel_of(model) -> SequenceParallel | None:
     """The ranks ``model``'s passes are spread over (None: it runs whole)."""
     return run_state(model).sequence_parallel
 
 
 def world_of(model) -> int:
-    sp = group_of(model)
+    sp = sequence_parallel_of(model)
     return 1 if sp is None else sp.world
 
 
-def _announcing(model, sp: SequenceParallel, name: str, method: Callable) -> Callable:
+ANNOUNCING = "flux2_announcing"      # marks the methods ``attach`` put on a model (and only those are taken off)
+
+
+def _announcing(model, sp: SequenceParallel, name: str) -> Callable:
     """``model.<name>`` on the driver: checked by the model's ``check_<name>`` before the followers hear of it (bad
-    input fails here alone and the group stays usable), announced with its tensors, then run on every rank. An
-    argument that is neither a tensor nor None is K/V kept from a reference pass: it goes by the name of the call that
-    made it, and must be the last such call's (the followers keep only that one)."""
+    input fails here alone and the group stays usable), announced, then run on every rank. Tensors (and None) go by
+    broadcast; a value with a ``parallel_id`` is K/V kept from a reference pass, which goes by the name of the call
+    that made it and must be the last such call's (the followers keep only that one); other values (numbers, flags) go
+    in the announcement. The model is held weakly: the method on it does not keep it alive."""
+    method = getattr(type(model), name)
+    check = getattr(type(model), f"check_{name}", None)
     signature = inspect.signature(method)
-    check = getattr(model, f"check_{name}", None)
+    owner = weakref.ref(model)
 
     @functools.wraps(method)
     def announced(*args, **kwargs):
-        arguments = signature.bind(*args, **kwargs).arguments
+        me = owner()
+        arguments = signature.bind(me, *args, **kwargs).arguments
+        del arguments[next(iter(signature.parameters))]             # self
         if check is not None:
-            check(**arguments)
+            check(me, **arguments)
         tensors = {k: v for k, v in arguments.items() if v is None or isinstance(v, Tensor)}
-        kept = {k: v for k, v in arguments.items() if k not in tensors}
+        kept = {k: v for k, v in arguments.items() if hasattr(v, "parallel_id")}
+        values = {k: v for k, v in arguments.items() if k not in tensors and k not in kept}
         for value in kept.values():
-            if getattr(value, "parallel_id", None) != sp.last_kv:
+            if value.parallel_id != sp.last_kv:
                 raise Flux2Error("these reference K/V come from an earlier reference pass, and the other ranks keep "
                                  "only their share of the last one: compute them again with model.reference_kv")
-        result = sp.call(lambda **given: method(**given, **kept), name, tensors, {KEPT: sorted(kept)})
+        result = sp.call(lambda **given: method(me, **given, **kept, **values), name, tensors,
+                         {KEPT: sorted(kept), VALUES: values})
         if name == REFERENCE_KV:
             result.parallel_id = sp.last_kv = f"{sp.token}/{sp.calls}"    # the followers keep this one (only)
         return result
+    setattr(announced, ANNOUNCING, True)
     return announced
 
 
@@ -245,10 +262,10 @@ def serve(model, sp: SequenceParallel, handlers: dict[str, Callable[[dict], None
                 if name == STOP:
                     return
                 if name == FORWARD:
-                    model(**tensors, **dict.fromkeys(extra.get(KEPT, ()), kv))
+                    model(**tensors, **dict.fromkeys(extra.get(KEPT, ()), kv), **extra.get(VALUES, {}))
                 elif name == REFERENCE_KV:
                     kv = None                                   # the last one goes before the new one is made
-                    kv = model.reference_kv(**tensors)
+                    kv = model.reference_kv(**tensors, **extra.get(VALUES, {}))
                 elif name == RELEASE:
                     kv = None
                     if sp.device.type == "cuda":

@@ -692,7 +692,10 @@ def encoder_wanted(variant: Variant) -> str:
 def check_embeddings_fit(variant: Variant, embeds) -> None:
     """Prompt embeddings [B, L, C] made elsewhere (a ComfyUI CONDITIONING) against the width the model takes."""
     needed = variant.params.context_in_dim
-    if embeds.ndim != 3 or embeds.shape[-1] != needed:
+    if embeds.ndim != 3:
+        raise Flux2Error(f"the prompt embeddings have shape {list(embeds.shape)} but this model ({variant.name}) takes "
+                         f"[batch, tokens, {needed}]: connect a CONDITIONING made by a prompt encoder")
+    if embeds.shape[-1] != needed:
         raise Flux2Error(f"the prompt embeddings are {embeds.shape[-1]} wide but this model ({variant.name}) takes "
                          f"{needed}: encode the prompt with the {encoder_wanted(variant)}")
 

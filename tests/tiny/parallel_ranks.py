@@ -60,7 +60,7 @@ def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
         other = torch.randn(1, TXT_TOKENS, SIX_HEADS.context_in_dim, generator=g)
         return {"latents": first, "again": euler.denoise(model, x, SIGMAS, other, ref_kv=kv, kv=True)}
     if name == "quiet_calls":       # calls with no collectives, which slow followers read late, then a denoise
-        sp = parallel.group_of(model)
+        sp = parallel.sequence_parallel_of(model)
         for _ in range(3):
             sp.call(lambda: None, "nothing", {})
         return {"latents": euler.denoise(model, x, SIGMAS, txt)}
