@@ -40,6 +40,38 @@ class TransformerParams:
 
 
 @dataclass(frozen=True)
+class Flux3Params:
+    """FLUX 3 Image Klein's transformer: per-mode early blocks (image, references, text), then single blocks over each
+    sample's joint sequence [image, references, text] with per-mode modulation; every block one parallel attention + MLP
+    under one modulation and one gate."""
+    in_channels: int = 128             # patchified latent channels (the FLUX.2 autoencoder's)
+    context_in_dim: int = 20480        # 8 x Qwen3-VL-4B's 2560 (layers 4, 8, ..., 32 stacked per token)
+    hidden_size: int = 3072
+    num_heads: int = 24
+    depth: int = 5                     # early blocks per mode
+    depth_single_blocks: int = 28
+    mlp_ratio: float = 3.0
+    axes_dim: tuple[int, ...] = (32, 32, 32, 32)   # RoPE dims per id axis (t, h, w, l); sums to head_dim
+    theta: int = 10000
+    flow_map: bool = False             # the distilled model: it is also told the time each step goes to
+    use_guidance_embed: bool = False   # (no FLUX 3 model has one; read by the code around every family)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if sum(self.axes_dim) != self.head_dim:
+            raise ValueError(f"RoPE axes {self.axes_dim} must sum to head_dim {self.head_dim}")
+
+
+@dataclass(frozen=True)
 class AutoEncoderParams:
     in_channels: int = 3
     ch: int = 128
@@ -73,6 +105,10 @@ class AutoEncoderParams:
 QWEN3_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
+# Qwen3-VL's chat template for one user turn with the generation prompt (it has no thinking block)
+QWEN3_VL_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
 @dataclass(frozen=True)
 class TextEncoderSpec:
     name: str               # "qwen3-4b", "qwen3-8b", "mistral-small-3.2"
@@ -81,8 +117,10 @@ class TextEncoderSpec:
     max_length: int = 512
     files: tuple[str, ...] = ()   # usual file names (ComfyUI text_encoders/), for finding weights
     gguf_stem: str = ""           # GGUF files are named <stem>-<quant>.gguf (llama.cpp / unsloth: Qwen3-4B-Q4_K_M.gguf)
-    template: str = QWEN3_TEMPLATE   # the text the prompt is put in ("{prompt}" marks where) before tokenizing;
-                                     # every prompt is then padded (or cut) to max_length tokens
+    template: str = QWEN3_TEMPLATE   # the text the prompt is put in ("{prompt}" marks where) before tokenizing
+    pad_multiple: int = 0    # 0: every prompt padded (or cut) to max_length tokens; else each prompt alone padded to
+                             # a multiple of this (at most max_length): prompts of one batch may differ in length
+    pad_position: int | None = None   # the RoPE position pad tokens take (None: they go on counting)
 
     @property
     def width(self) -> int:
@@ -95,6 +133,9 @@ QWEN3_4B = TextEncoderSpec("qwen3-4b", 2560, files=("qwen_3_4b.safetensors",), g
 QWEN3_8B = TextEncoderSpec("qwen3-8b", 4096, files=("qwen_3_8b.safetensors", "qwen_3_8b_fp8mixed.safetensors"),
                            gguf_stem="Qwen3-8B")
 MISTRAL_SMALL = TextEncoderSpec("mistral-small-3.2", 5120, output_layers=(10, 20, 30))
+QWEN3_VL_4B = TextEncoderSpec("qwen3-vl-4b", 2560, output_layers=(4, 8, 12, 16, 20, 24, 28, 32), max_length=4096,
+                              files=("qwen3vl_4b.safetensors", "qwen3vl_4b_int8_convrot.safetensors"), gguf_stem="Qwen3-VL-4B-Instruct",
+                              template=QWEN3_VL_TEMPLATE, pad_multiple=80, pad_position=1)
 
 
 @dataclass(frozen=True)
@@ -127,6 +168,8 @@ class Variant:
 
 KLEIN_4B = TransformerParams(context_in_dim=7680, hidden_size=3072, num_heads=24, depth=5, depth_single_blocks=20)
 KLEIN_9B = TransformerParams(context_in_dim=12288, hidden_size=4096, num_heads=32, depth=8, depth_single_blocks=24)
+FLUX3_KLEIN = Flux3Params(flow_map=True)
+FLUX3_KLEIN_BASE = Flux3Params()
 DEV = TransformerParams(context_in_dim=15360, hidden_size=6144, num_heads=48, depth=8, depth_single_blocks=48,
                         use_guidance_embed=True)
 
@@ -142,6 +185,13 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("klein-base-9b", KLEIN_9B, QWEN3_8B, 50, 4.0, False, title="FLUX.2 Klein Base 9B",
             files=("flux-2-klein-base-9b.safetensors", "flux-2-klein-base-9b-fp8.safetensors")),
     Variant("dev", DEV, MISTRAL_SMALL, 50, 4.0, True, title="FLUX.2 [dev]", files=("flux2-dev.safetensors",)),
+    # FLUX 3 Image Klein: the distilled "flow map" (16 steps, no CFG) and the base (50 steps, CFG 3.5 as the
+    # reference pipeline's default)
+    Variant("flux3-klein", FLUX3_KLEIN, QWEN3_VL_4B, 16, 1.0, True, title="FLUX 3 Image Klein",
+            files=("flux3-image-klein.safetensors", "flux3-image-klein-int8-convrot.safetensors"),
+            family="flux3"),
+    Variant("flux3-klein-base", FLUX3_KLEIN_BASE, QWEN3_VL_4B, 50, 3.5, False, title="FLUX 3 Image Klein Base",
+            files=("flux3-image-klein-base.safetensors",), family="flux3"),
 ]}
 
 FLUX2_AE = AutoEncoderParams()
@@ -169,7 +219,7 @@ def variant_for_params(params: TransformerParams, hint: str = "") -> Variant:
     hint = hint.lower()
     edition = "base" if "base" in hint else "kv" if "kv" in hint else "distilled"
     for v in VARIANTS.values():
-        if not _same_architecture(v.params, params):
+        if type(v.params) is not type(params) or not _same_architecture(v.params, params):
             continue
         if v.name == "dev" or v.edition == edition:
             return v

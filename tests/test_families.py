@@ -10,6 +10,7 @@ import torch
 from flux2_core import families, weights
 from flux2_core.errors import Flux2Error
 from flux2_core.families.flux2 import FLUX2
+from flux2_core.families.flux3 import FLUX3
 from flux2_core.runtime import memory
 from flux2_core.variants import KLEIN_4B, KLEIN_9B, VARIANTS
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_comfyui_transformer
@@ -17,7 +18,9 @@ from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_stat
 
 def test_every_variant_belongs_to_a_registered_family_of_its_parameters():
     for variant in VARIANTS.values():
-        assert families.family_of(variant) is families.family_of_params(variant.params) is FLUX2
+        family = families.family_of(variant)
+        assert family is families.family_of_params(variant.params)
+        assert family is (FLUX3 if variant.name.startswith("flux3") else FLUX2)
 
 
 def test_parameters_of_no_family_are_refused_with_the_known_ones():
@@ -25,9 +28,9 @@ def test_parameters_of_no_family_are_refused_with_the_known_ones():
     class OtherParams:
         hidden_size: int = 8
 
-    with pytest.raises(Flux2Error, match="OtherParams is no model family's parameters; known: TransformerParams"):
+    with pytest.raises(Flux2Error, match="OtherParams is no model family's parameters; known: TransformerParams, Flux3Params"):
         families.family_of_params(OtherParams())
-    with pytest.raises(Flux2Error, match="unknown model family 'flux9'; known: flux2"):
+    with pytest.raises(Flux2Error, match="unknown model family 'flux9'; known: flux2, flux3"):
         families.get_family("flux9")
 
 
@@ -42,8 +45,8 @@ def test_a_file_without_its_familys_layout_key_is_refused_with_what_to_pass(tmp_
     state = random_bfl_transformer_state_dict(TINY_TRANSFORMER)
     del state[FLUX2.layouts[0].signature]
     path = save_comfyui_transformer(state, tmp_path / "cut.safetensors")
-    with pytest.raises(Flux2Error, match=r"cut.safetensors is not a FLUX.2 transformer: .* Pass a FLUX.2 diffusion "
-                                         r"model"):
+    with pytest.raises(Flux2Error, match=r"cut.safetensors is not a FLUX.2 or FLUX 3 Image Klein transformer: .* Pass a "
+                                         r"FLUX.2 or FLUX 3 Image Klein diffusion model"):
         weights.load_transformer(path, "cpu", torch.float32)
 
 
@@ -149,8 +152,8 @@ def test_a_second_familys_file_loads_by_its_entry_and_is_refused_without_it(toy,
     assert census(model) == {"float": 2, "int8": 1}
     assert torch.equal(model.toy_in.weight, state["toy_in.weight"])
     monkeypatch.delitem(families.FAMILIES, toy.name)
-    with pytest.raises(Flux2Error, match=r"toy.safetensors is not a FLUX.2 transformer: .*Pass a FLUX.2 diffusion "
-                                         r"model: flux-2-klein-\*.safetensors"):
+    with pytest.raises(Flux2Error, match=r"toy.safetensors is not a FLUX.2 or FLUX 3 Image Klein transformer: .*Pass "
+                                         r"a FLUX.2 or FLUX 3 Image Klein diffusion model: flux-2-klein-\*.safetensors"):
         weights.load_transformer(path, "cpu", torch.float32)
 
 

@@ -533,9 +533,9 @@ def test_missing_and_unexpected_keys_are_named(dit, tmp_path):
 
 
 def test_wrong_kind_of_file(dit, ae, te):
-    with pytest.raises(Flux2Error, match="is not a FLUX.2 transformer: it looks like a FLUX.2 autoencoder"):
+    with pytest.raises(Flux2Error, match="is not a FLUX.2 or FLUX 3 Image Klein transformer: it looks like a FLUX.2 autoencoder"):
         weights.load_transformer(ae.files["bfl"], device="cpu")
-    with pytest.raises(Flux2Error, match="is not a FLUX.2 transformer: it looks like a Qwen3 text encoder"):
+    with pytest.raises(Flux2Error, match="is not a FLUX.2 or FLUX 3 Image Klein transformer: it looks like a Qwen3 text encoder"):
         weights.load_transformer(te.files["comfyui"], device="cpu")
     with pytest.raises(Flux2Error, match="is not a FLUX.2 autoencoder: it looks like a FLUX.2 transformer"):
         weights.load_autoencoder(dit.files["comfyui"], device="cpu")

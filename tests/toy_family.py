@@ -61,7 +61,8 @@ class ToyModel(nn.Module):
         return self.toy_out(F.silu(hidden)).permute(0, 3, 1, 2)
 
 
-def condition(model: ToyModel, txt: Tensor, h: int, w: int, *, ref=None, ref_ids=None, ref_kv=None, guidance=None):
+def condition(model: ToyModel, txt: Tensor, h: int, w: int, *, ref=None, ref_ids=None, ref_kv=None, guidance=None,
+              txt_lengths=None):
     if ref is not None or ref_kv is not None:
         raise Flux2Error("the toy model takes no references")
     return lambda x, t, t_next: model(x, t, txt)

@@ -22,13 +22,25 @@ from ..errors import Flux2Error
 from ..models.layers import Layers
 from ..storage.protocol import stored_linears
 from ..variants import Variant
-from .family import AdapterNaming, Family, MemoryInputs, ModelParams, ShapeReader
+from .family import AdapterNaming, Family, MemoryInputs, ModelParams, NoiseDraw, ShapeReader
 from .flux2 import FLUX2
+from .flux3 import FLUX3
 
-__all__ = ["FAMILIES", "AdapterNaming", "Family", "MemoryInputs", "ModelParams", "ShapeReader", "family_of",
-           "family_of_params", "get_family", "linear_shapes"]
+__all__ = [
+    "FAMILIES",
+    "AdapterNaming",
+    "Family",
+    "MemoryInputs",
+    "ModelParams",
+    "NoiseDraw",
+    "ShapeReader",
+    "family_of",
+    "family_of_params",
+    "get_family",
+    "linear_shapes",
+]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (FLUX2,)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (FLUX2, FLUX3)}
 
 
 def get_family(name: str) -> Family:

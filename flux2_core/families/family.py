@@ -8,9 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
 from torch import Tensor, nn
 
 from ..key_tables import Layout
+from ..models import rope
 from ..models.layers import Layers
 from ..variants import Variant
 
@@ -67,6 +69,21 @@ class AdapterNaming:
 
 
 @dataclass(frozen=True)
+class NoiseDraw:
+    """How a seed becomes the start noise of one image (drawn on a CPU generator in float32, item i with seed + i)."""
+
+    token_major: bool = False     # drawn as [h*w, 128] tokens (FLUX 3's reference), not [128, h, w] (FLUX.2's)
+    bf16: bool = False            # rounded through bfloat16 after the draw (FLUX 3's reference)
+
+
+def bf16_latent(compute: torch.dtype) -> torch.dtype:
+    """FLUX.2's latent between steps: in bfloat16 BFL's reference keeps the latent and time in bf16 (and ours equals
+    it there); in float16 BFL has no reference, and ComfyUI's native FLUX.2 is the one users compare with: a float32
+    latent and time, the model's input cast to float16 at each call."""
+    return torch.bfloat16 if compute == torch.bfloat16 else torch.float32
+
+
+@dataclass(frozen=True)
 class Family:
     name: str                                       # the registry key, and ``Variant.family`` of its variants
     params_type: type                               # its architecture's parameters (a frozen dataclass)
@@ -80,10 +97,15 @@ class Family:
     build: Callable[[object, Layers], nn.Module]    # (params, layers) -> the transformer (the model protocol)
     quantizable: Callable[[str], bool]              # the linears a quantized storage may hold (by module name)
     variant_for: Callable[[object, str], Variant]   # (params, a name hint) -> the registered or a custom variant
-    # (model, txt [n, L, C], h, w, *, ref, ref_ids, ref_kv, guidance) -> velocity(x [n, C, h, w], t [n], t_next [n]
-    # or None where the sampler does not say): how the model sees a latent batch and one conditioning, and its answer
+    # (model, txt [n, L, C], h, w, *, ref, ref_ids, ref_kv, guidance, txt_lengths) -> velocity(x [n, C, h, w], t [n],
+    # t_next [n] or None where the sampler does not say); txt_lengths: each sample's real text rows where prompts of a
+    # batch differ in length (None: all L): how the model sees a latent batch and one conditioning, and its answer
     # back on the latent grid; the samplers around it (Euler, CFG, inpainting, ComfyUI's) are the same for every family
     condition: Callable[..., Callable[[Tensor, Tensor, Tensor | None], Tensor]]
     memory: Callable[[object], MemoryInputs]        # params -> the inputs of its memory estimate
     schedule: str                                   # its default sigmas: a name ``schedules.named_schedule`` knows
     adapters: AdapterNaming                         # what LoRA matching and its messages know of it
+    noise: NoiseDraw = NoiseDraw()                  # how a seed becomes its start noise
+    latent_dtype: Callable[[torch.dtype], torch.dtype] = bf16_latent   # compute dtype -> the latent's between steps
+    # [(h, w) of each reference latent] -> their position ids [1, sum(h*w), 4] (what tells references apart)
+    reference_ids: Callable[..., Tensor] = rope.reference_ids

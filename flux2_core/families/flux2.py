@@ -95,11 +95,15 @@ LOOKALIKES = (("double_blocks.0.img_mod.lin.weight", FLUX1), ("transformer_block
 
 def condition(model: Flux2Transformer, txt: Tensor, h: int, w: int, *, ref: Tensor | None = None,
               ref_ids: Tensor | None = None, ref_kv: ReferenceKV | None = None,
-              guidance: Tensor | None = None) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
+              guidance: Tensor | None = None, txt_lengths: list[int] | None = None
+              ) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
     """The model's velocity on the latent grid for one conditioning: txt [n, L, C] at ids (0, 0, 0, l); the latent
     [n, 128, h, w] packed to h*w tokens at (0, row, col, 0); references joined after the image (``ref`` [1 or n, Lref,
     128] at ``ref_ids``) or attended through their cached K/V (``ref_kv``); FLUX.2-dev's ``guidance`` [n]. FLUX.2
-    reads the current time alone (``t_next`` is not used)."""
+    reads the current time alone (``t_next`` is not used). Its prompts are all one length (512 tokens)."""
+    if txt_lengths is not None:
+        raise Flux2Error("FLUX.2 takes prompt embeddings of one length (512 tokens each): encode every prompt of a "
+                         "batch with the FLUX.2 text encoder")
     ids: dict[int, tuple[Tensor, Tensor]] = {}          # by batch: (image ids, text ids), made once
 
     def velocity(x: Tensor, t: Tensor, t_next: Tensor | None) -> Tensor:

@@ -56,17 +56,20 @@ def unpack(tokens: Tensor, h: int, w: int) -> Tensor:
     return rearrange(tokens, "b (h w) c -> b c h w", h=h, w=w)
 
 
-def rope_table(ids: Tensor, axes_dim: tuple[int, ...], theta: float) -> Tensor:
-    """ids [B, L, n_axes] -> float32 [B, L, head_dim/2, 2] (cos, sin), pairs axis after axis."""
+def rope_table(ids: Tensor, axes_dim: tuple[int, ...], theta: float, angles_dtype: torch.dtype = torch.float32
+               ) -> Tensor:
+    """ids [B, L, n_axes] -> float32 [B, L, head_dim/2, 2] (cos, sin), pairs axis after axis. ``angles_dtype``: what
+    the angles are computed in (FLUX.2: float32; FLUX 3's reference: float64, whose positions reach 4096)."""
     if ids.shape[-1] != len(axes_dim):
         raise Flux2Error(f"position ids have {ids.shape[-1]} axes but the model's RoPE has {len(axes_dim)} "
                          f"(axes_dim {tuple(axes_dim)}); build ids with flux2_core.models.rope")
+    where = ids.device if angles_dtype == torch.float32 or ids.device.type != "mps" else torch.device("cpu")
     angles = []
     for axis, dim in enumerate(axes_dim):
-        omega = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=ids.device) / dim)  # [dim/2]
-        angles.append(ids[..., axis].float()[..., None] * omega)                                        # [B, L, dim/2]
+        omega = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=angles_dtype, device=where) / dim)         # [dim/2]
+        angles.append(ids[..., axis].to(where, angles_dtype)[..., None] * omega)                       # [B, L, dim/2]
     angles = torch.cat(angles, dim=-1)                                                                  # [B, L, D/2]
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).to(ids.device, torch.float32)
 
 
 def rotate(x: Tensor, table: Tensor) -> Tensor:

@@ -111,12 +111,25 @@ def power_schedule(steps: int, rho: float = 1.0) -> list[float]:
     return (t ** rho).tolist()
 
 
-SCHEDULES = ("flux2", "linear", "power")
+FLUX3_ALPHA = 6.93      # FLUX 3 Image Klein's shift, the same at every size
+
+
+def flux3_schedule(steps: int, alpha: float = FLUX3_ALPHA) -> list[float]:
+    """FLUX 3 Image Klein's: alpha·t / (1 + (alpha - 1)·t) in float32, t the float64 grid from 1 to 0 rounded to float32
+    (as its reference; torch's float32 linspace differs from it in the last bit at some steps)."""
+    check_steps(steps)
+    t = torch.linspace(1, 0, steps + 1, dtype=torch.float64).float()
+    return (alpha * t / (1.0 + (alpha - 1.0) * t)).tolist()
+
+
+SCHEDULES = ("flux2", "flux3", "linear", "power")
 
 
 def named_schedule(name: str, steps: int, image_tokens: int, rho: float = 1.0) -> list[float]:
     if name == "flux2":
         return flux2_schedule(steps, image_tokens)
+    if name == "flux3":
+        return flux3_schedule(steps)
     if name == "linear":
         return linear_schedule(steps)
     if name == "power":

@@ -1,0 +1,228 @@
+"""The FLUX 3 Image Klein transformer, with BFL's parameter names (no Linear has a bias).
+
+Tokens come in three modes, in this order inside each sample: the image being denoised, the reference images
+("image_cond") and the prompt ("txt"). Every block is the same: one LayerNorm modulated by (shift, scale, gate), then
+attention and a SwiGLU MLP side by side, both added back under the one gate.
+
+    vec[mode] = time_in(t) for the image, time_in(0) for references and text (+ ref_time_in(t_next): flow map only)
+    early blocks: each mode through its own blocks (image and references have separate weights), within the mode
+    single blocks: the sample's joint sequence [image, references, text], each token modulated by its mode
+    final_layer on the image tokens -> velocity [B, Limg, 128]
+
+A batch is B samples side by side: samples never attend to each other, and a sample's text may be shorter than the
+batch's (its own multiple of 80 tokens): ``txt_lengths`` says how many of its text rows are real, and the rest are
+masked as keys (so its image sees exactly what it would alone). Ids: image (0, row/2, col/2, 0), reference i
+(0, row/2, col/2, -(1 + i)), text (0, 0, 0, position); RoPE angles in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from ..errors import Flux2Error
+from ..variants import Flux3Params
+from .layers import Layers
+from .rope import rope_table
+from .run_state import run_state
+from .transformer import TIME_EMBED_DIM, LastLayer, MLPEmbedder, Modulation, QKNorm, swiglu, timestep_embedding
+
+IMAGE, REFERENCES, TEXT = "image", "image_cond", "txt"    # the modes, in their order inside a sample
+IMAGE_ID_SCALE = 0.5          # image and reference positions are (row, col) / 2
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """(1 + scale) · LayerNorm(x) + shift in float32 (as the reference under bf16 autocast), back in x's dtype."""
+    out = (1 + scale.float()) * F.layer_norm(x.float(), x.shape[-1:], eps=1e-6) + shift.float()
+    return out.to(x.dtype)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None) -> Tensor:
+    """q, k, v [B, heads, L, D]; ``keys`` [B, L] bool (False: not attended to) or None -> [B, L, heads·D]."""
+    mask = None if keys is None else keys[:, None, None, :]
+    return rearrange(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), "B H L D -> B L (H D)")
+
+
+class Block(nn.Module):
+    """Parallel attention + MLP: x + gate · (attn_out(attention) + mlp_out(SwiGLU(mlp_in))), both on the same
+    modulated x."""
+
+    def __init__(self, p: Flux3Params, layers: Layers):
+        super().__init__()
+        self.heads = p.num_heads
+        self.q_proj = layers.linear("q_proj", p.hidden_size, p.hidden_size)
+        self.k_proj = layers.linear("k_proj", p.hidden_size, p.hidden_size)
+        self.v_proj = layers.linear("v_proj", p.hidden_size, p.hidden_size)
+        self.mlp_in = layers.linear("mlp_in", p.hidden_size, 2 * p.mlp_hidden)
+        self.attn_out = layers.linear("attn_out", p.hidden_size, p.hidden_size)
+        self.mlp_out = layers.linear("mlp_out", p.mlp_hidden, p.hidden_size)
+        self.norm = QKNorm(p.head_dim)
+
+    def forward(self, x: Tensor, pe: Tensor, mod: tuple[Tensor, Tensor, Tensor], keys: Tensor | None) -> Tensor:
+        """x [B, L, H]; pe [B, L, D/2, 2]; mod: shift, scale, gate each [B, 1 or L, H]."""
+        shift, scale, gate = mod
+        h = modulate(x, shift, scale)
+        q, k, v = (rearrange(proj(h), "B L (H D) -> B H L D", H=self.heads)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.norm(q, k, v, pe)
+        out = attention(q, k, v, keys)
+        return x + gate * (self.attn_out(out) + self.mlp_out(swiglu(self.mlp_in(h))))
+
+
+def text_keys(txt_lengths: list[int] | None, batch: int, length: int, device) -> Tensor | None:
+    """[B, length] True where a sample's text row is real; None when every sample's text fills the batch's."""
+    if txt_lengths is None or all(n == length for n in txt_lengths):
+        return None
+    return torch.arange(length, device=device)[None, :] < torch.tensor(txt_lengths, device=device)[:, None]
+
+
+class Flux3Transformer(nn.Module):
+    """``state_dict()`` keys are exactly those of BFL's export."""
+
+    def __init__(self, params: Flux3Params, layers: Layers | None = None):
+        super().__init__()
+        p = self.params = params
+        layers = layers or Layers()
+        content = (IMAGE, REFERENCES)
+        self.emb_in = nn.ModuleDict({m: layers.scope("emb_in").linear(m, p.in_channels, p.hidden_size)
+                                     for m in content})
+        self.txt_in = layers.linear("txt_in", p.context_in_dim, p.hidden_size)
+        self.time_in = MLPEmbedder(TIME_EMBED_DIM, p.hidden_size, layers.scope("time_in"))
+        if p.flow_map:
+            self.ref_time_in = MLPEmbedder(TIME_EMBED_DIM, p.hidden_size, layers.scope("ref_time_in"))
+        self.early_stream_modulations = nn.ModuleDict(
+            {m: Modulation(p.hidden_size, 3, layers.scope(f"early_stream_modulations.{m}")) for m in (*content, TEXT)})
+        self.single_stream_modulations = nn.ModuleDict(
+            {m: Modulation(p.hidden_size, 3, layers.scope(f"single_stream_modulations.{m}")) for m in (*content, TEXT)})
+        self.content_mode_blocks = nn.ModuleDict(
+            {m: nn.ModuleList(Block(p, layers.scope(f"content_mode_blocks.{m}.{i}")) for i in range(p.depth))
+             for m in content})
+        self.txt_mode_blocks = nn.ModuleList(Block(p, layers.scope(f"txt_mode_blocks.{i}")) for i in range(p.depth))
+        self.single_blocks = nn.ModuleList(Block(p, layers.scope(f"single_blocks.{i}"))
+                                           for i in range(p.depth_single_blocks))
+        self.final_layer = nn.ModuleDict({IMAGE: LastLayer(p.hidden_size, p.in_channels,
+                                                           layers.scope(f"final_layer.{IMAGE}"))})
+
+    # what runtime code may ask of any transformer
+
+    def blocks(self) -> list[nn.Module]:
+        """The repeated blocks, in the order they run (an early block of each mode in turn, then the single blocks)."""
+        early = zip(self.content_mode_blocks[IMAGE], self.content_mode_blocks[REFERENCES], self.txt_mode_blocks)
+        return [*(b for trio in early for b in trio), *self.single_blocks]
+
+    @property
+    def device(self) -> torch.device:
+        return self.txt_in.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (16-bit weights kept under a wider one are cast to it as each layer runs)."""
+        return self.txt_in.weight.dtype
+
+    def forward(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
+                t_next: Tensor | None = None, ref: Tensor | None = None, ref_ids: Tensor | None = None,
+                txt_lengths: list[int] | None = None) -> Tensor:
+        """img [B, Limg, 128] at img_ids [B or 1, Limg, 4]; timesteps [B] in [0, 1]; txt [B, Ltxt, context_in_dim] at
+        txt_ids [B or 1, Ltxt, 4], the first ``txt_lengths[b]`` rows of sample b real (None: all); t_next [B]: the time
+        the step goes to (the flow map alone reads it, and needs it); ref [B or 1, Lref, 128] at ref_ids. Returns the
+        velocity [B, Limg, 128]."""
+        self.check_forward(img, img_ids, timesteps, txt, txt_ids, t_next, ref, ref_ids, txt_lengths)
+        return self._velocity(img, img_ids, timesteps, txt, txt_ids, t_next, ref, ref_ids, txt_lengths)
+
+    def check_forward(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
+                      t_next: Tensor | None = None, ref: Tensor | None = None, ref_ids: Tensor | None = None,
+                      txt_lengths: list[int] | None = None) -> None:
+        p = self.params
+        if img.ndim != 3 or img.shape[-1] != p.in_channels:
+            raise Flux2Error(f"image tokens must be [B, L, {p.in_channels}], got shape {tuple(img.shape)}")
+        if txt.ndim != 3 or txt.shape[-1] != p.context_in_dim:
+            raise Flux2Error(f"text embeddings must be [B, L, {p.context_in_dim}] for FLUX 3 Image Klein (Qwen3-VL's "
+                             f"hidden states), got shape {tuple(txt.shape)}; was the prompt encoded with its encoder?")
+        batch = img.shape[0]
+        for name, x in (("img_ids", img_ids), ("txt_ids", txt_ids), ("ref", ref), ("ref_ids", ref_ids)):
+            if x is not None and x.shape[0] not in (1, batch):
+                raise Flux2Error(f"{name} has batch {x.shape[0]}, the image tokens {batch}: give 1 or {batch}")
+        if (ref is None) != (ref_ids is None):
+            raise Flux2Error("references need ref and ref_ids together")
+        if p.flow_map and t_next is None:
+            raise Flux2Error("FLUX 3 Image Klein (distilled) is told the time each step goes to: pass t_next")
+        if txt_lengths is not None and (len(txt_lengths) != batch
+                                        or not all(0 < n <= txt.shape[1] for n in txt_lengths)):
+            raise Flux2Error(f"txt_lengths must give 1..{txt.shape[1]} real text rows for each of the {batch} samples, "
+                             f"got {txt_lengths}")
+        if run_state(self).sequence_parallel is not None:
+            raise Flux2Error("FLUX 3 Image Klein does not run sequence-parallel yet: run it in one process")
+
+    def _velocity(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
+                  t_next: Tensor | None, ref: Tensor | None, ref_ids: Tensor | None,
+                  txt_lengths: list[int] | None) -> Tensor:
+        p, batch, dtype = self.params, img.shape[0], img.dtype
+        x = {IMAGE: self.emb_in[IMAGE](img), TEXT: self.txt_in(txt.to(dtype))}
+        ids = {IMAGE: img_ids.expand(batch, -1, -1), TEXT: txt_ids.expand(batch, -1, -1)}
+        if ref is not None:
+            x[REFERENCES] = self.emb_in[REFERENCES](ref.to(dtype)).expand(batch, -1, -1)
+            ids[REFERENCES] = ref_ids.expand(batch, -1, -1)
+        modes = [m for m in (IMAGE, REFERENCES, TEXT) if m in x]
+        keys = {m: None for m in modes}
+        keys[TEXT] = text_keys(txt_lengths, batch, txt.shape[1], img.device)
+
+        vec = self._vectors(timesteps, t_next, modes, dtype)
+        pe = {m: rope_table(ids[m], p.axes_dim, p.theta, torch.float64) for m in modes}
+        for d in range(p.depth):
+            for m in modes:
+                block = self.txt_mode_blocks[d] if m == TEXT else self.content_mode_blocks[m][d]
+                x[m] = block(x[m], pe[m], self.early_stream_modulations[m](vec[m]), keys[m])
+
+        # each sample's joint sequence [image, references, text], every token modulated by its mode's vector
+        lengths = [x[m].shape[1] for m in modes]
+        h = torch.cat([x[m] for m in modes], dim=1)
+        joint_pe = torch.cat([pe[m] for m in modes], dim=1)
+        mods = [self.single_stream_modulations[m](vec[m]) for m in modes]          # per mode: 3 x [B, 1, H]
+        mod = tuple(torch.cat([mods[i][j].expand(-1, n, -1) for i, n in enumerate(lengths)], dim=1)
+                    for j in range(3))                                             # 3 x [B, L, H]
+        joint_keys = None
+        if keys[TEXT] is not None:
+            joint_keys = torch.cat([keys[TEXT].new_ones(batch, sum(lengths[:-1])), keys[TEXT]], dim=1)
+        for block in self.single_blocks:
+            h = block(h, joint_pe, mod, joint_keys)
+        return self.final_layer[IMAGE](h[:, :lengths[0]], vec[IMAGE])
+
+    def _vectors(self, timesteps: Tensor, t_next: Tensor | None, modes: list[str], dtype: torch.dtype
+                 ) -> dict[str, Tensor]:
+        """vec [B, H] per mode. The reference keeps times in bf16, so they are rounded to it in every dtype."""
+        def embed(t: Tensor) -> Tensor:
+            return timestep_embedding(t.to(torch.bfloat16).float()).to(dtype)
+
+        image = self.time_in(embed(timesteps))
+        still = self.time_in(embed(torch.zeros_like(timesteps)))                  # references and text: time 0
+        jump = self.ref_time_in(embed(t_next)) if self.params.flow_map else 0
+        return {m: (image if m == IMAGE else still) + jump for m in modes}
+
+
+def image_ids(batch: int, h: int, w: int, device=None) -> Tensor:
+    """float32 [batch, h*w, 4] = (0, row/2, col/2, 0), row-major."""
+    ids = torch.zeros(h, w, 4, dtype=torch.float32, device=device)
+    ids[..., 1] = torch.arange(h, device=device)[:, None] * IMAGE_ID_SCALE
+    ids[..., 2] = torch.arange(w, device=device)[None, :] * IMAGE_ID_SCALE
+    return ids.reshape(1, h * w, 4).repeat(batch, 1, 1)
+
+
+def reference_ids(grids: list[tuple[int, int]], device=None) -> Tensor:
+    """float32 [1, sum(h*w), 4]: reference i on the l axis at -(1 + i)."""
+    if not grids:
+        raise Flux2Error("reference_ids needs at least one (h, w) grid; pass no references instead of an empty list")
+    parts = []
+    for i, (h, w) in enumerate(grids):
+        ids = image_ids(1, h, w, device)
+        ids[..., 3] = -(1 + i)
+        parts.append(ids)
+    return torch.cat(parts, dim=1)
+
+
+def text_ids(batch: int, length: int, device=None) -> Tensor:
+    """float32 [batch, length, 4] = (0, 0, 0, position)."""
+    ids = torch.zeros(batch, length, 4, dtype=torch.float32, device=device)
+    ids[..., 3] = torch.arange(length, device=device)
+    return ids

@@ -1,0 +1,129 @@
+"""FLUX 3 Image Klein against flux3-mlx (a port validated against BFL's reference code) run on mlx-cpu, on the same
+tiny random weights in float32: the schedule, the ids, the transformer (both variants; no, one and several
+references; samples whose prompts differ in length)."""
+
+import numpy as np
+import pytest
+import torch
+
+from flux2_core.models import flux3
+from flux2_core.sampling.schedules import flux3_schedule
+from tests.tiny.flux3 import flux3_mlx_at, mlx_dit, random_flux3_state_dict, tiny_flux3, to_mlx, to_torch
+
+pytest.importorskip("mlx.core", reason="flux3-mlx's oracle needs mlx (mlx-cpu on Linux): pip install -e .[test]")
+
+RTOL = ATOL = 1e-5
+SCALED = 1e-5
+
+
+def assert_close_to_scale(got: torch.Tensor, expected: torch.Tensor, tolerance: float = SCALED) -> None:
+    """Every difference within ``tolerance`` of the largest expected value. Elementwise 1e-5 is beyond float32 here:
+    torch's and mlx's float32 exp differ in the last bit for 90 of the time embedding's 128 frequencies, which at
+    1000·t = 699 moves an angle by 4e-5 (seen as ~2e-5 on outputs of ~3.5, the same against our float64 run)."""
+    assert got.shape == expected.shape
+    worst = (got.double() - expected.double()).abs().max().item()
+    scale = expected.abs().max().item()
+    assert worst <= tolerance * scale, f"largest difference {worst:.3g} exceeds {tolerance:g} x {scale:.3g}"
+
+
+def test_schedule_equals_the_reference():
+    from flux3_mlx.pipeline import schedule
+
+    for steps in (1, 4, 16, 50, 137):
+        assert flux3_schedule(steps) == schedule(steps).tolist()
+
+
+def test_ids_equal_the_reference():
+    """Image (0, row/2, col/2, 0); reference i at l = -(1 + i) (as flux3-mlx's encode_references writes them); text
+    (0, 0, 0, position)."""
+    from flux3_mlx.autoencoder import latent_ids
+    from flux3_mlx.pipeline import scaled_ids
+
+    assert np.array_equal(flux3.image_ids(1, 3, 5)[0].numpy(), scaled_ids(latent_ids(3, 5)))
+    expected = []
+    for i, (h, w) in enumerate([(2, 3), (4, 1)]):
+        ids = scaled_ids(latent_ids(h, w))
+        ids[:, 3] = -(1 + i)
+        expected.append(ids)
+    assert np.array_equal(flux3.reference_ids([(2, 3), (4, 1)])[0].numpy(), np.concatenate(expected))
+    assert flux3.text_ids(1, 4)[0].tolist() == [[0, 0, 0, p] for p in range(4)]
+
+
+def oracle_velocity(params, state, samples, t, t_next):
+    """samples: [(txt [L, C], ref [Lref, 128] or None, ref_ids, img [Limg, 128], img_ids)] -> [sum Limg, 128]."""
+    with flux3_mlx_at(params) as dit:
+        model = mlx_dit(dit, params, state)
+        packed = dit.pack([[(to_mlx(txt), flux3.text_ids(1, txt.shape[0])[0].numpy()),
+                            None if ref is None else (to_mlx(ref), ref_ids.numpy()),
+                            (to_mlx(img), img_ids.numpy())] for txt, ref, ref_ids, img, img_ids in samples])
+        return to_torch(model(packed, t, t_ref=t_next if params.flow_map else None))
+
+
+@pytest.mark.parametrize("flow_map", [True, False])
+@pytest.mark.parametrize("grids", [[], [(2, 3)], [(2, 2), (3, 1), (1, 4)]])
+def test_transformer_equals_the_reference(flow_map, grids):
+    """Two samples with texts of 5 and 3 tokens (the shorter one's rows past 3 masked out), the same references;
+    velocity within 1e-5 (of its scale) of flux3-mlx's."""
+    params = tiny_flux3(flow_map)
+    state = random_flux3_state_dict(params, seed=3)
+    model = flux3.Flux3Transformer(params).eval()
+    model.load_state_dict(state)
+    g = torch.Generator().manual_seed(1)
+    h, w = 3, 4
+    img = torch.randn(2, h * w, 128, generator=g)
+    texts = [torch.randn(5, params.context_in_dim, generator=g), torch.randn(3, params.context_in_dim, generator=g)]
+    ref = torch.cat([torch.randn(a * b, 128, generator=g) for a, b in grids]) if grids else None
+    ref_ids = flux3.reference_ids(grids)[0] if grids else None
+    img_ids = flux3.image_ids(1, h, w)[0]
+    t, t_next = 0.7, 0.55
+
+    expected = oracle_velocity(params, state, [(txt, ref, ref_ids, img[i], img_ids) for i, txt in enumerate(texts)],
+                               t, t_next)
+    txt = torch.zeros(2, 5, params.context_in_dim)
+    txt[0], txt[1, :3] = texts[0], texts[1]
+    txt[1, 3:] = 1e3                                   # padding rows: must not be seen
+    with torch.no_grad():
+        got = model(img, flux3.image_ids(1, h, w), torch.full((2,), t), txt, flux3.text_ids(1, 5),
+                    t_next=torch.full((2,), t_next) if flow_map else None,
+                    ref=None if ref is None else ref[None], ref_ids=None if ref is None else ref_ids[None],
+                    txt_lengths=[5, 3])
+    assert_close_to_scale(got.reshape(-1, 128), expected)
+
+
+def test_one_sample_alone_equals_its_row_in_a_batch():
+    """The mask is what makes a padded sample equal to itself alone (the shape of a CFG pair with prompts of two
+    lengths)."""
+    params = tiny_flux3(False)
+    model = flux3.Flux3Transformer(params).eval()
+    model.load_state_dict(random_flux3_state_dict(params, seed=4))
+    g = torch.Generator().manual_seed(2)
+    img, txt = torch.randn(2, 6, 128, generator=g), torch.randn(2, 7, params.context_in_dim, generator=g)
+    ids, t = flux3.image_ids(1, 2, 3), torch.tensor([0.5, 0.5])
+    with torch.no_grad():
+        both = model(img, ids, t, txt, flux3.text_ids(1, 7), txt_lengths=[7, 4])
+        alone = model(img[1:], ids, t[1:], txt[1:, :4], flux3.text_ids(1, 4))
+    torch.testing.assert_close(both[1:], alone, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+@pytest.mark.parametrize("flow_map", [True, False])
+def test_a_flux3_file_is_read_by_its_family(tmp_path, prefix, flow_map):
+    """BFL's names, bare or behind ComfyUI's prefix: the family from the keys, the architecture from the shapes (the
+    flow map from its ref_time_in), the weights as stored; int8 only where the family lets a storage quantize."""
+    from safetensors.torch import save_file
+
+    from flux2_core import weights
+    from flux2_core.storage.protocol import census
+
+    params = tiny_flux3(flow_map)
+    state = random_flux3_state_dict(params, seed=5)
+    path = tmp_path / "flux3-image-klein-tiny.safetensors"
+    save_file({prefix + k: v for k, v in state.items()}, str(path))
+    model, variant = weights.load_transformer(path, "cpu", torch.float32)
+    assert isinstance(model, flux3.Flux3Transformer) and model.params == params
+    assert (variant.family, variant.guidance_distilled, variant.default_steps) == (
+        "flux3", flow_map, 16 if flow_map else 50)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    quantized, _ = weights.load_transformer(path, "cpu", torch.float32, int8=True)
+    # per block 6 linears x (2 early modes + text + single) x 2, and 6 modulations
+    assert census(quantized)["int8"] == 6 * 4 * 2 + 6
