@@ -103,7 +103,8 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     needed = memory.working_memory(chosen, size, dtype) + call_bytes(model, dtype)
     # the encoder's own default where none is asked: float16 may suit the transformer (with its clamps), not Qwen3
     encoder = weights.load_text_encoder(text_encoder, cpu if device.type == "cuda" else device,
-                                        asked or compute_dtype(device, fp16=False).dtype)
+                                        asked or compute_dtype(device, fp16=False).dtype,
+                                        spec=chosen.text_encoder)
     weights.check_text_encoder_fits(chosen, encoder)
     rest_choice = True if stream and offload_encoder == "auto" else offload_encoder   # blocks need the memory more
     if not memory.should_offload(rest_choice, encoder, device, needed):

@@ -8,7 +8,15 @@ import torch
 
 from flux2_core.models import flux3
 from flux2_core.sampling.schedules import flux3_schedule
-from tests.tiny.flux3 import flux3_mlx_at, mlx_dit, random_flux3_state_dict, tiny_flux3, to_mlx, to_torch
+from tests.tiny.flux3 import (
+    flux3_mlx_at,
+    mlx_dit,
+    random_flux3_state_dict,
+    save_tiny_qwen3_vl,
+    tiny_flux3,
+    to_mlx,
+    to_torch,
+)
 
 pytest.importorskip("mlx.core", reason="flux3-mlx's oracle needs mlx (mlx-cpu on Linux): pip install -e .[test]")
 
@@ -127,3 +135,42 @@ def test_a_flux3_file_is_read_by_its_family(tmp_path, prefix, flow_map):
     quantized, _ = weights.load_transformer(path, "cpu", torch.float32, int8=True)
     # per block 6 linears x (2 early modes + text + single) x 2, and 6 modulations
     assert census(quantized)["int8"] == 6 * 4 * 2 + 6
+
+
+# --- the text encoder -----------------------------------------------------------------------------------------------
+
+LONG_PROMPT = ("a ceramicist's studio at golden hour, shelves of glazed bowls in celadon and tenmoku, a wheel "
+               "still wet with slip, dust in the slanting light, a cat asleep on a stack of newspapers, ") * 2
+
+
+def tiny_vl_spec():
+    from dataclasses import replace
+
+    from flux2_core.variants import QWEN3_VL_4B
+
+    return replace(QWEN3_VL_4B, name="custom", hidden_size=32)
+
+
+def test_text_encoder_equals_the_reference(tmp_path):
+    """Qwen3-VL's chat template, each prompt alone padded to a multiple of 80 tokens (pads at position 1, masked as
+    keys), the hidden states of layers 4, 8, ..., 32 stacked per token: equal to flux3-mlx's encoder (which gives
+    bf16, so the comparison is at bf16's precision) for a short and a long prompt encoded in one batch."""
+    from flux3_mlx.text_encoder import TextEncoder
+
+    from flux2_core import weights
+
+    folder = save_tiny_qwen3_vl(tmp_path / "text_encoder")
+    ours = weights.load_text_encoder(folder, "cpu", torch.float32, spec=tiny_vl_spec())
+    assert ours.model.params.rope_theta == 5_000_000.0 and len(ours.model.layers) == 32
+    oracle = TextEncoder(str(folder), dtype=__import__("mlx.core").core.float32)
+    prompts = ["a red fox", LONG_PROMPT]
+    got = ours.encode(prompts)
+    assert got.token_counts[1] > 80 and got.lengths == [80, 160]
+    for i, prompt in enumerate(prompts):
+        tokens, ids = oracle.encode(prompt)
+        expected = to_torch(tokens.astype(__import__("mlx.core").core.float32))
+        assert got.row(i).shape == (1, *expected.shape)
+        # bf16 keeps 8 bits: half a unit of its last place relative, plus float32 noise near zero
+        torch.testing.assert_close(got.row(i)[0], expected, rtol=2 ** -8, atol=1e-5 * expected.abs().max().item())
+        assert np.array_equal(flux3.text_ids(1, expected.shape[0])[0].numpy(), ids)
+    assert torch.all(got.embeds[0, 80:] == 0)                   # the short prompt's rows past its own 80

@@ -549,9 +549,9 @@ def test_load_models_loads_the_text_encoder_where_it_will_rest(tmp_path, monkeyp
         return SimpleNamespace(device=CUDA, dtype=torch.float32, modules=lambda: iter(()),
                                named_modules=lambda: iter(())), variant
 
-    def encoder_at(path, device, dtype):
+    def encoder_at(path, device, dtype, spec=None):
         loaded_to.append(torch.device(device))
-        encoder = real_encoder(path, device, dtype)
+        encoder = real_encoder(path, device, dtype, spec=spec)
         monkeypatch.setattr(encoder.model, "to", lambda d: moves.append(torch.device(d)) or encoder.model)
         return encoder
 

@@ -34,6 +34,9 @@ class Qwen3Params:
     @classmethod
     def from_config(cls, config) -> Qwen3Params:
         """Also from a transformers Qwen3Config; the first value Qwen3 cannot have is a Flux2Error."""
+        text = config.get("text_config") if isinstance(config, dict) else getattr(config, "text_config", None)
+        if text is not None:                                   # Qwen3-VL: the text tower's own config
+            config = text
         get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
         rope = get("rope_parameters") or get("rope_scaling") or {}
         if not isinstance(rope, dict):
@@ -61,16 +64,17 @@ class Qwen3Params:
         return cls(**values)
 
     @classmethod
-    def from_state_dict(cls, sd: dict[str, Tensor]) -> Qwen3Params:
-        """For files without config.json: head_dim is q_norm's length; rope_theta and the norm eps, which no shape
-        reveals, are Qwen3-4B/8B's.
+    def from_state_dict(cls, sd: dict[str, Tensor], rope_theta: float = 1_000_000.0) -> Qwen3Params:
+        """For files without config.json: head_dim is q_norm's length; rope_theta, which no shape reveals, is given
+        (Qwen3-4B/8B's by default), the norm eps is theirs.
         """
         head_dim = sd["layers.0.self_attn.q_norm.weight"].shape[0]
         return cls(vocab_size=sd["embed_tokens.weight"].shape[0], hidden_size=sd["embed_tokens.weight"].shape[1],
                    intermediate_size=sd["layers.0.mlp.gate_proj.weight"].shape[0],
                    num_layers=1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers.")),
                    num_heads=sd["layers.0.self_attn.q_proj.weight"].shape[0] // head_dim,
-                   num_kv_heads=sd["layers.0.self_attn.k_proj.weight"].shape[0] // head_dim, head_dim=head_dim)
+                   num_kv_heads=sd["layers.0.self_attn.k_proj.weight"].shape[0] // head_dim, head_dim=head_dim,
+                   rope_theta=rope_theta)
 
 
 def _div(a, b):
@@ -161,13 +165,15 @@ class Qwen3(nn.Module):
         self.embed_tokens = layers.embedding("embed_tokens", p.vocab_size, p.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(p, layers.scope(f"layers.{i}")) for i in range(num_layers))
 
-    def forward(self, ids: Tensor, mask: Tensor, outputs: tuple[int, ...]) -> list[Tensor]:
-        """ids, mask [B, L] (1 for tokens; positions 0..L-1, pads included) -> hidden states ``outputs`` (k: the output
-        of decoder layer k, from 1), each [B, L, hidden].
+    def forward(self, ids: Tensor, mask: Tensor, outputs: tuple[int, ...], positions: Tensor | None = None
+                ) -> list[Tensor]:
+        """ids, mask [B, L] (1 for tokens), positions [B, L] (default 0..L-1, pads included) -> hidden states
+        ``outputs`` (k: the output of decoder layer k, from 1), each [B, L, hidden].
         """
         x = self.embed_tokens(ids)
         n = ids.shape[1]
-        positions = torch.arange(n, device=ids.device).expand_as(ids)
+        if positions is None:
+            positions = torch.arange(n, device=ids.device).expand_as(ids)
         cos, sin = rope_cos_sin(positions, self.params.head_dim, self.params.rope_theta, x.dtype)
         causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
         allowed = causal & mask.bool()[:, None, None, :]                     # [B, 1, L, L]: padding only as keys

@@ -24,9 +24,24 @@ SPECS_BY_HIDDEN = {QWEN3_4B.hidden_size: QWEN3_4B, QWEN3_8B.hidden_size: QWEN3_8
 
 @dataclass
 class PromptEmbeds:
-    embeds: torch.Tensor       # [B, max_length, 3*D] in the model's dtype
+    embeds: torch.Tensor       # [B, L, width] in the model's dtype (L: max_length, or the longest row's own length)
     token_counts: list[int]    # tokens of each rendered prompt (chat template included), before truncation and padding
     dropped: list[int]         # tokens cut off by truncation to max_length (0 when the prompt fits)
+    lengths: list[int] | None = None   # each row's own length where rows differ (the rest of a row is zeros)
+
+    def row(self, i: int) -> torch.Tensor:
+        """Prompt i's embeddings [1, its length, width]."""
+        return self.embeds[i:i + 1, :self.lengths[i]] if self.lengths is not None else self.embeds[i:i + 1]
+
+
+def stack_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
+    """Prompt embeddings [1 or n, L_i, width] -> [sum of n, max L_i, width], each right-padded with zeros, and every
+    row's own length (None where all have one length: FLUX.2's 512, or one FLUX 3 prompt)."""
+    longest = max(r.shape[1] for r in rows)
+    if all(r.shape[1] == longest for r in rows):
+        return torch.cat(rows), None
+    padded = [torch.nn.functional.pad(r, (0, 0, 0, longest - r.shape[1])) for r in rows]
+    return torch.cat(padded), [r.shape[1] for r in rows for _ in range(r.shape[0])]
 
 
 def render_prompt(prompt: str, template: str = QWEN3_TEMPLATE) -> str:
@@ -66,29 +81,51 @@ class PromptEncoder:
         """A GGUF embedding's weight is blocks; it says what its lookups return."""
         return getattr(self.model.embed_tokens, "dtype", self.model.embed_tokens.weight.dtype)
 
+    def lengths(self, counts: list[int]) -> list[int] | None:
+        """Each prompt's padded length where the spec pads each alone (to its multiple, at most max_length), else
+        None: every prompt is max_length."""
+        multiple, most = self.spec.pad_multiple, self.spec.max_length
+        return [min(-(-n // multiple) * multiple, most) for n in counts] if multiple else None
+
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """(ids [B, L], attention mask [B, L], untruncated token counts)."""
+        """(ids [B, L], attention mask [B, L], untruncated token counts); L is max_length, or with a ``pad_multiple``
+        the longest prompt's own padded length."""
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise Flux2Error(f"prompts must be a list of strings, got {type(prompts).__name__}")
         if not prompts:
             raise Flux2Error("no prompt to encode: pass at least one (an empty string is a valid prompt)")
-        ids, mask, counts = self.tokenizer.padded([render_prompt(p, self.spec.template) for p in prompts],
-                                                  self.spec.max_length)
+        texts = [render_prompt(p, self.spec.template) for p in prompts]
+        counts = [len(self.tokenizer.encode(t)) for t in texts] if self.spec.pad_multiple else None
+        length = max(self.lengths(counts)) if counts else self.spec.max_length
+        ids, mask, counts = self.tokenizer.padded(texts, length)
         return torch.tensor(ids), torch.tensor(mask), counts
+
+    def positions(self, mask: torch.Tensor) -> torch.Tensor:
+        """RoPE positions [B, L]: tokens count from 0; pads go on counting, or all take ``spec.pad_position``."""
+        index = torch.arange(mask.shape[1]).expand_as(mask)
+        if self.spec.pad_position is None:
+            return index
+        return torch.where(mask.bool(), index, torch.full_like(index, self.spec.pad_position))
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> PromptEmbeds:
         ids, mask, counts = self.tokenize(prompts)
         batch, length = ids.shape
-        states = self.model(ids.to(self.device), mask.to(self.device), self.spec.output_layers)
-        layers = torch.stack(states, dim=2)                                                 # [B, L, 3, D]
-        embeds = layers.reshape(batch, length, -1)                                          # [B, L, 3*D]
+        states = self.model(ids.to(self.device), mask.to(self.device), self.spec.output_layers,
+                            self.positions(mask).to(self.device))
+        layers = torch.stack(states, dim=2)                                                 # [B, L, layers, D]
+        embeds = layers.reshape(batch, length, -1)                                          # [B, L, layers*D]
+        lengths = self.lengths(counts)
+        if lengths is not None:          # rows past a prompt's own length belong to no prompt
+            embeds = embeds * (torch.arange(length, device=embeds.device)[None, :, None]
+                               < torch.tensor(lengths, device=embeds.device)[:, None, None])
+            lengths = lengths if len(set(lengths)) > 1 else None
         # checked here, before any cache keeps them: NaN embeddings make every image from them black
         finite(embeds, "the prompt embeddings", [*dtype_cause(self.dtype, "the text encoder"),
                                                  ("the text encoder's weights hold NaN/inf (a damaged or wrongly "
                                                   "converted file: download it again)")])
         dropped = [max(0, n - self.spec.max_length) for n in counts]
-        return PromptEmbeds(embeds, counts, dropped)
+        return PromptEmbeds(embeds, counts, dropped, lengths)
 
 
 def is_used(key: str, num_layers: int) -> bool:
@@ -146,7 +183,8 @@ def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device
     shapes. ``ggml_types``: module name -> GGML type of the layers given as GGUF blocks. ``spec``: None picks by width.
     """
     if config is None:
-        params = Qwen3Params.from_state_dict(qwen3_state_dict(state_dict))
+        params = Qwen3Params.from_state_dict(qwen3_state_dict(state_dict),
+                                             **({"rope_theta": spec.rope_theta} if spec is not None else {}))
     else:
         params = config if isinstance(config, Qwen3Params) else Qwen3Params.from_config(config)
     if spec is None:

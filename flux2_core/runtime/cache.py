@@ -103,7 +103,7 @@ class PromptCache:
     def encode(self, encoder, prompts: Iterable[str], settings: Hashable = ()):
         """Like ``encoder.encode(prompts)``, encoding only the prompts not seen (one batch). ``settings``: anything
         else that changes the embeddings (a template, a LoRA name...), hashable."""
-        from ..models.text_encoder import PromptEmbeds
+        from ..models.text_encoder import PromptEmbeds, stack_rows
 
         prompts = list(prompts) if not isinstance(prompts, str) else prompts
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
@@ -114,14 +114,14 @@ class PromptCache:
         if missing:
             out = encoder.encode(missing)
             for i, p in enumerate(missing):
-                embeds = out.embeds[i:i + 1]
+                embeds = out.row(i)
                 entry = (embeds.to(self.storage) if self.storage is not None else embeds.clone(),
                          out.token_counts[i], out.dropped[i])
                 found[p] = entry
                 self.cache.put(base + (p,), entry)
         entries = [found[p] for p in prompts]
-        embeds = torch.cat([e[0] for e in entries]).to(encoder.device)
-        return PromptEmbeds(embeds, [e[1] for e in entries], [e[2] for e in entries])
+        embeds, lengths = stack_rows([e[0] for e in entries])
+        return PromptEmbeds(embeds.to(encoder.device), [e[1] for e in entries], [e[2] for e in entries], lengths)
 
     def warm(self, encoder, prompts: Iterable[str] = ("",), settings: Hashable = ()) -> None:
         """By default the empty negative prompt of CFG (base models)."""

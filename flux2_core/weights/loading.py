@@ -36,7 +36,9 @@ from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, quanti
 from ..variants import (
     QWEN3_4B,
     QWEN3_8B,
+    QWEN3_VL_4B,
     AutoEncoderParams,
+    TextEncoderSpec,
     TransformerParams,
     Variant,
     get_variant,
@@ -619,19 +621,21 @@ TEXT_ENCODER_LAYOUTS = [Layout("Hugging Face Qwen3", "layers.0.self_attn.q_norm.
                                lambda keys: table_recipes(QWEN3_FROM_LLAMA_CPP), table_names(QWEN3_FROM_LLAMA_CPP))]
 ENCODER_FILES = {QWEN3_4B.name: f"Qwen3-4B text encoder ({' or '.join(QWEN3_4B.files)})",
                  QWEN3_8B.name: f"Qwen3-8B text encoder ({' or '.join(QWEN3_8B.files)})",
+                 QWEN3_VL_4B.name: f"Qwen3-VL-4B text encoder ({' or '.join(QWEN3_VL_4B.files)})",
                  "mistral-small-3.2": "Mistral-Small-3.2 text encoder"}
 
 
 def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
-                      tokenizer=None) -> PromptEncoder:
-    """Only what FLUX.2 uses is read: the embedding and layers 0..26. The tokenizer: ``tokenizer``, else the folder's,
-    else the built-in Qwen3 one (checked against a GGUF's vocabulary).
+                      tokenizer=None, spec: TextEncoderSpec | None = None) -> PromptEncoder:
+    """Only what the model reads is: the embedding and the layers up to the deepest of ``spec.output_layers`` (the
+    transformer variant's ``text_encoder``; None: FLUX.2's, picked by width). The tokenizer: ``tokenizer``, else the
+    folder's, else the built-in Qwen3 one (checked against a GGUF's vocabulary).
     """
     device, dtype = default_device_dtype(device, dtype, fp16=False)
     source = open_source(path, "text_encoder", TEXT_ENCODER_LAYOUTS, "a Qwen3 text encoder",
                          "FLUX.2 Klein 4B needs Qwen3-4B (qwen_3_4b.safetensors or a Qwen3-4B GGUF), Klein 9B needs "
                          "Qwen3-8B.", GGUF_ENCODER_ARCHS)
-    last = max(QWEN3_4B.output_layers)
+    last = max((spec or QWEN3_4B).output_layers)
     keys = sorted(k for k in map(source.layout.ours, source.keys) if k is not None and is_used(k, last))
     ggml_types = {k.removesuffix(".weight"): source.ggml_type(k) for k in keys if source.ggml_type(k) is not None}
     shapes = {k: torch.empty(need_shape(source, k), device="meta") for k in keys}
@@ -646,9 +650,10 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     if tokenizer is None and source.ckpt.path.is_dir():
         tokenizer = load_tokenizer(source.ckpt.files[0].parent)
     try:
-        config = qwen3_config(source) or Qwen3Params.from_state_dict(qwen3_state_dict(shapes))
+        config = qwen3_config(source) or Qwen3Params.from_state_dict(qwen3_state_dict(shapes),
+                                                                      (spec or QWEN3_4B).rope_theta)
         encoder = build_qwen3_encoder(state, config=config, device=device, dtype=dtype, tokenizer=tokenizer,
-                                      ggml_types=ggml_types, kept=kept)
+                                      ggml_types=ggml_types, kept=kept, spec=spec)
     except Flux2Error as e:
         raise Flux2Error(f"{source.ckpt.path}: {e} ({source.describe()})") from None
     if "tokenizer.ggml.tokens" in source.ckpt.metadata:

@@ -87,3 +87,38 @@ def to_mlx(x: torch.Tensor):
 
 def to_torch(x) -> torch.Tensor:
     return torch.from_numpy(np.array(x))
+
+
+# --- the text encoder: a tiny Qwen3-VL text tower ---------------------------------------------------------------------
+
+# Qwen3-VL-4B's text tower at 32 wide: every layer FLUX 3 reads (4, 8, ..., 32) and no more, the real vocabulary size
+# (so every token id is valid), its attention shape (GQA, q/k RMSNorm) and RoPE base
+TINY_QWEN3_VL_TEXT = {
+    "vocab_size": 151936, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 32,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 5_000_000.0,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+}
+
+
+def save_tiny_qwen3_vl(folder, seed: int = 0):
+    """A Hugging Face Qwen3-VL folder holding only a tiny random text tower: config.json (its ``text_config``),
+    tokenizer.json (Qwen's vocabulary) and model.safetensors under ``model.language_model.``. Returns the folder."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from flux2_core.models.tokenizer import builtin_tokenizer
+    from tests.tiny.text_encoder import build_tiny_qwen3
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_qwen3(seed, TINY_QWEN3_VL_TEXT)
+    state = {"model.language_model." + k.removeprefix("model."): v.contiguous()
+             for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(folder / "model.safetensors"))
+    text = {**TINY_QWEN3_VL_TEXT, "model_type": "qwen3_vl_text",
+            "rope_scaling": {"mrope_interleaved": True, "mrope_section": [8, 4, 4], "rope_type": "default"}}
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "text_config": text}))
+    (folder / "tokenizer.json").write_text(builtin_tokenizer().backend.to_str())
+    return folder
