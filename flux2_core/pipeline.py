@@ -311,7 +311,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     if embeds.dropped[0]:
         say(f"the prompt is {embeds.token_counts[0]} tokens; the last {embeds.dropped[0]} were cut off "
             f"(the limit is {models.prompt_encoder.spec.max_length} including the chat template)")
-    txt, negative_txt = embeds.embeds[:1], (embeds.embeds[1:] if rule.cfg else None)
+    txt, negative_txt = embeds.row(0), (embeds.row(1) if rule.cfg else None)
 
     # memory: the largest stage must fit beside the weights, checked before the noise, the encodes and the denoiser
     # allocate (the encoder now rests where it will stay during the denoise)
@@ -320,7 +320,8 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
                         f"generating {batch} x {width}x{height}{f' with {len(refs)} references' if refs else ''}")
 
     if noise is None:
-        noise = make_noise(batch, height, width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise)
+        noise = make_noise(batch, height, width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise,
+                           draw=family_of(variant).noise)
     noise = noise.to(device, torch.float32)
 
     # start latent
@@ -338,10 +339,11 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
         reference_kv = models.reference_cache.get_for_images(model, ae, refs, dtype, encode=encode_references)
     ref = ref_ids = blend = None
     if masked:
-        ref, ref_ids = reference_tokens([start, *reference_latents(ae, refs, len(refs) + 1)])
+        ref, ref_ids = reference_tokens([start, *reference_latents(ae, refs, len(refs) + 1)],
+                                        family_of(variant).reference_ids)
         blend = inpaint.Inpaint(start, noise, latent_mask, inpaint.AFTER_STEP)
     elif refs and reference_kv is None:
-        ref, ref_ids = encode_references(ae, refs, dtype)
+        ref, ref_ids = encode_references(ae, refs, dtype, family_of(variant).reference_ids)
 
     latents = denoise(model, x, sigmas, txt, negative_txt=negative_txt, cfg=rule.scale, ref=ref, ref_ids=ref_ids,
                       ref_kv=reference_kv, kv=kv, guidance=rule.embedded, inpaint=blend, callback=callback, dtype=dtype)

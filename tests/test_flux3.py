@@ -174,3 +174,104 @@ def test_text_encoder_equals_the_reference(tmp_path):
         torch.testing.assert_close(got.row(i)[0], expected, rtol=2 ** -8, atol=1e-5 * expected.abs().max().item())
         assert np.array_equal(flux3.text_ids(1, expected.shape[0])[0].numpy(), ids)
     assert torch.all(got.embeds[0, 80:] == 0)                   # the short prompt's rows past its own 80
+
+
+# --- the whole pipeline -----------------------------------------------------------------------------------------------
+
+def flux3_files(tmp_path, flow_map: bool):
+    """A tiny FLUX 3 transformer state, a tiny Qwen3-VL folder and a tiny FLUX.2 autoencoder file (BFL's layout)."""
+    from dataclasses import replace
+
+    from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
+
+    params = replace(tiny_flux3(flow_map), context_in_dim=8 * 32)        # 8 layers of the tiny 32-wide tower
+    state = random_flux3_state_dict(params, seed=6)
+    te = save_tiny_qwen3_vl(tmp_path / "text_encoder", seed=1)
+    ae = save_bfl_autoencoder(build_diffusers_autoencoder(2), tmp_path / "ae.safetensors")
+    return params, state, te, ae
+
+
+def our_models(params, state, te, ae):
+    from flux2_core import weights
+    from flux2_core.families.flux3 import FLUX3
+    from flux2_core.pipeline import Models
+
+    model = flux3.Flux3Transformer(params).eval()
+    model.load_state_dict(state)
+    variant = FLUX3.variant_for(params, "")
+    encoder = weights.load_text_encoder(te, "cpu", torch.float32, spec=variant.text_encoder)
+    return Models(model, variant, weights.load_autoencoder(ae, "cpu", torch.float32), encoder)
+
+
+def oracle_generate(params, state, te, ae, prompt, references, width, height, steps, noise):
+    """flux3-mlx's Pipeline.generate with every part in float32 (its loaders would cast the DiT to bf16): the final
+    latent tokens [h*w, 128] and the picture."""
+    import mlx.core as mx
+    from flux3_mlx import autoencoder, pipeline
+    from flux3_mlx.text_encoder import TextEncoder
+
+    from tests.tiny.autoencoder import TINY_AE_PARAMS
+
+    saved = autoencoder.CH, autoencoder.CH_MULT
+    try:
+        autoencoder.CH, autoencoder.CH_MULT = TINY_AE_PARAMS.ch, TINY_AE_PARAMS.ch_mult
+        with flux3_mlx_at(params) as dit:
+            pipe = pipeline.Pipeline.__new__(pipeline.Pipeline)
+            pipe.root = pipe.te_root = te
+            pipe.low_memory = False
+            pipe._te = TextEncoder(str(te), dtype=mx.float32)
+            pipe._dit = mlx_dit(dit, params, state)
+            pipe.vae = autoencoder.load_autoencoder(str(ae))
+            decode, kept = pipe.vae.decode, []
+            pipe.vae.decode = lambda tokens, h, w: kept.append(to_torch(tokens)) or decode(tokens, h, w)
+            picture = pipe.generate(prompt, references, width, height, steps, None, 0, noise=noise.numpy())
+        return kept[0], torch.from_numpy(np.array(picture))
+    finally:
+        autoencoder.CH, autoencoder.CH_MULT = saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flow_map,references", [(True, 0), (True, 1), (False, 2)])
+def test_generate_equals_the_reference(tmp_path, flow_map, references):
+    """Prompt to picture: distilled (one pass per step, t_next) and base (CFG 3.5 with the empty negative, whose
+    prompt is shorter than the positive's), with 0, 1 or 2 references; the final latents within 1e-5 (of scale) of
+    flux3-mlx's and the uint8 pictures within one level."""
+    from PIL import Image
+
+    from flux2_core import pipeline
+
+    params, state, te, ae = flux3_files(tmp_path, flow_map)
+    width, height, steps = 64, 48, 3
+    g = torch.Generator().manual_seed(9)
+    refs = [Image.fromarray(torch.randint(0, 256, (64, 80, 3), generator=g, dtype=torch.uint8).numpy())
+            for _ in range(references)]
+    noise = torch.randn(12, 128, generator=g).to(torch.bfloat16).float()      # tokens, as the reference draws them
+    prompt = LONG_PROMPT if not flow_map else "a red fox in the snow"
+    expected_latents, expected_picture = oracle_generate(params, state, te, ae, prompt, refs, width, height, steps,
+                                                         noise)
+    result = pipeline.generate(our_models(params, state, te, ae), prompt, references=refs, width=width,
+                               height=height, steps=steps, noise=flux3_noise_grid(noise, 3, 4))
+    assert result.settings["cfg"] == (1.0 if flow_map else 3.5)
+    assert_close_to_scale(result.latents[0].permute(1, 2, 0).reshape(-1, 128), expected_latents)
+    assert (result.images[0].int() - expected_picture.int()).abs().max() <= 1
+
+
+def flux3_noise_grid(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """[h*w, 128] tokens (row-major) -> [1, 128, h, w]."""
+    return tokens.T.reshape(1, 128, h, w)
+
+
+def test_a_seed_draws_the_references_noise():
+    """Token-major [h*w, 128] from torch's CPU generator, rounded through bf16: flux3-mlx reproduces the same draw in
+    numpy (to ~2e-6, so equal after the rounding but for values at a rounding edge)."""
+    from flux3_mlx.torch_randn import randn
+
+    from flux2_core.families.flux3 import FLUX3
+    from flux2_core.sampling.euler import make_noise
+
+    noise = make_noise(2, 48, 64, 11, draw=FLUX3.noise)
+    for i in range(2):
+        tokens = torch.randn(12, 128, generator=torch.Generator().manual_seed(11 + i))
+        assert torch.equal(noise[i:i + 1], flux3_noise_grid(tokens.to(torch.bfloat16).float(), 3, 4))
+        theirs = torch.from_numpy(randn((12, 128), 11 + i)).to(torch.bfloat16).float()
+        assert (flux3_noise_grid(theirs, 3, 4) != noise[i:i + 1]).float().mean() < 0.01

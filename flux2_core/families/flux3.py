@@ -55,7 +55,11 @@ def condition(model: flux3.Flux3Transformer, txt: Tensor, h: int, w: int, *, ref
               ref_ids: Tensor | None = None, ref_kv=None, guidance: Tensor | None = None,
               txt_lengths: list[int] | None = None) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
     """The velocity on the latent grid: the latent [n, 128, h, w] packed to h*w tokens, each sample's own text
-    (``txt_lengths``), references at ``ref_ids`` (``reference_ids``); the flow map is also given t_next."""
+    (``txt_lengths``), references at ``ref_ids`` (``reference_ids``); the flow map is also given t_next. The reference
+    hands its model the prompt embeddings and reference latents in bf16 (what its encoders give), so they are rounded
+    through bf16 here in every compute dtype."""
+    txt = txt.to(torch.bfloat16).to(txt.dtype)
+    ref = None if ref is None else ref.to(torch.bfloat16).to(ref.dtype)
     if ref_kv is not None:
         raise Flux2Error("FLUX 3 Image Klein has no KV edition: give its references as tokens")
     if guidance is not None:

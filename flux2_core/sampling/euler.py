@@ -20,21 +20,25 @@ from torch import Tensor
 
 from .. import checks
 from ..errors import Flux2Error
-from ..families import family_of_params
+from ..families import NoiseDraw, family_of_params
 from ..latents import LATENT_CHANNELS, latent_size
+from ..models import rope
+from ..models.text_encoder import stack_rows
 from ..models.transformer import ReferenceKV
 from ..runtime import memory
 
+CHANNELS_FIRST = NoiseDraw()   # FLUX.2's draw: [128, h, w] in float32
 MAX_CFG = 100.0          # as ComfyUI's CFGGuider and KSampler; far beyond any useful scale, still finite in bf16 steps
 
 
 # --- noise ------------------------------------------------------------------------------------------------------
 
 def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", dtype=torch.float32,
-               bfl_cuda_noise: bool = False) -> Tensor:
+               bfl_cuda_noise: bool = False, draw: NoiseDraw = CHANNELS_FIRST) -> Tensor:
     """[batch, 128, height/16, width/16]; item i uses seed + i, so it equals a batch-1 run with that seed. Drawn on a
-    CPU generator in float32 (diffusers' and ComfyUI's convention: the same on every device); ``bfl_cuda_noise`` draws
-    bf16 on ``device`` as the reference CLI does.
+    CPU generator in float32 (diffusers' and ComfyUI's convention: the same on every device), as the family's
+    ``draw`` says (FLUX 3: token-major, rounded through bf16); ``bfl_cuda_noise`` draws bf16 on ``device`` as FLUX.2's
+    reference CLI does.
     """
     h, w = latent_size(height, width)
     check_seed(seed, batch)
@@ -44,9 +48,15 @@ def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", 
         memory.fits(values * 4, memory.free_memory(where), f"noise for {batch} x {width}x{height} on {where}",
                     "use a smaller size or batch")
     gen_device, gen_dtype = (device, torch.bfloat16) if bfl_cuda_noise else ("cpu", torch.float32)
-    items = [torch.randn((1, LATENT_CHANNELS, h, w), dtype=gen_dtype, device=gen_device,
+    shape = (1, h * w, LATENT_CHANNELS) if draw.token_major else (1, LATENT_CHANNELS, h, w)
+    items = [torch.randn(shape, dtype=gen_dtype, device=gen_device,
                          generator=torch.Generator(gen_device).manual_seed(seed + i)) for i in range(batch)]
-    return torch.cat(items).to(device=device, dtype=dtype)
+    noise = torch.cat(items)
+    if draw.token_major:
+        noise = rope.unpack(noise, h, w)
+    if draw.bf16:
+        noise = noise.to(torch.bfloat16)
+    return noise.to(device=device, dtype=dtype)
 
 
 def check_seed(seed: int, batch: int = 1) -> None:
@@ -145,22 +155,16 @@ def guidance_for(variant, cfg: float, negative: bool = True) -> Guidance:
     return Guidance(scale, True, None)
 
 
-# --- FLUX.2 velocity ----------------------------------------------------------------------------------------------
-
-def loop_dtype(compute: torch.dtype) -> torch.dtype:
-    """The dtype of the latent between steps and of the time the model is given. In bfloat16 BFL's reference keeps
-    both in bf16 (and ours equals it there); in float16 BFL has no reference, and ComfyUI's native FLUX.2 is the one
-    users compare with: a float32 latent and time, the model's input cast to float16 at each call."""
-    return torch.bfloat16 if compute == torch.bfloat16 else torch.float32
-
+# --- the denoise ----------------------------------------------------------------------------------------------------
 
 def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt: Tensor | None = None,
             cfg: float = 1.0, ref: Tensor | None = None, ref_ids: Tensor | None = None,
             ref_kv: ReferenceKV | None = None, kv: bool = False, guidance: float | None = None,
             inpaint: Inpaint | None = None, callback: Callable[[Step], None] | None = None,
             dtype: torch.dtype | None = None) -> Tensor:
-    """x [B, 128, h, w] at sigmas[0]; ``dtype``: the compute dtype (default x's). The latent is kept in its
-    ``loop_dtype`` between steps, and so returned. txt [1 or B, Ltxt, C]. With negative_txt: CFG
+    """x [B, 128, h, w] at sigmas[0]; ``dtype``: the compute dtype (default x's). The latent is kept in its family's
+    ``latent_dtype`` between steps, and so returned. txt [1 or B, Ltxt, C]; negative_txt may be of another length
+    (FLUX 3 pads each prompt alone): the shorter is padded and masked. With negative_txt: CFG
     v = v_neg + cfg * (v_txt - v_neg), both halves in one forward of batch 2B. ref [1 or B, Lref, 128] with ref_ids
     [1, Lref, 4] are joined after the image; with kv=True their K/V are computed once (or ``ref_kv`` given) and
     reused every step. The result is checked for NaN / inf (``checks.finite``) with its likely causes.
@@ -171,7 +175,8 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
         check_cfg(guidance, "guidance")
     batch, _, h, w = x.shape
     dtype, device = dtype or x.dtype, x.device
-    x = x.to(loop_dtype(dtype))
+    family = family_of_params(model.params)
+    x = x.to(family.latent_dtype(dtype))
     sides = 1 if negative_txt is None else 2             # the model batch is [neg..., pos...] with CFG
     n = sides * batch
     if kv and ref is not None:
@@ -187,10 +192,11 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
         ref_kv = ref_kv.to(device, dtype)
 
     prompts = [txt] if negative_txt is None else [negative_txt, txt]
-    txt = torch.cat([p.expand(batch, *p.shape[1:]) for p in prompts]).to(device, dtype)   # [n, Ltxt, C]
+    txt, txt_lengths = stack_rows([p.expand(batch, *p.shape[1:]) for p in prompts])      # [n, Ltxt, C]
+    txt = txt.to(device, dtype)
     guidance_vec = None if guidance is None else torch.full((n,), guidance, dtype=x.dtype, device=device)
-    model_velocity = family_of_params(model.params).condition(model, txt, h, w, ref=ref, ref_ids=ref_ids,
-                                                              ref_kv=ref_kv, guidance=guidance_vec)
+    model_velocity = family.condition(model, txt, h, w, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
+                                      guidance=guidance_vec, txt_lengths=txt_lengths)
 
     def velocity(x: Tensor, t: Tensor, t_next: Tensor) -> Tensor:
         v = model_velocity(x.to(dtype).repeat(sides, 1, 1, 1), t.repeat(sides), t_next.repeat(sides))

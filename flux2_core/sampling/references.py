@@ -162,11 +162,12 @@ def image_to_tensor(image: Image.Image) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_references(ae, images, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> tokens [1, Lref, 128] in ``dtype`` and int64 ids [1, Lref, 4], Lref = sum of (h/16)*(w/16), on the AE's
-    device.
+def encode_references(ae, images, dtype: torch.dtype | None = None, ids=rope.reference_ids
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> tokens [1, Lref, 128] in ``dtype`` and ids [1, Lref, 4] (``ids``: the family's ``reference_ids``; FLUX.2's
+    by default), Lref = sum of (h/16)*(w/16), on the AE's device.
     """
-    tokens, ids = reference_tokens(reference_latents(ae, images))
+    tokens, ids = reference_tokens(reference_latents(ae, images), ids)
     return tokens.to(dtype or tokens.dtype), ids
 
 
@@ -175,15 +176,16 @@ def reference_latents(ae, images, count: int | None = None) -> list[torch.Tensor
     return [ae.encode(image_to_tensor(im)) for im in prepare_references(images, count)]
 
 
-def reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """latents each [n, 128, h, w], every item one reference -> tokens [1, Lref, 128], int64 ids [1, Lref, 4];
-    (None, None) for none.
+def reference_tokens(latents: list[torch.Tensor], ids=rope.reference_ids
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """latents each [n, 128, h, w], every item one reference -> tokens [1, Lref, 128], ids [1, Lref, 4] (``ids``:
+    the family's ``reference_ids``); (None, None) for none.
     """
     items = [z[i:i + 1] for z in latents for i in range(z.shape[0])]
     if not items:
         return None, None
     tokens = torch.cat([rope.pack(z) for z in items], dim=1)
-    return tokens, rope.reference_ids([tuple(z.shape[-2:]) for z in items], device=tokens.device)
+    return tokens, ids([tuple(z.shape[-2:]) for z in items], device=tokens.device)
 
 
 def batched_reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
