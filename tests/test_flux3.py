@@ -275,3 +275,30 @@ def test_a_seed_draws_the_references_noise():
         assert torch.equal(noise[i:i + 1], flux3_noise_grid(tokens.to(torch.bfloat16).float(), 3, 4))
         theirs = torch.from_numpy(randn((12, 128), 11 + i)).to(torch.bfloat16).float()
         assert (flux3_noise_grid(theirs, 3, 4) != noise[i:i + 1]).float().mean() < 0.01
+
+
+@pytest.mark.slow
+def test_flux3_runs_from_the_command_line(tmp_path, capsys):
+    """The main job on FLUX 3 files (its transformer behind ComfyUI's prefix, a Qwen3-VL folder, the FLUX.2
+    autoencoder): the family and variant read from the file, its 16 steps by default, and the PNG equal to
+    pipeline.generate on the same files (itself proven against flux3-mlx above)."""
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from flux2_core import pipeline
+    from flux2_core.app import cli
+    from tests.test_cli import png_parameters
+
+    _, state, te, ae = flux3_files(tmp_path, flow_map=True)
+    transformer = tmp_path / "flux3-image-klein.safetensors"
+    save_file({"model.diffusion_model." + k: v for k, v in state.items()}, str(transformer))
+    code = cli.main(["--transformer", str(transformer), "--text-encoder", str(te), "--ae", str(ae),
+                     "--prompt", "a fox", "--width", "64", "--height", "48", "--seed", "4", "--device", "cpu",
+                     "--dtype", "float32", "--out", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    written = next((tmp_path / "out").glob("*.png"))
+    size, settings = png_parameters(written)
+    assert size == (64, 48) and settings["steps"] == 16 and settings["variant"] == "custom"
+    models = pipeline.load_models(transformer, te, ae, device="cpu", dtype=torch.float32)
+    expected = pipeline.generate(models, "a fox", width=64, height=48, seed=4)
+    assert np.array_equal(np.asarray(Image.open(written)), expected.images[0].numpy())
