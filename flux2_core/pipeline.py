@@ -40,6 +40,7 @@ from .sampling.references import (
     center_crop_16,
     encode_references,
     image_to_tensor,
+    padded_reference,
     prepare_references,
     reference_latents,
     reference_tokens,
@@ -274,7 +275,12 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     if masked and reference_kv is not None:
         raise Flux2Error("inpainting adds the source image as reference 1, which a precomputed reference_kv does not "
                          "hold: leave reference_kv out")
-    refs = prepare_references(references, len(references) + masked) if references else []
+    family = family_of(variant)
+    fit = family.references
+    refs = prepare_references(references, len(references) + masked, fit) if references else []
+    # one reference alone on a padded canvas (FLUX 3): the picture made at the canvas's size is cropped back to it
+    crop = (padded_reference(as_pil(references[0]), fit)[1] if fit.padded and len(refs) == 1 and not masked
+            and image is None and width is None and height is None else None)
     source = as_pil(image) if image is not None else None
     init = center_crop_16(source.convert("RGB"), "the image to edit") if image is not None else None
     strength = check_strength(strength, init is not None)           # before the sizes, which read the image
@@ -321,7 +327,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
 
     if noise is None:
         noise = make_noise(batch, height, width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise,
-                           draw=family_of(variant).noise)
+                           draw=family.noise)
     noise = noise.to(device, torch.float32)
 
     # start latent
@@ -339,17 +345,20 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
         reference_kv = models.reference_cache.get_for_images(model, ae, refs, dtype, encode=encode_references)
     ref = ref_ids = blend = None
     if masked:
-        ref, ref_ids = reference_tokens([start, *reference_latents(ae, refs, len(refs) + 1)],
-                                        family_of(variant).reference_ids)
+        ref, ref_ids = reference_tokens([start, *reference_latents(ae, refs, len(refs) + 1, fit)],
+                                        family.reference_ids)
         blend = inpaint.Inpaint(start, noise, latent_mask, inpaint.AFTER_STEP)
     elif refs and reference_kv is None:
-        ref, ref_ids = encode_references(ae, refs, dtype, family_of(variant).reference_ids)
+        ref, ref_ids = encode_references(ae, refs, dtype, family.reference_ids, fit)
 
     latents = denoise(model, x, sigmas, txt, negative_txt=negative_txt, cfg=rule.scale, ref=ref, ref_ids=ref_ids,
                       ref_kv=reference_kv, kv=kv, guidance=rule.embedded, inpaint=blend, callback=callback, dtype=dtype)
 
     tile = memory.decode_tile(ae, 1, h, w, memory.free_memory(device))       # None: in one piece
     images = torch.cat([to_uint8(ae.decode(latents[i:i + 1], tile)) for i in range(batch)])
+    if crop is not None:
+        left, top, right, bottom = crop
+        images, width, height = images[:, top:bottom, left:right], right - left, bottom - top
     settings = {"prompt": prompt, "negative": negative if rule.cfg else None, "width": width, "height": height,
                 "steps": len(sigmas) - 1, "cfg": rule.scale, "seed": seed, "batch": batch, "variant": variant.name,
                 "references": len(refs), "strength": strength if init is not None else None, "mask": masked,

@@ -122,6 +122,8 @@ class TextEncoderSpec:
                              # a multiple of this (at most max_length): prompts of one batch may differ in length
     pad_position: int | None = None   # the RoPE position pad tokens take (None: they go on counting)
     rope_theta: float = 1_000_000.0   # the encoder's RoPE base where its file has no config.json to say it
+    model: str = "qwen3"     # the language model it reads: "qwen3" or "qwen3-vl" (its text tower); files that say
+                             # which they are are refused for the other
 
     @property
     def width(self) -> int:
@@ -136,7 +138,8 @@ QWEN3_8B = TextEncoderSpec("qwen3-8b", 4096, files=("qwen_3_8b.safetensors", "qw
 MISTRAL_SMALL = TextEncoderSpec("mistral-small-3.2", 5120, output_layers=(10, 20, 30))
 QWEN3_VL_4B = TextEncoderSpec("qwen3-vl-4b", 2560, output_layers=(4, 8, 12, 16, 20, 24, 28, 32), max_length=4096,
                               files=("qwen3vl_4b.safetensors", "qwen3vl_4b_int8_convrot.safetensors"), gguf_stem="Qwen3-VL-4B-Instruct",
-                              template=QWEN3_VL_TEMPLATE, pad_multiple=80, pad_position=1, rope_theta=5_000_000.0)
+                              template=QWEN3_VL_TEMPLATE, pad_multiple=80, pad_position=1, rope_theta=5_000_000.0,
+                              model="qwen3-vl")
 
 
 @dataclass(frozen=True)

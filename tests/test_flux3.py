@@ -2,6 +2,8 @@
 tiny random weights in float32: the schedule, the ids, the transformer (both variants; no, one and several
 references; samples whose prompts differ in length)."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -203,9 +205,10 @@ def our_models(params, state, te, ae):
     return Models(model, variant, weights.load_autoencoder(ae, "cpu", torch.float32), encoder)
 
 
-def oracle_generate(params, state, te, ae, prompt, references, width, height, steps, noise):
-    """flux3-mlx's Pipeline.generate with every part in float32 (its loaders would cast the DiT to bf16): the final
-    latent tokens [h*w, 128] and the picture."""
+@contextlib.contextmanager
+def oracle_pipeline(params, state, te, ae):
+    """flux3-mlx's Pipeline with every part in float32 (its loaders would cast the DiT to bf16), sized like the tiny
+    files; ``pipe.latents`` collects the final latent tokens [h*w, 128] of each picture it decodes."""
     import mlx.core as mx
     from flux3_mlx import autoencoder, pipeline
     from flux3_mlx.text_encoder import TextEncoder
@@ -222,12 +225,18 @@ def oracle_generate(params, state, te, ae, prompt, references, width, height, st
             pipe._te = TextEncoder(str(te), dtype=mx.float32)
             pipe._dit = mlx_dit(dit, params, state)
             pipe.vae = autoencoder.load_autoencoder(str(ae))
-            decode, kept = pipe.vae.decode, []
-            pipe.vae.decode = lambda tokens, h, w: kept.append(to_torch(tokens)) or decode(tokens, h, w)
-            picture = pipe.generate(prompt, references, width, height, steps, None, 0, noise=noise.numpy())
-        return kept[0], torch.from_numpy(np.array(picture))
+            decode, pipe.latents = pipe.vae.decode, []
+            pipe.vae.decode = lambda tokens, h, w: pipe.latents.append(to_torch(tokens)) or decode(tokens, h, w)
+            yield pipe
     finally:
         autoencoder.CH, autoencoder.CH_MULT = saved
+
+
+def oracle_generate(params, state, te, ae, prompt, references, width, height, steps, noise):
+    """The final latent tokens [h*w, 128] and the picture of flux3-mlx's Pipeline.generate."""
+    with oracle_pipeline(params, state, te, ae) as pipe:
+        picture = pipe.generate(prompt, references, width, height, steps, None, 0, noise=noise.numpy())
+        return pipe.latents[0], torch.from_numpy(np.array(picture))
 
 
 @pytest.mark.slow
@@ -302,3 +311,90 @@ def test_flux3_runs_from_the_command_line(tmp_path, capsys):
     models = pipeline.load_models(transformer, te, ae, device="cpu", dtype=torch.float32)
     expected = pipeline.generate(models, "a fox", width=64, height=48, seed=4)
     assert np.array_equal(np.asarray(Image.open(written)), expected.images[0].numpy())
+
+
+# --- references -------------------------------------------------------------------------------------------------------
+
+def random_picture(width: int, height: int, seed: int = 0):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8).numpy())
+
+
+@pytest.mark.parametrize("size", [(64, 48), (20, 20), (12, 40), (100, 37), (3000, 2000), (5000, 900), (4096, 4096),
+                                  (2048, 2049), (16, 16)])
+def test_one_reference_is_fitted_and_padded_as_the_reference(size):
+    """Alone, a reference is fitted to 4 MP and 4096 px a side and centred on its 16-px canvas (64 px at least) with
+    its border reflected: the canvas and the picture's box on it equal flux3-mlx's."""
+    from flux3_mlx.pipeline import prepare_reference
+
+    from flux2_core.families.flux3 import FLUX3
+    from flux2_core.sampling.references import padded_reference, prepare_references
+
+    picture = random_picture(*size)
+    expected, box = prepare_reference(picture)
+    canvas, our_box = padded_reference(picture, FLUX3.references)
+    assert our_box == box and canvas.size == expected.size
+    assert np.array_equal(np.asarray(canvas), np.asarray(expected))
+    assert np.array_equal(np.asarray(prepare_references([picture], fit=FLUX3.references)[0]), np.asarray(expected))
+
+
+def test_several_references_are_capped_and_cropped_as_the_reference():
+    """Two or more: each at most 1 MP (sizes floored), centre-cropped to 16 px; more than 10 refused."""
+    from flux3_mlx.pipeline import prepare_multi_reference
+
+    from flux2_core.errors import Flux2Error
+    from flux2_core.families.flux3 import FLUX3
+    from flux2_core.sampling.references import prepare_references
+
+    pictures = [random_picture(w, h, i) for i, (w, h) in enumerate([(1500, 1000), (70, 50), (17, 900)])]
+    ours = prepare_references(pictures, fit=FLUX3.references)
+    for picture, prepared in zip(pictures, ours):
+        assert np.array_equal(np.asarray(prepared), np.asarray(prepare_multi_reference(picture)))
+    with pytest.raises(Flux2Error, match="11 reference images, but this model takes at most 10"):
+        prepare_references([random_picture(32, 32)] * 11, fit=FLUX3.references)
+
+
+@pytest.mark.slow
+def test_an_edit_of_one_reference_is_cropped_back_as_the_reference(tmp_path, monkeypatch):
+    """flux3-mlx's whole call (its ``Flux3Klein``: the reference fitted and padded, the output size from it, the
+    picture cropped back to the reference's box) against ``generate`` with no size given: the same picture, within
+    one level. Its noise is torch's own draw (flux3-mlx reproduces torch's generator in numpy to ~2e-6)."""
+    from flux3_mlx import api
+    from flux3_mlx import pipeline as mlx_pipeline
+
+    from flux2_core import pipeline
+
+    monkeypatch.setattr(mlx_pipeline, "randn", lambda shape, seed: torch.randn(
+        shape, generator=torch.Generator().manual_seed(seed)).numpy())
+    params, state, te, ae = flux3_files(tmp_path, flow_map=True)
+    reference = random_picture(70, 50, 3)                       # canvas 80x64, the picture at (5, 7)
+    with oracle_pipeline(params, state, te, ae) as pipe:
+        picture, record = api.Flux3Klein(pipe)("make it night", [reference], steps=3, seed=5)
+    expected = torch.from_numpy(np.array(picture))
+    result = pipeline.generate(our_models(params, state, te, ae), "make it night", references=[reference], steps=3,
+                               seed=5)
+    assert expected.shape == (50, 70, 3) and result.images.shape == (1, 50, 70, 3)
+    assert (result.settings["width"], result.settings["height"]) == (record["width"], record["height"]) == (70, 50)
+    assert (result.images[0].int() - expected.int()).abs().max() <= 1
+
+
+def test_a_text_encoder_file_says_which_model_it_is(tmp_path):
+    """A Qwen3-VL folder loads as FLUX 3's encoder without being told (its config and text tower's names say it), and
+    is refused for FLUX.2; a Qwen3 folder (its config says so) is refused for FLUX 3, naming the file to load."""
+    from flux2_core import weights
+    from flux2_core.errors import Flux2Error
+    from flux2_core.variants import QWEN3_4B, QWEN3_VL_4B
+    from tests.tiny.text_encoder import build_tiny_qwen3, save_diffusers_text_encoder
+
+    folder = save_tiny_qwen3_vl(tmp_path / "vl")
+    found = weights.load_text_encoder(folder, "cpu", torch.float32)
+    assert found.spec.model == "qwen3-vl" and found.spec.pad_multiple == 80 and len(found.model.layers) == 32
+    with pytest.raises(Flux2Error, match=r"is a Qwen3-VL text encoder \(FLUX 3 Image Klein's\), but this model reads "
+                                         r"Qwen3 \(FLUX.2 Klein\): load the Qwen3-4B text encoder"):
+        weights.load_text_encoder(folder, "cpu", torch.float32, spec=QWEN3_4B)
+    plain = save_diffusers_text_encoder(build_tiny_qwen3(), tmp_path / "qwen3")
+    with pytest.raises(Flux2Error, match=r"is a Qwen3 text encoder \(FLUX.2 Klein's\), but this model reads Qwen3-VL "
+                                         r"\(FLUX 3 Image Klein\): load the Qwen3-VL-4B text encoder \(qwen3vl_4b"):
+        weights.load_text_encoder(plain, "cpu", torch.float32, spec=QWEN3_VL_4B)

@@ -231,7 +231,7 @@ def test_wrong_architectures_are_named(tmp_path, vocabulary):
     _, tokens = vocabulary
     hf = comfyui_state_dict(build_tiny_qwen3(seed=10))
     llm, _ = save_gguf(llama_cpp_names(hf), tmp_path / "llm.gguf", encoder_types(T.Q8_0), arch="qwen3", tokens=tokens)
-    with pytest.raises(Flux2Error, match=r"GGUF of a Qwen3 language model .*not a FLUX.2 transformer"):
+    with pytest.raises(Flux2Error, match=r"GGUF of a Qwen3 language model .*not a FLUX.2 or FLUX 3 Image Klein transformer"):
         weights.load_transformer(llm, CPU)
     sd3, _ = save_gguf({"joint_blocks.0.x_block.attn.qkv.weight": torch.randn(96, 64)}, tmp_path / "sd3.gguf",
                        dit_types(T.Q8_0), arch="sd3")

@@ -22,7 +22,7 @@ from ..errors import Flux2Error
 from ..models.layers import Layers
 from ..storage.protocol import stored_linears
 from ..variants import Variant
-from .family import AdapterNaming, Family, MemoryInputs, ModelParams, NoiseDraw, ShapeReader
+from .family import AdapterNaming, Family, MemoryInputs, ModelParams, NoiseDraw, ReferenceFit, ShapeReader
 from .flux2 import FLUX2
 from .flux3 import FLUX3
 
@@ -33,6 +33,7 @@ __all__ = [
     "MemoryInputs",
     "ModelParams",
     "NoiseDraw",
+    "ReferenceFit",
     "ShapeReader",
     "family_of",
     "family_of_params",

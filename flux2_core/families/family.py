@@ -76,6 +76,25 @@ class NoiseDraw:
     bf16: bool = False            # rounded through bfloat16 after the draw (FLUX 3's reference)
 
 
+@dataclass(frozen=True)
+class ReferenceFit:
+    """How a family's reference images are sized before encoding (``sampling/references.py`` applies it)."""
+
+    single_pixels: int           # one reference alone is scaled down to at most this many pixels
+    multi_pixels: int            # each of several references
+    min_side: int = 64           # a smaller side is refused
+    max_aspect: float | None = 8.0   # a longer aspect ratio is refused (None: any)
+    max_count: int | None = None     # at most this many references (None: any number)
+    padded: bool = False         # one reference alone is fitted (rounded sizes, at most max_side a side) and
+                                 # reflect-padded to its 16-px canvas (at least pad_min a side), and the picture
+                                 # made at its size is cropped back to the reference's own (FLUX 3)
+    max_side: int = 0
+    pad_min: int = 0
+
+
+FLUX2_REFERENCES = ReferenceFit(single_pixels=2024 * 2024, multi_pixels=1024 * 1024)   # "2024" as BFL's code
+
+
 def bf16_latent(compute: torch.dtype) -> torch.dtype:
     """FLUX.2's latent between steps: in bfloat16 BFL's reference keeps the latent and time in bf16 (and ours equals
     it there); in float16 BFL has no reference, and ComfyUI's native FLUX.2 is the one users compare with: a float32
@@ -109,3 +128,4 @@ class Family:
     latent_dtype: Callable[[torch.dtype], torch.dtype] = bf16_latent   # compute dtype -> the latent's between steps
     # [(h, w) of each reference latent] -> their position ids [1, sum(h*w), 4] (what tells references apart)
     reference_ids: Callable[..., Tensor] = rope.reference_ids
+    references: ReferenceFit = FLUX2_REFERENCES     # how its reference images are sized

@@ -13,7 +13,7 @@ from ..errors import Flux2Error
 from ..key_tables import Layout, same_names
 from ..models import flux3, rope
 from ..variants import QWEN3_VL_4B, VARIANTS, Flux3Params, TextEncoderSpec, Variant
-from .family import AdapterNaming, Family, MemoryInputs, NoiseDraw, ShapeReader
+from .family import AdapterNaming, Family, MemoryInputs, NoiseDraw, ReferenceFit, ShapeReader
 
 # every block and modulation; the input embedders, time embedders and the final layer stay float (small, and every
 # token's scale comes from them)
@@ -86,6 +86,11 @@ def memory(params: Flux3Params) -> MemoryInputs:
                         kv_layers=0)
 
 
+# one reference: fitted to 4 MP and 4096 px a side, reflect-padded to its 16-px canvas (64 px at least); several: each
+# at most 1 MP, centre-cropped to 16 px; at most 10
+REFERENCES = ReferenceFit(single_pixels=4 * 1024 * 1024, multi_pixels=1024 * 1024, min_side=1, max_aspect=None,
+                          max_count=10, padded=True, max_side=4096, pad_min=64)
+
 ADAPTERS = AdapterNaming(groups=(("early blocks", "content_mode_blocks."), ("text blocks", "txt_mode_blocks."),
                                  ("single blocks", "single_blocks.")),
                          models={3072: "FLUX 3 Image Klein"}, lookalikes=(), other_depths=(),
@@ -99,4 +104,4 @@ FLUX3 = Family(name="flux3", params_type=Flux3Params, title="FLUX 3 Image Klein"
                quantizable=quantizable, variant_for=variant_for, condition=condition, memory=memory,
                schedule="flux3", adapters=ADAPTERS,
                noise=NoiseDraw(token_major=True, bf16=True), latent_dtype=lambda compute: torch.float32,
-               reference_ids=flux3.reference_ids)
+               reference_ids=flux3.reference_ids, references=REFERENCES)

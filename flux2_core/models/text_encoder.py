@@ -189,5 +189,7 @@ def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device
         params = config if isinstance(config, Qwen3Params) else Qwen3Params.from_config(config)
     if spec is None:
         spec = SPECS_BY_HIDDEN.get(params.hidden_size) or replace(QWEN3_4B, name="custom", hidden_size=params.hidden_size)
+    elif spec.hidden_size != params.hidden_size:     # another size of the model the spec reads (tests, or a mistake
+        spec = replace(spec, name="custom", hidden_size=params.hidden_size)   # the transformer's check then names)
     model = build_qwen3_model(state_dict, params, max(spec.output_layers), device, dtype, ggml_types, kept)
     return PromptEncoder(model, tokenizer if tokenizer is not None else load_tokenizer(), spec)

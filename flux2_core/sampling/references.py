@@ -5,9 +5,11 @@ orientation is applied (as diffusers' ``load_image``); 16-bit greyscale becomes 
 32-bit float images are refused (no fixed range). Everything else is ``convert("RGB")``, as BFL and diffusers do:
 alpha is dropped, not composited (the parity rule).
 
-Preprocessing (BFL's ``encode_image_refs``): a side below 64 px or an aspect ratio above 8 is refused; over the
-pixel cap (``pixel_cap``) scaled by sqrt(cap / (w*h)) with LANCZOS; centre-cropped to multiples of 16. Reference i
-(0-based) gets ids with t = 10 * (i + 1) on its own (h, w) grid; there is no limit on the count.
+Preprocessing, as the family's ``ReferenceFit`` says. FLUX.2 (BFL's ``encode_image_refs``): a side below 64 px or an
+aspect ratio above 8 is refused; over the pixel cap (``pixel_cap``) scaled by sqrt(cap / (w*h)) with LANCZOS;
+centre-cropped to multiples of 16; any number. FLUX 3: several the same way at 1 MP each, at most 10; one alone fitted
+to 4 MP and 4096 px a side (sizes rounded) and reflect-padded to its 16-px canvas (``padded_reference``), the picture
+then cropped back to it. Each family gives its references their ids (``Family.reference_ids``).
 """
 
 from __future__ import annotations
@@ -19,15 +21,13 @@ import torch
 from PIL import Image, ImageOps
 
 from ..errors import Flux2Error
+from ..families import ReferenceFit
+from ..families.family import FLUX2_REFERENCES
 from ..latents import PIXELS_PER_LATENT
 from ..models import rope
 
 MAX_IMAGE_PIXELS = 8192 * 8192          # 67 megapixels: decoded, 200 MB of RGB; references are used at <= 2024^2
 SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
-MIN_SIDE = 64
-MAX_ASPECT = 8
-SINGLE_REFERENCE_PIXELS = 2024 * 2024   # "2024" as in the reference code, not 2048
-MULTI_REFERENCE_PIXELS = 1024 * 1024    # per image, when there are two or more
 
 
 def open_image(path) -> Image.Image:
@@ -97,14 +97,14 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def check_reference(image: Image.Image, index: int = 0) -> None:
+def check_reference(image: Image.Image, index: int = 0, fit: ReferenceFit = FLUX2_REFERENCES) -> None:
     w, h = image.size
-    if min(w, h) < MIN_SIDE:
-        raise Flux2Error(f"reference image {index + 1} is {w}x{h}; both sides must be at least {MIN_SIDE} px: "
+    if min(w, h) < fit.min_side:
+        raise Flux2Error(f"reference image {index + 1} is {w}x{h}; both sides must be at least {fit.min_side} px: "
                          f"use a larger image or upscale it")
-    if max(w, h) > MAX_ASPECT * min(w, h):
+    if fit.max_aspect is not None and max(w, h) > fit.max_aspect * min(w, h):
         raise Flux2Error(f"reference image {index + 1} is {w}x{h}, an aspect ratio of {max(w, h) / min(w, h):.1f}; "
-                         f"at most {MAX_ASPECT}:1 is supported: crop it closer to square")
+                         f"at most {fit.max_aspect:g}:1 is supported: crop it closer to square")
 
 
 def cap_pixels(image: Image.Image, max_pixels: int) -> Image.Image:
@@ -136,23 +136,58 @@ def center_crop_16(image: Image.Image, name: str = "the image") -> Image.Image:
     return image.crop((left, top, left + w, top + h))
 
 
-def pixel_cap(count: int) -> int:
-    """BFL: 2024^2 alone, 1024^2 each otherwise."""
-    return SINGLE_REFERENCE_PIXELS if count == 1 else MULTI_REFERENCE_PIXELS
+def pixel_cap(count: int, fit: ReferenceFit = FLUX2_REFERENCES) -> int:
+    """FLUX.2: 2024^2 alone, 1024^2 each otherwise."""
+    return fit.single_pixels if count == 1 else fit.multi_pixels
 
 
-def prepare_reference(image: Image.Image, cap: int, index: int = 0) -> Image.Image:
-    check_reference(image, index)
+def prepare_reference(image: Image.Image, cap: int, index: int = 0, fit: ReferenceFit = FLUX2_REFERENCES
+                      ) -> Image.Image:
+    check_reference(image, index, fit)
     return center_crop_16(cap_pixels(image, cap), f"reference image {index + 1}")
 
 
-def prepare_references(images, count: int | None = None) -> list[Image.Image]:
+def prepare_references(images, count: int | None = None, fit: ReferenceFit = FLUX2_REFERENCES) -> list[Image.Image]:
     """``count``: as how many references each is capped (inpainting adds the source as one more)."""
     images = [as_pil(im, f"reference image {i + 1}") for i, im in enumerate(images)]
+    count = len(images) if count is None else count
+    if fit.max_count is not None and count > fit.max_count:
+        raise Flux2Error(f"{count} reference images, but this model takes at most {fit.max_count}: leave some out "
+                         f"(or combine several into one picture)")
     for i, im in enumerate(images):
-        check_reference(im, i)              # every image checked before any is scaled
-    cap = pixel_cap(len(images) if count is None else count)
-    return [prepare_reference(im, cap, i) for i, im in enumerate(images)]
+        check_reference(im, i, fit)              # every image checked before any is scaled
+    if fit.padded and count == 1:
+        return [padded_reference(images[0], fit)[0]]
+    return [prepare_reference(im, pixel_cap(count, fit), i, fit) for i, im in enumerate(images)]
+
+
+def reference_canvas(width: int, height: int, fit: ReferenceFit) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(the fitted size, its 16-px canvas) of one reference alone: scaled to at most ``single_pixels`` and
+    ``max_side`` a side with sizes rounded, the canvas each side rounded up to 16 px (at least ``pad_min``, at most
+    ``max_side``); where rounding up takes the canvas over the pixel count, the scale shrinks by 0.5% until it fits."""
+    n = PIXELS_PER_LATENT
+    scale = min(1.0, math.sqrt(fit.single_pixels / (width * height)), fit.max_side / max(width, height))
+    while True:
+        fitted = (max(1, round(width * scale)), max(1, round(height * scale)))
+        canvas = tuple(min(fit.max_side, max(fit.pad_min, -(-v // n) * n)) for v in fitted)
+        if canvas[0] * canvas[1] <= fit.single_pixels:
+            return fitted, canvas
+        scale *= 0.995
+
+
+def padded_reference(image: Image.Image, fit: ReferenceFit) -> tuple[Image.Image, tuple[int, int, int, int] | None]:
+    """One reference alone, fitted and centred on its canvas with the border reflected (mirrored with its edge row
+    where the picture is 16 px or less across) -> (the canvas, the picture's box on it; None where it fills it)."""
+    fitted, (w, h) = reference_canvas(image.width, image.height, fit)
+    if fitted != image.size:
+        image = image.resize(fitted, Image.Resampling.LANCZOS)
+    if (w, h) == image.size:
+        return image, None
+    left, top = (w - image.width) // 2, (h - image.height) // 2
+    padding = ((top, h - image.height - top), (left, w - image.width - left), (0, 0))
+    mode = "reflect" if min(image.size) > PIXELS_PER_LATENT else "symmetric"
+    canvas = Image.fromarray(np.pad(np.asarray(image), padding, mode=mode))
+    return canvas, (left, top, left + image.width, top + image.height)
 
 
 def image_to_tensor(image: Image.Image) -> torch.Tensor:
@@ -162,18 +197,19 @@ def image_to_tensor(image: Image.Image) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_references(ae, images, dtype: torch.dtype | None = None, ids=rope.reference_ids
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> tokens [1, Lref, 128] in ``dtype`` and ids [1, Lref, 4] (``ids``: the family's ``reference_ids``; FLUX.2's
-    by default), Lref = sum of (h/16)*(w/16), on the AE's device.
+def encode_references(ae, images, dtype: torch.dtype | None = None, ids=rope.reference_ids,
+                      fit: ReferenceFit = FLUX2_REFERENCES) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> tokens [1, Lref, 128] in ``dtype`` and ids [1, Lref, 4], Lref = sum of (h/16)*(w/16), on the AE's device;
+    ``ids`` and ``fit``: the family's ``reference_ids`` and ``references`` (FLUX.2's by default).
     """
-    tokens, ids = reference_tokens(reference_latents(ae, images), ids)
+    tokens, ids = reference_tokens(reference_latents(ae, images, fit=fit), ids)
     return tokens.to(dtype or tokens.dtype), ids
 
 
-def reference_latents(ae, images, count: int | None = None) -> list[torch.Tensor]:
+def reference_latents(ae, images, count: int | None = None, fit: ReferenceFit = FLUX2_REFERENCES
+                      ) -> list[torch.Tensor]:
     """Each [1, 128, h/16, w/16]."""
-    return [ae.encode(image_to_tensor(im)) for im in prepare_references(images, count)]
+    return [ae.encode(image_to_tensor(im)) for im in prepare_references(images, count, fit)]
 
 
 def reference_tokens(latents: list[torch.Tensor], ids=rope.reference_ids

@@ -635,6 +635,7 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     source = open_source(path, "text_encoder", TEXT_ENCODER_LAYOUTS, "a Qwen3 text encoder",
                          "FLUX.2 Klein 4B needs Qwen3-4B (qwen_3_4b.safetensors or a Qwen3-4B GGUF), Klein 9B needs "
                          "Qwen3-8B.", GGUF_ENCODER_ARCHS)
+    spec = encoder_spec(source, spec)
     last = max((spec or QWEN3_4B).output_layers)
     keys = sorted(k for k in map(source.layout.ours, source.keys) if k is not None and is_used(k, last))
     ggml_types = {k.removesuffix(".weight"): source.ggml_type(k) for k in keys if source.ggml_type(k) is not None}
@@ -659,6 +660,35 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     if "tokenizer.ggml.tokens" in source.ckpt.metadata:
         check_vocabulary(source.ckpt.metadata["tokenizer.ggml.tokens"], encoder.tokenizer, source.ckpt.path)
     return encoder
+
+
+MODEL_NAMES = {"qwen3": "Qwen3", "qwen3-vl": "Qwen3-VL"}
+READ_BY = {"qwen3": "FLUX.2 Klein", "qwen3-vl": "FLUX 3 Image Klein"}
+
+
+def encoder_model(source: Source) -> str | None:
+    """"qwen3-vl" where the file says it is Qwen3-VL (its config's model_type, its text tower's name, a vision
+    tower), "qwen3" where its config says plain Qwen3, None where it cannot tell (one file of text-tower weights)."""
+    config = source.ckpt.config or {}
+    model_type = str(config.get("model_type", ""))
+    tower = "language_model." in source.prefix or any(k.startswith("visual.") or ".visual." in k
+                                                      for k in source.ckpt.tensors)
+    if model_type.startswith("qwen3_vl") or tower:
+        return "qwen3-vl"
+    return "qwen3" if model_type == "qwen3" else None
+
+
+def encoder_spec(source: Source, spec: TextEncoderSpec | None) -> TextEncoderSpec | None:
+    """The spec to read the file with: the one asked (refused where the file says it is the other model), else
+    Qwen3-VL-4B's for a file that says it is Qwen3-VL, else None (FLUX.2's, picked by width)."""
+    found = encoder_model(source)
+    if spec is not None and found is not None and found != spec.model:
+        raise Flux2Error(f"{source.ckpt.path} is a {MODEL_NAMES[found]} text encoder ({READ_BY[found]}'s), but this "
+                         f"model reads {MODEL_NAMES[spec.model]} ({READ_BY[spec.model]}): load the "
+                         f"{ENCODER_FILES.get(spec.name, MODEL_NAMES[spec.model] + ' text encoder')}")
+    if spec is None and found == "qwen3-vl":
+        return QWEN3_VL_4B
+    return spec
 
 
 def qwen3_config(source: Source) -> Qwen3Params | None:
