@@ -34,14 +34,16 @@ class PromptEncode(io.ComfyNode):
         return io.Schema(
             node_id="Flux2KleinPromptEncode", display_name="FLUX.2 Klein Prompt Encode",
             category=f"{types.CATEGORY}/conditioning",
-            description="Encodes a prompt with the Qwen3 text encoder into FLUX.2 conditioning (512 tokens, hidden "
-                        "states 9/18/27). Shows the token count; text beyond 512 tokens (template included) is cut.",
+            description="Encodes a prompt with the text encoder into conditioning: FLUX.2's Qwen3 gives 512 tokens "
+                        "(hidden states 9/18/27), FLUX 3's Qwen3-VL the prompt padded to a multiple of 80 tokens "
+                        "(hidden states 4, 8, ..., 32; at most 4096). Shows the token count; text beyond the limit "
+                        "(template included) is cut.",
             inputs=[types.TextEncoder.Input("text_encoder", tooltip="From FLUX.2 Klein Load Text Encoder."),
                     io.String.Input("prompt", multiline=True, dynamic_prompts=True,
                                     tooltip="What to draw, or for an edit what to change. Empty for the negative of "
                                             "base models.")],
             outputs=[io.Conditioning.Output(display_name="conditioning",
-                                            tooltip="ComfyUI CONDITIONING: embeddings [1, 512, 3 x hidden].")])
+                                            tooltip="ComfyUI CONDITIONING: embeddings [1, tokens, layers x hidden].")])
 
     @classmethod
     def execute(cls, text_encoder: host.Managed | None, prompt: str) -> io.NodeOutput:

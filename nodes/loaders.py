@@ -57,7 +57,8 @@ class ModelLoader(io.ComfyNode):
         return io.Schema(
             node_id="Flux2KleinModelLoader", display_name="FLUX.2 Klein Load Model", category=f"{types.CATEGORY}/loaders",
             description="Loads a FLUX.2 Klein transformer (4B, 9B, 9B-KV, base) from models/diffusion_models (or "
-                        "models/unet), safetensors or GGUF. The variant is read from the weights and the file name "
+                        "models/unet), safetensors or GGUF, or a FLUX 3 Image Klein transformer (distilled or base, "
+                        "BF16 safetensors). The model and variant are read from the weights and the file name "
                         "('base' / 'kv' in the name).",
             inputs=[io.Combo.Input("model_name", options=host.model_choices("diffusion_models"),
                                    tooltip="A flux-2-klein-*.safetensors file (BFL or ComfyUI, fp8 too), a Klein GGUF "
@@ -97,8 +98,9 @@ class TextEncoderLoader(io.ComfyNode):
             node_id="Flux2KleinTextEncoderLoader", display_name="FLUX.2 Klein Load Text Encoder",
             category=f"{types.CATEGORY}/loaders",
             description="Loads the Qwen3 text encoder from models/text_encoders (or models/clip), safetensors or "
-                        "GGUF: Qwen3-4B for Klein 4B, Qwen3-8B for Klein 9B. Only the layers FLUX.2 uses (up to "
-                        "hidden state 27) are read.",
+                        "GGUF: Qwen3-4B for Klein 4B, Qwen3-8B for Klein 9B, Qwen3-VL-4B for FLUX 3 Image Klein (known "
+                        "from its folder's config or its text tower's names). Only the layers the model reads are "
+                        "(FLUX.2: up to hidden state 27; FLUX 3: 32).",
             inputs=[io.Combo.Input("text_encoder_name", options=host.model_choices("text_encoders"),
                                    tooltip="qwen_3_4b.safetensors / qwen_3_8b*.safetensors (ComfyUI files, fp8 too), "
                                            "a llama.cpp Qwen3 GGUF (Qwen3-4B-Q4_K_M.gguf: Q8_0 ... Q2_K; its "

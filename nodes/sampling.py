@@ -17,7 +17,7 @@ import math
 import torch
 from comfy_api.latest import io, ui
 
-from ..flux2_core import latents, weights
+from ..flux2_core import families, latents, weights
 from ..flux2_core.adapters.lora import AdapterUse
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.runtime import cache, memory, parallel
@@ -36,14 +36,19 @@ class Noise(io.ComfyNode):
         return io.Schema(
             node_id="Flux2KleinNoise", display_name="FLUX.2 Klein Noise", category=f"{types.CATEGORY}/sampling",
             description="Gaussian starting noise for an image of width x height. Item i of a batch is drawn with "
-                        "seed + i on the CPU, so it equals a single image made with that seed, on any device.",
+                        "seed + i on the CPU, so it equals a single image made with that seed, on any device. "
+                        "Connect the model to draw it as that model's reference does (FLUX 3 Image Klein draws its "
+                        "own way), so a seed gives the picture the command line gives.",
             inputs=[io.Int.Input("seed", default=0, min=0, max=2**53 - 1, control_after_generate=True,
                                  tooltip="Random seed; item i of the batch uses seed + i."),
                     io.Int.Input("width", **SIZE, tooltip="Image width in pixels (a multiple of 16)."),
                     io.Int.Input("height", **SIZE, tooltip="Image height in pixels (a multiple of 16)."),
                     io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="Images to make at once."),
                     io.Latent.Input("latent", optional=True,
-                                    tooltip="Take width and height from this latent instead (image-to-image).")],
+                                    tooltip="Take width and height from this latent instead (image-to-image)."),
+                    types.Model.Input("model", optional=True,
+                                      tooltip="The model the noise is for: drawn as its reference draws it "
+                                              "(unconnected: FLUX.2's way).")],
             outputs=[io.Latent.Output(display_name="noise", tooltip="LATENT noise [batch, 128, height/16, width/16].")])
 
     @classmethod
@@ -53,10 +58,11 @@ class Noise(io.ComfyNode):
                              lambda: latent is not host.UNCONNECTED or latents.latent_size(height, width))
 
     @classmethod
-    def execute(cls, seed: int, width: int, height: int, batch_size: int, latent=None) -> io.NodeOutput:
+    def execute(cls, seed: int, width: int, height: int, batch_size: int, latent=None, model=None) -> io.NodeOutput:
         if latent is not None:
             height, width = (latents.PIXELS_PER_LATENT * n for n in latent["samples"].shape[-2:])
-        noise = euler.make_noise(batch_size, height, width, seed, device=host.intermediate_device())
+        draw = euler.CHANNELS_FIRST if model is None else families.family_of(model.variant).noise
+        noise = euler.make_noise(batch_size, height, width, seed, device=host.intermediate_device(), draw=draw)
         return io.NodeOutput({"samples": noise})
 
 
@@ -144,7 +150,8 @@ class Denoise(io.ComfyNode):
     def execute(cls, model: host.Managed, positive, noise, sigmas, cfg: float, denoise: float,
                 negative=None, latent=None) -> io.NodeOutput:
         variant = model.variant
-        ref, ref_ids = references.reference_tokens(positive[0][1].get("reference_latents", []))  # both CFG branches
+        ref, ref_ids = references.reference_tokens(positive[0][1].get("reference_latents", []),  # both CFG branches
+                                                   families.family_of(variant).reference_ids)
         plan = plan_denoise(variant, sigmas, cfg, strength=denoise, image=latent is not None,   # the CLI's plan
                             negative=negative is not None, references=ref is not None)
         sigmas, rule = plan.sigmas, plan.guidance

@@ -1,0 +1,78 @@
+"""FLUX 3 Image Klein through our nodes, in ComfyUI's own Python. Run by test_flux3_nodes.py from the ComfyUI source
+tree (pytest does not collect it):
+
+    python flux3_probe.py PACK_DIR TRANSFORMER TEXT_ENCODER_FOLDER AE CFG   -> one JSON object on stdout
+
+Our nodes run as ComfyUI's executor calls them (the three loaders, Prompt Encode for the prompt and an empty negative,
+Noise drawn for the model, Scheduler's flux3 schedule, Denoise, AE Decode), and the engine runs the same files through
+``pipeline.generate``. The report holds both sides' differences and what FLUX.2 Klein to MODEL says of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path[0] = os.getcwd()         # ComfyUI's modules, from the source tree we run in (not this script's folder)
+
+import utils.extra_config  # noqa: F401  (ComfyUI's utils package first, as main.py does)
+from comfy.cli_args import args
+
+args.cpu = True                   # before comfy.model_management is imported: devices() gives the CPU
+
+import torch
+
+# a prompt of more than 80 tokens: the base model's CFG pairs it (160) with the empty negative (80)
+PROMPT = ("a red fox in the snow at dusk, pine trees heavy with frost behind it, its breath a small cloud, the last "
+          "light orange on the ridge, tracks winding back across the field to a fence half buried in drifts, ") * 2
+NEGATIVE, SEED, WIDTH, HEIGHT, STEPS = "", 4, 64, 48, 3
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from family_probe import load_module, run_node
+
+    pack_dir, transformer, encoder, ae_file = (Path(a) for a in sys.argv[1:5])
+    cfg = float(sys.argv[5])
+    load_module("flux2_pack", pack_dir / "__init__.py", package=True)
+    import folder_paths
+    from flux2_pack.flux2_core import pipeline
+    from flux2_pack.flux2_core.errors import Flux2Error
+    from flux2_pack.nodes import autoencoder, comfy_model, conditioning, loaders, sampling
+
+    for folder, path in (("diffusion_models", transformer), ("text_encoders", encoder), ("vae", ae_file)):
+        folder_paths.add_model_folder_path(folder, str(path.parent), is_default=True)
+
+    (model,) = run_node(loaders.ModelLoader, model_name=transformer.name, dtype="float32")
+    (text_encoder,) = run_node(loaders.TextEncoderLoader, text_encoder_name=encoder.name, dtype="float32")
+    (ae,) = run_node(loaders.AutoEncoderLoader, ae_name=ae_file.name, dtype="float32")
+    (positive,) = run_node(conditioning.PromptEncode, text_encoder=text_encoder, prompt=PROMPT)
+    (negative,) = run_node(conditioning.PromptEncode, text_encoder=text_encoder, prompt=NEGATIVE)
+    (noise,) = run_node(sampling.Noise, seed=SEED, width=WIDTH, height=HEIGHT, batch_size=1, model=model)
+    (sigmas,) = run_node(sampling.Scheduler, steps=STEPS, schedule="flux3", rho=2.0, width=WIDTH, height=HEIGHT)
+    (latent,) = run_node(sampling.Denoise, model=model, positive=positive, negative=negative, noise=noise,
+                         sigmas=sigmas, cfg=cfg, denoise=1.0)
+    (image,) = run_node(autoencoder.AEDecode, ae=ae, latent=latent)
+    try:
+        run_node(comfy_model.ToComfyModel, model=model)
+        to_model = ""
+    except Flux2Error as e:
+        to_model = str(e)
+
+    models = pipeline.load_models(transformer, encoder, ae_file, device="cpu", dtype=torch.float32)
+    expected = pipeline.generate(models, PROMPT, negative=NEGATIVE, cfg=cfg, width=WIDTH, height=HEIGHT, seed=SEED,
+                                 steps=STEPS)
+    pixels = (image[0] * 255).round().to(torch.uint8)
+    print(json.dumps({
+        "model": type(model.core).__name__, "variant": model.variant.name, "encoder": text_encoder.core.spec.model,
+        "tokens": [positive[0][0].shape[1], negative[0][0].shape[1]],
+        "latents_max_diff": (latent["samples"] - expected.latents).abs().max().item(),
+        "latents_max": expected.latents.abs().max().item(),
+        "pixels_max_diff": (pixels.int() - expected.images[0].int()).abs().max().item(),
+        "cfg": expected.settings["cfg"], "to_model": to_model}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""FLUX 3 Image Klein through our nodes in ComfyUI's own Python (flux3_probe.py)."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from safetensors.torch import save_file
+
+from tests.comfyui.host import PACK_FOLDER
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("flow_map,cfg", [(True, 1.0), (False, 3.5)], ids=["distilled", "base-cfg"])
+def test_flux3_runs_through_our_nodes_as_the_engine_runs_it(comfy, tmp_path, flow_map, cfg):
+    """Tiny FLUX 3 files (a transformer behind ComfyUI's prefix, a Qwen3-VL folder, the FLUX.2 autoencoder): our
+    loaders read them (the text encoder known as Qwen3-VL from its folder), Prompt Encode pads each prompt to its own
+    multiple of 80, Noise draws FLUX 3's noise for the connected model, and Denoise (with CFG against the shorter empty
+    negative for the base) and AE Decode give the latents and pixels pipeline.generate gives (itself proven against
+    flux3-mlx); FLUX.2 Klein to MODEL refuses the model, as ComfyUI 0.12.1 has no FLUX 3 model."""
+    from tests.test_flux3 import flux3_files
+
+    _, state, te, ae = flux3_files(tmp_path, flow_map)
+    transformer = tmp_path / "diffusion_models" / "flux3-image-klein-tiny.safetensors"
+    transformer.parent.mkdir()
+    save_file({"model.diffusion_model." + k: v for k, v in state.items()}, str(transformer))
+    result = subprocess.run([comfy.server.python, str(HERE / "flux3_probe.py"),
+                             str(comfy.base / "custom_nodes" / PACK_FOLDER), str(transformer), str(te), str(ae),
+                             str(cfg)],
+                            cwd=comfy.server.comfy_dir, env=dict(os.environ, PYTHONPATH=str(comfy.server.stubs)),
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert (report["model"], report["variant"], report["encoder"]) == ("Flux3Transformer", "custom", "qwen3-vl")
+    assert report["tokens"] == [160, 80] and report["cfg"] == cfg
+    assert report["latents_max_diff"] <= 1e-6 * report["latents_max"] and report["pixels_max_diff"] <= 1
+    assert "ComfyUI has no model of FLUX 3 Image Klein" in report["to_model"]
