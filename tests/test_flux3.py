@@ -381,12 +381,13 @@ def test_an_edit_of_one_reference_is_cropped_back_as_the_reference(tmp_path, mon
 
 
 def test_a_text_encoder_file_says_which_model_it_is(tmp_path):
-    """A Qwen3-VL folder loads as FLUX 3's encoder without being told (its config and text tower's names say it), and
-    is refused for FLUX.2; a Qwen3 folder (its config says so) is refused for FLUX 3, naming the file to load."""
+    """A Qwen3-VL folder loads as FLUX 3's encoder without being told (its config and text tower's names say it), as
+    does a single file by its name, and the folder is refused for FLUX.2; a Qwen3 folder (its config says so) is refused for FLUX 3, naming the file to load."""
     from flux2_core import weights
     from flux2_core.errors import Flux2Error
     from flux2_core.variants import QWEN3_4B, QWEN3_VL_4B
-    from tests.tiny.text_encoder import build_tiny_qwen3, save_diffusers_text_encoder
+    from tests.tiny.flux3 import TINY_QWEN3_VL_TEXT
+    from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder, save_diffusers_text_encoder
 
     folder = save_tiny_qwen3_vl(tmp_path / "vl")
     found = weights.load_text_encoder(folder, "cpu", torch.float32)
@@ -394,6 +395,8 @@ def test_a_text_encoder_file_says_which_model_it_is(tmp_path):
     with pytest.raises(Flux2Error, match=r"is a Qwen3-VL text encoder \(FLUX 3 Image Klein's\), but this model reads "
                                          r"Qwen3 \(FLUX.2 Klein\): load the Qwen3-4B text encoder"):
         weights.load_text_encoder(folder, "cpu", torch.float32, spec=QWEN3_4B)
+    single = save_comfyui_text_encoder(build_tiny_qwen3(3, TINY_QWEN3_VL_TEXT), tmp_path / "qwen3vl_4b.safetensors")
+    assert weights.load_text_encoder(single, "cpu", torch.float32).spec.model == "qwen3-vl"     # by its name
     plain = save_diffusers_text_encoder(build_tiny_qwen3(), tmp_path / "qwen3")
     with pytest.raises(Flux2Error, match=r"is a Qwen3 text encoder \(FLUX.2 Klein's\), but this model reads Qwen3-VL "
                                          r"\(FLUX 3 Image Klein\): load the Qwen3-VL-4B text encoder \(qwen3vl_4b"):

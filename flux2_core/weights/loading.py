@@ -10,6 +10,7 @@ its recipe straight to the target device (dequantized, cast, Linear <-> 1x1 conv
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, replace
@@ -668,12 +669,13 @@ READ_BY = {"qwen3": "FLUX.2 Klein", "qwen3-vl": "FLUX 3 Image Klein"}
 
 def encoder_model(source: Source) -> str | None:
     """"qwen3-vl" where the file says it is Qwen3-VL (its config's model_type, its text tower's name, a vision
-    tower), "qwen3" where its config says plain Qwen3, None where it cannot tell (one file of text-tower weights)."""
+    tower, its name: qwen3vl_4b.safetensors), "qwen3" where its config says plain Qwen3, None where it cannot tell."""
     config = source.ckpt.config or {}
     model_type = str(config.get("model_type", ""))
     tower = "language_model." in source.prefix or any(k.startswith("visual.") or ".visual." in k
                                                       for k in source.ckpt.tensors)
-    if model_type.startswith("qwen3_vl") or tower:
+    named = re.search(r"qwen_?3[-_.]?vl", source.ckpt.path.name.lower()) is not None
+    if model_type.startswith("qwen3_vl") or tower or named:
         return "qwen3-vl"
     return "qwen3" if model_type == "qwen3" else None
 
