@@ -36,19 +36,16 @@ class Noise(io.ComfyNode):
         return io.Schema(
             node_id="Flux2KleinNoise", display_name="FLUX.2 Klein Noise", category=f"{types.CATEGORY}/sampling",
             description="Gaussian starting noise for an image of width x height. Item i of a batch is drawn with "
-                        "seed + i on the CPU, so it equals a single image made with that seed, on any device. "
-                        "Connect the model to draw it as that model's reference does (FLUX 3 Image Klein draws its "
-                        "own way), so a seed gives the picture the command line gives.",
+                        "seed + i on the CPU, so it equals a single image made with that seed, on any device. A model "
+                        "whose reference draws its noise another way (FLUX 3 Image Klein) gets it drawn that way from "
+                        "the same seed in the Denoise node, so a seed gives the picture the command line gives.",
             inputs=[io.Int.Input("seed", default=0, min=0, max=2**53 - 1, control_after_generate=True,
                                  tooltip="Random seed; item i of the batch uses seed + i."),
                     io.Int.Input("width", **SIZE, tooltip="Image width in pixels (a multiple of 16)."),
                     io.Int.Input("height", **SIZE, tooltip="Image height in pixels (a multiple of 16)."),
                     io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="Images to make at once."),
                     io.Latent.Input("latent", optional=True,
-                                    tooltip="Take width and height from this latent instead (image-to-image)."),
-                    types.Model.Input("model", optional=True,
-                                      tooltip="The model the noise is for: drawn as its reference draws it "
-                                              "(unconnected: FLUX.2's way).")],
+                                    tooltip="Take width and height from this latent instead (image-to-image).")],
             outputs=[io.Latent.Output(display_name="noise", tooltip="LATENT noise [batch, 128, height/16, width/16].")])
 
     @classmethod
@@ -58,12 +55,11 @@ class Noise(io.ComfyNode):
                              lambda: latent is not host.UNCONNECTED or latents.latent_size(height, width))
 
     @classmethod
-    def execute(cls, seed: int, width: int, height: int, batch_size: int, latent=None, model=None) -> io.NodeOutput:
+    def execute(cls, seed: int, width: int, height: int, batch_size: int, latent=None) -> io.NodeOutput:
         if latent is not None:
             height, width = (latents.PIXELS_PER_LATENT * n for n in latent["samples"].shape[-2:])
-        draw = euler.CHANNELS_FIRST if model is None else families.family_of(model.variant).noise
-        noise = euler.make_noise(batch_size, height, width, seed, device=host.intermediate_device(), draw=draw)
-        return io.NodeOutput({"samples": noise})
+        noise = euler.make_noise(batch_size, height, width, seed, device=host.intermediate_device())
+        return io.NodeOutput({"samples": noise, SEED: seed})
 
 
 class Scheduler(io.ComfyNode):
@@ -158,7 +154,7 @@ class Denoise(io.ComfyNode):
         if rule.note:
             log.warning("FLUX.2 Klein Denoise: %s", rule.note)
         inpaint.check_source("noise_mask" in noise, latent is not None)             # a masked LATENT as the noise
-        noise = noise["samples"]                                                     # [B, 128, h, w]
+        noise = family_noise(noise, variant)                                         # [B, 128, h, w]
         start = torch.zeros_like(noise) if latent is None else image_latent(latent["samples"], noise)
         blend, mask_note = masked(latent, start, noise)                              # ComfyUI's noise_mask
         txt = prompt_embeds(positive, variant)
@@ -286,6 +282,23 @@ def masked(latent, start: torch.Tensor, noise: torch.Tensor) -> tuple[inpaint.In
     if notes:
         log.warning("FLUX.2 Klein Denoise: %s", notes)
     return inpaint.Inpaint(start, noise, mask, inpaint.BEFORE_MODEL), notes
+
+
+SEED = "flux2_klein_seed"     # our key beside a Noise node's samples: the seed they were drawn from
+
+
+def family_noise(noise: dict, variant) -> torch.Tensor:
+    """The noise of a LATENT for the model: drawn again from the Noise node's seed where the model's family draws its
+    noise another way (FLUX 3), so a seed gives the command line's picture; as given otherwise, and always where the
+    samples are no longer what the node drew (another node changed them on the way, keeping our key)."""
+    samples, seed, draw = noise["samples"], noise.get(SEED), families.family_of(variant).noise
+    if seed is None or draw == euler.CHANNELS_FIRST:
+        return samples
+    batch, _, h, w = samples.shape
+    size = (h * latents.PIXELS_PER_LATENT, w * latents.PIXELS_PER_LATENT)
+    if not torch.equal(samples.cpu(), euler.make_noise(batch, *size, seed)):
+        return samples
+    return euler.make_noise(batch, *size, seed, device=samples.device, draw=draw)
 
 
 def prompt_embeds(conditioning, variant) -> torch.Tensor:

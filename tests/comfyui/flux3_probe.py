@@ -4,7 +4,7 @@ tree (pytest does not collect it):
     python flux3_probe.py PACK_DIR TRANSFORMER TEXT_ENCODER_FOLDER AE CFG   -> one JSON object on stdout
 
 Our nodes run as ComfyUI's executor calls them (the three loaders, Prompt Encode for the prompt and an empty negative,
-Noise drawn for the model, Scheduler's flux3 schedule, Denoise, AE Decode), and the engine runs the same files through
+Noise, Scheduler's flux3 schedule, Denoise, which draws FLUX 3's noise from the Noise node's seed, AE Decode), and the engine runs the same files through
 ``pipeline.generate``. The report holds both sides' differences and what FLUX.2 Klein to MODEL says of the model.
 """
 
@@ -50,7 +50,7 @@ def main() -> None:
     (ae,) = run_node(loaders.AutoEncoderLoader, ae_name=ae_file.name, dtype="float32")
     (positive,) = run_node(conditioning.PromptEncode, text_encoder=text_encoder, prompt=PROMPT)
     (negative,) = run_node(conditioning.PromptEncode, text_encoder=text_encoder, prompt=NEGATIVE)
-    (noise,) = run_node(sampling.Noise, seed=SEED, width=WIDTH, height=HEIGHT, batch_size=1, model=model)
+    (noise,) = run_node(sampling.Noise, seed=SEED, width=WIDTH, height=HEIGHT, batch_size=1)
     (sigmas,) = run_node(sampling.Scheduler, steps=STEPS, schedule="flux3", rho=2.0, width=WIDTH, height=HEIGHT)
     (latent,) = run_node(sampling.Denoise, model=model, positive=positive, negative=negative, noise=noise,
                          sigmas=sigmas, cfg=cfg, denoise=1.0)

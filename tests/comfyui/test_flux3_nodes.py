@@ -17,8 +17,8 @@ HERE = Path(__file__).resolve().parent
 def test_flux3_runs_through_our_nodes_as_the_engine_runs_it(comfy, tmp_path, flow_map, cfg):
     """Tiny FLUX 3 files (a transformer behind ComfyUI's prefix, a Qwen3-VL folder, the FLUX.2 autoencoder): our
     loaders read them (the text encoder known as Qwen3-VL from its folder), Prompt Encode pads each prompt to its own
-    multiple of 80, Noise draws FLUX 3's noise for the connected model, and Denoise (with CFG against the shorter empty
-    negative for the base) and AE Decode give the latents and pixels pipeline.generate gives (itself proven against
+    multiple of 80, Denoise draws FLUX 3's noise from the Noise node's seed and (with CFG against the shorter
+    empty negative for the base) and AE Decode give the latents and pixels pipeline.generate gives (itself proven against
     flux3-mlx); FLUX.2 Klein to MODEL refuses the model, as ComfyUI 0.12.1 has no FLUX 3 model."""
     from tests.test_flux3 import flux3_files
 
