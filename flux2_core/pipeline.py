@@ -40,7 +40,7 @@ from .sampling.references import (
     center_crop_16,
     encode_references,
     image_to_tensor,
-    padded_reference,
+    padded_box,
     prepare_references,
     reference_latents,
     reference_tokens,
@@ -279,7 +279,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     fit = family.references
     refs = prepare_references(references, len(references) + masked, fit) if references else []
     # one reference alone on a padded canvas (FLUX 3): the picture made at the canvas's size is cropped back to it
-    crop = (padded_reference(as_pil(references[0]), fit)[1] if fit.padded and len(refs) == 1 and not masked
+    crop = (padded_box(as_pil(references[0]).size, fit) if fit.padded and len(refs) == 1 and not masked
             and image is None and width is None and height is None else None)
     source = as_pil(image) if image is not None else None
     init = center_crop_16(source.convert("RGB"), "the image to edit") if image is not None else None

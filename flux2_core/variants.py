@@ -11,18 +11,13 @@ from dataclasses import dataclass, field, fields, replace
 from .errors import Flux2Error
 
 
-@dataclass(frozen=True)
-class TransformerParams:
-    in_channels: int = 128             # patchified latent channels (32 AE channels x 2 x 2)
-    context_in_dim: int = 7680         # 3 x text-encoder hidden size (layers 9, 18, 27 concatenated)
-    hidden_size: int = 3072
-    num_heads: int = 24
-    depth: int = 5                     # double-stream blocks
-    depth_single_blocks: int = 20
-    mlp_ratio: float = 3.0
-    axes_dim: tuple[int, ...] = (32, 32, 32, 32)   # RoPE dims per id axis (t, h, w, l); sums to head_dim
-    theta: int = 2000
-    use_guidance_embed: bool = False   # FLUX.2-dev only
+class AttentionShape:
+    """What a transformer's parameters derive from hidden_size, num_heads, mlp_ratio and axes_dim (every family's
+    parameter dataclass has them), checked when they are made."""
+    hidden_size: int
+    num_heads: int
+    mlp_ratio: float
+    axes_dim: tuple[int, ...]
 
     @property
     def head_dim(self) -> int:
@@ -40,7 +35,21 @@ class TransformerParams:
 
 
 @dataclass(frozen=True)
-class Flux3Params:
+class TransformerParams(AttentionShape):
+    in_channels: int = 128             # patchified latent channels (32 AE channels x 2 x 2)
+    context_in_dim: int = 7680         # 3 x text-encoder hidden size (layers 9, 18, 27 concatenated)
+    hidden_size: int = 3072
+    num_heads: int = 24
+    depth: int = 5                     # double-stream blocks
+    depth_single_blocks: int = 20
+    mlp_ratio: float = 3.0
+    axes_dim: tuple[int, ...] = (32, 32, 32, 32)   # RoPE dims per id axis (t, h, w, l); sums to head_dim
+    theta: int = 2000
+    use_guidance_embed: bool = False   # FLUX.2-dev only
+
+
+@dataclass(frozen=True)
+class Flux3Params(AttentionShape):
     """FLUX 3 Image Klein's transformer: per-mode early blocks (image, references, text), then single blocks over each
     sample's joint sequence [image, references, text] with per-mode modulation; every block one parallel attention + MLP
     under one modulation and one gate."""
@@ -55,20 +64,6 @@ class Flux3Params:
     theta: int = 10000
     flow_map: bool = False             # the distilled model: it is also told the time each step goes to
     use_guidance_embed: bool = False   # (no FLUX 3 model has one; read by the code around every family)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        return int(self.hidden_size * self.mlp_ratio)
-
-    def __post_init__(self):
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        if sum(self.axes_dim) != self.head_dim:
-            raise ValueError(f"RoPE axes {self.axes_dim} must sum to head_dim {self.head_dim}")
 
 
 @dataclass(frozen=True)

@@ -175,19 +175,29 @@ def reference_canvas(width: int, height: int, fit: ReferenceFit) -> tuple[tuple[
         scale *= 0.995
 
 
+def padded_box(size: tuple[int, int], fit: ReferenceFit) -> tuple[int, int, int, int] | None:
+    """Where a reference of ``size`` (w, h), alone, lies on its padded canvas: (left, top, right, bottom), None where it
+    fills it (what the picture made at the canvas's size is cropped back to)."""
+    (fw, fh), (w, h) = reference_canvas(*size, fit)
+    if (w, h) == (fw, fh):
+        return None
+    left, top = (w - fw) // 2, (h - fh) // 2
+    return left, top, left + fw, top + fh
+
+
 def padded_reference(image: Image.Image, fit: ReferenceFit) -> tuple[Image.Image, tuple[int, int, int, int] | None]:
     """One reference alone, fitted and centred on its canvas with the border reflected (mirrored with its edge row
     where the picture is 16 px or less across) -> (the canvas, the picture's box on it; None where it fills it)."""
     fitted, (w, h) = reference_canvas(image.width, image.height, fit)
+    box = padded_box(image.size, fit)
     if fitted != image.size:
         image = image.resize(fitted, Image.Resampling.LANCZOS)
-    if (w, h) == image.size:
+    if box is None:
         return image, None
-    left, top = (w - image.width) // 2, (h - image.height) // 2
-    padding = ((top, h - image.height - top), (left, w - image.width - left), (0, 0))
+    left, top, right, bottom = box
+    padding = ((top, h - bottom), (left, w - right), (0, 0))
     mode = "reflect" if min(image.size) > PIXELS_PER_LATENT else "symmetric"
-    canvas = Image.fromarray(np.pad(np.asarray(image), padding, mode=mode))
-    return canvas, (left, top, left + image.width, top + image.height)
+    return Image.fromarray(np.pad(np.asarray(image), padding, mode=mode)), box
 
 
 def image_to_tensor(image: Image.Image) -> torch.Tensor:
