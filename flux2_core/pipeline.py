@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .devices import compute_dtype
 from .errors import Flux2Error
-from .families import family_of, family_of_params
+from .families import FAMILIES, family_of, family_of_params
 from .latents import LATENT_CHANNELS, latent_size
 from .models.autoencoder import AutoEncoder
 from .models.run_state import run_state
@@ -33,6 +33,7 @@ from .runtime import memory
 from .runtime.cache import PromptCache, ReferenceKVCache
 from .runtime.offload import place, stream_blocks, streamed_blocks
 from .sampling import inpaint
+from .sampling.boxes import read_boxes, rows, with_boxes
 from .sampling.euler import add_noise, denoise, make_noise
 from .sampling.plan import plan_denoise
 from .sampling.references import (
@@ -248,7 +249,7 @@ def output_size(width: int | None, height: int | None, sources: list[Image.Image
 def generate(models: Models, prompt: str, *, references=(), width: int | None = None, height: int | None = None,
              steps: int | None = None, cfg: float | None = None, negative: str = "", seed: int = 0, batch: int = 1,
              sigmas: list[float] | None = None, image: Image.Image | None = None, strength: float = 1.0,
-             mask: Image.Image | None = None,
+             mask: Image.Image | None = None, boxes=None,
              reference_kv: ReferenceKV | None = None, noise: Tensor | None = None, bfl_cuda_noise: bool = False,
              offload_encoder="auto", callback=None, warn=None) -> Result:
     """references: PIL images. sigmas overrides steps. image + strength: image-to-image; with ``mask`` (white =
@@ -276,6 +277,12 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
         raise Flux2Error("inpainting adds the source image as reference 1, which a precomputed reference_kv does not "
                          "hold: leave reference_kv out")
     family = family_of(variant)
+    layout = read_boxes(boxes if boxes is not None else [])
+    if layout and not family.boxes:
+        takers = " and ".join(f.title for f in FAMILIES.values() if f.boxes)
+        raise Flux2Error(f"{variant.title or family.title} takes no layout: boxes are for {takers}; leave the boxes "
+                         f"out, or describe where things go in the prompt")
+    text = with_boxes(prompt, layout)
     fit = family.references
     refs = prepare_references(references, len(references) + masked, fit) if references else []
     # one reference alone on a padded canvas (FLUX 3): the picture made at the canvas's size is cropped back to it
@@ -313,7 +320,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     needed = memory.denoiser_memory(model, variant, batch, h, w, dtype, ref_tokens=ref_tokens, cfg=rule.cfg,
                                     text_tokens=models.prompt_encoder.spec.max_length, new_reference_kv=new_kv)
     offload = memory.should_offload(offload_encoder, models.prompt_encoder, device, needed)
-    embeds = encode_prompts(models, [prompt, negative] if rule.cfg else [prompt], offload)
+    embeds = encode_prompts(models, [text, negative] if rule.cfg else [text], offload)
     if embeds.dropped[0]:
         say(f"the prompt is {embeds.token_counts[0]} tokens; the last {embeds.dropped[0]} were cut off "
             f"(the limit is {models.prompt_encoder.spec.max_length} including the chat template)")
@@ -363,6 +370,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
                 "steps": len(sigmas) - 1, "cfg": rule.scale, "seed": seed, "batch": batch, "variant": variant.name,
                 "references": len(refs), "strength": strength if init is not None else None, "mask": masked,
                 "sigmas": [round(s, 6) for s in sigmas]}
+    settings |= {"boxes": rows(layout)} if layout else {}
     return Result(images, latents.float(), [seed + i for i in range(batch)], settings, warnings)
 
 

@@ -3,6 +3,7 @@ tiny random weights in float32: the schedule, the ids, the transformer (both var
 references; samples whose prompts differ in length)."""
 
 import contextlib
+import json
 
 import numpy as np
 import pytest
@@ -378,6 +379,34 @@ def test_an_edit_of_one_reference_is_cropped_back_as_the_reference(tmp_path, mon
     assert expected.shape == (50, 70, 3) and result.images.shape == (1, 50, 70, 3)
     assert (result.settings["width"], result.settings["height"]) == (record["width"], record["height"]) == (70, 50)
     assert (result.images[0].int() - expected.int()).abs().max() <= 1
+
+
+@pytest.mark.slow
+def test_a_layout_equals_the_reference(tmp_path, monkeypatch):
+    """Boxes through flux3-mlx's whole call (the rows appended to the prompt as BFL's bbox.py writes them) against
+    ``generate`` with the same boxes: the same picture within one level; without the boxes it differs (the rows
+    reach the model)."""
+    from flux3_mlx import api
+    from flux3_mlx import pipeline as mlx_pipeline
+
+    from flux2_core import pipeline
+
+    monkeypatch.setattr(mlx_pipeline, "randn", lambda shape, seed: torch.randn(
+        shape, generator=torch.Generator().manual_seed(seed)).numpy())
+    params, state, te, ae = flux3_files(tmp_path, flow_map=True)
+    boxes = [{"desc": "a red balloon", "bbox": [0.1, 0.05, 0.6, 0.4]},
+             {"id": "lake", "desc": "a lake", "bbox": [0.7, 0.0, 1.0, 1.0]}]
+    with oracle_pipeline(params, state, te, ae) as pipe:
+        picture, record = api.Flux3Klein(pipe)("balloons over a valley", [], boxes, width=64, height=48, steps=3,
+                                               seed=5)
+    expected = torch.from_numpy(np.array(picture))
+    models = our_models(params, state, te, ae)
+    result = pipeline.generate(models, "balloons over a valley", boxes=boxes, width=64, height=48, steps=3, seed=5)
+    assert (result.images[0].int() - expected.int()).abs().max() <= 1
+    assert result.settings["boxes"][0] == {"id": "obj_1", "bbox": [100, 50, 600, 400], "desc": "a red balloon"}
+    assert record["prompt"] == f"balloons over a valley {json.dumps(result.settings['boxes'])}"
+    plain = pipeline.generate(models, "balloons over a valley", width=64, height=48, steps=3, seed=5)
+    assert (plain.images[0].int() - expected.int()).abs().max() > 1
 
 
 def test_a_text_encoder_file_says_which_model_it_is(tmp_path):

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what to generate (or how to edit the references); repeat for several prompts, each making "
                         "--batch images")
     p.add_argument("--ref", action="append", default=[], metavar="IMG", help="a reference image (repeatable)")
+    p.add_argument("--boxes", metavar="FILE.json",
+                   help="FLUX 3 Image Klein: where objects go, a JSON list of boxes [{\"desc\": \"a red kite\", "
+                        "\"bbox\": [y_min, x_min, y_max, x_max]}] in 0-1 of the picture's height and width")
     p.add_argument("--width", type=number_option("--width", whole=True),
                    help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
     p.add_argument("--height", type=number_option("--height", whole=True),
@@ -283,6 +286,21 @@ def check_early(args, refs) -> None:
                              f":STRENGTH (e.g. --lora style.safetensors:0.8)")
 
 
+def read_layout(path: str | None):
+    """--boxes FILE.json -> the boxes (``boxes.read_boxes``), read and checked before any model loads."""
+    from ..sampling.boxes import read_boxes
+
+    if path is None:
+        return None
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise Flux2Error(f"--boxes {path}: no such file; give a JSON file with a list of boxes") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise Flux2Error(f"--boxes {path} could not be read ({e}); give a UTF-8 JSON file with a list of boxes") from None
+    return read_boxes(text, f"the boxes in {path}")
+
+
 def lora_argument(text: str) -> tuple[str, float]:
     """--lora FILE[:STRENGTH] -> (file, strength); a strength is a number after the last colon (so C:\\x works)."""
     from ..checks import REAL_TEXT, parse_number
@@ -319,6 +337,7 @@ def generate_command(argv: list[str]) -> int:
     refs = [open_image(p) for p in args.ref]
     image = open_image(args.image) if args.image else None
     check_early(args, refs)
+    args.boxes = read_layout(args.boxes)
     mask = open_image(args.mask) if args.mask else None
     if image is not None:                # before any model loads (a mask is fitted to the image: the image decides)
         grid_size(*image.size, f"--image {args.image}")
@@ -439,6 +458,7 @@ def models_generate(models, args, prompt: str, seed: int, batch: int, refs, imag
 
     return generate(models, prompt, references=refs, width=width, height=height, steps=args.steps, cfg=args.cfg,
                     negative=args.negative, seed=seed, batch=batch, image=image, mask=mask, strength=args.strength,
+                    boxes=args.boxes,
                     bfl_cuda_noise=args.bfl_noise, offload_encoder=encoder_offload(args), callback=Progress(),
                     warn=lambda note: print(f"note: {note}", file=sys.stderr, flush=True))
 

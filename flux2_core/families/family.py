@@ -129,3 +129,4 @@ class Family:
     # [(h, w) of each reference latent] -> their position ids [1, sum(h*w), 4] (what tells references apart)
     reference_ids: Callable[..., Tensor] = rope.reference_ids
     references: ReferenceFit = FLUX2_REFERENCES     # how its reference images are sized
+    boxes: bool = False                             # its prompts may carry layout boxes (``sampling/boxes.py``)

@@ -104,4 +104,4 @@ FLUX3 = Family(name="flux3", params_type=Flux3Params, title="FLUX 3 Image Klein"
                quantizable=quantizable, variant_for=variant_for, condition=condition, memory=memory,
                schedule="flux3", adapters=ADAPTERS,
                noise=NoiseDraw(token_major=True, bf16=True), latent_dtype=lambda compute: torch.float32,
-               reference_ids=flux3.reference_ids, references=REFERENCES)
+               reference_ids=flux3.reference_ids, references=REFERENCES, boxes=True)
