@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .devices import compute_dtype
 from .errors import Flux2Error
-from .families import FAMILIES, family_of, family_of_params
+from .families import family_of, family_of_params
 from .latents import LATENT_CHANNELS, latent_size
 from .models.autoencoder import AutoEncoder
 from .models.run_state import run_state
@@ -33,7 +33,7 @@ from .runtime import memory
 from .runtime.cache import PromptCache, ReferenceKVCache
 from .runtime.offload import place, stream_blocks, streamed_blocks
 from .sampling import inpaint
-from .sampling.boxes import read_boxes, rows, with_boxes
+from .sampling.boxes import boxed_prompt, read_boxes, rows
 from .sampling.euler import add_noise, denoise, make_noise
 from .sampling.plan import plan_denoise
 from .sampling.references import (
@@ -278,11 +278,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
                          "hold: leave reference_kv out")
     family = family_of(variant)
     layout = read_boxes(boxes if boxes is not None else [])
-    if layout and not family.boxes:
-        takers = " and ".join(f.title for f in FAMILIES.values() if f.boxes)
-        raise Flux2Error(f"{variant.title or family.title} takes no layout: boxes are for {takers}; leave the boxes "
-                         f"out, or describe where things go in the prompt")
-    text = with_boxes(prompt, layout)
+    text = boxed_prompt(prompt, layout, family, variant.title or family.title)
     fit = family.references
     refs = prepare_references(references, len(references) + masked, fit) if references else []
     # one reference alone on a padded canvas (FLUX 3): the picture made at the canvas's size is cropped back to it

@@ -20,8 +20,10 @@ from PIL import Image
 
 from ..flux2_core.digests import image_digest
 from ..flux2_core.errors import Flux2Error
+from ..flux2_core.families import FAMILIES, family_of_encoder
 from ..flux2_core.runtime import cache, memory
 from ..flux2_core.sampling import references
+from ..flux2_core.sampling.boxes import boxed_prompt
 from . import host, types
 
 log = logging.getLogger("flux2_klein")
@@ -41,19 +43,24 @@ class PromptEncode(io.ComfyNode):
             inputs=[types.TextEncoder.Input("text_encoder", tooltip="From FLUX.2 Klein Load Text Encoder."),
                     io.String.Input("prompt", multiline=True, dynamic_prompts=True,
                                     tooltip="What to draw, or for an edit what to change. Empty for the negative of "
-                                            "base models.")],
+                                            "base models."),
+                    types.Boxes.Input("boxes", optional=True,
+                                      tooltip="FLUX 3 only: where objects go, from FLUX 3 Klein Layout (the boxes "
+                                              "follow the prompt as the model reads them).")],
             outputs=[io.Conditioning.Output(display_name="conditioning",
                                             tooltip="ComfyUI CONDITIONING: embeddings [1, tokens, layers x hidden].")])
 
     @classmethod
-    def execute(cls, text_encoder: host.Managed | None, prompt: str) -> io.NodeOutput:
+    def execute(cls, text_encoder: host.Managed | None, prompt: str, boxes: list | None = None) -> io.NodeOutput:
         if text_encoder is None:
             raise Flux2Error("no text encoder came in: a FLUX.2 Klein LoRA node passes one on only when a text "
                              "encoder is connected to its own text_encoder input")
         encoder, misses = text_encoder.core, PROMPTS.cache.misses
-        out = PROMPTS.encode(LoadOnMiss(text_encoder), [prompt])
+        family = family_of_encoder(encoder.spec)                 # the model this prompt is for, by its encoder
+        text = boxed_prompt(prompt, boxes or [], family, f"{family.title} (its {encoder.spec.name} text encoder)")
+        out = PROMPTS.encode(LoadOnMiss(text_encoder), [text])
         tokens, dropped, limit = out.token_counts[0], out.dropped[0], encoder.spec.max_length
-        meta = {"encoder": encoder.spec.name, "tokens": tokens, "dropped": dropped}
+        meta = {"encoder": encoder.spec.name, "family": family.name, "tokens": tokens, "dropped": dropped}
         # pooled_output None: FLUX.2 has no pooled vector, but ComfyUI's FLUX models read the key.
         conditioning = [[out.embeds, {"pooled_output": None, types.META: meta}]]
         info = f"{tokens} / {limit} tokens"
@@ -96,9 +103,11 @@ class Reference(io.ComfyNode):
             node_id="Flux2KleinReference", display_name="FLUX.2 Klein Reference Image",
             category=f"{types.CATEGORY}/conditioning",
             description="Adds reference images for editing: each image is prepared as the reference implementation "
-                        "does (at most 2024x2024 pixels when it is the only reference, 1024x1024 each when there are "
-                        "several; centre-cropped to multiples of 16), encoded, and appended to the conditioning's "
-                        "reference latents. Chain it for more references; a batch adds one reference per image.",
+                        "of the prompt's model does, encoded, and appended to the conditioning's reference latents. "
+                        "FLUX.2: at most 2024x2024 pixels when it is the only reference, 1024x1024 each when there "
+                        "are several, centre-cropped to multiples of 16. FLUX 3: one alone fitted to 4 MP and its "
+                        "border reflected out to multiples of 16; several at 1 MP each, centre-cropped; at most 10. "
+                        "Chain it for more references; a batch adds one reference per image.",
             inputs=[io.Conditioning.Input("conditioning", tooltip="The prompt conditioning (positive)."),
                     io.Image.Input("image", tooltip="Reference image(s); each side at least 64 px, aspect at most 8:1."),
                     types.AutoEncoder.Input("ae", tooltip="The FLUX.2 autoencoder.")],
@@ -111,10 +120,12 @@ class Reference(io.ComfyNode):
         latents, sources = list(first.get("reference_latents", [])), list(first.get(SOURCES, []))
         sources += [None] * (len(latents) - len(sources))       # latents appended by other nodes have no source
         new = [to_pil(item) for item in image]
-        cap = references.pixel_cap(len(latents) + len(new))
-        if len(latents) == 1 and new and sources[0] is not None and too_big(sources[0], cap):
-            latents[0] = encode(ae, sources[0], cap, 0)   # the first of several: redo it at the smaller cap
-        latents += [encode(ae, im, cap, len(latents) + i) for i, im in enumerate(new)]
+        fit = FAMILIES[first.get(types.META, {}).get("family", "flux2")].references   # ComfyUI's prompts: FLUX.2
+        count = len(latents) + len(new)
+        references.check_count(count, fit)
+        if len(latents) == 1 and new and sources[0] is not None:
+            latents[0] = encode(ae, sources[0], count, 0, fit)   # the first of several: prepared as one of them
+        latents += [encode(ae, im, count, len(latents) + i, fit) for i, im in enumerate(new)]
         sources += new
         out = [[embeds, {**d, "reference_latents": latents, SOURCES: sources}] for embeds, d in conditioning]
         return io.NodeOutput(out)
@@ -128,14 +139,10 @@ def to_pil(image: torch.Tensor) -> Image.Image:
     return Image.fromarray(np.ascontiguousarray(pixels))
 
 
-def too_big(image: Image.Image, cap: int) -> bool:
-    return image.size[0] * image.size[1] > cap
-
-
-def encode(ae: host.Managed, image: Image.Image, cap: int, index: int) -> torch.Tensor:
-    """BFL's reference preparation of reference ``index`` at pixel cap ``cap``, then its latent [1, 128, h, w]
-    (from ``LATENTS`` when this autoencoder has encoded these pixels before)."""
-    prepared = references.prepare_reference(image, cap, index)
+def encode(ae: host.Managed, image: Image.Image, count: int, index: int, fit) -> torch.Tensor:
+    """The reference preparation of reference ``index`` of ``count`` (``fit``: the family's), then its latent
+    [1, 128, h, w] (from ``LATENTS`` when this autoencoder has encoded these pixels before)."""
+    prepared = references.prepare_one(image, count, index, fit)
     key = ae.key + (image_digest([prepared]),)
     latent = LATENTS.get(key)
     if latent is None:

@@ -4,13 +4,14 @@ from comfy_api.latest import ComfyExtension, io
 
 from .adapters import LoRA
 from .autoencoder import AEDecode, AEEncode
+from .boxes import Layout
 from .comfy_model import ToComfyModel
 from .conditioning import PromptEncode, Reference
 from .loaders import AutoEncoderLoader, ModelLoader, TextEncoderLoader
 from .parallel import Parallel
 from .sampling import Compile, Denoise, Noise, Scheduler
 
-NODES = [ModelLoader, TextEncoderLoader, AutoEncoderLoader, LoRA, PromptEncode, Reference, Noise, Scheduler, Denoise,
+NODES = [ModelLoader, TextEncoderLoader, AutoEncoderLoader, LoRA, Layout, PromptEncode, Reference, Noise, Scheduler, Denoise,
          AEEncode, AEDecode, Compile, Parallel, ToComfyModel]
 
 

@@ -6,6 +6,7 @@ from comfy_api.latest import io
 Model = io.Custom("FLUX2_KLEIN_MODEL")                  # Managed(Flux2Transformer) + its Variant
 TextEncoder = io.Custom("FLUX2_KLEIN_TEXT_ENCODER")     # Managed(PromptEncoder)
 AutoEncoder = io.Custom("FLUX2_KLEIN_AE")               # Managed(AutoEncoder)
+Boxes = io.Custom("FLUX2_KLEIN_BOXES")                  # list[sampling.boxes.Box]: a layout
 
 CATEGORY = "FLUX.2 Klein"
 META = "flux2_klein"      # our key in a CONDITIONING entry's dict: what encoded the prompt, token counts

@@ -21,7 +21,7 @@ import torch
 from ..errors import Flux2Error
 from ..models.layers import Layers
 from ..storage.protocol import stored_linears
-from ..variants import Variant
+from ..variants import VARIANTS, TextEncoderSpec, Variant
 from .family import AdapterNaming, Family, MemoryInputs, ModelParams, NoiseDraw, ReferenceFit, ShapeReader
 from .flux2 import FLUX2
 from .flux3 import FLUX3
@@ -36,6 +36,7 @@ __all__ = [
     "ReferenceFit",
     "ShapeReader",
     "family_of",
+    "family_of_encoder",
     "family_of_params",
     "get_family",
     "linear_shapes",
@@ -53,6 +54,12 @@ def get_family(name: str) -> Family:
 
 def family_of(variant: Variant) -> Family:
     return get_family(variant.family)
+
+
+def family_of_encoder(spec: TextEncoderSpec) -> Family:
+    """The family whose prompts an encoder of this model reads (Qwen3-VL: FLUX 3; Qwen3 and the rest: FLUX.2): what
+    a prompt's conditioning knows of the model it is for before it meets one (how references are sized, boxes)."""
+    return family_of(next((v for v in VARIANTS.values() if v.text_encoder.model == spec.model), VARIANTS["klein-4b"]))
 
 
 def family_of_params(params) -> Family:

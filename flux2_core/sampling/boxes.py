@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 
 from ..errors import Flux2Error
+from ..families import FAMILIES, Family
 
 CANVAS = 1000                      # the rows' coordinates run 0..CANVAS
 EXAMPLE = '[{"desc": "a red kite", "bbox": [0.1, 0.05, 0.6, 0.4]}]'
@@ -123,3 +124,13 @@ def with_boxes(prompt: str, boxes: list[Box]) -> str:
     if not boxes:
         return prompt
     return f"{prompt.rstrip()} {json.dumps(rows(boxes), ensure_ascii=False)}"
+
+
+def boxed_prompt(prompt: str, boxes: list[Box], family: Family, model: str) -> str:
+    """The prompt with the boxes for a model of ``family`` (``model``: what messages call it), refused where the
+    family reads none: its prompt would carry text it was never trained on."""
+    if boxes and not family.boxes:
+        takers = " and ".join(f.title for f in FAMILIES.values() if f.boxes)
+        raise Flux2Error(f"{model} takes no layout: boxes are for {takers}; leave the boxes out, or describe where "
+                         f"things go in the prompt")
+    return with_boxes(prompt, boxes)

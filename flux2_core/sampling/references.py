@@ -151,14 +151,25 @@ def prepare_references(images, count: int | None = None, fit: ReferenceFit = FLU
     """``count``: as how many references each is capped (inpainting adds the source as one more)."""
     images = [as_pil(im, f"reference image {i + 1}") for i, im in enumerate(images)]
     count = len(images) if count is None else count
+    check_count(count, fit)
+    for i, im in enumerate(images):
+        check_reference(im, i, fit)              # every image checked before any is scaled
+    return [prepare_one(im, count, i, fit) for i, im in enumerate(images)]
+
+
+def check_count(count: int, fit: ReferenceFit) -> None:
     if fit.max_count is not None and count > fit.max_count:
         raise Flux2Error(f"{count} reference images, but this model takes at most {fit.max_count}: leave some out "
                          f"(or combine several into one picture)")
-    for i, im in enumerate(images):
-        check_reference(im, i, fit)              # every image checked before any is scaled
+
+
+def prepare_one(image: Image.Image, count: int, index: int, fit: ReferenceFit) -> Image.Image:
+    """Reference ``index`` of ``count`` as the family's fit prepares it: one alone on its padded canvas where the
+    family pads, else capped at the pixels of ``count`` references and centre-cropped to the 16-px grid."""
     if fit.padded and count == 1:
-        return [padded_reference(images[0], fit)[0]]
-    return [prepare_reference(im, pixel_cap(count, fit), i, fit) for i, im in enumerate(images)]
+        check_reference(image, index, fit)
+        return padded_reference(image, fit)[0]
+    return prepare_reference(image, pixel_cap(count, fit), index, fit)
 
 
 def reference_canvas(width: int, height: int, fit: ReferenceFit) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -1,0 +1,34 @@
+"""The layout node: boxes that say where objects go, for FLUX 3 Image Klein's prompts (``sampling/boxes.py``)."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io, ui
+
+from ..flux2_core.sampling.boxes import read_boxes, rows
+from . import types
+
+EXAMPLE = ('[{"desc": "a red hot-air balloon", "bbox": [0.08, 0.1, 0.45, 0.4]},\n'
+           ' {"desc": "a lake reflecting the sky", "bbox": [0.7, 0.0, 1.0, 1.0]}]')
+
+
+class Layout(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Flux2KleinLayout", display_name="FLUX 3 Klein Layout",
+            category=f"{types.CATEGORY}/conditioning",
+            description="Where objects go in a FLUX 3 Image Klein picture: a JSON list of boxes, each with a desc and "
+                        "a bbox [y_min, x_min, y_max, x_max] in 0-1 of the picture's height and width ((0, 0) is the "
+                        "top left); an id names a box (obj_1, obj_2, ... when left out). For an edit a box may move "
+                        "something instead: \"from\": \"ref_image_1\" with src_bbox (where it is there) and tgt_bbox "
+                        "(where it goes). Connect it to Prompt Encode's boxes; FLUX.2 models take no boxes.",
+            inputs=[io.String.Input("boxes", multiline=True, default=EXAMPLE,
+                                    tooltip="A JSON list: [{\"desc\": ..., \"bbox\": [y_min, x_min, y_max, x_max]}], "
+                                            "coordinates 0 to 1.")],
+            outputs=[types.Boxes.Output(display_name="boxes", tooltip="The checked boxes, for Prompt Encode.")])
+
+    @classmethod
+    def execute(cls, boxes: str) -> io.NodeOutput:
+        layout = read_boxes(boxes, "the Layout node's boxes")
+        shown = "\n".join(f"{row['id']}: {row.get('bbox') or row.get('tgt_bbox')} {row['desc']}" for row in rows(layout))
+        return io.NodeOutput(layout, ui=ui.PreviewText(f"{len(layout)} boxes on the 0-1000 canvas\n{shown}"))
