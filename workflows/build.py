@@ -32,6 +32,9 @@ MODELS = {   # file -> (folder, download URL); the files ComfyUI's own FLUX.2 Kl
     "flux-2-klein-4b-Q4_K_M.gguf": ("diffusion_models",
                                     f"{HF}/unsloth/FLUX.2-klein-4B-GGUF/resolve/main/flux-2-klein-4b-Q4_K_M.gguf"),
     "Qwen3-4B-Q4_K_M.gguf": ("text_encoders", f"{HF}/unsloth/Qwen3-4B-GGUF/resolve/main/Qwen3-4B-Q4_K_M.gguf"),
+    # FLUX 3 Image Klein: BFL's ComfyUI files, named by their release page (the download link is on that page)
+    "flux3-image-klein.safetensors": ("diffusion_models", f"{HF}/black-forest-labs/flux-3-image-klein-comfy"),
+    "qwen3vl_4b.safetensors": ("text_encoders", f"{HF}/black-forest-labs/flux-3-image-klein-comfy"),
 }
 MODEL_INPUTS = ("model_name", "text_encoder_name", "ae_name")
 
@@ -40,8 +43,9 @@ def frontend_checks(file: str) -> bool:
     """Whether a model file goes in its loader's ``properties.models``, where the frontend checks it is there (and
     offers the download when not). It checks against ComfyUI's own file lists, which leave .gguf files out (no
     folder's extension set has .gguf), so it would call a GGUF file missing even when it is in place: GGUF files
-    are named in the workflow's note only, with their download URL."""
-    return not file.lower().endswith(".gguf")
+    are named in the workflow's note only, with their download URL; so are files known by a release page rather
+    than a file's own link (the frontend would download the page)."""
+    return not file.lower().endswith(".gguf") and "/resolve/" in MODELS[file][1]
 
 
 # --- the workflows: node id -> Node; an input (id, slot) is a link, anything else a widget ----------------------------
@@ -56,7 +60,7 @@ def frontend_checks(file: str) -> bool:
 
 TITLE = 30                   # the frontend's title bar height
 SLOT = 20                    # the height of a socket row; socket i is at y + 14 + 20 i
-SIZES = {"Flux2KleinModelLoader": (280, 82), "Flux2KleinTextEncoderLoader": (280, 82),
+SIZES = {"Flux2KleinLayout": (320, 170), "Flux2KleinModelLoader": (280, 82), "Flux2KleinTextEncoderLoader": (280, 82),
          "Flux2KleinAELoader": (280, 82), "Flux2KleinLoRA": (280, 126), "Flux2KleinPromptEncode": (380, 190),
          "Flux2KleinNoise": (220, 154), "Flux2KleinScheduler": (220, 150), "Flux2KleinDenoise": (260, 182),
          "Flux2KleinAEDecode": (220, 46), "Flux2KleinAEEncode": (220, 46), "Flux2KleinReference": (240, 66),
@@ -96,7 +100,7 @@ def loaders(model: str, text_encoder: str = "qwen_3_4b.safetensors", prompt_y: i
 
 def sampler(positive, cfg=1.0, steps=4, negative=None, latent=None, denoise=1.0, noise_latent=None, seed=42,
             model=(1, 0), noise_at=(360, 560), scheduler_at=None, scheduler_latent=(5, 0), denoise_x=950,
-            ae_y=AE_LANE, save_at=None) -> dict:
+            ae_y=AE_LANE, save_at=None, schedule="flux2", prefix="flux2-klein") -> dict:
     """Noise and schedule (the noise at noise_at, the scheduler below and right of it unless scheduler_at says),
     the denoiser at the top of its column (its model input level with the model loader's output), and decode + save
     on the autoencoder lane (save_at moves the saver, which may sit higher than the decoder)."""
@@ -110,20 +114,20 @@ def sampler(positive, cfg=1.0, steps=4, negative=None, latent=None, denoise=1.0,
     decode_x = denoise_x + SIZES["Flux2KleinDenoise"][0] + 50
     save_x = decode_x + SIZES["Flux2KleinAEDecode"][0] + 40
     return {5: Node("Flux2KleinNoise", noise_inputs, "noise", (x, y)),
-            6: Node("Flux2KleinScheduler", {"steps": steps, "schedule": "flux2", "rho": 2.0,
+            6: Node("Flux2KleinScheduler", {"steps": steps, "schedule": schedule, "rho": 2.0,
                                             "latent": scheduler_latent}, "noise",
                     scheduler_at or (x + SIZES["Flux2KleinNoise"][0] + 30, y + 90)),
             7: Node("Flux2KleinDenoise", denoise_inputs, "denoise", (denoise_x, 0)),
             8: Node("Flux2KleinAEDecode", {"ae": (3, 0), "latent": (7, 0)}, "decode", (decode_x, ae_y)),
-            9: Node("SaveImage", {"images": (8, 0), "filename_prefix": "flux2-klein"}, "decode",
+            9: Node("SaveImage", {"images": (8, 0), "filename_prefix": prefix}, "decode",
                     save_at or (save_x, ae_y))}
 
 
 def prompt(text: str, node: int = 4, y: int = 150, title: str = "Positive prompt", height: int | None = None,
-           width: int | None = None) -> dict:
+           width: int | None = None, x: int = COLUMNS["prompt"], boxes=None) -> dict:
     size = (width or SIZES["Flux2KleinPromptEncode"][0], height or SIZES["Flux2KleinPromptEncode"][1])
-    return {node: Node("Flux2KleinPromptEncode", {"text_encoder": (2, 0), "prompt": text}, "prompt",
-                       (COLUMNS["prompt"], y), title, size if (height or width) else None)}
+    inputs = {"text_encoder": (2, 0), "prompt": text} | ({"boxes": boxes} if boxes else {})
+    return {node: Node("Flux2KleinPromptEncode", inputs, "prompt", (x, y), title, size if (height or width) else None)}
 
 
 def reference(node: int, image_node: int, file: str, conditioning, image_at: tuple[int, int],
@@ -304,6 +308,63 @@ WORKFLOWS = {
                                 "denoise": 1.0}, "denoise", (1040, 0)),
            8: Node("Flux2KleinAEDecode", {"ae": (3, 0), "latent": (7, 0)}, "decode", (1405, AE_LANE)),
            9: Node("SaveImage", {"images": (8, 0), "filename_prefix": "flux2-klein"}, "decode", (1665, AE_LANE))}},
+}
+
+# FLUX 3 Image Klein: the same stages with its files, 16 steps on its own schedule
+FLUX3 = ("flux3-image-klein.safetensors", "qwen3vl_4b.safetensors")
+FLUX3_FILES = ("Put flux3-image-klein.safetensors (BF16, or BFL's int8) in models/diffusion_models and "
+               "qwen3vl_4b.safetensors (the Qwen3-VL-4B text encoder) in models/text_encoders; the autoencoder is "
+               "FLUX.2's. The loaders know FLUX 3 by the files' contents, whatever their names.")
+LAYOUT_LANE = 440            # the layout workflow's prompt row: its Layout node sits left of the prompt, below this
+WORKFLOWS |= {
+    "flux3-klein-text-to-image": {
+        "title": "FLUX 3 Image Klein: text to image",
+        "what": "Makes an image from a prompt with FLUX 3 Image Klein, the distilled model: 16 steps on FLUX 3's "
+                "schedule without classifier-free guidance (cfg 1, no negative prompt).",
+        "details": FLUX3_FILES + " Long, detailed prompts work best: the prompt is read up to 4096 tokens.",
+        "nodes": loaders(*FLUX3) | prompt(
+            "A red fox sitting in fresh snow at dawn, soft golden light on its fur, pine forest behind, "
+            "photorealistic, shallow depth of field")
+        | sampler((4, 0), steps=16, schedule="flux3", prefix="flux3-klein")},
+    "flux3-klein-edit-3-references": {
+        "title": "FLUX 3 Image Klein: combine three reference images",
+        "what": "Makes one image from three reference images as the prompt describes, with FLUX 3 Image Klein "
+                "(up to 10 references; 16 steps, no classifier-free guidance).",
+        "details": FLUX3_FILES + " Put the pictures in ComfyUI's input folder as flux2-klein-reference-1.png, -2 and "
+                   "-3 (or pick others in the Reference image nodes); the prompt calls them image 1, 2 and 3. With "
+                   "several references each is kept under 1 megapixel and centre-cropped to multiples of 16; one "
+                   "alone is fitted to 4 megapixels and its border reflected out to multiples of 16. Chain more "
+                   "Reference nodes for more, up to 10.",
+        "nodes": loaders(*FLUX3, prompt_y=REF3_LANE - 380, ae_y=REF3_LANE - 14)
+        | prompt("The person from image 1 wearing the jacket from image 2, standing in the place from image 3",
+                 y=REF3_LANE - 380, width=300, height=190)
+        | reference(11, 10, "flux2-klein-reference-1.png", (4, 0), (340, REF3_LANE + 70), (700, REF3_LANE - 246), 1)
+        | reference(13, 12, "flux2-klein-reference-2.png", (11, 0), (620, REF3_LANE + 120), (980, REF3_LANE - 166), 2)
+        | reference(15, 14, "flux2-klein-reference-3.png", (13, 0), (900, REF3_LANE + 170), (1260, REF3_LANE - 86), 3)
+        | sampler((15, 0), steps=16, schedule="flux3", prefix="flux3-klein", noise_at=(340, 100),
+                  scheduler_at=(590, 190), denoise_x=1560, ae_y=REF3_LANE - 14, save_at=(2130, 400)),
+        "note_at": (0, REF3_LANE + 130)},
+    "flux3-klein-layout": {
+        "title": "FLUX 3 Image Klein: text to image with a layout",
+        "what": "Makes an image from a prompt and boxes that say where things go, with FLUX 3 Image Klein: the "
+                "Layout node's boxes follow the prompt as the model reads them (16 steps, no classifier-free "
+                "guidance).",
+        "details": FLUX3_FILES + " Each box is [y_min, x_min, y_max, x_max] in 0-1 of the picture's height and "
+                   "width, (0, 0) the top left, with a desc of what goes there; the prompt may name a box by its "
+                   "id as <obj_1>.",
+        # the prompt moved right, the Layout node left of it under the text encoder's link, its output climbing
+        # to the prompt's boxes socket; the noise and the schedule above, as in the edits
+        "nodes": loaders(*FLUX3, prompt_y=LAYOUT_LANE, ae_y=LAYOUT_LANE + 240)
+        | {16: Node("Flux2KleinLayout", {"boxes": (
+            '[{"desc": "a red hot-air balloon", "bbox": [0.08, 0.1, 0.45, 0.4]},\n'
+            ' {"desc": "a small white chapel", "bbox": [0.55, 0.6, 0.8, 0.75]},\n'
+            ' {"desc": "a lake reflecting the sky", "bbox": [0.8, 0.0, 1.0, 1.0]}]')}, "prompt",
+                    (340, LAYOUT_LANE + 50))}
+        | prompt("Hot-air balloons over a green valley at sunrise, a chapel on the hillside, mist over the lake, "
+                 "photorealistic", y=LAYOUT_LANE, x=700, width=340, boxes=(16, 0))
+        | sampler((4, 0), steps=16, schedule="flux3", prefix="flux3-klein", noise_at=(340, 100),
+                  scheduler_at=(590, 190), denoise_x=1090, ae_y=LAYOUT_LANE + 240, save_at=(1660, 400)),
+        "note_at": (340, LAYOUT_LANE + 330)},     # under the autoencoder's lane, beside its loader
 }
 
 # --- the compact workflows: a stage-by-stage workflow with its inner stages packed into one subgraph node ----------

@@ -55,7 +55,15 @@ FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "fl
          "text_encoder_gguf_values": "qwen_3_tiny-gguf-dequantized.safetensors",
          "transformer_gguf_unet": "gguf/flux-2-klein-tiny-unet-Q4_0.gguf",
          "transformer_gguf_extra": "flux-2-klein-tiny-extra-Q4_0.gguf",
-         "text_encoder_gguf_extra": "Qwen3-tiny-extra-Q4_0.gguf"}
+         "text_encoder_gguf_extra": "Qwen3-tiny-extra-Q4_0.gguf",
+         # FLUX 3 Image Klein: the distilled and base transformers behind ComfyUI's prefix, a Qwen3-VL text tower as
+         # one file (known as Qwen3-VL by its name)
+         "transformer_flux3": "flux3-image-klein-tiny.safetensors",
+         "transformer_flux3_base": "flux3-image-klein-base-tiny.safetensors",
+         "text_encoder_flux3": "qwen3vl_tiny.safetensors"}
+# a workflow's model file -> the role of its stand-in, where the name says which family's file it is
+FAMILY_ROLES = (("flux3-image-klein-base", "transformer_flux3_base"), ("flux3-image-klein", "transformer_flux3"),
+                ("qwen3vl", "text_encoder_flux3"))
 # ComfyUI-GGUF's folders as that pack registers them (the paths of ComfyUI's folders), each with a path of its own
 EXTRA_PATHS = """comfyui-gguf:
     unet_gguf: |
@@ -147,7 +155,21 @@ def write_tiny_models(models: Path) -> dict[str, str]:
                                                                                                         generator=g)
     save_adapter(te_lora, models / "loras" / FILES["lora_te"])
     write_gguf_models(models, transformer, qwen)
+    write_flux3_models(models)
     return dict(FILES)
+
+
+def write_flux3_models(models: Path) -> None:
+    from dataclasses import replace
+
+    from tests.tiny.flux3 import TINY_QWEN3_VL_TEXT, random_flux3_state_dict, tiny_flux3
+    from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
+
+    for role, flow_map in (("transformer_flux3", True), ("transformer_flux3_base", False)):
+        params = replace(tiny_flux3(flow_map), context_in_dim=8 * TINY_QWEN3_VL_TEXT["hidden_size"])
+        save_file({"model.diffusion_model." + k: v for k, v in random_flux3_state_dict(params, seed=6).items()},
+                  str(models / "diffusion_models" / FILES[role]))
+    save_comfyui_text_encoder(build_tiny_qwen3(3, TINY_QWEN3_VL_TEXT), models / "text_encoders" / FILES["text_encoder_flux3"])
 
 
 def write_gguf_models(models: Path, transformer: dict[str, torch.Tensor], qwen) -> None:
@@ -201,6 +223,7 @@ def stage_workflow_files(base: Path, files: dict[str, str], pictures: list[str])
                 if name in WORKFLOW_MODELS:
                     folder, role = WORKFLOW_MODELS[name]
                     role = GGUF_ROLE.format(role) if value.lower().endswith(".gguf") else role
+                    role = next((r for start, r in FAMILY_ROLES if value.lower().startswith(start)), role)
                     target = base / "models" / folder / value
                     if not target.exists():
                         os.link(base / "models" / folder / files[role], target)

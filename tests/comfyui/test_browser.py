@@ -81,7 +81,7 @@ def test_ui_workflow_converts_to_its_api_twin(page, name):
 
 READABLE_ZOOM = 0.6          # below this the frontend draws nodes as empty boxes
 # three references chained left to right, each image beside its reference, are too wide for that: read zoomed in
-ZOOM = {"flux2-klein-edit-3-references": 0.48}
+ZOOM = {"flux2-klein-edit-3-references": 0.48, "flux3-klein-edit-3-references": 0.48}
 
 
 COMPACT = [n for n in UI_NAMES if n.endswith("-compact")]   # the stages packed in one subgraph node

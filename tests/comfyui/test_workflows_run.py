@@ -42,3 +42,19 @@ def test_api_workflow_runs_and_yields_images(comfy, path, tmp_path, capsys):
     positive = queue_client.prompt_nodes(workflow)
     assert positive and all(sent[nid]["inputs"]["prompt"] == "a tiny test prompt" for nid in positive)
     assert [n["inputs"]["seed"] for n in sent.values() if "seed" in n["inputs"]] == [seed]
+
+
+def test_flux3_workflows_run_on_flux3_stand_ins(comfy):
+    """The FLUX 3 workflows' files stand in for FLUX 3 ones (so their runs above are FLUX 3 runs, with the
+    Qwen3-VL encoder), not for FLUX.2's under another name."""
+    from tests.comfyui.base_dir import FILES
+
+    flux3 = [p for p in API_FILES if p.stem.startswith("flux3-")]
+    assert len(flux3) == 3
+    for path in flux3:
+        inputs = {k: v for node in json.loads(path.read_text()).values() for k, v in node["inputs"].items()}
+        models = comfy.base / "models"
+        assert (models / "diffusion_models" / inputs["model_name"]).samefile(
+            models / "diffusion_models" / FILES["transformer_flux3"])
+        assert (models / "text_encoders" / inputs["text_encoder_name"]).samefile(
+            models / "text_encoders" / FILES["text_encoder_flux3"])
