@@ -409,6 +409,58 @@ def test_a_layout_equals_the_reference(tmp_path, monkeypatch):
     assert (plain.images[0].int() - expected.int()).abs().max() > 1
 
 
+def test_int8_and_a_lora_on_flux3(tmp_path):
+    """--int8 holds exactly the blocks and modulations in int8 (the embedders, time embedders and final layer stay
+    float) as the per-row rounding computed by hand, and generate equals the float model holding those weights; a LoRA in
+    ai-toolkit's layout on BFL names (the diffusion_model. prefix), applied unmerged, equals its hand merge
+    W + strength * B @ A loaded as plain weights."""
+    from safetensors.torch import save_file
+
+    from flux2_core import pipeline
+    from flux2_core.families.flux3 import FLUX3
+    from flux2_core.storage.int8 import quantize_blocks
+    from flux2_core.storage.protocol import census
+
+    params, state, te, ae = flux3_files(tmp_path, flow_map=True)
+    run = {"prompt": "a fox", "width": 64, "height": 48, "steps": 2, "seed": 3}
+
+    models = our_models(params, state, te, ae)
+    names = quantize_blocks(models.transformer, FLUX3.quantizable)
+    families = {n.split(".")[0] for n in names}
+    assert families == {"content_mode_blocks", "txt_mode_blocks", "single_blocks", "early_stream_modulations",
+                        "single_stream_modulations"} and census(models.transformer)["int8"] == len(names)
+    rounded, layers, same, count = dict(state), dict(models.transformer.named_modules()), 0, 0
+    for name in names:              # the stored weights are the per-row rounding (float32 vs float64 at the halves)
+        w = state[name + ".weight"].double().numpy()
+        scale = np.abs(w).max(axis=1, keepdims=True) / 127
+        stored = layers[name].float_weight().double().numpy()
+        steps = np.abs(stored - np.clip(np.round(w / scale), -127, 127) * scale) / scale
+        assert steps.max() < 1 + 1e-4
+        same, count = same + (steps < 1e-4).sum(), count + steps.size
+        rounded[name + ".weight"] = torch.from_numpy(stored).float()
+    assert same / count > 0.999
+    got = pipeline.generate(models, **run)
+    expected = pipeline.generate(our_models(params, rounded, te, ae), **run)
+    assert_close_to_scale(got.latents, expected.latents)
+
+    g = torch.Generator().manual_seed(4)
+    lora, merged = {}, dict(state)
+    for name in ("single_blocks.0.q_proj", "txt_mode_blocks.1.mlp_out", "early_stream_modulations.image.lin"):
+        out_features, in_features = state[name + ".weight"].shape
+        a, b = torch.randn(4, in_features, generator=g) * 0.3, torch.randn(out_features, 4, generator=g) * 0.3
+        lora |= {f"diffusion_model.{name}.lora_A.weight": a, f"diffusion_model.{name}.lora_B.weight": b}
+        merged[name + ".weight"] = state[name + ".weight"] + 0.7 * b @ a
+    save_file(lora, str(tmp_path / "lora.safetensors"))
+    models = our_models(params, state, te, ae)
+    (line,) = pipeline.apply_adapters(models, [(tmp_path / "lora.safetensors", 0.7)], merge=False)
+    assert "3 modules" in line
+    got = pipeline.generate(models, **run)
+    expected = pipeline.generate(our_models(params, merged, te, ae), **run)
+    plain = pipeline.generate(our_models(params, state, te, ae), **run)
+    assert_close_to_scale(got.latents, expected.latents)
+    assert (plain.latents - expected.latents).abs().max() > 1e-2 * expected.latents.abs().max()
+
+
 def test_a_text_encoder_file_says_which_model_it_is(tmp_path):
     """A Qwen3-VL folder loads as FLUX 3's encoder without being told (its config and text tower's names say it), as
     does a single file by its name, and the folder is refused for FLUX.2; a Qwen3 folder (its config says so) is refused for FLUX 3, naming the file to load."""
