@@ -179,6 +179,35 @@ def test_text_encoder_equals_the_reference(tmp_path):
     assert torch.all(got.embeds[0, 80:] == 0)                   # the short prompt's rows past its own 80
 
 
+def test_text_encoder_equals_transformers_qwen3_vl(tmp_path):
+    """The same tower in transformers' own Qwen3-VL text model (its interleaved MRoPE, all three position sections at
+    the text positions), given our tokens, mask and positions (pads at 1): its hidden states 4, 8, ..., 32 equal ours
+    in float32, every row, pads included. Its model has the real tower's 36 layers (the last four never read), so
+    that state 32 is a layer's output and not the final norm's, which transformers puts on the last state."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3VLTextConfig, Qwen3VLTextModel
+
+    from flux2_core import weights
+
+    folder = save_tiny_qwen3_vl(tmp_path / "text_encoder")
+    config = json.loads((folder / "config.json").read_text())["text_config"]
+    hf = Qwen3VLTextModel(Qwen3VLTextConfig(**config | {"num_hidden_layers": 36})).eval()
+    state = {k.removeprefix("model.language_model."): v for k, v in load_file(folder / "model.safetensors").items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and {k.split(".")[1] for k in missing} == {"32", "33", "34", "35"}
+    ours = weights.load_text_encoder(folder, "cpu", torch.float32, spec=tiny_vl_spec())
+    prompts = ["a red fox", LONG_PROMPT]
+    got = ours.encode(prompts)
+    for i, prompt in enumerate(prompts):
+        ids, mask = (t[:, :got.lengths[i]] for t in ours.tokenize([prompt])[:2])
+        positions = ours.positions(mask)
+        with torch.no_grad():
+            out = hf(input_ids=ids, attention_mask=mask, position_ids=positions[None].expand(3, -1, -1),
+                     output_hidden_states=True)
+        expected = torch.cat([out.hidden_states[layer] for layer in ours.spec.output_layers], dim=-1)
+        assert_close_to_scale(got.row(i), expected, 1e-5)
+
+
 # --- the whole pipeline -----------------------------------------------------------------------------------------------
 
 def flux3_files(tmp_path, flow_map: bool):
