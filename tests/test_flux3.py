@@ -490,6 +490,44 @@ def test_int8_and_a_lora_on_flux3(tmp_path):
     assert (plain.latents - expected.latents).abs().max() > 1e-2 * expected.latents.abs().max()
 
 
+def test_a_models_folder_gives_flux3_files_under_any_name(tmp_path, monkeypatch):
+    """--models finds FLUX 3 files by what their headers say where their names are not the usual ones: the
+    transformer among FLUX.2 and other files, and its Qwen3-VL encoder (known by its text tower's names) past a
+    plain Qwen3 file of the same width. The registry's FLUX 3 entries are given the tiny sizes, as a real file's
+    sizes cannot be written here."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file, save_file
+
+    from flux2_core.app import cli
+    from flux2_core.errors import Flux2Error
+    from flux2_core.variants import VARIANTS
+    from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
+    from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_bfl_transformer
+
+    params, state, te, _ = flux3_files(tmp_path, flow_map=False)
+    for name in ("flux3-klein", "flux3-klein-base"):
+        v = VARIANTS[name]
+        monkeypatch.setitem(VARIANTS, name, replace(v, params=replace(params, flow_map=v.params.flow_map),
+                                                    text_encoder=replace(v.text_encoder, hidden_size=32)))
+    models = tmp_path / "models"
+    for folder in ("diffusion_models", "text_encoders", "vae"):
+        (models / folder).mkdir(parents=True)
+    save_bfl_transformer(random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=1),
+                         models / "diffusion_models" / "a-flux2-finetune.safetensors")
+    (models / "diffusion_models" / "broken.safetensors").write_bytes(b"not a file")
+    save_file({"model.diffusion_model." + k: v for k, v in state.items()},
+              str(models / "diffusion_models" / "my-download.safetensors"))
+    save_comfyui_text_encoder(build_tiny_qwen3(2), models / "text_encoders" / "a-qwen3.safetensors")
+    save_file(load_file(te / "model.safetensors"), str(models / "text_encoders" / "encoder.safetensors"))
+    (models / "vae" / "flux2-vae.safetensors").write_bytes(b"")
+    transformer, encoder, _ = cli.find_weights(str(models), None)
+    assert (transformer.name, encoder.name) == ("my-download.safetensors", "encoder.safetensors")
+    assert cli.find_weights(str(models), "flux3-klein-base")[0].name == "my-download.safetensors"
+    with pytest.raises(Flux2Error, match="for flux3-klein:"):      # the distilled model is not there
+        cli.find_weights(str(models), "flux3-klein")
+
+
 def test_a_text_encoder_file_says_which_model_it_is(tmp_path):
     """A Qwen3-VL folder loads as FLUX 3's encoder without being told (its config and text tower's names say it), as
     does a single file by its name, and the folder is refused for FLUX.2; a Qwen3 folder (its config says so) is refused for FLUX 3, naming the file to load."""

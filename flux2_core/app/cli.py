@@ -166,6 +166,42 @@ def _first_file(models: Path, folders: tuple[str, ...], names: tuple[str, ...], 
     return None
 
 
+def _files(models: Path, folders: tuple[str, ...]):
+    for folder in folders:
+        yield from sorted(p for p in (models / folder).glob("*") if p.suffix.lower() in (".safetensors", ".gguf"))
+
+
+def _transformer_of(models: Path, candidates: list[Variant]) -> tuple[Path, Variant] | None:
+    """Whatever its name, the first transformer file whose headers say it is one of ``candidates`` (no tensor is
+    read; files of other models are passed over)."""
+    from ..weights import inspect_transformer
+
+    for path in _files(models, TRANSFORMER_FOLDERS):
+        try:
+            found = inspect_transformer(path)[1].name
+        except Flux2Error:
+            continue
+        if (variant := next((v for v in candidates if v.name == found), None)) is not None:
+            return path, variant
+    return None
+
+
+def _text_encoder_of(models: Path, variant: Variant) -> Path | None:
+    """Whatever its name, the first text encoder file whose headers say it is the one ``variant`` reads: its model
+    (Qwen3-VL files say so; a plain Qwen3 file says nothing, and is taken for Qwen3) and its width."""
+    from ..weights import inspect_text_encoder
+
+    spec = variant.text_encoder
+    for path in _files(models, TEXT_ENCODER_FOLDERS):
+        try:
+            model, hidden = inspect_text_encoder(path)
+        except Flux2Error:
+            continue
+        if (model or "qwen3") == spec.model and hidden == spec.hidden_size:
+            return path
+    return None
+
+
 def _needed(variant: Variant) -> list[str]:
     return [f"  {TRANSFORMER_FOLDERS[0]}/{' or '.join(variant.files)} (or {variant.gguf_stem}-<quant>.gguf)",
             (f"  {TEXT_ENCODER_FOLDERS[0]}/{' or '.join(variant.text_encoder.files)} "
@@ -175,8 +211,9 @@ def _needed(variant: Variant) -> list[str]:
 
 def find_weights(models: str | None, variant: str | None, transformer: str | None = None,
                  text_encoder: str | None = None, ae: str | None = None) -> tuple[Path, Path, Path]:
-    """Explicit paths, the rest from the models folder. Without a variant the first Klein model found decides, and
-    the text encoder must be its own; Flux2Error lists exactly the files missing."""
+    """Explicit paths, the rest from the models folder: by their usual names, else by what their headers say they are
+    (a FLUX 3 file under any name). Without a variant the first Klein model found decides, and the text encoder must be
+    its own; Flux2Error lists exactly the files missing."""
     folder = Path(models).expanduser() if models else None
     if folder is not None and not folder.is_dir():
         raise Flux2Error(f"--models {models}: no such folder; pass ComfyUI's models folder (the one holding "
@@ -188,9 +225,11 @@ def find_weights(models: str | None, variant: str | None, transformer: str | Non
             if found := _first_file(folder, TRANSFORMER_FOLDERS, v.files, v.gguf_stem):
                 transformer, chosen = found, v
                 break
+        else:                       # no usual name: a file that is one of them by its contents
+            transformer, chosen = _transformer_of(folder, candidates) or (None, chosen)
     if folder is not None:
         text_encoder = text_encoder or _first_file(folder, TEXT_ENCODER_FOLDERS, chosen.text_encoder.files,
-                                                   chosen.text_encoder.gguf_stem)
+                                                   chosen.text_encoder.gguf_stem) or _text_encoder_of(folder, chosen)
         ae = ae or _first_file(folder, AE_FOLDERS, AE_FILES)
     missing = [what for what, path in (("--transformer", transformer), ("--text-encoder", text_encoder),
                                        ("--ae", ae)) if path is None]

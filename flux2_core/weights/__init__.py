@@ -7,6 +7,7 @@ from .loading import (
     check_embeddings_fit,
     check_text_encoder_fits,
     default_device_dtype,
+    inspect_text_encoder,
     inspect_transformer,
     load_autoencoder,
     load_text_encoder,
@@ -15,5 +16,5 @@ from .loading import (
     transformer_bytes,
 )
 
-__all__ = ["ENCODER_FILES", "check_embeddings_fit", "check_text_encoder_fits", "default_device_dtype", "inspect_transformer",
-           "load_autoencoder", "load_text_encoder", "load_transformer", "stored_dtype", "transformer_bytes"]
+__all__ = ["ENCODER_FILES", "check_embeddings_fit", "check_text_encoder_fits", "default_device_dtype", "inspect_text_encoder",
+           "inspect_transformer", "load_autoencoder", "load_text_encoder", "load_transformer", "stored_dtype", "transformer_bytes"]

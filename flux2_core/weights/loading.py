@@ -626,6 +626,20 @@ ENCODER_FILES = {QWEN3_4B.name: f"Qwen3-4B text encoder ({' or '.join(QWEN3_4B.f
                  "mistral-small-3.2": "Mistral-Small-3.2 text encoder"}
 
 
+def inspect_text_encoder(path: str | Path) -> tuple[str | None, int]:
+    """From the headers alone: (which model the file says it is, as ``encoder_model``; its hidden size)."""
+    source = _text_encoder_source(path)
+    key = next((k for k in map(source.layout.ours, source.keys) if k is not None and k.endswith("embed_tokens.weight")),
+               None)
+    return encoder_model(source), need_shape(source, key)[-1] if key else 0
+
+
+def _text_encoder_source(path) -> Source:
+    return open_source(path, "text_encoder", TEXT_ENCODER_LAYOUTS, "a Qwen3 text encoder",
+                       "FLUX.2 Klein 4B needs Qwen3-4B (qwen_3_4b.safetensors or a Qwen3-4B GGUF), Klein 9B needs "
+                       "Qwen3-8B.", GGUF_ENCODER_ARCHS)
+
+
 def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
                       tokenizer=None, spec: TextEncoderSpec | None = None) -> PromptEncoder:
     """Only what the model reads is: the embedding and the layers up to the deepest of ``spec.output_layers`` (the
@@ -633,9 +647,7 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     folder's, else the built-in Qwen3 one (checked against a GGUF's vocabulary).
     """
     device, dtype = default_device_dtype(device, dtype, fp16=False)
-    source = open_source(path, "text_encoder", TEXT_ENCODER_LAYOUTS, "a Qwen3 text encoder",
-                         "FLUX.2 Klein 4B needs Qwen3-4B (qwen_3_4b.safetensors or a Qwen3-4B GGUF), Klein 9B needs "
-                         "Qwen3-8B.", GGUF_ENCODER_ARCHS)
+    source = _text_encoder_source(path)
     spec = encoder_spec(source, spec)
     last = max((spec or QWEN3_4B).output_layers)
     keys = sorted(k for k in map(source.layout.ours, source.keys) if k is not None and is_used(k, last))
