@@ -2,7 +2,6 @@
 tiny random weights in float32: the schedule, the ids, the transformer (both variants; no, one and several
 references; samples whose prompts differ in length)."""
 
-import contextlib
 import json
 
 import numpy as np
@@ -14,6 +13,7 @@ from flux2_core.sampling.schedules import flux3_schedule
 from tests.tiny.flux3 import (
     flux3_mlx_at,
     mlx_dit,
+    mlx_pipeline,
     random_flux3_state_dict,
     save_tiny_qwen3_vl,
     tiny_flux3,
@@ -235,36 +235,9 @@ def our_models(params, state, te, ae):
     return Models(model, variant, weights.load_autoencoder(ae, "cpu", torch.float32), encoder)
 
 
-@contextlib.contextmanager
-def oracle_pipeline(params, state, te, ae):
-    """flux3-mlx's Pipeline with every part in float32 (its loaders would cast the DiT to bf16), sized like the tiny
-    files; ``pipe.latents`` collects the final latent tokens [h*w, 128] of each picture it decodes."""
-    import mlx.core as mx
-    from flux3_mlx import autoencoder, pipeline
-    from flux3_mlx.text_encoder import TextEncoder
-
-    from tests.tiny.autoencoder import TINY_AE_PARAMS
-
-    saved = autoencoder.CH, autoencoder.CH_MULT
-    try:
-        autoencoder.CH, autoencoder.CH_MULT = TINY_AE_PARAMS.ch, TINY_AE_PARAMS.ch_mult
-        with flux3_mlx_at(params) as dit:
-            pipe = pipeline.Pipeline.__new__(pipeline.Pipeline)
-            pipe.root = pipe.te_root = te
-            pipe.low_memory = False
-            pipe._te = TextEncoder(str(te), dtype=mx.float32)
-            pipe._dit = mlx_dit(dit, params, state)
-            pipe.vae = autoencoder.load_autoencoder(str(ae))
-            decode, pipe.latents = pipe.vae.decode, []
-            pipe.vae.decode = lambda tokens, h, w: pipe.latents.append(to_torch(tokens)) or decode(tokens, h, w)
-            yield pipe
-    finally:
-        autoencoder.CH, autoencoder.CH_MULT = saved
-
-
 def oracle_generate(params, state, te, ae, prompt, references, width, height, steps, noise):
     """The final latent tokens [h*w, 128] and the picture of flux3-mlx's Pipeline.generate."""
-    with oracle_pipeline(params, state, te, ae) as pipe:
+    with mlx_pipeline(params, state, te, ae) as pipe:
         picture = pipe.generate(prompt, references, width, height, steps, None, 0, noise=noise.numpy())
         return pipe.latents[0], torch.from_numpy(np.array(picture))
 
@@ -392,15 +365,15 @@ def test_an_edit_of_one_reference_is_cropped_back_as_the_reference(tmp_path, mon
     picture cropped back to the reference's box) against ``generate`` with no size given: the same picture, within
     one level. Its noise is torch's own draw (flux3-mlx reproduces torch's generator in numpy to ~2e-6)."""
     from flux3_mlx import api
-    from flux3_mlx import pipeline as mlx_pipeline
+    from flux3_mlx import pipeline as their_pipeline
 
     from flux2_core import pipeline
 
-    monkeypatch.setattr(mlx_pipeline, "randn", lambda shape, seed: torch.randn(
+    monkeypatch.setattr(their_pipeline, "randn", lambda shape, seed: torch.randn(
         shape, generator=torch.Generator().manual_seed(seed)).numpy())
     params, state, te, ae = flux3_files(tmp_path, flow_map=True)
     reference = random_picture(70, 50, 3)                       # canvas 80x64, the picture at (5, 7)
-    with oracle_pipeline(params, state, te, ae) as pipe:
+    with mlx_pipeline(params, state, te, ae) as pipe:
         picture, record = api.Flux3Klein(pipe)("make it night", [reference], steps=3, seed=5)
     expected = torch.from_numpy(np.array(picture))
     result = pipeline.generate(our_models(params, state, te, ae), "make it night", references=[reference], steps=3,
@@ -416,16 +389,16 @@ def test_a_layout_equals_the_reference(tmp_path, monkeypatch):
     ``generate`` with the same boxes: the same picture within one level; without the boxes it differs (the rows
     reach the model)."""
     from flux3_mlx import api
-    from flux3_mlx import pipeline as mlx_pipeline
+    from flux3_mlx import pipeline as their_pipeline
 
     from flux2_core import pipeline
 
-    monkeypatch.setattr(mlx_pipeline, "randn", lambda shape, seed: torch.randn(
+    monkeypatch.setattr(their_pipeline, "randn", lambda shape, seed: torch.randn(
         shape, generator=torch.Generator().manual_seed(seed)).numpy())
     params, state, te, ae = flux3_files(tmp_path, flow_map=True)
     boxes = [{"desc": "a red balloon", "bbox": [0.1, 0.05, 0.6, 0.4]},
              {"id": "lake", "desc": "a lake", "bbox": [0.7, 0.0, 1.0, 1.0]}]
-    with oracle_pipeline(params, state, te, ae) as pipe:
+    with mlx_pipeline(params, state, te, ae) as pipe:
         picture, record = api.Flux3Klein(pipe)("balloons over a valley", [], boxes, width=64, height=48, steps=3,
                                                seed=5)
     expected = torch.from_numpy(np.array(picture))

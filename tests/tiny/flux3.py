@@ -122,3 +122,30 @@ def save_tiny_qwen3_vl(folder, seed: int = 0):
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "text_config": text}))
     (folder / "tokenizer.json").write_text(builtin_tokenizer().backend.to_str())
     return folder
+
+
+@contextlib.contextmanager
+def mlx_pipeline(params, state, te, ae):
+    """flux3-mlx's Pipeline with every part in float32 (its loaders would cast the DiT to bf16), sized like the tiny
+    files; ``pipe.latents`` collects the final latent tokens [h*w, 128] of each picture it decodes."""
+    import mlx.core as mx
+    from flux3_mlx import autoencoder, pipeline
+    from flux3_mlx.text_encoder import TextEncoder
+
+    from tests.tiny.autoencoder import TINY_AE_PARAMS
+
+    saved = autoencoder.CH, autoencoder.CH_MULT
+    try:
+        autoencoder.CH, autoencoder.CH_MULT = TINY_AE_PARAMS.ch, TINY_AE_PARAMS.ch_mult
+        with flux3_mlx_at(params) as dit:
+            pipe = pipeline.Pipeline.__new__(pipeline.Pipeline)
+            pipe.root = pipe.te_root = te
+            pipe.low_memory = False
+            pipe._te = TextEncoder(str(te), dtype=mx.float32)
+            pipe._dit = mlx_dit(dit, params, state)
+            pipe.vae = autoencoder.load_autoencoder(str(ae))
+            decode, pipe.latents = pipe.vae.decode, []
+            pipe.vae.decode = lambda tokens, h, w: pipe.latents.append(to_torch(tokens)) or decode(tokens, h, w)
+            yield pipe
+    finally:
+        autoencoder.CH, autoencoder.CH_MULT = saved
