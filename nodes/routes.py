@@ -1,11 +1,15 @@
 """The pack's HTTP route: the exact token count of a prompt, for the live label of the web extension.
 
     POST /flux2_klein/tokens   {"text": "a red fox"}   ->   {"count": 15, "limit": 512}
+    POST /flux2_klein/tokens   {"text": "a red fox", "text_encoder": "qwen3vl_4b.safetensors"}   ->   {"count": 11,
+                                                                                                 "limit": 4096}
 
-``count`` is what FLUX.2 Klein Prompt Encode reports for that prompt (``count_prompt_tokens``: Qwen3's chat template
-included, before truncation); ``limit`` is the text encoder's 512. No model is loaded: only the built-in Qwen3
-tokenizer. The server announces the route with the feature flag ``flux2_klein_tokens``; without it the extension
-shows its own estimate.
+``count`` is what FLUX.2 Klein Prompt Encode reports for that prompt (``count_prompt_tokens``: the encoder's chat
+template included, before truncation); ``limit`` is the text encoder's. ``text_encoder``, a file of ComfyUI's
+text_encoders folder (what the prompt's loader holds), says which: its headers tell a FLUX 3 Qwen3-VL encoder (its
+template, 4096 tokens) from FLUX.2's (Qwen3's, 512), which is also the answer without one or for a file that cannot
+be read. No model is loaded: only the built-in Qwen3 tokenizer. The server announces the route with the feature flag
+``flux2_klein_tokens``; without it the extension shows its own estimate.
 
 Any caller can reach the route, so the body is read only up to MAX_BODY and the text counted only up to MAX_TEXT
 characters (413 past either); a body that is not {"text": str} gets 400. Errors are JSON {"error": "..."}; the
@@ -15,22 +19,33 @@ extension then keeps its own estimate.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import os
+from dataclasses import dataclass
 
 from aiohttp import web
 
+from ..flux2_core.errors import Flux2Error
 from ..flux2_core.models.text_encoder import count_prompt_tokens
 from ..flux2_core.models.tokenizer import load_tokenizer
-from ..flux2_core.variants import QWEN3_4B
+from ..flux2_core.variants import QWEN3_4B, TextEncoderSpec
 
 ROUTE = "/flux2_klein/tokens"
 FEATURE = "flux2_klein_tokens"
-LIMIT = QWEN3_4B.max_length          # 512 for Qwen3-4B and 8B alike
+LIMIT = QWEN3_4B.max_length          # 512 for Qwen3-4B and 8B alike (FLUX 3's Qwen3-VL reads up to 4096)
 # 512 tokens are a few thousand characters; counting 16384 takes milliseconds, and JSON of that many characters
 # (up to 4 bytes each in UTF-8) fits 64 KiB.
 MAX_TEXT = 16384
 MAX_BODY = 64 * 1024
 USAGE = 'send JSON {"text": "<prompt>"}, text a string'
+MAX_NAME = 1024
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    text: str
+    text_encoder: str | None      # a file of ComfyUI's text_encoders folder: whose template and limit
 
 _tokenizer: asyncio.Future | None = None
 
@@ -44,12 +59,36 @@ def register() -> None:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    text = prompt_text(await read_body(request, MAX_BODY))
-    if isinstance(text, tuple):
-        status, error = text
+    asked = prompt_text(await read_body(request, MAX_BODY))
+    if isinstance(asked, tuple):
+        status, error = asked
         return web.json_response({"error": error}, status=status)
-    count = await asyncio.to_thread(count_prompt_tokens, await tokenizer(), text)
-    return web.json_response({"count": count, "limit": LIMIT})
+    spec = await asyncio.to_thread(encoder_spec, asked.text_encoder)
+    count = await asyncio.to_thread(count_prompt_tokens, await tokenizer(), asked.text, spec.template)
+    return web.json_response({"count": count, "limit": spec.max_length})
+
+
+def encoder_spec(name: str | None) -> TextEncoderSpec:
+    """The spec a text encoder file of ComfyUI's folder is read with (FLUX.2's Qwen3 where there is no such file, or
+    it cannot be read: the label falls back, the run says what is wrong)."""
+    if not name:
+        return QWEN3_4B
+    from . import host  # ComfyUI's folders: only asked when a name is given (inside ComfyUI)
+
+    try:
+        if name not in host.model_choices("text_encoders"):    # only what a loader lists: no path of the caller's
+            return QWEN3_4B
+        path = host.resolve("text_encoders", name)
+        return _file_spec(path, os.path.getmtime(path))
+    except (Flux2Error, OSError):
+        return QWEN3_4B
+
+
+@functools.lru_cache(maxsize=32)
+def _file_spec(path: str, _mtime: float) -> TextEncoderSpec:
+    from ..flux2_core.weights import text_encoder_spec
+
+    return text_encoder_spec(path) or QWEN3_4B
 
 
 async def read_body(request: web.Request, limit: int) -> bytes | None:
@@ -64,8 +103,9 @@ async def read_body(request: web.Request, limit: int) -> bytes | None:
     return bytes(body)
 
 
-def prompt_text(body: bytes | None) -> str | tuple[int, str]:
-    """The prompt in a request body, or (HTTP status, error message) saying what is wrong with the body."""
+def prompt_text(body: bytes | None) -> TokenRequest | tuple[int, str]:
+    """The prompt (and text encoder) in a request body, or (HTTP status, error message) saying what is wrong with
+    the body."""
     if body is None:
         return 413, f"the request is over {MAX_BODY // 1024} KiB: {USAGE} of at most {MAX_TEXT} characters"
     try:
@@ -75,6 +115,10 @@ def prompt_text(body: bytes | None) -> str | tuple[int, str]:
     text = value.get("text") if isinstance(value, dict) else None
     if not isinstance(text, str):
         return 400, f"the body has no text string: {USAGE}"
+    encoder = value.get("text_encoder")
+    if encoder is not None and (not isinstance(encoder, str) or len(encoder) > MAX_NAME):
+        return 400, (f"text_encoder must be the name of a file in ComfyUI's text_encoders folder (at most {MAX_NAME} "
+                     f"characters), or left out")
     if len(text) > MAX_TEXT:
         return 413, (f"the text has {len(text)} characters, over the {MAX_TEXT} this route counts (the text encoder "
                      f"reads {LIMIT} tokens, a few thousand characters)")
@@ -82,7 +126,7 @@ def prompt_text(body: bytes | None) -> str | tuple[int, str]:
         text.encode("utf-8")
     except UnicodeEncodeError:                # JSON's "\ud800" escapes decode to halves of a character
         return 400, f"the text holds an unpaired surrogate, which is not a character: {USAGE}"
-    return text
+    return TokenRequest(text, encoder)
 
 
 async def tokenizer():

@@ -92,9 +92,16 @@ def test_numbers_not_written_in_digits_are_refused_by_the_usage_line(args, messa
 
 @pytest.mark.parametrize("size,message", [((40, 200), "at least 64"), ((64, 700), "aspect ratio")])
 def test_bad_references(tmp_path, capsys, size, message):
+    """Refused before any weights are looked for, by the rules of the model's family (FLUX.2 here; FLUX 3 takes
+    these pictures, and at most 10)."""
     Image.new("RGB", size).save(tmp_path / "bad.png")
-    assert cli.main(["--prompt", "x", "--ref", str(tmp_path / "bad.png")]) == 2
+    assert cli.main(["--prompt", "x", "--variant", "klein-4b", "--ref", str(tmp_path / "bad.png")]) == 2
     assert message in capsys.readouterr().err
+    assert cli.main(["--prompt", "x", "--variant", "flux3-klein", "--ref", str(tmp_path / "bad.png")]) == 2
+    err = capsys.readouterr().err
+    assert message not in err and "no weights found" in err
+    assert cli.main(["--prompt", "x", "--variant", "flux3-klein", *["--ref", str(tmp_path / "bad.png")] * 11]) == 2
+    assert "--ref: 11 reference images, but this model takes at most 10" in capsys.readouterr().err
     assert cli.main(["--prompt", "x", "--ref", str(tmp_path / "missing.png")]) == 2
     assert "no such file" in capsys.readouterr().err
 

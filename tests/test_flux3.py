@@ -292,8 +292,8 @@ def test_a_seed_draws_the_references_noise():
 @pytest.mark.slow
 def test_flux3_runs_from_the_command_line(tmp_path, capsys):
     """The main job on FLUX 3 files (its transformer behind ComfyUI's prefix, a Qwen3-VL folder, the FLUX.2
-    autoencoder): the family and variant read from the file, its 16 steps by default, and the PNG equal to
-    pipeline.generate on the same files (itself proven against flux3-mlx above)."""
+    autoencoder): the family and variant read from the file, its 16 steps by default, a reference sized by FLUX 3's
+    rules, and the PNG equal to pipeline.generate on the same files (itself proven against flux3-mlx above)."""
     from PIL import Image
     from safetensors.torch import save_file
 
@@ -304,15 +304,17 @@ def test_flux3_runs_from_the_command_line(tmp_path, capsys):
     _, state, te, ae = flux3_files(tmp_path, flow_map=True)
     transformer = tmp_path / "flux3-image-klein.safetensors"
     save_file({"model.diffusion_model." + k: v for k, v in state.items()}, str(transformer))
+    small = random_picture(40, 30, 2)           # FLUX.2 refuses a side under 64 px; FLUX 3, known from the file, takes it
+    small.save(tmp_path / "small.png")
     code = cli.main(["--transformer", str(transformer), "--text-encoder", str(te), "--ae", str(ae),
                      "--prompt", "a fox", "--width", "64", "--height", "48", "--seed", "4", "--device", "cpu",
-                     "--dtype", "float32", "--out", str(tmp_path / "out")])
+                     "--dtype", "float32", "--out", str(tmp_path / "out"), "--ref", str(tmp_path / "small.png")])
     assert code == 0, capsys.readouterr().err
     written = next((tmp_path / "out").glob("*.png"))
     size, settings = png_parameters(written)
     assert size == (64, 48) and settings["steps"] == 16 and settings["variant"] == "custom"
     models = pipeline.load_models(transformer, te, ae, device="cpu", dtype=torch.float32)
-    expected = pipeline.generate(models, "a fox", width=64, height=48, seed=4)
+    expected = pipeline.generate(models, "a fox", width=64, height=48, seed=4, references=[small])
     assert np.array_equal(np.asarray(Image.open(written)), expected.images[0].numpy())
 
 

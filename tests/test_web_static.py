@@ -109,10 +109,11 @@ def test_token_estimate_is_close_to_the_qwen3_tokenizer():
 
 
 @needs_node
-def test_token_label_warns_past_512():
+def test_token_label_warns_past_the_limit():
     got = run_node("console.log(JSON.stringify([h.tokenLabel(40, false), h.tokenLabel(512, true), "
-                   "h.tokenLabel(600, true)]))")
-    assert got == ["≈ 40 / 512 tokens", "512 / 512 tokens", "600 / 512 tokens: 88 past the limit are dropped"]
+                   "h.tokenLabel(600, true), h.tokenLabel(600, true, 4096), h.tokenLabel(4100, false, 4096)]))")
+    assert got == ["≈ 40 / 512 tokens", "512 / 512 tokens", "600 / 512 tokens: 88 past the limit are dropped",
+                   "600 / 4096 tokens", "≈ 4100 / 4096 tokens: 4 past the limit are dropped"]
 
 
 def test_token_route_and_feature_flag_match_the_server_side():

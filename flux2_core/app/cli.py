@@ -293,7 +293,7 @@ def check_early(args, refs) -> None:
     """The engine's own rules, checked before loading weights (minutes), with the option's name in front."""
     from .. import latents
     from ..sampling import euler, inpaint, schedules
-    from ..sampling.references import check_reference
+    from ..sampling.references import check_count, check_reference
 
     rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or latents.latent_size(
                  *(latents.PIXELS_PER_LATENT if side is None else side for side in (args.height, args.width)))),
@@ -317,12 +317,35 @@ def check_early(args, refs) -> None:
         raise Flux2Error("--decoder replaces the decoder of a real autoencoder; --demo has none: leave one out")
     if args.int8 and args.fp8 == "yes":
         raise Flux2Error("--int8 and --fp8 both choose how the blocks' weights are stored: pick one")
-    for i, ref in enumerate(refs):
-        check_reference(ref, i)
+    family = early_family(args)
+    if family is not None:              # else the load that follows says what is wrong with the files
+        fit = family.references
+        try:
+            check_count(len(refs), fit)
+        except Flux2Error as e:
+            raise Flux2Error(f"--ref: {e}") from None
+        for i, ref in enumerate(refs):
+            check_reference(ref, i, fit)
     for path, _strength in map(lora_argument, args.lora):
         if not Path(path).expanduser().is_file():
             raise Flux2Error(f"--lora {path}: no such file; give the path of a .safetensors LoRA, optionally with "
                              f":STRENGTH (e.g. --lora style.safetensors:0.8)")
+
+
+def early_family(args):
+    """The model family the command will run, known before any weights load (from --variant, or from the transformer
+    file's headers): its rules for references apply. None where the files are not all there yet."""
+    from ..families import family_of
+
+    if args.variant or args.demo:
+        return family_of(VARIANTS[args.variant or "klein-4b"])
+    try:
+        from ..weights import inspect_transformer
+
+        path = find_weights(args.models, None, args.transformer, args.text_encoder, args.ae)[0]
+        return family_of(inspect_transformer(path)[1])
+    except Flux2Error:
+        return None
 
 
 def read_layout(path: str | None):

@@ -634,6 +634,12 @@ def inspect_text_encoder(path: str | Path) -> tuple[str | None, int]:
     return encoder_model(source), need_shape(source, key)[-1] if key else 0
 
 
+def text_encoder_spec(path: str | Path) -> TextEncoderSpec | None:
+    """From the headers alone, the spec a file is read with when none is asked (``encoder_spec``): Qwen3-VL-4B's
+    for a file that says it is Qwen3-VL, else None (FLUX.2's, picked by width: all read 512 tokens alike)."""
+    return encoder_spec(_text_encoder_source(path), None)
+
+
 def _text_encoder_source(path) -> Source:
     return open_source(path, "text_encoder", TEXT_ENCODER_LAYOUTS, "a Qwen3 text encoder",
                        "FLUX.2 Klein 4B needs Qwen3-4B (qwen_3_4b.safetensors or a Qwen3-4B GGUF), Klein 9B needs "

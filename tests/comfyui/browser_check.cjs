@@ -162,6 +162,12 @@ async function inPage({ prompts }) {   // runs in the page: it sees only its arg
   result.fallback = { typed: result.fallback, later: { ...encode.flux2Tokens } };
   api.serverFeatureFlags[TOKENS_FEATURE] = true;
   api.fetchApi = fetchApi;
+  // the same prompt from a FLUX 3 text encoder's loader: that encoder's template and limit
+  const loader = LiteGraph.createNode("Flux2KleinTextEncoderLoader");
+  app.graph.add(loader);
+  loader.widgets.find((w) => w.name === "text_encoder_name").value = prompts.flux3_encoder;
+  loader.connect(0, encode, 0);
+  result.flux3 = await answered(prompts.short);
 
   // a new noise node: width/height snap to multiples of 16
   const noise = LiteGraph.createNode("Flux2KleinNoise");

@@ -28,7 +28,8 @@ CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.whic
 PLAYWRIGHT = Path(os.environ["PLAYWRIGHT_CORE"]) / "node_modules" if os.environ.get("PLAYWRIGHT_CORE") else None
 UI_NAMES = sorted(p.stem for p in (ROOT / "workflows").glob("*.json"))
 PROMPTS = {"short": "a red fox in the snow", "long": "a red fox in the snow, " * 90,   # long: over 512 tokens
-           "fallback": "a lighthouse on a cliff at dusk"}
+           "fallback": "a lighthouse on a cliff at dusk",
+           "flux3_encoder": "qwen3vl_tiny.safetensors"}     # a FLUX 3 text encoder's file (base_dir.FILES)
 
 
 # FLUX2_PICTURES=update writes the thumbnails and the README screenshot where they are committed (one run)
@@ -177,11 +178,24 @@ def test_live_token_count_is_exact_once_the_server_answered(page):
     short, long = page["short"], page["long"]
     assert short["typed"]["label"].startswith("≈ ") and not short["typed"]["exact"]      # the estimate at once
     assert 12 + 4 <= short["typed"]["count"] <= 12 + 8
-    assert short["answered"] == {"text": PROMPTS["short"], "count": exact["short"], "exact": True,
-                                 "label": f"{exact['short']} / 512 tokens", "over": False}
+    assert short["answered"] == {"text": PROMPTS["short"], "encoder": None, "limit": 512, "count": exact["short"],
+                                 "exact": True, "label": f"{exact['short']} / 512 tokens", "over": False}
     assert long["answered"]["count"] == exact["long"] and long["answered"]["exact"] and long["answered"]["over"]
     assert long["answered"]["label"] == f"{exact['long']} / 512 tokens: {exact['long'] - 512} past the limit are dropped"
     assert page["requests"] == [PROMPTS["short"], PROMPTS["long"]]   # debounced: fast typing asks once
+
+
+def test_live_token_count_follows_the_connected_text_encoder(page):
+    """Connected to a FLUX 3 (Qwen3-VL) encoder's loader, the prompt counts with its template, up to 4096."""
+    from flux2_core.variants import QWEN3_VL_4B
+    from tests.comfyui.base_dir import FILES
+
+    assert PROMPTS["flux3_encoder"] == FILES["text_encoder_flux3"]
+    exact = count_prompt_tokens(load_tokenizer(), PROMPTS["short"], QWEN3_VL_4B.template)
+    assert exact == count_prompt_tokens(load_tokenizer(), PROMPTS["short"]) - 4      # no empty thinking block
+    assert page["flux3"]["answered"] == {"text": PROMPTS["short"], "encoder": PROMPTS["flux3_encoder"], "limit": 4096,
+                                         "count": exact, "exact": True, "label": f"{exact} / 4096 tokens",
+                                         "over": False}
 
 
 def test_live_token_count_falls_back_to_the_estimate(page):

@@ -39,6 +39,23 @@ def test_route_counts_exactly_what_flux2_core_counts(comfy, expected, name, pref
     assert (expected[name] > 512) == (name == "long")
 
 
+def test_route_counts_for_the_text_encoder_named(comfy):
+    """A FLUX 3 (Qwen3-VL) encoder's file: its template and 4096; FLUX.2's, one not in the folder, or a path out of
+    it: Qwen3's and 512; a name that is no string: 400."""
+    from flux2_core.variants import QWEN3_VL_4B
+
+    tokenizer, text = load_tokenizer(), PROMPTS["long"]
+    flux2, flux3 = count_prompt_tokens(tokenizer, text), count_prompt_tokens(tokenizer, text, QWEN3_VL_4B.template)
+    for encoder, answer in [(comfy.files["text_encoder_flux3"], {"count": flux3, "limit": 4096}),
+                            (comfy.files["text_encoder"], {"count": flux2, "limit": 512}),
+                            ("no-such-file.safetensors", {"count": flux2, "limit": 512}),
+                            ("../../user/comfyui.db", {"count": flux2, "limit": 512})]:
+        status, got = post(comfy, ROUTE, json.dumps({"text": text, "text_encoder": encoder}).encode())
+        assert (status, got) == (200, answer), encoder
+    status, got = post(comfy, ROUTE, json.dumps({"text": text, "text_encoder": 7}).encode())
+    assert status == 400 and "text_encoder must be the name of a file" in got["error"]
+
+
 @pytest.mark.parametrize("name", PROMPTS)
 def test_route_agrees_with_the_prompt_encode_node(comfy, name):
     """The label the node shows after a run ("N / 512 tokens...") carries the same N as the route."""

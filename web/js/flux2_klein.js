@@ -7,8 +7,11 @@ import { approxTokenCount, snapTo16, tokenLabel, MAX_TOKENS, TEMPLATE_TOKENS } f
 const PREFIX = "Flux2Klein";                       // every node id of this pack starts with this
 const FAMILY = { color: "#3a3f6b", bgcolor: "#262a4d" };
 const TEXT_WIDGETS = ["text", "prompt"];
+const ENCODER_INPUT = "text_encoder";              // Prompt Encode's (and the LoRA node's) text encoder socket
+const ENCODER_WIDGET = "text_encoder_name";        // the text encoder loader's file
 const SIZE_WIDGETS = ["width", "height"];
-// Exact counts: POST {text} -> {count, limit}, served when the server announces the feature flag below.
+// Exact counts: POST {text, text_encoder} -> {count, limit}, served when the server announces the feature flag
+// below; text_encoder is the file the prompt's loader holds (its template and limit: FLUX.2's or FLUX 3's).
 const TOKENS_ROUTE = "/flux2_klein/tokens";
 const TOKENS_FEATURE = "flux2_klein_tokens";
 // Workflows saved before the scheduler's width and height became sockets hold five widget values,
@@ -16,17 +19,34 @@ const TOKENS_FEATURE = "flux2_klein_tokens";
 const SCHEDULER = "Flux2KleinScheduler";
 const OLD_SCHEDULER_VALUES = ["number", "number", "number", "string", "number"];
 
-// The exact templated token count from the server, or null (no such route on this server, or it failed).
-async function serverCount(text) {
+// The exact templated token count and the encoder's limit from the server, or null (no such route on this
+// server, or it failed).
+async function serverCount(text, encoder) {
   if (!api.serverSupportsFeature?.(TOKENS_FEATURE)) return null;
   try {
     const response = await api.fetchApi(TOKENS_ROUTE, {
-      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ text }),
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(encoder ? { text, text_encoder: encoder } : { text }),
     });
-    return response.ok ? (await response.json()).count : null;
+    return response.ok ? await response.json() : null;
   } catch {
     return null;
   }
+}
+
+// The text encoder file the node's prompt is encoded with: up its text_encoder input (through LoRA nodes) to the
+// loader's widget; null when nothing is connected.
+function encoderFile(node) {
+  let current = node;
+  for (let hops = 0; current && hops < 16; hops++) {
+    const widget = current.widgets?.find((w) => w.name === ENCODER_WIDGET);
+    if (widget) return String(widget.value ?? "");
+    const input = current.inputs?.find((i) => i.name === ENCODER_INPUT);
+    const graph = current.graph ?? app.graph;
+    const link = input?.link == null ? null : graph?.getLink?.(input.link) ?? graph?.links?.[input.link];
+    current = link ? graph.getNodeById(link.origin_id) : null;
+  }
+  return null;
 }
 
 function snapSizeWidgets(node) {
@@ -48,15 +68,21 @@ function trackTokens(node) {
   let timer = null;
   const update = () => {
     const text = String(widget.value ?? "");
-    if (node.flux2Tokens?.text === text) return;
+    const encoder = encoderFile(node);
+    const known = node.flux2Tokens;
+    if (known?.text === text && known?.encoder === encoder) return;
+    const limit = known?.encoder === encoder ? known.limit : MAX_TOKENS;   // the last limit this encoder had
     const count = approxTokenCount(text) + TEMPLATE_TOKENS;
-    node.flux2Tokens = { text, count, exact: false, label: tokenLabel(count, false), over: count > MAX_TOKENS };
+    node.flux2Tokens = { text, encoder, limit, count, exact: false, label: tokenLabel(count, false, limit),
+                         over: count > limit };
     node.setDirtyCanvas?.(true, false);
     clearTimeout(timer);
     timer = setTimeout(async () => {             // ask the server once typing pauses
-      const exact = await serverCount(text);
-      if (exact == null || node.flux2Tokens?.text !== text) return;
-      node.flux2Tokens = { text, count: exact, exact: true, label: tokenLabel(exact, true), over: exact > MAX_TOKENS };
+      const answer = await serverCount(text, encoder);
+      if (answer == null || node.flux2Tokens?.text !== text || node.flux2Tokens?.encoder !== encoder) return;
+      const { count: exact, limit: exactLimit } = answer;
+      node.flux2Tokens = { text, encoder, limit: exactLimit, count: exact, exact: true,
+                           label: tokenLabel(exact, true, exactLimit), over: exact > exactLimit };
       node.setDirtyCanvas?.(true, false);
     }, 300);
   };
@@ -80,6 +106,7 @@ function schedulerValues(values) {
 function drawTokens(node, ctx) {
   const info = node.flux2Tokens;
   if (!info || node.flags?.collapsed) return;
+  if (info.encoder !== encoderFile(node)) node.flux2UpdateTokens?.();   // another encoder connected or picked
   ctx.save();
   ctx.font = "12px sans-serif";
   ctx.textAlign = "right";

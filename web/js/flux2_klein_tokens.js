@@ -33,8 +33,9 @@ export function snapTo16(value, min = 16, max = 16384) {
   return Math.min(high, Math.max(low, Math.round(Number(value) / 16) * 16));
 }
 
-// The label shown under the prompt: "≈ 42 / 512 tokens" (approximate) or "42 / 512 tokens" (server count).
-export function tokenLabel(count, exact) {
-  const label = `${exact ? "" : "≈ "}${count} / ${MAX_TOKENS} tokens`;
-  return count > MAX_TOKENS ? `${label}: ${count - MAX_TOKENS} past the limit are dropped` : label;
+// The label shown under the prompt: "≈ 42 / 512 tokens" (approximate) or "42 / 512 tokens" (server count);
+// limit: the connected text encoder's (FLUX 3's Qwen3-VL reads 4096), as the server says.
+export function tokenLabel(count, exact, limit = MAX_TOKENS) {
+  const label = `${exact ? "" : "≈ "}${count} / ${limit} tokens`;
+  return count > limit ? `${label}: ${count - limit} past the limit are dropped` : label;
 }
