@@ -100,7 +100,7 @@ SCHEMAS = node_schemas()
 
 
 def test_node_ids_categories_descriptions_tooltips():
-    assert len(SCHEMAS) == 14, sorted(SCHEMAS)
+    assert len(SCHEMAS) == 15, sorted(SCHEMAS)
     for node_id, schema in SCHEMAS.items():
         assert node_id.startswith("Flux2Klein"), node_id
         assert schema["category"].startswith("{}/"), (node_id, schema["category"])    # types.CATEGORY/<sub>
@@ -160,7 +160,7 @@ def flat(ui: dict) -> tuple[dict, list]:
 
 def test_ui_and_api_workflows_pair_up():
     api = sorted((ROOT / "workflows" / "api").glob("*.json"))
-    assert len(UI_FILES) == 17
+    assert len(UI_FILES) == 20
     assert [p.name for p in UI_FILES] == [p.name for p in api]
     for path in UI_FILES:                  # the template browser lists workflows/*.json: UI files only
         assert "nodes" in json.loads(path.read_text()), f"{path.name} is not a UI workflow"
@@ -225,14 +225,18 @@ def test_workflows_name_their_models_and_images(path):
     for node_id, entry in api.items():
         files = {(LOADER_FOLDERS[k], v) for k, v in entry["inputs"].items() if k in LOADER_FOLDERS}
         # GGUF files are left out of properties.models (the frontend checks those against ComfyUI's file lists,
-        # which have no .gguf, and would call them missing): the note gives their download URL instead
+        # which have no .gguf, and would call them missing), and so are files known by a release page, not a file
+        # link (FLUX 3's): the note gives their URL instead, a GGUF's ending in its name
         gguf = {(folder, name) for folder, name in files if name.endswith(".gguf")}
         models = flat(ui)[0][node_id]["properties"].get("models", [])
-        assert {(m["directory"], m["name"]) for m in models} == files - gguf
+        listed = {(m["directory"], m["name"]) for m in models}
+        assert listed <= files - gguf and (listed == files - gguf or "flux3" in path.stem)
         assert all(m["url"].startswith("https://huggingface.co/") and m["url"].endswith(m["name"]) for m in models)
         assert all(f"`{folder}/{name}`" in note for folder, name in files)
         assert all(re.search(rf"`{folder}/{re.escape(name)}` \(https://huggingface\.co/\S+/{re.escape(name)}\)", note)
                    for folder, name in gguf)
+        assert all(re.search(rf"`{folder}/{re.escape(name)}` \(https://huggingface\.co/\S+\)", note)
+                   for folder, name in files - listed)
         if entry["class_type"] == "LoadImage":
             assert entry["inputs"]["image"] in note, "the note must say which image to provide"
 

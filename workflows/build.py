@@ -330,8 +330,9 @@ WORKFLOWS |= {
         "title": "FLUX 3 Image Klein: combine three reference images",
         "what": "Makes one image from three reference images as the prompt describes, with FLUX 3 Image Klein "
                 "(up to 10 references; 16 steps, no classifier-free guidance).",
-        "details": FLUX3_FILES + " Put the pictures in ComfyUI's input folder as flux2-klein-reference-1.png, -2 and "
-                   "-3 (or pick others in the Reference image nodes); the prompt calls them image 1, 2 and 3. With "
+        "details": FLUX3_FILES + " Put the pictures in ComfyUI's input folder as flux2-klein-reference-1.png, "
+                   "flux2-klein-reference-2.png and flux2-klein-reference-3.png (or pick others in the Reference "
+                   "image nodes); the prompt calls them image 1, 2 and 3. With "
                    "several references each is kept under 1 megapixel and centre-cropped to multiples of 16; one "
                    "alone is fitted to 4 megapixels and its border reflected out to multiples of 16. Chain more "
                    "Reference nodes for more, up to 10.",
