@@ -63,11 +63,11 @@ def test_meter_splits_time_between_stages():
 @pytest.mark.parametrize("every_stage", [False, True], ids=["one-stage", "every-stage"])
 def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     """bench/gpu-check --cpu-smoke: the stages of the GPU check (install, device-mode tests, the bench's distilled
-    and KV runs on the tiny config, both sides in their own processes; with every stage also its fp8, int8,
-    no-kitchen, compile, GGUF and base runs, and FLUX 3's transformer call (float and int8) (the tiny config computes in float32, so its distilled run is the float32
-    parity stage): about 4 minutes on 2 cores) end ok, and the one report holds the machine, the
-    test counts and every bench figure; ours and diffusers computed the same latents. The distilled and KV stages are
-    what the bench driver always had to pass; the selection (--only) runs FLUX 3's int8 call alone, the cheapest."""
+    and KV runs on the tiny config, both sides in their own processes, its fp8, int8, no-kitchen, compile, GGUF and
+    base runs, FLUX 3's transformer call in float and int8; the tiny config computes in float32, so its distilled run
+    is the float32 parity stage: about 4 minutes on 2 cores) end ok, and the one report holds the machine, the test
+    counts and every bench figure; ours and diffusers computed the same latents. The distilled and KV stages are what
+    the bench driver always had to pass. The selection (--only) runs FLUX 3's int8 call alone, the cheapest stage."""
     import json
     import re
     import subprocess
