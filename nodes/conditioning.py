@@ -109,7 +109,8 @@ class Reference(io.ComfyNode):
                         "border reflected out to multiples of 16; several at 1 MP each, centre-cropped; at most 10. "
                         "Chain it for more references; a batch adds one reference per image.",
             inputs=[io.Conditioning.Input("conditioning", tooltip="The prompt conditioning (positive)."),
-                    io.Image.Input("image", tooltip="Reference image(s); each side at least 64 px, aspect at most 8:1."),
+                    io.Image.Input("image", tooltip="Reference image(s); for FLUX.2 each side at least 64 px and an "
+                                                            "aspect of at most 8:1."),
                     types.AutoEncoder.Input("ae", tooltip="The FLUX.2 autoencoder.")],
             outputs=[io.Conditioning.Output(display_name="conditioning",
                                             tooltip="The conditioning with the references appended.")])
