@@ -21,7 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -126,14 +126,13 @@ def transformer_call(params: Flux3Params, state, size: int, repeats: int, device
 
 def whole_generation(params: Flux3Params, state, te, ae, size: int, steps: int) -> dict:
     """Prompt to picture on each side, the same noise; the final latents compared."""
-    import tests.test_flux3 as parity
     from flux2_core import pipeline
-    from tests.tiny.flux3 import mlx_pipeline
+    from tests.tiny.flux3 import mlx_pipeline, our_models
 
     h = w = size // 16
     noise = torch.randn(h * w, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).float()
     prompt = "a red fox in the snow at dusk, pine trees behind it"
-    models = parity.our_models(params, state, te, ae)
+    models = our_models(params, state, te, ae)
     start = time.perf_counter()
     ours = pipeline.generate(models, prompt, width=size, height=size, steps=steps,
                              noise=noise.T.reshape(1, 128, h, w))
@@ -174,7 +173,7 @@ def main(argv=None) -> int:
         whole = None if args.ours_only else whole_generation(params, state, te, ae, args.size, args.steps)
     report = {"device": where, "threads": args.threads, "config": args.config, "size": args.size, "dtype": args.dtype,
               "steps": args.steps, "transformer_call": call, "generation": whole,
-              "params": {k: v for k, v in vars(replace(params)).items() if k != "axes_dim"}}
+              "params": {k: v for k, v in asdict(params).items() if k != "axes_dim"}}
     print(f"FLUX 3 Image Klein, {args.config} config, {args.size}x{args.size}, {args.dtype}, {where} "
           f"({args.threads} threads)")
     if args.ours_only:

@@ -277,7 +277,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
         raise Flux2Error("inpainting adds the source image as reference 1, which a precomputed reference_kv does not "
                          "hold: leave reference_kv out")
     family = family_of(variant)
-    layout = read_boxes(boxes if boxes is not None else [])
+    layout = read_boxes(boxes or [])
     text = boxed_prompt(prompt, layout, family, variant.title or family.title)
     fit = family.references
     refs = prepare_references(references, len(references) + masked, fit) if references else []

@@ -63,12 +63,12 @@ async def count_tokens(request: web.Request) -> web.Response:
     if isinstance(asked, tuple):
         status, error = asked
         return web.json_response({"error": error}, status=status)
-    spec = await asyncio.to_thread(encoder_spec, asked.text_encoder)
+    spec = await asyncio.to_thread(spec_of_file, asked.text_encoder)
     count = await asyncio.to_thread(count_prompt_tokens, await tokenizer(), asked.text, spec.template)
     return web.json_response({"count": count, "limit": spec.max_length})
 
 
-def encoder_spec(name: str | None) -> TextEncoderSpec:
+def spec_of_file(name: str | None) -> TextEncoderSpec:
     """The spec a text encoder file of ComfyUI's folder is read with (FLUX.2's Qwen3 where there is no such file, or
     it cannot be read: the label falls back, the run says what is wrong)."""
     if not name:

@@ -14,6 +14,7 @@ from tests.tiny.flux3 import (
     flux3_mlx_at,
     mlx_dit,
     mlx_pipeline,
+    our_models,
     random_flux3_state_dict,
     save_tiny_qwen3_vl,
     tiny_flux3,
@@ -221,18 +222,6 @@ def flux3_files(tmp_path, flow_map: bool):
     te = save_tiny_qwen3_vl(tmp_path / "text_encoder", seed=1)
     ae = save_bfl_autoencoder(build_diffusers_autoencoder(2), tmp_path / "ae.safetensors")
     return params, state, te, ae
-
-
-def our_models(params, state, te, ae):
-    from flux2_core import weights
-    from flux2_core.families.flux3 import FLUX3
-    from flux2_core.pipeline import Models
-
-    model = flux3.Flux3Transformer(params).eval()
-    model.load_state_dict(state)
-    variant = FLUX3.variant_for(params, "")
-    encoder = weights.load_text_encoder(te, "cpu", torch.float32, spec=variant.text_encoder)
-    return Models(model, variant, weights.load_autoencoder(ae, "cpu", torch.float32), encoder)
 
 
 def oracle_generate(params, state, te, ae, prompt, references, width, height, steps, noise):

@@ -149,3 +149,17 @@ def mlx_pipeline(params, state, te, ae):
             yield pipe
     finally:
         autoencoder.CH, autoencoder.CH_MULT = saved
+
+
+def our_models(params, state, te, ae):
+    """Our pipeline's models from a tiny FLUX 3 state, a Qwen3-VL folder and an autoencoder file, in float32."""
+    from flux2_core import weights
+    from flux2_core.families.flux3 import FLUX3
+    from flux2_core.models.flux3 import Flux3Transformer
+    from flux2_core.pipeline import Models
+
+    model = Flux3Transformer(params).eval()
+    model.load_state_dict(state)
+    variant = FLUX3.variant_for(params, "")
+    encoder = weights.load_text_encoder(te, "cpu", torch.float32, spec=variant.text_encoder)
+    return Models(model, variant, weights.load_autoencoder(ae, "cpu", torch.float32), encoder)
