@@ -23,6 +23,11 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$CONSTRAINTS"
   say "3/3 the engine and its packages (transformers, safetensors, gguf, ...; diffusers and pytest for the tests)"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e "$ROOT[test]"
+  # mlx-vlm runs flux3-mlx's prompt upsampler, the upsampler tests' reference; its own requirements are a server,
+  # audio and video stacks the tests never import, so it comes without them
+  if [ "$(uname -s)" = Linux ]; then
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "mlx-vlm==0.7.10"
+  fi
   touch "$STAMP"
   say "ready after $((SECONDS - START)) s; later runs start right away"
 fi

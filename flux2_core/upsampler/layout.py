@@ -1,0 +1,156 @@
+"""Boxes through the prompt upsampler: what it is asked, and its answer with the user's boxes kept.
+
+The upsampler was trained to read locked rows (the user's boxes on the 0-1000 canvas) after the request, and to answer
+with a caption that cites each row as ``<id>`` followed by the whole table as JSON. The user's rows come back exactly
+as given (only their ``desc`` may be the upsampler's richer one); rows the upsampler adds are kept only when well
+formed and cited.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from ..sampling.boxes import CANVAS, SIDES
+
+ROW_ID = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+SAME_OBJECT = 0.9                  # a renamed row whose box overlaps a locked one this much (IoU) is that object
+LOCKED_HEADER = ("LOCKED BOUNDING-BOX ANNOTATIONS ([y_min, x_min, y_max, x_max] on a 0-1000 canvas, with (0, 0) at the "
+                 "top-left). This is an authoritative JSON list of dictionaries; preserve every supplied identity, "
+                 "provenance value, null, and coordinate exactly:")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the upsampler is given: which of its system prompts, the user's text, and the rows it must keep."""
+
+    task: str                      # "t2i", "i2i", "t2i_bbox" or "i2i_bbox": a key of system_prompts.json
+    text: str
+    locked: list[dict] | None      # None: no boxes
+
+
+def split_table(text: str) -> tuple[str, list | None]:
+    """(caption, rows): the rows are the JSON list starting at the last "[" from which the rest parses as one (a
+    description may hold brackets and quotes, so no pattern can find it)."""
+    start = text.rfind("[")
+    while start >= 0:
+        try:
+            rows = json.loads(text[start:])
+        except json.JSONDecodeError:
+            rows = None
+        if isinstance(rows, list):
+            return text[:start].rstrip(), rows
+        start = text.rfind("[", 0, start)
+    return text.strip(), None
+
+
+def canvas_box(box) -> list | None:
+    """The box if it is a proper [y_min, x_min, y_max, x_max] on the 0-1000 canvas, else None (0-1 boxes are not)."""
+    if not isinstance(box, (list, tuple)) or len(box) != 4:
+        return None
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in box):
+        return None
+    y_min, x_min, y_max, x_max = box
+    if min(y_min, x_min) < 0 or y_max <= y_min or x_max <= x_min or max(y_max, x_max) > CANVAS or max(box) <= 1:
+        return None
+    return list(box)
+
+
+def rows_in_prompt(prompt: str) -> tuple[str, list[dict]] | None:
+    """(prompt, rows) when the prompt already ends in a box table on the canvas: the model's own prompt form, or the
+    upsampler's locked-rows request. A trailing list that is not all rows ("... a sign reading [SALE]") is none."""
+    text, rows = split_table(prompt)
+    if not rows or not all(isinstance(row, dict) and isinstance(row.get("id"), str) and ROW_ID.fullmatch(row["id"])
+                           and any(canvas_box(row.get(side)) for side in SIDES) for row in rows):
+        return None
+    request = re.fullmatch(r"ORIGINAL PROMPT:\n(.*?)\n\nLOCKED BOUNDING-BOX ANNOTATIONS .*", text, re.DOTALL)
+    return (request.group(1) if request else text), rows
+
+
+def already_upsampled(prompt: str) -> bool:
+    """An upsampler's answer rather than a request: it has a table, and its caption cites every row."""
+    found = rows_in_prompt(prompt)
+    return found is not None and all(f"<{row['id']}>" in found[0] for row in found[1])
+
+
+def request(prompt: str, locked: list[dict] | None, pictures: int) -> Request:
+    """The user's boxes (rows) win; without them, a table already at the prompt's end is locked instead."""
+    task = "i2i" if pictures else "t2i"
+    if not locked:
+        found = rows_in_prompt(prompt)
+        if found is None:
+            return Request(task, prompt, None)
+        prompt, locked = found
+    text = f"ORIGINAL PROMPT:\n{prompt.strip()}\n\n{LOCKED_HEADER}\n{json.dumps(locked, ensure_ascii=False)}"
+    return Request(f"{task}_bbox", text, locked)
+
+
+def _first_box(row: dict):
+    return row.get("bbox") or row.get("tgt_bbox") or row.get("src_bbox")
+
+
+def _overlap(a: list, b: list) -> float:
+    """Intersection over union of two canvas boxes."""
+    high = max(0, min(a[2], b[2]) - max(a[0], b[0]))
+    wide = max(0, min(a[3], b[3]) - max(a[1], b[1]))
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - high * wide
+    return high * wide / union if union > 0 else 0.0
+
+
+def _added_row(row, caption: str) -> dict | None:
+    """A row the upsampler added, cleaned, if it is whole and its caption cites it; else None."""
+    if not isinstance(row, dict):
+        return None
+    row_id, desc = row.get("id"), row.get("desc")
+    if not (isinstance(row_id, str) and ROW_ID.fullmatch(row_id) and f"<{row_id}>" in caption
+            and isinstance(desc, str) and desc.strip()):
+        return None
+    if (box := canvas_box(row.get("bbox"))) is not None:
+        return {"id": row_id, "bbox": box, "desc": desc.strip()}
+    source, given = row.get("from"), {side: row.get(side) for side in ("src_bbox", "tgt_bbox")}
+    boxes = {side: canvas_box(value) if value is not None else None for side, value in given.items()}
+    if any(given[side] is not None and boxes[side] is None for side in given):        # a box given, but malformed
+        return None
+    moved = boxes["src_bbox"] is not None
+    if not (isinstance(source, str) and re.fullmatch(r"ref_image_\d+|target", source)) or not any(boxes.values()) \
+            or (source == "target") == moved:                  # new content has no source box, moved content has one
+        return None
+    return {"id": row_id, "from": source, **boxes, "desc": desc.strip()}
+
+
+def keep_locked(answer: str, locked: list[dict]) -> str:
+    """The upsampler's answer with the user's rows re-imposed: a row of its own that redraws a locked box (same
+    place, another id) takes the locked id, in the table and in the caption; locked rows come first, as given
+    but with the upsampler's description where it wrote one; its valid added rows follow."""
+    caption, rows = split_table(answer)
+    rows = [row for row in rows or []]
+    locked_ids = {row["id"] for row in locked}
+    answered_ids = {row.get("id") for row in rows if isinstance(row, dict)}
+    renamed: dict[str, str] = {}
+    for lock in locked:
+        lock_box = _first_box(lock)
+        if lock["id"] in answered_ids or lock_box is None:
+            continue
+        for row in rows:
+            if not isinstance(row, dict) or row.get("id") in renamed or row.get("id") in locked_ids:
+                continue
+            box = canvas_box(_first_box(row))
+            if box is not None and _overlap(box, lock_box) >= SAME_OBJECT:
+                renamed[row["id"]] = lock["id"]
+                break
+    rows = [{**row, "id": renamed[row["id"]]} if isinstance(row, dict) and row.get("id") in renamed else row
+            for row in rows]
+    for old, new in renamed.items():
+        caption = caption.replace(f"<{old}>", f"<{new}>")
+    described = {row["id"]: row.get("desc") for row in rows if isinstance(row, dict) and isinstance(row.get("id"), str)}
+    table = []
+    for lock in locked:
+        desc = described.get(lock["id"])
+        table.append({**lock, "desc": desc.strip() if isinstance(desc, str) and desc.strip() else lock.get("desc", "")})
+    for row in rows:
+        added = _added_row(row, caption)
+        if added is not None and added["id"] not in {kept["id"] for kept in table}:
+            table.append(added)
+    return f"{caption} {json.dumps(table, ensure_ascii=False)}"

@@ -1,0 +1,201 @@
+"""FLUX 3 Image Klein's prompt upsampler: a short request in, the detailed caption the image model was trained on out.
+
+BFL's upsampler is a vision-language model released as a Hugging Face folder with ``system_prompts.json`` beside its
+weights (one system prompt per task: text-to-image or edit, each with and without boxes). It runs here on the
+transformers model its ``config.json`` names, so any architecture transformers knows runs unchanged.
+
+Decoding is greedy with a presence penalty: 1.5 for text-to-image (each token already in the answer loses 1.5 from
+its logit, once, which keeps the caption from looping), none for edits. The answer may run to 3584 tokens; one that
+has not ended by then is refused rather than cut. The penalty counts the answer's tokens and the last prompt token
+(what the answer follows), as flux3-mlx's upsampler (on mlx-vlm) does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from ..devices import compute_dtype
+from ..errors import Flux2Error
+from ..sampling.boxes import read_boxes, rows
+from .layout import already_upsampled, keep_locked, request
+from .pictures import MAX_PICTURES, prepare_picture
+
+MAX_NEW_TOKENS = 3584
+PRESENCE_PENALTY = {"t2i": 1.5, "i2i": 0.0}
+TASKS = ("t2i", "i2i", "t2i_bbox", "i2i_bbox")
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+PROMPTS_FILE = "system_prompts.json"
+# the user turn of an edit: the pictures, then this (the locked-box form when the request carries rows)
+EDIT_REQUEST = {
+    False: "Reference images follow in order (the first image, the second image, ...).\nUser request: {instruction}\n"
+           "Output the caption.",
+    True: "Reference images follow in attachment order: ref_image_0, ref_image_1, ...\nUser editing instruction: "
+          "{instruction}\nDecide the edit, imagine the target image, and output the annotation record.",
+}
+
+
+@dataclass(frozen=True)
+class Upsampled:
+    prompt: str                    # what the image model should read (with its box table where boxes were given)
+    tokens: int                    # how many the upsampler wrote
+
+
+def find_upsampler(folder: str | Path) -> Path:
+    """The folder if it holds an upsampler (config.json and system_prompts.json), else a Flux2Error that says why."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise Flux2Error(f"the prompt upsampler is a folder (config.json, {PROMPTS_FILE}, the weights and the "
+                         f"tokenizer), not {folder}")
+    if not (folder / "config.json").is_file():
+        raise Flux2Error(f"{folder} has no config.json: give the Hugging Face folder of FLUX 3 Image Klein's prompt "
+                         "upsampler")
+    if not (folder / PROMPTS_FILE).is_file():
+        raise Flux2Error(f"{folder} has no {PROMPTS_FILE}: the upsampler's system prompts come with it in BFL's "
+                         "release; download the whole folder")
+    config = json.loads((folder / "config.json").read_text())
+    if "quantization" in config and "quantization_config" not in config:
+        raise Flux2Error(f"{folder} is an MLX folder (its config has MLX's quantization); it runs on Apple's MLX only: "
+                         "use BFL's Hugging Face release of the upsampler")
+    return folder
+
+
+def read_system_prompts(folder: Path) -> dict[str, str]:
+    try:
+        prompts = json.loads((folder / PROMPTS_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Flux2Error(f"{folder / PROMPTS_FILE} is not JSON ({e}); download it again") from None
+    missing = [task for task in TASKS if not isinstance(prompts, dict) or not isinstance(prompts.get(task), str)]
+    if missing:
+        raise Flux2Error(f"{folder / PROMPTS_FILE} has no system prompt for {', '.join(missing)}; download it again")
+    return prompts
+
+
+class PresencePenalty:
+    """Subtracts ``penalty`` once from the logit of each token already in the answer (from ``start``, the last
+    prompt token, on; the newest ``window`` tokens)."""
+
+    def __init__(self, penalty: float, start: int, window: int = MAX_NEW_TOKENS):
+        self.penalty, self.start, self.window = penalty, start, window
+
+    def __call__(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """ids [B, L] (prompt and answer so far), logits [B, vocab] float."""
+        for row in range(ids.shape[0]):
+            seen = ids[row, self.start:][-self.window:].unique()
+            logits[row, seen] -= self.penalty
+        return logits
+
+
+class Watcher:
+    """transformers' stopping-criterion protocol, for a callback on each new token (progress, interrupts)."""
+
+    def __init__(self, prompt_length: int, on_token: Callable[[int], None] | None):
+        self.prompt_length, self.on_token = prompt_length, on_token
+
+    def __call__(self, ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        if self.on_token is not None:
+            self.on_token(ids.shape[1] - self.prompt_length)
+        return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+
+
+class PromptUpsampler:
+    """Loaded once, called per prompt: ``upsampler("a fox", pictures=[...], boxes=...)``."""
+
+    def __init__(self, folder: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+        self.folder = find_upsampler(folder)
+        self.system_prompts = read_system_prompts(self.folder)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or compute_dtype(self.device, fp16=False).dtype
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+            self.model = AutoModelForImageTextToText.from_pretrained(self.folder, dtype=self.dtype,
+                                                                     local_files_only=True)
+        except (OSError, ValueError, KeyError) as e:
+            raise Flux2Error(f"the prompt upsampler in {self.folder} could not be loaded ({e}); it needs its whole "
+                             "Hugging Face folder (config.json, the weights, the tokenizer and the processor "
+                             "files) and a transformers release that knows its architecture (pip install -U "
+                             "transformers)") from None
+        self.model.to(self.device).eval()
+        self.stops = [self.tokenizer.convert_tokens_to_ids(token) for token in STOP_TOKENS]
+        self._pictures = None
+
+    def _picture_processor(self):
+        if self._pictures is None:
+            from transformers import AutoImageProcessor
+
+            self._pictures = AutoImageProcessor.from_pretrained(self.folder, local_files_only=True)
+        return self._pictures
+
+    def _inputs(self, text: str, pictures: list[Image.Image]) -> dict:
+        """Token ids (each picture's one pad token widened to its patch count) and the pictures' patches."""
+        if not pictures:
+            return {"input_ids": self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids}
+        processor = self._picture_processor()
+        patches = processor(images=pictures, return_tensors="pt")
+        pad = self.tokenizer.convert_ids_to_tokens(self.model.config.image_token_id)
+        if text.count(pad) != len(pictures):
+            raise Flux2Error(f"the upsampler's chat template placed {text.count(pad)} picture(s) for {len(pictures)}; "
+                             "its tokenizer files do not match the model")
+        merge = processor.merge_size ** 2
+        pieces = text.split(pad)
+        widened = pieces[0] + "".join(pad * (int(grid.prod()) // merge) + piece
+                                      for grid, piece in zip(patches["image_grid_thw"], pieces[1:]))
+        ids = self.tokenizer(widened, add_special_tokens=False, return_tensors="pt").input_ids
+        inputs = {"input_ids": ids, "pixel_values": patches["pixel_values"].to(self.dtype),
+                  "image_grid_thw": patches["image_grid_thw"]}
+        if "mm_token_type_ids" in inspect.signature(self.model.forward).parameters:
+            # which tokens are picture patches (1) and which text (0): the 3D rotary positions are laid out by it
+            inputs["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int()
+        return inputs
+
+    @torch.no_grad()
+    def __call__(self, prompt: str, pictures: Sequence[Image.Image] = (), boxes=None,
+                 on_token: Callable[[int], None] | None = None) -> Upsampled:
+        """``boxes``: a layout (see sampling/boxes.py); the answer then ends in their table, ready for the image
+        model. ``on_token(count)`` is called as each token is written (it may raise to stop)."""
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        if not prompt.strip():
+            raise Flux2Error("the prompt upsampler needs a prompt: write what the picture should show")
+        if len(pictures) > MAX_PICTURES:
+            raise Flux2Error(f"the prompt upsampler takes at most {MAX_PICTURES} pictures, got {len(pictures)}")
+        layout = read_boxes(boxes or [])
+        if not layout and already_upsampled(prompt):
+            return Upsampled(prompt, 0)
+        asked = request(prompt, rows(layout) or None, len(pictures))
+        if pictures:
+            shown = [prepare_picture(picture, len(pictures)) for picture in pictures]
+            content = [{"type": "image"} for _ in shown] + [
+                {"type": "text", "text": EDIT_REQUEST[asked.locked is not None].format(instruction=asked.text)}]
+        else:
+            shown, content = [], asked.text
+        messages = [{"role": "system", "content": self.system_prompts[asked.task]},
+                    {"role": "user", "content": content}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  enable_thinking=False)
+        inputs = {k: v.to(self.device) for k, v in self._inputs(text, shown).items()}
+        length = inputs["input_ids"].shape[1]
+        penalty = PRESENCE_PENALTY["i2i" if pictures else "t2i"]
+        settings = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=self.stops,
+                                    pad_token_id=self.stops[0])
+        out = self.model.generate(
+            **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), generation_config=settings,
+            logits_processor=LogitsProcessorList([PresencePenalty(penalty, length - 1)] if penalty else []),
+            stopping_criteria=StoppingCriteriaList([Watcher(length, on_token)]))
+        answer = out[0, length:]
+        ended = answer.numel() > 0 and int(answer[-1]) in self.stops
+        if not ended:
+            raise Flux2Error(f"the prompt upsampler wrote {MAX_NEW_TOKENS} tokens without finishing its caption; "
+                             "shorten the request, or write the prompt yourself")
+        caption = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
+        if not caption:
+            raise Flux2Error("the prompt upsampler answered with nothing; rephrase the request")
+        return Upsampled(keep_locked(caption, asked.locked) if asked.locked else caption, int(answer.numel()))

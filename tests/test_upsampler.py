@@ -1,0 +1,178 @@
+"""FLUX 3 Image Klein's prompt upsampler against flux3-mlx and mlx-vlm's own upsampler (on mlx-cpu), on one tiny random
+Qwen3.5 folder: the same answer, word for word, for a request, an edit with two pictures and a layout; its box
+protocol and picture sizes against flux3-mlx's (BFL's bbox.py is vendored there unchanged); and bad input refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flux2_core.errors import Flux2Error
+from flux2_core.upsampler import layout
+from flux2_core.upsampler.model import PresencePenalty, PromptUpsampler
+from flux2_core.upsampler.pictures import picture_size, prepare_picture
+from tests.tiny.upsampler import save_tiny_upsampler
+
+bbox = pytest.importorskip("flux3_mlx.bbox", reason="flux3-mlx (a test extra) is the reference for the box protocol")
+pup = pytest.importorskip("flux3_mlx.pup", reason="flux3-mlx (a test extra) is the reference for the pictures")
+
+ROWS = [{"id": "kite", "bbox": [100, 50, 600, 400], "desc": "a red kite"},
+        {"id": "dog", "from": "ref_image_1", "src_bbox": [200, 100, 900, 500], "tgt_bbox": [300, 500, 1000, 900],
+         "desc": "the dog"}]
+PROMPTS = [
+    "a fox in the snow",
+    "a fox " + json.dumps(ROWS),                                        # the model's own prompt form: rows locked
+    "a shop sign reading [SALE]",                                       # a trailing list that is no table
+    layout.request("a kite", ROWS, 0).text,                             # the upsampler's request form
+    "a kite <kite> and a dog <dog> " + json.dumps(ROWS),                # an answer: every row cited
+    "a kite <kite> " + json.dumps(ROWS),                                # not every row cited
+    'a dog [{"id": "dog", "bbox": [0.1, 0.1, 0.5, 0.5], "desc": "x"}]',  # 0-1 boxes are not canvas rows
+]
+ANSWERS = [
+    "A kite <kite> over a dog <dog>. " + json.dumps([{"id": "kite", "bbox": [100, 50, 600, 400], "desc": "kite"}]),
+    # its own id for a locked box (IoU >= 0.9): renamed in the table and the caption
+    "A kite <balloon_1> flies. " + json.dumps([{"id": "balloon_1", "bbox": [102, 50, 600, 401], "desc": "kite"}]),
+    # added rows: one whole and cited, one not cited, one malformed, one moved without its source box
+    "A kite <kite>, a sun <sun_1>, a cloud. " + json.dumps([
+        {"id": "sun_1", "bbox": [0, 800, 150, 950], "desc": " a sun "}, {"id": "cloud_1", "bbox": [0, 0, 90, 90],
+                                                                        "desc": "a cloud"},
+        {"id": "bird_1", "bbox": [5, 5], "desc": "a bird"},
+        {"id": "hat_1", "from": "ref_image_2", "tgt_bbox": [1, 2, 30, 40], "desc": "a hat"}]),
+    "A plain caption with no table.",
+    "A caption with a broken table [{\"id\": ",
+]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("pictures", [0, 2])
+def test_the_request_equals_the_reference(prompt, pictures):
+    task, text, locked = bbox.plan(prompt, None, pictures)
+    ours = layout.request(prompt, None, pictures)
+    assert (ours.task, ours.text, ours.locked) == (task, text, locked)
+    assert layout.already_upsampled(prompt) == bbox.is_finished(prompt)
+
+
+def test_given_rows_win_over_a_table_in_the_prompt():
+    boxes = [{"desc": "a kite", "bbox": [0.1, 0.05, 0.6, 0.4]}]
+    task, text, locked = bbox.plan("a fox " + json.dumps(ROWS), boxes, 1)
+    ours = layout.request("a fox " + json.dumps(ROWS), bbox.to_canvas(boxes), 1)
+    assert (ours.task, ours.text, ours.locked) == (task, text, locked)
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_the_answer_keeps_the_locked_rows_as_the_reference(answer):
+    locked = [{"id": "kite", "bbox": [100, 50, 600, 400], "desc": "a red kite"},
+              {"id": "dog", "from": "ref_image_1", "src_bbox": [200, 100, 900, 500], "tgt_bbox": None,
+               "desc": "the dog"}]
+    assert layout.keep_locked(answer, json.loads(json.dumps(locked))) == bbox.reconcile(answer, locked)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 10])
+@pytest.mark.parametrize("size", [(1024, 1024), (4000, 3000), (31, 5000), (33, 17), (6000, 32), (720, 1280),
+                                  (100, 20000)])
+def test_picture_sizes_equal_the_reference(size, count):
+    assert picture_size(*size, count) == pup.reference_size(*size, count)
+
+
+def test_a_picture_is_prepared_as_the_reference():
+    """Transparent pictures go over white, then the resize and JPEG round trip: the same bytes."""
+    rng = np.random.default_rng(0)
+    rgba = Image.fromarray(rng.integers(0, 256, (300, 500, 4), dtype=np.uint8), "RGBA")
+    for count in (1, 3):
+        assert np.array_equal(np.asarray(prepare_picture(rgba, count)), np.asarray(pup.policy_reference(rgba, count)))
+
+
+def test_a_picture_past_200_to_1_is_refused():
+    with pytest.raises(Flux2Error, match="over 200:1.*crop it"):
+        picture_size(10, 2500, 1)
+
+
+def test_the_presence_penalty_counts_each_answered_token_once():
+    """By hand: prompt [5, 6, 7], answer so far [1, 1, 3]; the last prompt token (7) and the answer's tokens lose
+    the penalty once each, however often they came; the prompt's earlier tokens do not."""
+    ids = torch.tensor([[5, 6, 7, 1, 1, 3]])
+    logits = torch.zeros(1, 10)
+    out = PresencePenalty(1.5, start=2)(ids, logits.clone())
+    expected = torch.zeros(1, 10)
+    expected[0, [7, 1, 3]] = -1.5
+    assert torch.equal(out, expected)
+    window = PresencePenalty(1.0, start=2, window=2)(ids, torch.zeros(1, 10))     # only the newest 2 tokens
+    assert window[0].nonzero().flatten().tolist() == [1, 3]
+
+
+def upsamplers(tmp_path_factory, favour_prompt_end: bool):
+    folder = save_tiny_upsampler(tmp_path_factory.mktemp("upsampler"), favour_prompt_end=favour_prompt_end)
+    theirs = pytest.importorskip("mlx_vlm.models.flux3.upsampler",
+                                 reason="mlx-vlm (a test extra) runs flux3-mlx's upsampler")
+    return PromptUpsampler(folder, device="cpu", dtype=torch.float32), theirs.Flux3PromptUpsampler(
+        str(folder), evict_model=False)
+
+
+@pytest.fixture(scope="module")
+def for_text(tmp_path_factory):
+    """Its answers show whether the presence penalty counts the prompt's last token."""
+    return upsamplers(tmp_path_factory, favour_prompt_end=True)
+
+
+@pytest.fixture(scope="module")
+def for_edits(tmp_path_factory):
+    return upsamplers(tmp_path_factory, favour_prompt_end=False)
+
+
+def pictures() -> list[Image.Image]:
+    rng = np.random.default_rng(1)
+    return [Image.fromarray(rng.integers(0, 256, (90, 120, 3), dtype=np.uint8)),
+            Image.fromarray(rng.integers(0, 256, (64, 40, 3), dtype=np.uint8))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["text", "layout", "edit", "edit layout"])
+def test_the_answer_equals_mlx_vlm_word_for_word(request, case):
+    """The same tiny model, greedy: any difference in the chat turn, the pictures' tokens and patches, the rotary
+    positions, the presence penalty or the stop tokens changes the words."""
+    ours, theirs = request.getfixturevalue("for_edits" if "edit" in case else "for_text")
+    boxes = [{"desc": "a kite", "bbox": [0.1, 0.05, 0.6, 0.4]}] if "layout" in case else None
+    shown = pictures() if "edit" in case else []
+    counted = []
+    answer = ours("a red fox in the snow", shown, boxes=boxes, on_token=counted.append)
+    assert answer.prompt == theirs("a red fox in the snow", shown, boxes=boxes)
+    assert answer.tokens > 3 and counted == list(range(1, answer.tokens + 1))
+    if boxes:
+        assert answer.prompt.endswith(json.dumps(bbox.to_canvas(boxes)))
+
+
+def test_an_upsampled_prompt_is_not_upsampled_again(for_text):
+    ours = for_text[0]
+    done = "a kite <kite> and a dog <dog> " + json.dumps(ROWS)
+    assert ours(done).prompt == done and ours(done).tokens == 0
+
+
+def test_bad_requests_are_refused(for_text):
+    ours = for_text[0]
+    with pytest.raises(Flux2Error, match="needs a prompt"):
+        ours("  ")
+    with pytest.raises(Flux2Error, match="at most 10 pictures"):
+        ours("a fox", pictures() * 6)
+    with pytest.raises(Flux2Error, match="box 1 bbox must be four numbers"):
+        ours("a fox", boxes='[{"desc": "x", "bbox": [1, 2]}]')
+
+
+def test_folders_that_are_no_upsampler_are_refused(for_text, tmp_path):
+    folder = for_text[0].folder
+    with pytest.raises(Flux2Error, match="is a folder"):
+        PromptUpsampler(tmp_path / "missing")
+    with pytest.raises(Flux2Error, match="has no config.json"):
+        PromptUpsampler(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "quantization": {"bits": 8}}))
+    with pytest.raises(Flux2Error, match="has no system_prompts.json"):
+        PromptUpsampler(tmp_path)
+    (tmp_path / "system_prompts.json").write_text(json.dumps({"t2i": "x"}))
+    with pytest.raises(Flux2Error, match="MLX folder"):
+        PromptUpsampler(tmp_path)
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(Flux2Error, match="no system prompt for i2i, t2i_bbox, i2i_bbox"):
+        PromptUpsampler(tmp_path)
