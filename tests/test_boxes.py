@@ -68,6 +68,18 @@ def test_boxes_are_refused_for_a_model_without_layout():
         generate(demo_models("klein-4b"), "a kite", boxes=LAYOUTS[0], width=64, height=64)
 
 
+def test_boxes_are_not_given_twice():
+    """An upsampled prompt already ends in its table: boxes on top would make two tables the model never saw."""
+    from flux2_core.families.flux3 import FLUX3
+    from flux2_core.sampling.boxes import boxed_prompt
+
+    upsampled = with_boxes("a kite <obj_1> over a field", read_boxes(LAYOUTS[0]))
+    with pytest.raises(Flux2Error, match="already ends in a box table .* give the boxes once"):
+        boxed_prompt(upsampled, read_boxes(LAYOUTS[0]), FLUX3, "FLUX 3 Image Klein")
+    assert boxed_prompt(upsampled, [], FLUX3, "FLUX 3 Image Klein") == upsampled
+    assert boxed_prompt("a sign reading [SALE]", read_boxes(LAYOUTS[0]), FLUX3, "x").startswith("a sign reading [SALE] [")
+
+
 def test_the_command_line_reads_and_checks_the_boxes_file(tmp_path, capsys):
     from flux2_core.app import cli
 

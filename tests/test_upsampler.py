@@ -176,3 +176,50 @@ def test_folders_that_are_no_upsampler_are_refused(for_text, tmp_path):
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(Flux2Error, match="no system prompt for i2i, t2i_bbox, i2i_bbox"):
         PromptUpsampler(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_command_line_draws_the_upsampled_prompt(for_text, tmp_path, capsys):
+    """--upsample with --models: the upsampler folder found there, each prompt rewritten with its boxes locked, and
+    the PNG equal to generate on the answer (the boxes are in it already), which it records with the request."""
+    from safetensors.torch import save_file
+
+    from flux2_core import pipeline
+    from flux2_core.app import cli
+    from tests.test_cli import png_parameters
+    from tests.test_flux3 import flux3_files
+
+    models = tmp_path / "models"
+    _, state, te, ae = flux3_files(models, flow_map=True)
+    transformer = models / "flux3-image-klein.safetensors"
+    save_file({"model.diffusion_model." + k: v for k, v in state.items()}, str(transformer))
+    save_tiny_upsampler(models / "prompt_upsamplers" / "flux-3-image-klein-pup", favour_prompt_end=True)
+    boxes = [{"desc": "a kite", "bbox": [0.1, 0.05, 0.6, 0.4]}]
+    (tmp_path / "boxes.json").write_text(json.dumps(boxes))
+    code = cli.main(["--transformer", str(transformer), "--text-encoder", str(te), "--ae", str(ae), "--models",
+                     str(models), "--upsample", "--boxes", str(tmp_path / "boxes.json"), "--prompt", "a red fox",
+                     "--width", "64", "--height", "48", "--steps", "2", "--seed", "4", "--device", "cpu", "--dtype",
+                     "float32", "--out", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    answer = for_text[0]("a red fox", boxes=boxes).prompt
+    assert f"upsampled ({for_text[0]('a red fox', boxes=boxes).tokens} tokens): {answer}" in capsys.readouterr().err
+    written = next((tmp_path / "out").glob("*.png"))
+    _, settings = png_parameters(written)
+    assert settings["prompt"] == answer and settings["upsampled_from"] == "a red fox" and "boxes" not in settings
+    loaded = pipeline.load_models(transformer, te, ae, device="cpu", dtype=torch.float32)
+    expected = pipeline.generate(loaded, answer, width=64, height=48, steps=2, seed=4)
+    assert np.array_equal(np.asarray(Image.open(written)), expected.images[0].numpy())
+
+
+def test_the_command_line_refuses_upsampling_without_a_folder(tmp_path):
+    from flux2_core.app.cli import find_upsampler_folder
+
+    with pytest.raises(Flux2Error, match="give the upsampler's folder"):
+        find_upsampler_folder(None)
+    with pytest.raises(Flux2Error, match="no folder under .* holds system_prompts.json"):
+        find_upsampler_folder(str(tmp_path))
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "system_prompts.json").write_text("{}")
+    with pytest.raises(Flux2Error, match="2 prompt upsampler folders .* name the one to use"):
+        find_upsampler_folder(str(tmp_path))

@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--boxes", metavar="FILE.json",
                    help="FLUX 3 Image Klein: where objects go, a JSON list of boxes [{\"desc\": \"a red kite\", "
                         "\"bbox\": [y_min, x_min, y_max, x_max]}] in 0-1 of the picture's height and width")
+    p.add_argument("--upsample", nargs="?", const="", metavar="FOLDER",
+                   help="FLUX 3 Image Klein: rewrite each prompt with BFL's prompt upsampler first (BFL recommends "
+                        "it), as it would for these references and boxes; FOLDER is its Hugging Face folder (default: "
+                        "the one holding system_prompts.json under --models)")
     p.add_argument("--width", type=number_option("--width", whole=True),
                    help="pixels, a multiple of 16 (default: the first reference's, else 1024)")
     p.add_argument("--height", type=number_option("--height", whole=True),
@@ -412,6 +416,12 @@ def generate_command(argv: list[str]) -> int:
         canvas = inpaint.expand_canvas(image, inpaint.parse_expand(args.expand), max_pixels=limit)
         image, mask = canvas.image, canvas.mask
     sp = join_ranks(args)
+    upsampled = [{} for _ in args.prompt]
+    if args.upsample is not None:
+        if sp is not None:
+            raise Flux2Error("--upsample runs once, before the ranks share the work: upsample in a single process "
+                             "first (its answer is printed), then pass that prompt to the ranks")
+        args.prompt, args.boxes, upsampled = upsample_prompts(args, refs)
     seed = shared_seed(args.seed, sp)
     sequence = sp is not None and args.parallel == "sequence"
     if sequence and not sp.driver:
@@ -435,7 +445,7 @@ def generate_command(argv: list[str]) -> int:
             result = models_generate(models, args, args.prompt[index], first, count, refs, image, mask, width, height)
             name = f"flux2_p{index + 1}_{{}}.png" if len(args.prompt) > 1 else "flux2_{}.png"
             for img, img_seed in zip(result.images, result.seeds):
-                parameters = {**result.settings, "seed": img_seed, **files}
+                parameters = {**result.settings, "seed": img_seed, **files, **upsampled[index]}
                 parameters.pop("batch")
                 print(write_new(out, name.format(img_seed), partial(save_png, img, parameters=parameters)))
             made += len(result.seeds)
@@ -449,6 +459,53 @@ def generate_command(argv: list[str]) -> int:
     where = f" (rank {sp.rank} of {sp.world})" if sp is not None and not sequence else ""
     print(f"{made} image(s) in {out}{where} ({time.time() - started:.1f}s)", file=sys.stderr)
     return 0
+
+
+def find_upsampler_folder(models: str | None) -> Path:
+    """--upsample without a folder: the one folder under --models (at most two levels down) with system_prompts.json."""
+    from ..upsampler.model import PROMPTS_FILE
+
+    if not models:
+        raise Flux2Error("--upsample: give the upsampler's folder (--upsample FOLDER), or --models with it inside")
+    root = Path(models).expanduser()
+    found = sorted({p.parent for pattern in (f"*/{PROMPTS_FILE}", f"*/*/{PROMPTS_FILE}") for p in root.glob(pattern)})
+    if not found:
+        raise Flux2Error(f"--upsample: no folder under {root} holds {PROMPTS_FILE} (the prompt upsampler's); download "
+                         "BFL's upsampler folder there, or name it: --upsample FOLDER")
+    if len(found) > 1:
+        raise Flux2Error(f"--upsample: {len(found)} prompt upsampler folders under {root} "
+                         f"({', '.join(str(f) for f in found)}); name the one to use: --upsample FOLDER")
+    return found[0]
+
+
+def upsample_prompts(args, refs) -> tuple[list[str], list, list[dict]]:
+    """Each prompt through the upsampler (loaded once, freed before the image models load): (the prompts to draw,
+    the boxes left for generate: none, as the answers carry their table, what each PNG records of it)."""
+    import gc
+
+    import torch
+
+    from ..families import FAMILIES
+    from ..upsampler.model import PromptUpsampler
+
+    family = early_family(args)
+    if args.boxes and family is not None and not family.boxes:
+        takers = " and ".join(f.title for f in FAMILIES.values() if f.boxes)
+        raise Flux2Error(f"--boxes: {family.title} takes no layout; boxes are for {takers}")
+    folder = Path(args.upsample).expanduser() if args.upsample else find_upsampler_folder(args.models)
+    print(f"loading the prompt upsampler {folder.name}", file=sys.stderr)
+    upsampler = PromptUpsampler(folder, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    prompts, records = [], []
+    for prompt in args.prompt:
+        answer = upsampler(prompt, refs, boxes=args.boxes)
+        print(f"upsampled ({answer.tokens} tokens): {answer.prompt}", file=sys.stderr)
+        prompts.append(answer.prompt)
+        records.append({"upsampled_from": prompt, "upsampler": folder.name})
+    del upsampler
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return prompts, [], records
 
 
 def load_for_command(args, device, size: tuple[int, int]):

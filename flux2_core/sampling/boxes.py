@@ -133,4 +133,10 @@ def boxed_prompt(prompt: str, boxes: list[Box], family: Family, model: str) -> s
         takers = " and ".join(f.title for f in FAMILIES.values() if f.boxes)
         raise Flux2Error(f"{model} takes no layout: boxes are for {takers}; leave the boxes out, or describe where "
                          f"things go in the prompt")
+    if boxes:
+        from ..upsampler.layout import rows_in_prompt
+
+        if rows_in_prompt(prompt) is not None:
+            raise Flux2Error("the prompt already ends in a box table (the prompt upsampler's answer carries the boxes "
+                             "it was given): give the boxes once, to the upsampler or here")
     return with_boxes(prompt, boxes)
