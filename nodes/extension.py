@@ -10,8 +10,9 @@ from .conditioning import PromptEncode, Reference
 from .loaders import AutoEncoderLoader, ModelLoader, TextEncoderLoader
 from .parallel import Parallel
 from .sampling import Compile, Denoise, Noise, Scheduler
+from .upsampler import Upsampler
 
-NODES = [ModelLoader, TextEncoderLoader, AutoEncoderLoader, LoRA, Layout, PromptEncode, Reference, Noise, Scheduler, Denoise,
+NODES = [ModelLoader, TextEncoderLoader, AutoEncoderLoader, LoRA, Layout, Upsampler, PromptEncode, Reference, Noise, Scheduler, Denoise,
          AEEncode, AEDecode, Compile, Parallel, ToComfyModel]
 
 

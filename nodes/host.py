@@ -21,6 +21,7 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import comfy.model_management as mm
 import comfy.model_patcher
@@ -102,6 +103,54 @@ def resolve(folder: str, name: str) -> str:
             return path
     raise Flux2Error(f"{name!r} is not in ComfyUI's models/{folder} folder (or its extra paths); "
                      f"put the file there and refresh the browser")
+
+
+UPSAMPLER_FOLDER = "prompt_upsamplers"          # models/prompt_upsamplers: one folder per upsampler
+
+
+def upsampler_folders() -> list[str]:
+    """The paths of models/prompt_upsamplers (registered with ComfyUI the first time; extra_model_paths.yaml may add
+    more)."""
+    if UPSAMPLER_FOLDER not in folder_paths.folder_names_and_paths:
+        folder_paths.add_model_folder_path(UPSAMPLER_FOLDER, os.path.join(folder_paths.models_dir, UPSAMPLER_FOLDER))
+    return folder_paths.get_folder_paths(UPSAMPLER_FOLDER)
+
+
+def upsampler_choices() -> list[str]:
+    """The folders under models/prompt_upsamplers (or one level deeper) that hold an upsampler's system prompts."""
+    found = set()
+    for base in upsampler_folders():
+        for pattern in ("*/system_prompts.json", "*/*/system_prompts.json"):
+            found |= {str(path.parent.relative_to(base)) for path in Path(base).glob(pattern)}
+    return sorted(found)
+
+
+def resolve_upsampler(name: str) -> str:
+    for base in upsampler_folders():
+        if name and os.path.isfile(os.path.join(base, name, "system_prompts.json")):
+            return os.path.join(base, name)
+    raise Flux2Error(f"no prompt upsampler {name!r} in ComfyUI's models/{UPSAMPLER_FOLDER} folder: put BFL's upsampler "
+                     "folder (config.json, system_prompts.json, the weights and tokenizer) there and refresh the "
+                     "browser")
+
+
+def free_for_upsampler() -> torch.device:
+    """The device the upsampler runs on, with every model ComfyUI holds unloaded first: a vision-language model of
+    several GB does not share the GPU with the image models."""
+    mm.unload_all_models()
+    mm.soft_empty_cache()
+    return mm.get_torch_device()
+
+
+class TokenReporter:
+    """The upsampler's per-token callback: stop if the user cancelled, advance the node's progress bar."""
+
+    def __init__(self, limit: int):
+        self.bar = comfy.utils.ProgressBar(limit)
+
+    def __call__(self, count: int) -> None:
+        check_interrupt()
+        self.bar.update_absolute(count)
 
 
 # --- devices and dtypes -----------------------------------------------------------------------------------------

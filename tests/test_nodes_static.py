@@ -100,7 +100,7 @@ SCHEMAS = node_schemas()
 
 
 def test_node_ids_categories_descriptions_tooltips():
-    assert len(SCHEMAS) == 15, sorted(SCHEMAS)
+    assert len(SCHEMAS) == 16, sorted(SCHEMAS)
     for node_id, schema in SCHEMAS.items():
         assert node_id.startswith("Flux2Klein"), node_id
         assert schema["category"].startswith("{}/"), (node_id, schema["category"])    # types.CATEGORY/<sub>

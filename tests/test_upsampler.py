@@ -86,6 +86,24 @@ def test_a_picture_is_prepared_as_the_reference():
         assert np.array_equal(np.asarray(prepare_picture(rgba, count)), np.asarray(pup.policy_reference(rgba, count)))
 
 
+@pytest.mark.parametrize("size", [(64, 96), (1024, 768), (40, 64), (33, 17), (3000, 2000)])
+def test_the_tower_patches_equal_transformers_picture_processor(tmp_path, size):
+    """Cut into merge-grouped patches as transformers' Qwen-VL picture processor (its PIL one) cuts them, resized
+    only where the pixel bounds ask for it (a small and a large picture here)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from flux2_core.upsampler.pictures import PatchSettings, picture_patches
+
+    processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.48, 0.45, 0.4],
+                                         image_std=[0.27, 0.26, 0.28], min_pixels=64 * 64, max_pixels=1024 * 1024)
+    processor.save_pretrained(tmp_path)
+    picture = Image.fromarray(np.random.default_rng(2).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    expected = processor(images=[picture], return_tensors="np")
+    patches, grid = picture_patches(picture, PatchSettings.read(tmp_path))
+    assert [list(grid)] == expected["image_grid_thw"].tolist()
+    assert np.array_equal(patches, expected["pixel_values"])
+
+
 def test_a_picture_past_200_to_1_is_refused():
     with pytest.raises(Flux2Error, match="over 200:1.*crop it"):
         picture_size(10, 2500, 1)

@@ -486,12 +486,14 @@ def upsample_prompts(args, refs) -> tuple[list[str], list, list[dict]]:
     import torch
 
     from ..families import FAMILIES
-    from ..upsampler.model import PromptUpsampler
+    from ..upsampler.model import PromptUpsampler, check_request
 
     family = early_family(args)
     if args.boxes and family is not None and not family.boxes:
         takers = " and ".join(f.title for f in FAMILIES.values() if f.boxes)
         raise Flux2Error(f"--boxes: {family.title} takes no layout; boxes are for {takers}")
+    for prompt in args.prompt:
+        check_request(prompt, len(refs), args.boxes)
     folder = Path(args.upsample).expanduser() if args.upsample else find_upsampler_folder(args.models)
     print(f"loading the prompt upsampler {folder.name}", file=sys.stderr)
     upsampler = PromptUpsampler(folder, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)

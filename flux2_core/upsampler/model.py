@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -25,7 +27,7 @@ from ..devices import compute_dtype
 from ..errors import Flux2Error
 from ..sampling.boxes import read_boxes, rows
 from .layout import already_upsampled, keep_locked, request
-from .pictures import MAX_PICTURES, prepare_picture
+from .pictures import MAX_PICTURES, PatchSettings, picture_patches, prepare_picture
 
 MAX_NEW_TOKENS = 3584
 PRESENCE_PENALTY = {"t2i": 1.5, "i2i": 0.0}
@@ -77,6 +79,15 @@ def read_system_prompts(folder: Path) -> dict[str, str]:
     return prompts
 
 
+def check_request(prompt: str, pictures: int, boxes=None) -> list:
+    """What the upsampler cannot take, refused before it loads; the boxes read (sampling/boxes.py)."""
+    if not prompt.strip():
+        raise Flux2Error("the prompt upsampler needs a prompt: write what the picture should show")
+    if pictures > MAX_PICTURES:
+        raise Flux2Error(f"the prompt upsampler takes at most {MAX_PICTURES} pictures, got {pictures}")
+    return read_boxes(boxes or [])
+
+
 class PresencePenalty:
     """Subtracts ``penalty`` once from the logit of each token already in the answer (from ``start``, the last
     prompt token, on; the newest ``window`` tokens)."""
@@ -125,32 +136,25 @@ class PromptUpsampler:
                              "transformers)") from None
         self.model.to(self.device).eval()
         self.stops = [self.tokenizer.convert_tokens_to_ids(token) for token in STOP_TOKENS]
-        self._pictures = None
-
-    def _picture_processor(self):
-        if self._pictures is None:
-            from transformers import AutoImageProcessor
-
-            self._pictures = AutoImageProcessor.from_pretrained(self.folder, local_files_only=True)
-        return self._pictures
 
     def _inputs(self, text: str, pictures: list[Image.Image]) -> dict:
         """Token ids (each picture's one pad token widened to its patch count) and the pictures' patches."""
         if not pictures:
             return {"input_ids": self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids}
-        processor = self._picture_processor()
-        patches = processor(images=pictures, return_tensors="pt")
+        settings = PatchSettings.read(self.folder)
+        cut = [picture_patches(picture, settings) for picture in pictures]
         pad = self.tokenizer.convert_ids_to_tokens(self.model.config.image_token_id)
         if text.count(pad) != len(pictures):
             raise Flux2Error(f"the upsampler's chat template placed {text.count(pad)} picture(s) for {len(pictures)}; "
                              "its tokenizer files do not match the model")
-        merge = processor.merge_size ** 2
+        merge = settings.merge_size ** 2
         pieces = text.split(pad)
-        widened = pieces[0] + "".join(pad * (int(grid.prod()) // merge) + piece
-                                      for grid, piece in zip(patches["image_grid_thw"], pieces[1:]))
+        widened = pieces[0] + "".join(pad * (math.prod(grid) // merge) + piece
+                                      for (_, grid), piece in zip(cut, pieces[1:]))
         ids = self.tokenizer(widened, add_special_tokens=False, return_tensors="pt").input_ids
-        inputs = {"input_ids": ids, "pixel_values": patches["pixel_values"].to(self.dtype),
-                  "image_grid_thw": patches["image_grid_thw"]}
+        inputs = {"input_ids": ids,
+                  "pixel_values": torch.from_numpy(np.concatenate([patches for patches, _ in cut])).to(self.dtype),
+                  "image_grid_thw": torch.tensor([grid for _, grid in cut])}
         if "mm_token_type_ids" in inspect.signature(self.model.forward).parameters:
             # which tokens are picture patches (1) and which text (0): the 3D rotary positions are laid out by it
             inputs["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int()
@@ -163,11 +167,7 @@ class PromptUpsampler:
         model. ``on_token(count)`` is called as each token is written (it may raise to stop)."""
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-        if not prompt.strip():
-            raise Flux2Error("the prompt upsampler needs a prompt: write what the picture should show")
-        if len(pictures) > MAX_PICTURES:
-            raise Flux2Error(f"the prompt upsampler takes at most {MAX_PICTURES} pictures, got {len(pictures)}")
-        layout = read_boxes(boxes or [])
+        layout = check_request(prompt, len(pictures), boxes)
         if not layout and already_upsampled(prompt):
             return Upsampled(prompt, 0)
         asked = request(prompt, rows(layout) or None, len(pictures))
