@@ -13,7 +13,7 @@ CORE = ROOT / "flux2_core"
 # lowest first; a top-level file is its own layer: the base modules, then pipeline.py (the public API)
 LAYERS = [
     {"errors"}, {"variants", "checks", "latents", "digests", "kitchen", "devices", "key_tables"}, {"storage"}, {"models"}, {"families"}, {"weights"},
-    {"adapters"}, {"runtime"}, {"sampling"}, {"pipeline"}, {"app", "__main__", "__init__"},
+    {"adapters"}, {"runtime"}, {"sampling"}, {"upsampler"}, {"pipeline"}, {"app", "__main__", "__init__"},
 ]
 
 

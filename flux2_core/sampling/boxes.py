@@ -16,6 +16,8 @@ The file the command line reads (``--boxes``) and the Layout node's text are tha
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 
 from ..errors import Flux2Error
@@ -115,6 +117,48 @@ def _coordinates(value, name: str) -> tuple[float, ...] | None:
     return y_min, x_min, y_max, x_max
 
 
+# --- the prompt form read back (an upsampler's answer, a prompt written with its table) -----------------------------
+
+ROW_ID = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+
+
+def split_table(text: str) -> tuple[str, list | None]:
+    """(caption, rows): the rows are the JSON list starting at the last "[" from which the rest parses as one (a
+    description may hold brackets and quotes, so no pattern can find it)."""
+    start = text.rfind("[")
+    while start >= 0:
+        try:
+            rows = json.loads(text[start:])
+        except json.JSONDecodeError:
+            rows = None
+        if isinstance(rows, list):
+            return text[:start].rstrip(), rows
+        start = text.rfind("[", 0, start)
+    return text.strip(), None
+
+
+def row_box(box) -> list | None:
+    """The box if it is a proper [y_min, x_min, y_max, x_max] on the 0-1000 canvas, else None (0-1 boxes are not)."""
+    if not isinstance(box, (list, tuple)) or len(box) != 4:
+        return None
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in box):
+        return None
+    y_min, x_min, y_max, x_max = box
+    if min(y_min, x_min) < 0 or y_max <= y_min or x_max <= x_min or max(y_max, x_max) > CANVAS or max(box) <= 1:
+        return None
+    return list(box)
+
+
+def table_at_end(prompt: str) -> tuple[str, list[dict]] | None:
+    """(text, rows) when the prompt already ends in a table of rows on the canvas; a trailing list that is not all
+    rows ("... a sign reading [SALE]") is none."""
+    text, found = split_table(prompt)
+    if not found or not all(isinstance(row, dict) and isinstance(row.get("id"), str) and ROW_ID.fullmatch(row["id"])
+                            and any(row_box(row.get(side)) for side in SIDES) for row in found):
+        return None
+    return text, found
+
+
 def rows(boxes: list[Box]) -> list[dict]:
     return [box.row() for box in boxes]
 
@@ -133,10 +177,7 @@ def boxed_prompt(prompt: str, boxes: list[Box], family: Family, model: str) -> s
         takers = " and ".join(f.title for f in FAMILIES.values() if f.boxes)
         raise Flux2Error(f"{model} takes no layout: boxes are for {takers}; leave the boxes out, or describe where "
                          f"things go in the prompt")
-    if boxes:
-        from ..upsampler.layout import rows_in_prompt
-
-        if rows_in_prompt(prompt) is not None:
-            raise Flux2Error("the prompt already ends in a box table (the prompt upsampler's answer carries the boxes "
-                             "it was given): give the boxes once, to the upsampler or here")
+    if boxes and table_at_end(prompt) is not None:
+        raise Flux2Error("the prompt already ends in a box table (the prompt upsampler's answer carries the boxes it "
+                         "was given): give the boxes once, to the upsampler or here")
     return with_boxes(prompt, boxes)

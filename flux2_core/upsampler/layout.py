@@ -9,13 +9,11 @@ formed and cited.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 
-from ..sampling.boxes import CANVAS, SIDES
+from ..sampling.boxes import ROW_ID, row_box, split_table, table_at_end
 
-ROW_ID = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 SAME_OBJECT = 0.9                  # a renamed row whose box overlaps a locked one this much (IoU) is that object
 LOCKED_HEADER = ("LOCKED BOUNDING-BOX ANNOTATIONS ([y_min, x_min, y_max, x_max] on a 0-1000 canvas, with (0, 0) at the "
                  "top-left). This is an authoritative JSON list of dictionaries; preserve every supplied identity, "
@@ -31,42 +29,15 @@ class Request:
     locked: list[dict] | None      # None: no boxes
 
 
-def split_table(text: str) -> tuple[str, list | None]:
-    """(caption, rows): the rows are the JSON list starting at the last "[" from which the rest parses as one (a
-    description may hold brackets and quotes, so no pattern can find it)."""
-    start = text.rfind("[")
-    while start >= 0:
-        try:
-            rows = json.loads(text[start:])
-        except json.JSONDecodeError:
-            rows = None
-        if isinstance(rows, list):
-            return text[:start].rstrip(), rows
-        start = text.rfind("[", 0, start)
-    return text.strip(), None
-
-
-def canvas_box(box) -> list | None:
-    """The box if it is a proper [y_min, x_min, y_max, x_max] on the 0-1000 canvas, else None (0-1 boxes are not)."""
-    if not isinstance(box, (list, tuple)) or len(box) != 4:
-        return None
-    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in box):
-        return None
-    y_min, x_min, y_max, x_max = box
-    if min(y_min, x_min) < 0 or y_max <= y_min or x_max <= x_min or max(y_max, x_max) > CANVAS or max(box) <= 1:
-        return None
-    return list(box)
-
-
 def rows_in_prompt(prompt: str) -> tuple[str, list[dict]] | None:
-    """(prompt, rows) when the prompt already ends in a box table on the canvas: the model's own prompt form, or the
-    upsampler's locked-rows request. A trailing list that is not all rows ("... a sign reading [SALE]") is none."""
-    text, rows = split_table(prompt)
-    if not rows or not all(isinstance(row, dict) and isinstance(row.get("id"), str) and ROW_ID.fullmatch(row["id"])
-                           and any(canvas_box(row.get(side)) for side in SIDES) for row in rows):
+    """(prompt, rows) when the prompt already ends in a box table: the model's own prompt form, or the upsampler's
+    locked-rows request (then the prompt is the request's own)."""
+    found = table_at_end(prompt)
+    if found is None:
         return None
-    request = re.fullmatch(r"ORIGINAL PROMPT:\n(.*?)\n\nLOCKED BOUNDING-BOX ANNOTATIONS .*", text, re.DOTALL)
-    return (request.group(1) if request else text), rows
+    text, rows = found
+    asked = re.fullmatch(r"ORIGINAL PROMPT:\n(.*?)\n\nLOCKED BOUNDING-BOX ANNOTATIONS .*", text, re.DOTALL)
+    return (asked.group(1) if asked else text), rows
 
 
 def already_upsampled(prompt: str) -> bool:
@@ -107,10 +78,10 @@ def _added_row(row, caption: str) -> dict | None:
     if not (isinstance(row_id, str) and ROW_ID.fullmatch(row_id) and f"<{row_id}>" in caption
             and isinstance(desc, str) and desc.strip()):
         return None
-    if (box := canvas_box(row.get("bbox"))) is not None:
+    if (box := row_box(row.get("bbox"))) is not None:
         return {"id": row_id, "bbox": box, "desc": desc.strip()}
     source, given = row.get("from"), {side: row.get(side) for side in ("src_bbox", "tgt_bbox")}
-    boxes = {side: canvas_box(value) if value is not None else None for side, value in given.items()}
+    boxes = {side: row_box(value) if value is not None else None for side, value in given.items()}
     if any(given[side] is not None and boxes[side] is None for side in given):        # a box given, but malformed
         return None
     moved = boxes["src_bbox"] is not None
@@ -136,7 +107,7 @@ def keep_locked(answer: str, locked: list[dict]) -> str:
         for row in rows:
             if not isinstance(row, dict) or row.get("id") in renamed or row.get("id") in locked_ids:
                 continue
-            box = canvas_box(_first_box(row))
+            box = row_box(_first_box(row))
             if box is not None and _overlap(box, lock_box) >= SAME_OBJECT:
                 renamed[row["id"]] = lock["id"]
                 break
