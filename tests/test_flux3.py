@@ -402,6 +402,28 @@ def test_a_layout_equals_the_reference(tmp_path, monkeypatch):
     assert (plain.images[0].int() - expected.int()).abs().max() > 1
 
 
+@pytest.mark.parametrize("qtype,arch", [("Q8_0", None), ("Q4_0", "flux3")], ids=["Q8_0-sdcpp", "Q4_0-flux3"])
+def test_a_flux3_gguf_runs_as_its_stored_values(tmp_path, qtype, arch):
+    """A FLUX 3 GGUF under BFL's names (as stable-diffusion.cpp writes them, with no architecture field, or declaring
+    "flux3"): read as FLUX 3 from its tensors, its blocks kept quantized, and a run equal to the float model holding
+    the values gguf.quants dequantizes from the file."""
+    from gguf import GGMLQuantizationType
+    from safetensors.torch import save_file
+
+    from flux2_core import pipeline
+    from flux2_core.storage.protocol import census
+    from tests.tiny.gguf import dit_types, save_gguf
+
+    _, state, te, ae = flux3_files(tmp_path, flow_map=True)
+    path, stored = save_gguf(state, tmp_path / "flux3.gguf", dit_types(GGMLQuantizationType[qtype]), arch=arch)
+    save_file({k: v.contiguous() for k, v in stored.items()}, str(tmp_path / "stored.safetensors"))
+    quantized = pipeline.load_models(path, te, ae, device="cpu", dtype=torch.float32)
+    assert type(quantized.transformer).__name__ == "Flux3Transformer" and census(quantized.transformer)[qtype] > 0
+    floats = pipeline.load_models(tmp_path / "stored.safetensors", te, ae, device="cpu", dtype=torch.float32)
+    runs = [pipeline.generate(m, "a fox", width=64, height=48, steps=2, seed=3) for m in (quantized, floats)]
+    assert torch.allclose(runs[0].latents, runs[1].latents, rtol=0, atol=1e-5 * runs[1].latents.abs().max())
+
+
 def test_int8_and_a_lora_on_flux3(tmp_path):
     """--int8 holds exactly the blocks and modulations in int8 (the embedders, time embedders and final layer stay
     float) as the per-row rounding computed by hand, and generate equals the float model holding those weights; a LoRA in

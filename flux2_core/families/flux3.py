@@ -98,7 +98,7 @@ ADAPTERS = AdapterNaming(groups=(("early blocks", "content_mode_blocks."), ("tex
 
 FLUX3 = Family(name="flux3", params_type=Flux3Params, title="FLUX 3 Image Klein",
                layouts=(Layout("BFL", "early_stream_modulations.txt.lin.weight", same_names),),
-               lookalikes=(), gguf_archs=(),
+               lookalikes=(), gguf_archs=("flux3", ""),
                files_hint="flux3-image-klein*.safetensors (ComfyUI models/diffusion_models)",
                read_params=read_params, build=lambda params, layers: flux3.Flux3Transformer(params, layers),
                quantizable=quantizable, variant_for=variant_for, condition=condition, memory=memory,
