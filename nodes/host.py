@@ -21,7 +21,6 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import comfy.model_management as mm
 import comfy.model_patcher
@@ -45,6 +44,7 @@ from ..flux2_core.models.run_state import run_state
 from ..flux2_core.models.transformer import ReferenceKV
 from ..flux2_core.runtime.cache import fingerprint
 from ..flux2_core.runtime.followers import FollowerGroup, TransformerSource
+from ..flux2_core.upsampler.model import upsamplers_under
 from ..flux2_core.variants import Variant
 from .engine_model import HOLDER_NAME, host_model
 
@@ -118,11 +118,7 @@ def upsampler_folders() -> list[str]:
 
 def upsampler_choices() -> list[str]:
     """The folders under models/prompt_upsamplers (or one level deeper) that hold an upsampler's system prompts."""
-    found = set()
-    for base in upsampler_folders():
-        for pattern in ("*/system_prompts.json", "*/*/system_prompts.json"):
-            found |= {str(path.parent.relative_to(base)) for path in Path(base).glob(pattern)}
-    return sorted(found)
+    return sorted({str(folder.relative_to(base)) for base in upsampler_folders() for folder in upsamplers_under(base)})
 
 
 def resolve_upsampler(name: str) -> str:

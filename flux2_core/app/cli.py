@@ -463,12 +463,12 @@ def generate_command(argv: list[str]) -> int:
 
 def find_upsampler_folder(models: str | None) -> Path:
     """--upsample without a folder: the one folder under --models (at most two levels down) with system_prompts.json."""
-    from ..upsampler.model import PROMPTS_FILE
+    from ..upsampler.model import PROMPTS_FILE, upsamplers_under
 
     if not models:
         raise Flux2Error("--upsample: give the upsampler's folder (--upsample FOLDER), or --models with it inside")
     root = Path(models).expanduser()
-    found = sorted({p.parent for pattern in (f"*/{PROMPTS_FILE}", f"*/*/{PROMPTS_FILE}") for p in root.glob(pattern)})
+    found = upsamplers_under(root)
     if not found:
         raise Flux2Error(f"--upsample: no folder under {root} holds {PROMPTS_FILE} (the prompt upsampler's); download "
                          "BFL's upsampler folder there, or name it: --upsample FOLDER")
@@ -485,13 +485,15 @@ def upsample_prompts(args, refs) -> tuple[list[str], list, list[dict]]:
 
     import torch
 
-    from ..families import FAMILIES
+    from ..sampling.boxes import check_layout
     from ..upsampler.model import PromptUpsampler, check_request
 
     family = early_family(args)
-    if args.boxes and family is not None and not family.boxes:
-        takers = " and ".join(f.title for f in FAMILIES.values() if f.boxes)
-        raise Flux2Error(f"--boxes: {family.title} takes no layout; boxes are for {takers}")
+    if family is not None:
+        try:
+            check_layout(args.boxes, family, family.title)
+        except Flux2Error as e:
+            raise Flux2Error(f"--boxes: {e}") from None
     for prompt in args.prompt:
         check_request(prompt, len(refs), args.boxes)
     folder = Path(args.upsample).expanduser() if args.upsample else find_upsampler_folder(args.models)

@@ -170,13 +170,18 @@ def with_boxes(prompt: str, boxes: list[Box]) -> str:
     return f"{prompt.rstrip()} {json.dumps(rows(boxes), ensure_ascii=False)}"
 
 
-def boxed_prompt(prompt: str, boxes: list[Box], family: Family, model: str) -> str:
-    """The prompt with the boxes for a model of ``family`` (``model``: what messages call it), refused where the
-    family reads none: its prompt would carry text it was never trained on."""
+def check_layout(boxes: list[Box], family: Family, model: str) -> None:
+    """Boxes for a family that reads none are refused: its prompt would carry text it was never trained on."""
     if boxes and not family.boxes:
         takers = " and ".join(f.title for f in FAMILIES.values() if f.boxes)
         raise Flux2Error(f"{model} takes no layout: boxes are for {takers}; leave the boxes out, or describe where "
                          f"things go in the prompt")
+
+
+def boxed_prompt(prompt: str, boxes: list[Box], family: Family, model: str) -> str:
+    """The prompt with the boxes for a model of ``family`` (``model``: what messages call it), refused where the
+    family reads none: its prompt would carry text it was never trained on."""
+    check_layout(boxes, family, model)
     if boxes and table_at_end(prompt) is not None:
         raise Flux2Error("the prompt already ends in a box table (the prompt upsampler's answer carries the boxes it "
                          "was given): give the boxes once, to the upsampler or here")

@@ -49,6 +49,12 @@ class Upsampled:
     tokens: int                    # how many the upsampler wrote
 
 
+def upsamplers_under(root: str | Path) -> list[Path]:
+    """The upsampler folders (with system_prompts.json) one or two levels under ``root``, sorted."""
+    root = Path(root)
+    return sorted({path.parent for pattern in (f"*/{PROMPTS_FILE}", f"*/*/{PROMPTS_FILE}") for path in root.glob(pattern)})
+
+
 def find_upsampler(folder: str | Path) -> Path:
     """The folder if it holds an upsampler (config.json and system_prompts.json), else a Flux2Error that says why."""
     folder = Path(folder)
