@@ -424,6 +424,33 @@ def test_a_flux3_gguf_runs_as_its_stored_values(tmp_path, qtype, arch):
     assert torch.allclose(runs[0].latents, runs[1].latents, rtol=0, atol=1e-5 * runs[1].latents.abs().max())
 
 
+def test_a_flux3_fp8_file_runs_as_its_stored_values(tmp_path):
+    """A FLUX 3 transformer in ComfyUI's fp8 layout (float8_e4m3fn blocks with per-tensor scales and the
+    ``_quantization_metadata`` naming them, behind model.diffusion_model.): its fp8 layers kept as stored, and a run
+    equal to the float model holding float8 x scale, the value ComfyUI's format defines."""
+    from safetensors.torch import save_file
+
+    from flux2_core import pipeline
+    from flux2_core.families.flux3 import quantizable
+    from flux2_core.storage.protocol import census
+    from tests.tiny.layouts import comfy_fp8, save_prefixed
+
+    _, state, te, ae = flux3_files(tmp_path, flow_map=True)
+    layers = sorted(k.removesuffix(".weight") for k in state if quantizable(k) and k.endswith(".weight")
+                    and state[k].ndim == 2)
+    stored, meta = comfy_fp8(state, layers)
+    path = save_prefixed(stored, tmp_path / "flux3-image-klein-fp8.safetensors", "model.diffusion_model.", meta)
+    values = dict(state) | {f"{layer}.weight": stored[f"{layer}.weight"].float() * stored[f"{layer}.weight_scale"]
+                            for layer in layers}
+    save_file({k: v.contiguous() for k, v in values.items()}, str(tmp_path / "values.safetensors"))
+    fp8 = pipeline.load_models(path, te, ae, device="cpu", dtype=torch.float32)
+    assert type(fp8.transformer).__name__ == "Flux3Transformer"
+    assert census(fp8.transformer)["fp8"] == len(layers) > 30
+    floats = pipeline.load_models(tmp_path / "values.safetensors", te, ae, device="cpu", dtype=torch.float32)
+    runs = [pipeline.generate(m, "a fox", width=64, height=48, steps=2, seed=3) for m in (fp8, floats)]
+    assert torch.allclose(runs[0].latents, runs[1].latents, rtol=0, atol=1e-5 * runs[1].latents.abs().max())
+
+
 def test_int8_and_a_lora_on_flux3(tmp_path):
     """--int8 holds exactly the blocks and modulations in int8 (the embedders, time embedders and final layer stay
     float) as the per-row rounding computed by hand, and generate equals the float model holding those weights; a LoRA in
@@ -535,3 +562,45 @@ def test_a_text_encoder_file_says_which_model_it_is(tmp_path):
     with pytest.raises(Flux2Error, match=r"is a Qwen3 text encoder \(FLUX.2 Klein's\), but this model reads Qwen3-VL "
                                          r"\(FLUX 3 Image Klein\): load the Qwen3-VL-4B text encoder \(qwen3vl_4b"):
         weights.load_text_encoder(plain, "cpu", torch.float32, spec=QWEN3_VL_4B)
+
+
+@pytest.mark.slow
+def test_a_qwen3_vl_gguf_is_flux3s_encoder(tmp_path):
+    """A Qwen3-VL text tower as llama.cpp writes it (architecture "qwen3vl", Qwen3's tensor names, Qwen's vocabulary)
+    loads as FLUX 3's encoder without being told (by its architecture; the name says nothing), keeps its blocks
+    quantized, and encodes what the float tower holding ``gguf.quants``' dequantized values encodes; it is refused for
+    FLUX.2, and a foreign vocabulary names FLUX 3's encoder."""
+    from gguf import GGMLQuantizationType as T
+    from safetensors.torch import save_file
+
+    from flux2_core import weights
+    from flux2_core.errors import Flux2Error
+    from flux2_core.storage.ggml_layers import GGMLLinear
+    from flux2_core.variants import QWEN3_4B
+    from tests.tiny.flux3 import TINY_QWEN3_VL_TEXT
+    from tests.tiny.gguf import encoder_types, hf_names, llama_cpp_names, qwen3_tokens, save_gguf
+    from tests.tiny.text_encoder import build_tiny_qwen3, comfyui_state_dict
+
+    hf = comfyui_state_dict(build_tiny_qwen3(4, TINY_QWEN3_VL_TEXT))
+    tokens = qwen3_tokens(TINY_QWEN3_VL_TEXT["vocab_size"])
+    path, values = save_gguf(llama_cpp_names(hf), tmp_path / "encoder-Q8_0.gguf", encoder_types(T.Q8_0),
+                             arch="qwen3vl", tokens=tokens)
+    save_file(hf_names(values, hf), str(tmp_path / "qwen3vl_4b.safetensors"))
+    encoder = weights.load_text_encoder(path, "cpu", torch.float32)
+    reference = weights.load_text_encoder(tmp_path / "qwen3vl_4b.safetensors", "cpu", torch.float32)
+    assert encoder.spec == reference.spec and encoder.spec.model == "qwen3-vl" and encoder.spec.pad_multiple == 80
+    assert weights.text_encoder_spec(path).model == "qwen3-vl"
+    # q, o and the MLP's three of each of the 32 layers (k and v hold 1024 values, which llama.cpp keeps in F32)
+    assert len([m for m in encoder.model.modules() if isinstance(m, GGMLLinear)]) == 32 * 5
+    prompts = ["a red fox", LONG_PROMPT]
+    got, want = encoder.encode(prompts), reference.encode(prompts)
+    assert got.lengths == want.lengths == [80, 160]
+    torch.testing.assert_close(got.embeds, want.embeds, rtol=1e-5, atol=1e-5 * want.embeds.abs().max().item())
+    with pytest.raises(Flux2Error, match=r"is a Qwen3-VL text encoder \(FLUX 3 Image Klein's\), but this model reads "
+                                         r"Qwen3 \(FLUX.2 Klein\)"):
+        weights.load_text_encoder(path, "cpu", torch.float32, spec=QWEN3_4B)
+    tokens[500] = "not-qwen"
+    other, _ = save_gguf(llama_cpp_names(hf), tmp_path / "other.gguf", encoder_types(T.Q8_0), arch="qwen3vl",
+                         tokens=tokens, values=False)
+    with pytest.raises(Flux2Error, match="token 500 is 'not-qwen'.*FLUX 3 Image Klein needs the stock Qwen3-VL-4B"):
+        weights.load_text_encoder(other, "cpu", torch.float32)

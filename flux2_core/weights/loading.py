@@ -119,8 +119,9 @@ class Source:
 
 
 # GGUF architectures (``general.architecture``) each model can come in: Klein DiTs as ComfyUI-GGUF reads them ("flux";
-# "" for stable-diffusion.cpp's files, which have none), Qwen3 encoders as llama.cpp writes them
-GGUF_ENCODER_ARCHS = ("qwen3",)
+# "" for stable-diffusion.cpp's files, which have none), Qwen3 and Qwen3-VL encoders as llama.cpp writes them (Qwen3-VL's
+# text tower under Qwen3's tensor names; its M-RoPE sections all take the text position, which is plain RoPE)
+GGUF_ENCODER_ARCHS = {"qwen3": "qwen3", "qwen3vl": "qwen3-vl"}
 
 
 def open_source(path, subfolder: str, layouts: list[Layout], what: str, loader: str,
@@ -643,7 +644,8 @@ def text_encoder_spec(path: str | Path) -> TextEncoderSpec | None:
 def _text_encoder_source(path) -> Source:
     return open_source(path, "text_encoder", TEXT_ENCODER_LAYOUTS, "a Qwen3 text encoder",
                        "FLUX.2 Klein 4B needs Qwen3-4B (qwen_3_4b.safetensors or a Qwen3-4B GGUF), Klein 9B needs "
-                       "Qwen3-8B.", GGUF_ENCODER_ARCHS)
+                       "Qwen3-8B, FLUX 3 Image Klein needs Qwen3-VL-4B (qwen3vl_4b.safetensors or a Qwen3-VL-4B GGUF).",
+                       tuple(GGUF_ENCODER_ARCHS))
 
 
 def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
@@ -677,7 +679,8 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     except Flux2Error as e:
         raise Flux2Error(f"{source.ckpt.path}: {e} ({source.describe()})") from None
     if "tokenizer.ggml.tokens" in source.ckpt.metadata:
-        check_vocabulary(source.ckpt.metadata["tokenizer.ggml.tokens"], encoder.tokenizer, source.ckpt.path)
+        check_vocabulary(source.ckpt.metadata["tokenizer.ggml.tokens"], encoder.tokenizer, source.ckpt.path,
+                         encoder.spec.model)
     return encoder
 
 
@@ -686,8 +689,12 @@ READ_BY = {"qwen3": "FLUX.2 Klein", "qwen3-vl": "FLUX 3 Image Klein"}
 
 
 def encoder_model(source: Source) -> str | None:
-    """"qwen3-vl" where the file says it is Qwen3-VL (its config's model_type, its text tower's name, a vision
-    tower, its name: qwen3vl_4b.safetensors), "qwen3" where its config says plain Qwen3, None where it cannot tell."""
+    """"qwen3-vl" where the file says it is Qwen3-VL (its config's model_type, a GGUF's architecture, its text tower's
+    name, a vision tower, its name: qwen3vl_4b.safetensors), "qwen3" where its config or architecture says plain Qwen3,
+    None where it cannot tell."""
+    declared = GGUF_ENCODER_ARCHS.get(architecture(source.ckpt.metadata))
+    if declared is not None and any(i.ggml is not None for i in source.ckpt.tensors.values()):
+        return declared
     config = source.ckpt.config or {}
     model_type = str(config.get("model_type", ""))
     tower = "language_model." in source.prefix or any(k.startswith("visual.") or ".visual." in k
@@ -721,7 +728,11 @@ def qwen3_config(source: Source) -> Qwen3Params | None:
                          f"config.json again") from None
 
 
-def check_vocabulary(tokens: list[str], tokenizer, path: Path) -> None:
+STOCK_ENCODERS = {"qwen3": "FLUX.2 Klein needs the stock Qwen3-4B / Qwen3-8B",
+                  "qwen3-vl": "FLUX 3 Image Klein needs the stock Qwen3-VL-4B-Instruct"}
+
+
+def check_vocabulary(tokens: list[str], tokenizer, path: Path, model: str = "qwen3") -> None:
     """The file may have more rows, as padding: Qwen3's table has 151,936 rows for 151,669 tokens."""
     vocab = tokenizer.get_vocab()
     wrong = next(((i, token) for token, i in sorted(vocab.items(), key=lambda item: item[1])
@@ -731,7 +742,7 @@ def check_vocabulary(tokens: list[str], tokenizer, path: Path) -> None:
         theirs = repr(tokens[i]) if i < len(tokens) else "missing"
         raise Flux2Error(f"{path}: the file's vocabulary is not Qwen3's (token {i} is {theirs} in the file, {token!r} "
                          f"in Qwen3's tokenizer), so it is another language model or a fine-tune with its own "
-                         f"tokenizer; FLUX.2 Klein needs the stock Qwen3-4B / Qwen3-8B (any quantization)")
+                         f"tokenizer; {STOCK_ENCODERS[model]} (any quantization)")
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
