@@ -47,6 +47,7 @@ from .sampling.references import (
     reference_tokens,
 )
 from .sampling.schedules import check_strength, named_schedule
+from .sampling.step_cache import StepCache, check_threshold
 from .storage.int8 import quantize_blocks
 from .storage.matmul import choose_matmuls
 from .storage.protocol import call_bytes
@@ -251,10 +252,11 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
              sigmas: list[float] | None = None, image: Image.Image | None = None, strength: float = 1.0,
              mask: Image.Image | None = None, boxes=None,
              reference_kv: ReferenceKV | None = None, noise: Tensor | None = None, bfl_cuda_noise: bool = False,
-             offload_encoder="auto", callback=None, warn=None) -> Result:
+             cache: float = 0.0, offload_encoder="auto", callback=None, warn=None) -> Result:
     """references: PIL images. sigmas overrides steps. image + strength: image-to-image; with ``mask`` (white =
     repaint): inpainting. reference_kv: precomputed K/V (KV models; else ``models.reference_cache``). noise: explicit
-    [batch, 128, H/16, W/16]. callback(Step) after every step; warn(text) for each warning as it arises (all are also in
+    [batch, 128, H/16, W/16]. cache: the step cache's threshold (0: off; ``sampling.step_cache``), what it did in
+    ``settings["cache"]``. callback(Step) after every step; warn(text) for each warning as it arises (all are also in
     ``Result.warnings``), so a caller can show them before the work.
     """
     variant, model, ae = models.variant, models.transformer, models.autoencoder
@@ -287,6 +289,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     source = as_pil(image) if image is not None else None
     init = center_crop_16(source.convert("RGB"), "the image to edit") if image is not None else None
     strength = check_strength(strength, init is not None)           # before the sizes, which read the image
+    step_cache = StepCache(cache) if check_threshold(cache) > 0 else None
     width, height = output_size(width, height, [im for im in [init, *refs] if im is not None])
     h, w = latent_size(height, width)
     if sigmas is None:
@@ -355,7 +358,8 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
         ref, ref_ids = encode_references(ae, refs, dtype, family.reference_ids, fit)
 
     latents = denoise(model, x, sigmas, txt, negative_txt=negative_txt, cfg=rule.scale, ref=ref, ref_ids=ref_ids,
-                      ref_kv=reference_kv, kv=kv, guidance=rule.embedded, inpaint=blend, callback=callback, dtype=dtype)
+                      ref_kv=reference_kv, kv=kv, guidance=rule.embedded, inpaint=blend, callback=callback, dtype=dtype,
+                      cache=step_cache)
 
     tile = memory.decode_tile(ae, 1, h, w, memory.free_memory(device))       # None: in one piece
     images = torch.cat([to_uint8(ae.decode(latents[i:i + 1], tile)) for i in range(batch)])
@@ -367,6 +371,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
                 "references": len(refs), "strength": strength if init is not None else None, "mask": masked,
                 "sigmas": [round(s, 6) for s in sigmas]}
     settings |= {"boxes": rows(layout)} if layout else {}
+    settings |= {"cache": step_cache.report().record()} if step_cache else {}
     return Result(images, latents.float(), [seed + i for i in range(batch)], settings, warnings)
 
 

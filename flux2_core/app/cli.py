@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cfg", type=number_option("--cfg"),
                    help="guidance scale for base models (default 4; distilled models ignore it)")
     p.add_argument("--negative", default="", help="negative prompt for base models with CFG (default empty)")
+    p.add_argument("--cache", type=number_option("--cache", 0.0, 1.0, hint="0 turns the step cache off"), default=0.0,
+                   metavar="THRESHOLD",
+                   help="step cache: reuse the last velocity on steps where the latent has barely moved, skipping "
+                        "model calls; 0 is off (default), 0.05-0.3 skip more as it grows, at some cost in detail. "
+                        "For many-step runs (base models, FLUX 3)")
     p.add_argument("--seed", type=number_option("--seed", whole=True),
                    help="seed of the first image; image i uses seed + i (default: random)")
     p.add_argument("--batch", type=number_option("--batch", whole=True), default=1,
@@ -443,6 +448,10 @@ def generate_command(argv: list[str]) -> int:
         made = 0
         for index, first, count in jobs:
             result = models_generate(models, args, args.prompt[index], first, count, refs, image, mask, width, height)
+            if "cache" in result.settings:
+                from ..sampling.step_cache import CacheReport
+
+                print(CacheReport(**result.settings["cache"]).line(), file=sys.stderr)
             name = f"flux2_p{index + 1}_{{}}.png" if len(args.prompt) > 1 else "flux2_{}.png"
             for img, img_seed in zip(result.images, result.seeds):
                 parameters = {**result.settings, "seed": img_seed, **files, **upsampled[index]}
@@ -581,7 +590,7 @@ def models_generate(models, args, prompt: str, seed: int, batch: int, refs, imag
 
     return generate(models, prompt, references=refs, width=width, height=height, steps=args.steps, cfg=args.cfg,
                     negative=args.negative, seed=seed, batch=batch, image=image, mask=mask, strength=args.strength,
-                    boxes=args.boxes,
+                    boxes=args.boxes, cache=args.cache,
                     bfl_cuda_noise=args.bfl_noise, offload_encoder=encoder_offload(args), callback=Progress(),
                     warn=lambda note: print(f"note: {note}", file=sys.stderr, flush=True))
 

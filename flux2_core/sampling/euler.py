@@ -26,6 +26,7 @@ from ..models import rope
 from ..models.text_encoder import stack_rows
 from ..models.transformer import ReferenceKV
 from ..runtime import memory
+from .step_cache import StepCache
 
 CHANNELS_FIRST = NoiseDraw()   # FLUX.2's draw: [128, h, w] in float32
 MAX_CFG = 100.0          # as ComfyUI's CFGGuider and KSampler; far beyond any useful scale, still finite in bf16 steps
@@ -161,13 +162,14 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
             cfg: float = 1.0, ref: Tensor | None = None, ref_ids: Tensor | None = None,
             ref_kv: ReferenceKV | None = None, kv: bool = False, guidance: float | None = None,
             inpaint: Inpaint | None = None, callback: Callable[[Step], None] | None = None,
-            dtype: torch.dtype | None = None) -> Tensor:
+            dtype: torch.dtype | None = None, cache: StepCache | None = None) -> Tensor:
     """x [B, 128, h, w] at sigmas[0]; ``dtype``: the compute dtype (default x's). The latent is kept in its family's
     ``latent_dtype`` between steps, and so returned. txt [1 or B, Ltxt, C]; negative_txt may be of another length
     (FLUX 3 pads each prompt alone): the shorter is padded and masked. With negative_txt: CFG
     v = v_neg + cfg * (v_txt - v_neg), both halves in one forward of batch 2B. ref [1 or B, Lref, 128] with ref_ids
     [1, Lref, 4] are joined after the image; with kv=True their K/V are computed once (or ``ref_kv`` given) and
-    reused every step. The result is checked for NaN / inf (``checks.finite``) with its likely causes.
+    reused every step. ``cache``: a ``StepCache`` that reuses the last velocity on steps it judges close to the last
+    (what it did: ``cache.report()``). The result is checked for NaN / inf (``checks.finite``) with its likely causes.
     """
     if negative_txt is not None:
         check_cfg(cfg)
@@ -208,8 +210,9 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
 
     if inpaint is not None:
         inpaint = inpaint.to(device, x.dtype)
+    step_velocity = velocity if cache is None else cache.wrap(velocity, len(sigmas) - 1)
     with torch.no_grad():
-        out = euler(velocity, x, sigmas, callback, inpaint)
+        out = euler(step_velocity, x, sigmas, callback, inpaint)
     causes = [*checks.dtype_cause(dtype, "the transformer"),
               ("the transformer's weights hold NaN/inf (a damaged or wrongly converted file: download it again, "
                "or remove a LoRA that holds NaN)")]
