@@ -22,7 +22,7 @@ from ..flux2_core.adapters.lora import AdapterUse
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.runtime import cache, memory, parallel
 from ..flux2_core.runtime import compile as compiling
-from ..flux2_core.sampling import euler, inpaint, references, schedules
+from ..flux2_core.sampling import euler, inpaint, references, schedules, step_cache
 from ..flux2_core.sampling.plan import plan_denoise
 from . import host, types
 
@@ -133,18 +133,25 @@ class Denoise(io.ComfyNode):
                                           tooltip="Negative prompt for CFG (base models); unused when cfg = 1."),
                     io.Latent.Input("latent", optional=True,
                                     tooltip="Image latent to start from (FLUX.2 Klein AE Encode or VAE Encode); with "
-                                            "a noise mask, the image to inpaint.")],
+                                            "a noise mask, the image to inpaint."),
+                    io.Float.Input("cache", default=0.0, min=0.0, max=step_cache.MAX_THRESHOLD, step=0.01,
+                                   round=0.001, optional=True,
+                                   tooltip="Step cache: reuse the last velocity on steps where the latent has barely "
+                                           "moved, skipping model calls. 0 is off; higher skips more, at some cost in "
+                                           "detail (it is how much the model's output may be predicted to change "
+                                           "and still be reused). For many-step runs (base models, FLUX 3).")],
             outputs=[io.Latent.Output(display_name="latent", tooltip="The denoised latent.")])
 
     @classmethod
-    def validate_inputs(cls, cfg=None, denoise=None, latent=host.UNCONNECTED):
+    def validate_inputs(cls, cfg=None, denoise=None, latent=host.UNCONNECTED, cache=0.0):
         # when the prompt is queued, before any model loads: the rules execute applies (see host.validate)
-        return host.validate(cls, {"cfg": cfg, "denoise": denoise},
-                             lambda: schedules.check_strength(denoise, latent is not host.UNCONNECTED))
+        return host.validate(cls, {"cfg": cfg, "denoise": denoise, "cache": cache},
+                             lambda: (schedules.check_strength(denoise, latent is not host.UNCONNECTED),
+                                      step_cache.check_threshold(cache)))
 
     @classmethod
     def execute(cls, model: host.Managed, positive, noise, sigmas, cfg: float, denoise: float,
-                negative=None, latent=None) -> io.NodeOutput:
+                negative=None, latent=None, cache: float = 0.0) -> io.NodeOutput:
         variant = model.variant
         ref, ref_ids = references.reference_tokens(positive[0][1].get("reference_latents", []),  # both CFG branches
                                                    families.family_of(variant).reference_ids)
@@ -173,12 +180,14 @@ class Denoise(io.ComfyNode):
         ref_kv, info = reference_kv(model, ref, ref_ids, device, needed) if kv_cached else (None, None)
         if ref_kv is not None:
             ref = ref_ids = None                                                     # the K/V stand for them
+        steps = step_cache.StepCache(cache) if step_cache.check_threshold(cache) > 0 else None
         parallel.attach(model.core, spread_over(model) if spread else None)
         try:
             out = euler.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant)
                                    if rule.cfg else None, cfg=rule.scale, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
                                    kv=plan.reference_kv, guidance=rule.embedded, inpaint=blend,
-                                   callback=host.StepReporter(len(sigmas) - 1, device), dtype=model.dtype)
+                                   callback=host.StepReporter(len(sigmas) - 1, device), dtype=model.dtype,
+                                   cache=steps)
             if spread:
                 parallel.sequence_parallel_of(model.core).release()          # the followers' share of the reference K/V
         except BaseException:
@@ -188,7 +197,10 @@ class Denoise(io.ComfyNode):
             parallel.attach(model.core, None)
         if spread:
             info = "; ".join(n for n in (info, f"denoised on {model.ranks} ranks") if n)
-        notes = "; ".join(note for note in (rule.note, mask_note, info) if note)
+        if steps is not None:
+            log.info("FLUX.2 Klein Denoise: %s", steps.report().line())
+        reused = steps.report().line() if steps is not None else ""
+        notes = "; ".join(note for note in (rule.note, mask_note, info, reused) if note)
         return io.NodeOutput({"samples": out.float().to(host.intermediate_device())},
                              ui=ui.PreviewText(notes) if notes else None)
 

@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", type=number_option("--cache", 0.0, 1.0, hint="0 turns the step cache off"), default=0.0,
                    metavar="THRESHOLD",
                    help="step cache: reuse the last velocity on steps where the latent has barely moved, skipping "
-                        "model calls; 0 is off (default), 0.05-0.3 skip more as it grows, at some cost in detail. "
-                        "For many-step runs (base models, FLUX 3)")
+                        "model calls; 0 is off (default), higher skips more, at some cost in detail (it is how much the "
+                        "model's output may be predicted to change and still be reused). For many-step runs (base "
+                        "models, FLUX 3)")
     p.add_argument("--seed", type=number_option("--seed", whole=True),
                    help="seed of the first image; image i uses seed + i (default: random)")
     p.add_argument("--batch", type=number_option("--batch", whole=True), default=1,

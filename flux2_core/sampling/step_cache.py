@@ -33,7 +33,7 @@ MAX_THRESHOLD = 1.0
 
 def check_threshold(threshold: float) -> float:
     return checks.number("cache", threshold, 0.0, MAX_THRESHOLD,
-                         hint="0 turns the step cache off; 0.05-0.3 skips more model calls as it grows")
+                         hint="0 turns the step cache off; higher skips more model calls")
 
 
 @dataclass(frozen=True)

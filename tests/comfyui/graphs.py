@@ -63,7 +63,7 @@ def finish(graph: dict, latent_node: list, output: str) -> dict:
 def ours(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: int = 64, steps: int = 4,
          cfg: float = 1.0, negative: str | None = None, references=(), output: str = "image",
          model_file: str | None = None, model_dtype: str = "float32", loras=(),
-         text_encoder_file: str | None = None) -> dict:
+         text_encoder_file: str | None = None, cache: float | None = None) -> dict:
     graph = common(files, prompt, seed, width, height, steps, negative, list(references), model_file, model_dtype,
                    text_encoder_file)
     positive = graph.pop("positive")
@@ -76,6 +76,8 @@ def ours(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: in
               "denoise": 1.0}
     if negative is not None:
         inputs["negative"] = link("5")
+    if cache is not None:
+        inputs["cache"] = cache
     graph["8"] = {"class_type": "Flux2KleinDenoise", "inputs": inputs}
     return finish(graph, link("8"), output)
 

@@ -24,6 +24,9 @@ CASES = {  # name -> graph options; all run ours and the direct engine
                  "base": True},
     "one_reference": {"prompt": "make it night", "seed": 5, "steps": 4, "references": 1},
     "three_references": {"prompt": "put them together", "seed": 6, "steps": 3, "references": 3},
+    # the step cache: the node skips the steps generate(cache=) skips (some, at this threshold on these weights)
+    "base_cfg_step_cache": {"prompt": "a red fox in the snow", "seed": 4, "steps": 24, "cfg": 4.0, "negative": "",
+                            "base": True, "cache": 0.9},
 }
 NATIVE_CASES = ["distilled", "base_cfg", "one_reference", "three_references"]
 
@@ -53,9 +56,12 @@ def run_latent(comfy, build, case: dict) -> torch.Tensor:
 
 def direct(comfy, direct_models, case: dict) -> pipeline.Result:
     references = [Image.open(comfy.base / "input" / name) for name in comfy.images[:case.get("references", 0)]]
-    return pipeline.generate(direct_models["base" if case.get("base") else "distilled"], case["prompt"],
-                             references=references, steps=case["steps"], cfg=case.get("cfg", 1.0),
-                             negative=case.get("negative", ""), seed=case["seed"], **SIZE)
+    result = pipeline.generate(direct_models["base" if case.get("base") else "distilled"], case["prompt"],
+                               references=references, steps=case["steps"], cfg=case.get("cfg", 1.0),
+                               negative=case.get("negative", ""), seed=case["seed"], cache=case.get("cache", 0.0),
+                               **SIZE)
+    assert "cache" not in case or result.settings["cache"]["skipped"] > 0
+    return result
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
