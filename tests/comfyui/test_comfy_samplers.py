@@ -148,6 +148,37 @@ def test_easycache_works_on_our_model_as_on_the_native_one(comfy):
     assert relative(cached, full) > 1e-3
 
 
+def test_our_step_cache_beside_easycache_at_the_same_threshold(comfy):
+    """A 24-step CFG run, uncached (ComfyUI's euler on our MODEL, which equals our Denoise node), then ComfyUI's
+    EasyCache on our MODEL and our Denoise node's step cache at the same thresholds (EasyCache's window set to ours:
+    the first 15% and last 5% of the steps always run). Printed: the steps each skipped (from the server's log) and
+    the latent's difference from the uncached one. Both skip, and both move further from the uncached latent as they
+    skip more."""
+    import re
+
+    options = {"steps": 24, "base": True, "cfg": 4.0, "negative": "", "seed": 9}
+    full = latent(comfy, sampler_graph(comfy, engine=True, **options))
+    rows = []
+    for threshold in (0.8, 1.0):
+        start = len(comfy.server.log())
+        easy = latent(comfy, sampler_graph(comfy, engine=True, **options, easycache={
+            "reuse_threshold": threshold, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}))
+        node = comfy.client.run(graphs.ours(comfy.files, "a red fox in the snow", seed=9, steps=24, cfg=4.0,
+                                            negative="", output="latent", model_file=comfy.files["transformer_base"],
+                                            cache=threshold, **SIZE))
+        ours = graphs.saved_latent(comfy.base, comfy.client.history(node.prompt_id)).float()
+        log = comfy.server.log()[start:]
+        easy_skipped = int(re.search(r"EasyCache - skipped (\d+)/24 steps", log).group(1))
+        our_skipped = int(re.search(rf"step cache {threshold:g}: (\d+) of 24 model calls skipped", log).group(1))
+        rows.append((threshold, easy_skipped, relative(easy, full), our_skipped, relative(ours, full)))
+        print(f"\n[step cache {threshold:g}] EasyCache skipped {easy_skipped}/24, max|diff| {rows[-1][2]:.3g} of the "
+              f"uncached; ours skipped {our_skipped}/24, {rows[-1][4]:.3g}")
+    for (_, easy_low, easy_err_low, ours_low, ours_err_low), (_, easy_high, easy_err_high, ours_high, ours_err_high) \
+            in [rows]:
+        assert 0 < ours_low <= ours_high and 0 < easy_low <= easy_high
+        assert 0 < ours_err_low <= ours_err_high and 0 < easy_err_low <= easy_err_high
+
+
 @pytest.mark.parametrize("role, dtype", [("transformer_fp8", "auto"), ("transformer_gguf", "auto"),
                                          ("transformer", "int8")])
 def test_quantized_storage_is_kept_through_the_model_output(comfy, role, dtype):
