@@ -50,6 +50,19 @@ def test_sequence_parallel_makes_the_image_one_process_makes(tmp_path):
     assert parameters(tmp_path / "two" / "flux2_7.png")["parallel"] == "sequence, 2 ranks"
 
 
+def test_the_step_cache_skips_the_same_steps_across_ranks(tmp_path):
+    """The driver decides: a skipped step calls no rank, so two ranks skip what one process skips, with its image."""
+    args = ("--demo", "--prompt", "a red fox", "--seed", "7", "--steps", "16", "--cache", "1.0")
+    one = run(*args, "--out", "one", cwd=tmp_path)
+    two = run(*args, "--out", "two", ranks=2, cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    record = parameters(tmp_path / "one" / "flux2_7.png")["cache"]
+    assert record["skipped"] > 0 and parameters(tmp_path / "two" / "flux2_7.png")["cache"] == record
+    a, b = pixels(tmp_path / "one" / "flux2_7.png"), pixels(tmp_path / "two" / "flux2_7.png")
+    assert np.abs(a - b).max() <= 1 and (a != b).mean() < 0.01
+
+
 def test_data_parallel_shares_out_prompts_and_batch(tmp_path):
     args = ["--demo", "--prompt", "a red fox", "--prompt", "a cat", "--batch", "3", "--seed", "4"]
     one = run(*args, "--out", "one", cwd=tmp_path)
