@@ -316,10 +316,11 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     kv = plan.reference_kv
     cache = models.reference_cache
     new_kv = kv and reference_kv is None and (masked or cache is None or not cache.holds_images(model, ae, refs, dtype))
+    prompts = [text, negative] if rule.cfg else [text]
     needed = memory.denoiser_memory(model, variant, batch, h, w, dtype, ref_tokens=ref_tokens, cfg=rule.cfg,
-                                    text_tokens=models.prompt_encoder.spec.max_length, new_reference_kv=new_kv)
+                                    text_tokens=models.prompt_encoder.text_tokens(prompts), new_reference_kv=new_kv)
     offload = memory.should_offload(offload_encoder, models.prompt_encoder, device, needed)
-    embeds = encode_prompts(models, [text, negative] if rule.cfg else [text], offload)
+    embeds = encode_prompts(models, prompts, offload)
     if embeds.dropped[0]:
         say(f"the prompt is {embeds.token_counts[0]} tokens; the last {embeds.dropped[0]} were cut off "
             f"(the limit is {models.prompt_encoder.spec.max_length} including the chat template)")

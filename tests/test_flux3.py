@@ -604,3 +604,25 @@ def test_a_qwen3_vl_gguf_is_flux3s_encoder(tmp_path):
                          tokens=tokens, values=False)
     with pytest.raises(Flux2Error, match="token 500 is 'not-qwen'.*FLUX 3 Image Klein needs the stock Qwen3-VL-4B"):
         weights.load_text_encoder(other, "cpu", torch.float32)
+
+
+def test_the_memory_estimate_counts_the_prompts_own_rows(tmp_path, monkeypatch):
+    """generate sizes the denoise for the text rows the model gets (each prompt padded to its multiple of 80, CFG's
+    two prompts to the longer), not for the 4096 a FLUX 3 prompt may reach."""
+    from flux2_core import pipeline
+    from flux2_core.runtime import memory
+
+    params, state, te, ae = flux3_files(tmp_path, flow_map=False)
+    models = our_models(params, state, te, ae)
+    asked, estimate = [], memory.denoiser_memory
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["text_tokens"])
+        return estimate(*args, **kwargs)
+    monkeypatch.setattr(memory, "denoiser_memory", spy)
+    run = {"width": 32, "height": 32, "steps": 1, "seed": 1}
+    pipeline.generate(models, "a fox", cfg=1.0, **run)
+    pipeline.generate(models, "a fox", negative=LONG_PROMPT, cfg=3.5, **run)
+    assert asked == [80, 160]
+    encoded = models.prompt_encoder.encode(["a fox", LONG_PROMPT])
+    assert encoded.embeds.shape[1] == models.prompt_encoder.text_tokens(["a fox", LONG_PROMPT]) == 160

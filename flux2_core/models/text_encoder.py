@@ -87,6 +87,13 @@ class PromptEncoder:
         multiple, most = self.spec.pad_multiple, self.spec.max_length
         return [min(-(-n // multiple) * multiple, most) for n in counts] if multiple else None
 
+    def text_tokens(self, prompts: list[str]) -> int:
+        """The text rows the model gets for ``prompts`` encoded together (``tokenize``'s L), without encoding them:
+        what a memory estimate counts."""
+        if not self.spec.pad_multiple:
+            return self.spec.max_length
+        return max(self.lengths([count_prompt_tokens(self.tokenizer, p, self.spec.template) for p in prompts]))
+
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(ids [B, L], attention mask [B, L], untruncated token counts); L is max_length, or with a ``pad_multiple``
         the longest prompt's own padded length."""
