@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from flux2_core.app import cli
@@ -61,6 +62,38 @@ def test_the_step_cache_skips_the_same_steps_across_ranks(tmp_path):
     assert record["skipped"] > 0 and parameters(tmp_path / "two" / "flux2_7.png")["cache"] == record
     a, b = pixels(tmp_path / "one" / "flux2_7.png"), pixels(tmp_path / "two" / "flux2_7.png")
     assert np.abs(a - b).max() <= 1 and (a != b).mean() < 0.01
+
+
+def test_flux3_runs_sequence_parallel_from_its_files(tmp_path):
+    """FLUX 3 Image Klein files (BFL's names, a Qwen3-VL folder, the FLUX.2 autoencoder) with two references, on two
+    ranks: the image one process makes."""
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    from flux2_core.models.flux3 import Flux3Transformer
+    from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
+    from tests.tiny.flux3 import TINY_FLUX3, save_tiny_qwen3_vl
+
+    model = Flux3Transformer(replace(TINY_FLUX3, context_in_dim=8 * 32))       # 8 layers of the tiny 32-wide tower
+    g = torch.Generator().manual_seed(5)
+    save_file({k: torch.randn(v.shape, generator=g) * (0.3 if v.ndim > 1 else 0.1) + (v.ndim == 1)
+               for k, v in model.state_dict().items()}, str(tmp_path / "flux3-image-klein.safetensors"))
+    save_tiny_qwen3_vl(tmp_path / "te", seed=1)
+    save_bfl_autoencoder(build_diffusers_autoencoder(2), tmp_path / "ae.safetensors")
+    for i, size in enumerate([(40, 30), (32, 48)]):
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(
+            tmp_path / f"ref{i}.png")
+    args = ("--transformer", "flux3-image-klein.safetensors", "--text-encoder", "te", "--ae", "ae.safetensors",
+            "--prompt", "a fox", "--width", "64", "--height", "48", "--steps", "3", "--seed", "4", "--device", "cpu",
+            "--dtype", "float32", "--ref", "ref0.png", "--ref", "ref1.png")
+    one = run(*args, "--out", "one", cwd=tmp_path)
+    two = run(*args, "--out", "two", ranks=2, cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    a, b = pixels(tmp_path / "one" / "flux2_4.png"), pixels(tmp_path / "two" / "flux2_4.png")
+    assert a.shape == (48, 64, 3) and np.abs(a - b).max() <= 1 and (a != b).mean() < 0.01
+    assert parameters(tmp_path / "two" / "flux2_4.png")["parallel"] == "sequence, 2 ranks"
 
 
 def test_data_parallel_shares_out_prompts_and_batch(tmp_path):

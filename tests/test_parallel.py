@@ -1,6 +1,7 @@
 """Sequence parallelism (flux2_core/runtime/parallel.py, models/shards.py) on 2 and 3 gloo ranks on the CPU equals one
-process on the same tiny weights: text-to-image, CFG, three joint references and the 9B-KV scheme, with token counts
-that do not divide evenly; and its errors."""
+process on the same tiny weights: text-to-image, CFG, three joint references and the 9B-KV scheme, FLUX 3 with CFG
+over prompts of different lengths (masked) and two references, with token counts that do not divide evenly; and its
+errors."""
 
 import os
 
@@ -20,9 +21,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", ["t2i", "cfg", "refs", "kv", "small_ref"])
+@pytest.mark.parametrize("name", ["t2i", "cfg", "refs", "kv", "small_ref", "flux3_cfg", "flux3_refs"])
 def test_ranks_equal_one_process(tmp_path, world, name):
-    expected = job(build_model(), name)
+    expected = job(build_model(name), name)
     got = run_ranks(world, name, tmp_path)
     assert got.keys() == expected.keys()
     for key in expected:

@@ -17,6 +17,8 @@ masked as keys (so its image sees exactly what it would alone). Ids: image (0, r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -27,6 +29,7 @@ from ..variants import Flux3Params
 from .layers import Layers
 from .rope import rope_table
 from .run_state import run_state
+from .shards import TokenShards, shares
 from .transformer import TIME_EMBED_DIM, LastLayer, MLPEmbedder, Modulation, QKNorm, swiglu, timestep_embedding
 
 IMAGE, REFERENCES, TEXT = "image", "image_cond", "txt"    # the modes, in their order inside a sample
@@ -39,10 +42,17 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return out.to(x.dtype)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None) -> Tensor:
-    """q, k, v [B, heads, L, D]; ``keys`` [B, L] bool (False: not attended to) or None -> [B, L, heads·D]."""
+def attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None, shards: TokenShards | None = None) -> Tensor:
+    """q, k, v [B, heads, l, D] of this rank's tokens (all of them in one process); ``keys`` [B, L] bool over every
+    rank's tokens in rank order (False: not attended to) or None -> [B, l, heads·D]. With ``shards`` the ranks trade
+    heads for tokens around it (``models/shards.py``)."""
+    if shards is not None:
+        q, k, v = (shards.heads_from_tokens(x) for x in (q, k, v))
     mask = None if keys is None else keys[:, None, None, :]
-    return rearrange(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), "B H L D -> B L (H D)")
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if shards is not None:
+        out = shards.tokens_from_heads(out)
+    return rearrange(out, "B H L D -> B L (H D)")
 
 
 class Block(nn.Module):
@@ -60,15 +70,51 @@ class Block(nn.Module):
         self.mlp_out = layers.linear("mlp_out", p.mlp_hidden, p.hidden_size)
         self.norm = QKNorm(p.head_dim)
 
-    def forward(self, x: Tensor, pe: Tensor, mod: tuple[Tensor, Tensor, Tensor], keys: Tensor | None) -> Tensor:
-        """x [B, L, H]; pe [B, L, D/2, 2]; mod: shift, scale, gate each [B, 1 or L, H]."""
+    def forward(self, x: Tensor, pe: Tensor, mod: tuple[Tensor, Tensor, Tensor], keys: Tensor | None,
+                shards: TokenShards | None = None) -> Tensor:
+        """x [B, L, H]; pe [B, L, D/2, 2]; mod: shift, scale, gate each [B, 1 or L, H]; keys and shards as
+        ``attention`` takes them."""
         shift, scale, gate = mod
         h = modulate(x, shift, scale)
         q, k, v = (rearrange(proj(h), "B L (H D) -> B H L D", H=self.heads)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = self.norm(q, k, v, pe)
-        out = attention(q, k, v, keys)
+        out = attention(q, k, v, keys, shards)
         return x + gate * (self.attn_out(out) + self.mlp_out(swiglu(self.mlp_in(h))))
+
+
+@dataclass(frozen=True)
+class ModeSplit:
+    """A sequence-parallel pass: each mode's tokens shared out over the ranks in contiguous runs (``shares``), so a
+    rank holds [its image run, its reference run, its text run] of every sample."""
+
+    ranks: object                          # runtime.parallel.SequenceParallel: group, rank, world
+    counts: dict[str, tuple[int, ...]]     # mode -> tokens held by each rank
+
+    def local(self, mode: str, x: Tensor) -> Tensor:
+        """x [B, L_mode, ...] -> this rank's run of it."""
+        run = self.counts[mode]
+        return x.narrow(1, sum(run[:self.ranks.rank]), run[self.ranks.rank])
+
+    def within(self, mode: str) -> TokenShards:
+        """The trades of attention inside one mode (the early blocks)."""
+        return TokenShards(self.ranks.group, self.ranks.rank, self.counts[mode], (0,) * self.ranks.world)
+
+    def joint(self, modes: list[str]) -> TokenShards:
+        """The trades of the single blocks over each rank's [image, references, text] run."""
+        held = [sum(self.counts[m][r] for m in modes) for r in range(self.ranks.world)]
+        return TokenShards(self.ranks.group, self.ranks.rank, tuple(held), (0,) * self.ranks.world)
+
+    def joint_keys(self, modes: list[str], text: Tensor) -> Tensor:
+        """[B, L] the joint keys in the order attention sees them: rank by rank, its runs of every mode (``text``:
+        [B, L_text], the text rows' keys)."""
+        parts, start = [], 0
+        for r in range(self.ranks.world):
+            content = sum(self.counts[m][r] for m in modes if m != TEXT)
+            n = self.counts[TEXT][r]
+            parts += [text.new_ones(text.shape[0], content), text[:, start:start + n]]
+            start += n
+        return torch.cat(parts, dim=1)
 
 
 def text_keys(txt_lengths: list[int] | None, batch: int, length: int, device) -> Tensor | None:
@@ -152,28 +198,31 @@ class Flux3Transformer(nn.Module):
                                         or not all(0 < n <= txt.shape[1] for n in txt_lengths)):
             raise Flux2Error(f"txt_lengths must give 1..{txt.shape[1]} real text rows for each of the {batch} samples, "
                              f"got {txt_lengths}")
-        if run_state(self).sequence_parallel is not None:
-            raise Flux2Error("FLUX 3 Image Klein does not run sequence-parallel yet: run it in one process")
 
     def _velocity(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
                   t_next: Tensor | None, ref: Tensor | None, ref_ids: Tensor | None,
                   txt_lengths: list[int] | None) -> Tensor:
         p, batch, dtype = self.params, img.shape[0], img.dtype
-        x = {IMAGE: self.emb_in[IMAGE](img), TEXT: self.txt_in(txt.to(dtype))}
+        tokens = {IMAGE: img, TEXT: txt.to(dtype)}
         ids = {IMAGE: img_ids.expand(batch, -1, -1), TEXT: txt_ids.expand(batch, -1, -1)}
         if ref is not None:
-            x[REFERENCES] = self.emb_in[REFERENCES](ref.to(dtype)).expand(batch, -1, -1)
-            ids[REFERENCES] = ref_ids.expand(batch, -1, -1)
-        modes = [m for m in (IMAGE, REFERENCES, TEXT) if m in x]
+            tokens[REFERENCES], ids[REFERENCES] = ref.to(dtype), ref_ids.expand(batch, -1, -1)
+        modes = [m for m in (IMAGE, REFERENCES, TEXT) if m in tokens]
         keys = {m: None for m in modes}
         keys[TEXT] = text_keys(txt_lengths, batch, txt.shape[1], img.device)
+        split = self._split({m: tokens[m].shape[1] for m in modes})
+        if split is not None:                       # this rank's run of each mode; keys stay whole (attention's)
+            tokens = {m: split.local(m, t) for m, t in tokens.items()}
+            ids = {m: split.local(m, i) for m, i in ids.items()}
+        x = {m: (self.txt_in if m == TEXT else self.emb_in[m])(tokens[m]).expand(batch, -1, -1) for m in modes}
 
         vec = self._vectors(timesteps, t_next, modes, dtype)
         pe = {m: rope_table(ids[m], p.axes_dim, p.theta, torch.float64) for m in modes}
         for d in range(p.depth):
             for m in modes:
                 block = self.txt_mode_blocks[d] if m == TEXT else self.content_mode_blocks[m][d]
-                x[m] = block(x[m], pe[m], self.early_stream_modulations[m](vec[m]), keys[m])
+                x[m] = block(x[m], pe[m], self.early_stream_modulations[m](vec[m]), keys[m],
+                             None if split is None else split.within(m))
 
         # each sample's joint sequence [image, references, text], every token modulated by its mode's vector
         lengths = [x[m].shape[1] for m in modes]
@@ -182,12 +231,21 @@ class Flux3Transformer(nn.Module):
         mods = [self.single_stream_modulations[m](vec[m]) for m in modes]          # per mode: 3 x [B, 1, H]
         mod = tuple(torch.cat([mods[i][j].expand(-1, n, -1) for i, n in enumerate(lengths)], dim=1)
                     for j in range(3))                                             # 3 x [B, L, H]
-        joint_keys = None
+        joint_keys, shards = None, None if split is None else split.joint(modes)
         if keys[TEXT] is not None:
-            joint_keys = torch.cat([keys[TEXT].new_ones(batch, sum(lengths[:-1])), keys[TEXT]], dim=1)
+            joint_keys = (torch.cat([keys[TEXT].new_ones(batch, sum(lengths[:-1])), keys[TEXT]], dim=1)
+                          if split is None else split.joint_keys(modes, keys[TEXT]))
         for block in self.single_blocks:
-            h = block(h, joint_pe, mod, joint_keys)
-        return self.final_layer[IMAGE](h[:, :lengths[0]], vec[IMAGE])
+            h = block(h, joint_pe, mod, joint_keys, shards)
+        out = self.final_layer[IMAGE](h[:, :lengths[0]], vec[IMAGE])
+        return out if split is None else shards.gather(out, list(split.counts[IMAGE]))
+
+    def _split(self, counts: dict[str, int]) -> ModeSplit | None:
+        """None in one process; else how each mode's tokens are shared out over the ranks."""
+        ranks = run_state(self).sequence_parallel
+        if ranks is None:
+            return None
+        return ModeSplit(ranks, {m: shares(n, ranks.world) for m, n in counts.items()})
 
     def _vectors(self, timesteps: Tensor, t_next: Tensor | None, modes: list[str], dtype: torch.dtype
                  ) -> dict[str, Tensor]:

@@ -1,5 +1,5 @@
 """Sequence-parallel runs on CPU gloo ranks for the tests: each rank builds the same tiny transformer, rank 0 runs a
-denoise (text-to-image, CFG, three joint references, 9B-KV) and writes its latents to a safetensors file; the others
+denoise (text-to-image, CFG, three joint references, 9B-KV; FLUX 3 with CFG and references) and writes its latents to a safetensors file; the others
 follow (``parallel.serve``). ``job`` also runs in one process, without ranks, as the expectation."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from flux2_core.errors import Flux2Error
-from flux2_core.models import rope
+from flux2_core.models import flux3, rope
+from flux2_core.models.flux3 import Flux3Transformer
 from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.runtime import parallel
 from flux2_core.runtime.followers import free_port
 from flux2_core.sampling import euler
-from flux2_core.variants import TransformerParams
+from flux2_core.variants import Flux3Params, TransformerParams
 from tests.memory import peak_bytes
 from tests.tiny.transformer import random_bfl_transformer_state_dict
 
@@ -29,9 +30,21 @@ TXT_TOKENS = 7                  # uneven over 2 and 3 ranks, as is the 3x5 laten
 SIGMAS = [1.0, 0.75, 0.4, 0.0]
 
 
-def build_model() -> Flux2Transformer:
-    model = Flux2Transformer(SIX_HEADS)
-    model.load_state_dict(random_bfl_transformer_state_dict(SIX_HEADS, seed=3))
+# FLUX 3 Image Klein (flow map) at the same width: 6 heads of 16
+FLUX3_SIX_HEADS = Flux3Params(in_channels=128, context_in_dim=48, hidden_size=96, num_heads=6, depth=1,
+                              depth_single_blocks=2, axes_dim=(4, 4, 4, 4), flow_map=True)
+
+
+def build_model(name: str = "") -> Flux2Transformer | Flux3Transformer:
+    """FLUX.2's tiny transformer, or FLUX 3's for the jobs named flux3_*; the same random weights on every rank."""
+    if not name.startswith("flux3"):
+        model = Flux2Transformer(SIX_HEADS)
+        model.load_state_dict(random_bfl_transformer_state_dict(SIX_HEADS, seed=3))
+        return model.eval()
+    model = Flux3Transformer(FLUX3_SIX_HEADS)
+    g = torch.Generator().manual_seed(3)
+    model.load_state_dict({k: torch.randn(v.shape, generator=g) * (0.3 if v.ndim > 1 else 0.1) + (v.ndim == 1)
+                           for k, v in model.state_dict().items()})
     return model.eval()
 
 
@@ -81,6 +94,13 @@ def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
             except Flux2Error as e:
                 said[key] = torch.tensor(list(str(e).encode()), dtype=torch.uint8)
         return said | {"latents": euler.denoise(model, x, SIGMAS, txt)}
+    if name.startswith("flux3"):     # the sample's prompt and CFG's negative of different lengths (masked), and two
+        # references in the flux3_refs job; 3x5 image tokens, 7 and 4 text tokens, 6 + 4 reference tokens
+        negative = torch.randn(1, 4, SIX_HEADS.context_in_dim, generator=g)
+        grids = [(2, 3), (1, 4)]
+        ref = torch.randn(1, sum(h * w for h, w in grids), 128, generator=g)
+        refs = {"ref": ref, "ref_ids": flux3.reference_ids(grids)} if name == "flux3_refs" else {}
+        return {"latents": euler.denoise(model, x, SIGMAS, txt, negative_txt=negative, cfg=3.0, **refs)}
     if name == "rank_dies":
         try:
             euler.denoise(model, x, SIGMAS, txt)
@@ -111,7 +131,7 @@ def measure_passes(model: Flux2Transformer, folder: str, rank: int) -> None:
 def _rank(rank: int, world: int, port: int, name: str, out: str) -> None:
     torch.set_num_threads(1)
     sp = parallel.start(rank, world, "cpu", port=port)
-    model = build_model()
+    model = build_model(name)
     if name == "memory":
         measure_passes(model, out, rank)
     if not sp.driver:
