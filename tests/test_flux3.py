@@ -583,7 +583,7 @@ def test_a_qwen3_vl_gguf_is_flux3s_encoder(tmp_path):
 
     hf = comfyui_state_dict(build_tiny_qwen3(4, TINY_QWEN3_VL_TEXT))
     tokens = qwen3_tokens(TINY_QWEN3_VL_TEXT["vocab_size"])
-    path, values = save_gguf(llama_cpp_names(hf), tmp_path / "encoder-Q8_0.gguf", encoder_types(T.Q8_0),
+    path, values = save_gguf(llama_cpp_names(hf), tmp_path / "encoder-Q8_0.gguf", encoder_types(T.Q8_0, T.F16),
                              arch="qwen3vl", tokens=tokens)
     save_file(hf_names(values, hf), str(tmp_path / "qwen3vl_4b.safetensors"))
     encoder = weights.load_text_encoder(path, "cpu", torch.float32)
@@ -600,7 +600,7 @@ def test_a_qwen3_vl_gguf_is_flux3s_encoder(tmp_path):
                                          r"Qwen3 \(FLUX.2 Klein\)"):
         weights.load_text_encoder(path, "cpu", torch.float32, spec=QWEN3_4B)
     tokens[500] = "not-qwen"
-    other, _ = save_gguf(llama_cpp_names(hf), tmp_path / "other.gguf", encoder_types(T.Q8_0), arch="qwen3vl",
+    other, _ = save_gguf(llama_cpp_names(hf), tmp_path / "other.gguf", encoder_types(T.Q8_0, T.F16), arch="qwen3vl",
                          tokens=tokens, values=False)
     with pytest.raises(Flux2Error, match="token 500 is 'not-qwen'.*FLUX 3 Image Klein needs the stock Qwen3-VL-4B"):
         weights.load_text_encoder(other, "cpu", torch.float32)

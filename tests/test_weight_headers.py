@@ -552,3 +552,32 @@ def test_only_gguf_blocks_count_as_quantized(tmp_path):
     assert not TensorInfo(tmp_path, "w", "F4", (2, 4), 0).quantized
     assert TensorInfo(tmp_path, "w", "Q4_K", (2, 256), 0, ggml=12).quantized
     assert not TensorInfo(tmp_path, "w", "F16", (2, 256), 0, ggml=1).quantized
+
+
+def test_metadata_arrays_read_as_gguf_reads_them(tmp_path):
+    """Our one-pass reading of array fields (a tokenizer's strings, its token types, an orig_shape) gives what gguf's
+    own reader gives, for every field, on a Qwen-sized vocabulary."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from flux2_core.weights.gguf_file import _StrictReader
+
+    path = tmp_path / "vocab.gguf"
+    writer = GGUFWriter(str(path), "qwen3")
+    tokens = [f"tok{i}é" if i % 7 else "" for i in range(151_936)]            # empty and multi-byte strings too
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([i % 5 for i in range(151_936)])
+    writer.add_token_merges([f"a{i} b" for i in range(1000)])
+    writer.add_array("comfy.gguf.orig_shape.x", [3, 4])
+    writer.add_array("empty", [])
+    writer.add_tensor("x", np.zeros((3, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, theirs = _StrictReader(path), GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    tensors, metadata = read_gguf(path)
+    assert metadata["tokenizer.ggml.tokens"] == tokens and tensors["x"].shape == (3, 4)

@@ -8,8 +8,12 @@ Flux2Error, never another exception (``_StrictReader``: the stock reader trusts 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import math
+import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -54,9 +58,60 @@ class _StrictReader(GGUFReader):
 
     def _get_field_parts(self, orig_offs, raw_type):
         if raw_type == GGUFValueType.ARRAY:
-            self.array_values += int(self._get(orig_offs + 4, np.uint64)[0])     # after the item type (uint32)
+            count = int(self._get(orig_offs + 4, np.uint64)[0])                  # after the item type (uint32)
+            self.array_values += count
             _check_count(self.array_values, MAX_ARRAY_VALUES, "array values")
+            if self.byte_order == "I" and sys.byteorder == "little":
+                return self._array_parts(orig_offs, int(self._get(orig_offs, np.uint32)[0]), count)
         return super()._get_field_parts(orig_offs, raw_type)
+
+    def _array_parts(self, orig_offs: int, item_type: int, count: int):
+        """An array field whose ``contents()`` are the stock reader's (strings: a length and a bytes part each, as
+        memoryviews; numbers: one part holding them all), walked in one pass: the stock reader makes numpy views per
+        item and, with the garbage collector rescanning them as they pile up, a Qwen tokenizer's ~455,000 values took
+        15-30 s to open on a small CPU (0.6 s here)."""
+        parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+        types = [GGUFValueType.ARRAY] + ([GGUFValueType(item_type)] if count else [])
+        offs = orig_offs = int(orig_offs)                      # plain ints: numpy scalars make each step ~20x slower
+        offs += 12
+        nptype = self.gguf_scalar_to_np.get(GGUFValueType(item_type))
+        if nptype is not None:                                  # numbers: one part holding them all
+            parts.append(self._get(offs, nptype, count))
+            return offs + parts[-1].nbytes - orig_offs, parts, [2] if count else [], types
+        if item_type != GGUFValueType.STRING:                   # arrays of arrays: the stock reader's way
+            return super()._get_field_parts(orig_offs, GGUFValueType.ARRAY)
+        view, size, indices = memoryview(self.data), len(self.data), []
+        with _no_gc():                              # ~600,000 new objects: the collector would rescan them often
+            end = _string_parts(view, size, offs, count, parts, indices)
+        return end - orig_offs, parts, indices, types
+
+
+def _string_parts(view: memoryview, size: int, offs: int, count: int, parts: list, indices: list) -> int:
+    """``count`` GGUF strings from ``offs``: each one's length and bytes appended to ``parts`` (the bytes' index to
+    ``indices``); returns where they end."""
+    for _ in range(count):
+        if offs + 8 > size:
+            raise ValueError(f"the file ends at byte {size:,}, inside its metadata")
+        (length,) = struct.unpack_from("<Q", view, offs)
+        end = offs + 8 + length
+        if end > size:
+            raise ValueError(f"the file ends at byte {size:,}, but its header points to byte {end:,}")
+        parts.append(view[offs:offs + 8])               # memoryviews: all ``contents`` asks of a part is tobytes()
+        indices.append(len(parts))
+        parts.append(view[offs + 8:end])
+        offs = end
+    return offs
+
+
+@contextlib.contextmanager
+def _no_gc():
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _check_count(count: int, limit: int, what: str) -> None:
