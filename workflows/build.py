@@ -105,7 +105,7 @@ def sampler(positive, cfg=1.0, steps=4, negative=None, latent=None, denoise=1.0,
     the denoiser at the top of its column (its model input level with the model loader's output), and decode + save
     on the autoencoder lane (save_at moves the saver, which may sit higher than the decoder)."""
     denoise_inputs = {"model": model, "positive": positive, "noise": (5, 0), "sigmas": (6, 0), "cfg": cfg,
-                      "denoise": denoise}
+                      "denoise": denoise, "cache": 0.0}
     denoise_inputs |= {"negative": negative} if negative else {}
     denoise_inputs |= {"latent": latent} if latent else {}
     noise_inputs = {"seed": seed, "width": 1024, "height": 1024, "batch_size": 1}
