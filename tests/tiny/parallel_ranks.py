@@ -94,13 +94,13 @@ def job(model: Flux2Transformer, name: str) -> dict[str, torch.Tensor]:
             except Flux2Error as e:
                 said[key] = torch.tensor(list(str(e).encode()), dtype=torch.uint8)
         return said | {"latents": euler.denoise(model, x, SIGMAS, txt)}
-    if name.startswith("flux3"):     # the sample's prompt and CFG's negative of different lengths (masked), and two
-        # references in the flux3_refs job; 3x5 image tokens, 7 and 4 text tokens, 6 + 4 reference tokens
+    if name == "flux3_refs":      # the prompt and CFG's negative of different lengths (masked), two references:
+        # 3x5 image tokens, 7 and 4 text tokens, 6 + 4 reference tokens
         negative = torch.randn(1, 4, SIX_HEADS.context_in_dim, generator=g)
         grids = [(2, 3), (1, 4)]
         ref = torch.randn(1, sum(h * w for h, w in grids), 128, generator=g)
-        refs = {"ref": ref, "ref_ids": flux3.reference_ids(grids)} if name == "flux3_refs" else {}
-        return {"latents": euler.denoise(model, x, SIGMAS, txt, negative_txt=negative, cfg=3.0, **refs)}
+        return {"latents": euler.denoise(model, x, SIGMAS, txt, negative_txt=negative, cfg=3.0, ref=ref,
+                                         ref_ids=flux3.reference_ids(grids))}
     if name == "rank_dies":
         try:
             euler.denoise(model, x, SIGMAS, txt)
