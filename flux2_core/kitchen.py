@@ -97,6 +97,15 @@ def adaln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return _imported()[0].adaln(x, scale, shift, 1e-6)
 
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ (weight [N, K] int8 · weight_scale [N])ᵀ, x quantized per token (dynamic W8A8)."""
-    return _imported()[0].int8_linear(x, weight, weight_scale, out_dtype=x.dtype)
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, rotation: int = 0) -> torch.Tensor:
+    """x [..., K] @ (weight [N, K] int8 · weight_scale [N] or [])ᵀ, x quantized per token (dynamic W8A8); with
+    ``rotation``, x is first turned by ConvRot's groups of that size (``storage.rotation``)."""
+    return _imported()[0].int8_linear(x, weight, weight_scale, out_dtype=x.dtype, convrot=bool(rotation),
+                                      convrot_groupsize=rotation or 256)
+
+
+def convrot_w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        rotation: int) -> torch.Tensor:
+    """x [..., K] @ the ConvRot W4A4 weight (int8 [N, K/2] packed int4 · weight_scale [N])ᵀ, x turned by ConvRot and
+    quantized to int4 per token."""
+    return _imported()[0].convrot_w4a4_linear(x, weight, weight_scale, convrot_groupsize=rotation)

@@ -1,9 +1,11 @@
-"""int8 weight storage: w ≈ w8 · scale, w8 [out, in] int8 in [-127, 127], scale [out] = max|w[row]| / 127 (float32).
+"""int8 weight storage: w ≈ w8 · scale, w8 [out, in] int8, scale [out] per row (float32; ``quantize_int8``: max|w[row]|
+/ 127) or [] per tensor, as ComfyUI's int8_tensorwise files hold either. With ConvRot (``rotation``, a group size:
+``storage.rotation``) the stored w8 holds W·Hᵀ per group and each call turns its input by H first.
 
 Chosen per model (``use_int8_matmul``): int8 matmul (W8A8: activations quantized per token, integer matmul by
 comfy-kitchen's ``int8_linear``; twice bf16's rate on NVIDIA tensor cores since Turing, about 1e-2 relative error per
-layer more), else the weight cast to the activations' dtype (exact) and the scale applied to the output. One byte
-per weight: Klein 4B's blocks take about 3.8 GB instead of 7.5 GB in bf16.
+layer more; ConvRot lowers it), else the weight cast to the activations' dtype (exact) and the scale applied to the
+output. One byte per weight: Klein 4B's blocks take about 3.8 GB instead of 7.5 GB in bf16.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from .. import kitchen
 from ..errors import Flux2Error
 from .linear import item_by_item, linear
 from .protocol import StoredLinear, stored_linears
+from .rotation import group_for, rotate_input, rotate_weight
 
 INT8_MAX = 127
 # int8 tensor cores (torch._int_mm on CUDA) from Turing (sm_75) on
@@ -25,69 +28,84 @@ INT8_MATMUL_CAPABILITY = (7, 5)
 INT8_CPU_MIN_INPUTS = 1024
 
 
-def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """weight [out, in] -> (w8 [out, in] int8, float32 scale [out]), max|w8| = 127 per row."""
+def quantize_int8(weight: Tensor, per_row: bool = True) -> tuple[Tensor, Tensor]:
+    """weight [out, in] -> (w8 [out, in] int8, float32 scale [out] or []), max|w8| = 127 per row / tensor."""
     w = weight.detach().float()
-    scale = (torch.linalg.vector_norm(w, float("inf"), dim=1) / INT8_MAX).clamp(min=1e-12)
-    return torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    amax = torch.linalg.vector_norm(w, float("inf"), dim=1 if per_row else None)
+    scale = (amax / INT8_MAX).clamp(min=1e-12)
+    w8 = torch.round(w / (scale[:, None] if per_row else scale)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return w8, scale
 
 
 class Int8Linear(nn.Module, StoredLinear):
-    """State dict: ``weight``, ``weight_scale``. A merge quantizes the merged weight again."""
+    """State dict: ``weight``, ``weight_scale``. A merge quantizes the merged weight again (in the same basis)."""
 
     kind = "int8"
     merges_adapters = False
 
-    def __init__(self, in_features: int, out_features: int, item_by_item: bool = False, device=None):
+    def __init__(self, in_features: int, out_features: int, item_by_item: bool = False, device=None,
+                 per_row: bool = True, rotation: int = 0):
         super().__init__()
         self.in_features, self.out_features, self.item_by_item = in_features, out_features, item_by_item
+        self.per_row, self.rotation = per_row, rotation
         self.int8_matmul = False          # use_int8_matmul
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features if per_row else (), device=device))
 
     @classmethod
-    def from_linear(cls, layer: nn.Module) -> Int8Linear:
+    def from_linear(cls, layer: nn.Module, convrot: bool = False) -> Int8Linear:
+        """Quantized per row; with ``convrot`` in ConvRot's basis (``rotation.group_for`` its inputs; none where no
+        group divides them)."""
+        rotation = group_for(layer.in_features) if convrot else 0
         out = cls(layer.in_features, layer.out_features, getattr(layer, "item_by_item", False),
-                  device=layer.weight.device)
-        out.weight, out.weight_scale = quantize_int8(layer.float_weight())
+                  device=layer.weight.device, rotation=rotation)
+        out.weight, out.weight_scale = out.quantized(layer.float_weight())
         return out
+
+    def quantized(self, weight: Tensor) -> tuple[Tensor, Tensor]:
+        return quantize_int8(rotate_weight(weight.float(), self.rotation) if self.rotation else weight, self.per_row)
 
     def forward(self, x: Tensor) -> Tensor:
         return item_by_item(self.matmul, x) if self.item_by_item else self.matmul(x)
 
     def matmul(self, x: Tensor) -> Tensor:
         if self.int8_matmul:
-            return kitchen.int8_linear(x, self.weight, self.weight_scale)
-        y = linear(x, self.weight.to(x.dtype))                   # int8 -> bf16 / fp32 is exact (|w8| <= 127)
+            return kitchen.int8_linear(x, self.weight, self.weight_scale, self.rotation)
+        if self.rotation:
+            x = rotate_input(x, self.rotation)
+        y = linear(x, self.weight.to(x.dtype))                   # int8 -> bf16 / fp32 is exact (|w8| <= 128)
         return y.mul_(self.weight_scale)                          # per output, multiplied in float32 (as quant.Fp8Linear)
 
     def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
         device = device or self.weight.device
-        return (self.weight.to(device).float() * self.weight_scale.to(device)[:, None]).to(dtype)
+        scale = self.weight_scale.to(device)
+        weight = self.weight.to(device).float() * (scale[:, None] if self.per_row else scale)
+        return (rotate_weight(weight, self.rotation) if self.rotation else weight).to(dtype)
 
     def stored_tensors(self) -> tuple[Tensor, ...]:
         return self.weight, self.weight_scale
 
     def write_weight(self, weight: Tensor) -> None:
-        w8, scale = quantize_int8(weight)
+        w8, scale = self.quantized(weight)
         self.weight.copy_(w8)
         self.weight_scale.copy_(scale)
 
     def call_bytes(self, dtype: torch.dtype) -> int:
-        """With int8 matmul: the transposed int8 copy the integer kernel takes."""
+        """With int8 matmul: the transposed int8 copy the integer kernel takes; else the weight in ``dtype``."""
         return self.in_features * self.out_features * (1 if self.int8_matmul else dtype.itemsize)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int8, per-row scale" + (
-            ", int8 matmul" if self.int8_matmul else "")
+        return (f"in={self.in_features}, out={self.out_features}, int8, per-{'row' if self.per_row else 'tensor'} "
+                f"scale" + (f", ConvRot group {self.rotation}" if self.rotation else "")
+                + (", int8 matmul" if self.int8_matmul else ""))
 
 
-def quantize_blocks(model: nn.Module, chosen) -> list[str]:
-    """The layers ``chosen(name)`` picks (its family's ``quantizable``), any storage -> ``Int8Linear`` in place; their names.
-    After the model's move to its device and dtype."""
+def quantize_blocks(model: nn.Module, chosen, convrot: bool = False) -> list[str]:
+    """The layers ``chosen(name)`` picks (its family's ``quantizable``), any storage -> ``Int8Linear`` in place (in
+    ConvRot's basis with ``convrot``); their names. After the model's move to its device and dtype."""
     names = [n for n, m in stored_linears(model) if m.kind != "int8" and chosen(n)]
     for name in names:
-        model.set_submodule(name, Int8Linear.from_linear(model.get_submodule(name)))
+        model.set_submodule(name, Int8Linear.from_linear(model.get_submodule(name), convrot))
     return names
 
 

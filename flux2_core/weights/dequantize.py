@@ -1,8 +1,11 @@
-"""Quantised checkpoints: formats recognised, weights dequantized to float32 (``weight.float() * scale``).
+"""Quantised checkpoints: the format of each quantized layer, and float8 weights dequantized to float32.
 
-ComfyUI fp8 (per-tensor ``.weight_scale``, format in ``_quantization_metadata`` or ``.comfy_quant``; older
-``scaled_fp8`` files: ``.scale_weight``), BFL fp8 (per-row ``.weight_scale`` [N]), BFL nvfp4, Hugging Face block fp8
-(``.weight_scale_inv``) and unscaled float8. ``.input_scale`` is dropped; any other scheme is refused.
+ComfyUI's quantized files name each layer's format (``.comfy_quant`` or ``_quantization_metadata``; older
+``scaled_fp8`` files: ``.scale_weight``): ``comfy_formats`` reads them into ``storage.layer_format.LayerFormat`` and
+refuses a format no storage here runs, naming it and the layer, before anything is read. BFL's own fp8 (per-row
+``.weight_scale`` [N]) and nvfp4 (``.weight_scale_2``), Hugging Face block fp8 (``.weight_scale_inv``) and unscaled
+float8 need no such object. ``.input_scale`` (a static activation scale) is dropped: activations are quantized per
+token where a kernel quantizes them at all.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import json
 import torch
 
 from ..errors import Flux2Error
+from ..storage.layer_format import DEFAULT_BLOCKS, FORMATS, W4A4_GROUP, LayerFormat
+from ..storage.packed import dequantize_nvfp4 as _dequantize_nvfp4
+from ..storage.rotation import DEFAULT_GROUP, is_power_of_4
 from .checkpoint import Checkpoint, TensorInfo, read_tensor, short
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -22,37 +28,88 @@ UNSUPPORTED_SUFFIXES = {".qweight": "GPTQ/AWQ", ".qzeros": "GPTQ/AWQ", ".g_idx":
                         ".absmax": "bitsandbytes", ".quant_map": "bitsandbytes",
                         ".quant_state.bitsandbytes__nf4": "bitsandbytes nf4",
                         ".quant_state.bitsandbytes__fp4": "bitsandbytes fp4"}
-COMFY_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)   # nvfp4 codes
+COMFY_FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+             "float8_e4m3fn_rowwise": torch.float8_e4m3fn}
+PACKED_INPUTS = {"nvfp4": 2, "w4a4": 2}          # stored columns per input: two 4-bit values a byte
 
 
-def comfy_formats(ckpt: Checkpoint, prefix: str) -> dict[str, str]:
-    """Layer key (prefix stripped) -> format. Refuses other tools' quantisations (GPTQ, bitsandbytes)."""
+def comfy_formats(ckpt: Checkpoint, prefix: str) -> dict[str, LayerFormat]:
+    """Layer key (prefix stripped) -> its format. Refuses other tools' quantisations (GPTQ, bitsandbytes) and the
+    formats no storage here runs."""
     keys = [k for k in ckpt.tensors if k.startswith(prefix)]
     for key in keys:
         for suffix, tool in UNSUPPORTED_SUFFIXES.items():
             if key.endswith(suffix):
                 raise Flux2Error(f"{ckpt.path} is quantised with {tool} ({key}), which is not supported; use the "
                                  f"bf16 or fp8 .safetensors release of these weights")
-    formats = {}
+    objects: dict[str, object] = {}
     meta = ckpt.metadata.get("_quantization_metadata")
     if meta:
         layers = _json_object(meta, f"{ckpt.path}: its _quantization_metadata").get("layers", {})
         if not isinstance(layers, dict):
             raise Flux2Error(f"{ckpt.path}: the layers of its _quantization_metadata are {short(layers)}, not a JSON "
                              f"object; the file is corrupt, download it again")
-        formats.update({k: v.get("format") if isinstance(v, dict) else v for k, v in layers.items()})
+        objects.update(layers)
     for key in keys:
         if key.endswith(".comfy_quant"):
-            formats[key[: -len(".comfy_quant")]] = _comfy_quant(ckpt, key).get("format")
-    formats = {k[len(prefix):]: v for k, v in formats.items() if k.startswith(prefix)}
-    for layer, fmt in formats.items():
-        if not isinstance(fmt, str) or fmt not in COMFY_FP8:
-            hint = " (ComfyUI's nvfp4 layout)" if fmt == "nvfp4" else ""
-            raise Flux2Error(f"{ckpt.path}: layer {layer} uses the quantisation format {short(fmt)}{hint}, which "
-                             f"cannot be loaded here; supported are bf16/fp16/fp32 and fp8 (float8_e4m3fn, "
-                             f"float8_e5m2) files")
-    return formats
+            objects[key[: -len(".comfy_quant")]] = _comfy_quant(ckpt, key)
+    for key in keys:                                  # BFL's (ModelOpt's) nvfp4: a global scale, no format object
+        layer = key.removesuffix(".weight_scale_2")
+        if key.endswith(".weight_scale_2") and layer not in objects:
+            objects[layer] = {"format": "nvfp4_modelopt"}
+    return {k[len(prefix):]: layer_format(ckpt, k, v) for k, v in objects.items() if k.startswith(prefix)}
+
+
+def layer_format(ckpt: Checkpoint, layer: str, spec: object) -> LayerFormat:
+    """One layer's format object (or, in older headers, its bare name) -> LayerFormat, checked against its tensors."""
+    spec = spec if isinstance(spec, dict) else {"format": spec}
+    spec = {**spec.get("params", {}), **spec} if isinstance(spec.get("params"), dict) else spec   # older nesting
+    name = spec.get("format")
+    where = f"{ckpt.path}: layer {layer}"
+    if not isinstance(name, str) or name not in FORMATS:
+        raise Flux2Error(f"{where} uses the quantisation format {short(name)}, which cannot be loaded here; "
+                         f"supported are bf16/fp16/fp32 files and these formats: {', '.join(sorted(FORMATS))}")
+    storage = FORMATS[name]
+    weight = ckpt.tensors.get(layer + ".weight")
+    if storage == "fp8":                               # storage.quant reads and checks these itself
+        return LayerFormat(name)
+    if weight is None or len(weight.shape) != 2:
+        raise Flux2Error(f"{where} says it is {name} but has no 2-D weight ({short(weight and weight.shape)}); the "
+                         f"file is corrupt, download it again")
+    inputs = weight.shape[1] * PACKED_INPUTS.get(storage, 1)
+    rotation = 0
+    if spec.get("convrot") or storage == "w4a4":
+        rotation = _whole(spec.get("convrot_groupsize", DEFAULT_GROUP), where, "convrot_groupsize")
+        if not is_power_of_4(rotation) or inputs % rotation:
+            raise Flux2Error(f"{where} is {name} with a ConvRot group of {rotation}, which is not a power of 4 that "
+                             f"divides its {inputs} inputs; the file is corrupt, download it again")
+    if storage == "w4a4" and (_whole(spec.get("quant_group_size", W4A4_GROUP), where, "quant_group_size")
+                              != W4A4_GROUP or inputs % W4A4_GROUP):
+        raise Flux2Error(f"{where} is W4A4 with a quantization group of {spec.get('quant_group_size', W4A4_GROUP)} "
+                         f"over {inputs} inputs; only {W4A4_GROUP} (comfy-kitchen's), dividing the inputs, can be run")
+    if rotation and storage not in ("int8", "w4a4"):
+        raise Flux2Error(f"{where} is {name} with ConvRot, which this pack runs for int8 and W4A4 only")
+    block = _whole(spec.get("group_size", DEFAULT_BLOCKS[name]), where, "group_size") if storage == "blocks" else 0
+    scale = ckpt.tensors.get(layer + ".weight_scale")
+    per_row = scale is not None and _count(scale.shape) == weight.shape[0] > 1
+    if storage == "int8" and (scale is None or _count(scale.shape) not in (1, weight.shape[0])):
+        raise Flux2Error(f"{where} is int8 with a scale of shape {short(scale and list(scale.shape))}; expected one "
+                         f"per tensor or one per row ({weight.shape[0]}); the file is corrupt, download it again")
+    return LayerFormat(name, rotation, block, per_row)
+
+
+def _whole(value: object, where: str, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise Flux2Error(f"{where}: its {what} is {short(value)}, not a positive whole number; the file is corrupt, "
+                         f"download it again")
+    return value
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _comfy_quant(ckpt: Checkpoint, key: str) -> dict:
@@ -98,11 +155,9 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[in
 
 
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """BFL nvfp4: packed E2M1 codes [N, K/2] (even element in the low nibble), float8 scales [N, K/16] -> float32."""
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)     # [N, K]
-    values = torch.tensor(E2M1, device=packed.device)[codes.long()]
-    scale = block_scale.float() * global_scale.float()                                          # [N, K/16]
-    if scale.shape != (codes.shape[0], codes.shape[1] // 16):
-        raise Flux2Error(f"an nvfp4 weight [{codes.shape[0]}, {codes.shape[1]}] has block scales "
-                         f"{list(block_scale.shape)}; expected [{codes.shape[0]}, {codes.shape[1] // 16}]")
-    return values * scale.repeat_interleave(16, dim=1)
+    """BFL's (ModelOpt's) nvfp4: packed E2M1 codes [N, K/2] (even element in the low nibble), float8 scales [N, K/16]
+    -> float32."""
+    try:
+        return _dequantize_nvfp4(packed, block_scale, global_scale, swizzled=False)
+    except ValueError as e:
+        raise Flux2Error(str(e)) from None

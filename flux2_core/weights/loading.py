@@ -26,13 +26,14 @@ from ..errors import Flux2Error
 from ..families import Family
 from ..key_tables import Layout, Recipe, same_names, table_names, table_recipes
 from ..models.autoencoder import AutoEncoder, WeightFiles
-from ..models.layers import Layers
+from ..models.layers import Layers, stored_linear
 from ..models.qwen3 import Qwen3Params
 from ..models.text_encoder import PromptEncoder, build_qwen3_encoder, is_used, qwen3_state_dict
 from ..models.tokenizer import load_tokenizer
 from ..models.transformer import Flux2Transformer
 from ..storage import ggml
-from ..storage.int8 import quantize_int8
+from ..storage.layer_format import LayerFormat
+from ..storage.protocol import FLOAT_KINDS, StoredLinear
 from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, quantize_fp8
 from ..variants import (
     QWEN3_4B,
@@ -45,7 +46,7 @@ from ..variants import (
     get_variant,
 )
 from .checkpoint import TORCH_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json, read_tensor
-from .dequantize import COMFY_FP8, comfy_formats, dequantize, dequantize_nvfp4
+from .dequantize import COMFY_FP8, PACKED_INPUTS, comfy_formats, dequantize
 from .gguf_file import architecture, describe_gguf
 from .key_mapping import AUTOENCODER_LAYOUTS, OPTIONAL_KEYS, QWEN3_FROM_LLAMA_CPP, describe, find_layout, qwen3_name
 
@@ -61,21 +62,32 @@ class Source:
     prefix: str
     keys: set[str]                       # the file's keys behind the prefix, prefix stripped (scales excluded)
     recipe: Callable[[str], Recipe]
-    formats: dict[str, str]              # ComfyUI fp8 formats per layer (prefix stripped)
+    formats: dict[str, LayerFormat]      # the quantized layers' formats (prefix stripped)
 
     def has(self, key: str) -> bool:
         return all(s in self.keys for s in self.recipe(key).sources)
 
     def shape(self, key: str) -> tuple[int, ...] | None:
-        """Unpacked if nvfp4; None when absent."""
+        """Unpacked if two 4-bit values a byte (nvfp4, W4A4); None when absent."""
         recipe = self.recipe(key)
         if not all(s in self.keys for s in recipe.sources):
             return None
         shapes = [self.info(s).shape for s in recipe.sources]
         rest = list(shapes[0][1:])
-        if self.is_nvfp4(recipe.sources[0][: -len(".weight")]):
-            rest = [2 * rest[0]]                         # two E2M1 values per byte
+        fmt = self.formats.get(recipe.sources[0].removesuffix(".weight"))
+        if fmt is not None:
+            rest = [PACKED_INPUTS.get(fmt.storage, 1) * rest[0]]
         return (sum(s[0] for s in shapes), *rest)
+
+    def stored_format(self, key: str) -> LayerFormat | None:
+        """The format a layer is kept in as the file stores it (``models.layers.stored_linear``): where the file
+        quantizes it in a format other than per-tensor / per-row fp8 (``storage.quant``'s) and our key reads one file
+        tensor as it is (a layer our layout assembles from several is dequantized)."""
+        recipe = self.recipe(key)
+        if len(recipe.sources) != 1 or recipe.swap_halves or recipe.sources[0] not in self.keys:
+            return None
+        fmt = self.formats.get(recipe.sources[0].removesuffix(".weight"))
+        return fmt if fmt is not None and fmt.storage != "fp8" else None
 
     def scale_key(self, layer: str) -> str | None:
         return next((self.prefix + layer + s for s in SCALE_SUFFIXES
@@ -85,9 +97,11 @@ class Source:
         return all(self.is_float8(s) for s in self.recipe(key).sources)
 
     def is_float8(self, file_key: str) -> bool:
-        """ComfyUI's uint8 containers of fp8 count as float8."""
-        return file_key in self.keys and (self.info(file_key).dtype in FP8_CODES or (
-            self.info(file_key).dtype == "U8" and file_key.removesuffix(".weight") in self.formats))
+        """ComfyUI's uint8 containers of fp8 count as float8; mxfp8 and 2-D block fp8 (other storage) do not."""
+        fmt = self.formats.get(file_key.removesuffix(".weight"))
+        if file_key not in self.keys or (fmt is not None and fmt.storage != "fp8"):
+            return False
+        return self.info(file_key).dtype in FP8_CODES or (self.info(file_key).dtype == "U8" and fmt is not None)
 
     def float_dtype(self, key: str) -> torch.dtype | None:
         """The dtype the file stores the key's tensors in, where all are one plain float dtype (bf16, fp16, ...)."""
@@ -106,9 +120,6 @@ class Source:
         if len(sources) == 1 and sources[0] in self.keys and self.info(sources[0]).quantized:
             return self.info(sources[0]).ggml
         return None
-
-    def is_nvfp4(self, layer: str) -> bool:
-        return self.prefix + layer + ".weight_scale_2" in self.ckpt.tensors
 
     def info(self, key: str) -> TensorInfo:
         return self.ckpt.tensors[self.prefix + key]
@@ -138,7 +149,7 @@ def open_source(path, subfolder: str, layouts: list[Layout], what: str, loader: 
 
 
 FP8_CODES = {code for code, dtype in TORCH_DTYPES.items() if dtype in FP8_DTYPES}   # safetensors' float8 names
-QUANTIZED_WEIGHTS = (*FP8_DTYPES, torch.int8)     # weights stored with a ``<key>_scale`` beside them
+SCALE_NAMES = (".weight_scale", ".weight_scale_2")   # a quantized layer's state beside its weight
 
 
 class TensorReader:
@@ -185,9 +196,13 @@ class TensorReader:
         if not key.endswith(".weight"):
             return tensor
         layer = key[: -len(".weight")]
+        fmt = self.source.formats.get(layer)
+        if fmt is not None and fmt.storage != "fp8":
+            rows, inputs = self.source.shape(key)
+            stored = stored_linear(fmt, inputs, rows, device=self.device)
+            stored.load_state_dict(self.stored(layer, stored.state_dict(), tensor), assign=True)
+            return stored.float_weight()
         scale = self.source.scale_key(layer)
-        if self.source.is_nvfp4(layer):
-            return dequantize_nvfp4(tensor, self.raw(scale), self.raw(self.source.prefix + layer + ".weight_scale_2"))
         tensor = self.as_float8(layer, tensor)
         if tensor.dtype in FP8_DTYPES:
             return dequantize(tensor, self.raw(scale) if scale else None, self.block)
@@ -199,8 +214,26 @@ class TensorReader:
 
     def as_float8(self, layer: str, tensor: torch.Tensor) -> torch.Tensor:
         if layer in self.source.formats and tensor.dtype == torch.uint8:
-            return tensor.view(COMFY_FP8[self.source.formats[layer]])
+            return tensor.view(COMFY_FP8[self.source.formats[layer].name])
         return tensor
+
+    def stored(self, layer: str, like: dict[str, torch.Tensor], weight: torch.Tensor | None = None
+               ) -> dict[str, torch.Tensor]:
+        """A layer's tensors as the file stores them (``weight``, ``weight_scale``, ...: a stored layer's state
+        names), each in the shape and dtype its buffer has: [N, 1] scales as [N], float8 scales in uint8 as their
+        bytes. ``weight``: the weight, already read."""
+        out = {}
+        for name, buffer in like.items():
+            tensor = weight if name == "weight" and weight is not None else self.raw(f"{self.source.prefix}{layer}.{name}")
+            if tensor.dtype != buffer.dtype and tensor.dtype.itemsize == buffer.dtype.itemsize and (
+                    not tensor.is_floating_point() or not buffer.is_floating_point() or name == "weight"):
+                tensor = tensor.view(buffer.dtype)             # the same bytes: uint8 <-> float8 containers
+            if tensor.numel() != buffer.numel() or tensor.dtype != buffer.dtype:
+                raise Flux2Error(f"{self.source.ckpt.path}: {self.source.prefix}{layer}.{name} is {tensor.dtype} "
+                                 f"{list(tensor.shape)}; its format ({self.source.formats[layer].describe()}) needs "
+                                 f"{buffer.dtype} {list(buffer.shape)}; the file is corrupt, download it again")
+            out[name] = tensor.reshape(buffer.shape)
+        return out
 
     def full(self, recipe: Recipe) -> torch.Tensor:
         parts = [self(s) for s in recipe.sources]
@@ -230,12 +263,15 @@ class TensorReader:
         return quantize_fp8(self.full(recipe), per_row=True)
 
 
-def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: torch.device,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every key of ``expected`` (a meta state dict) read in the storage its dtype asks for (float, fp8, int8, GGUF
-    blocks). A file key no recipe uses is an error, as is a missing one (except ``OPTIONAL_KEYS``).
+def read_state_dict(source: Source, model: nn.Module, device: torch.device, dtype: torch.dtype,
+                    only: Callable[[str], bool] = lambda key: True) -> dict[str, torch.Tensor]:
+    """Every key of ``model``'s state (on the meta device) read in the storage its layer holds (float, fp8, int8,
+    GGUF blocks, a format kept as the file stores it). A file key no recipe uses is an error, as is a missing one
+    (except ``OPTIONAL_KEYS``). ``only``: the keys to read (the others are left out).
     """
-    scales = {k + "_scale" for k, like in expected.items() if like.dtype in QUANTIZED_WEIGHTS}   # with their weights
+    expected = {k: like for k, like in model.state_dict().items() if only(k)}
+    layers = dict(model.named_modules())
+    scales = {k for k in expected if k.endswith(SCALE_NAMES)}                # read with their weights
     wanted = {k: like for k, like in expected.items() if k not in scales}
     missing = [s for k in wanted if k not in OPTIONAL_KEYS or source.has(k)
                for s in source.recipe(k).sources if s not in source.keys]
@@ -248,13 +284,19 @@ def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: t
         for key, like in wanted.items():
             if not source.has(key):                       # an optional key the file lacks
                 state[key] = torch.zeros(like.shape, dtype=like.dtype, device=device)
+            elif source.stored_format(key) is not None and keeps_stored(layers.get(key.removesuffix(".weight"))):
+                layer = key.removesuffix(".weight")                                                 # kept as stored
+                state |= {f"{layer}.{name}": tensor for name, tensor in read.stored(
+                    source.recipe(key).sources[0].removesuffix(".weight"),
+                    layers[layer].state_dict()).items()}
             elif like.dtype == torch.uint8 and source.ggml_type(key) is not None:    # kept as GGUF blocks
                 state[key] = fit(read.blocks(key), like, key, source)
             elif like.dtype in FP8_DTYPES:                # an fp8 layer: float8 weight [out, in] + float32 scale [out]
                 weight, scale = read.fp8(source.recipe(key))
                 state[key], state[key + "_scale"] = fit(weight, like, key, source), scale
-            elif like.dtype == torch.int8:                # an int8 layer: quantized per row from the file's values
-                weight, scale = quantize_int8(fit(read.full(source.recipe(key)), like, key, source))
+            elif like.dtype == torch.int8:                # an int8 layer: quantized (per row) from the file's values
+                weight, scale = layers[key.removesuffix(".weight")].quantized(fit(read.full(source.recipe(key)),
+                                                                                  like, key, source))
                 state[key], state[key + "_scale"] = weight, scale
             else:
                 tensor = fit(read.full(source.recipe(key)), like, key, source)
@@ -262,6 +304,11 @@ def read_state_dict(source: Source, expected: dict[str, torch.Tensor], device: t
                 state[key] = tensor.to(like.dtype if like.dtype in SIXTEEN_BIT or not like.is_floating_point()
                                        else dtype)
     return state
+
+
+def keeps_stored(layer: nn.Module | None) -> bool:
+    """A layer ``models.layers.stored_linear`` made (a loader that keeps no format builds float layers instead)."""
+    return isinstance(layer, StoredLinear) and layer.kind not in FLOAT_KINDS
 
 
 def fit(tensor: torch.Tensor, like: torch.Tensor, key: str, source: Source) -> torch.Tensor:
@@ -429,20 +476,22 @@ def inspect_transformer(path: str | Path, params: TransformerParams | None = Non
 
 def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
                      params: TransformerParams | None = None, variant: str | None = None,
-                     fp8: bool | None = None, int8: bool = False) -> tuple[Flux2Transformer, Variant]:
+                     fp8: bool | None = None, int8: bool | str = False) -> tuple[Flux2Transformer, Variant]:
     """``params`` overrides the architecture read from shapes; ``variant`` the one detected from it.
 
     fp8: None keeps the layers an fp8 file stores in float8 (its own values and scales); True also stores every block
     layer in fp8, quantized per row as read, so the full-precision model is never in memory; False dequantizes all.
-    int8=True stores every block layer in int8 instead (``storage.int8``). The compute dtype is ``dtype`` either way.
+    int8=True stores every block layer in int8 instead (``storage.int8``), per row; int8="convrot" in ConvRot's basis
+    (``storage.rotation``), which holds more of the weights' accuracy. Layers a quantized file stores in another
+    format (ComfyUI's int8, nvfp4, mxfp8, W4A4, ...) stay as stored. The compute dtype is ``dtype`` either way.
     """
     if fp8 not in (None, True, False):
         raise Flux2Error(f"fp8 must be None (as the file stores it), True or False, got {fp8!r}")
-    if int8 not in (True, False):
-        raise Flux2Error(f"int8 must be True or False, got {int8!r}")
+    if int8 not in (True, False, "convrot"):
+        raise Flux2Error(f"int8 must be True, 'convrot' or False, got {int8!r}")
     device, dtype = default_device_dtype(device, dtype)
     source, model, chosen = _transformer_on_meta(path, params, variant, fp8, int8, dtype)
-    return assign(model, read_state_dict(source, model.state_dict(), device, dtype)), chosen
+    return assign(model, read_state_dict(source, model, device, dtype)), chosen
 
 
 def stored_dtype(path: str | Path) -> tuple[torch.dtype | None, int]:
@@ -458,24 +507,25 @@ def stored_dtype(path: str | Path) -> tuple[torch.dtype | None, int]:
 
 
 def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | None = None,
-                      fp8: bool | None = None, int8: bool = False) -> int:
+                      fp8: bool | None = None, int8: bool | str = False) -> int:
     """The weight bytes ``load_transformer`` would make, from the headers alone."""
     _, model, _ = _transformer_on_meta(path, None, variant, fp8, int8, dtype)
     state = model.state_dict()
-    scales = {k + "_scale" for k, t in state.items() if t.dtype in QUANTIZED_WEIGHTS}
+    scales = {k for k in state if k.endswith(SCALE_NAMES)}
     return sum(t.numel() * (dtype.itemsize if t.is_floating_point() and t.dtype not in (*FP8_DTYPES, *SIXTEEN_BIT)
                             and k not in scales else t.itemsize) for k, t in state.items())
 
 
 def _transformer_on_meta(path, params: TransformerParams | None, variant: str | None, fp8: bool | None,
-                         int8: bool = False, dtype: torch.dtype = torch.float32
+                         int8: bool | str = False, dtype: torch.dtype = torch.float32
                          ) -> tuple[Source, Flux2Transformer, Variant]:
     source = _transformer_source(path)
     family = transformer_family(source)
     params, chosen = _transformer_spec(source, params, variant)
     quantizable = family.quantizable
     layers = Layers(fp8=fp8_storage(source, fp8, quantizable), ggml=gguf_storage(source, quantizable),
-                    int8=quantizable if int8 else None, kept=kept_storage(source, dtype, quantizable))
+                    int8=quantizable if int8 else None, kept=kept_storage(source, dtype, quantizable),
+                    stored=lambda name: source.stored_format(name + ".weight"), convrot=int8 == "convrot")
     model = build_on_meta(lambda: family.build(params, layers))
     return source, model, chosen
 
@@ -565,7 +615,7 @@ def load_autoencoder(path: str | Path, device=None, dtype: torch.dtype | None = 
     params = autoencoder_params(source)
     if decoder is None:
         model = build_on_meta(lambda: AutoEncoder(params))
-        model = assign(model, read_state_dict(source, model.state_dict(), device, dtype))
+        model = assign(model, read_state_dict(source, model, device, dtype))
         model.files = WeightFiles(str(source.ckpt.path))
         return model
     decoder_source = open_source(decoder, "vae", DECODER_LAYOUTS, "a FLUX.2 decoder", DECODER_HINT)
@@ -578,11 +628,9 @@ def load_autoencoder(path: str | Path, device=None, dtype: torch.dtype | None = 
                    for s in source.recipe(k).sources}                  # the file's own decoder: not read
     params = _with_decoder_of(params, decoder_source)
     model = build_on_meta(lambda: AutoEncoder(params))
-    expected = model.state_dict()
-    ours = {k: v for k, v in expected.items() if not k.startswith("decoder.")}
-    state = read_state_dict(replace(source, keys=source.keys - own_decoder), ours, device, dtype)
-    state |= read_state_dict(decoder_source, {k: v for k, v in expected.items() if k.startswith("decoder.")},
-                             device, dtype)
+    state = read_state_dict(replace(source, keys=source.keys - own_decoder), model, device, dtype,
+                            lambda key: not key.startswith("decoder."))
+    state |= read_state_dict(decoder_source, model, device, dtype, lambda key: key.startswith("decoder."))
     model = assign(model, state)
     model.files = WeightFiles(str(source.ckpt.path), str(decoder_source.ckpt.path))
     return model

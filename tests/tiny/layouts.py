@@ -46,6 +46,42 @@ def comfy_fp8_metadata(layers: list[str]) -> dict[str, str]:
     return {"_quantization_metadata": json.dumps(meta)}
 
 
+# ComfyUI's format names -> (comfy-kitchen's layout class, its quantize options)
+KITCHEN_LAYOUTS = {
+    "int8_tensorwise": ("TensorWiseINT8Layout", {}),
+    "int8_rowwise": ("TensorWiseINT8Layout", {"per_channel": True}),
+    "int8_convrot": ("TensorWiseINT8Layout", {"per_channel": True, "convrot": True}),
+    "nvfp4": ("TensorCoreNVFP4Layout", {}),
+    "mxfp8": ("TensorCoreMXFP8Layout", {}),
+    "convrot_w4a4": ("TensorCoreConvRotW4A4Layout", {}),
+}
+
+
+def comfy_quant(state_dict: dict[str, torch.Tensor], layers: list[str], kind: str, rotation: int = 0
+                ) -> dict[str, torch.Tensor]:
+    """ComfyUI's quantized layout written by comfy-kitchen itself: each ``layer.weight`` in ``layers`` quantized by
+    the layout ``KITCHEN_LAYOUTS[kind]`` names, its tensors saved under the layout's own state-dict names, and its
+    ``.comfy_quant`` JSON object (format, ConvRot group) as ComfyUI reads it. ``rotation``: the ConvRot group."""
+    from comfy_kitchen.tensor import get_layout_class
+
+    layout_name, options = KITCHEN_LAYOUTS[kind]
+    layout = get_layout_class(layout_name)
+    fmt = {"int8_rowwise": "int8_tensorwise", "int8_convrot": "int8_tensorwise"}.get(kind, kind)
+    out = dict(state_dict)
+    for layer in layers:
+        weight = out.pop(layer + ".weight").float()
+        group = rotation
+        while group and weight.shape[1] % group:             # a narrower layer: the largest power of 4 that fits
+            group //= 4
+        extra = {"convrot_groupsize": group} if rotation else {}
+        qdata, params = layout.quantize(weight, **options, **extra)
+        for suffix, tensor in layout.state_dict_tensors(qdata, params).items():
+            out[f"{layer}.weight{suffix}"] = tensor.contiguous()
+        spec = {"format": fmt} | ({"convrot": True, "convrot_groupsize": group} if rotation else {})
+        out[layer + ".comfy_quant"] = torch.tensor(list(json.dumps(spec).encode()), dtype=torch.uint8)
+    return out
+
+
 def write_sparse_safetensors(path: str | Path, shapes: dict[str, tuple[int, ...]], dtype: str = "BF16") -> Path:
     """A valid safetensors file with these tensors, all zero; the data is a hole in the file, so this is instant
     and takes no disk space even for billions of parameters. For tests that only read headers."""

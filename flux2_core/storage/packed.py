@@ -1,0 +1,222 @@
+"""Weights kept in a file's packed format and dequantized at each call (memory: about the file's bytes), for the
+formats of ComfyUI's quantized files that no kernel here multiplies directly: nvfp4 (ComfyUI's and BFL's layouts),
+mxfp8, int8 / fp8 with a scale per 2-D block, and ConvRot W4A4 (whose int4 kernel comfy-kitchen has for GPUs).
+
+State dicts use ComfyUI's names: ``weight``, ``weight_scale`` and, for nvfp4, ``weight_scale_2``. A padded format
+(nvfp4 to 16, mxfp8 to 32 in both dimensions) keeps its padding and drops it as it dequantizes. Adapters are never
+merged into the packed values: a merge patches the weight as it is dequantized (as for GGUF blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import kitchen
+from .linear import item_by_item, linear
+from .protocol import StoredLinear
+from .rotation import rotate_weight
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)   # fp4 codes
+FP4_BLOCK, MX_BLOCK = 16, 32
+
+
+def up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# codecs
+# ---------------------------------------------------------------------------------------------------------------
+
+def unswizzle(scales: Tensor, rows: int, cols: int) -> Tensor:
+    """Block scales in cuBLAS's tiled layout (tiles of 128 rows x 4 columns, each stored as 32 x 16: row r of a tile
+    sits at (r % 32, 4 * (r // 32) + column)) -> [rows, cols]."""
+    tiles_r, tiles_c = up(rows, 128) // 128, up(cols, 4) // 4
+    tiled = scales.reshape(tiles_r, tiles_c, 32, 4, 4)              # [tile row, tile col, r % 32, r // 32, column]
+    plain = tiled.permute(0, 3, 2, 1, 4).reshape(tiles_r * 128, tiles_c * 4)
+    return plain[:rows, :cols]
+
+
+def fp4_values(packed: Tensor, high_first: bool, dtype: torch.dtype = torch.float32) -> Tensor:
+    """uint8 [N, K/2], two E2M1 codes a byte -> [N, K]."""
+    first, second = (packed >> 4, packed & 0x0F) if high_first else (packed & 0x0F, packed >> 4)
+    codes = torch.stack([first, second], dim=-1).reshape(packed.shape[0], -1)
+    return torch.tensor(E2M1, dtype=dtype, device=packed.device)[codes.long()]
+
+
+def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, swizzled: bool = True) -> Tensor:
+    """-> float32 [N, K] (the padded shape): codes x (global scale x their block's fp8 scale). ComfyUI's layout
+    (``swizzled``): the first element in the high nibble and the scales tiled; BFL's (ModelOpt's): the first element in
+    the low nibble and the scales a plain [N, K/16]."""
+    values = fp4_values(packed, high_first=swizzled)
+    rows, blocks = values.shape[0], values.shape[1] // FP4_BLOCK
+    scales = unswizzle(block_scale, rows, blocks) if swizzled else block_scale
+    if scales.shape != (rows, blocks):
+        raise ValueError(f"an nvfp4 weight [{rows}, {values.shape[1]}] has block scales {list(block_scale.shape)}; "
+                         f"expected [{rows}, {blocks}]")
+    scale = global_scale.float() * scales.float() if swizzled else scales.float() * global_scale.float()
+    return (values.reshape(rows, blocks, FP4_BLOCK) * scale[..., None]).reshape(values.shape)
+
+
+def dequantize_mxfp8(weight: Tensor, block_scale: Tensor) -> Tensor:
+    """float8 [N, K] with E8M0 scales (2^(e-127), 0 for e = 0) per 32 along K, tiled -> float32 [N, K]."""
+    rows, blocks = weight.shape[0], weight.shape[1] // MX_BLOCK
+    exponents = unswizzle(block_scale.view(torch.uint8), rows, blocks)
+    scale = (exponents.to(torch.int32) << 23).view(torch.float32)            # the exponent field of a float32
+    return (weight.float().reshape(rows, blocks, MX_BLOCK) * scale[..., None]).reshape(weight.shape)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """int8 [N, K/2], two signed nibbles a byte (the first element in the low one) -> int8 [N, K] in [-8, 7]."""
+    nibbles = torch.stack([packed & 0x0F, (packed >> 4) & 0x0F], dim=-1).reshape(packed.shape[0], -1)
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles).to(torch.int8)
+
+
+def dequantize_w4a4(packed: Tensor, scale: Tensor, rotation: int) -> Tensor:
+    """ConvRot W4A4: signed int4 x a scale per row, turned back from the ConvRot basis -> float32 [N, K]."""
+    return rotate_weight(unpack_int4(packed).float() * scale.float().reshape(-1, 1), rotation)
+
+
+def dequantize_blocks(weight: Tensor, scale: Tensor, block: int) -> Tensor:
+    """int8 or float8 [N, K] x a float32 scale per block x block [ceil(N/b), ceil(K/b)] -> float32 [N, K]."""
+    rows, cols = weight.shape
+    full = scale.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    return weight.float() * full
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# layers
+# ---------------------------------------------------------------------------------------------------------------
+
+class DequantizedLinear(nn.Module, StoredLinear):
+    """A bias-free linear [out, in] whose weight ``dequantized`` rebuilds at each call."""
+
+    merges_adapters = False
+
+    def __init__(self, in_features: int, out_features: int, item_by_item: bool):
+        super().__init__()
+        self.in_features, self.out_features, self.item_by_item = in_features, out_features, item_by_item
+        self.weight_patch = None                  # merge_weight: adapters merged as the weight is dequantized
+
+    def dequantized(self, device) -> Tensor:
+        """float32 [out, in]."""
+        raise NotImplementedError
+
+    def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
+        weight = self.dequantized(device or self.weight.device)
+        return (weight if self.weight_patch is None else self.weight_patch(weight)).to(dtype)
+
+    def merge_weight(self, patch) -> None:
+        self.weight_patch = patch
+
+    def unmerge_weight(self) -> None:
+        self.weight_patch = None
+
+    def stored(self, device) -> tuple[Tensor, ...]:
+        return tuple(t if device is None else t.to(device) for t in self.stored_tensors())
+
+    def call_bytes(self, dtype: torch.dtype) -> int:
+        """The float32 weight and its cast (the codecs' temporaries are no larger)."""
+        return self.in_features * self.out_features * (4 + dtype.itemsize)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.float_weight(x.dtype, x.device)
+        return item_by_item(lambda item: linear(item, weight), x) if self.item_by_item else linear(x, weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.kind}"
+
+
+class NvFp4Linear(DequantizedLinear):
+    """``weight`` uint8 [N', K'/2] (N', K' padded to 16 in ComfyUI's layout), ``weight_scale`` float8 block scales,
+    ``weight_scale_2`` the float32 global scale."""
+
+    kind = "nvfp4"
+
+    def __init__(self, in_features: int, out_features: int, item_by_item: bool = False, swizzled: bool = True,
+                 device=None):
+        super().__init__(in_features, out_features, item_by_item)
+        self.swizzled = swizzled
+        rows, cols = (up(out_features, 16), up(in_features, 16)) if swizzled else (out_features, in_features)
+        scales = (up(rows, 128), up(cols // FP4_BLOCK, 4)) if swizzled else (rows, cols // FP4_BLOCK)
+        self.register_buffer("weight", torch.empty(rows, cols // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.empty(scales, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_scale_2", torch.ones((), device=device))
+
+    def stored_tensors(self) -> tuple[Tensor, ...]:
+        return self.weight, self.weight_scale, self.weight_scale_2
+
+    def dequantized(self, device) -> Tensor:
+        weight = dequantize_nvfp4(*self.stored(device), swizzled=self.swizzled)
+        return weight[: self.out_features, : self.in_features]
+
+
+class MxFp8Linear(DequantizedLinear):
+    """``weight`` float8 e4m3 [N', K'] (padded to 32), ``weight_scale`` E8M0 exponents per 32 (tiled)."""
+
+    kind = "mxfp8"
+
+    def __init__(self, in_features: int, out_features: int, item_by_item: bool = False, device=None):
+        super().__init__(in_features, out_features, item_by_item)
+        rows, cols = up(out_features, MX_BLOCK), up(in_features, MX_BLOCK)
+        self.register_buffer("weight", torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_scale", torch.empty(up(rows, 128), up(cols // MX_BLOCK, 4), dtype=torch.uint8,
+                                                         device=device))
+
+    def stored_tensors(self) -> tuple[Tensor, ...]:
+        return self.weight, self.weight_scale
+
+    def dequantized(self, device) -> Tensor:
+        return dequantize_mxfp8(*self.stored(device))[: self.out_features, : self.in_features]
+
+
+class BlockScaledLinear(DequantizedLinear):
+    """``weight`` int8 or float8 e4m3 [N, K], ``weight_scale`` float32 per block x block."""
+
+    def __init__(self, in_features: int, out_features: int, block: int, dtype: torch.dtype,
+                 item_by_item: bool = False, device=None):
+        super().__init__(in_features, out_features, item_by_item)
+        self.block = block
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.register_buffer("weight_scale", torch.empty(-(-out_features // block), -(-in_features // block),
+                                                         device=device))
+
+    @property
+    def kind(self) -> str:
+        return "int8 blocks" if self.weight.dtype == torch.int8 else "fp8 blocks"
+
+    def stored_tensors(self) -> tuple[Tensor, ...]:
+        return self.weight, self.weight_scale
+
+    def dequantized(self, device) -> Tensor:
+        return dequantize_blocks(*self.stored(device), self.block)
+
+
+class W4A4Linear(DequantizedLinear):
+    """ConvRot W4A4: ``weight`` int8 [N, K/2] (two signed int4 a byte), ``weight_scale`` float32 [N]. ``int4_matmul``
+    (``storage.int8.use_int8_matmul``): comfy-kitchen's kernel, which turns and quantizes the activations to int4
+    per token; else the weight is dequantized and multiplied in the compute dtype."""
+
+    kind = "w4a4"
+
+    def __init__(self, in_features: int, out_features: int, rotation: int, item_by_item: bool = False, device=None):
+        super().__init__(in_features, out_features, item_by_item)
+        self.rotation, self.int4_matmul = rotation, False
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, device=device))
+
+    def stored_tensors(self) -> tuple[Tensor, ...]:
+        return self.weight, self.weight_scale
+
+    def dequantized(self, device) -> Tensor:
+        return dequantize_w4a4(*self.stored(device), self.rotation)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.int4_matmul and self.weight_patch is None:
+            call = lambda item: kitchen.convrot_w4a4_linear(item, self.weight, self.weight_scale, self.rotation)  # noqa: E731
+            return item_by_item(call, x) if self.item_by_item else call(x)
+        return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", ConvRot group {self.rotation}" + (", int4 matmul" if self.int4_matmul else "")
