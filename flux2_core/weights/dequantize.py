@@ -78,6 +78,8 @@ def layer_format(ckpt: Checkpoint, layer: str, spec: object) -> LayerFormat:
                          f"file is corrupt, download it again")
     inputs = weight.shape[1] * PACKED_INPUTS.get(storage, 1)
     rotation = 0
+    if spec.get("convrot") and storage not in ("int8", "w4a4"):
+        raise Flux2Error(f"{where} is {name} with ConvRot, which this pack runs for int8 and W4A4 only")
     if spec.get("convrot") or storage == "w4a4":
         rotation = _whole(spec.get("convrot_groupsize", DEFAULT_GROUP), where, "convrot_groupsize")
         if not is_power_of_4(rotation) or inputs % rotation:
@@ -87,8 +89,6 @@ def layer_format(ckpt: Checkpoint, layer: str, spec: object) -> LayerFormat:
                               != W4A4_GROUP or inputs % W4A4_GROUP):
         raise Flux2Error(f"{where} is W4A4 with a quantization group of {spec.get('quant_group_size', W4A4_GROUP)} "
                          f"over {inputs} inputs; only {W4A4_GROUP} (comfy-kitchen's), dividing the inputs, can be run")
-    if rotation and storage not in ("int8", "w4a4"):
-        raise Flux2Error(f"{where} is {name} with ConvRot, which this pack runs for int8 and W4A4 only")
     block = _whole(spec.get("group_size", DEFAULT_BLOCKS[name]), where, "group_size") if storage == "blocks" else 0
     scale = ckpt.tensors.get(layer + ".weight_scale")
     per_row = scale is not None and _count(scale.shape) == weight.shape[0] > 1

@@ -1,0 +1,242 @@
+"""ComfyUI's quantized files (int8 per tensor / per row / ConvRot, nvfp4, mxfp8, ConvRot W4A4, 2-D block int8 and
+fp8), written by comfy-kitchen's own quantize functions (the converter's block formats by hand), loaded as stored.
+The oracle is comfy-kitchen: its dequantize for the weights, its ops (eager backend) for a layer's output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flux2_core import weights
+from flux2_core.adapters.lora import read_adapter
+from flux2_core.adapters.patching import set_adapters
+from flux2_core.errors import Flux2Error
+from flux2_core.models import rope
+from flux2_core.storage import rotation
+from flux2_core.storage.linear import Linear
+from flux2_core.storage.protocol import census
+from tests.tiny.adapters import lora_state_dict, random_lora
+from tests.tiny.layouts import KITCHEN_LAYOUTS, comfy_quant, save_prefixed
+from tests.tiny.transformer import TINY_TRANSFORMER as P
+from tests.tiny.transformer import random_bfl_transformer_state_dict
+
+ck = pytest.importorskip("comfy_kitchen")
+from comfy_kitchen.tensor import QuantizedTensor, get_layout_class  # noqa: E402
+
+PREFIX = "model.diffusion_model."
+# a mixed file, as users get them: attention, MLPs, the text input quantized; modulations, the image input and the
+# final layer left in float
+LAYERS = ["double_blocks.0.img_attn.qkv", "double_blocks.1.txt_mlp.0", "single_blocks.0.linear1",
+          "single_blocks.1.linear2", "txt_in"]
+W4A4_LAYERS = LAYERS[:4]                   # W4A4 needs inputs in multiples of 64 (txt_in has 96)
+ROTATION = {"int8_convrot": 64, "convrot_w4a4": 64}
+# max |model - float model| / max |float model| on the tiny model, measured (see docs/quantized-files.md)
+MODEL_ERROR = {"int8_tensorwise": 0.02, "int8_rowwise": 0.02, "int8_convrot": 0.03, "nvfp4": 0.25, "mxfp8": 0.1,
+               "convrot_w4a4": 0.3}
+
+
+@pytest.fixture(scope="module")
+def float_sd():
+    return random_bfl_transformer_state_dict(P, seed=0)
+
+
+@pytest.fixture(scope="module")
+def files(float_sd, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("comfy_quant")
+    out = {}
+    for kind in KITCHEN_LAYOUTS:
+        layers = W4A4_LAYERS if kind == "convrot_w4a4" else LAYERS
+        sd = comfy_quant(float_sd, layers, kind, ROTATION.get(kind, 0))
+        out[kind] = (save_prefixed(sd, tmp / f"klein-tiny-{kind}.safetensors", PREFIX), sd, layers)
+    return out
+
+
+def kitchen_weight(sd: dict, layer: str, kind: str) -> QuantizedTensor:
+    """The layer as ComfyUI holds it: a comfy-kitchen QuantizedTensor of the file's tensors."""
+    layout_name, options = KITCHEN_LAYOUTS[kind]
+    layout = get_layout_class(layout_name)
+    qdata, scale = sd[layer + ".weight"], sd[layer + ".weight_scale"]
+    spec = json.loads(bytes(sd[layer + ".comfy_quant"].tolist()))
+    if kind == "nvfp4":
+        params = layout.Params(scale=sd[layer + ".weight_scale_2"], block_scale=scale, orig_dtype=torch.float32,
+                               orig_shape=(qdata.shape[0], qdata.shape[1] * 2))
+    elif kind == "convrot_w4a4":
+        params = layout.Params(scale=scale, orig_dtype=torch.float32, orig_shape=(qdata.shape[0], qdata.shape[1] * 2),
+                               convrot_groupsize=spec["convrot_groupsize"])
+    elif kind == "mxfp8":
+        params = layout.Params(scale=scale, orig_dtype=torch.float32, orig_shape=tuple(qdata.shape))
+    else:
+        params = layout.Params(scale=scale, orig_dtype=torch.float32, orig_shape=tuple(qdata.shape),
+                               convrot=bool(spec.get("convrot")), convrot_groupsize=spec.get("convrot_groupsize", 256))
+    return QuantizedTensor(qdata, layout_name, params)
+
+
+def forward(model, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    img, txt = torch.randn(1, 16, P.in_channels, generator=g), torch.randn(1, 8, P.context_in_dim, generator=g)
+    with torch.no_grad():
+        return model(img, rope.image_ids(1, 4, 4), torch.tensor([0.7]), txt, rope.text_ids(1, 8))
+
+
+@pytest.mark.parametrize("kind", list(KITCHEN_LAYOUTS))
+def test_stored_weights_equal_comfy_kitchens_dequantize(files, kind):
+    path, sd, layers = files[kind]
+    model, _ = weights.load_transformer(path, device="cpu", dtype=torch.float32)
+    expected_kind = {"int8_tensorwise": "int8", "int8_rowwise": "int8", "int8_convrot": "int8"}.get(kind, kind)
+    assert census(model)[{"convrot_w4a4": "w4a4"}.get(expected_kind, expected_kind)] == len(layers)
+    for layer in layers:
+        ours = model.get_submodule(layer)
+        assert torch.equal(ours.weight.view(torch.uint8), sd[layer + ".weight"].view(torch.uint8))   # as stored
+        theirs = kitchen_weight(sd, layer, kind).dequantize().float()
+        out, inputs = ours.out_features, ours.in_features
+        assert torch.equal(ours.float_weight(), theirs[:out, :inputs]), layer
+
+
+@pytest.mark.parametrize("kind", list(KITCHEN_LAYOUTS))
+def test_a_layer_computes_what_comfy_kitchen_computes(files, kind):
+    """Float path: x @ the dequantized weight (comfy-kitchen's, falling back as ComfyUI does off Blackwell). Kernel
+    paths (int8 matmul, W4A4's int4 matmul) on comfy-kitchen's eager backend: its own linear on the same tensors."""
+    path, sd, layers = files[kind]
+    model, _ = weights.load_transformer(path, device="cpu", dtype=torch.float32)
+    layer = layers[0]
+    ours = model.get_submodule(layer)
+    x = torch.randn(2, 7, ours.in_features, generator=torch.Generator().manual_seed(3))
+    theirs = kitchen_weight(sd, layer, kind)
+    want = torch.nn.functional.linear(x, theirs.dequantize().float()[: ours.out_features, : ours.in_features])
+    with torch.no_grad():
+        got = ours(x)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    kernel = {"int8": "int8_matmul", "w4a4": "int4_matmul"}.get(ours.kind)
+    if kernel:
+        setattr(ours, kernel, True)
+        with ck.use_backend("eager"), torch.no_grad():
+            got = ours(x)
+            want = torch.nn.functional.linear(x, theirs)          # comfy-kitchen's dispatch for its layout
+        assert torch.equal(got, want)
+
+
+def test_whole_models_error_against_float_per_format(files, float_sd, tmp_path):
+    reference, _ = weights.load_transformer(save_prefixed(float_sd, tmp_path / "float.safetensors", PREFIX),
+                                            device="cpu", dtype=torch.float32)
+    want = forward(reference)
+    errors = {}
+    for kind, (path, _, _) in files.items():
+        model, _ = weights.load_transformer(path, device="cpu", dtype=torch.float32)
+        errors[kind] = ((forward(model) - want).abs().max() / want.abs().max()).item()
+    print("model error against float:", {k: round(v, 4) for k, v in errors.items()})
+    assert all(0 < errors[k] <= MODEL_ERROR[k] for k in errors), errors
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "int8_convrot", "convrot_w4a4"])
+def test_a_lora_on_a_stored_layer_equals_it_on_the_dequantized_weights(files, kind):
+    path, sd, layers = files[kind]
+    raw = random_lora(P, layers[:2], rank=4, seed=5)
+    adapter = read_adapter(lora_state_dict(raw, "kohya", alpha=4.0)[0], P, name="l")
+    model, _ = weights.load_transformer(path, device="cpu", dtype=torch.float32)
+    reference, _ = weights.load_transformer(path, device="cpu", dtype=torch.float32)
+    for layer in layers[:2]:                                     # the float model the stored one stands for
+        stored = reference.get_submodule(layer)
+        plain = Linear(stored.in_features, stored.out_features)
+        plain.weight.data = stored.float_weight()
+        reference.set_submodule(layer, plain)
+    stored_state = {k: v.clone() for k, v in model.state_dict().items()}
+    for merge in (None, True):          # a branch; a merge (int8: quantized again; the others: patched as dequantized)
+        set_adapters(model, [(p, 0.8) for p in adapter.patches], merge=merge)
+        set_adapters(reference, [(p, 0.8) for p in adapter.patches])
+        want = forward(reference)
+        bound = 0.02 if merge and kind.startswith("int8") else 2e-5
+        assert (forward(model) - want).abs().max() <= bound * want.abs().max(), merge
+    set_adapters(model, [])
+    assert all(torch.equal(v.view(torch.uint8) if v.dtype.itemsize == 1 else v,
+                           stored_state[k].view(torch.uint8) if v.dtype.itemsize == 1 else stored_state[k])
+               for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", list(KITCHEN_LAYOUTS))
+def test_memory_held_is_the_files_bytes(files, kind):
+    path, sd, _ = files[kind]
+    model, _ = weights.load_transformer(path, device="cpu", dtype=torch.float32)
+    held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    in_file = sum(t.numel() * t.element_size() for k, t in sd.items() if not k.endswith(".comfy_quant"))
+    assert held == in_file
+    assert weights.transformer_bytes(path, torch.float32) == held
+
+
+def block_file(float_sd, fmt: str, block: int, layers: list[str]) -> tuple[dict, dict]:
+    """The converter's 2-D block formats by hand: a scale per block x block of the weight, max |value| = 127 (int8)
+    or 448 (fp8) in each block; returns the tensors and the dequantized weights."""
+    sd, expected = dict(float_sd), {}
+    for layer in layers:
+        w = sd.pop(layer + ".weight").float()
+        n, k = w.shape
+        tiles = w.reshape(n // block, block, k // block, block)
+        top = 127.0 if fmt == "int8_blockwise" else 448.0
+        scale = tiles.abs().amax(dim=(1, 3)) / top                                  # [n/b, k/b]
+        q = tiles / scale[:, None, :, None]
+        q = q.round().to(torch.int8) if fmt == "int8_blockwise" else q.to(torch.float8_e4m3fn)
+        sd[layer + ".weight"], sd[layer + ".weight_scale"] = q.reshape(n, k), scale
+        sd[layer + ".comfy_quant"] = torch.tensor(list(json.dumps({"format": fmt, "group_size": block}).encode()),
+                                                  dtype=torch.uint8)
+        expected[layer] = (q.float() * scale[:, None, :, None]).reshape(n, k)
+    return sd, expected
+
+
+@pytest.mark.parametrize("fmt", ["int8_blockwise", "float8_e4m3fn_blockwise"])
+def test_block_scaled_formats(float_sd, tmp_path, fmt):
+    layers = LAYERS[:4]
+    sd, expected = block_file(float_sd, fmt, 32, layers)
+    model, _ = weights.load_transformer(save_prefixed(sd, tmp_path / "b.safetensors", PREFIX), device="cpu",
+                                        dtype=torch.float32)
+    for layer in layers:
+        assert torch.equal(model.get_submodule(layer).float_weight(), expected[layer])
+
+
+def test_int8_convrot_at_load_holds_outliers_better(float_sd, tmp_path):
+    """``int8="convrot"``: the weights quantized in ConvRot's basis. On weights with outlier inputs (as real
+    models have) its error is below per-row int8's; each layer equals comfy-kitchen's ConvRot quantization."""
+    sd = dict(float_sd)
+    g = torch.Generator().manual_seed(7)
+    for layer in LAYERS:
+        w = sd[layer + ".weight"].float()
+        columns = torch.randperm(w.shape[1], generator=g)[:3]
+        w[:, columns] *= 30                                                  # a few loud input channels
+        sd[layer + ".weight"] = w
+    path = save_prefixed(sd, tmp_path / "outliers.safetensors", PREFIX)
+    errors = {}
+    for int8 in (True, "convrot"):
+        model, _ = weights.load_transformer(path, device="cpu", dtype=torch.float32, int8=int8)
+        layer = model.get_submodule("double_blocks.0.img_attn.qkv")
+        w = sd["double_blocks.0.img_attn.qkv.weight"]
+        errors[int8] = ((layer.float_weight() - w).norm() / w.norm()).item()
+        if int8 == "convrot":
+            assert layer.rotation == rotation.group_for(layer.in_features) == 64
+            q, params = get_layout_class("TensorWiseINT8Layout").quantize(w, per_channel=True, convrot=True,
+                                                                           convrot_groupsize=64)
+            assert (layer.weight.int() - q.int()).abs().max() <= 1            # our rounding: |w8| <= 127, ties
+            assert torch.allclose(layer.weight_scale, params.scale.reshape(-1), rtol=1e-6)
+    assert errors["convrot"] < 0.5 * errors[True], errors
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"format": "awq_w4a16"}, "'awq_w4a16'.*cannot be loaded here"),
+    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 48}, "not a power of 4"),
+    ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": "big"}, "not a positive whole number"),
+    ({"format": "nvfp4", "convrot": True}, "runs for int8 and W4A4 only"),
+])
+def test_formats_that_cannot_run_are_refused_by_name_and_layer(files, tmp_path, spec, message):
+    _, sd, layers = files["int8_rowwise"]
+    sd = dict(sd)
+    sd[layers[0] + ".comfy_quant"] = torch.tensor(list(json.dumps(spec).encode()), dtype=torch.uint8)
+    path = save_prefixed(sd, tmp_path / "bad.safetensors", PREFIX)
+    with pytest.raises(Flux2Error, match=f"layer {PREFIX}{layers[0]}.*{message}|{message}"):
+        weights.load_transformer(path, device="cpu")
+
+
+def test_a_scale_of_the_wrong_size_is_refused(files, tmp_path):
+    _, sd, layers = files["nvfp4"]
+    sd = dict(sd)
+    sd[layers[0] + ".weight_scale"] = sd[layers[0] + ".weight_scale"][:64]
+    with pytest.raises(Flux2Error, match="weight_scale.*needs.*corrupt"):
+        weights.load_transformer(save_prefixed(sd, tmp_path / "cut.safetensors", PREFIX), device="cpu")
