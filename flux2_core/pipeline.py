@@ -79,7 +79,7 @@ class Models:
 
 
 def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: torch.dtype | None = None,
-                variant: str | None = None, fp8: bool | None = None, int8: bool = False, offload_encoder="auto",
+                variant: str | None = None, fp8: bool | None = None, int8: bool | str = False, offload_encoder="auto",
                 offload_blocks=False, size: tuple[int, int] = (DEFAULT_SIZE, DEFAULT_SIZE), decoder=None) -> Models:
     """dtype: the transformer's and text encoder's compute dtype; None: what the device computes fast
     (``devices.compute_dtype``; the text encoder never float16); the AE stays float32. A 16-bit file's weights stay
@@ -121,7 +121,8 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     return models
 
 
-def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool = False, compile: bool = False) -> Models:
+def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool | str = False,
+                         compile: bool = False) -> Models:
     """In place, for a model already in memory (files load straight to fp8 / int8 with ``load_models``). ``compile``:
     the first step at each new image size pays the compile.
     """
@@ -140,7 +141,7 @@ def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool = Fals
     if fp8:
         quant.quantize_transformer(models.transformer, quantizable)
     if int8:
-        quantize_blocks(models.transformer, quantizable)
+        quantize_blocks(models.transformer, quantizable, convrot=int8 == "convrot")
     if fp8 or int8:
         choose_matmuls(models.transformer, models.device, models.transformer.dtype)
     if compile:

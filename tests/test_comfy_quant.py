@@ -23,7 +23,7 @@ from tests.tiny.transformer import TINY_TRANSFORMER as P
 from tests.tiny.transformer import random_bfl_transformer_state_dict
 
 ck = pytest.importorskip("comfy_kitchen")
-from comfy_kitchen.tensor import QuantizedTensor, get_layout_class  # noqa: E402
+from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
 
 PREFIX = "model.diffusion_model."
 # a mixed file, as users get them: attention, MLPs, the text input quantized; modulations, the image input and the
@@ -32,9 +32,10 @@ LAYERS = ["double_blocks.0.img_attn.qkv", "double_blocks.1.txt_mlp.0", "single_b
           "single_blocks.1.linear2", "txt_in"]
 W4A4_LAYERS = LAYERS[:4]                   # W4A4 needs inputs in multiples of 64 (txt_in has 96)
 ROTATION = {"int8_convrot": 64, "convrot_w4a4": 64}
-# max |model - float model| / max |float model| on the tiny model, measured (see docs/quantized-files.md)
-MODEL_ERROR = {"int8_tensorwise": 0.02, "int8_rowwise": 0.02, "int8_convrot": 0.03, "nvfp4": 0.25, "mxfp8": 0.1,
-               "convrot_w4a4": 0.3}
+# max |model - float model| / max |float model| on the tiny model, about 3x what was measured
+# (measured: int8 0.0014-0.0024, nvfp4 0.019, mxfp8 0.0051, W4A4 0.024)
+MODEL_ERROR = {"int8_tensorwise": 0.01, "int8_rowwise": 0.01, "int8_convrot": 0.01, "nvfp4": 0.06, "mxfp8": 0.02,
+               "convrot_w4a4": 0.08}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def files(float_sd, tmp_path_factory):
 
 def kitchen_weight(sd: dict, layer: str, kind: str) -> QuantizedTensor:
     """The layer as ComfyUI holds it: a comfy-kitchen QuantizedTensor of the file's tensors."""
-    layout_name, options = KITCHEN_LAYOUTS[kind]
+    layout_name, _options = KITCHEN_LAYOUTS[kind]
     layout = get_layout_class(layout_name)
     qdata, scale = sd[layer + ".weight"], sd[layer + ".weight_scale"]
     spec = json.loads(bytes(sd[layer + ".comfy_quant"].tolist()))
@@ -131,7 +132,7 @@ def test_whole_models_error_against_float_per_format(files, float_sd, tmp_path):
 
 @pytest.mark.parametrize("kind", ["nvfp4", "int8_convrot", "convrot_w4a4"])
 def test_a_lora_on_a_stored_layer_equals_it_on_the_dequantized_weights(files, kind):
-    path, sd, layers = files[kind]
+    path, _sd, layers = files[kind]
     raw = random_lora(P, layers[:2], rank=4, seed=5)
     adapter = read_adapter(lora_state_dict(raw, "kohya", alpha=4.0)[0], P, name="l")
     model, _ = weights.load_transformer(path, device="cpu", dtype=torch.float32)
@@ -216,6 +217,7 @@ def test_int8_convrot_at_load_holds_outliers_better(float_sd, tmp_path):
                                                                            convrot_groupsize=64)
             assert (layer.weight.int() - q.int()).abs().max() <= 1            # our rounding: |w8| <= 127, ties
             assert torch.allclose(layer.weight_scale, params.scale.reshape(-1), rtol=1e-6)
+    print("int8 weight error, per row vs ConvRot:", errors)
     assert errors["convrot"] < 0.5 * errors[True], errors
 
 
@@ -240,3 +242,22 @@ def test_a_scale_of_the_wrong_size_is_refused(files, tmp_path):
     sd[layers[0] + ".weight_scale"] = sd[layers[0] + ".weight_scale"][:64]
     with pytest.raises(Flux2Error, match="weight_scale.*needs.*corrupt"):
         weights.load_transformer(save_prefixed(sd, tmp_path / "cut.safetensors", PREFIX), device="cpu")
+
+
+@pytest.mark.parametrize("kind", ["int8_convrot", "nvfp4", "mxfp8", "convrot_w4a4"])
+def test_a_quantized_text_encoder_keeps_its_format(tmp_path, kind):
+    """A ComfyUI Qwen3 file with quantized attention and MLP layers: kept as stored, weights equal comfy-kitchen's."""
+    from flux2_core.models.tokenizer import build_qwen3_tokenizer
+    from tests.tiny.text_encoder import build_tiny_qwen3, comfyui_state_dict
+
+    model = build_tiny_qwen3(seed=0)
+    layers = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    layers = layers[1:] if kind == "convrot_w4a4" else layers             # W4A4: 64 inputs or more
+    sd = comfy_quant(comfyui_state_dict(model), layers, kind, ROTATION.get(kind, 0))
+    encoder = weights.load_text_encoder(save_prefixed(sd, tmp_path / "qwen_3_tiny_q.safetensors"), device="cpu",
+                                        dtype=torch.float32, tokenizer=build_qwen3_tokenizer())
+    for layer in layers:
+        ours = encoder.model.get_submodule(layer.removeprefix("model."))
+        assert ours.kind == {"int8_convrot": "int8", "convrot_w4a4": "w4a4"}.get(kind, kind)
+        theirs = kitchen_weight(sd, layer, kind).dequantize().float()
+        assert torch.equal(ours.float_weight(), theirs[: ours.out_features, : ours.in_features])

@@ -35,6 +35,9 @@ OFFLOAD = {"auto": ("auto", "auto"), "none": (False, False), "encoder": (True, F
 YES_NO = {"auto": "auto", "yes": True, "no": False}
 
 
+# --int8's choices -> load_transformer's int8
+INT8_CHOICES = {None: False, "rows": True, "convrot": "convrot"}
+
 def program() -> str:
     return "python -m flux2_core" if Path(sys.argv[0]).parts[-2:] == ("flux2_core", "__main__.py") else "flux2-klein"
 
@@ -115,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "every block, quantized as it loads: about half the memory of bf16 (Klein 4B: 7.5 -> 3.8 GB), "
                         "images differ slightly. auto (default): an fp8 file's fp8 layers stay fp8, with its own "
                         "scales. no: an fp8 file is dequantized to the --dtype")
-    p.add_argument("--int8", action="store_true",
-                   help="transformer block weights in int8 (one scale per row), quantized as they load from any file "
+    p.add_argument("--int8", nargs="?", choices=["rows", "convrot"], const="rows", default=None,
+                   help="transformer block weights in int8 (one scale per row; convrot: in ConvRot's rotated basis, "
+                        "which keeps outlier-heavy weights more exact), quantized as they load from any file "
                         "(bf16, fp8, GGUF): about half the memory of bf16; multiplied in int8 with the activations "
                         "quantized per token (comfy-kitchen's int8_linear) on NVIDIA GPUs from Turing on (RTX 20xx, "
                         "30xx, A100: no fp8 tensor cores needed) and on CPUs in float32, else computed in the "
@@ -551,12 +555,12 @@ def load_for_command(args, device, size: tuple[int, int]):
             files["dtype"] = f"{args.dtype} (--dtype)"
         print(f"loading {paths[0].name}, {paths[1].name}, {paths[2].name}", file=sys.stderr)
         models = load_models(*paths, device=device, dtype=dtype, variant=args.variant,
-                             fp8={"auto": None, "yes": True, "no": False}[args.fp8], int8=args.int8,
+                             fp8={"auto": None, "yes": True, "no": False}[args.fp8], int8=INT8_CHOICES[args.int8],
                              offload_encoder=offload, offload_blocks=offload_blocks, size=size, decoder=args.decoder)
         files |= {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
         if args.decoder:
             files["decoder"] = Path(args.decoder).name
-    optimize_transformer(models, fp8=args.demo and args.fp8 == "yes", int8=args.demo and args.int8)  # files: on load
+    optimize_transformer(models, fp8=args.demo and args.fp8 == "yes", int8=args.demo and INT8_CHOICES[args.int8])  # files: on load
     if args.lora:
         loras = [lora_argument(a) for a in args.lora]
         for line in apply_adapters(models, loras, merge=True if args.lora_merge else None):
@@ -663,12 +667,12 @@ def follow(args, sp) -> int:
         if args.int8:
             from ..storage.int8 import quantize_blocks
 
-            quantize_blocks(model, quantizable)
+            quantize_blocks(model, quantizable, convrot=args.int8 == "convrot")
         choose_matmuls(model, sp.device, model.dtype, fp8=YES_NO[args.fp8_matmul])
     else:                           # as the followers ComfyUI's process starts load
         path = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae)[0]
         source = TransformerSource.of(path, args.dtype, {"auto": None, "yes": True, "no": False}[args.fp8],
-                                      args.variant, int8=args.int8)
+                                      args.variant, int8=INT8_CHOICES[args.int8])
         model = source.load(sp.device, fp8_matmul=YES_NO[args.fp8_matmul])
     if args.lora:
         read = [(read_adapter(path, model.params), strength) for path, strength in map(lora_argument, args.lora)]

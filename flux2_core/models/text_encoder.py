@@ -12,6 +12,7 @@ import torch
 
 from ..checks import dtype_cause, finite
 from ..errors import Flux2Error
+from ..storage.layer_format import LayerFormat
 from ..storage.quant import DROPPED_SUFFIXES
 from ..variants import QWEN3_4B, QWEN3_8B, QWEN3_TEMPLATE, TextEncoderSpec
 from .layers import Layers
@@ -33,6 +34,13 @@ class PromptEmbeds:
         """Prompt i's embeddings [1, its length, width]."""
         return self.embeds[i:i + 1, :self.lengths[i]] if self.lengths is not None else self.embeds[i:i + 1]
 
+
+
+@dataclass(frozen=True)
+class StoredLayer:
+    """A linear layer a quantized file keeps in its own format: the format and the layer's tensors by state name."""
+    format: LayerFormat
+    tensors: dict[str, torch.Tensor]
 
 def stack_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
     """Prompt embeddings [1 or n, L_i, width] -> [sum of n, max L_i, width], each right-padded with zeros, and every
@@ -162,16 +170,21 @@ def qwen3_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, num_layers: int, device, dtype,
-                      ggml_types: dict[str, int] | None = None, kept: dict[str, torch.dtype] | None = None) -> Qwen3:
+                      ggml_types: dict[str, int] | None = None, kept: dict[str, torch.dtype] | None = None,
+                      stored: dict[str, StoredLayer] | None = None) -> Qwen3:
     """Built on meta; the tensors become the parameters (no second copy). Deeper layers are not read. ``kept``: linear
-    layers (module names) whose weights stay in that 16-bit dtype, cast at each call."""
+    layers (module names) whose weights stay in that 16-bit dtype, cast at each call. ``stored``: linear layers kept
+    in a quantized file's own format, with their tensors (not in ``state_dict``)."""
     sd = qwen3_state_dict(state_dict)
     keep = {k: v for k, v in sd.items() if is_used(k, num_layers)}
-    kept = kept or {}
+    kept, stored = kept or {}, stored or {}
     with torch.device("meta"):
-        model = Qwen3(params, num_layers, Layers(ggml=(ggml_types or {}).get, kept=kept.get), dtype)
+        model = Qwen3(params, num_layers, Layers(ggml=(ggml_types or {}).get, kept=kept.get,
+                                                 stored=lambda name: getattr(stored.get(name), "format", None)), dtype)
     keep = {k: v.to(device=device, dtype=kept.get(k.removesuffix(".weight"), dtype) if v.is_floating_point()
                     else v.dtype) for k, v in keep.items()}
+    keep |= {f"{name}.{k}": t.to(device) for name, layer in stored.items() if is_used(f"{name}.weight", num_layers)
+             for k, t in layer.tensors.items()}
     misfit = f"the text-encoder weights do not fit Qwen3 ({params.hidden_size} wide, {num_layers} layers)"
     try:
         missing, unexpected = model.load_state_dict(keep, strict=False, assign=True)
@@ -184,8 +197,8 @@ def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, 
 
 def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device="cpu", dtype=torch.bfloat16,
                         tokenizer=None, spec: TextEncoderSpec | None = None,
-                        ggml_types: dict[str, int] | None = None, kept: dict[str, torch.dtype] | None = None
-                        ) -> PromptEncoder:
+                        ggml_types: dict[str, int] | None = None, kept: dict[str, torch.dtype] | None = None,
+                        stored: dict[str, StoredLayer] | None = None) -> PromptEncoder:
     """``config``: ``Qwen3Params``, a config.json dict (or a transformers Qwen3Config), or None to read it from the
     shapes. ``ggml_types``: module name -> GGML type of the layers given as GGUF blocks. ``spec``: None picks by width.
     """
@@ -198,5 +211,5 @@ def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device
         spec = SPECS_BY_HIDDEN.get(params.hidden_size) or replace(QWEN3_4B, name="custom", hidden_size=params.hidden_size)
     elif spec.hidden_size != params.hidden_size:     # another size of the model the spec reads (tests, or a mistake
         spec = replace(spec, name="custom", hidden_size=params.hidden_size)   # the transformer's check then names)
-    model = build_qwen3_model(state_dict, params, max(spec.output_layers), device, dtype, ggml_types, kept)
+    model = build_qwen3_model(state_dict, params, max(spec.output_layers), device, dtype, ggml_types, kept, stored)
     return PromptEncoder(model, tokenizer if tokenizer is not None else load_tokenizer(), spec)

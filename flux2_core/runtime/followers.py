@@ -41,11 +41,11 @@ class TransformerSource:
     fp8: bool | None = None       # as load_transformer takes it
     variant: str | None = None
     stamp: str = ""               # the file's size and modification time as the driver loaded it ("": unchecked)
-    int8: bool = False            # as load_transformer takes it
+    int8: bool | str = False      # as load_transformer takes it
 
     @classmethod
     def of(cls, path, dtype: str | None, fp8: bool | None = None, variant: str | None = None,
-           int8: bool = False) -> TransformerSource:
+           int8: bool | str = False) -> TransformerSource:
         """Call it when the driver loads the file: it stamps the file as it is now."""
         return cls(str(path), dtype, fp8, variant, file_stamp(path), int8)
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .int8 import use_int8_matmul
+from .packed import use_int4_matmul
 from .quant import use_fp8_matmul
 
 
@@ -21,14 +22,15 @@ class MatmulChoice:
     fp8_note: str
     int8: bool
     int8_note: str
+    int4_note: str = ""
 
     @property
     def notes(self) -> list[str]:
-        return [note for note in (self.fp8_note, self.int8_note) if note]
+        return [note for note in (self.fp8_note, self.int8_note, self.int4_note) if note]
 
 
 def choose_matmuls(model: nn.Module, device, dtype: torch.dtype, fp8="auto", int8="auto") -> MatmulChoice:
     """Each choice "auto" (the faster path where it runs), True (Flux2Error where it cannot) or False."""
     fp8_on, fp8_note = use_fp8_matmul(model, fp8, torch.device(device), dtype)
     int8_on, int8_note = use_int8_matmul(model, int8, torch.device(device), dtype)
-    return MatmulChoice(fp8_on, fp8_note, int8_on, int8_note)
+    return MatmulChoice(fp8_on, fp8_note, int8_on, int8_note, use_int4_matmul(model, device))

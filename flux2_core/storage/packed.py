@@ -214,9 +214,23 @@ class W4A4Linear(DequantizedLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.int4_matmul and self.weight_patch is None:
-            call = lambda item: kitchen.convrot_w4a4_linear(item, self.weight, self.weight_scale, self.rotation)  # noqa: E731
+            call = lambda item: kitchen.convrot_w4a4_linear(item, self.weight, self.weight_scale, self.rotation)
             return item_by_item(call, x) if self.item_by_item else call(x)
         return super().forward(x)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", ConvRot group {self.rotation}" + (", int4 matmul" if self.int4_matmul else "")
+
+
+def use_int4_matmul(model: nn.Module, device) -> str:
+    """W4A4 layers multiply in int4 where comfy-kitchen has a GPU kernel for it (its eager code unpacks to floats,
+    no faster than the dequantized weight); a note, "" without W4A4 layers."""
+    layers = [m for m in model.modules() if isinstance(m, W4A4Linear)]
+    if not layers:
+        return ""
+    device = torch.device(device)
+    on = device.type == "cuda" and not kitchen.available("convrot_w4a4_linear") and bool(
+        kitchen.gpu_backends("convrot_w4a4_linear"))
+    for layer in layers:
+        layer.int4_matmul = on
+    return "W4A4 int4 matmul: on" if on else "W4A4 int4 matmul: off (no GPU kernel here); the weights are dequantized"

@@ -28,7 +28,7 @@ from ..key_tables import Layout, Recipe, same_names, table_names, table_recipes
 from ..models.autoencoder import AutoEncoder, WeightFiles
 from ..models.layers import Layers, stored_linear
 from ..models.qwen3 import Qwen3Params
-from ..models.text_encoder import PromptEncoder, build_qwen3_encoder, is_used, qwen3_state_dict
+from ..models.text_encoder import PromptEncoder, StoredLayer, build_qwen3_encoder, is_used, qwen3_state_dict
 from ..models.tokenizer import load_tokenizer
 from ..models.transformer import Flux2Transformer
 from ..storage import ggml
@@ -709,21 +709,25 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     keys = sorted(k for k in map(source.layout.ours, source.keys) if k is not None and is_used(k, last))
     ggml_types = {k.removesuffix(".weight"): source.ggml_type(k) for k in keys if source.ggml_type(k) is not None}
     shapes = {k: torch.empty(need_shape(source, k), device="meta") for k in keys}
-    kept = {k: stored for k in keys if len(shapes[k].shape) == 2 and not k.endswith("embed_tokens.weight")
-            and k.removesuffix(".weight") not in ggml_types
+    linears = [k for k in keys if len(shapes[k].shape) == 2 and not k.endswith("embed_tokens.weight")]
+    formats = {k: fmt for k in linears if (fmt := source.stored_format(k)) is not None}     # kept as the file has them
+    kept = {k: stored for k in linears if k.removesuffix(".weight") not in ggml_types and k not in formats
             and (stored := kept_dtype(source.float_dtype(k), dtype)) != dtype}      # linears of a 16-bit file
     with closing(TensorReader(source, device)) as read:
         state = {key: read.blocks(key) if key.removesuffix(".weight") in ggml_types
-                 else _cast(read.full(source.recipe(key)), kept.get(key, dtype)) for key in keys}
+                 else _cast(read.full(source.recipe(key)), kept.get(key, dtype)) for key in keys if key not in formats}
+        layers = {k: StoredLayer(fmt, read.stored(source.recipe(k).sources[0].removesuffix(".weight"), stored_linear(
+            fmt, shapes[k].shape[1], shapes[k].shape[0], device="meta").state_dict())) for k, fmt in formats.items()}
     prefix = next((k for k in keys if k.endswith("embed_tokens.weight")), "")[: -len("embed_tokens.weight")]
     kept = {k[len(prefix):].removesuffix(".weight"): stored for k, stored in kept.items() if k.startswith(prefix)}
+    layers = {k[len(prefix):].removesuffix(".weight"): layer for k, layer in layers.items() if k.startswith(prefix)}
     if tokenizer is None and source.ckpt.path.is_dir():
         tokenizer = load_tokenizer(source.ckpt.files[0].parent)
     try:
         config = qwen3_config(source) or Qwen3Params.from_state_dict(qwen3_state_dict(shapes),
                                                                       (spec or QWEN3_4B).rope_theta)
         encoder = build_qwen3_encoder(state, config=config, device=device, dtype=dtype, tokenizer=tokenizer,
-                                      ggml_types=ggml_types, kept=kept, spec=spec)
+                                      ggml_types=ggml_types, kept=kept, spec=spec, stored=layers)
     except Flux2Error as e:
         raise Flux2Error(f"{source.ckpt.path}: {e} ({source.describe()})") from None
     if "tokenizer.ggml.tokens" in source.ckpt.metadata:
