@@ -261,3 +261,17 @@ def test_a_quantized_text_encoder_keeps_its_format(tmp_path, kind):
         assert ours.kind == {"int8_convrot": "int8", "convrot_w4a4": "w4a4"}.get(kind, kind)
         theirs = kitchen_weight(sd, layer, kind).dequantize().float()
         assert torch.equal(ours.float_weight(), theirs[: ours.out_features, : ours.in_features])
+
+
+def test_a_missing_scale_is_refused_and_a_16_bit_scale_is_widened(files, tmp_path):
+    _, sd, layers = files["int8_rowwise"]
+    cut = {k: v for k, v in sd.items() if k != layers[1] + ".weight_scale"}
+    with pytest.raises(Flux2Error, match=f"layer {PREFIX}{layers[1]} is int8 but has no weight_scale"):
+        weights.load_transformer(save_prefixed(cut, tmp_path / "cut.safetensors", PREFIX), device="cpu")
+    _, fp4, fp4_layers = files["nvfp4"]
+    cut = {k: v for k, v in fp4.items() if k != fp4_layers[1] + ".weight_scale_2"}
+    with pytest.raises(Flux2Error, match=f"no {PREFIX}{fp4_layers[1]}.weight_scale_2, which its nvfp4 layer needs"):
+        weights.load_transformer(save_prefixed(cut, tmp_path / "cut4.safetensors", PREFIX), device="cpu")
+    half = dict(sd) | {layers[1] + ".weight_scale": sd[layers[1] + ".weight_scale"].to(torch.bfloat16)}
+    model, _ = weights.load_transformer(save_prefixed(half, tmp_path / "half.safetensors", PREFIX), device="cpu")
+    assert torch.equal(model.get_submodule(layers[1]).weight_scale, half[layers[1] + ".weight_scale"].float().flatten())

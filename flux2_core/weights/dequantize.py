@@ -92,9 +92,11 @@ def layer_format(ckpt: Checkpoint, layer: str, spec: object) -> LayerFormat:
     block = _whole(spec.get("group_size", DEFAULT_BLOCKS[name]), where, "group_size") if storage == "blocks" else 0
     scale = ckpt.tensors.get(layer + ".weight_scale")
     per_row = scale is not None and _count(scale.shape) == weight.shape[0] > 1
-    if storage == "int8" and (scale is None or _count(scale.shape) not in (1, weight.shape[0])):
-        raise Flux2Error(f"{where} is int8 with a scale of shape {short(scale and list(scale.shape))}; expected one "
-                         f"per tensor or one per row ({weight.shape[0]}); the file is corrupt, download it again")
+    if storage == "int8" and scale is None:
+        raise Flux2Error(f"{where} is int8 but has no weight_scale; the file is corrupt or was cut, download it again")
+    if storage == "int8" and _count(scale.shape) not in (1, weight.shape[0]):
+        raise Flux2Error(f"{where} is int8 with a scale of shape {list(scale.shape)}; expected one per tensor or one "
+                         f"per row ({weight.shape[0]}); the file is corrupt, download it again")
     return LayerFormat(name, rotation, block, per_row)
 
 

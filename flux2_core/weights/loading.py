@@ -222,15 +222,21 @@ class TensorReader:
         """A layer's tensors as the file stores them (``weight``, ``weight_scale``, ...: a stored layer's state
         names), each in the shape and dtype its buffer has: [N, 1] scales as [N], float8 scales in uint8 as their
         bytes. ``weight``: the weight, already read."""
-        out = {}
+        out, fmt = {}, self.source.formats[layer]
         for name, buffer in like.items():
-            tensor = weight if name == "weight" and weight is not None else self.raw(f"{self.source.prefix}{layer}.{name}")
+            key = f"{self.source.prefix}{layer}.{name}"
+            if key not in self.source.ckpt.tensors:
+                raise Flux2Error(f"{self.source.ckpt.path} has no {key}, which its {fmt.describe()} layer needs beside "
+                                 f"its weight; the file is corrupt or was cut, download it again")
+            tensor = weight if name == "weight" and weight is not None else self.raw(key)
             if tensor.dtype != buffer.dtype and tensor.dtype.itemsize == buffer.dtype.itemsize and (
                     not tensor.is_floating_point() or not buffer.is_floating_point() or name == "weight"):
                 tensor = tensor.view(buffer.dtype)             # the same bytes: uint8 <-> float8 containers
+            elif buffer.dtype == torch.float32 and tensor.dtype in SIXTEEN_BIT:
+                tensor = tensor.float()                        # a 16-bit scale: widened exactly
             if tensor.numel() != buffer.numel() or tensor.dtype != buffer.dtype:
-                raise Flux2Error(f"{self.source.ckpt.path}: {self.source.prefix}{layer}.{name} is {tensor.dtype} "
-                                 f"{list(tensor.shape)}; its format ({self.source.formats[layer].describe()}) needs "
+                raise Flux2Error(f"{self.source.ckpt.path}: {key} is {tensor.dtype} "
+                                 f"{list(tensor.shape)}; its format ({fmt.describe()}) needs "
                                  f"{buffer.dtype} {list(buffer.shape)}; the file is corrupt, download it again")
             out[name] = tensor.reshape(buffer.shape)
         return out
