@@ -1,7 +1,7 @@
 """Loaders: the transformer, the Qwen3 text encoder and the autoencoder, from ComfyUI's model folders.
 
-Each accepts every layout flux2_core.weights loads (BFL / ComfyUI single files, fp8 files, GGUF files, diffusers
-folders) and hands the model on under ComfyUI's model management (nodes/host.py).
+Each accepts every layout flux2_core.weights loads (BFL / ComfyUI single files, fp8 files, ComfyUI's quantized files,
+GGUF files, diffusers folders) and hands the model on under ComfyUI's model management (nodes/host.py).
 """
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from ..flux2_core import weights
 from ..flux2_core.runtime.followers import TransformerSource
 from ..flux2_core.storage.ggml_layers import gguf_types
 from ..flux2_core.storage.matmul import choose_matmuls
-from ..flux2_core.storage.protocol import census
+from ..flux2_core.storage.protocol import FLOAT_KINDS, census
 from . import host, types
 
 DTYPE_TOOLTIP = ("Compute dtype. auto: bfloat16 on GPUs that run it well, else float32. A bf16 / fp16 file's weights "
                  "stay 16-bit under float32, cast per layer; fp8 files are dequantized to this dtype on load.")
 FP8 = "fp8_e4m3fn"
 INT8 = "int8"
+INT8_CONVROT = "int8_convrot"
+INT8_CHOICES = {INT8: True, INT8_CONVROT: "convrot"}          # -> weights.load_transformer's int8
 MODEL_DTYPE_TOOLTIP = ("Compute dtype. auto: what ComfyUI picks for FLUX.2 on this device (bfloat16 on GPUs from "
                        "Ampere on, float16 on Volta / Turing such as the T4, float32 on CPUs and older GPUs; "
                        "--fp16-unet / --bf16-unet / --force-fp32 apply); the layers an fp8 file stores in fp8 stay "
@@ -31,14 +33,26 @@ MODEL_DTYPE_TOOLTIP = ("Compute dtype. auto: what ComfyUI picks for FLUX.2 on th
                        "half the memory of bfloat16, from any file: bf16, fp8 or GGUF), quantized as they load; "
                        "multiplied in int8 with the activations quantized per token on NVIDIA GPUs from Turing on "
                        "(RTX 20xx / 30xx, A100: no fp8 tensor cores needed; through ComfyUI's comfy-kitchen), else "
-                       "computed in the auto dtype; results differ slightly. Models holding fp8 or int8 layers are "
-                       "loaded whole, never partially. GGUF files keep their quantized layers as the file's blocks, dequantized to the "
+                       f"computed in the auto dtype; results differ slightly. {INT8_CONVROT}: the same in ConvRot's "
+                       "rotated basis, which keeps weights with outlier channels more exact. ComfyUI's quantized "
+                       "files (int8 / int8 ConvRot, NVFP4, MXFP8, W4A4, mixed) keep their layers as stored on auto. "
+                       "Models holding quantized layers are loaded whole, never partially. GGUF files keep their quantized layers as the file's blocks, dequantized to the "
                        "compute dtype at each use (the node says which types); their other tensors take this dtype.")
 
 
 NO_DECODER = "none (its own)"
 AE_DTYPE_TOOLTIP = ("auto follows ComfyUI's VAE dtype (bfloat16 on recent GPUs, else float32; --fp32-vae forces "
                     "float32). The reference runs the autoencoder in float32.")
+
+
+def stored_note(model, matmuls=None) -> str:
+    """'40 layers in int8 (int8 matmul: ...), 12 layers in nvfp4 (dequantized as they run), ' for the quantized layers
+    a model holds (GGUF blocks aside: ``gguf_note``)."""
+    kinds, gguf = census(model), gguf_types(model)
+    notes = {"fp8": matmuls and matmuls.fp8_note, "int8": matmuls and matmuls.int8_note,
+             "w4a4": matmuls and matmuls.int4_note}
+    return "".join(f"{n} layers in {kind} ({notes.get(kind) or 'dequantized as they run'}), "
+                   for kind, n in kinds.items() if kind not in FLOAT_KINDS and kind not in gguf)
 
 
 def dtype_input(extra=(), tooltip: str = DTYPE_TOOLTIP) -> io.Combo.Input:
@@ -65,28 +79,26 @@ class ModelLoader(io.ComfyNode):
                                            "(flux-2-klein-4b-Q4_K_M.gguf: Q8_0 ... Q2_K) or a diffusers folder, under "
                                            "models/diffusion_models or models/unet (and ComfyUI-GGUF's unet_gguf "
                                            "paths)."),
-                    dtype_input([FP8, INT8], MODEL_DTYPE_TOOLTIP)],
+                    dtype_input([FP8, INT8, INT8_CONVROT], MODEL_DTYPE_TOOLTIP)],
             outputs=[types.Model.Output(display_name="model", tooltip="The transformer and its variant.")])
 
     @classmethod
     def execute(cls, model_name: str, dtype: str) -> io.NodeOutput:
         load_device, offload_device = host.devices("transformer")
-        fp8, int8 = {"auto": None, FP8: True}.get(dtype, False), dtype == INT8      # see weights.load_transformer
+        fp8, int8 = {"auto": None, FP8: True}.get(dtype, False), INT8_CHOICES.get(dtype, False)   # load_transformer's
         path = host.resolve("diffusion_models", model_name)
-        dtype = host.pick_dtype("auto" if dtype in (FP8, INT8) else dtype, "transformer", load_device,
+        dtype = host.pick_dtype("auto" if dtype in (FP8, *INT8_CHOICES) else dtype, "transformer", load_device,
                                 *weights.stored_dtype(path))
         model, variant = weights.load_transformer(path, offload_device, dtype, fp8=fp8, int8=int8)
         kinds = census(model)
         matmuls = choose_matmuls(model, load_device, dtype)
         kind = "CFG" if variant.uses_cfg else "distilled"
-        stored = "".join(f"{kinds[k]} layers in {k} ({note}), " for k, note in (("fp8", matmuls.fp8_note),
-                                                                                   ("int8", matmuls.int8_note))
-                         if kinds.get(k))
+        stored = stored_note(model, matmuls)
         kept = "".join(f"{kinds[k]} layers kept in {k}, computed in " for k in ("bf16", "fp16") if kinds.get(k))
         info = (f"{variant.name} ({kind}; defaults: {variant.default_steps} steps, cfg {variant.default_cfg}), "
                 f"{stored}{gguf_note(model)}{kept}{host.dtype_name(dtype)}")
         managed = host.manage(model, model, "transformer", dtype, variant=variant,
-                              full_load=bool(kinds.get("fp8") or kinds.get("int8")))
+                              full_load=bool(stored))
         managed.recipe = TransformerSource.of(path, host.dtype_name(dtype), fp8, int8=int8)
         return io.NodeOutput(managed, ui=ui.PreviewText(info))
 
@@ -115,8 +127,10 @@ class TextEncoderLoader(io.ComfyNode):
         load_device, offload_device = host.devices("text_encoder")
         dtype = host.pick_dtype(dtype, "text_encoder", load_device)
         encoder = weights.load_text_encoder(host.resolve("text_encoders", text_encoder_name), offload_device, dtype)
-        info = f"{encoder.spec.name}, {gguf_note(encoder.model)}{host.dtype_name(dtype)}"
-        managed = host.manage(encoder, encoder.model, "text_encoder", dtype, anchor="embed_tokens")
+        stored = stored_note(encoder.model)
+        info = f"{encoder.spec.name}, {stored}{gguf_note(encoder.model)}{host.dtype_name(dtype)}"
+        managed = host.manage(encoder, encoder.model, "text_encoder", dtype, anchor="embed_tokens",
+                              full_load=bool(stored))
         return io.NodeOutput(managed, ui=ui.PreviewText(info))
 
 

@@ -64,7 +64,7 @@ def test_meter_splits_time_between_stages():
 def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     """bench/gpu-check --cpu-smoke: the stages of the GPU check (install, device-mode tests, the bench's distilled
     and KV runs on the tiny config, both sides in their own processes, its fp8, int8, no-kitchen, compile, GGUF and
-    base runs, FLUX 3's transformer call in float and int8, the step cache; the tiny config computes in float32, so its distilled run
+    base runs, FLUX 3's transformer call in float and int8, the step cache, the quantized formats; the tiny config computes in float32, so its distilled run
     is the float32 parity stage: about 4 minutes on 2 cores) end ok, and the one report holds the machine, the test
     counts and every bench figure; ours and diffusers computed the same latents. The distilled and KV stages are what
     the bench driver always had to pass. The selection (--only) runs FLUX 3's int8 call alone, the cheapest stage."""
@@ -81,7 +81,7 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     stages = {"machine": True, "install": True, "tests": slow, "bench tiny distilled": slow, "bench tiny fp8": slow,
               "bench tiny int8": slow, "bench tiny no kitchen": slow, "bench tiny compile": slow,
               "bench tiny GGUF Q4_0": slow, "bench tiny base CFG": slow, "bench tiny-KV edit": slow,
-              "flux3 small": slow, "flux3 small int8": True, "step cache tiny base": slow}
+              "flux3 small": slow, "flux3 small int8": True, "step cache tiny base": slow, "quant formats tiny": slow}
     for stage, selected in stages.items():
         status = "ok" if selected else re.escape("not selected (--only)")
         assert f"\n## {stage}\n" in report and re.search(rf"\| {re.escape(stage)} \| {status} \|", report), stage
@@ -91,7 +91,8 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     figures = [json.loads(block) for block in re.findall(r"```json\n(.*?)\n```", report, re.DOTALL)]
     flux3 = [f for f in figures if "transformer_call" in f]            # bench/flux3.py's: ours alone, float and int8
     cached = [f for f in figures if "models" in f]                     # bench/step_cache.py's
-    figures = [f for f in figures if "transformer_call" not in f and "models" not in f]
+    formats = [f for f in figures if "formats" in f]                   # bench/quant_formats.py's
+    figures = [f for f in figures if not {"transformer_call", "models", "formats"} & set(f)]
     if not slow:                                      # the cheapest stage alone
         assert figures == [] and [f["transformer_call"]["notes"][0][:4] for f in flux3] == ["int8"]
         return
@@ -120,6 +121,10 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     (rows,) = [f["models"]["flux2-base"] for f in cached]              # uncached, then threshold 0.9
     assert [(r["threshold"], r["steps"]) for r in rows] == [(0.0, 12), (0.9, 12)]
     assert rows[0]["computed"] == 12 and 2 < rows[1]["computed"] < 12 and rows[1]["psnr"] > 10
+    (measured,) = [f["formats"] for f in formats]                      # each format smaller than float, and near it
+    assert list(measured) == ["float", "int8", "int8 ConvRot", "nvfp4", "mxfp8", "W4A4 ConvRot", "Q8_0", "Q4_K"]
+    assert all(r["bytes"] < measured["float"]["bytes"] for name, r in measured.items() if name != "float")
+    assert all(0 < r["error"] < 0.1 for name, r in measured.items() if name not in ("float", "Q4_K"))
 
 
 def test_kept_weights_follow_the_mode(tmp_path):

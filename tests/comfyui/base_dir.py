@@ -37,6 +37,7 @@ GGUF_ROLE = "{}_gguf"          # the role of a tiny GGUF stand-in: "transformer_
 FILES = {"transformer": "flux-2-klein-tiny.safetensors", "transformer_base": "flux-2-klein-base-tiny.safetensors",
          "transformer_kv": "flux-2-klein-9b-kv-tiny.safetensors",
          "transformer_fp8": "flux-2-klein-tiny-fp8mixed.safetensors",
+         "transformer_nvfp4": "flux-2-klein-tiny-nvfp4.safetensors",
          "transformer_bf16": "flux-2-klein-tiny-bf16.safetensors",
          "transformer_loud": "flux-2-klein-tiny-loud.safetensors",
          "transformer_two_heads": "flux-2-klein-tiny-two-heads.safetensors",
@@ -93,7 +94,7 @@ def write_tiny_models(models: Path) -> dict[str, str]:
         build_diffusers_autoencoder,
         save_bfl_autoencoder,
     )
-    from tests.tiny.layouts import comfy_fp8
+    from tests.tiny.layouts import comfy_fp8, comfy_quant
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
     from tests.tiny.transformer import random_bfl_transformer_state_dict, save_bfl_transformer
 
@@ -120,6 +121,8 @@ def write_tiny_models(models: Path) -> dict[str, str]:
     fp8, meta = comfy_fp8(transformer, blocks)
     save_file({k: v.contiguous() for k, v in fp8.items()}, str(models / "diffusion_models" / FILES["transformer_fp8"]),
               metadata=meta)
+    # and in nvfp4, by comfy-kitchen's own quantizer, as ComfyUI's quantized files are (their .comfy_quant objects)
+    save_file(comfy_quant(transformer, blocks, "nvfp4"), str(models / "diffusion_models" / FILES["transformer_nvfp4"]))
     qwen = build_tiny_qwen3(seed=2)
     save_comfyui_text_encoder(qwen, models / "text_encoders" / FILES["text_encoder"])
     save_bfl_autoencoder(build_diffusers_autoencoder(seed=3), models / "vae" / FILES["ae"])

@@ -15,6 +15,7 @@ from PIL import Image
 
 from flux2_core import pipeline
 from flux2_core.storage import quant
+from flux2_core.storage.protocol import census
 from tests.comfyui import graphs
 
 SIZE = {"width": 64, "height": 48}
@@ -128,6 +129,35 @@ def test_fp8_file_stays_fp8_and_agrees_with_comfyui_native(comfy):
     assert rel <= 1e-4
     full = run_latent(comfy, graphs.ours, case)             # and fp8 is near the full-precision weights, not equal
     assert 0 < relative(ours, full)[1] < 0.2
+
+
+def test_nvfp4_file_stays_nvfp4_and_agrees_with_comfyui_native(comfy):
+    """A ComfyUI nvfp4 file (comfy-kitchen's layout, .comfy_quant objects) on dtype auto: our loader keeps its nvfp4
+    layers as stored, the result equals flux2_core loading the same file, and ComfyUI's own loader and sampler, which
+    read nvfp4 through comfy-kitchen, agree."""
+    case = CASES["distilled"]
+    fp4 = {**graph_options(comfy, case), "model_file": comfy.files["transformer_nvfp4"]}
+    run = comfy.client.run(graphs.ours(comfy.files, **fp4, model_dtype="auto", output="latent"))
+    ours = graphs.saved_latent(comfy.base, comfy.client.history(run.prompt_id)).float()
+    info = " ".join(str(v) for v in comfy.client.history(run.prompt_id)["outputs"]["1"].get("text", []))
+    assert "layers in nvfp4 (dequantized as they run)" in info, info
+    models = comfy.base / "models"
+    direct = pipeline.load_models(models / "diffusion_models" / comfy.files["transformer_nvfp4"],
+                                  models / "text_encoders" / comfy.files["text_encoder"],
+                                  models / "vae" / comfy.files["ae"], device="cpu", dtype=torch.float32)
+    assert census(direct.transformer).get("nvfp4", 0) > 0
+    expected = pipeline.generate(direct, case["prompt"], steps=case["steps"], seed=case["seed"], **SIZE).latents
+    diff, rel = relative(ours, expected)
+    print(f"\n[nvfp4] ComfyUI node vs flux2_core: max|diff| {diff:.3g} (relative {rel:.3g})")
+    assert rel <= 1e-5
+
+    run = comfy.client.run(graphs.native(comfy.files, **fp4, output="latent"))
+    native = graphs.saved_latent(comfy.base, comfy.client.history(run.prompt_id)).float()
+    diff, rel = relative(native, ours)
+    print(f"[nvfp4] ComfyUI native FLUX.2 vs ours: max|diff| {diff:.3g} (relative {rel:.3g})")
+    assert rel <= 1e-4
+    full = run_latent(comfy, graphs.ours, case)             # and nvfp4 is near the full-precision weights, not equal
+    assert 0 < relative(ours, full)[1] < 0.5
 
 
 def test_fp8_option_quantizes_a_full_precision_file(comfy):
