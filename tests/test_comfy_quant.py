@@ -18,12 +18,12 @@ from flux2_core.storage import rotation
 from flux2_core.storage.linear import Linear
 from flux2_core.storage.protocol import census
 from tests.tiny.adapters import lora_state_dict, random_lora
-from tests.tiny.layouts import KITCHEN_LAYOUTS, comfy_quant, save_prefixed
+from tests.tiny.layouts import KITCHEN_LAYOUTS, comfy_quant, kitchen_weight, save_prefixed
 from tests.tiny.transformer import TINY_TRANSFORMER as P
 from tests.tiny.transformer import random_bfl_transformer_state_dict
 
 ck = pytest.importorskip("comfy_kitchen")
-from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
+from comfy_kitchen.tensor import get_layout_class
 
 PREFIX = "model.diffusion_model."
 # a mixed file, as users get them: attention, MLPs, the text input quantized; modulations, the image input and the
@@ -52,26 +52,6 @@ def files(float_sd, tmp_path_factory):
         sd = comfy_quant(float_sd, layers, kind, ROTATION.get(kind, 0))
         out[kind] = (save_prefixed(sd, tmp / f"klein-tiny-{kind}.safetensors", PREFIX), sd, layers)
     return out
-
-
-def kitchen_weight(sd: dict, layer: str, kind: str) -> QuantizedTensor:
-    """The layer as ComfyUI holds it: a comfy-kitchen QuantizedTensor of the file's tensors."""
-    layout_name, _options = KITCHEN_LAYOUTS[kind]
-    layout = get_layout_class(layout_name)
-    qdata, scale = sd[layer + ".weight"], sd[layer + ".weight_scale"]
-    spec = json.loads(bytes(sd[layer + ".comfy_quant"].tolist()))
-    if kind == "nvfp4":
-        params = layout.Params(scale=sd[layer + ".weight_scale_2"], block_scale=scale, orig_dtype=torch.float32,
-                               orig_shape=(qdata.shape[0], qdata.shape[1] * 2))
-    elif kind == "convrot_w4a4":
-        params = layout.Params(scale=scale, orig_dtype=torch.float32, orig_shape=(qdata.shape[0], qdata.shape[1] * 2),
-                               convrot_groupsize=spec["convrot_groupsize"])
-    elif kind == "mxfp8":
-        params = layout.Params(scale=scale, orig_dtype=torch.float32, orig_shape=tuple(qdata.shape))
-    else:
-        params = layout.Params(scale=scale, orig_dtype=torch.float32, orig_shape=tuple(qdata.shape),
-                               convrot=bool(spec.get("convrot")), convrot_groupsize=spec.get("convrot_groupsize", 256))
-    return QuantizedTensor(qdata, layout_name, params)
 
 
 def forward(model, seed: int = 1) -> torch.Tensor:
@@ -275,3 +255,21 @@ def test_a_missing_scale_is_refused_and_a_16_bit_scale_is_widened(files, tmp_pat
     half = dict(sd) | {layers[1] + ".weight_scale": sd[layers[1] + ".weight_scale"].to(torch.bfloat16)}
     model, _ = weights.load_transformer(save_prefixed(half, tmp_path / "half.safetensors", PREFIX), device="cpu")
     assert torch.equal(model.get_submodule(layers[1]).weight_scale, half[layers[1] + ".weight_scale"].float().flatten())
+
+
+def test_row_scaled_fp8_with_an_input_scale_stays_fp8(float_sd, tmp_path):
+    """The converter's float8_e4m3fn_rowwise (a scale per row, [N, 1]) beside an input_scale: kept as fp8 with the
+    file's values (the input scale, a static activation scale, is not used: activations quantize per token)."""
+    sd, layers = dict(float_sd), LAYERS[:2]
+    for layer in layers:
+        w = sd.pop(layer + ".weight").float()
+        scale = w.abs().amax(dim=1, keepdim=True) / 448.0
+        sd[layer + ".weight"], sd[layer + ".weight_scale"] = (w / scale).to(torch.float8_e4m3fn), scale
+        sd[layer + ".input_scale"] = torch.tensor(0.5)
+        sd[layer + ".comfy_quant"] = torch.tensor(list(b'{"format": "float8_e4m3fn_rowwise"}'), dtype=torch.uint8)
+    model, _ = weights.load_transformer(save_prefixed(sd, tmp_path / "rows.safetensors", PREFIX), device="cpu",
+                                        dtype=torch.float32)
+    for layer in layers:
+        ours = model.get_submodule(layer)
+        assert ours.kind == "fp8"
+        assert torch.equal(ours.float_weight(), sd[layer + ".weight"].float() * sd[layer + ".weight_scale"])

@@ -451,6 +451,33 @@ def test_a_flux3_fp8_file_runs_as_its_stored_values(tmp_path):
     assert torch.allclose(runs[0].latents, runs[1].latents, rtol=0, atol=1e-5 * runs[1].latents.abs().max())
 
 
+@pytest.mark.parametrize("kind", ["int8_convrot", "nvfp4"])
+def test_a_flux3_file_in_comfyuis_quantized_formats_keeps_them(tmp_path, kind):
+    """FLUX 3 in ComfyUI's int8 ConvRot and NVFP4 layouts (BFL's ComfyUI files; written by comfy-kitchen's own
+    quantizers): the blocks kept as stored, and a run equal to the float model holding comfy-kitchen's dequantized
+    weights."""
+    from safetensors.torch import save_file
+
+    from flux2_core import pipeline
+    from flux2_core.families.flux3 import quantizable
+    from flux2_core.storage.protocol import census
+    from tests.tiny.layouts import comfy_quant, kitchen_weight, save_prefixed
+
+    _, state, te, ae = flux3_files(tmp_path, flow_map=True)
+    layers = sorted(k.removesuffix(".weight") for k in state if quantizable(k) and k.endswith(".weight")
+                    and state[k].ndim == 2)
+    stored = comfy_quant(state, layers, kind, 256 if kind == "int8_convrot" else 0)
+    path = save_prefixed(stored, tmp_path / f"flux3-image-klein-{kind}.safetensors", "model.diffusion_model.")
+    quantized = pipeline.load_models(path, te, ae, device="cpu", dtype=torch.float32)
+    assert census(quantized.transformer)[kind.split("_")[0]] == len(layers) > 30
+    values = dict(state) | {f"{layer}.weight": kitchen_weight(stored, layer, kind).dequantize().float()[
+        : state[f"{layer}.weight"].shape[0], : state[f"{layer}.weight"].shape[1]] for layer in layers}
+    save_file({k: v.contiguous() for k, v in values.items()}, str(tmp_path / "values.safetensors"))
+    floats = pipeline.load_models(tmp_path / "values.safetensors", te, ae, device="cpu", dtype=torch.float32)
+    runs = [pipeline.generate(m, "a fox", width=64, height=48, steps=2, seed=3) for m in (quantized, floats)]
+    assert torch.allclose(runs[0].latents, runs[1].latents, rtol=0, atol=1e-5 * runs[1].latents.abs().max())
+
+
 def test_int8_and_a_lora_on_flux3(tmp_path):
     """--int8 holds exactly the blocks and modulations in int8 (the embedders, time embedders and final layer stay
     float) as the per-row rounding computed by hand, and generate equals the float model holding those weights; a LoRA in

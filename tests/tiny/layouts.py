@@ -82,6 +82,29 @@ def comfy_quant(state_dict: dict[str, torch.Tensor], layers: list[str], kind: st
     return out
 
 
+def kitchen_weight(sd: dict, layer: str, kind: str):
+    """The layer ``comfy_quant`` wrote, as ComfyUI holds it: a comfy-kitchen QuantizedTensor of its tensors (float32
+    as the original)."""
+    from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
+
+    layout_name, _options = KITCHEN_LAYOUTS[kind]
+    layout = get_layout_class(layout_name)
+    qdata, scale = sd[layer + ".weight"], sd[layer + ".weight_scale"]
+    spec = json.loads(bytes(sd[layer + ".comfy_quant"].tolist()))
+    if kind == "nvfp4":
+        params = layout.Params(scale=sd[layer + ".weight_scale_2"], block_scale=scale, orig_dtype=torch.float32,
+                               orig_shape=(qdata.shape[0], qdata.shape[1] * 2))
+    elif kind == "convrot_w4a4":
+        params = layout.Params(scale=scale, orig_dtype=torch.float32, orig_shape=(qdata.shape[0], qdata.shape[1] * 2),
+                               convrot_groupsize=spec["convrot_groupsize"])
+    elif kind == "mxfp8":
+        params = layout.Params(scale=scale, orig_dtype=torch.float32, orig_shape=tuple(qdata.shape))
+    else:
+        params = layout.Params(scale=scale, orig_dtype=torch.float32, orig_shape=tuple(qdata.shape),
+                               convrot=bool(spec.get("convrot")), convrot_groupsize=spec.get("convrot_groupsize", 256))
+    return QuantizedTensor(qdata, layout_name, params)
+
+
 def write_sparse_safetensors(path: str | Path, shapes: dict[str, tuple[int, ...]], dtype: str = "BF16") -> Path:
     """A valid safetensors file with these tensors, all zero; the data is a hole in the file, so this is instant
     and takes no disk space even for billions of parameters. For tests that only read headers."""
