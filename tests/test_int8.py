@@ -131,7 +131,16 @@ def test_an_int8_transformer_stays_near_the_float_model(int8_matmul):
 
 
 @needs_kitchen
-def test_auto_turns_int8_matmul_on_where_it_is_faster():
+def test_auto_turns_int8_matmul_on_where_it_is_faster(monkeypatch):
+    from flux2_core import devices
+
+    monkeypatch.setattr(devices, "cpu_int8", lambda: "")                       # a CPU without VNNI / AMX: never
+    model = tiny_model()
+    quantize_blocks(model, quantizable)
+    on, note = use_int8_matmul(model, "auto", CPU, torch.float32)
+    assert on is False and "no 8-bit dot-product instructions" in note
+    assert use_int8_matmul(model, True, CPU, torch.float32)[0]                  # asked for: it runs all the same
+    monkeypatch.setattr(devices, "cpu_int8", lambda: "this CPU has VNNI instructions")
     model = tiny_model()
     quantize_blocks(model, quantizable)
     narrow = census(model)["int8"]                                               # all narrower than 1024

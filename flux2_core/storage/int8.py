@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .. import kitchen
+from .. import devices, kitchen
 from ..errors import Flux2Error
 from .linear import item_by_item, linear
 from .protocol import StoredLinear, stored_linears
@@ -125,11 +125,14 @@ def int8_matmul_blocked(device: torch.device) -> str | None:
 
 
 def int8_matmul_pays(device: torch.device, dtype: torch.dtype) -> str | None:
-    """None where it is the faster path: GPUs, and CPUs in float32 (bf16's float kernel is faster there)."""
+    """None where it is the faster path: GPUs, and CPUs with 8-bit dot-product instructions in float32 (bf16's float
+    kernel is faster there)."""
     blocked = int8_matmul_blocked(device)
-    if blocked or torch.device(device).type != "cpu" or dtype == torch.float32:
+    if blocked or torch.device(device).type != "cpu":
         return blocked
-    return "on the CPU int8 matmul is faster than float32 matmuls only"
+    if not devices.cpu_int8():
+        return "this CPU has no 8-bit dot-product instructions (VNNI, AMX), without which int8 matmuls are slower"
+    return None if dtype == torch.float32 else "on the CPU int8 matmul is faster than float32 matmuls only"
 
 
 def use_int8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
