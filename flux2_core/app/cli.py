@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "which keeps outlier-heavy weights more exact), quantized as they load from any file "
                         "(bf16, fp8, GGUF): about half the memory of bf16; multiplied in int8 with the activations "
                         "quantized per token (comfy-kitchen's int8_linear) on NVIDIA GPUs from Turing on (RTX 20xx, "
-                        "30xx, A100: no fp8 tensor cores needed) and on CPUs in float32, else computed in the "
+                        "30xx, A100: no fp8 tensor cores needed) and on CPUs with VNNI or AMX in float32, else computed in the "
                         "--dtype; images differ slightly")
     p.add_argument("--fp8-matmul", choices=["auto", "yes", "no"], default="auto",
                    help="multiply fp8 weights in fp8 (torch._scaled_mm: activations quantized per token; faster, "
