@@ -55,7 +55,7 @@ def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, 
     if scales.shape != (rows, blocks):
         raise ValueError(f"an nvfp4 weight [{rows}, {values.shape[1]}] has block scales {list(block_scale.shape)}; "
                          f"expected [{rows}, {blocks}]")
-    scale = global_scale.float() * scales.float() if swizzled else scales.float() * global_scale.float()
+    scale = global_scale.float() * scales.float()
     return (values.reshape(rows, blocks, FP4_BLOCK) * scale[..., None]).reshape(values.shape)
 
 
