@@ -35,7 +35,8 @@ MODEL_DTYPE_TOOLTIP = ("Compute dtype. auto: what ComfyUI picks for FLUX.2 on th
                        "(RTX 20xx / 30xx, A100: no fp8 tensor cores needed; through ComfyUI's comfy-kitchen), else "
                        f"computed in the auto dtype; results differ slightly. {INT8_CONVROT}: the same in ConvRot's "
                        "rotated basis, which keeps weights with outlier channels more exact. ComfyUI's quantized "
-                       "files (int8 / int8 ConvRot, NVFP4, MXFP8, W4A4, mixed) keep their layers as stored on auto. "
+                       "files (int8 / int8 ConvRot, NVFP4, MXFP8, W4A4, mixed) keep their layers as stored whatever the "
+                       "dtype, which is what they compute in. "
                        "Models holding quantized layers are loaded whole, never partially. GGUF files keep their quantized layers as the file's blocks, dequantized to the "
                        "compute dtype at each use (the node says which types); their other tensors take this dtype.")
 

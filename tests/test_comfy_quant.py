@@ -206,6 +206,7 @@ def test_int8_convrot_at_load_holds_outliers_better(float_sd, tmp_path):
     ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 48}, "not a power of 4"),
     ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": "big"}, "not a positive whole number"),
     ({"format": "nvfp4", "convrot": True}, "runs for int8 and W4A4 only"),
+    ({"format": "float8_e4m3fn", "convrot": True}, "runs for int8 and W4A4 only"),
 ])
 def test_formats_that_cannot_run_are_refused_by_name_and_layer(files, tmp_path, spec, message):
     _, sd, layers = files["int8_rowwise"]
@@ -273,3 +274,10 @@ def test_row_scaled_fp8_with_an_input_scale_stays_fp8(float_sd, tmp_path):
         ours = model.get_submodule(layer)
         assert ours.kind == "fp8"
         assert torch.equal(ours.float_weight(), sd[layer + ".weight"].float() * sd[layer + ".weight_scale"])
+
+
+def test_a_scale_of_the_right_size_in_the_wrong_shape_is_refused(tmp_path, float_sd):
+    sd, _ = block_file(float_sd, "int8_blockwise", 32, ["single_blocks.0.linear1"])
+    sd["single_blocks.0.linear1.weight_scale"] = sd["single_blocks.0.linear1.weight_scale"].T.contiguous()
+    with pytest.raises(Flux2Error, match="linear1.weight_scale is torch.float32 .*needs torch.float32"):
+        weights.load_transformer(save_prefixed(sd, tmp_path / "t.safetensors", PREFIX), device="cpu")

@@ -388,6 +388,27 @@ def test_bfl_fp8_and_nvfp4_match_diffusers_dequantization(dit, tmp_path):
                       | {f"{fp4_layer}.{n}": t for n, t in kept.state_dict().items()})
 
 
+def test_a_quantized_layer_of_a_diffusers_folder_is_dequantized(dit, tmp_path):
+    """diffusers' to_q / to_k / to_v become one qkv of ours: an nvfp4 to_q (BFL's layout) is dequantized as it is
+    read, and equals diffusers' own dequantization."""
+    from diffusers.quantizers.bfl.utils import dequantize_nvfp4, quantize_nvfp4
+
+    folder = tmp_path / "transformer"
+    shutil.copytree(dit.files["diffusers-folder"], folder)
+    (file,) = folder.glob("*.safetensors")
+    sd = load_file(str(file))
+    key = "transformer_blocks.0.attn.to_q"
+    q, block, global_scale = quantize_nvfp4(sd[key + ".weight"])
+    sd.update({key + ".weight": q, key + ".weight_scale": block, key + ".weight_scale_2": global_scale})
+    save_file(sd, str(file))
+    model, _ = weights.load_transformer(folder, device="cpu", dtype=torch.float32)
+    qkv = model.state_dict()["double_blocks.0.img_attn.qkv.weight"]
+    rows = q.shape[0]
+    assert torch.equal(qkv[:rows], dequantize_nvfp4(q, block, global_scale))
+    assert torch.equal(qkv[rows:], torch.cat([sd["transformer_blocks.0.attn.to_k.weight"],
+                                              sd["transformer_blocks.0.attn.to_v.weight"]]).float())
+
+
 def test_text_encoder_fp8mixed_and_block_fp8(te, tmp_path):
     """ComfyUI's qwen_3_8b_fp8mixed layout (per-tensor scales, metadata naming full keys) and Hugging Face's
     fine-grained fp8 (Qwen3-*-FP8: ``weight_scale_inv`` per block, block size in config.json) both dequantize."""

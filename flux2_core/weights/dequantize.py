@@ -71,6 +71,8 @@ def layer_format(ckpt: Checkpoint, layer: str, spec: object) -> LayerFormat:
                          f"supported are bf16/fp16/fp32 files and these formats: {', '.join(sorted(FORMATS))}")
     storage = FORMATS[name]
     weight = ckpt.tensors.get(layer + ".weight")
+    if spec.get("convrot") and storage not in ("int8", "w4a4"):
+        raise Flux2Error(f"{where} is {name} with ConvRot, which this pack runs for int8 and W4A4 only")
     if storage == "fp8":                               # storage.quant reads and checks these itself
         return LayerFormat(name)
     if weight is None or len(weight.shape) != 2:
@@ -78,8 +80,6 @@ def layer_format(ckpt: Checkpoint, layer: str, spec: object) -> LayerFormat:
                          f"file is corrupt, download it again")
     inputs = weight.shape[1] * PACKED_INPUTS.get(storage, 1)
     rotation = 0
-    if spec.get("convrot") and storage not in ("int8", "w4a4"):
-        raise Flux2Error(f"{where} is {name} with ConvRot, which this pack runs for int8 and W4A4 only")
     if spec.get("convrot") or storage == "w4a4":
         rotation = _whole(spec.get("convrot_groupsize", DEFAULT_GROUP), where, "convrot_groupsize")
         if not is_power_of_4(rotation) or inputs % rotation:

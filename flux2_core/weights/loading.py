@@ -197,8 +197,8 @@ class TensorReader:
             return tensor
         layer = key[: -len(".weight")]
         fmt = self.source.formats.get(layer)
-        if fmt is not None and fmt.storage != "fp8":
-            rows, inputs = self.source.shape(key)
+        if fmt is not None and fmt.storage != "fp8":             # a file key: its own shape, not a recipe's
+            rows, inputs = info.shape[0], info.shape[1] * PACKED_INPUTS.get(fmt.storage, 1)
             stored = stored_linear(fmt, inputs, rows, device=self.device)
             stored.load_state_dict(self.stored(layer, stored.state_dict(), tensor), assign=True)
             return stored.float_weight()
@@ -234,7 +234,8 @@ class TensorReader:
                 tensor = tensor.view(buffer.dtype)             # the same bytes: uint8 <-> float8 containers
             elif buffer.dtype == torch.float32 and tensor.dtype in SIXTEEN_BIT:
                 tensor = tensor.float()                        # a 16-bit scale: widened exactly
-            if tensor.numel() != buffer.numel() or tensor.dtype != buffer.dtype:
+            if (_without_trailing_ones(tensor.shape) != _without_trailing_ones(buffer.shape)
+                    or tensor.dtype != buffer.dtype):
                 raise Flux2Error(f"{self.source.ckpt.path}: {key} is {tensor.dtype} "
                                  f"{list(tensor.shape)}; its format ({fmt.describe()}) needs "
                                  f"{buffer.dtype} {list(buffer.shape)}; the file is corrupt, download it again")
