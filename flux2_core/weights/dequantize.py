@@ -11,6 +11,7 @@ token where a kernel quantizes them at all.
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
@@ -91,10 +92,10 @@ def layer_format(ckpt: Checkpoint, layer: str, spec: object) -> LayerFormat:
                          f"over {inputs} inputs; only {W4A4_GROUP} (comfy-kitchen's), dividing the inputs, can be run")
     block = _whole(spec.get("group_size", DEFAULT_BLOCKS[name]), where, "group_size") if storage == "blocks" else 0
     scale = ckpt.tensors.get(layer + ".weight_scale")
-    per_row = scale is not None and _count(scale.shape) == weight.shape[0] > 1
+    per_row = scale is not None and math.prod(scale.shape) == weight.shape[0] > 1
     if storage == "int8" and scale is None:
         raise Flux2Error(f"{where} is int8 but has no weight_scale; the file is corrupt or was cut, download it again")
-    if storage == "int8" and _count(scale.shape) not in (1, weight.shape[0]):
+    if storage == "int8" and math.prod(scale.shape) not in (1, weight.shape[0]):
         raise Flux2Error(f"{where} is int8 with a scale of shape {list(scale.shape)}; expected one per tensor or one "
                          f"per row ({weight.shape[0]}); the file is corrupt, download it again")
     return LayerFormat(name, rotation, block, per_row)
@@ -105,13 +106,6 @@ def _whole(value: object, where: str, what: str) -> int:
         raise Flux2Error(f"{where}: its {what} is {short(value)}, not a positive whole number; the file is corrupt, "
                          f"download it again")
     return value
-
-
-def _count(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _comfy_quant(ckpt: Checkpoint, key: str) -> dict:
