@@ -1,7 +1,7 @@
 """The one rule for the dtype a device computes in, and the dtype a 16-bit file's weights are kept in.
 
     compute_dtype(device)   bf16 where the device multiplies it fast (NVIDIA from Ampere, Apple GPUs on macOS 14+,
-                            Intel GPUs with bf16, CPUs with AMX or AVX-512 BF16 that torch may use); fp16 where bf16 is
+                            Intel GPUs with bf16, CPUs with AMX or AVX-512 BF16 that oneDNN may use); fp16 where bf16 is
                             slow but fp16 is not (NVIDIA Volta / Turing: T4, RTX 20xx); float32 otherwise (CPUs
                             without bf16 instructions run a bf16 matmul 5-7x slower than a float32 one; GTX 10xx / 16xx)
     kept_dtype(file, compute)  a 16-bit file's weights stay 16-bit when the compute dtype is wider: cast per layer as it
@@ -18,8 +18,14 @@ import torch
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 # NVIDIA Turing cards without fp16 tensor cores, whose fp16 results ComfyUI also refuses (black images)
 NO_FP16 = ("1660", "1650", "1630", "T500", "T550", "T600", "MX550", "MX450", "CMP 30HX", "T2000", "T1000", "T1200")
-# oneDNN's ISA names below the first with bf16 instructions (ONEDNN_MAX_CPU_ISA caps what it may use)
+
+# oneDNN (torch's CPU matmuls and convolutions) may be held to an instruction set and the older ones by an environment
+# variable; it reads ONEDNN_MAX_CPU_ISA first, then the older name DNNL_MAX_CPU_ISA, the value in any case. The caps
+# below which it has no bf16 dot products (bf16 is then several times slower than float32), and those below AVX-512's
+# 8-bit dot products (VNNI; AVX2_VNNI names the VEX form, which torch does not report, so it counts as none).
+ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 ONEDNN_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+ONEDNN_WITHOUT_VNNI = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE")
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,11 @@ def compute_dtype(device: torch.device | str, fp16: bool = True) -> ComputeDtype
         why = cpu_bf16()
         if why:
             return ComputeDtype(torch.bfloat16, why)
-        return ComputeDtype(torch.float32, "this CPU has no bf16 instructions (AMX or AVX-512 BF16) torch may use: "
-                                           "bf16 would run several times slower than float32")
+        isa, variable = onednn_cap()
+        held = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+        why = (f"oneDNN is held to {isa} ({variable}), below this CPU's bf16 instructions" if held else
+               "this CPU has no bf16 instructions (AMX or AVX-512 BF16)")
+        return ComputeDtype(torch.float32, f"{why}: bf16 would run several times slower than float32")
     return ComputeDtype(torch.float32, f"{device.type} device")
 
 
@@ -64,24 +73,47 @@ def _cuda(device: torch.device, fp16: bool) -> ComputeDtype:
     return ComputeDtype(torch.float32, f"{card} runs neither bf16 nor fp16 fast")
 
 
+def onednn_cap() -> tuple[str, str]:
+    """(the instruction set oneDNN is held to, upper case; the variable that holds it), or ("", "") where none is.
+    ``ATEN_CPU_CAPABILITY`` is not one: it picks the build of torch's own kernels (elementwise ops, reductions,
+    attention) and of inductor's, while matmuls go to oneDNN as before (bf16 ones stayed about 2x faster than float32
+    with it at avx2 on an AVX-512 BF16 CPU)."""
+    for variable in ONEDNN_ISA_VARIABLES:
+        if os.environ.get(variable):
+            return os.environ[variable].strip().upper(), variable
+    return "", ""
+
+
 def cpu_bf16() -> str:
-    """Why this CPU computes bf16 fast, or "" where it does not (torch or oneDNN held below AVX-512 counts as not)."""
+    """Why this CPU computes bf16 fast, or "" where it does not (oneDNN held below its bf16 instructions counts as
+    not)."""
     amx, avx512 = torch.cpu._is_amx_tile_supported(), torch.cpu._is_avx512_bf16_supported()
-    if not (amx or avx512):
-        return ""
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):       # ATEN_CPU_CAPABILITY below it
-        return ""
-    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_WITHOUT_BF16:
+    if not (amx or avx512) or onednn_cap()[0] in ONEDNN_WITHOUT_BF16:
         return ""
     return f"this CPU has {'AMX' if amx else 'AVX-512 BF16'} instructions"
 
 
 def cpu_int8() -> str:
-    """Why this CPU multiplies int8 fast, or "" where it does not: without 8-bit dot-product instructions (VNNI, AMX)
-    torch's integer matmul takes a generic path (on a 2-core AVX2 EPYC: 60x a float32 matmul's time, measured)."""
+    """Why this CPU multiplies int8 fast and exactly, or "" where it does not: without 8-bit dot-product instructions
+    (VNNI, AMX) torch's integer matmul takes a generic path (on a 2-core AVX2 EPYC: 60x a float32 matmul's time,
+    measured), and where oneDNN is held below them its sums are wrong (``cpu_int8_saturates``)."""
+    if cpu_int8_saturates():
+        return ""
     if torch.cpu._is_amx_tile_supported():
         return "this CPU has AMX instructions"
     return "this CPU has VNNI instructions" if torch.cpu._is_vnni_supported() else ""
+
+
+def cpu_int8_saturates() -> str:
+    """Why torch's int8 matmul (``torch._int_mm``) returns wrong sums here, or "" where they are exact. torch gives it
+    to oneDNN on CPUs with AVX-512 VNNI (AMX ones have it too) and sums it in a plain exact loop elsewhere; oneDNN held
+    below VNNI multiplies with AVX2's 8-bit pair products, which saturate at 16 bits (full-range int8, 64x512 @ 512x64:
+    errors up to 90,924 on sums up to 445,214)."""
+    isa, variable = onednn_cap()
+    if not torch.cpu._is_vnni_supported() or isa not in ONEDNN_WITHOUT_VNNI:
+        return ""
+    return (f"oneDNN is held to {isa} ({variable}), where its int8 sums overflow 16 bits; unset {variable} or "
+            f"set it to AVX512_CORE_VNNI or later")
 
 
 def kept_dtype(file_dtype: torch.dtype | None, compute: torch.dtype) -> torch.dtype:

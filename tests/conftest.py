@@ -1,12 +1,48 @@
 """Suite-wide settings of the device mode (``tests/device.py``): the report header says which mode ran, and on CUDA
-float32 stays float32 (no TF32), so the float32 oracle is exact to float32. Fixtures that several files use."""
+float32 stays float32 (no TF32), so the float32 oracle is exact to float32. The machine every test assumes
+(``tests/machine.py``): its CPU probes pinned for the session, each test started on the default. Fixtures that several
+files use."""
 
 import pytest
 import torch
 
 from flux2_core import kitchen
 from flux2_core.storage import linear
+from tests import machine as machines
 from tests.device import DEVICE, describe
+
+PINNED: machines.Pinned | None = None
+
+
+def pytest_configure(config):
+    global PINNED
+    PINNED = machines.Pinned(machines.default())
+
+
+def pytest_addoption(parser):
+    parser.addoption("--only-listed", metavar="FILE", help="run only the tests whose ids FILE lists, one a line "
+                     "(scripts/test's second pass: the tests that read the machine, again as the other kind)")
+
+
+def pytest_collection_modifyitems(config, items):
+    listed = config.getoption("--only-listed")
+    if not listed:
+        return
+    with open(listed) as f:
+        wanted = {line.strip() for line in f if line.strip()}
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in wanted])
+    items[:] = [item for item in items if item.nodeid in wanted]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    PINNED.begin(item.nodeid, real=item.get_closest_marker("real_machine") is not None)
+
+
+@pytest.fixture
+def machine() -> machines.Pinned:
+    """The pinned machine: ``machine.set(machines.ZEN4)`` for a test of a rule on that CPU."""
+    return PINNED
 
 
 @pytest.fixture
@@ -32,7 +68,7 @@ def no_kitchen(monkeypatch, fresh_kitchen):
 
 
 def pytest_report_header(config):
-    return describe()
+    return [describe(), f"machine: {PINNED.default}"]
 
 
 if DEVICE.type == "cuda":

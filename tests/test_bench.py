@@ -65,7 +65,7 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     """bench/gpu-check --cpu-smoke: the stages of the GPU check (install, device-mode tests, the bench's distilled
     and KV runs on the tiny config, both sides in their own processes, its fp8, int8, no-kitchen, compile, GGUF and
     base runs, FLUX 3's transformer call in float and int8, the step cache, the quantized formats; the tiny config computes in float32, so its distilled run
-    is the float32 parity stage: about 4 minutes on 2 cores) end ok, and the one report holds the machine, the test
+    is the float32 parity stage: 4-8 minutes on 2 cores) end ok, and the one report holds the machine, the test
     counts and every bench figure; ours and diffusers computed the same latents. The distilled and KV stages are what
     the bench driver always had to pass. The selection (--only) runs FLUX 3's int8 call alone, the cheapest stage."""
     import json
@@ -74,8 +74,9 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
 
     slow = every_stage
     only = [] if slow else ["--only", "small int8"]   # the selection: one stage run, the others listed as not run
-    run = subprocess.run([sys.executable, "bench/gpu-check", "--cpu-smoke", "--out", str(tmp_path), *only],
-                         check=False, cwd=Path(bench.__file__).parents[1], capture_output=True, text=True, timeout=900)
+    # --no-limits: every stage runs to its end, however fast this machine is (267-483 s seen on 2-core CPUs)
+    run = subprocess.run([sys.executable, "bench/gpu-check", "--cpu-smoke", "--no-limits", "--out", str(tmp_path),
+                          *only], check=False, cwd=Path(bench.__file__).parents[1], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     report = (tmp_path / "gpu-check-smoke.md").read_text()
     stages = {"machine": True, "install": True, "tests": slow, "bench tiny distilled": slow, "bench tiny fp8": slow,

@@ -391,13 +391,14 @@ def test_demo_with_fp8_weights(tmp_path, monkeypatch, capsys):
     assert 0 < np.abs(a - b).mean() < 2                                # close to the full-precision picture (0.7)
 
 
-def test_demo_with_int8_weights(tmp_path, monkeypatch, capsys):
-    """--int8 stores the blocks in int8; on the CPU in float32 they multiply in int8 where comfy-kitchen is there
-    (the PNG says which), and the picture stays close to the full-precision one."""
-    from flux2_core import devices, kitchen
+def test_demo_with_int8_weights(tmp_path, monkeypatch, capsys, machine):
+    """--int8 stores the blocks in int8; on a CPU with VNNI in float32 they multiply in int8 where comfy-kitchen is
+    there (the PNG says which), and the picture stays close to the full-precision one."""
+    from flux2_core import kitchen
+    from tests import machine as machines
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(devices, "cpu_int8", lambda: "this CPU has VNNI instructions")   # where the CPU decides it
+    machine.set(machines.SKYLAKE)                                      # AVX-512 VNNI, no bf16: float32 and int8
     argv = ["--demo", "--prompt", "a red fox", "--seed", "3", "--width", "64", "--height", "64", "--steps", "2"]
     assert cli.main([*argv, "--int8", "--out", "int8"]) == 0, capsys.readouterr().err
     assert cli.main([*argv, "--out", "full"]) == 0

@@ -8,10 +8,13 @@ loaded wholly in float32 (bf16 widens to float32 exactly, so the two compute the
 from __future__ import annotations
 
 import copy
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flux2_core import devices, weights
 from flux2_core.app import cli
@@ -19,6 +22,7 @@ from flux2_core.app.demo import demo_models
 from flux2_core.models import transformer as transformer_module
 from flux2_core.storage.linear import CastLinear, Linear
 from flux2_core.storage.protocol import call_bytes, census
+from tests import machine as machines
 from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_bfl_transformer
 
@@ -45,21 +49,64 @@ def test_gpus_compute_in_what_they_run_fast(monkeypatch, name, capability, fp16,
     assert chosen.dtype == expected and name in chosen.why
 
 
-@pytest.mark.parametrize("amx,avx512_bf16,capability,isa,expected", [
-    (True, True, "AVX512", "", torch.bfloat16),          # Sapphire Rapids and later
-    (False, True, "AVX512", "", torch.bfloat16),         # Zen 4 / 5, Cooper Lake
-    (False, True, "AVX512", "AVX512_CORE_AMX", torch.bfloat16),
-    (False, False, "AVX512", "", torch.float32),         # Skylake-X, Ice Lake: AVX-512 without BF16
-    (False, False, "AVX2", "", torch.float32),           # Zen 2 / 3, most laptops
-    (False, True, "AVX2", "", torch.float32),            # ATEN_CPU_CAPABILITY=avx2 holds torch below AVX-512
-    (True, True, "AVX512", "AVX2", torch.float32),       # ONEDNN_MAX_CPU_ISA=AVX2 holds oneDNN below its bf16
-])
-def test_cpus_are_told_apart_by_their_bf16_instructions(monkeypatch, amx, avx512_bf16, capability, isa, expected):
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
-    assert devices.compute_dtype("cpu").dtype == expected
+@pytest.mark.parametrize("cpu,variables,expected", [
+    (machines.SAPPHIRE_RAPIDS, {}, torch.bfloat16),
+    (machines.ZEN4, {}, torch.bfloat16),                                     # Zen 4 / 5, Cooper Lake
+    (machines.ZEN4, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, torch.bfloat16),   # a cap above its instructions
+    (machines.ZEN4, {"ONEDNN_MAX_CPU_ISA": "avx512_core_bf16"}, torch.bfloat16),  # oneDNN reads it in any case
+    (machines.SKYLAKE, {}, torch.float32),                                   # AVX-512 without BF16
+    (machines.AVX2, {}, torch.float32),                                      # Zen 2 / 3, most laptops
+    (machines.SAPPHIRE_RAPIDS, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, torch.float32),    # oneDNN held below its bf16
+    (machines.ZEN4, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}, torch.float32),
+    (machines.ZEN4, {"DNNL_MAX_CPU_ISA": "AVX2"}, torch.float32),            # the older name, still read by oneDNN
+    (machines.ZEN4, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "DNNL_MAX_CPU_ISA": "AVX2"}, torch.bfloat16),  # new first
+    (machines.ZEN4, {"ONEDNN_MAX_CPU_ISA": "", "DNNL_MAX_CPU_ISA": "AVX2"}, torch.float32),   # empty: not set
+], ids=lambda v: v.name if isinstance(v, machines.Machine) else ",".join(f"{k}={x}" for k, x in v.items()) or "-"
+    if isinstance(v, dict) else str(v).removeprefix("torch."))
+def test_cpus_are_told_apart_by_the_bf16_instructions_onednn_may_use(machine, monkeypatch, cpu, variables, expected):
+    machine.set(cpu)
+    for variable, value in variables.items():
+        monkeypatch.setenv(variable, value)
+    chosen = devices.compute_dtype("cpu")
+    assert chosen.dtype == expected
+    held = next((v for v in variables.values() if v), "")
+    if expected == torch.float32 and held:
+        assert f"oneDNN is held to {held.upper()}" in chosen.why
+
+
+ONEDNN_ISAS = ["SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+               "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10_1_512_AMX_FP16"]
+BELOW_BF16 = ONEDNN_ISAS[:ONEDNN_ISAS.index("AVX512_CORE_BF16")]
+BELOW_AVX512_VNNI = ONEDNN_ISAS[:ONEDNN_ISAS.index("AVX512_CORE_VNNI")]
+ISA_VALUE = st.one_of(st.none(), st.just(""), st.sampled_from(ONEDNN_ISAS).flatmap(
+    lambda isa: st.sampled_from([isa, isa.lower(), isa.title(), f" {isa} "])))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cpu=st.sampled_from(list(machines.KINDS.values())), onednn=ISA_VALUE, dnnl=ISA_VALUE)
+def test_the_cpu_rule_reads_what_onednn_reads(machine, monkeypatch, cpu, onednn, dnnl):
+    """Any CPU, either variable unset, empty or naming any of oneDNN's ISAs in any case: the cap is the first set of
+    ONEDNN_MAX_CPU_ISA and DNNL_MAX_CPU_ISA (as oneDNN reads them), bf16 only with bf16 instructions oneDNN may use,
+    int8 matmul exact unless a CPU with VNNI has oneDNN held below it. (DNNL_MAX_CPU_ISA alone was not read before.)"""
+    machine.set(cpu)
+    for variable, value in (("ONEDNN_MAX_CPU_ISA", onednn), ("DNNL_MAX_CPU_ISA", dnnl)):
+        if value is None:
+            monkeypatch.delenv(variable, raising=False)
+        else:
+            monkeypatch.setenv(variable, value)
+    cap = next((v.strip().upper() for v in (onednn, dnnl) if v), "")
+    expect_bf16 = (cpu.amx or cpu.avx512_bf16) and cap not in BELOW_BF16
+    assert devices.compute_dtype("cpu").dtype == (torch.bfloat16 if expect_bf16 else torch.float32)
+    saturates = bool(devices.cpu_int8_saturates())
+    assert saturates == (cpu.vnni and cap in BELOW_AVX512_VNNI)
+    assert bool(devices.cpu_int8()) == (cpu.vnni and not saturates)
+
+
+def test_aten_cpu_capability_does_not_decide_the_dtype(machine):
+    """ATEN_CPU_CAPABILITY=avx2 picks torch's own AVX2 kernels; the matmuls stay oneDNN's, bf16 ones about 2x faster
+    than float32 there (measured on an AVX-512 BF16 EPYC), so bf16 stays the faster choice."""
+    machine.set(dataclasses.replace(machines.ZEN4, capability="AVX2"))
+    assert devices.compute_dtype("cpu").dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("stored,compute,kept", [

@@ -22,6 +22,7 @@ from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.storage.int8 import Int8Linear, quantize_blocks, quantize_int8, use_int8_matmul
 from flux2_core.storage.linear import Linear
 from flux2_core.storage.protocol import census
+from tests import machine as machines
 from tests.tiny.gguf import dit_types, save_gguf
 from tests.tiny.layouts import comfy_fp8, save_prefixed
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_bfl_transformer
@@ -89,7 +90,10 @@ def test_int8_matmul_is_w8a8_within_the_activation_rounding_of_the_exact_path(dt
     layer = layer.to(device)
     x = (torch.randn(2, 9, 96, generator=torch.Generator().manual_seed(3)) * 3).to(device, dtype)
     exact = layer(x).float()                                     # the dequantizing path
-    layer.int8_matmul = True
+    on, note = use_int8_matmul(layer, True, torch.device(device), dtype)
+    if not on:                         # oneDNN held below VNNI on this CPU: its int8 sums would be wrong, so refused
+        assert "int8 sums overflow 16 bits" in note and torch.equal(layer(x).float(), exact)
+        return
     with kitchen.ck.use_backend("eager") if device == "cpu" else contextlib.nullcontext():
         w8a8 = layer(x)
     assert w8a8.dtype == dtype and w8a8.shape == (2, 9, 80)
@@ -125,22 +129,22 @@ def test_an_int8_transformer_stays_near_the_float_model(int8_matmul):
         names = quantize_blocks(model, quantizable)
         assert census(model)["int8"] == len(names) and all(quantizable(n) for n in names)
         on, note = use_int8_matmul(model, int8_matmul, CPU, torch.float32)
-        assert on == int8_matmul and ("int8 matmul: on" in note) == int8_matmul
+        # asked for, it is refused only where oneDNN is held below this CPU's VNNI (its int8 sums would be wrong)
+        assert on == (int8_matmul and "int8 sums overflow 16 bits" not in note)
+        assert ("int8 matmul: on" in note) == on
         got = model(*args)
-    assert 1e-4 < rel(got, want) < (0.03 if int8_matmul else 0.01)
+    assert 1e-4 < rel(got, want) < (0.03 if on else 0.01)
 
 
 @needs_kitchen
-def test_auto_turns_int8_matmul_on_where_it_is_faster(monkeypatch):
-    from flux2_core import devices
-
-    monkeypatch.setattr(devices, "cpu_int8", lambda: "")                       # a CPU without VNNI / AMX: never
+def test_auto_turns_int8_matmul_on_where_it_is_faster(machine):
+    machine.set(machines.AVX2)                                                  # a CPU without VNNI / AMX: never
     model = tiny_model()
     quantize_blocks(model, quantizable)
     on, note = use_int8_matmul(model, "auto", CPU, torch.float32)
     assert on is False and "no 8-bit dot-product instructions" in note
     assert use_int8_matmul(model, True, CPU, torch.float32)[0]                  # asked for: it runs all the same
-    monkeypatch.setattr(devices, "cpu_int8", lambda: "this CPU has VNNI instructions")
+    machine.set(machines.SKYLAKE)                                              # AVX-512 VNNI
     model = tiny_model()
     quantize_blocks(model, quantizable)
     narrow = census(model)["int8"]                                               # all narrower than 1024
@@ -157,6 +161,76 @@ def test_auto_turns_int8_matmul_on_where_it_is_faster(monkeypatch):
         use_int8_matmul(tiny_model(), True, CPU, torch.float32)
     with pytest.raises(Flux2Error, match="'auto', True or False"):
         use_int8_matmul(model, "yes", CPU, torch.float32)
+
+
+@needs_kitchen
+@pytest.mark.parametrize("variable", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])
+@pytest.mark.parametrize("isa,saturates", [("AVX2", True), ("avx512_core", True), ("AVX2_VNNI", True),
+                                           ("AVX512_CORE_VNNI", False), ("AVX512_CORE_AMX", False)])
+def test_int8_matmul_stays_off_where_onednn_would_sum_in_16_bits(machine, monkeypatch, variable, isa, saturates):
+    """A CPU with VNNI gives torch's int8 matmul to oneDNN; held below VNNI oneDNN sums 8-bit pair products in 16
+    bits (wrong sums), so int8 matmul stays off there, asked for or not, and says which variable to change. Without
+    VNNI torch sums in its own exact loop: asked for, it runs."""
+    machine.set(machines.SKYLAKE)
+    monkeypatch.setenv(variable, isa)
+    model = tiny_model()
+    quantize_blocks(model, quantizable)
+    wide = torch.nn.Sequential(Int8Linear(1024, 64))
+    for choice in ("auto", True):
+        on, note = use_int8_matmul(wide, choice, CPU, torch.float32)
+        assert on is not saturates and wide[0].int8_matmul is on
+        if saturates:
+            assert f"oneDNN is held to {isa.upper()} ({variable})" in note and f"unset {variable}" in note
+            assert note.startswith("int8 matmul: off (" + ("asked for, but " if choice is True else ""))
+    machine.set(machines.AVX2.held_to(isa))                  # no VNNI: torch's exact loop, whatever oneDNN may use
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    assert use_int8_matmul(wide, True, CPU, torch.float32)[0] and wide[0].int8_matmul
+
+
+HELD_TO_AVX2 = """
+import json, torch
+from flux2_core import devices
+from flux2_core.storage.int8 import Int8Linear, use_int8_matmul
+g = torch.Generator().manual_seed(0)
+layer = Int8Linear(512, 64)
+layer.weight.copy_(torch.randint(-127, 128, (64, 512), generator=g, dtype=torch.int8))
+layer.weight_scale.fill_(1.0)
+x = torch.randn(64, 512, generator=g) * 3
+exact = x @ layer.weight.float().T                             # the dequantizing path (scale 1: the weight itself)
+x_scale = x.abs().amax(dim=1, keepdim=True) / 127              # dynamic W8A8 by hand, summed in float64
+x8 = torch.round(x / x_scale).clamp(-128, 127)
+w8a8 = (x8.double() @ layer.weight.double().T) * x_scale.double()
+on, note = use_int8_matmul(torch.nn.Sequential(layer), True, torch.device("cpu"), torch.float32)
+with torch.no_grad():
+    y = layer(x).double()
+print(json.dumps({"on": on, "note": note, "vnni": bool(torch.cpu._is_vnni_supported()),
+                  "from_w8a8": ((y - w8a8).abs().max() / w8a8.abs().max()).item(),
+                  "from_exact": ((y - exact.double()).abs().max() / exact.abs().max()).item()}))
+"""
+
+
+@needs_kitchen
+@pytest.mark.real_machine
+@pytest.mark.slow
+def test_int8_sums_with_onednn_held_to_avx2_are_exact():
+    """A fresh process with ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN reads it at its first use), full-range int8 weights: a
+    layer asked for int8 matmul computes the W8A8 sums exactly (no sum off by a saturated pair: 1e-6 of the largest
+    output, where a 16-bit saturation is off by 20 %), or, on a CPU with VNNI, refuses it and computes the exact path."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    env.pop("DNNL_MAX_CPU_ISA", None)
+    run = subprocess.run([sys.executable, "-c", HELD_TO_AVX2], env=env, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["on"] is not got["vnni"], got
+    if got["on"]:
+        assert got["from_w8a8"] < 1e-6 and got["from_exact"] > 1e-4, got       # W8A8: the activations rounded
+    else:
+        assert "oneDNN is held to AVX2 (ONEDNN_MAX_CPU_ISA)" in got["note"] and got["from_exact"] < 1e-6, got
 
 
 def test_without_comfy_kitchen_the_plain_path_runs_and_the_log_says_why(no_kitchen, caplog):

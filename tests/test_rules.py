@@ -154,37 +154,38 @@ def test_the_cli_writes_no_black_image(models, tmp_path, monkeypatch, capsys):
 
 # --- memory ------------------------------------------------------------------------------------------------------------
 
-def test_memory_is_refused_before_it_is_allocated(models, monkeypatch):
+def test_memory_is_refused_before_it_is_allocated(models, monkeypatch, machine):
     made = []
     monkeypatch.setattr(pipeline, "make_noise", lambda *a, **k: made.append(1))
-    monkeypatch.setattr(memory, "free_memory", lambda device: 1 << 20)
+    machine.free(1 << 20)
     with pytest.raises(Flux2Error, match=r"generating 1 x 64x64 needs about .* GiB of working memory, but only 0\.0"):
         pipeline.generate(models, "a fox", **SIZE, steps=1)
     assert not made
 
 
-def test_the_refusal_is_the_estimate_of_the_largest_stage(models, monkeypatch):
+def test_the_refusal_is_the_estimate_of_the_largest_stage(models, machine):
     """Exactly at the estimate the run goes on; one byte less is refused. The estimate is the largest of the
     denoiser's working memory and the autoencoder's least decode, each tested against measured peaks elsewhere."""
     h = w = 4
     needed = max(memory.denoiser_memory(models.transformer, models.variant, 1, h, w, torch.float32),
                  memory.least_decode_bytes(models.autoencoder, h, w))
-    monkeypatch.setattr(memory, "free_memory", lambda device: needed)
+    machine.free(needed)
     assert pipeline.generate(models, "a fox", **SIZE, steps=1).images.shape == (1, 64, 64, 3)
-    monkeypatch.setattr(memory, "free_memory", lambda device: needed - 1)
+    machine.free(needed - 1)
     with pytest.raises(Flux2Error, match="working memory"):
         pipeline.generate(models, "a fox", **SIZE, steps=1)
 
 
-def test_noise_that_cannot_fit_is_refused_before_it_is_drawn(monkeypatch):
+def test_noise_that_cannot_fit_is_refused_before_it_is_drawn(machine):
     nbytes = 2 * 128 * (64 // 16) * (48 // 16) * 4                   # batch x channels x latent cells x float32
-    monkeypatch.setattr(memory, "free_memory", lambda device: nbytes)
+    machine.free(nbytes)
     assert euler.make_noise(2, 64, 48, 0).shape == (2, 128, 4, 3)
-    monkeypatch.setattr(memory, "free_memory", lambda device: nbytes - 1)
+    machine.free(nbytes - 1)
     with pytest.raises(Flux2Error, match="noise for 2 x 48x64 on cpu"):
         euler.make_noise(2, 64, 48, 0)
 
 
+@pytest.mark.real_machine
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="needs Linux's /proc/meminfo")
 def test_available_cpu_memory_is_what_linux_says():
     meminfo = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()

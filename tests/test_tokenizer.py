@@ -71,20 +71,11 @@ def random_strings(count: int, seed: int = 0) -> list[str]:
     return out
 
 
-def test_build_is_offline_quick_and_cached():
-    from transformers import Qwen2TokenizerFast  # noqa: F401  (time the build, not the import)
-
+def test_build_is_offline_and_cached():
+    """Built from the packaged vocabulary (no network here), once per process (speed is bench/'s business)."""
     build_qwen3_tokenizer.cache_clear()
-    start = time.perf_counter()
     first = build_qwen3_tokenizer()
-    built = time.perf_counter() - start
-    start = time.perf_counter()
-    again = build_qwen3_tokenizer()
-    cached = time.perf_counter() - start
-    print(f"tokenizer build {built:.2f} s, cached load {cached * 1e6:.1f} us")
-    assert again is first
-    assert cached < 0.01
-    assert built < 30   # about 2 s to build on a 2-core CI machine, well under 1 s from the cache folder
+    assert build_qwen3_tokenizer() is first
 
 
 @pytest.mark.slow

@@ -136,8 +136,9 @@ def int8_matmul_pays(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def use_int8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """``choice``: "auto" (on where faster), True (Flux2Error where it cannot run) or False -> (on, a note, "" without
-    int8 layers)."""
+    """``choice``: "auto" (on where faster), True (Flux2Error where it cannot run; off, with the note saying why, on a
+    CPU whose int8 sums would be wrong: ``devices.cpu_int8_saturates``) or False -> (on, a note, "" without int8
+    layers)."""
     if choice not in ("auto", True, False):
         raise Flux2Error(f"int8 matmul must be 'auto', True or False, got {choice!r}")
     layers = [m for _, m in stored_linears(model) if m.kind == "int8"]
@@ -149,7 +150,10 @@ def use_int8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch
     if blocked:
         raise Flux2Error(f"cannot use int8 matmul: {blocked}")
     reason = int8_matmul_pays(device, dtype) if choice == "auto" else None
-    on = choice is True or (choice == "auto" and reason is None)
+    wrong = devices.cpu_int8_saturates() if torch.device(device).type == "cpu" and choice is not False else ""
+    if wrong:                                 # asked for or not: a wrong sum is never the faster path
+        reason = f"{'asked for, but ' if choice is True else ''}{wrong}"
+    on = not wrong and (choice is True or (choice == "auto" and reason is None))
     narrow_stay = choice == "auto" and torch.device(device).type == "cpu"
     for layer in layers:
         layer.int8_matmul = on and not (narrow_stay and layer.in_features < INT8_CPU_MIN_INPUTS)

@@ -1,0 +1,161 @@
+"""The machine a test assumes: one description of a CPU, pinned for every test, so that an outcome depends on the code
+and not on the box it runs on.
+
+The engine reads the machine in a few probes: torch's CPU instruction flags (``devices.cpu_bf16``, ``cpu_int8``,
+``cpu_int8_saturates``: the compute dtype and the int8 matmul), the variables that hold oneDNN below them, and the
+CPU's free memory (``runtime.memory.free_memory``: refusals, streaming, tiling). ``tests/conftest.py`` pins them all
+for every test to ``default()``; a test of a rule sets the machine it describes (the ``machine`` fixture):
+
+    def test_zen4_computes_in_bf16(machine):
+        machine.set(ZEN4)
+        assert devices.compute_dtype("cpu").dtype == torch.bfloat16
+
+``default()`` is this box as it is (its real flags and variables), or the kind ``FLUX2_TEST_CPU`` names
+(``scripts/test`` runs the tests that read the machine once more as the other kind: that pass is what fails when a
+test forgot to ask for the dtype it compares in). What a probe cannot change stays real: the kernels torch and oneDNN
+run, and processes a test starts, which read the real flags (give them ``--dtype``).
+
+A test that reads a probe without setting a machine is written to ``FLUX2_TEST_MACHINE_LOG`` (``scripts/test``'s
+list of the tests to run as the other kind); ``@pytest.mark.real_machine`` leaves a test on the real probes (a
+probe's own test).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+GIB = 1 << 30
+KIND_VARIABLE = "FLUX2_TEST_CPU"
+LOG_VARIABLE = "FLUX2_TEST_MACHINE_LOG"
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    amx: bool = False                 # AMX tiles (Intel Sapphire Rapids on): bf16 and int8 dot products
+    avx512_bf16: bool = False         # AVX-512 BF16 (AMD Zen 4 / 5, Intel Cooper Lake, ...)
+    vnni: bool = False                # AVX-512 VNNI: 8-bit dot products (torch then gives int8 matmuls to oneDNN)
+    capability: str = "AVX2"          # what torch.backends.cpu.get_cpu_capability() says (ATEN_CPU_CAPABILITY caps it)
+    onednn_isa: str = ""              # ONEDNN_MAX_CPU_ISA: what oneDNN is held to ("" none)
+    free_memory: int = 16 * GIB       # what the OS can give without swapping
+
+    def held_to(self, isa: str) -> Machine:
+        return replace(self, name=f"{self.name} held to {isa}", onednn_isa=isa)
+
+    def __str__(self) -> str:
+        flags = [flag for flag, on in (("AMX", self.amx), ("AVX-512 BF16", self.avx512_bf16),
+                                       ("AVX-512 VNNI", self.vnni)) if on]
+        held = f", ONEDNN_MAX_CPU_ISA={self.onednn_isa}" if self.onednn_isa else ""
+        return f"{self.name} ({', '.join(flags) or 'no bf16 or VNNI instructions'}, torch {self.capability}{held})"
+
+
+AVX2 = Machine("avx2")                                                        # AMD Zen 2 / 3, most laptops
+SKYLAKE = Machine("avx512", vnni=True, capability="AVX512")                   # AVX-512 with VNNI, no BF16 (Ice Lake)
+ZEN4 = Machine("avx512-bf16", avx512_bf16=True, vnni=True, capability="AVX512")
+SAPPHIRE_RAPIDS = Machine("amx", amx=True, avx512_bf16=True, vnni=True, capability="AVX512")
+KINDS = {m.name: m for m in (AVX2, SKYLAKE, ZEN4, SAPPHIRE_RAPIDS)}
+
+
+def onednn_isa_set() -> str:
+    """What this process's environment holds oneDNN to (``devices.onednn_cap``'s reading, kept apart from it so that
+    a change there cannot change what the tests think the box is)."""
+    return next((os.environ[v].strip().upper() for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+                 if os.environ.get(v)), "")
+
+
+def this_box() -> Machine:
+    """The real CPU and the variables set for this process."""
+    amx, bf16, vnni = (torch.cpu._is_amx_tile_supported(), torch.cpu._is_avx512_bf16_supported(),
+                       torch.cpu._is_vnni_supported())
+    base = SAPPHIRE_RAPIDS if amx else ZEN4 if bf16 else SKYLAKE if vnni else AVX2
+    box = replace(base, name=f"this box ({base.name})", capability=torch.backends.cpu.get_cpu_capability())
+    isa = onednn_isa_set()
+    return box.held_to(isa) if isa else box
+
+
+def default() -> Machine:
+    name = os.environ.get(KIND_VARIABLE, "")
+    if not name:
+        return this_box()
+    if name not in KINDS:
+        raise ValueError(f"{KIND_VARIABLE}={name!r} is not one of {', '.join(KINDS)}")
+    return KINDS[name]
+
+
+def computes_bf16(machine: Machine) -> bool:
+    """The hand-written expectation of the compute dtype rule: bf16 instructions oneDNN may use."""
+    return (machine.amx or machine.avx512_bf16) and machine.onednn_isa not in (
+        "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def other_kind(machine: Machine) -> dict[str, str]:
+    """The variables that make a run of the other rule on this box: a bf16 CPU held to AVX2 (its real kernels too),
+    a CPU without bf16 told it is a Zen 4 (bf16 computed slowly but correctly)."""
+    return {"ONEDNN_MAX_CPU_ISA": "AVX2"} if computes_bf16(machine) else {KIND_VARIABLE: ZEN4.name}
+
+
+class Pinned:
+    """The probes of this process, answering for ``current`` (``tests/conftest.py`` makes one for the session and
+    starts each test on ``default``); ``set`` changes the machine for the rest of the test (the ``machine`` fixture)."""
+
+    def __init__(self, machine: Machine):
+        from flux2_core.runtime import memory
+
+        self.default = self.current = machine
+        self.test, self.chosen, self.real = "", False, False
+        self.patch = pytest.MonkeyPatch()
+        real_free = memory.free_memory
+        flags = {name: getattr(torch.cpu, name) for name in
+                 ("_is_amx_tile_supported", "_is_avx512_bf16_supported", "_is_vnni_supported", "_is_avx512_supported")}
+        answers = {"_is_amx_tile_supported": lambda m: m.amx, "_is_avx512_bf16_supported": lambda m: m.avx512_bf16,
+                   "_is_vnni_supported": lambda m: m.vnni or m.amx,
+                   "_is_avx512_supported": lambda m: m.capability == "AVX512"}
+        for name, answer in answers.items():
+            self.patch.setattr(torch.cpu, name, self._flag(flags[name], answer))
+        self.patch.setattr(torch.backends.cpu, "get_cpu_capability",
+                           self._flag(torch.backends.cpu.get_cpu_capability, lambda m: m.capability))
+        # the same in every kind: read without a note in the log
+        self.patch.setattr(memory, "free_memory", lambda device: real_free(device) if self.real or torch.device(
+            device).type != "cpu" else self.current.free_memory)
+        self._set_variables()
+
+    def _flag(self, real, answer):
+        def read():
+            if self.real:
+                return real()
+            if not self.chosen:
+                self._note()
+            return answer(self.current)
+        return read
+
+    def _note(self):
+        """The first flag a test reads without having set its machine: its id into the log (the tests the other kind
+        runs again)."""
+        path = os.environ.get(LOG_VARIABLE)
+        if path and self.test:
+            with open(path, "a") as f:
+                f.write(self.test + "\n")
+            self.test = ""
+
+    def begin(self, nodeid: str, real: bool = False):
+        self.test, self.chosen, self.real, self.current = nodeid, False, real, self.default
+        self._set_variables()
+
+    def set(self, machine: Machine) -> Machine:
+        self.current, self.chosen = machine, True
+        self._set_variables()
+        return machine
+
+    def free(self, nbytes: int) -> None:
+        """The CPU's free memory for the rest of the test (a memory rule's test)."""
+        self.current = replace(self.current, free_memory=nbytes)
+
+    def _set_variables(self):
+        for variable in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+            self.patch.delenv(variable, raising=False)
+        if self.current.onednn_isa:
+            self.patch.setenv("ONEDNN_MAX_CPU_ISA", self.current.onednn_isa)
