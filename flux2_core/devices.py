@@ -29,6 +29,20 @@ ONEDNN_WITHOUT_VNNI = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX5
 
 
 @dataclass(frozen=True)
+class CpuFlags:
+    """The CPU instructions the rules below weigh, as torch reads them."""
+    amx: bool                      # AMX tiles: bf16 and int8 dot products (Intel Sapphire Rapids on)
+    avx512_bf16: bool              # AVX-512 BF16 (AMD Zen 4 / 5, Intel Cooper Lake on)
+    vnni: bool                     # AVX-512 VNNI, 8-bit dot products: torch then gives int8 matmuls to oneDNN
+
+
+def cpu_flags() -> CpuFlags:
+    """The one place the CPU's instructions are read."""
+    amx = torch.cpu._is_amx_tile_supported()
+    return CpuFlags(amx, torch.cpu._is_avx512_bf16_supported(), amx or torch.cpu._is_vnni_supported())
+
+
+@dataclass(frozen=True)
 class ComputeDtype:
     dtype: torch.dtype
     why: str                       # for the log and the PNG metadata
@@ -54,7 +68,8 @@ def compute_dtype(device: torch.device | str, fp16: bool = True) -> ComputeDtype
         if why:
             return ComputeDtype(torch.bfloat16, why)
         isa, variable = onednn_cap()
-        held = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+        flags = cpu_flags()
+        held = flags.amx or flags.avx512_bf16
         why = (f"oneDNN is held to {isa} ({variable}), below this CPU's bf16 instructions" if held else
                "this CPU has no bf16 instructions (AMX or AVX-512 BF16)")
         return ComputeDtype(torch.float32, f"{why}: bf16 would run several times slower than float32")
@@ -87,21 +102,20 @@ def onednn_cap() -> tuple[str, str]:
 def cpu_bf16() -> str:
     """Why this CPU computes bf16 fast, or "" where it does not (oneDNN held below its bf16 instructions counts as
     not)."""
-    amx, avx512 = torch.cpu._is_amx_tile_supported(), torch.cpu._is_avx512_bf16_supported()
-    if not (amx or avx512) or onednn_cap()[0] in ONEDNN_WITHOUT_BF16:
+    flags = cpu_flags()
+    if not (flags.amx or flags.avx512_bf16) or onednn_cap()[0] in ONEDNN_WITHOUT_BF16:
         return ""
-    return f"this CPU has {'AMX' if amx else 'AVX-512 BF16'} instructions"
+    return f"this CPU has {'AMX' if flags.amx else 'AVX-512 BF16'} instructions"
 
 
 def cpu_int8() -> str:
     """Why this CPU multiplies int8 fast and exactly, or "" where it does not: without 8-bit dot-product instructions
     (VNNI, AMX) torch's integer matmul takes a generic path (on a 2-core AVX2 EPYC: 60x a float32 matmul's time,
     measured), and where oneDNN is held below them its sums are wrong (``cpu_int8_saturates``)."""
-    if cpu_int8_saturates():
+    flags = cpu_flags()
+    if not flags.vnni or cpu_int8_saturates():
         return ""
-    if torch.cpu._is_amx_tile_supported():
-        return "this CPU has AMX instructions"
-    return "this CPU has VNNI instructions" if torch.cpu._is_vnni_supported() else ""
+    return f"this CPU has {'AMX' if flags.amx else 'VNNI'} instructions"
 
 
 def cpu_int8_saturates() -> str:
@@ -110,7 +124,7 @@ def cpu_int8_saturates() -> str:
     below VNNI multiplies with AVX2's 8-bit pair products, which saturate at 16 bits (full-range int8, 64x512 @ 512x64:
     errors up to 90,924 on sums up to 445,214)."""
     isa, variable = onednn_cap()
-    if not torch.cpu._is_vnni_supported() or isa not in ONEDNN_WITHOUT_VNNI:
+    if not cpu_flags().vnni or isa not in ONEDNN_WITHOUT_VNNI:
         return ""
     return (f"oneDNN is held to {isa} ({variable}), where its int8 sums overflow 16 bits; unset {variable} or "
             f"set it to AVX512_CORE_VNNI or later")

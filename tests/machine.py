@@ -1,10 +1,10 @@
 """The machine a test assumes: one description of a CPU, pinned for every test, so that an outcome depends on the code
 and not on the box it runs on.
 
-The engine reads the machine in a few probes: torch's CPU instruction flags (``devices.cpu_bf16``, ``cpu_int8``,
-``cpu_int8_saturates``: the compute dtype and the int8 matmul), the variables that hold oneDNN below them, and the
-CPU's free memory (``runtime.memory.free_memory``: refusals, streaming, tiling). ``tests/conftest.py`` pins them all
-for every test to ``default()``; a test of a rule sets the machine it describes (the ``machine`` fixture):
+The engine reads the machine in two probes: the CPU's instruction flags (``devices.cpu_flags``, behind the compute
+dtype and the int8 matmul), beside the variables that hold oneDNN below them, and the CPU's free memory
+(``runtime.memory.free_memory``: refusals, streaming, tiling). ``tests/conftest.py`` pins both for every test to
+``default()``, and the variables with them; a test of a rule sets the machine it describes (the ``machine`` fixture):
 
     def test_zen4_computes_in_bf16(machine):
         machine.set(ZEN4)
@@ -13,7 +13,8 @@ for every test to ``default()``; a test of a rule sets the machine it describes 
 ``default()`` is this box as it is (its real flags and variables), or the kind ``FLUX2_TEST_CPU`` names
 (``scripts/test`` runs the tests that read the machine once more as the other kind: that pass is what fails when a
 test forgot to ask for the dtype it compares in). What a probe cannot change stays real: the kernels torch and oneDNN
-run, and processes a test starts, which read the real flags (give them ``--dtype``).
+run (and what torch itself reads of the CPU: inductor builds for the real one), and processes a test starts, which
+read the real flags (give them ``--dtype``).
 
 A test that reads a probe without setting a machine is written to ``FLUX2_TEST_MACHINE_LOG`` (``scripts/test``'s
 list of the tests to run as the other kind); ``@pytest.mark.real_machine`` leaves a test on the real probes (a
@@ -39,9 +40,14 @@ class Machine:
     amx: bool = False                 # AMX tiles (Intel Sapphire Rapids on): bf16 and int8 dot products
     avx512_bf16: bool = False         # AVX-512 BF16 (AMD Zen 4 / 5, Intel Cooper Lake, ...)
     vnni: bool = False                # AVX-512 VNNI: 8-bit dot products (torch then gives int8 matmuls to oneDNN)
-    capability: str = "AVX2"          # what torch.backends.cpu.get_cpu_capability() says (ATEN_CPU_CAPABILITY caps it)
     onednn_isa: str = ""              # ONEDNN_MAX_CPU_ISA: what oneDNN is held to ("" none)
     free_memory: int = 16 * GIB       # what the OS can give without swapping
+
+    @property
+    def flags(self):
+        from flux2_core.devices import CpuFlags
+
+        return CpuFlags(self.amx, self.avx512_bf16, self.vnni or self.amx)
 
     def held_to(self, isa: str) -> Machine:
         return replace(self, name=f"{self.name} held to {isa}", onednn_isa=isa)
@@ -50,13 +56,13 @@ class Machine:
         flags = [flag for flag, on in (("AMX", self.amx), ("AVX-512 BF16", self.avx512_bf16),
                                        ("AVX-512 VNNI", self.vnni)) if on]
         held = f", ONEDNN_MAX_CPU_ISA={self.onednn_isa}" if self.onednn_isa else ""
-        return f"{self.name} ({', '.join(flags) or 'no bf16 or VNNI instructions'}, torch {self.capability}{held})"
+        return f"{self.name} ({', '.join(flags) or 'no bf16 or VNNI instructions'}{held})"
 
 
 AVX2 = Machine("avx2")                                                        # AMD Zen 2 / 3, most laptops
-SKYLAKE = Machine("avx512", vnni=True, capability="AVX512")                   # AVX-512 with VNNI, no BF16 (Ice Lake)
-ZEN4 = Machine("avx512-bf16", avx512_bf16=True, vnni=True, capability="AVX512")
-SAPPHIRE_RAPIDS = Machine("amx", amx=True, avx512_bf16=True, vnni=True, capability="AVX512")
+SKYLAKE = Machine("avx512", vnni=True)                                        # AVX-512 with VNNI, no BF16 (Ice Lake)
+ZEN4 = Machine("avx512-bf16", avx512_bf16=True, vnni=True)
+SAPPHIRE_RAPIDS = Machine("amx", amx=True, avx512_bf16=True, vnni=True)
 KINDS = {m.name: m for m in (AVX2, SKYLAKE, ZEN4, SAPPHIRE_RAPIDS)}
 
 
@@ -72,7 +78,7 @@ def this_box() -> Machine:
     amx, bf16, vnni = (torch.cpu._is_amx_tile_supported(), torch.cpu._is_avx512_bf16_supported(),
                        torch.cpu._is_vnni_supported())
     base = SAPPHIRE_RAPIDS if amx else ZEN4 if bf16 else SKYLAKE if vnni else AVX2
-    box = replace(base, name=f"this box ({base.name})", capability=torch.backends.cpu.get_cpu_capability())
+    box = replace(base, name=f"this box ({base.name})")
     isa = onednn_isa_set()
     return box.held_to(isa) if isa else box
 
@@ -103,34 +109,26 @@ class Pinned:
     starts each test on ``default``); ``set`` changes the machine for the rest of the test (the ``machine`` fixture)."""
 
     def __init__(self, machine: Machine):
+        from flux2_core import devices
         from flux2_core.runtime import memory
 
         self.default = self.current = machine
         self.test, self.chosen, self.real = "", False, False
         self.patch = pytest.MonkeyPatch()
-        real_free = memory.free_memory
-        flags = {name: getattr(torch.cpu, name) for name in
-                 ("_is_amx_tile_supported", "_is_avx512_bf16_supported", "_is_vnni_supported", "_is_avx512_supported")}
-        answers = {"_is_amx_tile_supported": lambda m: m.amx, "_is_avx512_bf16_supported": lambda m: m.avx512_bf16,
-                   "_is_vnni_supported": lambda m: m.vnni or m.amx,
-                   "_is_avx512_supported": lambda m: m.capability == "AVX512"}
-        for name, answer in answers.items():
-            self.patch.setattr(torch.cpu, name, self._flag(flags[name], answer))
-        self.patch.setattr(torch.backends.cpu, "get_cpu_capability",
-                           self._flag(torch.backends.cpu.get_cpu_capability, lambda m: m.capability))
+        real_flags, real_free = devices.cpu_flags, memory.free_memory
+
+        def flags():
+            if self.real:
+                return real_flags()
+            if not self.chosen:
+                self._note()
+            return self.current.flags
+
+        self.patch.setattr(devices, "cpu_flags", flags)
         # the same in every kind: read without a note in the log
         self.patch.setattr(memory, "free_memory", lambda device: real_free(device) if self.real or torch.device(
             device).type != "cpu" else self.current.free_memory)
         self._set_variables()
-
-    def _flag(self, real, answer):
-        def read():
-            if self.real:
-                return real()
-            if not self.chosen:
-                self._note()
-            return answer(self.current)
-        return read
 
     def _note(self):
         """The first flag a test reads without having set its machine: its id into the log (the tests the other kind

@@ -208,7 +208,8 @@ def test_inpaint_from_a_models_folder_equals_the_engine(tmp_path, capsys):
     Image.new("L", (64, 48), 0).save(tmp_path / "empty.png")
     Image.new("L", (48, 64), 255).save(tmp_path / "tall.png")
     common = ["--models", str(tmp_path), "--prompt", "a fox", "--image", str(tmp_path / "photo.png"),
-              "--strength", "0.75", "--seed", "9", "--device", "cpu", "--out", str(tmp_path / "out")]
+              "--strength", "0.75", "--seed", "9", "--device", "cpu", "--dtype", "float32", "--out",
+              str(tmp_path / "out")]
     code = cli.main([*common, "--mask", str(tmp_path / "mask.png")])
     captured = capsys.readouterr()
     assert code == 0, captured.err

@@ -122,7 +122,8 @@ def test_sd_cpp_file_without_architecture_quantizing_every_matrix(tmp_path):
     model, _ = weights.load_transformer(path, CPU, torch.float32)
     assert model.img_in.weight.dtype == torch.float32 and isinstance(model.single_blocks[0].linear1, GGMLLinear)
     reference, _ = weights.load_transformer(save_bfl_transformer(
-        {k.removeprefix("model.diffusion_model."): v for k, v in values.items()}, tmp_path / "f.safetensors"), CPU)
+        {k.removeprefix("model.diffusion_model."): v for k, v in values.items()}, tmp_path / "f.safetensors"), CPU,
+        torch.float32)
     inputs = dit_inputs(TINY_TRANSFORMER)
     assert rel_diff(run(model, inputs), run(reference, inputs)) <= BOUND
 
@@ -305,7 +306,8 @@ def test_lora_and_dora_on_gguf_equal_the_float_model_of_its_values(tmp_path):
     path, values = save_gguf(random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=13), tmp_path / "q.gguf",
                              dit_types(T.Q4_1))
     model, _ = weights.load_transformer(path, CPU, torch.float32)
-    reference, _ = weights.load_transformer(save_bfl_transformer(values, tmp_path / "f.safetensors"), CPU)
+    reference, _ = weights.load_transformer(save_bfl_transformer(values, tmp_path / "f.safetensors"), CPU,
+                                            torch.float32)
     inputs = dit_inputs(TINY_TRANSFORMER)
     original = run(model, inputs)
     for patches, merge in [(lora.patches, None), (lora.patches, True), (dora.patches, None)]:

@@ -101,7 +101,7 @@ def run_ours(model, x):
 @pytest.mark.parametrize("layout", ["bfl", "comfyui", "comfyui-no-prefix", "diffusers-folder", "diffusers-root",
                                     "diffusers-sharded"])
 def test_transformer_layouts_load_the_same_weights(dit, dit_inputs, layout):
-    model, variant = weights.load_transformer(dit.files[layout], device="cpu")
+    model, variant = weights.load_transformer(dit.files[layout], device="cpu", dtype=torch.float32)
     assert model.params == TINY_TRANSFORMER
     assert_same_state(model, dit.sd)
     assert variant.params == TINY_TRANSFORMER and variant.guidance_distilled and not variant.use_kv_cache
@@ -112,7 +112,7 @@ def test_transformer_layouts_load_the_same_weights(dit, dit_inputs, layout):
                           encoder_hidden_states=dit_inputs["txt"], txt_ids=dit_inputs["txt_ids"],
                           timestep=dit_inputs["timesteps"], guidance=None, return_dict=False)[0]
     got = run_ours(model, dit_inputs)
-    bfl_model, _ = weights.load_transformer(dit.files["bfl"], device="cpu")
+    bfl_model, _ = weights.load_transformer(dit.files["bfl"], device="cpu", dtype=torch.float32)
     same = rel_diff(got, run_ours(bfl_model, dit_inputs))
     diff = rel_diff(got, want)
     print(f"transformer {layout}: max rel diff vs diffusers {diff:.2e}, vs the BFL file {same:.1e}")
@@ -138,7 +138,7 @@ def test_transformer_dtype_and_meta_assignment(dit):
 def test_transformer_params_override_and_config(dit):
     """Without config.json the RoPE axes default to head_dim/4 each; params= overrides, a diffusers config is read."""
     other = dataclasses.replace(TINY_TRANSFORMER, axes_dim=(4, 12, 8, 8), theta=1000)
-    model, _ = weights.load_transformer(dit.files["bfl"], device="cpu", params=other)
+    model, _ = weights.load_transformer(dit.files["bfl"], device="cpu", params=other, dtype=torch.float32)
     assert model.params == other
     folder = dit.tmp / "axes"
     shutil.copytree(dit.files["diffusers-folder"], folder)
@@ -217,7 +217,7 @@ def ae(tmp_path_factory):
 @pytest.mark.parametrize("layout", ["bfl", "comfyui-vae-prefix", "comfyui-no-counter",
                                     "comfyui-top-level-quant-convs", "diffusers-folder", "diffusers-root"])
 def test_autoencoder_layouts_load_the_same_weights(ae, layout):
-    model = weights.load_autoencoder(ae.files[layout], device="cpu")
+    model = weights.load_autoencoder(ae.files[layout], device="cpu", dtype=torch.float32)
     assert model.params.ch == 32 and model.params.ch_mult == (1, 1, 2, 2)
     expected = dict(ae.sd)
     if layout == "comfyui-no-counter":
@@ -228,7 +228,7 @@ def test_autoencoder_layouts_load_the_same_weights(ae, layout):
         latent = model.encode(ae.image)
         decoded = model.decode(latent)
     d_enc, d_dec = rel_diff(latent, ae.latent), rel_diff(decoded, ae.decoded)
-    bfl_model = weights.load_autoencoder(ae.files["bfl"], device="cpu")
+    bfl_model = weights.load_autoencoder(ae.files["bfl"], device="cpu", dtype=torch.float32)
     with torch.no_grad():
         same = max(rel_diff(latent, bfl_model.encode(ae.image)), rel_diff(decoded, bfl_model.decode(latent)))
     print(f"autoencoder {layout}: encode {d_enc:.2e}, decode {d_dec:.2e} vs diffusers; {same:.1e} vs the BFL file")
@@ -272,7 +272,7 @@ def te(tmp_path_factory):
                                     "comfyui-checkpoint"])
 def test_text_encoder_layouts_load_the_same_weights(te, layout):
     """Every layout gives the first 27 layers of the same Qwen3, exactly, with nothing left on meta."""
-    encoder = weights.load_text_encoder(te.files[layout], device="cpu", tokenizer=te.tokenizer)
+    encoder = weights.load_text_encoder(te.files[layout], device="cpu", tokenizer=te.tokenizer, dtype=torch.float32)
     assert len(encoder.model.layers) == 27 and not hasattr(encoder.model, "norm")
     assert not any(t.is_meta for t in [*encoder.model.parameters(), *encoder.model.buffers()])
     if layout == "hf-sharded":
@@ -286,7 +286,7 @@ def test_text_encoder_layouts_load_the_same_weights(te, layout):
 
 def test_text_encoder_matches_diffusers(te):
     """Embeddings equal diffusers' Flux2KleinPipeline on the same weights and tokenizer."""
-    encoder = weights.load_text_encoder(te.files["comfyui"], device="cpu", tokenizer=te.tokenizer)
+    encoder = weights.load_text_encoder(te.files["comfyui"], device="cpu", tokenizer=te.tokenizer, dtype=torch.float32)
     got = encoder.encode(PROMPTS).embeds
     diff = rel_diff(got, te.want)
     print(f"text encoder: max rel diff vs diffusers {diff:.2e}")
@@ -300,15 +300,15 @@ def test_text_encoder_tokenizer_comes_from_the_folder(te, monkeypatch):
 
     asked, folders, builtin = [], Qwen3Tokenizer(cached_backend_tokenizer()), Qwen3Tokenizer(cached_backend_tokenizer())
     monkeypatch.setattr(loading, "load_tokenizer", lambda folder: asked.append(folder) or folders)
-    assert weights.load_text_encoder(te.files["diffusers-root"], device="cpu").tokenizer is folders
+    assert weights.load_text_encoder(te.files["diffusers-root"], device="cpu", dtype=torch.float32).tokenizer is folders
     assert asked == [te.files["diffusers-folder"]]
     monkeypatch.setattr("flux2_core.models.text_encoder.load_tokenizer", lambda: builtin)
-    assert weights.load_text_encoder(te.files["comfyui"], device="cpu").tokenizer is builtin
+    assert weights.load_text_encoder(te.files["comfyui"], device="cpu", dtype=torch.float32).tokenizer is builtin
     assert len(asked) == 1
 
 
 def test_text_encoder_fits(dit, te):
-    encoder = weights.load_text_encoder(te.files["comfyui"], device="cpu", tokenizer=te.tokenizer)
+    encoder = weights.load_text_encoder(te.files["comfyui"], device="cpu", tokenizer=te.tokenizer, dtype=torch.float32)
     _, tiny_variant = weights.inspect_transformer(dit.files["bfl"])
     weights.check_text_encoder_fits(tiny_variant, encoder)              # 3 x 32 == 96: fine
     with pytest.raises(Flux2Error, match=r"FLUX.2 Klein 4B.*Qwen3-4B.*qwen_3_4b.safetensors.*hidden 32"):
@@ -342,7 +342,7 @@ def test_comfyui_fp8mixed_is_dequantized(dit, tmp_path):
     unchanged. (Kept in fp8, the default, in test_quant.py.)"""
     sd, meta = comfy_fp8(dit.sd, FP8_LAYERS)
     path = save_prefixed(sd, tmp_path / "flux-2-klein-tiny-fp8mixed.safetensors", "model.diffusion_model.", meta)
-    model, _ = weights.load_transformer(path, device="cpu", fp8=False)
+    model, _ = weights.load_transformer(path, device="cpu", fp8=False, dtype=torch.float32)
     expected = dict(dit.sd)
     for layer in FP8_LAYERS:
         expected[layer + ".weight"] = sd[layer + ".weight"].float() * sd[layer + ".weight_scale"]
@@ -354,14 +354,16 @@ def test_comfyui_per_layer_comfy_quant_and_old_scaled_fp8(dit, tmp_path):
     sd, _ = comfy_fp8(dit.sd, FP8_LAYERS[:1])
     layer = FP8_LAYERS[0]
     sd[layer + ".comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
-    model, _ = weights.load_transformer(save_prefixed(sd, tmp_path / "a.safetensors"), device="cpu", fp8=False)
+    model, _ = weights.load_transformer(save_prefixed(sd, tmp_path / "a.safetensors"), device="cpu", fp8=False,
+                                        dtype=torch.float32)
     want = sd[layer + ".weight"].float() * sd[layer + ".weight_scale"]
     assert torch.equal(model.state_dict()[layer + ".weight"], want)
 
     old = {k: v for k, v in sd.items() if not k.endswith((".comfy_quant", ".input_scale"))}
     old[layer + ".scale_weight"] = old.pop(layer + ".weight_scale")
     old["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
-    model, _ = weights.load_transformer(save_prefixed(old, tmp_path / "b.safetensors"), device="cpu", fp8=False)
+    model, _ = weights.load_transformer(save_prefixed(old, tmp_path / "b.safetensors"), device="cpu", fp8=False,
+                                        dtype=torch.float32)
     assert torch.equal(model.state_dict()[layer + ".weight"], want)
 
 
@@ -381,7 +383,7 @@ def test_bfl_fp8_and_nvfp4_match_diffusers_dequantization(dit, tmp_path):
     fp4_weight = dequantize_nvfp4(q, block, global_scale)
     del expected[fp4_layer + ".weight"]
     model, _ = weights.load_transformer(save_prefixed(sd, tmp_path / "flux-2-klein-tiny-fp8.safetensors"),
-                                        device="cpu", fp8=False)
+                                        device="cpu", fp8=False, dtype=torch.float32)
     kept = model.get_submodule(fp4_layer)                     # nvfp4 stays as stored, dequantized at each call
     assert kept.kind == "nvfp4" and torch.equal(kept.weight, q) and torch.equal(kept.float_weight(), fp4_weight)
     assert_same_state(model, {k: v for k, v in expected.items() if not k.startswith(fp4_layer + ".")}
@@ -415,7 +417,7 @@ def test_text_encoder_fp8mixed_and_block_fp8(te, tmp_path):
     layers = ["model.layers.0.mlp.up_proj", "model.layers.26.self_attn.o_proj"]
     sd, meta = comfy_fp8(comfyui_state_dict(te.model), layers)
     encoder = weights.load_text_encoder(save_prefixed(sd, tmp_path / "qwen_3_tiny_fp8mixed.safetensors", "", meta),
-                                        device="cpu", tokenizer=te.tokenizer)
+                                        device="cpu", tokenizer=te.tokenizer, dtype=torch.float32)
     got = encoder.model.state_dict()
     for layer in layers:
         want = sd[layer + ".weight"].float() * sd[layer + ".weight_scale"]
@@ -433,7 +435,7 @@ def test_text_encoder_fp8mixed_and_block_fp8(te, tmp_path):
     sd[layer + ".weight"] = (weight / scale.repeat_interleave(16, 0).repeat_interleave(16, 1)).to(torch.float8_e4m3fn)
     sd[layer + ".weight_scale_inv"] = scale
     save_file(sd, str(folder / "model.safetensors"))
-    encoder = weights.load_text_encoder(folder, device="cpu", tokenizer=te.tokenizer)
+    encoder = weights.load_text_encoder(folder, device="cpu", tokenizer=te.tokenizer, dtype=torch.float32)
     want = sd[layer + ".weight"].float() * scale.repeat_interleave(16, 0).repeat_interleave(16, 1)
     assert torch.equal(encoder.model.state_dict()["layers.3.mlp.down_proj.weight"], want)
     assert rel_diff(want, weight) < 0.07
@@ -477,7 +479,8 @@ def test_unknown_quantisation_is_refused(dit, tmp_path, case, message):
     else:
         sd[layer + ".weight.absmax"] = torch.ones(8)
     with pytest.raises(Flux2Error, match=message):
-        weights.load_transformer(save_prefixed(sd, tmp_path / "q.safetensors", metadata=meta), device="cpu")
+        weights.load_transformer(save_prefixed(sd, tmp_path / "q.safetensors", metadata=meta), device="cpu",
+                                 dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -500,10 +503,10 @@ def test_pickle_files_are_refused_unopened(tmp_path, name):
     marker = tmp_path / "unpickled"
     path = write_pickle_checkpoint(tmp_path / name, marker)
     with pytest.raises(Flux2Error, match=r"pickle.*never loaded.*safetensors"):
-        weights.load_transformer(path, device="cpu")
+        weights.load_transformer(path, device="cpu", dtype=torch.float32)
     path.write_bytes(pickle.dumps({"img_in.weight": [0.0]}))      # a raw pickle: starts with b"\x80"
     with pytest.raises(Flux2Error, match="pickle"):
-        weights.load_autoencoder(path, device="cpu")
+        weights.load_autoencoder(path, device="cpu", dtype=torch.float32)
     assert not marker.exists()
 
 
@@ -511,7 +514,7 @@ def test_folder_with_only_pickles(tmp_path):
     marker = tmp_path / "unpickled"
     write_pickle_checkpoint(tmp_path / "pytorch_model.bin", marker)
     with pytest.raises(Flux2Error, match=r"only pickle-based weights.*safetensors"):
-        weights.load_text_encoder(tmp_path, device="cpu")
+        weights.load_text_encoder(tmp_path, device="cpu", dtype=torch.float32)
     assert not marker.exists()
 
 
@@ -519,22 +522,22 @@ def test_corrupt_truncated_and_gguf_files(dit, tmp_path):
     data = dit.files["bfl"].read_bytes()
     (tmp_path / "half.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(Flux2Error, match=r"truncated.*download"):
-        weights.load_transformer(tmp_path / "half.safetensors", device="cpu")
+        weights.load_transformer(tmp_path / "half.safetensors", device="cpu", dtype=torch.float32)
     (tmp_path / "header.safetensors").write_bytes(data[:40])                  # cut inside the header
     with pytest.raises(Flux2Error, match=r"not a valid \.safetensors file.*corrupt or only partly downloaded"):
-        weights.load_transformer(tmp_path / "header.safetensors", device="cpu")
+        weights.load_transformer(tmp_path / "header.safetensors", device="cpu", dtype=torch.float32)
     (tmp_path / "json.safetensors").write_bytes(struct.pack("<Q", 12) + b'{"a": broken')
     with pytest.raises(Flux2Error, match="not a valid"):
-        weights.load_transformer(tmp_path / "json.safetensors", device="cpu")
+        weights.load_transformer(tmp_path / "json.safetensors", device="cpu", dtype=torch.float32)
     (tmp_path / "text.safetensors").write_bytes(b"this is not a safetensors file at all\n" * 20)
     with pytest.raises(Flux2Error, match="not a valid"):
-        weights.load_transformer(tmp_path / "text.safetensors", device="cpu")
+        weights.load_transformer(tmp_path / "text.safetensors", device="cpu", dtype=torch.float32)
     (tmp_path / "empty.safetensors").write_bytes(b"")
     with pytest.raises(Flux2Error, match="not a valid"):
-        weights.load_transformer(tmp_path / "empty.safetensors", device="cpu")
+        weights.load_transformer(tmp_path / "empty.safetensors", device="cpu", dtype=torch.float32)
     (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(100))
     with pytest.raises(Flux2Error, match="GGUF"):
-        weights.load_transformer(tmp_path / "m.gguf", device="cpu")
+        weights.load_transformer(tmp_path / "m.gguf", device="cpu", dtype=torch.float32)
 
 
 def test_missing_and_unexpected_keys_are_named(dit, tmp_path):
@@ -543,7 +546,7 @@ def test_missing_and_unexpected_keys_are_named(dit, tmp_path):
     sd.pop("double_blocks.1.txt_attn.proj.weight")
     path = save_prefixed(sd, tmp_path / "broken.safetensors", "model.diffusion_model.")
     with pytest.raises(Flux2Error) as error:
-        weights.load_transformer(path, device="cpu")
+        weights.load_transformer(path, device="cpu", dtype=torch.float32)
     text = str(error.value)
     print(text)
     assert "Missing from the file (1): double_blocks.1.txt_attn.proj.weight" in text
@@ -557,47 +560,48 @@ def test_missing_and_unexpected_keys_are_named(dit, tmp_path):
     save_file(sd, str(folder / "diffusion_pytorch_model.safetensors"))
     with pytest.raises(Flux2Error, match=r"(?s)diffusers layout.*Missing from the file \(2\): "
                                          r"transformer_blocks.0.attn.add_k_proj.weight"):
-        weights.load_transformer(folder, device="cpu")
+        weights.load_transformer(folder, device="cpu", dtype=torch.float32)
 
 
 def test_wrong_kind_of_file(dit, ae, te):
     with pytest.raises(Flux2Error, match="is not a FLUX.2 or FLUX 3 Image Klein transformer: it looks like a FLUX.2 autoencoder"):
-        weights.load_transformer(ae.files["bfl"], device="cpu")
+        weights.load_transformer(ae.files["bfl"], device="cpu", dtype=torch.float32)
     with pytest.raises(Flux2Error, match="is not a FLUX.2 or FLUX 3 Image Klein transformer: it looks like a Qwen3 text encoder"):
-        weights.load_transformer(te.files["comfyui"], device="cpu")
+        weights.load_transformer(te.files["comfyui"], device="cpu", dtype=torch.float32)
     with pytest.raises(Flux2Error, match="is not a FLUX.2 autoencoder: it looks like a FLUX.2 transformer"):
-        weights.load_autoencoder(dit.files["comfyui"], device="cpu")
+        weights.load_autoencoder(dit.files["comfyui"], device="cpu", dtype=torch.float32)
     with pytest.raises(Flux2Error, match="is not a Qwen3 text encoder: it looks like a FLUX.2 transformer"):
-        weights.load_text_encoder(dit.files["bfl"], device="cpu")
+        weights.load_text_encoder(dit.files["bfl"], device="cpu", dtype=torch.float32)
     flux1_vae = {k: v for k, v in ae.sd.items() if not k.startswith("bn.")}
     with pytest.raises(Flux2Error, match=r"without FLUX.2's latent BatchNorm.*ae.safetensors"):
-        weights.load_autoencoder(save_prefixed(flux1_vae, ae.tmp / "flux1-ae.safetensors"), device="cpu")
+        weights.load_autoencoder(save_prefixed(flux1_vae, ae.tmp / "flux1-ae.safetensors"), device="cpu",
+                                 dtype=torch.float32)
     lora = {"diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": torch.zeros(4, 64)}
     with pytest.raises(Flux2Error, match="looks like a LoRA"):
-        weights.load_transformer(save_prefixed(lora, ae.tmp / "lora.safetensors"), device="cpu")
+        weights.load_transformer(save_prefixed(lora, ae.tmp / "lora.safetensors"), device="cpu", dtype=torch.float32)
 
 
 def test_folder_errors(dit, tmp_path):
     shutil.copy(dit.files["bfl"], tmp_path / "a.safetensors")
     shutil.copy(dit.files["bfl"], tmp_path / "b.safetensors")
     with pytest.raises(Flux2Error, match="several .safetensors files"):
-        weights.load_transformer(tmp_path, device="cpu")
+        weights.load_transformer(tmp_path, device="cpu", dtype=torch.float32)
     sharded = tmp_path / "sharded"
     shutil.copytree(dit.files["diffusers-sharded"], sharded)
     lost = max(sharded.glob("*.safetensors"))
     lost.unlink()
     with pytest.raises(Flux2Error, match=f"names shards that are not in.*{lost.name}"):
-        weights.load_transformer(sharded, device="cpu")
+        weights.load_transformer(sharded, device="cpu", dtype=torch.float32)
     (tmp_path / "empty").mkdir()
     with pytest.raises(Flux2Error, match="holds no .safetensors"):
-        weights.load_autoencoder(tmp_path / "empty", device="cpu")
+        weights.load_autoencoder(tmp_path / "empty", device="cpu", dtype=torch.float32)
 
 
 def test_explicit_variant(dit):
     with pytest.raises(Flux2Error, match="variant 'klein-4b' is 3072 wide"):
-        weights.load_transformer(dit.files["bfl"], device="cpu", variant="klein-4b")
+        weights.load_transformer(dit.files["bfl"], device="cpu", variant="klein-4b", dtype=torch.float32)
     with pytest.raises(Flux2Error, match="unknown variant"):
-        weights.load_transformer(dit.files["bfl"], device="cpu", variant="klein-2b")
+        weights.load_transformer(dit.files["bfl"], device="cpu", variant="klein-2b", dtype=torch.float32)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -619,17 +623,17 @@ def test_all_in_one_checkpoint(dit, ae, te, tmp_path):
              **{"vae." + k: v for k, v in ae.sd.items()},
              **comfyui_state_dict(te.model, "text_encoders.qwen3_4b.transformer.")}
     path = save_prefixed(parts, tmp_path / "flux2-klein-tiny-all-in-one.safetensors")
-    model, _ = weights.load_transformer(path, device="cpu")
+    model, _ = weights.load_transformer(path, device="cpu", dtype=torch.float32)
     assert_same_state(model, dit.sd)
-    assert_same_state(weights.load_autoencoder(path, device="cpu"), ae.sd)
-    encoder = weights.load_text_encoder(path, device="cpu", tokenizer=te.tokenizer)
+    assert_same_state(weights.load_autoencoder(path, device="cpu", dtype=torch.float32), ae.sd)
+    encoder = weights.load_text_encoder(path, device="cpu", tokenizer=te.tokenizer, dtype=torch.float32)
     assert torch.equal(encoder.model.embed_tokens.weight, te.model.model.embed_tokens.weight)
 
 
 def test_loaded_weights_do_not_share_the_file(dit, tmp_path):
     """A loaded model keeps its own memory: overwriting the file in place (a re-download) leaves it unchanged."""
     path = shutil.copy(dit.files["comfyui"], tmp_path / "flux-2-klein-tiny.safetensors")
-    model, _ = weights.load_transformer(path, device="cpu")
+    model, _ = weights.load_transformer(path, device="cpu", dtype=torch.float32)
     header = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
     with open(path, "r+b") as f:
         f.seek(header)
@@ -674,7 +678,7 @@ def test_config_values_of_the_wrong_kind_are_named(dit, tmp_path, key, value):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, key: value}))
     with pytest.raises(Flux2Error, match=rf"config.json of .* is damaged: {key} is"):
-        weights.load_transformer(folder, device="cpu")
+        weights.load_transformer(folder, device="cpu", dtype=torch.float32)
 
 
 @pytest.mark.parametrize("key,value", [("hidden_size", "wide"), ("num_attention_heads", 0), ("intermediate_size", -5)])
@@ -686,4 +690,4 @@ def test_a_text_encoder_config_that_does_not_fit_is_named(te, tmp_path, key, val
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, key: value}))
     with pytest.raises(Flux2Error, match="config.json of .* does not describe a Qwen3"):
-        weights.load_text_encoder(folder, device="cpu", tokenizer=te.tokenizer)
+        weights.load_text_encoder(folder, device="cpu", tokenizer=te.tokenizer, dtype=torch.float32)
