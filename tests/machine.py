@@ -99,9 +99,11 @@ def computes_bf16(machine: Machine) -> bool:
 
 
 def other_kind(machine: Machine) -> dict[str, str]:
-    """The variables that make a run of the other rule on this box: a bf16 CPU held to AVX2 (its real kernels too),
-    a CPU without bf16 told it is a Zen 4 (bf16 computed slowly but correctly)."""
-    return {"ONEDNN_MAX_CPU_ISA": "AVX2"} if computes_bf16(machine) else {KIND_VARIABLE: ZEN4.name}
+    """The variables that make a run of the other rule than ``machine``'s on this box: a bf16 machine becomes this
+    box held to AVX2 (its real oneDNN kernels too), any other a Zen 4 (bf16, computed slowly but correctly)."""
+    if computes_bf16(machine):
+        return {KIND_VARIABLE: "", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    return {KIND_VARIABLE: ZEN4.name}
 
 
 class Pinned:
