@@ -33,10 +33,11 @@ from .runtime import memory
 from .runtime.cache import PromptCache, ReferenceKVCache
 from .runtime.offload import place, stream_blocks, streamed_blocks
 from .sampling import inpaint
-from .sampling.boxes import boxed_prompt, read_boxes, rows
+from .sampling.boxes import boxed_prompt, check_rows, read_boxes, rows, rows_read
 from .sampling.euler import add_noise, denoise, make_noise
 from .sampling.plan import plan_denoise
 from .sampling.references import (
+    ReferenceCount,
     as_pil,
     center_crop_16,
     encode_references,
@@ -282,8 +283,12 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     family = family_of(variant)
     layout = read_boxes(boxes or [])
     text = boxed_prompt(prompt, layout, family, variant.title or family.title)
+    # every row's "from" must name a reference the model is given (inpainting's picture first among them)
+    check_rows(rows_read(prompt, layout), ReferenceCount(len(references), inpainted=masked), "the boxes")
     fit = family.references
-    refs = prepare_references(references, len(references) + masked, fit) if references else []
+    # inpainting gives the model the picture as reference 1: it counts toward the family's limit
+    refs = (prepare_references(references, ReferenceCount(len(references), inpainted=masked), fit, family.title)
+            if references else [])
     # one reference alone on a padded canvas (FLUX 3): the picture made at the canvas's size is cropped back to it
     crop = (padded_box(as_pil(references[0]).size, fit) if fit.padded and len(refs) == 1 and not masked
             and image is None and width is None and height is None else None)
@@ -353,8 +358,8 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
         reference_kv = models.reference_cache.get_for_images(model, ae, refs, dtype, encode=encode_references)
     ref = ref_ids = blend = None
     if masked:
-        ref, ref_ids = reference_tokens([start, *reference_latents(ae, refs, len(refs) + 1, fit)],
-                                        family.reference_ids)
+        ref_latents = reference_latents(ae, refs, ReferenceCount(len(refs), inpainted=True), fit)
+        ref, ref_ids = reference_tokens([start, *ref_latents], family.reference_ids)
         blend = inpaint.Inpaint(start, noise, latent_mask, inpaint.AFTER_STEP)
     elif refs and reference_kv is None:
         ref, ref_ids = encode_references(ae, refs, dtype, family.reference_ids, fit)

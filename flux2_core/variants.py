@@ -119,6 +119,14 @@ class TextEncoderSpec:
     rope_theta: float = 1_000_000.0   # the encoder's RoPE base where its file has no config.json to say it
     model: str = "qwen3"     # the language model it reads: "qwen3" or "qwen3-vl" (its text tower); files that say
                              # which they are are refused for the other
+    title: str = "Qwen3"     # the model as messages name it: "Qwen3-4B", "Qwen3-VL-4B-Instruct"
+    reader: str = "FLUX.2 Klein"   # who reads it, as messages name it: "FLUX.2 Klein 4B", "FLUX 3 Image Klein"
+    # a file that does not say which language model it is (no config, no tower names, a name that says neither) is
+    # read as this one: Qwen3-4B and Qwen3-VL-4B's text tower have the same shapes, so only the family asking can
+    # decide. FLUX.2's Qwen3 files have always been read so; a Qwen3-VL file says what it is (its tower's names, its
+    # config, its GGUF architecture, ComfyUI's name), so FLUX 3 refuses one that does not
+    unmarked: bool = True
+    loadable: bool = True    # False: no loader here reads it (FLUX.2 [dev]'s Mistral), so its variants cannot run
 
     @property
     def width(self) -> int:
@@ -126,15 +134,27 @@ class TextEncoderSpec:
         context_in_dim)."""
         return len(self.output_layers) * self.hidden_size
 
+    @property
+    def wanted(self) -> str:
+        """The encoder as a message asks for it: its model and its usual file names."""
+        return f"{self.title} text encoder" + (f" ({' or '.join(self.files)})" if self.files else "")
 
-QWEN3_4B = TextEncoderSpec("qwen3-4b", 2560, files=("qwen_3_4b.safetensors",), gguf_stem="Qwen3-4B")
+    def reads(self, model: str | None) -> bool:
+        """Whether a file saying it is ``model`` ("qwen3", "qwen3-vl"; None: it says nothing) is read with this spec."""
+        return model == self.model if model is not None else self.unmarked
+
+
+QWEN3_4B = TextEncoderSpec("qwen3-4b", 2560, files=("qwen_3_4b.safetensors",), gguf_stem="Qwen3-4B",
+                           title="Qwen3-4B", reader="FLUX.2 Klein 4B")
 QWEN3_8B = TextEncoderSpec("qwen3-8b", 4096, files=("qwen_3_8b.safetensors", "qwen_3_8b_fp8mixed.safetensors"),
-                           gguf_stem="Qwen3-8B")
-MISTRAL_SMALL = TextEncoderSpec("mistral-small-3.2", 5120, output_layers=(10, 20, 30))
+                           gguf_stem="Qwen3-8B", title="Qwen3-8B", reader="FLUX.2 Klein 9B")
+MISTRAL_SMALL = TextEncoderSpec("mistral-small-3.2", 5120, output_layers=(10, 20, 30), model="mistral",
+                                title="Mistral-Small-3.2", reader="FLUX.2 [dev]", loadable=False)
 QWEN3_VL_4B = TextEncoderSpec("qwen3-vl-4b", 2560, output_layers=(4, 8, 12, 16, 20, 24, 28, 32), max_length=4096,
                               files=("qwen3vl_4b.safetensors", "qwen3vl_4b_int8_convrot.safetensors"), gguf_stem="Qwen3-VL-4B-Instruct",
                               template=QWEN3_VL_TEMPLATE, pad_multiple=80, pad_position=1, rope_theta=5_000_000.0,
-                              model="qwen3-vl")
+                              model="qwen3-vl", title="Qwen3-VL-4B-Instruct", reader="FLUX 3 Image Klein",
+                              unmarked=False)
 
 
 @dataclass(frozen=True)
@@ -178,7 +198,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("klein-9b", KLEIN_9B, QWEN3_8B, 4, 1.0, True, title="FLUX.2 Klein 9B",
             files=("flux-2-klein-9b.safetensors", "flux-2-klein-9b-fp8.safetensors")),
     Variant("klein-9b-kv", KLEIN_9B, QWEN3_8B, 4, 1.0, True, use_kv_cache=True, title="FLUX.2 Klein 9B KV",
-            files=("flux-2-klein-9b-kv.safetensors",)),
+            files=("flux-2-klein-9b-kv.safetensors", "flux-2-klein-9b-kv-fp8.safetensors")),
     Variant("klein-base-4b", KLEIN_4B, QWEN3_4B, 50, 4.0, False, title="FLUX.2 Klein Base 4B",
             files=("flux-2-klein-base-4b.safetensors", "flux-2-klein-base-4b-fp8.safetensors")),
     Variant("klein-base-9b", KLEIN_9B, QWEN3_8B, 50, 4.0, False, title="FLUX.2 Klein Base 9B",
@@ -187,10 +207,11 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     # FLUX 3 Image Klein: the distilled "flow map" (16 steps, no CFG) and the base (50 steps, CFG 3.5 as the
     # reference pipeline's default)
     Variant("flux3-klein", FLUX3_KLEIN, QWEN3_VL_4B, 16, 1.0, True, title="FLUX 3 Image Klein",
-            files=("flux3-image-klein.safetensors", "flux3-image-klein-int8-convrot.safetensors"),
-            family="flux3"),
+            files=("flux3-image-klein.safetensors", "flux3-image-klein-int8-convrot.safetensors",
+                   "flux3-image-klein-bf16.safetensors"), family="flux3"),
     Variant("flux3-klein-base", FLUX3_KLEIN_BASE, QWEN3_VL_4B, 50, 3.5, False, title="FLUX 3 Image Klein Base",
-            files=("flux3-image-klein-base.safetensors",), family="flux3"),
+            files=("flux3-image-klein-base.safetensors", "flux3-image-klein-base-int8-convrot.safetensors",
+                   "flux3-image-klein-base-bf16.safetensors"), family="flux3"),
 ]}
 
 FLUX2_AE = AutoEncoderParams()
@@ -201,6 +222,24 @@ def get_variant(name: str) -> Variant:
         return VARIANTS[name]
     except KeyError:
         raise Flux2Error(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
+
+
+def runnable_variants() -> list[Variant]:
+    """The variants this engine runs from files (those whose text encoder it reads), in the registry's order: the
+    order a models folder's search tries them in."""
+    return [v for v in VARIANTS.values() if v.text_encoder.loadable]
+
+
+def runnable_variant(name: str) -> Variant:
+    """The variant called ``name``, refused (listing the variants run) where there is none or it cannot run here."""
+    known = ", ".join(v.name for v in runnable_variants())
+    variant = VARIANTS.get(name) if isinstance(name, str) else None
+    if variant is None:
+        raise Flux2Error(f"unknown variant {name!r}; the variants run here: {known}")
+    if not variant.text_encoder.loadable:
+        raise Flux2Error(f"{variant.title} ({name}) does not run here: its text encoder, {variant.text_encoder.title}, "
+                         f"is not one this engine reads; the variants run here: {known}")
+    return variant
 
 
 def _same_architecture(a: TransformerParams, b: TransformerParams) -> bool:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..flux2_core.sampling.boxes import read_boxes, rows
-from . import types
+from ..flux2_core.sampling.boxes import Box, check_rows, read_boxes, rows
+from . import host, types
 
 EXAMPLE = ('[{"desc": "a red hot-air balloon", "bbox": [0.08, 0.1, 0.45, 0.4]},\n'
            ' {"desc": "a lake reflecting the sky", "bbox": [0.7, 0.0, 1.0, 1.0]}]')
@@ -20,15 +20,30 @@ class Layout(io.ComfyNode):
             description="Where objects go in a FLUX 3 Image Klein picture: a JSON list of boxes, each with a desc and "
                         "a bbox [y_min, x_min, y_max, x_max] in 0-1 of the picture's height and width ((0, 0) is the "
                         "top left); an id names a box (obj_1, obj_2, ... when left out). For an edit a box may move "
-                        "something instead: \"from\": \"ref_image_1\" with src_bbox (where it is there) and tgt_bbox "
-                        "(where it goes). Connect it to Prompt Encode's boxes; FLUX.2 models take no boxes.",
+                        "something instead: \"from\": \"ref_image_0\" (the first reference picture; ref_image_1 the "
+                        "second, ...) with src_bbox (where it is there) and tgt_bbox (where it goes), or \"from\": "
+                        "\"target\" with tgt_bbox alone for something new. Connect it to Prompt Encode's boxes; "
+                        "FLUX.2 models take no boxes.",
             inputs=[io.String.Input("boxes", multiline=True, default=EXAMPLE,
                                     tooltip="A JSON list: [{\"desc\": ..., \"bbox\": [y_min, x_min, y_max, x_max]}], "
                                             "coordinates 0 to 1.")],
             outputs=[types.Boxes.Output(display_name="boxes", tooltip="The checked boxes, for Prompt Encode.")])
 
     @classmethod
+    def validate_inputs(cls, boxes=None):
+        # when the prompt is queued: the boxes as execute reads them
+        return host.validate(cls, {"boxes": boxes}, lambda: read_layout(boxes))
+
+    @classmethod
     def execute(cls, boxes: str) -> io.NodeOutput:
-        layout = read_boxes(boxes, "the Layout node's boxes")
+        layout = read_layout(boxes)
         shown = "\n".join(f"{row['id']}: {row.get('bbox') or row.get('tgt_bbox')} {row['desc']}" for row in rows(layout))
         return io.NodeOutput(layout, ui=ui.PreviewText(f"{len(layout)} boxes on the 0-1000 canvas\n{shown}"))
+
+
+def read_layout(boxes: str) -> list[Box]:
+    """The boxes, each row's "from" in a form the model reads; the references it names are not known here (they
+    join the conditioning later), so Denoise checks those."""
+    layout = read_boxes(boxes, "the Layout node's boxes")
+    check_rows(rows(layout), None, "the Layout node's boxes")
+    return layout

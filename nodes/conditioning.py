@@ -23,7 +23,7 @@ from ..flux2_core.errors import Flux2Error
 from ..flux2_core.families import FAMILIES, family_of_encoder
 from ..flux2_core.runtime import cache, memory
 from ..flux2_core.sampling import references
-from ..flux2_core.sampling.boxes import boxed_prompt
+from ..flux2_core.sampling.boxes import boxed_prompt, rows_read
 from . import host, types
 
 log = logging.getLogger("flux2_klein")
@@ -60,7 +60,9 @@ class PromptEncode(io.ComfyNode):
         text = boxed_prompt(prompt, boxes or [], family, f"{family.title} (its {encoder.spec.name} text encoder)")
         out = PROMPTS.encode(LoadOnMiss(text_encoder), [text])
         tokens, dropped, limit = out.token_counts[0], out.dropped[0], encoder.spec.max_length
-        meta = {"encoder": encoder.spec.name, "family": family.name, "tokens": tokens, "dropped": dropped}
+        # the rows the model reads: Denoise checks their "from" against the references it is given
+        meta = {"encoder": encoder.spec.name, "family": family.name, "tokens": tokens, "dropped": dropped,
+                "rows": rows_read(prompt, boxes or [])}
         # pooled_output None: FLUX.2 has no pooled vector, but ComfyUI's FLUX models read the key.
         conditioning = [[out.embeds, {"pooled_output": None, types.META: meta}]]
         info = f"{tokens} / {limit} tokens"
@@ -121,9 +123,11 @@ class Reference(io.ComfyNode):
         latents, sources = list(first.get("reference_latents", [])), list(first.get(SOURCES, []))
         sources += [None] * (len(latents) - len(sources))       # latents appended by other nodes have no source
         new = [to_pil(item) for item in image]
-        fit = FAMILIES[first.get(types.META, {}).get("family", "flux2")].references   # ComfyUI's prompts: FLUX.2
+        family = FAMILIES[first.get(types.META, {}).get("family", "flux2")]        # ComfyUI's prompts: FLUX.2
+        fit = family.references
         count = len(latents) + len(new)
-        references.check_count(count, fit)
+        # a graph's inpainting adds its picture here as a reference, if at all: it is counted among the latents
+        references.check_count(references.ReferenceCount(count), fit, family.title)
         if len(latents) == 1 and new and sources[0] is not None:
             latents[0] = encode(ae, sources[0], count, 0, fit)   # the first of several: prepared as one of them
         latents += [encode(ae, im, count, len(latents) + i, fit) for i, im in enumerate(new)]

@@ -96,8 +96,9 @@ class ModelLoader(io.ComfyNode):
         kind = "CFG" if variant.uses_cfg else "distilled"
         stored = stored_note(model, matmuls)
         kept = "".join(f"{kinds[k]} layers kept in {k}, computed in " for k in ("bf16", "fp16") if kinds.get(k))
+        outcome = weights.storage_outcome(path, fp8=fp8, int8=int8)     # the core's words for what the option did
         info = (f"{variant.name} ({kind}; defaults: {variant.default_steps} steps, cfg {variant.default_cfg}), "
-                f"{stored}{gguf_note(model)}{kept}{host.dtype_name(dtype)}")
+                f"{stored}{gguf_note(model)}{kept}{host.dtype_name(dtype)}{f'; {outcome.line()}' if outcome else ''}")
         managed = host.manage(model, model, "transformer", dtype, variant=variant,
                               full_load=bool(stored))
         managed.recipe = TransformerSource.of(path, host.dtype_name(dtype), fp8, int8=int8)

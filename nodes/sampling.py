@@ -23,6 +23,7 @@ from ..flux2_core.errors import Flux2Error
 from ..flux2_core.runtime import cache, memory, parallel
 from ..flux2_core.runtime import compile as compiling
 from ..flux2_core.sampling import euler, inpaint, references, schedules, step_cache
+from ..flux2_core.sampling.boxes import check_rows
 from ..flux2_core.sampling.plan import plan_denoise
 from . import host, types
 
@@ -153,8 +154,10 @@ class Denoise(io.ComfyNode):
     def execute(cls, model: host.Managed, positive, noise, sigmas, cfg: float, denoise: float,
                 negative=None, latent=None, cache: float = 0.0) -> io.NodeOutput:
         variant = model.variant
-        ref, ref_ids = references.reference_tokens(positive[0][1].get("reference_latents", []),  # both CFG branches
-                                                   families.family_of(variant).reference_ids)
+        given = positive[0][1].get("reference_latents", [])
+        check_rows(positive[0][1].get(types.META, {}).get("rows", []), references.ReferenceCount(len(given)),
+                   "the layout (FLUX 3 Klein Layout's boxes, or the table the prompt ends in)")
+        ref, ref_ids = references.reference_tokens(given, families.family_of(variant).reference_ids)  # both CFG branches
         plan = plan_denoise(variant, sigmas, cfg, strength=denoise, image=latent is not None,   # the CLI's plan
                             negative=negative is not None, references=ref is not None)
         sigmas, rule = plan.sigmas, plan.guidance

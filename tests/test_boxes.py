@@ -50,7 +50,7 @@ def test_no_boxes_leave_the_prompt_alone():
     ("[{\"desc\": \"x\", \"bbox\": [0.1, 0.1, 0.5, 0.5], \"tgt_bbox\": [0.1, 0.1, 0.5, 0.5]}]", "give one of them"),
     ("[{\"id\": \"a\", \"bbox\": [0.1, 0.1, 0.5, 0.5]}, {\"id\": \"a\", \"bbox\": [0.2, 0.2, 0.5, 0.5]}]",
      "two boxes have the id 'a'"),
-    ("{\"desc\": \"x\", \"bbox\": [0.1, 0.1, 0.5, 0.5]}", "must be a JSON list of boxes"),
+    ("{\"desc\": \"x\", \"bbox\": [0.1, 0.1, 0.5, 0.5]}", "holds a JSON object, but it must hold a JSON list; write a list of boxes"),
     ("[{\"desc\": \"x\", \"bbox\": [0.1, 0.1, 0.5, 0.5]", "not valid JSON"),
     ("[\"a kite\"]", "box 1 must be an object"),
 ])

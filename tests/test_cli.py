@@ -101,7 +101,7 @@ def test_bad_references(tmp_path, capsys, size, message):
     err = capsys.readouterr().err
     assert message not in err and "no weights found" in err
     assert cli.main(["--prompt", "x", "--variant", "flux3-klein", *["--ref", str(tmp_path / "bad.png")] * 11]) == 2
-    assert "--ref: 11 reference images, but this model takes at most 10" in capsys.readouterr().err
+    assert "--ref: FLUX 3 Image Klein takes at most 10 reference images" in capsys.readouterr().err
     assert cli.main(["--prompt", "x", "--ref", str(tmp_path / "missing.png")]) == 2
     assert "no such file" in capsys.readouterr().err
 

@@ -5,9 +5,12 @@ The oracle is comfy-kitchen: its dequantize for the weights, its ops (eager back
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flux2_core import weights
 from flux2_core.adapters.lora import read_adapter
@@ -16,9 +19,9 @@ from flux2_core.errors import Flux2Error
 from flux2_core.models import rope
 from flux2_core.storage import rotation
 from flux2_core.storage.linear import Linear
-from flux2_core.storage.protocol import census
+from flux2_core.storage.protocol import FLOAT_KINDS, census
 from tests.tiny.adapters import lora_state_dict, random_lora
-from tests.tiny.layouts import KITCHEN_LAYOUTS, comfy_quant, kitchen_weight, save_prefixed
+from tests.tiny.layouts import KITCHEN_LAYOUTS, comfy_fp8, comfy_quant, kitchen_weight, save_prefixed
 from tests.tiny.transformer import TINY_TRANSFORMER as P
 from tests.tiny.transformer import random_bfl_transformer_state_dict
 
@@ -281,3 +284,112 @@ def test_a_scale_of_the_right_size_in_the_wrong_shape_is_refused(tmp_path, float
     sd["single_blocks.0.linear1.weight_scale"] = sd["single_blocks.0.linear1.weight_scale"].T.contiguous()
     with pytest.raises(Flux2Error, match="linear1.weight_scale is torch.float32 .*needs torch.float32"):
         weights.load_transformer(save_prefixed(sd, tmp_path / "t.safetensors", PREFIX), device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every tensor of a quantized layer in the dtype its format stores, every scale one a quantizer writes
+# ---------------------------------------------------------------------------------------------------------------
+
+# the test's own facts, from the writers above: the format name each file kind gives, its tensors' dtypes as written
+FORMAT_NAME = {"int8_rowwise": "int8_tensorwise", "int8_convrot": "int8_tensorwise"}
+QUANTIZED_KINDS = [*KITCHEN_LAYOUTS, "int8_blockwise", "float8_e4m3fn_blockwise", "float8_e4m3fn", "nvfp4_modelopt"]
+# dtypes of one item size: a tensor written as one of them, saved as another, keeps its bytes and changes its meaning
+SAME_SIZE = ([torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu],
+             [torch.int32, torch.float32])
+CODES = {torch.int8: "I8", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+         torch.float8_e8m0fnu: "F8_E8M0", torch.int32: "I32", torch.float32: "F32"}
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
+
+
+def quantized_file(float_sd, kind: str, layer: str) -> dict[str, torch.Tensor]:
+    """The tiny transformer with ``layer`` quantized as ``kind`` by the writers above (comfy-kitchen's quantizers, the
+    converter's block formats, ComfyUI's fp8, BFL's nvfp4 by diffusers' quantizer)."""
+    if kind in KITCHEN_LAYOUTS:
+        return comfy_quant(float_sd, [layer], kind, ROTATION.get(kind, 0))
+    if kind.endswith("_blockwise"):
+        return block_file(float_sd, kind, 32, [layer])[0]
+    if kind == "float8_e4m3fn":
+        sd = comfy_fp8(float_sd, [layer])[0]
+        sd[layer + ".comfy_quant"] = torch.tensor(list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)
+        return sd
+    from diffusers.quantizers.bfl.utils import quantize_nvfp4
+
+    sd = dict(float_sd)
+    q, block, global_scale = quantize_nvfp4(sd.pop(layer + ".weight"))
+    return sd | {layer + ".weight": q, layer + ".weight_scale": block, layer + ".weight_scale_2": global_scale}
+
+
+def wrong_dtypes(written: torch.dtype) -> list[torch.dtype]:
+    """Same item size, another meaning; uint8 holding float8 bytes is ComfyUI's container for them, not wrong."""
+    group = next(g for g in SAME_SIZE if written in g)
+    return [d for d in group if d != written and not (written in FLOAT8 and d == torch.uint8)]
+
+
+def set_code(tensor: torch.Tensor, index: int, code: int) -> torch.Tensor:
+    """``tensor`` (one byte a value) with the byte at flat ``index`` replaced by ``code``."""
+    raw = tensor.contiguous().view(torch.uint8).clone()
+    raw.view(-1)[index] = code
+    return raw.view(tensor.dtype)
+
+
+def set_value(tensor: torch.Tensor, index: int, value: float) -> torch.Tensor:
+    return set_code(tensor, index, int(torch.tensor([value]).to(tensor.dtype).view(torch.uint8)[0]))
+
+
+def scale_values(scale: torch.Tensor, index: int) -> dict[str, torch.Tensor]:
+    """The scale with a value no per-tensor or per-row scale holds at ``index`` (quantizers clamp their amax above
+    zero), as far as its dtype can hold it: negative, zero, NaN, inf in float32; negative, zero, NaN in nvfp4's fp8
+    block scales (no inf in e4m3fn); NaN (code 255) in mxfp8's E8M0 exponents (no sign, no zero)."""
+    if scale.dtype == torch.float32:
+        out = {}
+        for name, value in {"negative": -scale.view(-1)[index].abs().item() - 1.0, "zero": 0.0,
+                            "NaN": float("nan"), "inf": float("inf")}.items():
+            out[name] = scale.clone()
+            out[name].view(-1)[index] = value
+        return out
+    if scale.dtype == torch.float8_e4m3fn:
+        return {"negative": set_value(scale, index, -1.0), "zero": set_value(scale, index, 0.0),
+                "NaN": set_code(scale, index, 0x7F)}
+    return {"NaN": set_code(scale, index, 0xFF)}
+
+
+def layer_tensors(sd: dict, layer: str) -> list[str]:
+    """The names of the layer's quantized tensors (its weight and scales; input_scale and the format object aside)."""
+    return sorted(k.removeprefix(layer + ".") for k in sd
+                  if k.startswith(layer + ".") and not k.endswith((".comfy_quant", ".input_scale")))
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(data=st.data())
+def test_a_quantized_layers_tensors_of_a_wrong_dtype_or_damaged_scales_are_refused(float_sd, tmp_path_factory, data):
+    """A drawn format and layer: a tensor saved as a wrong dtype of the same item size (its bytes unchanged), or a
+    scale with a value no quantizer writes at a drawn position, is a Flux2Error naming the layer, the format and the
+    tensor; the file as written, a float32 scale stored in bf16 (widened exactly) and a zero block scale (what the
+    quantizers write for an all-zero block: nvfp4's per 16 values, the 2-D block formats') load."""
+    kind, layer = data.draw(st.sampled_from(QUANTIZED_KINDS)), data.draw(st.sampled_from(W4A4_LAYERS))
+    sd = quantized_file(float_sd, kind, layer)
+    fmt = FORMAT_NAME.get(kind, kind)
+    tensor = data.draw(st.sampled_from(layer_tensors(sd, layer)))
+    key, written = f"{layer}.{tensor}", sd[f"{layer}.{tensor}"]
+    is_scale = tensor != "weight"
+    index = data.draw(st.integers(0, written.numel() - 1))
+    refused = {f"wrong dtype {CODES[d]}": written.view(d) for d in wrong_dtypes(written.dtype)}
+    kept = {"as written": written}
+    if is_scale:
+        refused |= scale_values(written, index)
+        if fmt.endswith("_blockwise") or (fmt.startswith("nvfp4") and tensor == "weight_scale"):
+            kept["a zero block scale"] = refused.pop("zero")
+        if written.dtype == torch.float32:
+            kept["in bf16"] = written.to(torch.bfloat16)
+    case = data.draw(st.sampled_from(sorted(refused) + sorted(kept)))
+    path = save_prefixed(sd | {key: (refused | kept)[case]}, tmp_path_factory.mktemp("damaged") / "q.safetensors",
+                         PREFIX)
+    if case in kept:
+        model, _ = weights.load_transformer(path, device="cpu", dtype=torch.float32)
+        assert model.get_submodule(layer).kind not in FLOAT_KINDS, case
+        return
+    with pytest.raises(Flux2Error) as error:
+        weights.load_transformer(path, device="cpu", dtype=torch.float32)
+    message = str(error.value)
+    named = [PREFIX + layer, fmt, tensor] + ([case.removeprefix("wrong dtype ")] if case.startswith("wrong") else [])
+    assert all(re.search(rf"(?<!\w){re.escape(word)}\b", message) for word in named), (case, message)

@@ -9,6 +9,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from flux2_core.errors import Flux2Error
@@ -68,7 +70,7 @@ def test_the_answer_keeps_the_locked_rows_as_the_reference(answer):
     locked = [{"id": "kite", "bbox": [100, 50, 600, 400], "desc": "a red kite"},
               {"id": "dog", "from": "ref_image_1", "src_bbox": [200, 100, 900, 500], "tgt_bbox": None,
                "desc": "the dog"}]
-    assert layout.keep_locked(answer, json.loads(json.dumps(locked))) == bbox.reconcile(answer, locked)
+    assert layout.keep_locked(answer, json.loads(json.dumps(locked)), 2) == bbox.reconcile(answer, locked)
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 10])
@@ -241,3 +243,55 @@ def test_the_command_line_refuses_upsampling_without_a_folder(tmp_path):
         (tmp_path / name / "system_prompts.json").write_text("{}")
     with pytest.raises(Flux2Error, match="2 prompt upsampler folders .* name the one to use"):
         find_upsampler_folder(str(tmp_path))
+
+
+# --- the request's length against the model's context --------------------------------------------------------------
+
+ROOM = 160                     # the tokens a request may take in the short-context upsampler, after its answer's
+
+
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory):
+    """The tiny upsampler with a context of its answer's 3584 tokens and ROOM more."""
+    from flux2_core.upsampler.model import MAX_NEW_TOKENS
+
+    folder = save_tiny_upsampler(tmp_path_factory.mktemp("short_context"))
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = MAX_NEW_TOKENS + ROOM
+    (folder / "config.json").write_text(json.dumps(config))
+    return PromptUpsampler(folder, device="cpu", dtype=torch.float32)
+
+
+def answering_at_once(upsampler, sent: list[int]):
+    """A stand-in for generate: records how many tokens it is sent, answers "fox" and ends."""
+    def generate(input_ids, **kwargs):
+        sent.append(input_ids.shape[1])
+        answer = upsampler.tokenizer.convert_tokens_to_ids(["Ġfox", "<|im_end|>"])
+        return torch.cat([input_ids, torch.tensor([answer])], dim=1)
+    return generate
+
+
+@settings(max_examples=12, deadline=None)
+@given(words=st.integers(0, 2 * ROOM), shown=st.integers(0, 2))
+def test_a_request_past_the_context_is_refused_before_it_is_generated(short_context, words, shown):
+    """Each " fox" is one token, so the request "a fox fox ..." is ``words`` tokens past the plain "a" (its system
+    prompt, chat turn and pictures included): sent while it leaves the answer its room, refused past that, naming
+    the count and the limit, with generate never called."""
+    from unittest import mock
+
+    from flux2_core.upsampler.model import MAX_NEW_TOKENS
+
+    sent: list[int] = []
+    with mock.patch.object(short_context.model, "generate", answering_at_once(short_context, sent)):
+        short_context("a", pictures()[:shown])
+        expected = sent[0] + words
+        if expected <= ROOM:
+            short_context("a" + " fox" * words, pictures()[:shown])
+            assert sent == [sent[0], expected]
+            return
+        with pytest.raises(Flux2Error) as refused:
+            short_context("a" + " fox" * words, pictures()[:shown])
+    message = str(refused.value)
+    assert sent == [sent[0]], "generate was called"
+    assert f"{expected} tokens" in message and f"{MAX_NEW_TOKENS + ROOM} tokens" in message, message
+    assert "shorten the request" in message and ("fewer" in message) == (shown > 0), message

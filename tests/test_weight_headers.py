@@ -308,7 +308,7 @@ def test_config_json_must_be_an_object(tmp_path, valid_file):
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(valid_file.read_bytes())
     (folder / "config.json").write_text("[1, 2, 3]")
-    with pytest.raises(Flux2Error, match=r"config.json holds a JSON list, but a config.json must hold a JSON object"):
+    with pytest.raises(Flux2Error, match=r"config.json holds a JSON list, but it must hold a JSON object"):
         open_checkpoint(folder, "")
     (folder / "config.json").write_text('{"a": ' + "9" * 5000 + "}")
     with pytest.raises(Flux2Error, match=r"config.json is not valid JSON.*download it again"):

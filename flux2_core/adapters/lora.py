@@ -13,7 +13,6 @@ Diffusers/PEFT files without .alpha keys carry alpha in their ``lora_adapter_met
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -26,6 +25,7 @@ from torch import Tensor
 from ..digests import tensor_digest
 from ..errors import Flux2Error
 from ..families import ModelParams
+from ..user_json import parse_json
 from ..weights.checkpoint import TORCH_DTYPES, open_checkpoint, read_tensor
 from .formats import (
     OTHER,
@@ -273,11 +273,9 @@ def _peft_alpha(meta: Mapping[str, str], path: str, rank: int, component: str = 
     raw = meta.get("lora_adapter_metadata")
     if not raw:
         return None
-    try:
-        config = json.loads(raw)
-    except json.JSONDecodeError:
-        raise Flux2Error(f"the adapter's lora_adapter_metadata is not valid JSON: {raw[:80]!r}") from None
-    if not isinstance(config, dict) or not isinstance(config.get("alpha_pattern") or {}, dict):
+    config = parse_json(raw, "the adapter's lora_adapter_metadata", dict,
+                        "the file's metadata is damaged: save the adapter again, or download it again")
+    if not isinstance(config.get("alpha_pattern") or {}, dict):
         raise Flux2Error(f"the adapter's lora_adapter_metadata is not a PEFT LoraConfig (an object with lora_alpha "
                          f"and alpha_pattern): {raw[:80]!r}")
     if any(k.startswith(("transformer.", "text_encoder.")) for k in config):

@@ -19,16 +19,11 @@ from functools import partial
 from pathlib import Path
 
 from ..errors import Flux2Error
-from ..variants import VARIANTS, Variant
+from ..variants import VARIANTS, runnable_variants
+from .models_folder import find_weights, search_models, variant_option
 from .option_types import number_option
 from .outputs import check_folder, write_new
 
-# ComfyUI model folders (and their legacy names) and the usual file names in them.
-TRANSFORMER_FOLDERS = ("diffusion_models", "unet")
-TEXT_ENCODER_FOLDERS = ("text_encoders", "clip")
-AE_FOLDERS = ("vae",)
-AE_FILES = ("flux2-vae.safetensors", "ae.safetensors", "full_encoder_small_decoder.safetensors")
-KLEIN = [name for name in VARIANTS if name != "dev"]   # what --models searches for, in this order
 DEMO_SIZE = 256
 # --offload: (text encoder, transformer blocks) as pipeline.load_models' offload_encoder and offload_blocks take them
 OFFLOAD = {"auto": ("auto", "auto"), "none": (False, False), "encoder": (True, False), "blocks": (True, True)}
@@ -104,7 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a decoder on its own (BFL's small_decoder.safetensors, about 44%% fewer parameters, visually "
                         "the same pictures) to decode with instead of the autoencoder's own; the autoencoder (--ae or "
                         "--models) still encodes and gives the latent statistics")
-    p.add_argument("--variant", choices=sorted(VARIANTS), help="model variant (default: detected from the weights)")
+    p.add_argument("--variant", type=variant_option, metavar="NAME",
+                   help=f"model variant: {', '.join(v.name for v in runnable_variants())} (default: detected from the "
+                        f"weights; in a --models folder holding several models, the first of these found, and the "
+                        f"run names the others)")
     p.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="transformer and text-encoder compute dtype (default: what the device runs fast: bfloat16 on "
@@ -164,99 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# --- finding weights ------------------------------------------------------------------------------------------------
-
-def _first_file(models: Path, folders: tuple[str, ...], names: tuple[str, ...], gguf_stem: str = "") -> Path | None:
-    """The first of ``names`` found in the folders, else the first GGUF named ``<gguf_stem>-<quant>.gguf`` (the
-    quant starts with Q, IQ, BF or F: Q4_K_M, BF16, ...; so flux-2-klein-9b-kv-*.gguf is not a klein-9b file)."""
-    for name in names:
-        for folder in folders:
-            if (models / folder / name).is_file():
-                return models / folder / name
-    for folder in folders:
-        found = sorted((models / folder).glob(f"{gguf_stem}-[QqIiBbFf]*.gguf")) if gguf_stem else []
-        if found:
-            return found[0]
-    return None
-
-
-def _files(models: Path, folders: tuple[str, ...]):
-    for folder in folders:
-        yield from sorted(p for p in (models / folder).glob("*") if p.suffix.lower() in (".safetensors", ".gguf"))
-
-
-def _transformer_of(models: Path, candidates: list[Variant]) -> tuple[Path, Variant] | None:
-    """Whatever its name, the first transformer file whose headers say it is one of ``candidates`` (no tensor is
-    read; files of other models are passed over)."""
-    from ..weights import inspect_transformer
-
-    for path in _files(models, TRANSFORMER_FOLDERS):
-        try:
-            found = inspect_transformer(path)[1].name
-        except Flux2Error:
-            continue
-        if (variant := next((v for v in candidates if v.name == found), None)) is not None:
-            return path, variant
-    return None
-
-
-def _text_encoder_of(models: Path, variant: Variant) -> Path | None:
-    """Whatever its name, the first text encoder file whose headers say it is the one ``variant`` reads: its model
-    (Qwen3-VL files say so; a plain Qwen3 file says nothing, and is taken for Qwen3) and its width."""
-    from ..weights import inspect_text_encoder
-
-    spec = variant.text_encoder
-    for path in _files(models, TEXT_ENCODER_FOLDERS):
-        try:
-            model, hidden = inspect_text_encoder(path)
-        except Flux2Error:
-            continue
-        if (model or "qwen3") == spec.model and hidden == spec.hidden_size:
-            return path
-    return None
-
-
-def _needed(variant: Variant) -> list[str]:
-    return [f"  {TRANSFORMER_FOLDERS[0]}/{' or '.join(variant.files)} (or {variant.gguf_stem}-<quant>.gguf)",
-            (f"  {TEXT_ENCODER_FOLDERS[0]}/{' or '.join(variant.text_encoder.files)} "
-             f"(or {variant.text_encoder.gguf_stem}-<quant>.gguf)"),
-            f"  {AE_FOLDERS[0]}/{' or '.join(AE_FILES)}"]
-
-
-def find_weights(models: str | None, variant: str | None, transformer: str | None = None,
-                 text_encoder: str | None = None, ae: str | None = None) -> tuple[Path, Path, Path]:
-    """Explicit paths, the rest from the models folder: by their usual names, else by what their headers say they are
-    (a FLUX 3 file under any name). Without a variant the first Klein model found decides, and the text encoder must be
-    its own; Flux2Error lists exactly the files missing."""
-    folder = Path(models).expanduser() if models else None
-    if folder is not None and not folder.is_dir():
-        raise Flux2Error(f"--models {models}: no such folder; pass ComfyUI's models folder (the one holding "
-                         "diffusion_models/, text_encoders/ and vae/)")
-    candidates = [VARIANTS[variant]] if variant else [VARIANTS[name] for name in KLEIN]
-    chosen = candidates[0]
-    if transformer is None and folder is not None:
-        for v in candidates:
-            if found := _first_file(folder, TRANSFORMER_FOLDERS, v.files, v.gguf_stem):
-                transformer, chosen = found, v
-                break
-        else:                       # no usual name: a file that is one of them by its contents
-            transformer, chosen = _transformer_of(folder, candidates) or (None, chosen)
-    if folder is not None:
-        text_encoder = text_encoder or _first_file(folder, TEXT_ENCODER_FOLDERS, chosen.text_encoder.files,
-                                                   chosen.text_encoder.gguf_stem) or _text_encoder_of(folder, chosen)
-        ae = ae or _first_file(folder, AE_FOLDERS, AE_FILES)
-    missing = [what for what, path in (("--transformer", transformer), ("--text-encoder", text_encoder),
-                                       ("--ae", ae)) if path is None]
-    if missing:
-        where = f"in {folder}" if folder else "(no --models folder given)"
-        options = "\n".join(f"for {v.name}:\n" + "\n".join(_needed(v)) for v in candidates)
-        raise Flux2Error(f"no weights found {where} for {', '.join(missing)}. Either pass --models with the path of "
-                         f"a ComfyUI models folder that holds the files below (each in the subfolder shown), or give "
-                         f"each file with --transformer, --text-encoder and --ae. No weights at hand? --demo runs "
-                         f"with random ones.\n{options}")
-    return Path(transformer), Path(text_encoder), Path(ae)
-
-
 # --- progress and output ---------------------------------------------------------------------------------------------
 
 class Progress:
@@ -307,7 +212,7 @@ def check_early(args, refs) -> None:
     """The engine's own rules, checked before loading weights (minutes), with the option's name in front."""
     from .. import latents
     from ..sampling import euler, inpaint, schedules
-    from ..sampling.references import check_count, check_reference
+    from ..sampling.references import ReferenceCount, check_count, check_reference
 
     rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or latents.latent_size(
                  *(latents.PIXELS_PER_LATENT if side is None else side for side in (args.height, args.width)))),
@@ -334,10 +239,12 @@ def check_early(args, refs) -> None:
     family = early_family(args)
     if family is not None:              # else the load that follows says what is wrong with the files
         fit = family.references
+        # --mask and --expand inpaint: the picture goes to the model as one more reference
+        inpainted = args.image is not None and (args.mask is not None or args.expand is not None)
         try:
-            check_count(len(refs), fit)
+            check_count(ReferenceCount(len(refs), inpainted), fit, family.title)
         except Flux2Error as e:
-            raise Flux2Error(f"--ref: {e}") from None
+            raise Flux2Error(f"--ref{' / --image' if inpainted else ''}: {e}") from None
         for i, ref in enumerate(refs):
             check_reference(ref, i, fit)
     for path, _strength in map(lora_argument, args.lora):
@@ -364,17 +271,25 @@ def early_family(args):
 
 def read_layout(path: str | None):
     """--boxes FILE.json -> the boxes (``boxes.read_boxes``), read and checked before any model loads."""
-    from ..sampling.boxes import read_boxes
+    from ..sampling.boxes import EXAMPLE, read_boxes
+    from ..user_json import read_json_file
 
     if path is None:
         return None
-    try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise Flux2Error(f"--boxes {path}: no such file; give a JSON file with a list of boxes") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise Flux2Error(f"--boxes {path} could not be read ({e}); give a UTF-8 JSON file with a list of boxes") from None
-    return read_boxes(text, f"the boxes in {path}")
+    layout = read_json_file(Path(path).expanduser(), list,
+                            f"give a UTF-8 JSON file that holds a list of boxes such as {EXAMPLE}", f"--boxes {path}")
+    return read_boxes(layout, f"the boxes in {path}")
+
+
+def check_rows_early(args, refs, layout_file: str | None) -> None:
+    """Each prompt's layout rows (--boxes, else a table the prompt ends in) against the references the model will be
+    given (``boxes.check_rows``), before any model loads: --mask and --expand give it the picture as reference 1."""
+    from ..sampling.boxes import check_rows, rows_read
+    from ..sampling.references import ReferenceCount
+
+    given = ReferenceCount(len(refs), inpainted=args.mask is not None or bool(args.expand))
+    for prompt in args.prompt:
+        check_rows(rows_read(prompt, args.boxes or []), given, f"--boxes {layout_file}" if args.boxes else "--prompt")
 
 
 def lora_argument(text: str) -> tuple[str, float]:
@@ -413,7 +328,8 @@ def generate_command(argv: list[str]) -> int:
     refs = [open_image(p) for p in args.ref]
     image = open_image(args.image) if args.image else None
     check_early(args, refs)
-    args.boxes = read_layout(args.boxes)
+    layout_file, args.boxes = args.boxes, read_layout(args.boxes)
+    check_rows_early(args, refs, layout_file)
     mask = open_image(args.mask) if args.mask else None
     if image is not None:                # before any model loads (a mask is fitted to the image: the image decides)
         grid_size(*image.size, f"--image {args.image}")
@@ -533,6 +449,7 @@ def load_for_command(args, device, size: tuple[int, int]):
     from ..pipeline import apply_adapters, load_models, optimize_transformer
     from ..storage.matmul import choose_matmuls
     from ..storage.protocol import census
+    from ..weights import storage_outcome
 
     offload, offload_blocks = encoder_offload(args), OFFLOAD[args.offload][1]
     if args.demo:
@@ -542,7 +459,10 @@ def load_for_command(args, device, size: tuple[int, int]):
               "runs. Use --models or --transformer/--text-encoder/--ae for real images.")
         models, files = demo_models(args.variant or "klein-4b", device or "cpu"), {"weights": "demo (random)"}
     else:
-        paths, files = find_weights(args.models, args.variant, args.transformer, args.text_encoder, args.ae), {}
+        found, files = search_models(args.models, args.variant, args.transformer, args.text_encoder, args.ae), {}
+        for note in found.notes:                 # the other models in the folder, files that could not be read
+            print(f"note: {note}", file=sys.stderr)
+        paths = found.paths
         dtype = getattr(torch, args.dtype) if args.dtype else None
         if dtype is None:
             from ..devices import compute_dtype
@@ -553,9 +473,12 @@ def load_for_command(args, device, size: tuple[int, int]):
             files["dtype"] = f"{chosen.name} ({chosen.why})"
         else:
             files["dtype"] = f"{args.dtype} (--dtype)"
-        print(f"loading {paths[0].name}, {paths[1].name}, {paths[2].name}", file=sys.stderr)
-        models = load_models(*paths, device=device, dtype=dtype, variant=args.variant,
-                             fp8={"auto": None, "yes": True, "no": False}[args.fp8], int8=INT8_CHOICES[args.int8],
+        fp8, int8 = {"auto": None, "yes": True, "no": False}[args.fp8], INT8_CHOICES[args.int8]
+        # what --int8 / --fp8 yes do to the file's layers, from its headers: one that changes nothing says so
+        outcome = storage_outcome(paths[0], variant=args.variant, fp8=fp8, int8=int8)
+        print(f"loading {paths[0].name}, {paths[1].name}, {paths[2].name}{f'; {outcome.line()}' if outcome else ''}",
+              file=sys.stderr)
+        models = load_models(*paths, device=device, dtype=dtype, variant=args.variant, fp8=fp8, int8=int8,
                              offload_encoder=offload, offload_blocks=offload_blocks, size=size, decoder=args.decoder)
         files |= {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
         if args.decoder:

@@ -42,36 +42,47 @@ class Layers:
     """``stored(name)`` (the format a file keeps the layer in, or None), ``int8(name)``, ``ggml(name)`` (a GGML type or
     None), ``fp8(name)``, ``kept(name)`` (a 16-bit dtype to keep the weight in, cast at each call, or None) choose in
     that order; default: float in the model's dtype. ``convrot``: the int8 layers ``int8`` picks are quantized in
-    ConvRot's basis."""
+    ConvRot's basis. ``chosen`` (shared by every scope) records which of them made each linear, by its full name:
+    what a loader reports of its options (``weights.storage_outcome``) is read from the choice itself."""
 
     def __init__(self, fp8: Callable[[str], bool] | None = None, prefix: str = "",
                  ggml: Callable[[str], int | None] | None = None, int8: Callable[[str], bool] | None = None,
                  kept: Callable[[str], torch.dtype | None] | None = None,
-                 stored: Callable[[str], LayerFormat | None] | None = None, convrot: bool = False):
+                 stored: Callable[[str], LayerFormat | None] | None = None, convrot: bool = False,
+                 chosen: dict[str, str] | None = None):
         self.fp8, self.prefix, self.ggml = fp8 or (lambda name: False), prefix, ggml or (lambda name: None)
         self.int8, self.kept = int8 or (lambda name: False), kept or (lambda name: None)
         self.stored, self.convrot = stored or (lambda name: None), convrot
+        self.chosen = {} if chosen is None else chosen
 
     def scope(self, name: str) -> Layers:
-        return Layers(self.fp8, f"{self.prefix}{name}.", self.ggml, self.int8, self.kept, self.stored, self.convrot)
+        return Layers(self.fp8, f"{self.prefix}{name}.", self.ggml, self.int8, self.kept, self.stored, self.convrot,
+                      self.chosen)
 
     def linear(self, name: str, in_features: int, out_features: int, per_item: bool = False) -> nn.Module:
         """Bias-free [out, in]; ``per_item``: one batch item at a time, for the per-item vectors [B, in]."""
-        fmt = self.stored(self.prefix + name)
-        if fmt is not None:
-            return stored_linear(fmt, in_features, out_features, per_item)
-        if self.int8(self.prefix + name):
+        full = self.prefix + name
+        how = self.chosen[full] = self.choice(full)
+        if how == "stored":
+            return stored_linear(self.stored(full), in_features, out_features, per_item)
+        if how == "int8":
             rotation = group_for(in_features) if self.convrot else 0
             return Int8Linear(in_features, out_features, item_by_item=per_item, rotation=rotation)
-        qtype = self.ggml(self.prefix + name)
-        if qtype is not None:
-            return GGMLLinear(in_features, out_features, qtype, item_by_item=per_item)
-        if self.fp8(self.prefix + name):
+        if how == "ggml":
+            return GGMLLinear(in_features, out_features, self.ggml(full), item_by_item=per_item)
+        if how == "fp8":
             return Fp8Linear(in_features, out_features, item_by_item=per_item)
-        kept = self.kept(self.prefix + name)
-        if kept is not None:
-            return CastLinear(in_features, out_features, kept, item_by_item=per_item)
+        if how == "kept":
+            return CastLinear(in_features, out_features, self.kept(full), item_by_item=per_item)
         return (VectorLinear if per_item else Linear)(in_features, out_features)
+
+    def choice(self, full: str) -> str:
+        """Which storage ``linear`` makes for the layer ``full``, by the name of the chooser above that picks it
+        ("stored", "int8", "ggml", "fp8", "kept"), else "float"."""
+        picked = (("stored", self.stored(full) is not None), ("int8", bool(self.int8(full))),
+                  ("ggml", self.ggml(full) is not None), ("fp8", bool(self.fp8(full))),
+                  ("kept", self.kept(full) is not None))
+        return next((what for what, picks in picked if picks), "float")
 
     def embedding(self, name: str, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> nn.Module:
         """Float ``nn.Embedding``, or GGUF blocks whose looked-up rows are dequantized to ``dtype``."""

@@ -42,8 +42,8 @@ class Qwen3Params:
         if not isinstance(rope, dict):
             raise Flux2Error(f"rope_parameters must be an object, got {rope!r}")
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise Flux2Error(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not Qwen3-4B/8B's (plain "
-                             "RoPE); FLUX.2 Klein needs the stock Qwen3 config")
+            raise Flux2Error(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not the plain RoPE of "
+                             "Qwen3's and Qwen3-VL's stock configs")
         heads, theta = get("num_attention_heads"), get("rope_theta")
         theta = rope.get("rope_theta", 1_000_000.0) if theta is None else theta      # transformers 5 nests it
         values = {"vocab_size": get("vocab_size"), "hidden_size": get("hidden_size"),
@@ -158,8 +158,8 @@ class Qwen3(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         if p.num_layers < num_layers:
-            raise Flux2Error(f"the text encoder has {p.num_layers} layers, FLUX.2 needs at least {num_layers} (its "
-                             "hidden states 9, 18 and 27): use the full Qwen3-4B / Qwen3-8B")
+            # (the encoders' own check, ``text_encoder.check_depth``, says it in the asking family's words first)
+            raise Flux2Error(f"the text encoder has {p.num_layers} layers; {num_layers} are asked for")
         layers = layers or Layers()
         self.params = p
         self.embed_tokens = layers.embedding("embed_tokens", p.vocab_size, p.hidden_size, dtype)

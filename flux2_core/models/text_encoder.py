@@ -14,13 +14,19 @@ from ..checks import dtype_cause, finite
 from ..errors import Flux2Error
 from ..storage.layer_format import LayerFormat
 from ..storage.quant import DROPPED_SUFFIXES
-from ..variants import QWEN3_4B, QWEN3_8B, QWEN3_TEMPLATE, TextEncoderSpec
+from ..variants import QWEN3_4B, QWEN3_8B, QWEN3_TEMPLATE, QWEN3_VL_4B, TextEncoderSpec
 from .layers import Layers
 from .qwen3 import Qwen3, Qwen3Params
 from .tokenizer import Qwen3Tokenizer, as_qwen3_tokenizer, load_tokenizer
 
 # Known Qwen3 sizes, by hidden width.
 SPECS_BY_HIDDEN = {QWEN3_4B.hidden_size: QWEN3_4B, QWEN3_8B.hidden_size: QWEN3_8B}
+ENCODERS_READ = (QWEN3_4B, QWEN3_8B, QWEN3_VL_4B)     # what messages list where no family asks
+
+
+def encoder_needed(spec: TextEncoderSpec | None) -> str:
+    """What a message says the encoder must be: the asking spec's reader and files, else every encoder read here."""
+    return "; ".join(f"{s.reader} reads the {s.wanted}" for s in ((spec,) if spec is not None else ENCODERS_READ))
 
 
 @dataclass
@@ -70,12 +76,21 @@ def count_prompt_tokens(tokenizer: Qwen3Tokenizer, prompt: str, template: str = 
     return len(tokenizer.encode(render_prompt(prompt, template)))
 
 
+def check_depth(layers: int, spec: TextEncoderSpec) -> None:
+    """An encoder must reach the deepest hidden state its spec reads; said in that spec's words (its reader, the
+    layers it reads, its files), whichever family asks."""
+    deepest = max(spec.output_layers)
+    if layers < deepest:
+        files = f" ({' or '.join(spec.files)})" if spec.files else ""
+        read = ", ".join(map(str, spec.output_layers))
+        raise Flux2Error(f"the text encoder has {layers} layers, but {spec.reader} reads its hidden states {read} "
+                         f"(layer {deepest} the deepest): load the whole {spec.title}{files}, not a pruned one")
+
+
 class PromptEncoder:
 
     def __init__(self, model: Qwen3, tokenizer, spec: TextEncoderSpec):
-        deepest = max(spec.output_layers)
-        if len(model.layers) < deepest:
-            raise Flux2Error(f"the text encoder has {len(model.layers)} layers, {spec.name} needs {deepest}")
+        check_depth(len(model.layers), spec)
         self.model = model
         self.tokenizer = as_qwen3_tokenizer(tokenizer)
         self.spec = spec
@@ -148,20 +163,21 @@ def is_used(key: str, num_layers: int) -> bool:
     return key != "norm.weight" and not (key.startswith("layers.") and int(key.split(".")[1]) >= num_layers)
 
 
-def qwen3_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def qwen3_state_dict(state_dict: dict[str, torch.Tensor], spec: TextEncoderSpec | None = None
+                     ) -> dict[str, torch.Tensor]:
     """``Qwen3Model`` key names from any prefix before ``embed_tokens`` (HF and ComfyUI files: ``model.``; ComfyUI
     all-in-one: ``text_encoders.qwen3_4b.transformer.model.``); keys outside it (``lm_head``) dropped. Quantization
-    scales must have been folded into the weights first.
+    scales must have been folded into the weights first. ``spec``: the encoder asked for (what messages name).
     """
     embed = [k for k in state_dict if k.endswith("embed_tokens.weight")]
     if len(embed) != 1:
         raise Flux2Error("this is not a Qwen3 text encoder: expected one '…embed_tokens.weight' tensor, found "
-                         f"{len(embed)}. FLUX.2 Klein needs Qwen3-4B (Klein 4B) or Qwen3-8B (Klein 9B)")
+                         f"{len(embed)}. {encoder_needed(spec)}")
     prefix = embed[0][: -len("embed_tokens.weight")]
     sd = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
     if "layers.0.self_attn.q_norm.weight" not in sd:
         raise Flux2Error("this text encoder has no q_norm in its attention, so it is not Qwen3 (Qwen2.5, Llama and "
-                         "Mistral have none). FLUX.2 Klein needs Qwen3-4B (Klein 4B) or Qwen3-8B (Klein 9B)")
+                         f"Mistral have none). {encoder_needed(spec)}")
     quantized = [k for k in sd if k.endswith(DROPPED_SUFFIXES)]   # scales beside weights
     if quantized:
         raise Flux2Error(f"the text-encoder weights are quantized ({quantized[0]}, …): dequantize them to a float "
@@ -171,11 +187,11 @@ def qwen3_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, num_layers: int, device, dtype,
                       ggml_types: dict[str, int] | None = None, kept: dict[str, torch.dtype] | None = None,
-                      stored: dict[str, StoredLayer] | None = None) -> Qwen3:
+                      stored: dict[str, StoredLayer] | None = None, spec: TextEncoderSpec | None = None) -> Qwen3:
     """Built on meta; the tensors become the parameters (no second copy). Deeper layers are not read. ``kept``: linear
     layers (module names) whose weights stay in that 16-bit dtype, cast at each call. ``stored``: linear layers kept
     in a quantized file's own format, with their tensors (not in ``state_dict``)."""
-    sd = qwen3_state_dict(state_dict)
+    sd = qwen3_state_dict(state_dict, spec)
     keep = {k: v for k, v in sd.items() if is_used(k, num_layers)}
     kept, stored = kept or {}, stored or {}
     with torch.device("meta"):
@@ -203,7 +219,7 @@ def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device
     shapes. ``ggml_types``: module name -> GGML type of the layers given as GGUF blocks. ``spec``: None picks by width.
     """
     if config is None:
-        params = Qwen3Params.from_state_dict(qwen3_state_dict(state_dict),
+        params = Qwen3Params.from_state_dict(qwen3_state_dict(state_dict, spec),
                                              **({"rope_theta": spec.rope_theta} if spec is not None else {}))
     else:
         params = config if isinstance(config, Qwen3Params) else Qwen3Params.from_config(config)
@@ -211,5 +227,7 @@ def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device
         spec = SPECS_BY_HIDDEN.get(params.hidden_size) or replace(QWEN3_4B, name="custom", hidden_size=params.hidden_size)
     elif spec.hidden_size != params.hidden_size:     # another size of the model the spec reads (tests, or a mistake
         spec = replace(spec, name="custom", hidden_size=params.hidden_size)   # the transformer's check then names)
-    model = build_qwen3_model(state_dict, params, max(spec.output_layers), device, dtype, ggml_types, kept, stored)
+    check_depth(params.num_layers, spec)          # before building: Qwen3 cannot make layers the file lacks
+    model = build_qwen3_model(state_dict, params, max(spec.output_layers), device, dtype, ggml_types, kept, stored,
+                              spec)
     return PromptEncoder(model, tokenizer if tokenizer is not None else load_tokenizer(), spec)

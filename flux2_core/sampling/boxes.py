@@ -3,13 +3,15 @@
 A box is [y_min, x_min, y_max, x_max] in fractions of the picture's height and width (0-1, (0, 0) the top left).
 The model reads boxes as text: each becomes a row on a 0-1000 canvas, and the rows, as one JSON list, follow the
 prompt after a space ("<prompt> [{"id": "obj_1", "bbox": [100, 50, 600, 400], "desc": "a red kite"}]"). An edit may
-also move something: a row with ``from`` (which picture it comes from, "ref_image_1" ...), ``src_bbox`` (where it is
-there) and ``tgt_bbox`` (where it goes), either box left out.
+also move something: a row with ``from``, ``src_bbox`` (where it is there) and ``tgt_bbox`` (where it goes). ``from``
+is what the model was trained to read: "ref_image_0" for the run's first reference picture, "ref_image_1" for the
+second, ... (something taken from that picture: it has a src_bbox), or "target" (something new: tgt_bbox alone).
+``check_rows`` holds that rule and the run's references; every path that hands rows to the model calls it.
 
 The file the command line reads (``--boxes``) and the Layout node's text are that list with 0-1 boxes:
 
     [{"desc": "a red kite", "bbox": [0.1, 0.05, 0.6, 0.4]},
-     {"id": "dog", "desc": "the dog", "from": "ref_image_1", "src_bbox": [0.2, 0.1, 0.9, 0.5],
+     {"id": "dog", "desc": "the dog", "from": "ref_image_0", "src_bbox": [0.2, 0.1, 0.9, 0.5],
       "tgt_bbox": [0.3, 0.5, 1.0, 0.9]}]
 """
 
@@ -22,9 +24,12 @@ from dataclasses import dataclass
 
 from ..errors import Flux2Error
 from ..families import FAMILIES, Family
+from ..user_json import list_at_end, parse_json
+from .references import ReferenceCount
 
 CANVAS = 1000                      # the rows' coordinates run 0..CANVAS
 EXAMPLE = '[{"desc": "a red kite", "bbox": [0.1, 0.05, 0.6, 0.4]}]'
+WRITE_A_LAYOUT = f"write a list of boxes such as {EXAMPLE}"
 SIDES = ("bbox", "src_bbox", "tgt_bbox")
 
 
@@ -36,7 +41,7 @@ class Box:
     id: str
     desc: str
     bbox: tuple[float, ...] | None = None
-    source: str = ""               # the "from" of a move: "ref_image_1", ...
+    source: str = ""               # the "from" of a move: "ref_image_0", ..., "target"
     src_bbox: tuple[float, ...] | None = None
     tgt_bbox: tuple[float, ...] | None = None
 
@@ -58,11 +63,7 @@ def read_boxes(data, where: str = "the boxes") -> list[Box]:
     if isinstance(data, str):
         if not data.strip():
             return []
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as e:
-            raise Flux2Error(f"{where} are not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); write a "
-                             f"list of boxes such as {EXAMPLE}") from None
+        data = parse_json(data, where, list, WRITE_A_LAYOUT)
     if not isinstance(data, list):
         raise Flux2Error(f"{where} must be a JSON list of boxes such as {EXAMPLE}, got a {type(data).__name__}")
     boxes = [_box(item, i, where) for i, item in enumerate(data)]
@@ -97,7 +98,7 @@ def _box(item, index: int, where: str) -> Box:
                          f"for something moved from a reference)")
     source = item.get("from") or ""
     if not isinstance(source, str):
-        raise Flux2Error(f"{name}: from must be text such as \"ref_image_1\"")
+        raise Flux2Error(f"{name}: from must be text: {FROM_FORMS}")
     return Box(box_id, desc, source=source, src_bbox=sides["src_bbox"], tgt_bbox=sides["tgt_bbox"])
 
 
@@ -117,24 +118,88 @@ def _coordinates(value, name: str) -> tuple[float, ...] | None:
     return y_min, x_min, y_max, x_max
 
 
+# --- what a row's "from" may name: one rule for the user's rows and the upsampler's ----------------------------------
+
+REFERENCE_NAME = re.compile(r"ref_image_(0|[1-9][0-9]*)")     # as the upsampler is told: ref_image_0, ref_image_1, ...
+NEW_CONTENT = "target"
+FROM_FORMS = ('"ref_image_0" for the first reference picture, "ref_image_1" for the second, ... (something taken '
+              'from that picture, with its src_bbox), or "target" (something new, with tgt_bbox alone)')
+
+
+def row_problem(row: dict, references: ReferenceCount | None) -> str | None:
+    """What keeps a row (in the model's form, on the canvas) from applying to a run given ``references``, with the fix;
+    None when it applies. ``references`` None: not known where the row is read (the Layout node), so only the form
+    the model was trained on is checked; the references are checked where the run is known."""
+    if row.get("bbox") is not None:             # placed, not moved: every run reads it
+        return None
+    source = row.get("from")
+    named = REFERENCE_NAME.fullmatch(source) if isinstance(source, str) else None
+    problem = _form_problem(source, named, moved=row.get("src_bbox") is not None)
+    if problem is None and references is not None:
+        problem = _reference_problem(source, named, references)
+    return problem
+
+
+def _form_problem(source, named: re.Match | None, moved: bool) -> str | None:
+    """A from the model reads, with the boxes its kind has: something taken from a reference has the box it is
+    taken from, something new has none."""
+    if source in (None, ""):
+        return f"a move (src_bbox / tgt_bbox) needs from: {FROM_FORMS}; or place it with bbox"
+    if named is None and source != NEW_CONTENT:
+        return f"from is {json.dumps(source, ensure_ascii=False)[:60]}, which the model does not read: write {FROM_FORMS}"
+    if named is None and moved:
+        return ('from "target" is something new, which has no src_bbox: leave src_bbox out, or name the reference '
+                'picture it is taken from ("ref_image_0", ...)')
+    if named is not None and not moved:
+        return (f"from \"{source}\" takes something from that reference picture, so it needs src_bbox (where it is "
+                f"there); for something new write from \"target\"")
+    return None
+
+
+def _reference_problem(source: str, named: re.Match | None, references: ReferenceCount) -> str | None:
+    """A row with from belongs to an edit, and a reference it names must be one the model is given."""
+    if references.total == 0:
+        return ("a row with from is for an edit, and this run has no reference pictures (a picture made from text): "
+                "give the reference pictures, or place it with bbox [y_min, x_min, y_max, x_max] instead")
+    index = int(named.group(1)) if named is not None else 0
+    if index < references.total:
+        return None
+    last = references.total - 1
+    given = "ref_image_0" + (f" to ref_image_{last}" if last else "")
+    return (f"from \"{source}\" names reference picture {index + 1}, but the model is given {references.describe()}, "
+            f"named {given} in order: name one of those, or give the picture")
+
+
+def check_rows(layout_rows: list[dict], references: ReferenceCount | None, where: str) -> None:
+    """Every row that cannot apply to the run (``row_problem``), named with what is wrong in one Flux2Error."""
+    problems = [f"box {i + 1} ({row.get('id')}): {problem}" for i, row in enumerate(layout_rows)
+                if (problem := row_problem(row, references)) is not None]
+    if problems:
+        raise Flux2Error(f"{where}: " + "; ".join(problems))
+
+
+def rows_read(prompt: str, boxes: list[Box]) -> list[dict]:
+    """The rows the model will read: the boxes given, else the table the prompt already ends in (an upsampler's
+    answer, a prompt written in the model's form)."""
+    if boxes:
+        return rows(boxes)
+    found = table_at_end(prompt)
+    return found[1] if found is not None else []
+
+
 # --- the prompt form read back (an upsampler's answer, a prompt written with its table) -----------------------------
 
 ROW_ID = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 
 def split_table(text: str) -> tuple[str, list | None]:
-    """(caption, rows): the rows are the JSON list starting at the last "[" from which the rest parses as one (a
-    description may hold brackets and quotes, so no pattern can find it)."""
-    start = text.rfind("[")
-    while start >= 0:
-        try:
-            rows = json.loads(text[start:])
-        except json.JSONDecodeError:
-            rows = None
-        if isinstance(rows, list):
-            return text[:start].rstrip(), rows
-        start = text.rfind("[", 0, start)
-    return text.strip(), None
+    """(caption, rows): the rows are the JSON list that ends the text (a description may hold brackets and quotes, so
+    no pattern can find it; the guarded reader's ``list_at_end`` does, taking any other brackets as prose)."""
+    found = list_at_end(text)
+    if found is None:
+        return text.strip(), None
+    start, rows = found
+    return text[:start].rstrip(), rows
 
 
 def row_box(box) -> list | None:

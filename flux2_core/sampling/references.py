@@ -15,6 +15,7 @@ then cropped back to it. Each family gives its references their ids (``Family.re
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -147,20 +148,44 @@ def prepare_reference(image: Image.Image, cap: int, index: int = 0, fit: Referen
     return center_crop_16(cap_pixels(image, cap), f"reference image {index + 1}")
 
 
-def prepare_references(images, count: int | None = None, fit: ReferenceFit = FLUX2_REFERENCES) -> list[Image.Image]:
-    """``count``: as how many references each is capped (inpainting adds the source as one more)."""
+@dataclass(frozen=True)
+class ReferenceCount:
+    """The references a model is given: the reference pictures, and the picture being inpainted, which inpainting
+    gives the model as reference 1 (so that it sees what surrounds the area): it counts toward a family's limit."""
+
+    pictures: int
+    inpainted: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.pictures + self.inpainted
+
+    def describe(self) -> str:
+        pictures = f"{self.pictures} reference picture{'' if self.pictures == 1 else 's'}"
+        return f"{pictures} plus the picture being inpainted ({self.total})" if self.inpainted else pictures
+
+
+def prepare_references(images, count: ReferenceCount | None = None, fit: ReferenceFit = FLUX2_REFERENCES,
+                       model: str = "this model") -> list[Image.Image]:
+    """``count``: what the model is given, the images and the picture being inpainted (default: the images alone);
+    each image is capped as one of ``count.total``. ``model``: its name, for the message over the limit."""
     images = [as_pil(im, f"reference image {i + 1}") for i, im in enumerate(images)]
-    count = len(images) if count is None else count
-    check_count(count, fit)
+    count = count or ReferenceCount(len(images))
+    check_count(count, fit, model)
     for i, im in enumerate(images):
         check_reference(im, i, fit)              # every image checked before any is scaled
-    return [prepare_one(im, count, i, fit) for i, im in enumerate(images)]
+    return [prepare_one(im, count.total, i, fit) for i, im in enumerate(images)]
 
 
-def check_count(count: int, fit: ReferenceFit) -> None:
-    if fit.max_count is not None and count > fit.max_count:
-        raise Flux2Error(f"{count} reference images, but this model takes at most {fit.max_count}: leave some out "
-                         f"(or combine several into one picture)")
+def check_count(count: ReferenceCount, fit: ReferenceFit, model: str = "this model") -> None:
+    """The family's limit on references (``ReferenceFit.max_count``), the picture being inpainted included: the one
+    rule the command line (before loading), ``generate`` and the Reference node check."""
+    if fit.max_count is None or count.total <= fit.max_count:
+        return
+    over = count.total - fit.max_count
+    raise Flux2Error(f"{model} takes at most {fit.max_count} reference images, and the picture being inpainted counts "
+                     f"as one (inpainting gives it to the model as reference 1): got {count.describe()}; leave out "
+                     f"{over} reference picture{'' if over == 1 else 's'} (or combine several into one picture)")
 
 
 def prepare_one(image: Image.Image, count: int, index: int, fit: ReferenceFit) -> Image.Image:
@@ -227,7 +252,7 @@ def encode_references(ae, images, dtype: torch.dtype | None = None, ids=rope.ref
     return tokens.to(dtype or tokens.dtype), ids
 
 
-def reference_latents(ae, images, count: int | None = None, fit: ReferenceFit = FLUX2_REFERENCES
+def reference_latents(ae, images, count: ReferenceCount | None = None, fit: ReferenceFit = FLUX2_REFERENCES
                       ) -> list[torch.Tensor]:
     """Each [1, 128, h/16, w/16]."""
     return [ae.encode(image_to_tensor(im)) for im in prepare_references(images, count, fit)]

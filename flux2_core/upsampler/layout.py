@@ -12,7 +12,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from ..sampling.boxes import ROW_ID, row_box, split_table, table_at_end
+from ..sampling.boxes import ROW_ID, row_box, row_problem, split_table, table_at_end
+from ..sampling.references import ReferenceCount
 
 SAME_OBJECT = 0.9                  # a renamed row whose box overlaps a locked one this much (IoU) is that object
 LOCKED_HEADER = ("LOCKED BOUNDING-BOX ANNOTATIONS ([y_min, x_min, y_max, x_max] on a 0-1000 canvas, with (0, 0) at the "
@@ -70,8 +71,9 @@ def _overlap(a: list, b: list) -> float:
     return high * wide / union if union > 0 else 0.0
 
 
-def _added_row(row, caption: str) -> dict | None:
-    """A row the upsampler added, cleaned, if it is whole and its caption cites it; else None."""
+def _added_row(row, caption: str, pictures: int) -> dict | None:
+    """A row the upsampler added, cleaned, if it is whole, its caption cites it and it applies to the ``pictures``
+    it was shown (``boxes.row_problem``, the rule the user's rows meet); else None."""
     if not isinstance(row, dict):
         return None
     row_id, desc = row.get("id"), row.get("desc")
@@ -84,17 +86,17 @@ def _added_row(row, caption: str) -> dict | None:
     boxes = {side: row_box(value) if value is not None else None for side, value in given.items()}
     if any(given[side] is not None and boxes[side] is None for side in given):        # a box given, but malformed
         return None
-    moved = boxes["src_bbox"] is not None
-    if not (isinstance(source, str) and re.fullmatch(r"ref_image_\d+|target", source)) or not any(boxes.values()) \
-            or (source == "target") == moved:                  # new content has no source box, moved content has one
+    added = {"id": row_id, "from": source, **boxes, "desc": desc.strip()}
+    if not any(boxes.values()) or row_problem(added, ReferenceCount(pictures)) is not None:
         return None
-    return {"id": row_id, "from": source, **boxes, "desc": desc.strip()}
+    return added
 
 
-def keep_locked(answer: str, locked: list[dict]) -> str:
+def keep_locked(answer: str, locked: list[dict], pictures: int) -> str:
     """The upsampler's answer with the user's rows re-imposed: a row of its own that redraws a locked box (same
     place, another id) takes the locked id, in the table and in the caption; locked rows come first, as given
-    but with the upsampler's description where it wrote one; its valid added rows follow."""
+    but with the upsampler's description where it wrote one; its valid added rows (for the ``pictures`` it was
+    shown) follow."""
     caption, rows = split_table(answer)
     rows = [row for row in rows or []]
     locked_ids = {row["id"] for row in locked}
@@ -121,7 +123,7 @@ def keep_locked(answer: str, locked: list[dict]) -> str:
         desc = described.get(lock["id"])
         table.append({**lock, "desc": desc.strip() if isinstance(desc, str) and desc.strip() else lock.get("desc", "")})
     for row in rows:
-        added = _added_row(row, caption)
+        added = _added_row(row, caption, pictures)
         if added is not None and added["id"] not in {kept["id"] for kept in table}:
             table.append(added)
     return f"{caption} {json.dumps(table, ensure_ascii=False)}"

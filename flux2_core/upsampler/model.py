@@ -13,7 +13,6 @@ has not ended by then is refused rather than cut. The penalty counts the answer'
 from __future__ import annotations
 
 import inspect
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,9 +24,11 @@ from PIL import Image
 
 from ..devices import compute_dtype
 from ..errors import Flux2Error
-from ..sampling.boxes import read_boxes, rows
+from ..sampling.boxes import check_rows, read_boxes, rows, rows_read
+from ..sampling.references import ReferenceCount
+from ..user_json import read_json_file
 from .layout import already_upsampled, keep_locked, request
-from .pictures import MAX_PICTURES, PatchSettings, picture_patches, prepare_picture
+from .pictures import DOWNLOAD_AGAIN, MAX_PICTURES, PatchSettings, picture_patches, prepare_picture
 
 MAX_NEW_TOKENS = 3584
 PRESENCE_PENALTY = {"t2i": 1.5, "i2i": 0.0}
@@ -67,7 +68,7 @@ def find_upsampler(folder: str | Path) -> Path:
     if not (folder / PROMPTS_FILE).is_file():
         raise Flux2Error(f"{folder} has no {PROMPTS_FILE}: the upsampler's system prompts come with it in BFL's "
                          "release; download the whole folder")
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json_file(folder / "config.json", dict, DOWNLOAD_AGAIN)
     if "quantization" in config and "quantization_config" not in config:
         raise Flux2Error(f"{folder} is an MLX folder (its config has MLX's quantization); it runs on Apple's MLX only: "
                          "use BFL's Hugging Face release of the upsampler")
@@ -75,23 +76,47 @@ def find_upsampler(folder: str | Path) -> Path:
 
 
 def read_system_prompts(folder: Path) -> dict[str, str]:
-    try:
-        prompts = json.loads((folder / PROMPTS_FILE).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise Flux2Error(f"{folder / PROMPTS_FILE} is not JSON ({e}); download it again") from None
-    missing = [task for task in TASKS if not isinstance(prompts, dict) or not isinstance(prompts.get(task), str)]
+    prompts = read_json_file(folder / PROMPTS_FILE, dict, DOWNLOAD_AGAIN)
+    missing = [task for task in TASKS if not isinstance(prompts.get(task), str)]
     if missing:
         raise Flux2Error(f"{folder / PROMPTS_FILE} has no system prompt for {', '.join(missing)}; download it again")
     return prompts
 
 
 def check_request(prompt: str, pictures: int, boxes=None) -> list:
-    """What the upsampler cannot take, refused before it loads; the boxes read (sampling/boxes.py)."""
+    """What the upsampler cannot take, refused before it loads; the boxes read (sampling/boxes.py). The rows it
+    will lock (the boxes, else a table the request ends in) must name pictures it is shown; an answer it is given
+    again is passed on as it is, to be checked where it is drawn."""
     if not prompt.strip():
         raise Flux2Error("the prompt upsampler needs a prompt: write what the picture should show")
     if pictures > MAX_PICTURES:
         raise Flux2Error(f"the prompt upsampler takes at most {MAX_PICTURES} pictures, got {pictures}")
-    return read_boxes(boxes or [])
+    layout = read_boxes(boxes or [])
+    passed_on = not layout and already_upsampled(prompt)
+    check_rows([] if passed_on else rows_read(prompt, layout), ReferenceCount(pictures), "the boxes")
+    return layout
+
+
+def context_length(config, folder: Path) -> int:
+    """How many tokens the upsampler's model reads: its text model's max_position_embeddings (a vision-language
+    config keeps it in its text config)."""
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        raise Flux2Error(f"{folder / 'config.json'} gives no context length (max_position_embeddings is {limit!r}); "
+                         f"{DOWNLOAD_AGAIN}")
+    return limit
+
+
+def check_length(tokens: int, context: int, pictures: int) -> None:
+    """A request (system prompt, chat turn, pictures' patches and text) must leave the answer its MAX_NEW_TOKENS
+    within the model's context: past it the model reads positions it was never trained on, for minutes."""
+    room = context - MAX_NEW_TOKENS
+    if tokens > room:
+        fewer = " or give fewer reference pictures (their patches are tokens too)" if pictures else ""
+        raise Flux2Error(f"the request to the prompt upsampler is {tokens} tokens (its system prompt, the request"
+                         f"{' and the pictures' if pictures else ''}), but its model reads {context} tokens and keeps "
+                         f"{MAX_NEW_TOKENS} of them for its answer, so a request may take at most {max(room, 0)}: "
+                         f"shorten the request{fewer}")
 
 
 class PresencePenalty:
@@ -140,6 +165,7 @@ class PromptUpsampler:
                              "Hugging Face folder (config.json, the weights, the tokenizer and the processor "
                              "files) and a transformers release that knows its architecture (pip install -U "
                              "transformers)") from None
+        self.context = context_length(self.model.config, self.folder)
         self.model.to(self.device).eval()
         self.stops = [self.tokenizer.convert_tokens_to_ids(token) for token in STOP_TOKENS]
 
@@ -187,8 +213,10 @@ class PromptUpsampler:
                     {"role": "user", "content": content}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                   enable_thinking=False)
-        inputs = {k: v.to(self.device) for k, v in self._inputs(text, shown).items()}
+        inputs = self._inputs(text, shown)
         length = inputs["input_ids"].shape[1]
+        check_length(length, self.context, len(pictures))
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
         penalty = PRESENCE_PENALTY["i2i" if pictures else "t2i"]
         settings = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=self.stops,
                                     pad_token_id=self.stops[0])
@@ -204,4 +232,4 @@ class PromptUpsampler:
         caption = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
         if not caption:
             raise Flux2Error("the prompt upsampler answered with nothing; rephrase the request")
-        return Upsampled(keep_locked(caption, asked.locked) if asked.locked else caption, int(answer.numel()))
+        return Upsampled(keep_locked(caption, asked.locked, len(pictures)) if asked.locked else caption, int(answer.numel()))

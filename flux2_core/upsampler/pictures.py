@@ -7,7 +7,6 @@ It was trained on pictures over white, on a 32-px grid, within a pixel budget th
 from __future__ import annotations
 
 import io
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +15,13 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from ..errors import Flux2Error
+from ..user_json import read_json_file
 
 GRID = 32
 MAX_PICTURES = 10
 MAX_ASPECT = 200
 JPEG_QUALITY = 92
+DOWNLOAD_AGAIN = "download the upsampler's Hugging Face folder again"      # the fix for a damaged file in it
 
 
 def pixel_budget(count: int) -> int:
@@ -87,7 +88,7 @@ class PatchSettings:
         if not path.is_file():
             raise Flux2Error(f"{folder} has no preprocessor_config.json (how its vision tower cuts pictures); "
                              "download the whole upsampler folder")
-        config = json.loads(path.read_text())
+        config = read_json_file(path, dict, DOWNLOAD_AGAIN)
         size = config.get("size") or {}
         defaults = cls()
         return cls(patch_size=config.get("patch_size", defaults.patch_size),

@@ -12,11 +12,12 @@ from .loading import (
     load_autoencoder,
     load_text_encoder,
     load_transformer,
+    storage_outcome,
     stored_dtype,
     text_encoder_spec,
     transformer_bytes,
 )
 
 __all__ = ["ENCODER_FILES", "check_embeddings_fit", "check_text_encoder_fits", "default_device_dtype", "inspect_text_encoder",
-           "inspect_transformer", "load_autoencoder", "load_text_encoder", "load_transformer", "stored_dtype", "text_encoder_spec",
-           "transformer_bytes"]
+           "inspect_transformer", "load_autoencoder", "load_text_encoder", "load_transformer", "storage_outcome", "stored_dtype",
+           "text_encoder_spec", "transformer_bytes"]

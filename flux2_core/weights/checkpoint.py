@@ -17,6 +17,7 @@ import torch
 
 from ..errors import Flux2Error
 from ..storage.ggml import row_bytes
+from ..user_json import read_json_file
 from .gguf_file import is_gguf, read_gguf
 from .tensors import MAX_COUNT, TORCH_DTYPES, Checkpoint, TensorInfo, element_count, short
 
@@ -260,13 +261,4 @@ def read_json(path: Path) -> dict:
     """{} when there is no file."""
     if not path.is_file():
         return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise unreadable(path, e) from None
-    except (ValueError, RecursionError) as e:        # JSONDecodeError, UnicodeDecodeError, over-long ints
-        raise Flux2Error(f"{path} is not valid JSON ({e}); download it again") from None
-    if not isinstance(value, dict):
-        raise Flux2Error(f"{path} holds a JSON {type(value).__name__}, but a {path.name} must hold a JSON object "
-                         f"({{...}}); download it again")
-    return value
+    return read_json_file(path, dict, "download it again")

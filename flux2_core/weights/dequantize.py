@@ -2,7 +2,8 @@
 
 ComfyUI's quantized files name each layer's format (``.comfy_quant`` or ``_quantization_metadata``; older
 ``scaled_fp8`` files: ``.scale_weight``): ``comfy_formats`` reads them into ``storage.layer_format.LayerFormat`` and
-refuses a format no storage here runs, naming it and the layer, before anything is read. BFL's own fp8 (per-row
+refuses a format no storage here runs, naming it and the layer, before anything is read, as it refuses a tensor of
+the layer in a dtype its format does not store (``check_dtypes``). BFL's own fp8 (per-row
 ``.weight_scale`` [N]) and nvfp4 (``.weight_scale_2``), Hugging Face block fp8 (``.weight_scale_inv``) and unscaled
 float8 need no such object. ``.input_scale`` (a static activation scale) is dropped: activations are quantized per
 token where a kernel quantizes them at all.
@@ -70,10 +71,11 @@ def layer_format(ckpt: Checkpoint, layer: str, spec: object) -> LayerFormat:
     if not isinstance(name, str) or name not in FORMATS:
         raise Flux2Error(f"{where} uses the quantisation format {short(name)}, which cannot be loaded here; "
                          f"supported are bf16/fp16/fp32 files and these formats: {', '.join(sorted(FORMATS))}")
-    storage = FORMATS[name]
+    storage = FORMATS[name].storage
     weight = ckpt.tensors.get(layer + ".weight")
     if spec.get("convrot") and storage not in ("int8", "w4a4"):
         raise Flux2Error(f"{where} is {name} with ConvRot, which this pack runs for int8 and W4A4 only")
+    check_dtypes(ckpt, layer, name)
     if storage == "fp8":                               # storage.quant reads and checks these itself
         return LayerFormat(name)
     if weight is None or len(weight.shape) != 2:
@@ -99,6 +101,18 @@ def layer_format(ckpt: Checkpoint, layer: str, spec: object) -> LayerFormat:
         raise Flux2Error(f"{where} is int8 with a scale of shape {list(scale.shape)}; expected one per tensor or one "
                          f"per row ({weight.shape[0]}); the file is corrupt, download it again")
     return LayerFormat(name, rotation, block, per_row)
+
+
+def check_dtypes(ckpt: Checkpoint, layer: str, name: str) -> None:
+    """Each tensor of the layer the file holds in a dtype its format stores it in, from the header, before any byte is
+    read: a tensor of the same item size in another dtype would be taken at its bytes (an int32 scale read as float32
+    bits, fp8 bytes as int8 codes)."""
+    for tensor, stored in FORMATS[name].tensors.items():
+        info = ckpt.tensors.get(f"{layer}.{tensor}")
+        if info is not None and info.dtype not in stored.dtypes:
+            raise Flux2Error(f"{ckpt.path}: layer {layer} is {name}, which stores its {tensor} as "
+                             f"{', '.join(stored.dtypes[:-1])}{' or ' if len(stored.dtypes) > 1 else ''}{stored.dtypes[-1]}, but this file has it as {info.dtype}; the file is damaged "
+                             f"or was written wrongly, download it again or use another release of these weights")
 
 
 def _whole(value: object, where: str, what: str) -> int:

@@ -36,6 +36,8 @@ def describe(ckpt: Checkpoint) -> str:
 
     if not keys:
         return "an empty file (no tensors)"
+    if is_prompt_upsampler(ckpt):
+        return PROMPT_UPSAMPLER
     if any("lora" in k.lower() for k in keys):
         return "a LoRA (its keys mention lora); load it as a LoRA on top of a model, not as a model"
     for family in families.FAMILIES.values():      # a transformer of a family we run
@@ -64,6 +66,21 @@ def describe(ckpt: Checkpoint) -> str:
     if has("input_blocks.0.0.weight"):
         return "a Stable Diffusion UNet"
     return f"an unrecognised checkpoint (keys such as {', '.join(sorted(keys)[:3])})"
+
+
+# what the single-file prompt upsampler ComfyUI ships in text_encoders/ (qwen3.5_9b_flux3_prompt_upsampler_*.safetensors,
+# for its TextGenerate node) is, and what ours needs instead
+PROMPT_UPSAMPLER = ("FLUX 3 Image Klein's prompt upsampler as ComfyUI ships it (one Qwen3.5 file for ComfyUI's own "
+                    "TextGenerate node), not a text encoder or a diffusion model: --upsample and the Prompt Upsampler "
+                    "node run the upsampler from its Hugging Face folder (config.json, system_prompts.json, the "
+                    "weights, the tokenizer and preprocessor_config.json) in models/prompt_upsamplers/")
+
+
+def is_prompt_upsampler(ckpt: Checkpoint) -> bool:
+    """By its name (ComfyUI's ``..._prompt_upsampler_...``) or its layers: the upsampler is a Qwen3.5, whose
+    linear-attention layers (gated delta rule, ``linear_attn.A_log``) no model FLUX reads has."""
+    named = "upsampler" in ckpt.path.name.lower()
+    return named or any(k.endswith("linear_attn.A_log") for k in ckpt.tensors)
 
 
 def qwen3_name(hidden: int) -> str:

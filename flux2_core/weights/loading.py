@@ -36,6 +36,7 @@ from ..storage.layer_format import LayerFormat
 from ..storage.protocol import FLOAT_KINDS, StoredLinear
 from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, quantize_fp8
 from ..variants import (
+    MISTRAL_SMALL,
     QWEN3_4B,
     QWEN3_8B,
     QWEN3_VL_4B,
@@ -49,6 +50,7 @@ from .checkpoint import TORCH_DTYPES, Checkpoint, TensorInfo, open_checkpoint, r
 from .dequantize import COMFY_FP8, PACKED_INPUTS, comfy_formats, dequantize
 from .gguf_file import architecture, describe_gguf
 from .key_mapping import AUTOENCODER_LAYOUTS, OPTIONAL_KEYS, QWEN3_FROM_LLAMA_CPP, describe, find_layout, qwen3_name
+from .outcome import StorageOutcome, option_name, tally
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. reading our state dict: recipes -> tensors on the target device, dequantized, cast, shape-fitted
@@ -205,11 +207,28 @@ class TensorReader:
         scale = self.source.scale_key(layer)
         tensor = self.as_float8(layer, tensor)
         if tensor.dtype in FP8_DTYPES:
-            return dequantize(tensor, self.raw(scale) if scale else None, self.block)
+            return dequantize(tensor, self.scale(layer), self.block)
         if scale or not tensor.is_floating_point():
             raise Flux2Error(f"{self.source.ckpt.path}: {self.source.prefix + key} is stored as {tensor.dtype}"
                              f"{' with a scale' if scale else ''}, a quantisation this loader does not know; use the "
                              f"bf16 or fp8 .safetensors release of these weights")
+        return tensor
+
+    def scale(self, layer: str) -> torch.Tensor | None:
+        """A float8 layer's scale as the file stores it, checked where the layer names its format; None: unscaled."""
+        key = self.source.scale_key(layer)
+        return None if key is None else self.checked(layer, key.rsplit(".", 1)[1], self.raw(key))
+
+    def checked(self, layer: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (the layer's ``name``), refused if a scale of its format holds values no quantizer writes (the
+        header check, ``dequantize.check_dtypes``, has already held its dtype to the format's)."""
+        fmt = self.source.formats.get(layer)
+        rule = fmt.tensors[name].scale if fmt is not None and name in fmt.tensors else None
+        bad = rule.count_bad(tensor) if rule is not None else 0
+        if bad:
+            raise Flux2Error(f"{self.source.ckpt.path}: layer {self.source.prefix + layer} is {fmt.describe()}, and "
+                             f"{bad} of the {tensor.numel()} values of its {name} are {rule.bad()}, which no "
+                             f"quantizer writes; the file is damaged, download it again")
         return tensor
 
     def as_float8(self, layer: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -229,11 +248,11 @@ class TensorReader:
                 raise Flux2Error(f"{self.source.ckpt.path} has no {key}, which its {fmt.describe()} layer needs beside "
                                  f"its weight; the file is corrupt or was cut, download it again")
             tensor = weight if name == "weight" and weight is not None else self.raw(key)
-            if tensor.dtype != buffer.dtype and tensor.dtype.itemsize == buffer.dtype.itemsize and (
-                    not tensor.is_floating_point() or not buffer.is_floating_point() or name == "weight"):
-                tensor = tensor.view(buffer.dtype)             # the same bytes: uint8 <-> float8 containers
+            if tensor.dtype != buffer.dtype and tensor.dtype.itemsize == buffer.dtype.itemsize:
+                tensor = tensor.view(buffer.dtype)     # a dtype its format stores (checked): uint8 <-> float8 bytes
             elif buffer.dtype == torch.float32 and tensor.dtype in SIXTEEN_BIT:
                 tensor = tensor.float()                        # a 16-bit scale: widened exactly
+            tensor = self.checked(layer, name, tensor)         # as its values read
             if (_without_trailing_ones(tensor.shape) != _without_trailing_ones(buffer.shape)
                     or tensor.dtype != buffer.dtype):
                 raise Flux2Error(f"{self.source.ckpt.path}: {key} is {tensor.dtype} "
@@ -261,8 +280,8 @@ class TensorReader:
         if len(recipe.sources) == 1 and not recipe.swap_halves and self.source.is_float8(recipe.sources[0]):
             layer = recipe.sources[0][: -len(".weight")]
             weight = self.as_float8(layer, self.raw(self.source.prefix + recipe.sources[0]))
-            scale_key = self.source.scale_key(layer)
-            scale = self.raw(scale_key).float() if scale_key else torch.ones((), device=weight.device)
+            scale = self.scale(layer)
+            scale = scale.float() if scale is not None else torch.ones((), device=weight.device)
             rows = weight.shape[0]
             per_row = scale.shape in ((rows,), (rows, 1))
             if weight.ndim == 2 and (scale.numel() == 1 or per_row):
@@ -524,17 +543,44 @@ def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | No
 
 
 def _transformer_on_meta(path, params: TransformerParams | None, variant: str | None, fp8: bool | None,
-                         int8: bool | str = False, dtype: torch.dtype = torch.float32
-                         ) -> tuple[Source, Flux2Transformer, Variant]:
+                         int8: bool | str = False, dtype: torch.dtype = torch.float32,
+                         storages: dict[str, str] | None = None) -> tuple[Source, Flux2Transformer, Variant]:
+    """``storages``: filled with the storage each linear was made in (``Layers.chosen``)."""
     source = _transformer_source(path)
     family = transformer_family(source)
     params, chosen = _transformer_spec(source, params, variant)
     quantizable = family.quantizable
     layers = Layers(fp8=fp8_storage(source, fp8, quantizable), ggml=gguf_storage(source, quantizable),
                     int8=quantizable if int8 else None, kept=kept_storage(source, dtype, quantizable),
-                    stored=lambda name: source.stored_format(name + ".weight"), convrot=int8 == "convrot")
+                    stored=lambda name: source.stored_format(name + ".weight"), convrot=int8 == "convrot",
+                    chosen=storages)
     model = build_on_meta(lambda: family.build(params, layers))
     return source, model, chosen
+
+
+def storage_outcome(path: str | Path, *, variant: str | None = None, fp8: bool | None = None,
+                    int8: bool | str = False) -> StorageOutcome | None:
+    """What ``load_transformer``'s fp8=True or int8 does to the file's layers (quantized at load, or kept as the file
+    stores them), from the headers alone: the model built on the meta device as the load builds it. None where
+    neither option is asked."""
+    option = option_name(fp8, int8)
+    if option is None:
+        return None
+    storages: dict[str, str] = {}
+    source, _, _ = _transformer_on_meta(path, None, variant, fp8, int8, storages=storages)
+    return tally(option, storages, transformer_family(source).quantizable,
+                 lambda name: stored_as(source, name + ".weight"))
+
+
+def stored_as(source: Source, key: str) -> str | None:
+    """What the file stores our ``key`` as, as lines name it: its quantized format, its GGUF type or fp8; None: float."""
+    fmt = source.stored_format(key)
+    if fmt is not None:
+        return fmt.describe()
+    qtype = source.ggml_type(key)
+    if qtype is not None:
+        return f"GGUF {ggml.type_name(qtype)}"
+    return "fp8" if source.stores_fp8(key) else None
 
 
 # Each storage below holds only the layers the family's ``quantizable`` names (its blocks); the others are small and
@@ -676,18 +722,23 @@ def _is_decoder_alone(path) -> bool:
 TEXT_ENCODER_LAYOUTS = [Layout("Hugging Face Qwen3", "layers.0.self_attn.q_norm.weight", same_names),
                         Layout("llama.cpp GGUF", "blk.0.attn_q_norm.weight",
                                lambda keys: table_recipes(QWEN3_FROM_LLAMA_CPP), table_names(QWEN3_FROM_LLAMA_CPP))]
-ENCODER_FILES = {QWEN3_4B.name: f"Qwen3-4B text encoder ({' or '.join(QWEN3_4B.files)})",
-                 QWEN3_8B.name: f"Qwen3-8B text encoder ({' or '.join(QWEN3_8B.files)})",
-                 QWEN3_VL_4B.name: f"Qwen3-VL-4B text encoder ({' or '.join(QWEN3_VL_4B.files)})",
-                 "mistral-small-3.2": "Mistral-Small-3.2 text encoder"}
+ENCODER_FILES = {spec.name: spec.wanted for spec in (QWEN3_4B, QWEN3_8B, QWEN3_VL_4B, MISTRAL_SMALL)}
 
 
-def inspect_text_encoder(path: str | Path) -> tuple[str | None, int]:
-    """From the headers alone: (which model the file says it is, as ``encoder_model``; its hidden size)."""
+@dataclass(frozen=True)
+class EncoderIdentity:
+    """What a text encoder file says it is, from its headers alone."""
+    model: str | None        # "qwen3" or "qwen3-vl" (``TextEncoderSpec.model``); None where the file does not say
+    told_by: str             # what says so, for messages ("its config.json", "its name"); "" where nothing does
+    hidden: int              # its hidden size (0 where it has no token table)
+
+
+def inspect_text_encoder(path: str | Path) -> EncoderIdentity:
+    """From the headers alone: which model the file says it is (``encoder_model``) and its hidden size."""
     source = _text_encoder_source(path)
     key = next((k for k in map(source.layout.ours, source.keys) if k is not None and k.endswith("embed_tokens.weight")),
                None)
-    return encoder_model(source), need_shape(source, key)[-1] if key else 0
+    return replace(encoder_model(source), hidden=need_shape(source, key)[-1] if key else 0)
 
 
 def text_encoder_spec(path: str | Path) -> TextEncoderSpec | None:
@@ -731,50 +782,73 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     if tokenizer is None and source.ckpt.path.is_dir():
         tokenizer = load_tokenizer(source.ckpt.files[0].parent)
     try:
-        config = qwen3_config(source) or Qwen3Params.from_state_dict(qwen3_state_dict(shapes),
+        config = qwen3_config(source) or Qwen3Params.from_state_dict(qwen3_state_dict(shapes, spec),
                                                                       (spec or QWEN3_4B).rope_theta)
         encoder = build_qwen3_encoder(state, config=config, device=device, dtype=dtype, tokenizer=tokenizer,
                                       ggml_types=ggml_types, kept=kept, spec=spec, stored=layers)
     except Flux2Error as e:
-        raise Flux2Error(f"{source.ckpt.path}: {e} ({source.describe()})") from None
+        raise Flux2Error(f"{source.ckpt.path}: {e} ({describe_encoder(source)})") from None
     if "tokenizer.ggml.tokens" in source.ckpt.metadata:
         check_vocabulary(source.ckpt.metadata["tokenizer.ggml.tokens"], encoder.tokenizer, source.ckpt.path,
-                         encoder.spec.model)
+                         encoder.spec)
     return encoder
 
 
 MODEL_NAMES = {"qwen3": "Qwen3", "qwen3-vl": "Qwen3-VL"}
-READ_BY = {"qwen3": "FLUX.2 Klein", "qwen3-vl": "FLUX 3 Image Klein"}
+# the names files of each model go by (ComfyUI's qwen_3_4b / qwen3vl_4b*, llama.cpp's Qwen3-8B-*, Qwen3-VL-4B-Instruct);
+# Qwen3.5 (qwen3.5_9b_...) is neither. Qwen3-VL's is tried first: its names also start with Qwen3
+NAMED = (("qwen3-vl", re.compile(r"qwen_?3[-_.]?vl")), ("qwen3", re.compile(r"qwen_?3[-_]\d+(?:\.\d+)?b")))
 
 
-def encoder_model(source: Source) -> str | None:
-    """"qwen3-vl" where the file says it is Qwen3-VL (its config's model_type, a GGUF's architecture, its text tower's
-    name, a vision tower, its name: qwen3vl_4b.safetensors), "qwen3" where its config or architecture says plain Qwen3,
-    None where it cannot tell."""
+def encoder_model(source: Source) -> EncoderIdentity:
+    """Which model a file says it is, from what says it most surely: a GGUF's architecture, a folder's config.json,
+    the names of Qwen3-VL's text tower (behind ``language_model.``) or of its vision tower, then the file's name
+    (ComfyUI's qwen_3_4b.safetensors, qwen3vl_4b.safetensors). Nothing in the tensors' shapes tells Qwen3-4B from
+    Qwen3-VL-4B's text tower: where nothing else says, the model is None (the family asking decides:
+    ``TextEncoderSpec.unmarked``)."""
+    def said(model: str | None, told_by: str) -> EncoderIdentity:
+        return EncoderIdentity(model, told_by if model else "", 0)
+
     declared = GGUF_ENCODER_ARCHS.get(architecture(source.ckpt.metadata))
     if declared is not None and any(i.ggml is not None for i in source.ckpt.tensors.values()):
-        return declared
-    config = source.ckpt.config or {}
-    model_type = str(config.get("model_type", ""))
-    tower = "language_model." in source.prefix or any(k.startswith("visual.") or ".visual." in k
-                                                      for k in source.ckpt.tensors)
-    named = re.search(r"qwen_?3[-_.]?vl", source.ckpt.path.name.lower()) is not None
-    if model_type.startswith("qwen3_vl") or tower or named:
-        return "qwen3-vl"
-    return "qwen3" if model_type == "qwen3" else None
+        return said(declared, "its GGUF architecture")
+    model_type = str((source.ckpt.config or {}).get("model_type", ""))
+    if model_type.startswith("qwen3_vl") or model_type == "qwen3":
+        return said("qwen3-vl" if model_type.startswith("qwen3_vl") else "qwen3", "its config.json")
+    if "language_model." in source.prefix or any(k.startswith("visual.") or ".visual." in k
+                                                 for k in source.ckpt.tensors):
+        return said("qwen3-vl", "its tensors' names (Qwen3-VL's towers)")
+    name = source.ckpt.path.name.lower()
+    return said(next((model for model, pattern in NAMED if pattern.search(name)), None), "its name")
+
+
+def describe_encoder(source: Source) -> str:
+    """What messages say of a text encoder file: its layout, and which model it is where it says."""
+    found = encoder_model(source)
+    where = f" behind the prefix {source.prefix!r}" if source.prefix else ""
+    said = f"; a {MODEL_NAMES[found.model]} text encoder, known by {found.told_by}" if found.model else ""
+    return f"{source.layout.name} layout{where}{said}"
 
 
 def encoder_spec(source: Source, spec: TextEncoderSpec | None) -> TextEncoderSpec | None:
-    """The spec to read the file with: the one asked (refused where the file says it is the other model), else
-    Qwen3-VL-4B's for a file that says it is Qwen3-VL, else None (FLUX.2's, picked by width)."""
+    """The spec to read the file with. Asked for one (the transformer's): refused where the file says it is another
+    model, or says nothing and the spec takes only files that say so ("cannot tell"), each time naming the file to
+    load. Asked for none: Qwen3-VL-4B's for a file that says it is Qwen3-VL, else None (FLUX.2's, picked by width)."""
     found = encoder_model(source)
-    if spec is not None and found is not None and found != spec.model:
-        raise Flux2Error(f"{source.ckpt.path} is a {MODEL_NAMES[found]} text encoder ({READ_BY[found]}'s), but this "
-                         f"model reads {MODEL_NAMES[spec.model]} ({READ_BY[spec.model]}): load the "
-                         f"{ENCODER_FILES.get(spec.name, MODEL_NAMES[spec.model] + ' text encoder')}")
-    if spec is None and found == "qwen3-vl":
-        return QWEN3_VL_4B
-    return spec
+    if spec is None:
+        return QWEN3_VL_4B if found.model == QWEN3_VL_4B.model else None
+    if spec.reads(found.model):
+        return spec
+    load = f"load the {spec.wanted}, or its Hugging Face folder"
+    if found.model is None:
+        raise Flux2Error(f"{source.ckpt.path}: cannot tell which text encoder this is: it has no config.json, no "
+                         f"Qwen3-VL tower names and no name that says, and Qwen3's and Qwen3-VL's text towers of one "
+                         f"size have the same tensors. {spec.reader} reads {spec.title}: {load} (a file that is "
+                         f"{spec.title} may be renamed {spec.files[0] if spec.files else spec.title}), not another "
+                         f"family's encoder")
+    found_reader = families.family_of_encoder(replace(spec, model=found.model)).title
+    raise Flux2Error(f"{source.ckpt.path} is a {MODEL_NAMES.get(found.model, found.model)} text encoder (known by "
+                     f"{found.told_by}; {found_reader} reads it), but {spec.reader} reads {spec.title}: {load}")
 
 
 def qwen3_config(source: Source) -> Qwen3Params | None:
@@ -787,12 +861,9 @@ def qwen3_config(source: Source) -> Qwen3Params | None:
                          f"config.json again") from None
 
 
-STOCK_ENCODERS = {"qwen3": "FLUX.2 Klein needs the stock Qwen3-4B / Qwen3-8B",
-                  "qwen3-vl": "FLUX 3 Image Klein needs the stock Qwen3-VL-4B-Instruct"}
-
-
-def check_vocabulary(tokens: list[str], tokenizer, path: Path, model: str = "qwen3") -> None:
-    """The file may have more rows, as padding: Qwen3's table has 151,936 rows for 151,669 tokens."""
+def check_vocabulary(tokens: list[str], tokenizer, path: Path, spec: TextEncoderSpec) -> None:
+    """The file may have more rows, as padding: Qwen3's table has 151,936 rows for 151,669 tokens. ``spec``: the
+    encoder the file is read as (what the message asks for)."""
     vocab = tokenizer.get_vocab()
     wrong = next(((i, token) for token, i in sorted(vocab.items(), key=lambda item: item[1])
                   if i >= len(tokens) or tokens[i] != token), None)
@@ -801,7 +872,7 @@ def check_vocabulary(tokens: list[str], tokenizer, path: Path, model: str = "qwe
         theirs = repr(tokens[i]) if i < len(tokens) else "missing"
         raise Flux2Error(f"{path}: the file's vocabulary is not Qwen3's (token {i} is {theirs} in the file, {token!r} "
                          f"in Qwen3's tokenizer), so it is another language model or a fine-tune with its own "
-                         f"tokenizer; {STOCK_ENCODERS[model]} (any quantization)")
+                         f"tokenizer; {spec.reader} needs the stock {spec.title} (any quantization)")
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -810,8 +881,7 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def encoder_wanted(variant: Variant) -> str:
     """The text encoder ``variant`` reads its prompts from, as messages name it."""
-    spec = variant.text_encoder
-    return ENCODER_FILES.get(spec.name, f"text encoder of hidden size {spec.hidden_size}")
+    return variant.text_encoder.wanted
 
 
 def check_embeddings_fit(variant: Variant, embeds) -> None:
@@ -831,8 +901,10 @@ def check_text_encoder_fits(variant: Variant, encoder: PromptEncoder) -> None:
     gives = replace(variant.text_encoder, hidden_size=hidden).width      # the layers the model reads, of this width
     if gives == needed:
         return
-    title = variant.title or f"a FLUX.2 model taking {needed}-wide text embeddings"
-    raise Flux2Error(f"this is {title}; it needs the {encoder_wanted(variant)}, but you gave {qwen3_name(hidden)} "
+    title = variant.title or f"a {families.family_of(variant).title} model taking {needed}-wide text embeddings"
+    model = getattr(getattr(encoder, "spec", None), "model", "qwen3")     # what it was read as (Qwen3 by default)
+    gave = qwen3_name(hidden) if model == "qwen3" else f"a {MODEL_NAMES.get(model, model)}"
+    raise Flux2Error(f"this is {title}; it needs the {encoder_wanted(variant)}, but you gave {gave} "
                      f"encoder (hidden "
                      f"{hidden}, so {gives}-wide embeddings where the model takes {needed}). Load the matching "
                      f"text encoder")

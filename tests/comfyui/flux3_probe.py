@@ -33,7 +33,7 @@ PROMPT = ("a red fox in the snow at dusk, pine trees heavy with frost behind it,
           "light orange on the ridge, tracks winding back across the field to a fence half buried in drifts, ") * 2
 NEGATIVE, SEED, WIDTH, HEIGHT, STEPS = "", 4, 64, 48, 3
 BOXES = [{"desc": "a red fox", "bbox": [0.3, 0.2, 0.9, 0.6]},
-         {"id": "tree", "desc": "a pine from the first picture", "from": "ref_image_1", "src_bbox": [0.0, 0.0, 1.0, 0.5],
+         {"id": "tree", "desc": "a pine from the first picture", "from": "ref_image_0", "src_bbox": [0.0, 0.0, 1.0, 0.5],
           "tgt_bbox": [0.0, 0.6, 1.0, 1.0]}]
 
 

@@ -1,0 +1,55 @@
+"""What a storage option (``fp8=True``, ``int8``, ``int8="convrot"``) does to a transformer file's layers, as the
+command line's loading line and the model loader node's info say it. A layer a file already stores quantized in a
+format of its own stays as stored whatever the option asks, so an option over such a file may change nothing: the
+line says so, and why, instead of leaving the user to believe the option took effect."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StorageOutcome:
+    option: str                  # as the line names it: "int8", "int8 ConvRot", "fp8"
+    quantized: int               # block layers the option quantized as they loaded
+    kept: dict[str, int]         # the file's format -> block layers left as the file stores them
+
+    def line(self) -> str:
+        kept = sum(self.kept.values())
+        formats = ", ".join(f"{fmt}: {n}" for fmt, n in self.kept.items())
+        if not self.quantized:
+            said = (f"{self.option} changes nothing here: the file already stores all {kept} block layers quantized "
+                    f"({formats}), and they stay as stored")
+            if set(self.kept) == {self.option}:            # fp8 over an fp8 file: already what was asked
+                return said
+            return f"{said}; leave the option out, or load the file's bf16 release to have them in {self.option}"
+        done = f"{self.option}: {self.quantized} block layers quantized at load"
+        return f"{done}; {kept} kept as the file stores them ({formats})" if kept else done
+
+
+def option_name(fp8: bool | None, int8: bool | str) -> str | None:
+    """The storage option asked (``load_transformer``'s fp8 / int8), as lines name it; None where none is (fp8=None
+    keeps a file's fp8 layers, False dequantizes them: neither quantizes anything)."""
+    if int8:
+        return "int8 ConvRot" if int8 == "convrot" else "int8"
+    return "fp8" if fp8 is True else None
+
+
+def tally(option: str, chosen: dict[str, str], quantizable: Callable[[str], bool],
+          stored_as: Callable[[str], str | None]) -> StorageOutcome:
+    """``chosen``: the storage ``models.layers.Layers`` chose for each linear; ``stored_as(name)``: the format the
+    file stores the layer in (None: float). Of the layers an option may store (its family's ``quantizable``), those
+    it made in its own storage from another format were quantized by it; the others stay as the file has them (an
+    fp8 layer under fp8 too)."""
+    made = "fp8" if option == "fp8" else "int8"
+    quantized, kept = 0, {}
+    for name, how in chosen.items():
+        if not quantizable(name):
+            continue
+        file_format = stored_as(name)
+        if how == made and file_format != made:
+            quantized += 1
+        else:
+            kept[file_format or "float"] = kept.get(file_format or "float", 0) + 1
+    return StorageOutcome(option, quantized, kept)
