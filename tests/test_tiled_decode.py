@@ -15,6 +15,7 @@ from flux2_core.errors import Flux2Error
 from flux2_core.models.autoencoder import AutoEncoder, tile_spans
 from flux2_core.runtime import memory
 from flux2_core.variants import FLUX2_AE
+from tests.device import STAGES, unit_roundoff
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder
 
 
@@ -61,7 +62,9 @@ def test_halo_covers_the_reach_of_the_convolutions(ae):
 
 def test_tiling_is_exact_without_groupnorm_statistics(short_ae, z):
     """With GroupNorm reduced to its affine part the decoder is local, so tiles + halo + blend must give the full decode
-    up to float32 rounding of differently sized convolutions."""
+    up to float32 rounding of differently sized convolutions: each side within the decoder's depth of roundings
+    (tests/device.py) of the exact value. Seen up to 1.3e-6 (the kernels oneDNN picks differ between runs and CPUs)."""
+    bound = 2 * STAGES["autoencoder"] * unit_roundoff(torch.float32)          # 2.4e-6
     assert short_ae.decoder.halo == 9
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
         mp.setattr(nn.GroupNorm, "forward",
@@ -69,7 +72,7 @@ def test_tiling_is_exact_without_groupnorm_statistics(short_ae, z):
         for latent in (z, z.transpose(2, 3)):
             full = short_ae.decode(latent)
             for tile, overlap in [(6, 2), (5, 0)]:                   # 5 and 5 tiles along the long side
-                assert rel(short_ae.decode_tiled(latent, tile, overlap), full) <= 1e-6
+                assert rel(short_ae.decode_tiled(latent, tile, overlap), full) <= bound
 
 
 def test_tiled_decode_is_close_to_full_decode(ae):
