@@ -153,3 +153,15 @@ def test_the_command_line_checks_the_rows_before_loading(tmp_path, capsys, sourc
         assert str(layout) in err and "box 1 (dog): " in err and refused in err
     else:                                   # past the rows: the weights are looked for, and are not there
         assert "box 1" not in err and "no weights found" in err
+
+
+@pytest.mark.parametrize("digits", [7, 5000])
+def test_a_reference_index_of_thousands_of_digits_is_refused_not_a_traceback(digits):
+    """int() of a 5000-digit index raised ValueError (Python's 4300-digit limit) past every Flux2Error handler."""
+    from flux2_core.sampling.boxes import check_rows
+    from flux2_core.sampling.references import ReferenceCount
+
+    row = {"id": "a", "from": "ref_image_" + "1" * digits, "src_bbox": [0, 0, 500, 500],
+           "tgt_bbox": [500, 500, 900, 900], "desc": "x"}
+    with pytest.raises(Flux2Error, match="box 1 \\(a\\): from is .*which the model does not read"):
+        check_rows([row], ReferenceCount(2), "the layout")

@@ -146,3 +146,19 @@ def test_a_run_names_the_other_models_and_refuses_an_unrunnable_variant(tmp_path
             cli.main(["--models", str(tmp_path), "--prompt", "x", "--variant", name])
         err = capsys.readouterr().err
         assert "argument --variant" in err and all(v in err.split("variants run here:")[1] for v in ORDER), err
+
+
+def test_an_explicit_transformer_is_not_told_to_use_variant(tiny_files, tmp_path, monkeypatch):
+    """--transformer given beside a folder of several models: the folder gives the other files, and the run does not
+    suggest --variant, which could not replace the file given. (The tiny file's headers read as no real variant, so
+    they are read here as Klein 4B's, as a real file's would be.)"""
+    from flux2_core import weights
+    from flux2_core.variants import VARIANTS
+
+    monkeypatch.setattr(weights, "inspect_transformer", lambda path: (None, VARIANTS["klein-4b"]))
+    lay_out(tmp_path, {"flux-2-klein-4b-fp8.safetensors", "flux3-image-klein-bf16.safetensors",
+                       "qwen_3_4b.safetensors", VAE}, tiny_files)
+    explicit = tmp_path / "diffusion_models" / "flux-2-klein-4b-fp8.safetensors"
+    found = cli.search_models(str(tmp_path), None, str(explicit))
+    assert found.transformer == explicit and "--variant" not in " ".join(found.notes), found.notes
+    assert cli.search_models(str(tmp_path), None).notes[0].startswith("this run takes klein-4b")    # without it: said

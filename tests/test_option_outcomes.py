@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from flux2_core import pipeline, weights
+from flux2_core import kitchen, pipeline, weights
 from flux2_core.app import cli
 from flux2_core.errors import Flux2Error
 from flux2_core.families.flux2 import quantizable
@@ -127,6 +127,11 @@ def test_the_loading_line_says_what_a_storage_option_does_to_the_layers(float_sd
         assert "changes nothing" not in line, line
     else:
         assert f"{name} changes nothing here: the file already stores all {len(block_layers)} block layers" in line
+        # already what was asked (int8 over per-row / per-tensor int8, fp8 over fp8): no advice to load another file
+        already = ((option == "--int8" and len(stored) == len(block_layers))
+                   or (option == "--fp8 yes" and rest == "fp8" and not stored))
+        assert line.endswith(f"already in {name}") == already, line
+        assert ("load the file's bf16 release" in line) != already, line
     for fmt, n in kept.items():
         assert f"{fmt}: {n}" in line, line
     if kept and quantized:
@@ -183,7 +188,7 @@ def test_references_over_the_limit_are_refused_before_any_model_loads(tmp_path, 
     if variant.startswith("flux3") and total > 10:
         assert LOADING not in err, err
         assert "FLUX 3 Image Klein takes at most 10 reference images" in err, err
-        assert "the picture being inpainted counts as one" in err, err
+        assert ("the picture being inpainted counts as one" in err) == inpainted, err
         parts = (f"{pictures} reference pictures plus the picture being inpainted ({total})" if inpainted
                  else f"{pictures} reference pictures")
         assert f"got {parts}" in err, err
@@ -226,3 +231,18 @@ def test_generate_refuses_too_many_references_before_any_model_runs(pictures, in
     parts = (f"{pictures} reference pictures plus the picture being inpainted ({total})" if inpainted
              else f"{pictures} reference pictures")
     assert f"got {parts}" in message and re.search(r"leave out \d+ reference picture", message), message
+
+
+@pytest.mark.skipif(kitchen.ck is None, reason="comfy-kitchen writes the ConvRot file")
+@pytest.mark.parametrize("option,already", [("convrot", True), (True, False)])
+def test_int8_convrot_over_a_convrot_file_says_it_is_already_what_was_asked(float_sd, block_layers, tmp_path,
+                                                                            option, already):
+    """Every block layer in ComfyUI's int8 ConvRot (written by comfy-kitchen): --int8 convrot changes nothing and the
+    layers are already ConvRot; plain --int8 changes nothing either, but they are not per-row int8."""
+    from tests.tiny.layouts import comfy_quant
+
+    path = save_prefixed(comfy_quant(float_sd, block_layers, "int8_convrot", 64), tmp_path / "c.safetensors", PREFIX)
+    line = weights.storage_outcome(path, int8=option).line()
+    name = "int8 ConvRot" if option == "convrot" else "int8"
+    assert line.startswith(f"{name} changes nothing here: the file already stores all {len(block_layers)}"), line
+    assert line.endswith(f"already in {name}") == already, line

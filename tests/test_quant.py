@@ -6,9 +6,14 @@ float32 in every mode."""
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from flux2_core.errors import Flux2Error
@@ -419,3 +424,24 @@ def test_a_transformer_with_fp8_matmul_computes_the_same_with_the_fused_quantize
     assert ran_fused(quant.quantize_rows, DEVICE)
     assert torch.equal(fused, plain)
     assert graphs() - before == 2
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.sampled_from(["bfl", "comfyui-old"]), bad=st.sampled_from([-1.0, 0.0, math.nan, math.inf]),
+       where=st.integers(0, 10_000))
+def test_a_damaged_scale_of_an_fp8_file_without_a_format_object_is_refused(tmp_path_factory, layout, bad, where):
+    """BFL's fp8 (a scale per row) and the older scaled_fp8 files (one .scale_weight) name no format, so the formats'
+    table does not cover them: a scale no quantizer writes (negative, zero, NaN, infinite, drawn at any position) is
+    refused all the same, naming the layer and its scale (it loaded silently before)."""
+    tmp = tmp_path_factory.mktemp("fp8")
+    _, path = fp8_file(tmp, layout)
+    sd = load_file(str(path))
+    key = sorted(k for k in sd if k.endswith((".weight_scale", ".scale_weight")))[where % 4]
+    scale = sd[key].clone()
+    scale.view(-1)[where % scale.numel()] = bad
+    sd[key] = scale
+    save_file(sd, str(path))
+    layer = key.rsplit(".", 1)[0]
+    with pytest.raises(Flux2Error, match=rf"layer {re.escape(layer)} is fp8, and 1 of the {scale.numel()} values of "
+                                         rf"its {key.rsplit('.', 1)[1]} are"):
+        load_transformer(path, "cpu", torch.float32)

@@ -212,7 +212,7 @@ def check_early(args, refs) -> None:
     """The engine's own rules, checked before loading weights (minutes), with the option's name in front."""
     from .. import latents
     from ..sampling import euler, inpaint, schedules
-    from ..sampling.references import ReferenceCount, check_count, check_reference
+    from ..sampling.references import check_count, check_reference
 
     rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or latents.latent_size(
                  *(latents.PIXELS_PER_LATENT if side is None else side for side in (args.height, args.width)))),
@@ -239,10 +239,10 @@ def check_early(args, refs) -> None:
     family = early_family(args)
     if family is not None:              # else the load that follows says what is wrong with the files
         fit = family.references
-        # --mask and --expand inpaint: the picture goes to the model as one more reference
-        inpainted = args.image is not None and (args.mask is not None or args.expand is not None)
+        given = references_given(args, refs)
+        inpainted = given.inpainted
         try:
-            check_count(ReferenceCount(len(refs), inpainted), fit, family.title)
+            check_count(given, fit, family.title)
         except Flux2Error as e:
             raise Flux2Error(f"--ref{' / --image' if inpainted else ''}: {e}") from None
         for i, ref in enumerate(refs):
@@ -281,13 +281,21 @@ def read_layout(path: str | None):
     return read_boxes(layout, f"the boxes in {path}")
 
 
+def references_given(args, refs):
+    """The ReferenceCount the model is given: the --ref pictures and, where --mask or --expand inpaint --image, that
+    picture as one more (reference 1)."""
+    from ..sampling.references import ReferenceCount
+
+    return ReferenceCount(len(refs), inpainted=args.image is not None and (args.mask is not None
+                                                                          or args.expand is not None))
+
+
 def check_rows_early(args, refs, layout_file: str | None) -> None:
     """Each prompt's layout rows (--boxes, else a table the prompt ends in) against the references the model will be
     given (``boxes.check_rows``), before any model loads: --mask and --expand give it the picture as reference 1."""
     from ..sampling.boxes import check_rows, rows_read
-    from ..sampling.references import ReferenceCount
 
-    given = ReferenceCount(len(refs), inpainted=args.mask is not None or bool(args.expand))
+    given = references_given(args, refs)
     for prompt in args.prompt:
         check_rows(rows_read(prompt, args.boxes or []), given, f"--boxes {layout_file}" if args.boxes else "--prompt")
 

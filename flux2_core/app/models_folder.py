@@ -191,7 +191,7 @@ def search_models(models: str | None, variant: str | None, transformer: str | No
         raise Flux2Error(f"--models {models}: no such folder; pass ComfyUI's models folder (the one holding "
                          "diffusion_models/, text_encoders/ and vae/)")
     survey = _survey(folder) if folder is not None else None
-    chosen = _choose(survey, asked, transformer)
+    chosen, given_transformer = _choose(survey, asked, transformer), transformer is not None
     notes = list(survey.passed) if survey is not None else []
     if folder is not None and chosen is not None:
         transformer = transformer or next(iter(survey.models.get(chosen.name, [])), None)
@@ -202,16 +202,18 @@ def search_models(models: str | None, variant: str | None, transformer: str | No
                                        ("--ae", ae)) if path is None]
     others = _others(survey, chosen) if survey is not None and chosen is not None else ""
     if missing:
-        raise Flux2Error(_missing_message(folder, chosen, asked, missing, others, notes))
-    if others and asked is None:
+        how = "--variant" if asked is not None else "--transformer" if given_transformer else "the first model found"
+        raise Flux2Error(_missing_message(folder, chosen, how, missing, others, notes))
+    if others and asked is None and not given_transformer:      # --variant cannot replace an explicit --transformer
         order = ", ".join(v.name for v in runnable_variants())
         notes.insert(0, f"this run takes {chosen.name} ({Path(transformer).name}), the first model found in the "
                         f"order {order}; {others}")
     return FolderSearch(Path(transformer), Path(text_encoder), Path(ae), chosen, notes)
 
 
-def _missing_message(folder: Path | None, chosen: Variant | None, asked: Variant | None, missing: list[str],
+def _missing_message(folder: Path | None, chosen: Variant | None, how: str, missing: list[str],
                      others: str, notes: list[str]) -> str:
+    """``how``: what chose ``chosen`` (--variant, --transformer, the first model found)."""
     where = f"in {folder}" if folder else "(no --models folder given)"
     head = (f"no weights found {where} for {', '.join(missing)}. Either pass --models with the path of a ComfyUI "
             f"models folder that holds the files below (each in the subfolder shown), or give each file with "
@@ -219,7 +221,6 @@ def _missing_message(folder: Path | None, chosen: Variant | None, asked: Variant
     if chosen is None:                  # no model at all: what each one needs
         needs = "\n".join(f"for {v.name}:\n" + "\n".join(_needed(v)) for v in runnable_variants())
         return "\n".join([head, needs, *notes])
-    how = "--variant" if asked is not None else "the first model found"
     lacking = dict(zip(("--transformer", "--text-encoder", "--ae"), _needed(chosen)))
     lines = [f"for {chosen.name}: {chosen.title} ({how}) lacks", *(lacking[what] for what in missing)]
     return "\n".join([head, *lines, *([others] if others else []), *notes])

@@ -120,7 +120,7 @@ def _coordinates(value, name: str) -> tuple[float, ...] | None:
 
 # --- what a row's "from" may name: one rule for the user's rows and the upsampler's ----------------------------------
 
-REFERENCE_NAME = re.compile(r"ref_image_(0|[1-9][0-9]*)")     # as the upsampler is told: ref_image_0, ref_image_1, ...
+REFERENCE_NAME = re.compile(r"ref_image_(0|[1-9][0-9]{0,5})")   # an index as text; no run has a million     # as the upsampler is told: ref_image_0, ref_image_1, ...
 NEW_CONTENT = "target"
 FROM_FORMS = ('"ref_image_0" for the first reference picture, "ref_image_1" for the second, ... (something taken '
               'from that picture, with its src_bbox), or "target" (something new, with tgt_bbox alone)')

@@ -183,9 +183,10 @@ def check_count(count: ReferenceCount, fit: ReferenceFit, model: str = "this mod
     if fit.max_count is None or count.total <= fit.max_count:
         return
     over = count.total - fit.max_count
-    raise Flux2Error(f"{model} takes at most {fit.max_count} reference images, and the picture being inpainted counts "
-                     f"as one (inpainting gives it to the model as reference 1): got {count.describe()}; leave out "
-                     f"{over} reference picture{'' if over == 1 else 's'} (or combine several into one picture)")
+    inpainted = (", and the picture being inpainted counts as one (inpainting gives it to the model as reference 1)"
+                 if count.inpainted else "")
+    raise Flux2Error(f"{model} takes at most {fit.max_count} reference images{inpainted}: got {count.describe()}; "
+                     f"leave out {over} reference picture{'' if over == 1 else 's'} (or combine several into one picture)")
 
 
 def prepare_one(image: Image.Image, count: int, index: int, fit: ReferenceFit) -> Image.Image:

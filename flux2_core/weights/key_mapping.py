@@ -79,7 +79,7 @@ PROMPT_UPSAMPLER = ("FLUX 3 Image Klein's prompt upsampler as ComfyUI ships it (
 def is_prompt_upsampler(ckpt: Checkpoint) -> bool:
     """By its name (ComfyUI's ``..._prompt_upsampler_...``) or its layers: the upsampler is a Qwen3.5, whose
     linear-attention layers (gated delta rule, ``linear_attn.A_log``) no model FLUX reads has."""
-    named = "upsampler" in ckpt.path.name.lower()
+    named = "prompt_upsampler" in ckpt.path.name.lower()        # not any "upsampler" (latent or ESRGAN upscalers)
     return named or any(k.endswith("linear_attn.A_log") for k in ckpt.tensors)
 
 

@@ -32,7 +32,7 @@ from ..models.text_encoder import PromptEncoder, StoredLayer, build_qwen3_encode
 from ..models.tokenizer import load_tokenizer
 from ..models.transformer import Flux2Transformer
 from ..storage import ggml
-from ..storage.layer_format import LayerFormat
+from ..storage.layer_format import SCALE, LayerFormat
 from ..storage.protocol import FLOAT_KINDS, StoredLinear
 from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, quantize_fp8
 from ..variants import (
@@ -215,7 +215,7 @@ class TensorReader:
         return tensor
 
     def scale(self, layer: str) -> torch.Tensor | None:
-        """A float8 layer's scale as the file stores it, checked where the layer names its format; None: unscaled."""
+        """A float8 layer's scale as the file stores it, its values checked (``checked``); None: unscaled."""
         key = self.source.scale_key(layer)
         return None if key is None else self.checked(layer, key.rsplit(".", 1)[1], self.raw(key))
 
@@ -223,10 +223,13 @@ class TensorReader:
         """``tensor`` (the layer's ``name``), refused if a scale of its format holds values no quantizer writes (the
         header check, ``dequantize.check_dtypes``, has already held its dtype to the format's)."""
         fmt = self.source.formats.get(layer)
-        rule = fmt.tensors[name].scale if fmt is not None and name in fmt.tensors else None
+        if fmt is None:             # BFL's fp8, Hugging Face's block fp8 and old scaled_fp8 name no format: any scale
+            rule, what = (SCALE.scale if name.startswith(("weight_scale", "scale_weight")) else None), "fp8"
+        else:
+            rule, what = (fmt.tensors[name].scale if name in fmt.tensors else None), fmt.describe()
         bad = rule.count_bad(tensor) if rule is not None else 0
         if bad:
-            raise Flux2Error(f"{self.source.ckpt.path}: layer {self.source.prefix + layer} is {fmt.describe()}, and "
+            raise Flux2Error(f"{self.source.ckpt.path}: layer {self.source.prefix + layer} is {what}, and "
                              f"{bad} of the {tensor.numel()} values of its {name} are {rule.bad()}, which no "
                              f"quantizer writes; the file is damaged, download it again")
         return tensor
@@ -568,8 +571,14 @@ def storage_outcome(path: str | Path, *, variant: str | None = None, fp8: bool |
         return None
     storages: dict[str, str] = {}
     source, _, _ = _transformer_on_meta(path, None, variant, fp8, int8, storages=storages)
+    def as_asked(name: str) -> bool:
+        fmt = source.stored_format(name + ".weight")
+        if int8:
+            return fmt is not None and fmt.storage == "int8" and bool(fmt.rotation) == (int8 == "convrot")
+        return source.stores_fp8(name + ".weight")
+
     return tally(option, storages, transformer_family(source).quantizable,
-                 lambda name: stored_as(source, name + ".weight"))
+                 lambda name: stored_as(source, name + ".weight"), as_asked)
 
 
 def stored_as(source: Source, key: str) -> str | None:

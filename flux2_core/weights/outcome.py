@@ -14,6 +14,7 @@ class StorageOutcome:
     option: str                  # as the line names it: "int8", "int8 ConvRot", "fp8"
     quantized: int               # block layers the option quantized as they loaded
     kept: dict[str, int]         # the file's format -> block layers left as the file stores them
+    already: int = 0             # of those, layers the file stores as the option would have (int8 ConvRot in ConvRot)
 
     def line(self) -> str:
         kept = sum(self.kept.values())
@@ -21,8 +22,8 @@ class StorageOutcome:
         if not self.quantized:
             said = (f"{self.option} changes nothing here: the file already stores all {kept} block layers quantized "
                     f"({formats}), and they stay as stored")
-            if set(self.kept) == {self.option}:            # fp8 over an fp8 file: already what was asked
-                return said
+            if self.already == kept:                      # fp8 over an fp8 file, int8 over int8: what was asked
+                return f"{said}, already in {self.option}"
             return f"{said}; leave the option out, or load the file's bf16 release to have them in {self.option}"
         done = f"{self.option}: {self.quantized} block layers quantized at load"
         return f"{done}; {kept} kept as the file stores them ({formats})" if kept else done
@@ -37,13 +38,13 @@ def option_name(fp8: bool | None, int8: bool | str) -> str | None:
 
 
 def tally(option: str, chosen: dict[str, str], quantizable: Callable[[str], bool],
-          stored_as: Callable[[str], str | None]) -> StorageOutcome:
+          stored_as: Callable[[str], str | None], as_asked: Callable[[str], bool]) -> StorageOutcome:
     """``chosen``: the storage ``models.layers.Layers`` chose for each linear; ``stored_as(name)``: the format the
-    file stores the layer in (None: float). Of the layers an option may store (its family's ``quantizable``), those
-    it made in its own storage from another format were quantized by it; the others stay as the file has them (an
-    fp8 layer under fp8 too)."""
+    file stores the layer in (None: float); ``as_asked(name)``: the file stores it as the option would. Of the layers
+    an option may store (its family's ``quantizable``), those it made in its own storage from another format were
+    quantized by it; the others stay as the file has them (an fp8 layer under fp8 too)."""
     made = "fp8" if option == "fp8" else "int8"
-    quantized, kept = 0, {}
+    quantized, kept, already = 0, {}, 0
     for name, how in chosen.items():
         if not quantizable(name):
             continue
@@ -52,4 +53,5 @@ def tally(option: str, chosen: dict[str, str], quantizable: Callable[[str], bool
             quantized += 1
         else:
             kept[file_format or "float"] = kept.get(file_format or "float", 0) + 1
-    return StorageOutcome(option, quantized, kept)
+            already += as_asked(name)
+    return StorageOutcome(option, quantized, kept, already)
