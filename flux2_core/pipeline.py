@@ -12,7 +12,6 @@ outputs stop the run (``checks.finite``). The caches ``Models`` carries never ch
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from torch import Tensor
 from .devices import compute_dtype
 from .errors import Flux2Error
 from .families import family_of, family_of_params
-from .latents import LATENT_CHANNELS, latent_size
+from .latents import LATENT_CHANNELS
 from .models.autoencoder import AutoEncoder
 from .models.run_state import run_state
 from .models.text_encoder import PromptEmbeds, PromptEncoder
@@ -33,28 +32,17 @@ from .runtime import memory
 from .runtime.cache import PromptCache, ReferenceKVCache
 from .runtime.offload import place, stream_blocks, streamed_blocks
 from .sampling import inpaint
-from .sampling.boxes import boxed_prompt, check_rows, read_boxes, rows, rows_read
-from .sampling.euler import add_noise, denoise, make_noise
-from .sampling.plan import plan_denoise
-from .sampling.references import (
-    ReferenceCount,
-    as_pil,
-    center_crop_16,
-    encode_references,
-    image_to_tensor,
-    padded_box,
-    prepare_references,
-    reference_latents,
-    reference_tokens,
-)
-from .sampling.schedules import check_strength, named_schedule
-from .sampling.step_cache import StepCache, check_threshold
+from .sampling.boxes import rows
+from .sampling.conditioning import NO_REFERENCES, ReferencePack, pack_references
+from .sampling.euler import make_noise
+from .sampling.references import encode_references, image_to_tensor, reference_latents
+from .sampling.request import DEFAULT_SIZE, Request, read_request
+from .sampling.run import prepare_run
 from .storage.int8 import quantize_blocks
 from .storage.matmul import choose_matmuls
 from .storage.protocol import call_bytes
 from .variants import Variant
 
-DEFAULT_SIZE = 1024
 # Beyond these a run is very large and ``generate`` says so first: Klein is trained up to about 4 megapixels (a
 # single 2024^2 reference, the largest default size, stays below), and 200 steps is the Scheduler node's maximum
 # (distilled Klein uses 4, base 50).
@@ -243,11 +231,6 @@ def to_uint8(x: Tensor) -> Tensor:
     return (127.5 * (x.float().clamp(-1, 1) + 1)).to(torch.uint8).permute(0, 2, 3, 1).cpu()
 
 
-def output_size(width: int | None, height: int | None, sources: list[Image.Image]) -> tuple[int, int]:
-    base = sources[0].size if sources else (DEFAULT_SIZE, DEFAULT_SIZE)
-    return (base[0] if width is None else width), (base[1] if height is None else height)
-
-
 @torch.no_grad()
 def generate(models: Models, prompt: str, *, references=(), width: int | None = None, height: int | None = None,
              steps: int | None = None, cfg: float | None = None, negative: str = "", seed: int = 0, batch: int = 1,
@@ -261,12 +244,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     ``settings["cache"]``. callback(Step) after every step; warn(text) for each warning as it arises (all are also in
     ``Result.warnings``), so a caller can show them before the work.
     """
-    variant, model, ae = models.variant, models.transformer, models.autoencoder
-    device, dtype = models.device, model.dtype
-    if not isinstance(prompt, str):
-        raise Flux2Error(f"prompt must be a string, got {type(prompt).__name__}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise Flux2Error(f"batch must be a whole number >= 1, got {batch!r}")
+    variant, model, ae, device = models.variant, models.transformer, models.autoencoder, models.device
     warnings = []
 
     def say(note: str) -> None:
@@ -274,111 +252,90 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
         if warn is not None:
             warn(note)
 
-    # sizes, schedule, guidance: every setting checked before any model runs
-    masked = mask is not None
-    inpaint.check_source(masked, image is not None)
-    if masked and reference_kv is not None:
+    # the request and its run, every setting checked before any model runs
+    ask = read_request(variant, prompt, references=references, width=width, height=height, steps=steps,
+                       sigmas=sigmas, image=image, strength=strength, mask=mask, boxes=boxes, batch=batch, say=say)
+    if ask.masked and reference_kv is not None:
         raise Flux2Error("inpainting adds the source image as reference 1, which a precomputed reference_kv does not "
                          "hold: leave reference_kv out")
-    family = family_of(variant)
-    layout = read_boxes(boxes or [])
-    text = boxed_prompt(prompt, layout, family, variant.title or family.title)
-    # every row's "from" must name a reference the model is given (inpainting's picture first among them)
-    check_rows(rows_read(prompt, layout), ReferenceCount(len(references), inpainted=masked), "the boxes")
-    fit = family.references
-    # inpainting gives the model the picture as reference 1: it counts toward the family's limit
-    refs = (prepare_references(references, ReferenceCount(len(references), inpainted=masked), fit, family.title)
-            if references else [])
-    # one reference alone on a padded canvas (FLUX 3): the picture made at the canvas's size is cropped back to it
-    crop = (padded_box(as_pil(references[0]).size, fit) if fit.padded and len(refs) == 1 and not masked
-            and image is None and width is None and height is None else None)
-    source = as_pil(image) if image is not None else None
-    init = center_crop_16(source.convert("RGB"), "the image to edit") if image is not None else None
-    strength = check_strength(strength, init is not None)           # before the sizes, which read the image
-    step_cache = StepCache(cache) if check_threshold(cache) > 0 else None
-    width, height = output_size(width, height, [im for im in [init, *refs] if im is not None])
-    h, w = latent_size(height, width)
-    if sigmas is None:
-        sigmas = named_schedule(family_of(variant).schedule, variant.default_steps if steps is None else steps, h * w)
-    plan = plan_denoise(variant, sigmas, variant.default_cfg if cfg is None else cfg, strength=strength,
-                        image=init is not None, references=bool(refs) or masked)
-    sigmas, rule = plan.sigmas, plan.guidance
-    for note in [rule.note, *large_work(width, height, plan.steps)]:
+    run = prepare_run(model, variant, ask.sigmas, variant.default_cfg if cfg is None else cfg, strength=ask.strength,
+                      image=ask.init is not None, references=bool(ask.references) or ask.masked, cache=cache)
+    for note in [run.plan.guidance.note, *large_work(ask.width, ask.height, run.plan.steps)]:
         if note:
             say(note)
-    if masked:                      # the mask on the latent grid, [1, 1, h, w]
-        pixels, notes = inpaint.image_mask(mask, source, (width, height))
-        latent_mask = inpaint.latent_mask(pixels, batch, h, w)[0]
-        for note in [*notes, inpaint.mask_note(pixels, latent_mask)]:
-            if note:
-                say(note)
+    (h, w), dtype = ask.grid, model.dtype
     if noise is not None and tuple(noise.shape) != (batch, LATENT_CHANNELS, h, w):
-        raise Flux2Error(f"noise must be [{batch}, {LATENT_CHANNELS}, {h}, {w}] for batch {batch} at {width}x{height}, "
-                         f"got {list(noise.shape)}")
+        raise Flux2Error(f"noise must be [{batch}, {LATENT_CHANNELS}, {h}, {w}] for batch {batch} at "
+                         f"{ask.width}x{ask.height}, got {list(noise.shape)}")
 
-    # prompt(s): [prompt] or [prompt, negative] from the prompt cache; the encoder rests where the denoise leaves
-    # room (KV models: a reference pass makes the K/V unless given or cached; inpainting's are never cached)
-    ref_tokens = sum(math.prod(latent_size(im.height, im.width)) for im in refs) + (h * w if masked else 0)
-    kv = plan.reference_kv
-    cache = models.reference_cache
-    new_kv = kv and reference_kv is None and (masked or cache is None or not cache.holds_images(model, ae, refs, dtype))
-    prompts = [text, negative] if rule.cfg else [text]
-    needed = memory.denoiser_memory(model, variant, batch, h, w, dtype, ref_tokens=ref_tokens, cfg=rule.cfg,
-                                    text_tokens=models.prompt_encoder.text_tokens(prompts), new_reference_kv=new_kv)
-    offload = memory.should_offload(offload_encoder, models.prompt_encoder, device, needed)
-    embeds = encode_prompts(models, prompts, offload)
+    # the prompts, encoded where the denoise leaves room; the largest stage checked before anything allocates
+    kept_kv = reference_kv is not None or (not ask.masked and models.reference_cache is not None and
+                                           models.reference_cache.holds_images(model, ae, ask.references, dtype))
+    prompts = [ask.text, negative] if run.cfg else [ask.text]
+    needed = run.need(batch, h, w, dtype, text_tokens=models.prompt_encoder.text_tokens(prompts),
+                      ref_tokens=ask.reference_tokens, new_kv=not kept_kv)
+    embeds = encode_prompts(models, prompts, memory.should_offload(offload_encoder, models.prompt_encoder, device,
+                                                                   needed))
     if embeds.dropped[0]:
         say(f"the prompt is {embeds.token_counts[0]} tokens; the last {embeds.dropped[0]} were cut off "
             f"(the limit is {models.prompt_encoder.spec.max_length} including the chat template)")
-    txt, negative_txt = embeds.row(0), (embeds.row(1) if rule.cfg else None)
-
-    # memory: the largest stage must fit beside the weights, checked before the noise, the encodes and the denoiser
-    # allocate (the encoder now rests where it will stay during the denoise)
-    encodes = [memory.encode_bytes(ae, 1, im.height, im.width) for im in ([init] if init else []) + refs]
+    encodes = [memory.encode_bytes(ae, 1, im.height, im.width) for im in [ask.init, *ask.references] if im]
     memory.check_memory(device, max([needed, memory.least_decode_bytes(ae, h, w), *encodes]),
-                        f"generating {batch} x {width}x{height}{f' with {len(refs)} references' if refs else ''}")
+                        f"generating {batch} x {ask.width}x{ask.height}"
+                        f"{f' with {len(ask.references)} references' if ask.references else ''}")
 
     if noise is None:
-        noise = make_noise(batch, height, width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise,
-                           draw=family.noise)
+        noise = make_noise(batch, ask.height, ask.width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise,
+                           draw=family_of(variant).noise)
     noise = noise.to(device, torch.float32)
+    start, pack, blend = start_and_references(models, ask, noise, run.plan.reference_kv, reference_kv)
+    latents = run(noise, embeds.row(0), embeds.row(1) if run.cfg else None, references=pack, start=start,
+                  inpaint=blend, callback=callback, dtype=dtype)
+    return decoded(models, ask, latents, seed, settings={
+        "prompt": prompt, "negative": negative if run.cfg else None, "width": ask.width, "height": ask.height,
+        "steps": run.plan.steps,
+        "cfg": run.plan.guidance.scale, "seed": seed, "batch": batch, "variant": variant.name,
+        "references": len(ask.references), "strength": ask.strength if ask.init is not None else None,
+        "mask": ask.masked, "sigmas": [round(s, 6) for s in run.sigmas]}
+        | ({"boxes": rows(ask.layout)} if ask.layout else {})
+        | ({"cache": run.cache.report().record()} if run.cache else {}), warnings=warnings)
 
-    # start latent
-    if init is not None:
-        if init.size != (width, height):
-            init = init.resize((width, height), Image.Resampling.LANCZOS)
-        start = ae.encode(image_to_tensor(init)).to(device)                  # [1, 128, h, w]
-        x = add_noise(start, noise, sigmas[0])
-    else:
-        x = noise
 
-    # references (KV models: their K/V from the cache, which skips the AE encode and the reference pass on a hit;
-    # inpainting: the source latent first, and no cache, which keys on reference images)
-    if kv and reference_kv is None and models.reference_cache is not None and not masked:
-        reference_kv = models.reference_cache.get_for_images(model, ae, refs, dtype, encode=encode_references)
-    ref = ref_ids = blend = None
-    if masked:
-        ref_latents = reference_latents(ae, refs, ReferenceCount(len(refs), inpainted=True), fit)
-        ref, ref_ids = reference_tokens([start, *ref_latents], family.reference_ids)
-        blend = inpaint.Inpaint(start, noise, latent_mask, inpaint.AFTER_STEP)
-    elif refs and reference_kv is None:
-        ref, ref_ids = encode_references(ae, refs, dtype, family.reference_ids, fit)
+def start_and_references(models: Models, ask: Request, noise: Tensor, as_kv: bool,
+                         given_kv: ReferenceKV | None) -> tuple[Tensor | None, ReferencePack, inpaint.Inpaint | None]:
+    """(the encoded picture to edit [1, 128, h, w] or None, the references as the model takes them, inpainting's
+    blend or None). A KV edition's K/V come from ``given_kv`` or the models' cache, which on a hit skips the encode and
+    the reference pass; inpainting puts the picture first among the references and is never cached (the cache keys on
+    reference pictures)."""
+    ae, model, family = models.autoencoder, models.transformer, family_of(models.variant)
+    start = None
+    if ask.init is not None:
+        init = ask.init if ask.init.size == (ask.width, ask.height) else ask.init.resize((ask.width, ask.height),
+                                                                                           Image.Resampling.LANCZOS)
+        start = ae.encode(image_to_tensor(init)).to(noise.device)                  # [1, 128, h, w]
+    if ask.masked:
+        latents = reference_latents(ae, ask.references, ask.reference_count, family.references)
+        pack = pack_references(models.variant, [start, *latents])
+        return start, pack, inpaint.Inpaint(start, noise, ask.mask, inpaint.AFTER_STEP)
+    if as_kv and given_kv is None and models.reference_cache is not None:
+        given_kv = models.reference_cache.get_for_images(model, ae, ask.references, model.dtype,
+                                                         encode=encode_references)
+    if given_kv is not None:
+        return start, ReferencePack(kv=given_kv), None
+    if not ask.references:
+        return start, NO_REFERENCES, None
+    return start, pack_references(models.variant, reference_latents(ae, ask.references, fit=family.references)), None
 
-    latents = denoise(model, x, sigmas, txt, negative_txt=negative_txt, cfg=rule.scale, ref=ref, ref_ids=ref_ids,
-                      ref_kv=reference_kv, kv=kv, guidance=rule.embedded, inpaint=blend, callback=callback, dtype=dtype,
-                      cache=step_cache)
 
-    tile = memory.decode_tile(ae, 1, h, w, memory.free_memory(device))       # None: in one piece
-    images = torch.cat([to_uint8(ae.decode(latents[i:i + 1], tile)) for i in range(batch)])
-    if crop is not None:
-        left, top, right, bottom = crop
+def decoded(models: Models, ask: Request, latents: Tensor, seed: int, settings: dict, warnings: list[str]) -> Result:
+    """The latents [B, 128, h, w] decoded (in tiles where one piece does not fit), a padded reference's box cropped
+    out."""
+    ae, (h, w) = models.autoencoder, ask.grid
+    tile = memory.decode_tile(ae, 1, h, w, memory.free_memory(models.device))       # None: in one piece
+    images = torch.cat([to_uint8(ae.decode(latents[i:i + 1], tile)) for i in range(latents.shape[0])])
+    width, height = ask.width, ask.height
+    if ask.crop is not None:
+        left, top, right, bottom = ask.crop
         images, width, height = images[:, top:bottom, left:right], right - left, bottom - top
-    settings = {"prompt": prompt, "negative": negative if rule.cfg else None, "width": width, "height": height,
-                "steps": len(sigmas) - 1, "cfg": rule.scale, "seed": seed, "batch": batch, "variant": variant.name,
-                "references": len(refs), "strength": strength if init is not None else None, "mask": masked,
-                "sigmas": [round(s, 6) for s in sigmas]}
-    settings |= {"boxes": rows(layout)} if layout else {}
-    settings |= {"cache": step_cache.report().record()} if step_cache else {}
-    return Result(images, latents.float(), [seed + i for i in range(batch)], settings, warnings)
-
-
+    settings = settings | {"width": width, "height": height}
+    return Result(images, latents.float(), [seed + i for i in range(latents.shape[0])], settings, warnings)

@@ -39,7 +39,7 @@ from ..flux2_core.errors import Flux2Error
 from ..flux2_core.families import family_of
 from ..flux2_core.runtime import memory
 from ..flux2_core.runtime.cache import ReferenceKVCache
-from ..flux2_core.sampling import references
+from ..flux2_core.sampling import conditioning
 from ..flux2_core.sampling.plan import references_as_kv
 from ..flux2_core.variants import Variant
 
@@ -88,17 +88,13 @@ class EngineCall(nn.Module):
         run.prepare()
         _, _, h, w = x.shape
         dtype, device = x.dtype, x.device                    # apply_model cast x to our dtype
-        ref, ref_ids = references.batched_reference_tokens(list(ref_latents or []))
-        ref_kv = None
-        if ref is not None:
-            ref, ref_ids = ref.to(device, dtype), ref_ids.to(device)
-            if references_as_kv(self.variant, True):         # 9B-KV: the references' K/V, once per sampling
-                ref_kv = run.kv.get(self.engine, ref, ref_ids, model_key=run.model_key)
-                ref = ref_ids = None
+        pack = conditioning.pack_references(self.variant, list(ref_latents or []), batched=True)
         use_guidance = self.variant.params.use_guidance_embed and guidance is not None
-        velocity = family_of(self.variant).condition(
-            self.engine, context.to(device, dtype), h, w, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
-            guidance=guidance.to(device, dtype) if use_guidance else None)
+        velocity = conditioning.velocity_for(       # 9B-KV: the references' K/V made once per sampling (run.kv)
+            self.engine, context.to(device, dtype), h, w, pack, as_kv=references_as_kv(self.variant, bool(pack)),
+            guidance=guidance.to(device, dtype) if use_guidance else None,
+            kv_source=lambda ref, ids, make: run.kv.get(self.engine, ref.to(device), ids.to(device),
+                                                        model_key=run.model_key, make=make))
         return velocity(x, timestep.to(dtype), None)            # ComfyUI's model call does not give the next sigma
 
 

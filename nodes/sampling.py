@@ -22,9 +22,9 @@ from ..flux2_core.adapters.lora import AdapterUse
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.runtime import cache, memory, parallel
 from ..flux2_core.runtime import compile as compiling
-from ..flux2_core.sampling import euler, inpaint, references, schedules, step_cache
+from ..flux2_core.sampling import conditioning, euler, inpaint, references, schedules, step_cache
 from ..flux2_core.sampling.boxes import check_rows
-from ..flux2_core.sampling.plan import plan_denoise
+from ..flux2_core.sampling.run import prepare_run
 from . import host, types
 
 log = logging.getLogger("flux2_klein")
@@ -153,44 +153,37 @@ class Denoise(io.ComfyNode):
     @classmethod
     def execute(cls, model: host.Managed, positive, noise, sigmas, cfg: float, denoise: float,
                 negative=None, latent=None, cache: float = 0.0) -> io.NodeOutput:
-        variant = model.variant
+        variant, spread = model.variant, model.ranks > 1 and model.recipe is not None
         given = positive[0][1].get("reference_latents", [])
         check_rows(positive[0][1].get(types.META, {}).get("rows", []), references.ReferenceCount(len(given)),
                    "the layout (FLUX 3 Klein Layout's boxes, or the table the prompt ends in)")
-        ref, ref_ids = references.reference_tokens(given, families.family_of(variant).reference_ids)  # both CFG branches
-        plan = plan_denoise(variant, sigmas, cfg, strength=denoise, image=latent is not None,   # the CLI's plan
-                            negative=negative is not None, references=ref is not None)
-        sigmas, rule = plan.sigmas, plan.guidance
-        if rule.note:
-            log.warning("FLUX.2 Klein Denoise: %s", rule.note)
+        pack = conditioning.pack_references(variant, given)                          # both CFG branches
+        run = prepare_run(model.core, variant, sigmas, cfg, strength=denoise, image=latent is not None,  # the CLI's
+                          negative=negative is not None, references=bool(pack), cache=cache)             # rules
+        if run.plan.guidance.note:
+            log.warning("FLUX.2 Klein Denoise: %s", run.plan.guidance.note)
         inpaint.check_source("noise_mask" in noise, latent is not None)             # a masked LATENT as the noise
         noise = family_noise(noise, variant)                                         # [B, 128, h, w]
         start = torch.zeros_like(noise) if latent is None else image_latent(latent["samples"], noise)
         blend, mask_note = masked(latent, start, noise)                              # ComfyUI's noise_mask
         txt = prompt_embeds(positive, variant)
-        spread = model.ranks > 1 and model.recipe is not None
         if spread:
-            parallel.check_world(variant.params.num_heads, model.ranks)             # before followers start
-            if model.compiled:
-                raise Flux2Error("FLUX.2 Klein Compile and FLUX.2 Klein Parallel do not run together yet: bypass one")
-        needed, kv_cached = denoise_request(model, noise, txt, ref, ref_ids, plan, model.ranks if spread else 1)
+            check_spread(model)                                                      # before followers start
+        kv_here = run.plan.reference_kv and not spread     # a parallel run's denoise makes its own split K/V
+        kept = kv_here and REFERENCE_KV.holds(model.key, pack.tokens.to(model.dtype), pack.ids)
+        batch, _, h, w = noise.shape
+        needed = run.need(batch, h, w, model.dtype, text_tokens=txt.shape[1],
+                          ref_tokens=pack.count, new_kv=not kept, ranks=model.ranks if spread else 1)
         device = model.ready(needed)
         memory.check_memory(device, needed, f"denoising {list(noise.shape)} latents", free=host.free_memory,
-                              fix="use a smaller size or batch, or fewer or smaller references")
+                            fix="use a smaller size or batch, or fewer or smaller references")
         model.use_adapters(model.core, lambda adapter: adapter.patches)
         set_compiled(model)
-        x = euler.add_noise(start, noise, sigmas[0]).to(device)                  # = noise when sigmas[0] is 1
-        ref_kv, info = reference_kv(model, ref, ref_ids, device, needed) if kv_cached else (None, None)
-        if ref_kv is not None:
-            ref = ref_ids = None                                                     # the K/V stand for them
-        steps = step_cache.StepCache(cache) if step_cache.check_threshold(cache) > 0 else None
         parallel.attach(model.core, spread_over(model) if spread else None)
         try:
-            out = euler.denoise(model.core, x, sigmas, txt, negative_txt=prompt_embeds(negative, variant)
-                                   if rule.cfg else None, cfg=rule.scale, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
-                                   kv=plan.reference_kv, guidance=rule.embedded, inpaint=blend,
-                                   callback=host.StepReporter(len(sigmas) - 1, device), dtype=model.dtype,
-                                   cache=steps)
+            out = run(noise.to(device), txt, prompt_embeds(negative, variant) if run.cfg else None, references=pack,
+                      start=start.to(device), inpaint=blend, callback=host.StepReporter(run.plan.steps, device),
+                      kv_source=kept_kv(model, needed) if kv_here else None, dtype=model.dtype)
             if spread:
                 parallel.sequence_parallel_of(model.core).release()          # the followers' share of the reference K/V
         except BaseException:
@@ -198,12 +191,12 @@ class Denoise(io.ComfyNode):
             raise
         finally:
             parallel.attach(model.core, None)
-        if spread:
-            info = "; ".join(n for n in (info, f"denoised on {model.ranks} ranks") if n)
-        if steps is not None:
-            log.info("FLUX.2 Klein Denoise: %s", steps.report().line())
-        reused = steps.report().line() if steps is not None else ""
-        notes = "; ".join(note for note in (rule.note, mask_note, info, reused) if note)
+        kv_note = ("reference K/V: reused (no reference pass)" if kept else "reference K/V: computed") if kv_here else ""
+        if run.cache is not None:
+            log.info("FLUX.2 Klein Denoise: %s", run.cache_note())
+        notes = "; ".join(note for note in (run.plan.guidance.note, mask_note, kv_note,
+                                            f"denoised on {model.ranks} ranks" if spread else "", run.cache_note())
+                          if note)
         return io.NodeOutput({"samples": out.float().to(host.intermediate_device())},
                              ui=ui.PreviewText(notes) if notes else None)
 
@@ -245,29 +238,23 @@ def set_compiled(model: host.Managed) -> None:
         compiling.uncompile_blocks(model.core)
 
 
-def denoise_request(model: host.Managed, noise, txt, ref, ref_ids, plan, ranks: int) -> tuple[int, bool]:
-    """(the bytes to ask ComfyUI for beside the weights, whether the references' K/V come from ``REFERENCE_KV``): the
-    CLI's estimate (memory.denoiser_memory), the reference K/V counted when the plan's reference pass will make
-    them; with ``ranks`` > 1, this process's share of a parallel run, whose denoise makes its own split K/V."""
-    batch, _, h, w = noise.shape
-    cached = plan.reference_kv and ranks == 1
-    new_kv = plan.reference_kv and not (cached and REFERENCE_KV.holds(model.key, ref.to(model.dtype), ref_ids))
-    needed = memory.denoiser_memory(model.core, model.variant, batch, h, w, model.dtype, cfg=plan.guidance.cfg,
-                                    ref_tokens=0 if ref is None else ref.shape[1], text_tokens=txt.shape[1],
-                                    ranks=ranks, new_reference_kv=new_kv)
-    return needed, cached
+def check_spread(model: host.Managed) -> None:
+    """A parallel run's limits, refused before its followers start."""
+    parallel.check_world(model.variant.params.num_heads, model.ranks)
+    if model.compiled:
+        raise Flux2Error("FLUX.2 Klein Compile and FLUX.2 Klein Parallel do not run together yet: bypass one")
 
 
-def reference_kv(model: host.Managed, ref, ref_ids, device, needed: int) -> tuple:
-    """(ReferenceKV, a note for the node): the references' K/V from ``REFERENCE_KV``, computed on a miss."""
-    ref = ref.to(model.dtype)
-    hit = REFERENCE_KV.holds(model.key, ref, ref_ids)
-    if hit:
-        log.info("FLUX.2 Klein: reference K/V reused from the previous edit (no reference pass)")
-    patcher = REFERENCE_KV.get(model.core, ref, ref_ids, model_key=model.key, make=lambda: host.manage_reference_kv(
-        model.core.reference_kv(ref.to(device), ref_ids.to(device))))
-    note = "reference K/V: reused (no reference pass)" if hit else "reference K/V: computed"
-    return host.reference_kv_ready(patcher, model, needed), note
+def kept_kv(model: host.Managed, needed: int):
+    """The run's K/V source (``conditioning.KVSource``): the references' K/V from ``REFERENCE_KV``, made on a miss
+    under ComfyUI's model management and loaded beside the model."""
+    def source(ref, ref_ids, make):
+        if REFERENCE_KV.holds(model.key, ref, ref_ids):
+            log.info("FLUX.2 Klein: reference K/V reused from the previous edit (no reference pass)")
+        patcher = REFERENCE_KV.get(model.core, ref, ref_ids, model_key=model.key,
+                                   make=lambda: host.manage_reference_kv(make()))
+        return host.reference_kv_ready(patcher, model, needed)
+    return source
 
 
 # the last edit's reference K/V, each under ComfyUI's model management (a ModelPatcher of host.Flux2KleinReferenceKV),

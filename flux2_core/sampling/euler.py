@@ -26,6 +26,7 @@ from ..models import rope
 from ..models.text_encoder import stack_rows
 from ..models.transformer import ReferenceKV
 from ..runtime import memory
+from .conditioning import KVSource, ReferencePack, Velocity, velocity_for
 from .step_cache import StepCache
 
 CHANNELS_FIRST = NoiseDraw()   # FLUX.2's draw: [128, h, w] in float32
@@ -85,10 +86,6 @@ class Step:
     x: Tensor             # latent [B, 128, h, w] at sigma_next
     denoised: Tensor      # the model's clean-latent estimate at this step, x_start - sigma * v (for previews)
 
-
-# (x [B, 128, h, w], t [B], t_next [B], both in x's dtype) -> v like x: the time the step goes to is given too, as a
-# distilled flow-map model needs it (FLUX.2 reads t alone)
-Velocity = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 class Inpaint(Protocol):
@@ -162,14 +159,15 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
             cfg: float = 1.0, ref: Tensor | None = None, ref_ids: Tensor | None = None,
             ref_kv: ReferenceKV | None = None, kv: bool = False, guidance: float | None = None,
             inpaint: Inpaint | None = None, callback: Callable[[Step], None] | None = None,
-            dtype: torch.dtype | None = None, cache: StepCache | None = None) -> Tensor:
+            dtype: torch.dtype | None = None, cache: StepCache | None = None,
+            kv_source: KVSource | None = None) -> Tensor:
     """x [B, 128, h, w] at sigmas[0]; ``dtype``: the compute dtype (default x's). The latent is kept in its family's
     ``latent_dtype`` between steps, and so returned. txt [1 or B, Ltxt, C]; negative_txt may be of another length
     (FLUX 3 pads each prompt alone): the shorter is padded and masked. With negative_txt: CFG
     v = v_neg + cfg * (v_txt - v_neg), both halves in one forward of batch 2B. ref [1 or B, Lref, 128] with ref_ids
-    [1, Lref, 4] are joined after the image; with kv=True their K/V are computed once (or ``ref_kv`` given) and
-    reused every step. ``cache``: a ``StepCache`` that reuses the last velocity on steps it judges close to the last
-    (what it did: ``cache.report()``). The result is checked for NaN / inf (``checks.finite``) with its likely causes.
+    [1, Lref, 4] are joined after the image; with kv=True their K/V are computed once (or ``ref_kv`` given, or found by
+    ``kv_source``, the caller's cache) and reused every step (``conditioning.velocity_for``). ``cache``: a
+    ``StepCache`` that reuses the last velocity on steps it judges close to the last (what it did: ``cache.report()``). The result is checked for NaN / inf (``checks.finite``) with its likely causes.
     """
     if negative_txt is not None:
         check_cfg(cfg)
@@ -177,28 +175,20 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
         check_cfg(guidance, "guidance")
     batch, _, h, w = x.shape
     dtype, device = dtype or x.dtype, x.device
-    family = family_of_params(model.params)
-    x = x.to(family.latent_dtype(dtype))
+    x = x.to(family_of_params(model.params).latent_dtype(dtype))
     sides = 1 if negative_txt is None else 2             # the model batch is [neg..., pos...] with CFG
     n = sides * batch
-    if kv and ref is not None:
-        if ref_kv is None:
-            ref_kv = model.reference_kv(ref.to(device, dtype), ref_ids.to(device))
-        ref = ref_ids = None
     if ref is not None and ref_kv is not None:
         raise Flux2Error("give references either as tokens (ref, ref_ids) or as a KV cache (ref_kv), not both")
-    if ref is not None:                                   # [1 or n, Lref, 128]
-        ref, ref_ids = ref.to(device, dtype), ref_ids.to(device)
-        ref = ref.repeat(sides, 1, 1) if ref.shape[0] > 1 else ref
-    if ref_kv is not None:
-        ref_kv = ref_kv.to(device, dtype)
+    if ref is not None and ref.shape[0] > 1 and not kv:   # [B, Lref, 128]: each item's own, for both CFG halves
+        ref = ref.repeat(sides, 1, 1)
 
     prompts = [txt] if negative_txt is None else [negative_txt, txt]
     txt, txt_lengths = stack_rows([p.expand(batch, *p.shape[1:]) for p in prompts])      # [n, Ltxt, C]
     txt = txt.to(device, dtype)
     guidance_vec = None if guidance is None else torch.full((n,), guidance, dtype=x.dtype, device=device)
-    model_velocity = family.condition(model, txt, h, w, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv,
-                                      guidance=guidance_vec, txt_lengths=txt_lengths)
+    model_velocity = velocity_for(model, txt, h, w, ReferencePack(ref, ref_ids, ref_kv), as_kv=kv,
+                                  guidance=guidance_vec, txt_lengths=txt_lengths, kv_source=kv_source)
 
     def velocity(x: Tensor, t: Tensor, t_next: Tensor) -> Tensor:
         v = model_velocity(x.to(dtype).repeat(sides, 1, 1, 1), t.repeat(sides), t_next.repeat(sides))
