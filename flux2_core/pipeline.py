@@ -23,7 +23,6 @@ from torch import Tensor
 from .devices import compute_dtype
 from .errors import Flux2Error
 from .families import family_of, family_of_params
-from .latents import LATENT_CHANNELS
 from .models.autoencoder import AutoEncoder
 from .models.run_state import run_state
 from .models.text_encoder import PromptEmbeds, PromptEncoder
@@ -37,7 +36,7 @@ from .sampling.conditioning import NO_REFERENCES, ReferencePack, pack_references
 from .sampling.euler import make_noise
 from .sampling.references import encode_references, image_to_tensor, reference_latents
 from .sampling.request import DEFAULT_SIZE, Request, read_request
-from .sampling.run import prepare_run
+from .sampling.run import DenoiseRun, prepare_run
 from .storage.int8 import quantize_blocks
 from .storage.matmul import choose_matmuls
 from .storage.protocol import call_bytes
@@ -263,14 +262,33 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     for note in [run.plan.guidance.note, *large_work(ask.width, ask.height, run.plan.steps)]:
         if note:
             say(note)
-    (h, w), dtype = ask.grid, model.dtype
-    if noise is not None and tuple(noise.shape) != (batch, LATENT_CHANNELS, h, w):
-        raise Flux2Error(f"noise must be [{batch}, {LATENT_CHANNELS}, {h}, {w}] for batch {batch} at "
-                         f"{ask.width}x{ask.height}, got {list(noise.shape)}")
-
-    # the prompts, encoded where the denoise leaves room; the largest stage checked before anything allocates
+    if noise is not None:
+        ask.checked_noise(noise, batch)
     kept_kv = reference_kv is not None or (not ask.masked and models.reference_cache is not None and
-                                           models.reference_cache.holds_images(model, ae, ask.references, dtype))
+                                           models.reference_cache.holds_images(model, ae, ask.references, model.dtype))
+    embeds = encode_for_run(models, ask, run, negative, batch, kept_kv, offload_encoder, say)
+    if noise is None:
+        noise = make_noise(batch, ask.height, ask.width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise,
+                           draw=family_of(variant).noise)
+    noise = noise.to(device, torch.float32)
+    start, pack, blend = start_and_references(models, ask, noise, run.plan.reference_kv, reference_kv)
+    latents = run(noise, embeds.row(0), embeds.row(1) if run.cfg else None, references=pack, start=start,
+                  inpaint=blend, callback=callback, dtype=model.dtype)
+    settings = {"prompt": prompt, "negative": negative if run.cfg else None, "width": ask.width,
+                "height": ask.height, "steps": run.plan.steps, "cfg": run.plan.guidance.scale, "seed": seed,
+                "batch": batch, "variant": variant.name, "references": len(ask.references),
+                "strength": ask.strength if ask.init is not None else None, "mask": ask.masked,
+                "sigmas": [round(s, 6) for s in run.sigmas]}
+    settings |= ({"boxes": rows(ask.layout)} if ask.layout else {}) | ({"cache": run.cache.report().record()}
+                                                                       if run.cache else {})
+    return decoded(models, ask, latents, seed, settings, warnings)
+
+
+def encode_for_run(models: Models, ask: Request, run: DenoiseRun, negative: str, batch: int, kept_kv: bool,
+                   offload_encoder, say) -> PromptEmbeds:
+    """The prompt (and the negative where CFG runs) encoded, the encoder resting where the denoise leaves room; the
+    largest stage (the denoise, an encode, the decode) checked to fit before anything allocates."""
+    ae, device, (h, w), dtype = models.autoencoder, models.device, ask.grid, models.transformer.dtype
     prompts = [ask.text, negative] if run.cfg else [ask.text]
     needed = run.need(batch, h, w, dtype, text_tokens=models.prompt_encoder.text_tokens(prompts),
                       ref_tokens=ask.reference_tokens, new_kv=not kept_kv)
@@ -283,22 +301,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     memory.check_memory(device, max([needed, memory.least_decode_bytes(ae, h, w), *encodes]),
                         f"generating {batch} x {ask.width}x{ask.height}"
                         f"{f' with {len(ask.references)} references' if ask.references else ''}")
-
-    if noise is None:
-        noise = make_noise(batch, ask.height, ask.width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise,
-                           draw=family_of(variant).noise)
-    noise = noise.to(device, torch.float32)
-    start, pack, blend = start_and_references(models, ask, noise, run.plan.reference_kv, reference_kv)
-    latents = run(noise, embeds.row(0), embeds.row(1) if run.cfg else None, references=pack, start=start,
-                  inpaint=blend, callback=callback, dtype=dtype)
-    return decoded(models, ask, latents, seed, settings={
-        "prompt": prompt, "negative": negative if run.cfg else None, "width": ask.width, "height": ask.height,
-        "steps": run.plan.steps,
-        "cfg": run.plan.guidance.scale, "seed": seed, "batch": batch, "variant": variant.name,
-        "references": len(ask.references), "strength": ask.strength if ask.init is not None else None,
-        "mask": ask.masked, "sigmas": [round(s, 6) for s in run.sigmas]}
-        | ({"boxes": rows(ask.layout)} if ask.layout else {})
-        | ({"cache": run.cache.report().record()} if run.cache else {}), warnings=warnings)
+    return embeds
 
 
 def start_and_references(models: Models, ask: Request, noise: Tensor, as_kv: bool,

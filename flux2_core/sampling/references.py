@@ -271,9 +271,10 @@ def reference_tokens(latents: list[torch.Tensor], ids=rope.reference_ids
     return tokens, ids([tuple(z.shape[-2:]) for z in items], device=tokens.device)
 
 
-def batched_reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def batched_reference_tokens(latents: list[torch.Tensor], ids=rope.reference_ids
+                             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """ComfyUI's ``ref_latents`` as its samplers batch them (reference i of item b is ``latents[i][b]``, each
-    [1 or B, 128, h, w]) -> tokens [1 or B, Lref, 128], ids [1, Lref, 4].
+    [1 or B, 128, h, w]) -> tokens [1 or B, Lref, 128], ids [1, Lref, 4] (``ids``: the family's ``reference_ids``).
     """
     if not latents:
         return None, None
@@ -282,4 +283,4 @@ def batched_reference_tokens(latents: list[torch.Tensor]) -> tuple[torch.Tensor 
         raise Flux2Error(f"reference latents of batches {[z.shape[0] for z in latents]} cannot go together: each must "
                          f"hold one latent or one per image of the batch")
     tokens = torch.cat([rope.pack(z).expand(batch, -1, -1) for z in latents], dim=1)
-    return tokens, rope.reference_ids([tuple(z.shape[-2:]) for z in latents], device=tokens.device)
+    return tokens, ids([tuple(z.shape[-2:]) for z in latents], device=tokens.device)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..errors import Flux2Error
 from ..families import family_of
-from ..latents import latent_size
+from ..latents import LATENT_CHANNELS, latent_size
 from ..variants import Variant
 from . import inpaint
 from .boxes import Box, boxed_prompt, check_rows, read_boxes, rows_read
@@ -54,6 +54,13 @@ class Request:
     @property
     def reference_count(self) -> ReferenceCount:
         return ReferenceCount(len(self.references), inpainted=self.masked)
+
+    def checked_noise(self, noise: Tensor, batch: int) -> None:
+        """An explicit noise [batch, 128, h, w] checked against the size asked for."""
+        h, w = self.grid
+        if tuple(noise.shape) != (batch, LATENT_CHANNELS, h, w):
+            raise Flux2Error(f"noise must be [{batch}, {LATENT_CHANNELS}, {h}, {w}] for batch {batch} at "
+                             f"{self.width}x{self.height}, got {list(noise.shape)}")
 
     @property
     def reference_tokens(self) -> int:
