@@ -38,8 +38,8 @@ class Noise(io.ComfyNode):
             node_id="Flux2KleinNoise", display_name="FLUX.2 Klein Noise", category=f"{types.CATEGORY}/sampling",
             description="Gaussian starting noise for an image of width x height. Item i of a batch is drawn with "
                         "seed + i on the CPU, so it equals a single image made with that seed, on any device. A model "
-                        "whose reference draws its noise another way (FLUX 3 Image Klein) gets it drawn that way from "
-                        "the same seed in the Denoise node, so a seed gives the picture the command line gives.",
+                        "whose reference reads its noise another way (FLUX 3 Image Klein: in token order) reads this "
+                        "draw that way in the Denoise node, so a seed gives the picture the command line gives.",
             inputs=[io.Int.Input("seed", default=0, min=0, max=2**53 - 1, control_after_generate=True,
                                  tooltip="Random seed; item i of the batch uses seed + i."),
                     io.Int.Input("width", **SIZE, tooltip="Image width in pixels (a multiple of 16)."),
@@ -60,7 +60,7 @@ class Noise(io.ComfyNode):
         if latent is not None:
             height, width = (latents.PIXELS_PER_LATENT * n for n in latent["samples"].shape[-2:])
         noise = euler.make_noise(batch_size, height, width, seed, device=host.intermediate_device())
-        return io.NodeOutput({"samples": noise, SEED: seed})
+        return io.NodeOutput({"samples": noise, DRAWN: noise})
 
 
 class Scheduler(io.ComfyNode):
@@ -286,21 +286,17 @@ def masked(latent, start: torch.Tensor, noise: torch.Tensor) -> tuple[inpaint.In
     return inpaint.Inpaint(start, noise, mask, inpaint.BEFORE_MODEL), notes
 
 
-SEED = "flux2_klein_seed"     # our key beside a Noise node's samples: the seed they were drawn from
+DRAWN = "flux2_klein_drawn"   # our key beside a Noise node's samples: the very tensor it drew (the seed's draw)
 
 
 def family_noise(noise: dict, variant) -> torch.Tensor:
-    """The noise of a LATENT for the model: drawn again from the Noise node's seed where the model's family draws its
-    noise another way (FLUX 3), so a seed gives the command line's picture; as given otherwise, and always where the
-    samples are no longer what the node drew (another node changed them on the way, keeping our key)."""
-    samples, seed, draw = noise["samples"], noise.get(SEED), families.family_of(variant).noise
-    if seed is None or draw == euler.CHANNELS_FIRST:
+    """The noise of a LATENT for the model: the Noise node's draw read as the model's family reads a seed's draw
+    (FLUX 3: in token order, through bf16), so a seed gives the command line's picture, with no second draw; as given
+    where the samples are no longer what the node drew (another node made new ones on the way, keeping our key)."""
+    samples = noise["samples"]
+    if noise.get(DRAWN) is not samples:
         return samples
-    batch, _, h, w = samples.shape
-    size = (h * latents.PIXELS_PER_LATENT, w * latents.PIXELS_PER_LATENT)
-    if not torch.equal(samples.cpu(), euler.make_noise(batch, *size, seed)):
-        return samples
-    return euler.make_noise(batch, *size, seed, device=samples.device, draw=draw)
+    return families.family_of(variant).noise(samples)
 
 
 def prompt_embeds(conditioning, variant) -> torch.Tensor:
