@@ -17,7 +17,17 @@ from ..errors import Flux2Error
 from .linear import item_by_item, linear
 from .protocol import StoredLinear
 from .rotation import rotate_weight
-from .stored_format import BLOCK_SCALE, FP8_E4M3, INT8, SCALE, LayerFile, LayerFormat, ScaleRule, StoredFormat, StoredTensor
+from .stored_format import (
+    BLOCK_SCALE,
+    FP8_E4M3,
+    INT8,
+    SCALE,
+    LayerFile,
+    LayerFormat,
+    ScaleRule,
+    StoredFormat,
+    StoredTensor,
+)
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)   # fp4 codes
 FP4_BLOCK, MX_BLOCK = 16, 32
