@@ -345,7 +345,8 @@ def read_state_dict(source: Source, model: nn.Module, device: torch.device, dtyp
 
 
 def keeps_stored(layer: nn.Module | None) -> bool:
-    """A layer ``models.layers.stored_linear`` made (a loader that keeps no format builds float layers instead)."""
+    """A layer a file's format made (``LayerFormat.linear``; a loader that keeps no format builds float layers
+    instead)."""
     return isinstance(layer, StoredLinear) and layer.kind not in FLOAT_KINDS
 
 
