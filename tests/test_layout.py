@@ -128,3 +128,60 @@ def test_flux2_module_names_stay_in_the_flux2_model_and_its_family_entry():
             found[name] = hits
     assert not found, ("FLUX.2's module names outside its model and family entry (ask the model or its family "
                        f"instead): {found}")
+
+
+# every fact of a stored format lives in its format object (flux2_core/storage/): the code around it asks the object,
+# so no module elsewhere spells a name a file gives a format
+FORMAT_HOME = "storage"
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the string constants that are a module's, class's or function's docstring."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
+                                                                                                     str):
+                found.add(id(first.value))
+    return found
+
+
+def format_names_outside_storage(names: set[str], core: Path = CORE) -> dict[str, list[str]]:
+    """Module (relative to ``core``) -> the format names it holds as string constants (docstrings and comments
+    aside), for every module outside ``core/storage``."""
+    found = {}
+    for path in sorted(core.rglob("*.py")):
+        if path.relative_to(core).parts[0] == FORMAT_HOME:
+            continue
+        tree = ast.parse(path.read_text())
+        skip = docstrings(tree)
+        hits = sorted({node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                       and isinstance(node.value, str) and node.value in names and id(node) not in skip})
+        if hits:
+            found[path.relative_to(core).as_posix()] = hits
+    return found
+
+
+def registered_names() -> set[str]:
+    from flux2_core.storage import formats
+
+    return {name for fmt in formats.formats() for name in fmt.names}
+
+
+def test_no_stored_format_name_outside_storage():
+    found = format_names_outside_storage(registered_names())
+    assert not found, ("format names spelled outside flux2_core/storage/ (ask the format object instead: "
+                       f"storage.formats): {found}")
+
+
+def test_the_format_name_check_sees_a_literal_and_not_a_docstring(tmp_path):
+    core = tmp_path / "flux2_core"
+    (core / "storage").mkdir(parents=True)
+    (core / "weights").mkdir()
+    (core / "storage" / "own.py").write_text('NAME = "int8_tensorwise"\n')
+    (core / "weights" / "told.py").write_text('def f():\n    """reads int8_tensorwise files"""\n    # "nvfp4"\n')
+    (core / "weights" / "keyed.py").write_text('def f(fmt):\n    return fmt.name == "nvfp4"\n')
+    names = registered_names()
+    assert {"int8_tensorwise", "nvfp4"} <= names
+    assert format_names_outside_storage(names, core) == {"weights/keyed.py": ["nvfp4"]}

@@ -365,14 +365,15 @@ def comfy_quant_file(path: Path, meta: str | None = None, quant: tuple[str, byte
     (None, ("F32", struct.pack("<4f", 1, 2, 3, 4)), r"w.comfy_quant is F32 \[4\], not the bytes of JSON text"),
 ])
 def test_bad_comfyui_quantisation_records(tmp_path, meta, quant, message):
-    from flux2_core.storage.layer_format import LayerFormat
+    from flux2_core.storage.formats import stored_format
+    from flux2_core.storage.stored_format import LayerFormat
     from flux2_core.weights.dequantize import comfy_formats
 
     ckpt = open_checkpoint(comfy_quant_file(tmp_path / "fp8.safetensors", meta, quant), "")
     with pytest.raises(Flux2Error, match=message):
         comfy_formats(ckpt, "")
     good = comfy_quant_file(tmp_path / "good.safetensors", quant=("U8", b'{"format": "float8_e4m3fn"}'))
-    assert comfy_formats(open_checkpoint(good, ""), "") == {"w": LayerFormat("float8_e4m3fn")}
+    assert comfy_formats(open_checkpoint(good, ""), "") == {"w": LayerFormat(stored_format("float8_e4m3fn"), "float8_e4m3fn")}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ import torch
 
 from ..checks import dtype_cause, finite
 from ..errors import Flux2Error
-from ..storage.layer_format import LayerFormat
 from ..storage.quant import DROPPED_SUFFIXES
+from ..storage.stored_format import LayerFormat
 from ..variants import QWEN3_4B, QWEN3_8B, QWEN3_TEMPLATE, QWEN3_VL_4B, TextEncoderSpec
 from .layers import Layers
 from .qwen3 import Qwen3, Qwen3Params

@@ -18,6 +18,7 @@ from ..errors import Flux2Error
 from .linear import item_by_item, linear
 from .protocol import StoredLinear, stored_linears
 from .rotation import group_for, rotate_input, rotate_weight
+from .stored_format import INT8, SCALE, LayerFile, LayerFormat, StoredFormat
 
 INT8_MAX = 127
 # int8 tensor cores (torch._int_mm on CUDA) from Turing (sm_75) on
@@ -98,6 +99,27 @@ class Int8Linear(nn.Module, StoredLinear):
         return (f"in={self.in_features}, out={self.out_features}, int8, per-{'row' if self.per_row else 'tensor'} "
                 f"scale" + (f", ConvRot group {self.rotation}" if self.rotation else "")
                 + (", int8 matmul" if self.int8_matmul else ""))
+
+
+def _read_int8(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
+    """A 2-D weight, a scale of one value or one a row, the ConvRot group where the spec turns it."""
+    rows, inputs = file.matrix()
+    rotation = file.rotation(inputs) if file.spec.get("convrot") else 0
+    scales = file.scale_count()
+    if scales is None:
+        raise Flux2Error(f"{file.where} is int8 but has no weight_scale; the file is corrupt or was cut, download it "
+                         f"again")
+    if scales not in (1, rows):
+        raise file.corrupt(f"is int8 with a scale of shape {list(file.shapes['weight_scale'])}; expected one per "
+                           f"tensor or one per row ({rows})")
+    return LayerFormat(fmt, file.name, rotation, per_row=scales == rows > 1)
+
+
+# ComfyUI's int8 files: a scale per tensor or per row (the name says tensorwise either way), optionally ConvRot
+INT8_FORMAT = StoredFormat(
+    "int8", ("int8_tensorwise",), Int8Linear, {"weight": INT8, "weight_scale": SCALE}, torch.int8, _read_int8,
+    lambda f, i, o, per_item, device: Int8Linear(i, o, per_item, device, per_row=f.per_row, rotation=f.rotation),
+    rotates=True)
 
 
 def quantize_blocks(model: nn.Module, chosen, convrot: bool = False) -> list[str]:

@@ -13,12 +13,25 @@ import torch
 from torch import Tensor, nn
 
 from .. import kitchen
+from ..errors import Flux2Error
 from .linear import item_by_item, linear
 from .protocol import StoredLinear
 from .rotation import rotate_weight
+from .stored_format import (
+    BLOCK_SCALE,
+    FP8_E4M3,
+    INT8,
+    SCALE,
+    LayerFile,
+    LayerFormat,
+    ScaleRule,
+    StoredFormat,
+    StoredTensor,
+)
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)   # fp4 codes
 FP4_BLOCK, MX_BLOCK = 16, 32
+W4A4_GROUP = 64            # comfy-kitchen's only int4 quantization group
 
 
 def up(n: int, multiple: int) -> int:
@@ -238,3 +251,62 @@ def use_int4_matmul(model: nn.Module, device) -> str:
     for layer in layers:
         layer.int4_matmul = on
     return "W4A4 int4 matmul: on" if on else "W4A4 int4 matmul: off (no GPU kernel here); the weights are dequantized"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the formats these layers hold
+# ---------------------------------------------------------------------------------------------------------------
+
+# packed E2M1 pairs, e4m3 scales per 16 values (zero for an all-zero block and for the tiles' padding), a global scale
+NVFP4_TENSORS = {"weight": StoredTensor(("U8",)), "weight_scale": StoredTensor(FP8_E4M3, ScaleRule(zero=True)),
+                 "weight_scale_2": SCALE}
+# ComfyUI's (tiled scales, the first value in the high nibble)
+NVFP4_FORMAT = StoredFormat(
+    "nvfp4", ("nvfp4",), NvFp4Linear, NVFP4_TENSORS, torch.uint8,
+    make=lambda f, i, o, per_item, device: NvFp4Linear(i, o, per_item, swizzled=True, device=device),
+    packed_inputs=2)
+# BFL's own (ModelOpt's) files: plain scales, the first value in the low nibble, no format object (known by the
+# global scale); "nvfp4_modelopt" is the name we give it
+NVFP4_PLAIN_FORMAT = StoredFormat(
+    "nvfp4", ("nvfp4_modelopt",), NvFp4Linear, NVFP4_TENSORS, torch.uint8,
+    make=lambda f, i, o, per_item, device: NvFp4Linear(i, o, per_item, swizzled=False, device=device),
+    packed_inputs=2, known_by="weight_scale_2")
+
+MXFP8_FORMAT = StoredFormat(
+    "mxfp8", ("mxfp8",), MxFp8Linear,
+    {"weight": StoredTensor(FP8_E4M3), "weight_scale": StoredTensor(("F8_E8M0", "U8"), ScaleRule(exponents=True))},
+    torch.float8_e4m3fn, make=lambda f, i, o, per_item, device: MxFp8Linear(i, o, per_item, device))
+
+
+def _blocks_format(title: str, name: str, weight: StoredTensor, dtype: torch.dtype, block: int) -> StoredFormat:
+    """int8 or fp8 with a float32 scale per 2-D block; ``block``: the side the converter writes where the file's
+    object gives none (``group_size``)."""
+    def read(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
+        file.matrix()
+        return LayerFormat(fmt, file.name, block=file.whole("group_size", block))
+
+    return StoredFormat(title, (name,), BlockScaledLinear, {"weight": weight, "weight_scale": BLOCK_SCALE}, dtype,
+                        read, lambda f, i, o, per_item, device: BlockScaledLinear(
+                            i, o, f.block, f.format.weight_dtype, per_item, device))
+
+
+INT8_BLOCKS_FORMAT = _blocks_format("int8 blocks", "int8_blockwise", INT8, torch.int8, 128)
+FP8_BLOCKS_FORMAT = _blocks_format("fp8 blocks", "float8_e4m3fn_blockwise", StoredTensor(FP8_E4M3),
+                                   torch.float8_e4m3fn, 64)
+
+
+def _read_w4a4(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
+    """Always in ConvRot's basis; quantized in comfy-kitchen's one group, which must divide the inputs."""
+    _, inputs = file.matrix(fmt.packed_inputs)
+    rotation = file.rotation(inputs)
+    if file.whole("quant_group_size", W4A4_GROUP) != W4A4_GROUP or inputs % W4A4_GROUP:
+        raise Flux2Error(f"{file.where} is W4A4 with a quantization group of "
+                         f"{file.spec.get('quant_group_size', W4A4_GROUP)} over {inputs} inputs; only {W4A4_GROUP} "
+                         f"(comfy-kitchen's), dividing the inputs, can be run")
+    return LayerFormat(fmt, file.name, rotation)
+
+
+# two signed int4 a byte, a scale per row
+W4A4_FORMAT = StoredFormat(
+    "W4A4", ("convrot_w4a4",), W4A4Linear, {"weight": INT8, "weight_scale": SCALE}, torch.int8, _read_w4a4,
+    lambda f, i, o, per_item, device: W4A4Linear(i, o, f.rotation, per_item, device), packed_inputs=2, rotates=True)

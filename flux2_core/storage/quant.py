@@ -17,6 +17,7 @@ from ..errors import Flux2Error
 from . import kernels
 from .linear import item_by_item, linear
 from .protocol import FLOAT_KINDS, StoredLinear, census, stored_linears
+from .stored_format import FP8_E4M3, SCALE, StoredFormat, StoredTensor
 
 # in weight files, beside a quantized layer's weight: the keys of its scales (fp8, nvfp4, ComfyUI's comfy_quant)
 SCALE_SUFFIXES = (".weight_scale", ".scale_weight", ".weight_scale_inv")
@@ -103,6 +104,18 @@ class Fp8Linear(nn.Module, StoredLinear):
     def extra_repr(self) -> str:
         kind = "per-row" if self.weight_scale.ndim else "per-tensor"
         return f"in={self.in_features}, out={self.out_features}, {self.weight.dtype}, {kind} scale"
+
+
+def _fp8_format(names: tuple[str, ...], weight: tuple[str, ...], dtype: torch.dtype) -> StoredFormat:
+    """Float8 weights with an optional per-tensor or per-row scale, under any scale name the fp8 reader takes; held
+    by the loader's fp8 choice, which keeps the file's values and scales (``Fp8Linear``) unless fp8=False."""
+    return StoredFormat("fp8", names, Fp8Linear, {"weight": StoredTensor(weight)} | {
+        s.removeprefix("."): SCALE for s in SCALE_SUFFIXES}, dtype, fp8_choice=True)
+
+
+# ComfyUI's scaled fp8 (per tensor) and the converter's per-row fp8: one layout, a scale of one value or one a row
+FP8_E4M3_FORMAT = _fp8_format(("float8_e4m3fn", "float8_e4m3fn_rowwise"), FP8_E4M3, torch.float8_e4m3fn)
+FP8_E5M2_FORMAT = _fp8_format(("float8_e5m2",), ("F8_E5M2", "U8"), torch.float8_e5m2)
 
 
 def _scaled_mm_ok(x: Tensor, w8: Tensor) -> bool:

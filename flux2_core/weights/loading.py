@@ -26,15 +26,16 @@ from ..errors import Flux2Error
 from ..families import Family
 from ..key_tables import Layout, Recipe, same_names, table_names, table_recipes
 from ..models.autoencoder import AutoEncoder, WeightFiles
-from ..models.layers import Layers, stored_linear
+from ..models.layers import Choice, Layers
 from ..models.qwen3 import Qwen3Params
 from ..models.text_encoder import PromptEncoder, StoredLayer, build_qwen3_encoder, is_used, qwen3_state_dict
 from ..models.tokenizer import load_tokenizer
 from ..models.transformer import Flux2Transformer
 from ..storage import ggml
-from ..storage.layer_format import SCALE, LayerFormat
+from ..storage.int8 import Int8Linear
 from ..storage.protocol import FLOAT_KINDS, StoredLinear
 from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, quantize_fp8
+from ..storage.stored_format import SCALE, LayerFormat
 from ..variants import (
     MISTRAL_SMALL,
     QWEN3_4B,
@@ -47,7 +48,7 @@ from ..variants import (
     get_variant,
 )
 from .checkpoint import TORCH_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json, read_tensor
-from .dequantize import COMFY_FP8, PACKED_INPUTS, comfy_formats, dequantize
+from .dequantize import comfy_formats, dequantize
 from .gguf_file import architecture, describe_gguf
 from .key_mapping import AUTOENCODER_LAYOUTS, OPTIONAL_KEYS, QWEN3_FROM_LLAMA_CPP, describe, find_layout, qwen3_name
 from .outcome import StorageOutcome, option_name, tally
@@ -78,18 +79,18 @@ class Source:
         rest = list(shapes[0][1:])
         fmt = self.formats.get(recipe.sources[0].removesuffix(".weight"))
         if fmt is not None:
-            rest = [PACKED_INPUTS.get(fmt.storage, 1) * rest[0]]
+            rest = [fmt.format.packed_inputs * rest[0]]
         return (sum(s[0] for s in shapes), *rest)
 
     def stored_format(self, key: str) -> LayerFormat | None:
-        """The format a layer is kept in as the file stores it (``models.layers.stored_linear``): where the file
-        quantizes it in a format other than per-tensor / per-row fp8 (``storage.quant``'s) and our key reads one file
-        tensor as it is (a layer our layout assembles from several is dequantized)."""
+        """The format a layer is kept in as the file stores it (``LayerFormat.linear``): where the file quantizes it
+        in a format the fp8 choice does not hold (``StoredFormat.fp8_choice``) and our key reads one file tensor as
+        it is (a layer our layout assembles from several is dequantized)."""
         recipe = self.recipe(key)
         if len(recipe.sources) != 1 or recipe.swap_halves or recipe.sources[0] not in self.keys:
             return None
         fmt = self.formats.get(recipe.sources[0].removesuffix(".weight"))
-        return fmt if fmt is not None and fmt.storage != "fp8" else None
+        return fmt if fmt is not None and not fmt.format.fp8_choice else None
 
     def scale_key(self, layer: str) -> str | None:
         return next((self.prefix + layer + s for s in SCALE_SUFFIXES
@@ -101,7 +102,7 @@ class Source:
     def is_float8(self, file_key: str) -> bool:
         """ComfyUI's uint8 containers of fp8 count as float8; mxfp8 and 2-D block fp8 (other storage) do not."""
         fmt = self.formats.get(file_key.removesuffix(".weight"))
-        if file_key not in self.keys or (fmt is not None and fmt.storage != "fp8"):
+        if file_key not in self.keys or (fmt is not None and not fmt.format.fp8_choice):
             return False
         return self.info(file_key).dtype in FP8_CODES or (self.info(file_key).dtype == "U8" and fmt is not None)
 
@@ -147,11 +148,20 @@ def open_source(path, subfolder: str, layouts: list[Layout], what: str, loader: 
     formats = comfy_formats(ckpt, prefix)
     keys = {k[len(prefix):] for k in ckpt.tensors if k.startswith(prefix)}
     keys = {k for k in keys if not k.endswith(DROPPED_SUFFIXES)}
+    keys -= {f"{layer}.{name}" for layer, fmt in formats.items() for name in fmt.tensors if name != "weight"}
     return Source(ckpt, layout, prefix, keys, layout.recipes(keys), formats)
 
 
 FP8_CODES = {code for code, dtype in TORCH_DTYPES.items() if dtype in FP8_DTYPES}   # safetensors' float8 names
-SCALE_NAMES = (".weight_scale", ".weight_scale_2")   # a quantized layer's state beside its weight
+SCALE_NAMES = (".weight_scale", ".weight_scale_2")   # an fp8 / int8 layer's state beside its weight
+
+
+def beside_weights(model: nn.Module) -> set[str]:
+    """The keys of ``model``'s state read with their layer's weight: an fp8 or int8 layer's scales, and every tensor
+    of a layer kept in a file's format but its weight (whatever its format names them)."""
+    stored = {name for name, layer in model.named_modules() if keeps_stored(layer)}
+    return {k for k in model.state_dict() if k.endswith(SCALE_NAMES)
+            or (k.rpartition(".")[0] in stored and not k.endswith(".weight"))}
 
 
 class TensorReader:
@@ -199,11 +209,10 @@ class TensorReader:
             return tensor
         layer = key[: -len(".weight")]
         fmt = self.source.formats.get(layer)
-        if fmt is not None and fmt.storage != "fp8":             # a file key: its own shape, not a recipe's
-            rows, inputs = info.shape[0], info.shape[1] * PACKED_INPUTS.get(fmt.storage, 1)
-            stored = stored_linear(fmt, inputs, rows, device=self.device)
-            stored.load_state_dict(self.stored(layer, stored.state_dict(), tensor), assign=True)
-            return stored.float_weight()
+        if fmt is not None and not fmt.format.fp8_choice:         # a file key: its own shape, not a recipe's
+            rows, inputs = info.shape[0], info.shape[1] * fmt.format.packed_inputs
+            like = fmt.linear(inputs, rows, device="meta").state_dict()
+            return fmt.format.dequantize(fmt, self.stored(layer, like, tensor), rows, inputs)
         scale = self.source.scale_key(layer)
         tensor = self.as_float8(layer, tensor)
         if tensor.dtype in FP8_DTYPES:
@@ -236,7 +245,7 @@ class TensorReader:
 
     def as_float8(self, layer: str, tensor: torch.Tensor) -> torch.Tensor:
         if layer in self.source.formats and tensor.dtype == torch.uint8:
-            return tensor.view(COMFY_FP8[self.source.formats[layer].name])
+            return tensor.view(self.source.formats[layer].format.weight_dtype)
         return tensor
 
     def stored(self, layer: str, like: dict[str, torch.Tensor], weight: torch.Tensor | None = None
@@ -300,7 +309,7 @@ def read_state_dict(source: Source, model: nn.Module, device: torch.device, dtyp
     """
     expected = {k: like for k, like in model.state_dict().items() if only(k)}
     layers = dict(model.named_modules())
-    scales = {k for k in expected if k.endswith(SCALE_NAMES)}                # read with their weights
+    scales = beside_weights(model)                                           # read with their weights
     wanted = {k: like for k, like in expected.items() if k not in scales}
     missing = [s for k in wanted if k not in OPTIONAL_KEYS or source.has(k)
                for s in source.recipe(k).sources if s not in source.keys]
@@ -336,7 +345,8 @@ def read_state_dict(source: Source, model: nn.Module, device: torch.device, dtyp
 
 
 def keeps_stored(layer: nn.Module | None) -> bool:
-    """A layer ``models.layers.stored_linear`` made (a loader that keeps no format builds float layers instead)."""
+    """A layer a file's format made (``LayerFormat.linear``; a loader that keeps no format builds float layers
+    instead)."""
     return isinstance(layer, StoredLinear) and layer.kind not in FLOAT_KINDS
 
 
@@ -540,14 +550,14 @@ def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | No
     """The weight bytes ``load_transformer`` would make, from the headers alone."""
     _, model, _ = _transformer_on_meta(path, None, variant, fp8, int8, dtype)
     state = model.state_dict()
-    scales = {k for k in state if k.endswith(SCALE_NAMES)}
+    scales = beside_weights(model)
     return sum(t.numel() * (dtype.itemsize if t.is_floating_point() and t.dtype not in (*FP8_DTYPES, *SIXTEEN_BIT)
                             and k not in scales else t.itemsize) for k, t in state.items())
 
 
 def _transformer_on_meta(path, params: TransformerParams | None, variant: str | None, fp8: bool | None,
                          int8: bool | str = False, dtype: torch.dtype = torch.float32,
-                         storages: dict[str, str] | None = None) -> tuple[Source, Flux2Transformer, Variant]:
+                         storages: dict[str, Choice] | None = None) -> tuple[Source, Flux2Transformer, Variant]:
     """``storages``: filled with the storage each linear was made in (``Layers.chosen``)."""
     source = _transformer_source(path)
     family = transformer_family(source)
@@ -569,15 +579,15 @@ def storage_outcome(path: str | Path, *, variant: str | None = None, fp8: bool |
     option = option_name(fp8, int8)
     if option is None:
         return None
-    storages: dict[str, str] = {}
+    storages: dict[str, Choice] = {}
     source, _, _ = _transformer_on_meta(path, None, variant, fp8, int8, storages=storages)
     def as_asked(name: str) -> bool:
         fmt = source.stored_format(name + ".weight")
         if int8:
-            return fmt is not None and fmt.storage == "int8" and bool(fmt.rotation) == (int8 == "convrot")
+            return fmt is not None and fmt.format.storage is Int8Linear and bool(fmt.rotation) == (int8 == "convrot")
         return source.stores_fp8(name + ".weight")
 
-    return tally(option, storages, transformer_family(source).quantizable,
+    return tally(option, Choice.INT8 if int8 else Choice.FP8, storages, transformer_family(source).quantizable,
                  lambda name: stored_as(source, name + ".weight"), as_asked)
 
 
@@ -783,8 +793,8 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     with closing(TensorReader(source, device)) as read:
         state = {key: read.blocks(key) if key.removesuffix(".weight") in ggml_types
                  else _cast(read.full(source.recipe(key)), kept.get(key, dtype)) for key in keys if key not in formats}
-        layers = {k: StoredLayer(fmt, read.stored(source.recipe(k).sources[0].removesuffix(".weight"), stored_linear(
-            fmt, shapes[k].shape[1], shapes[k].shape[0], device="meta").state_dict())) for k, fmt in formats.items()}
+        layers = {k: StoredLayer(fmt, read.stored(source.recipe(k).sources[0].removesuffix(".weight"), fmt.linear(
+            shapes[k].shape[1], shapes[k].shape[0], device="meta").state_dict())) for k, fmt in formats.items()}
     prefix = next((k for k in keys if k.endswith("embed_tokens.weight")), "")[: -len("embed_tokens.weight")]
     kept = {k[len(prefix):].removesuffix(".weight"): stored for k, stored in kept.items() if k.startswith(prefix)}
     layers = {k[len(prefix):].removesuffix(".weight"): layer for k, layer in layers.items() if k.startswith(prefix)}

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..models.layers import Choice
+
 
 @dataclass(frozen=True)
 class StorageOutcome:
@@ -37,21 +39,21 @@ def option_name(fp8: bool | None, int8: bool | str) -> str | None:
     return "fp8" if fp8 is True else None
 
 
-def tally(option: str, chosen: dict[str, str], quantizable: Callable[[str], bool],
+def tally(option: str, made: Choice, chosen: dict[str, Choice], quantizable: Callable[[str], bool],
           stored_as: Callable[[str], str | None], as_asked: Callable[[str], bool]) -> StorageOutcome:
-    """``chosen``: the storage ``models.layers.Layers`` chose for each linear; ``stored_as(name)``: the format the
-    file stores the layer in (None: float); ``as_asked(name)``: the file stores it as the option would. Of the layers
-    an option may store (its family's ``quantizable``), those it made in its own storage from another format were
-    quantized by it; the others stay as the file has them (an fp8 layer under fp8 too)."""
-    made = "fp8" if option == "fp8" else "int8"
+    """``made``: the storage the option makes (``models.layers.Choice``); ``chosen``: the storage ``Layers`` chose
+    for each linear; ``stored_as(name)``: the file's format of the layer as lines name it (None: float);
+    ``as_asked(name)``: the file stores it as the option would. Of the layers an option may store (its family's
+    ``quantizable``), those it made in its own storage from another were quantized by it; the others stay as the file
+    has them (an fp8 layer under fp8 too)."""
     quantized, kept, already = 0, {}, 0
     for name, how in chosen.items():
         if not quantizable(name):
             continue
-        file_format = stored_as(name)
-        if how == made and file_format != made:
+        if how is made and not as_asked(name):
             quantized += 1
         else:
-            kept[file_format or "float"] = kept.get(file_format or "float", 0) + 1
+            file_format = stored_as(name) or "float"
+            kept[file_format] = kept.get(file_format, 0) + 1
             already += as_asked(name)
     return StorageOutcome(option, quantized, kept, already)

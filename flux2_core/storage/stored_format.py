@@ -1,0 +1,174 @@
+"""What a stored format is: the one object (``StoredFormat``) that holds every fact of a format a weight file keeps a
+layer in, as ComfyUI's quantized files name it (each layer's ``.comfy_quant`` tensor, the bytes of a JSON object
+``{"format": ..., "convrot": true, ...}``, or an entry of the file's ``_quantization_metadata`` header).
+
+Each format object is defined beside the storage class that holds it (``quant``, ``int8``, ``packed``) and collected
+by the registry (``formats``); the loaders and the layer factory ask it (its tensors and their dtypes, its checks, the
+layer it makes, how many inputs a stored column packs) instead of comparing its names. ``LayerFormat`` is one layer's
+format: the object and what the file's spec says of that layer (the name it gives, ConvRot group, block, scale).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import Flux2Error
+from .rotation import DEFAULT_GROUP, is_power_of_4
+
+E8M0_NAN = 255          # the one E8M0 code that is no power of two
+
+
+@dataclass(frozen=True)
+class ScaleRule:
+    """The values a quantizer writes in a scale: finite and positive (each clamps its amax above zero)."""
+    zero: bool = False          # a block's scale: 0 where the block was all zero (or is padding)
+    exponents: bool = False     # E8M0 codes, 2^(code - 127): every code is a power of two but E8M0_NAN
+
+    def count_bad(self, scale: Tensor) -> int:
+        """How many values of ``scale`` (in its file dtype, or widened to float32) no quantizer writes."""
+        if self.exponents:
+            return int((scale.view(torch.uint8) == E8M0_NAN).sum())
+        values = scale.float()
+        low = values < 0 if self.zero else values <= 0
+        return int((low | ~torch.isfinite(values)).sum())
+
+    def bad(self) -> str:
+        return "NaN (E8M0 code 255)" if self.exponents else f"negative{'' if self.zero else ', zero'}, NaN or infinite"
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor a format stores for a layer."""
+    dtypes: tuple[str, ...]             # the safetensors dtype codes its writers store it in
+    scale: ScaleRule | None = None      # None: codes, whose every value means something
+
+
+# uint8 holding float8 bytes is how some of ComfyUI's files store float8 values (read as the float8 they hold)
+FP8_E4M3 = ("F8_E4M3", "U8")
+INT8 = StoredTensor(("I8",))
+# a float32 scale may be stored in 16 bits (widened exactly as it is read)
+FLOAT_SCALES = ("F32", "BF16", "F16")
+SCALE = StoredTensor(FLOAT_SCALES, ScaleRule())
+BLOCK_SCALE = StoredTensor(FLOAT_SCALES, ScaleRule(zero=True))
+
+
+@dataclass(frozen=True)
+class LayerFile:
+    """What a file says of one layer it stores in a format: the spec (the format object's fields, ``convrot``,
+    ``group_size``, ...) and the layer's tensors of the format's names ("weight", "weight_scale", ...) that the file
+    holds, by their header (no byte read). A format's ``read`` checks it and makes the ``LayerFormat``."""
+    name: str                                   # the format name the file gives
+    spec: dict
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]                      # safetensors dtype codes
+    where: str                                  # "<file>: layer <key>", what every message begins with
+    show: Callable[[object], str] = repr        # a file's value in a message (the loader's cuts it short)
+
+    def corrupt(self, what: str) -> Flux2Error:
+        return Flux2Error(f"{self.where} {what}; the file is corrupt, download it again")
+
+    def whole(self, key: str, default: int) -> int:
+        """The spec's ``key``, a positive whole number (``default`` where the spec has none)."""
+        value = self.spec.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise Flux2Error(f"{self.where}: its {key} is {self.show(value)}, not a positive whole number; the file is "
+                             f"corrupt, download it again")
+        return value
+
+    def matrix(self, packed_inputs: int = 1) -> tuple[int, int]:
+        """(rows, inputs) of the layer's 2-D weight; ``packed_inputs``: inputs a stored column holds."""
+        shape = self.shapes.get("weight")
+        if shape is None or len(shape) != 2:
+            raise self.corrupt(f"says it is {self.name} but has no 2-D weight ({self.show(shape)})")
+        return shape[0], shape[1] * packed_inputs
+
+    def rotation(self, inputs: int) -> int:
+        """The ConvRot group the spec gives (``convrot_groupsize``, 256 by default): a power of 4 dividing
+        ``inputs``."""
+        group = self.whole("convrot_groupsize", DEFAULT_GROUP)
+        if not is_power_of_4(group) or inputs % group:
+            raise self.corrupt(f"is {self.name} with a ConvRot group of {group}, which is not a power of 4 that divides "
+                               f"its {inputs} inputs")
+        return group
+
+    def scale_count(self, name: str = "weight_scale") -> int | None:
+        shape = self.shapes.get(name)
+        return None if shape is None else math.prod(shape)
+
+
+@dataclass(frozen=True, eq=False)
+class StoredFormat:
+    """One stored format, every fact of it in one place. A format is one layout: where two names give the same
+    tensors read the same way they are one format (``float8_e4m3fn`` and its ``_rowwise``), where the same name has two
+    layouts two (ComfyUI's tiled nvfp4 and BFL's plain one)."""
+    title: str                                  # as messages name it ("int8", "W4A4")
+    names: tuple[str, ...]                      # the names files give it
+    storage: type[nn.Module]                    # the class that holds a layer in it
+    tensors: dict[str, StoredTensor]            # what it stores for a layer, by name after the layer's ("weight", ...)
+    weight_dtype: torch.dtype                   # what the weight's codes are (uint8 files of float8 are read as it)
+    # the spec and the header's tensors checked -> the layer's format; None: a 2-D weight, nothing else read
+    read: Callable[[StoredFormat, LayerFile], LayerFormat] | None = None
+    # (layer format, in_features, out_features, per_item, device) -> the layer holding it as stored; None: the fp8
+    # choice holds it (``fp8_choice``)
+    make: Callable[..., nn.Module] | None = None
+    packed_inputs: int = 1                      # inputs a stored weight column holds (two 4-bit values a byte: 2)
+    rotates: bool = False                       # may be stored in ConvRot's basis
+    # held by the loader's fp8 choice (``storage.quant.Fp8Linear`` with the file's own values, or dequantized with
+    # fp8=False) instead of being kept as stored whatever the options ask
+    fp8_choice: bool = False
+    # a tensor beside a weight by which a file that names no format stores the layer in this one (BFL's nvfp4)
+    known_by: str = ""
+
+    def layer(self, file: LayerFile) -> LayerFormat:
+        """``file`` checked (each tensor in a dtype the format stores it in, then the format's own checks)."""
+        self.check_dtypes(file)
+        if self.read is not None:
+            return self.read(self, file)
+        if not self.fp8_choice:              # the fp8 choice's reader takes any weight and scale shapes it knows
+            file.matrix(self.packed_inputs)
+        return LayerFormat(self, file.name)
+
+    def check_dtypes(self, file: LayerFile) -> None:
+        """Each tensor of the layer the file holds in a dtype its format stores it in, from the header, before any
+        byte is read: a tensor of the same item size in another dtype would be taken at its bytes (an int32 scale
+        read as float32 bits, fp8 bytes as int8 codes)."""
+        for tensor, stored in self.tensors.items():
+            dtype = file.dtypes.get(tensor)
+            if dtype is not None and dtype not in stored.dtypes:
+                allowed = (f"{', '.join(stored.dtypes[:-1])}{' or ' if len(stored.dtypes) > 1 else ''}"
+                           f"{stored.dtypes[-1]}")
+                raise Flux2Error(f"{file.where} is {file.name}, which stores its {tensor} as {allowed}, but this file "
+                                 f"has it as {dtype}; the file is damaged or was written wrongly, download it again or "
+                                 f"use another release of these weights")
+
+    def dequantize(self, fmt: LayerFormat, state: dict[str, Tensor], rows: int, inputs: int) -> Tensor:
+        """A layer's tensors as stored (its storage's state names) -> float32 [rows, inputs], through the layer the
+        format makes: its ``float_weight`` is the one dequantization."""
+        layer = fmt.linear(inputs, rows, device=state["weight"].device)
+        layer.load_state_dict(state, assign=True)
+        return layer.float_weight()
+
+
+@dataclass(frozen=True)
+class LayerFormat:
+    format: StoredFormat
+    name: str                    # the name the file gives it
+    rotation: int = 0            # ConvRot group (a power of 4); 0: none
+    block: int = 0               # a block format: the side of a block
+    per_row: bool = True         # a scale per output row, else one per tensor
+
+    @property
+    def tensors(self) -> dict[str, StoredTensor]:
+        return self.format.tensors
+
+    def linear(self, in_features: int, out_features: int, per_item: bool = False, device=None) -> nn.Module:
+        """The layer holding a weight [out, in] in this format as the file stores it."""
+        return self.format.make(self, in_features, out_features, per_item, device)
+
+    def describe(self) -> str:
+        return self.name + (f" with ConvRot (group {self.rotation})" if self.rotation else "")
