@@ -46,7 +46,8 @@ except ImportError:     # run as a script: bench.py is the module beside this fi
     from bench import CONFIGS, fmt_bytes, machine, proc_status, random_state, transformer_flops
 
 from flux2_core.runtime.followers import free_port
-from flux2_core.variants import KLEIN_9B, TransformerParams
+from flux2_core.families.flux2.variants import KLEIN_9B
+from flux2_core.models.transformer import TransformerParams
 
 COLLECTIVES = ("all_to_all_single", "broadcast", "all_gather_into_tensor")
 MIB = 2 ** 20

@@ -47,7 +47,7 @@ from .sampling.references import (
     reference_latents,
     reference_tokens,
 )
-from .sampling.schedules import check_strength, named_schedule
+from .sampling.schedules import check_strength
 from .sampling.step_cache import StepCache, check_threshold
 from .storage.int8 import quantize_blocks
 from .storage.matmul import choose_matmuls
@@ -299,7 +299,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     width, height = output_size(width, height, [im for im in [init, *refs] if im is not None])
     h, w = latent_size(height, width)
     if sigmas is None:
-        sigmas = named_schedule(family_of(variant).schedule, variant.default_steps if steps is None else steps, h * w)
+        sigmas = family_of(variant).schedule(variant.default_steps if steps is None else steps, h * w)
     plan = plan_denoise(variant, sigmas, variant.default_cfg if cfg is None else cfg, strength=strength,
                         image=init is not None, references=bool(refs) or masked)
     sigmas, rule = plan.sigmas, plan.guidance

@@ -107,7 +107,7 @@ def module_names(family: str) -> set[str]:
 
     from flux2_core.families import get_family
     from flux2_core.models.layers import Layers
-    from flux2_core.variants import VARIANTS
+    from flux2_core.families import VARIANTS
 
     entry = get_family(family)
     params = next(v.params for v in VARIANTS.values() if v.family == family)

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 from ..errors import Flux2Error
-from ..variants import VARIANTS, runnable_variants
+from ..families import VARIANTS, runnable_variants
 from .models_folder import find_weights, search_models, variant_option
 from .option_types import number_option
 from .outputs import check_folder, write_new
@@ -214,12 +214,13 @@ def check_early(args, refs) -> None:
     from ..sampling import euler, inpaint, schedules
     from ..sampling.references import check_count, check_reference
 
+    family = early_family(args)
     rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or latents.latent_size(
                  *(latents.PIXELS_PER_LATENT if side is None else side for side in (args.height, args.width)))),
              (["--steps"], lambda: args.steps is None or schedules.check_steps(args.steps)),
-             # a size whose flux2 schedule breaks at 4 steps (the least demanding default) breaks at any default
-             (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or schedules.flux2_schedule(
-                 args.steps or 4, math.prod(latents.latent_size(args.height, args.width)))),
+             # a size whose family's schedule breaks at 4 steps (the least demanding default) breaks at any default
+             (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or family is None
+              or family.schedule(args.steps or 4, math.prod(latents.latent_size(args.height, args.width)))),
              (["--cfg"], lambda: args.cfg is None or euler.check_cfg(args.cfg)),
              (["--seed", "--batch"], lambda: euler.check_seed(0 if args.seed is None else args.seed, args.batch)),
              (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None)),
@@ -236,7 +237,6 @@ def check_early(args, refs) -> None:
         raise Flux2Error("--decoder replaces the decoder of a real autoencoder; --demo has none: leave one out")
     if args.int8 and args.fp8 == "yes":
         raise Flux2Error("--int8 and --fp8 both choose how the blocks' weights are stored: pick one")
-    family = early_family(args)
     if family is not None:              # else the load that follows says what is wrong with the files
         fit = family.references
         given = references_given(args, refs)
@@ -342,11 +342,12 @@ def generate_command(argv: list[str]) -> int:
     if image is not None:                # before any model loads (a mask is fitted to the image: the image decides)
         grid_size(*image.size, f"--image {args.image}")
     if args.expand:                      # outpainting: the canvas and its mask become the image and the mask
+        from ..families.flux2.schedule import max_image_tokens
         from ..latents import PIXELS_PER_LATENT
-        from ..sampling import inpaint, schedules
+        from ..sampling import inpaint
 
-        # as any input, any size
-        limit = min(MAX_IMAGE_PIXELS, schedules.max_image_tokens(args.steps or 4) * PIXELS_PER_LATENT ** 2)
+        # as any input, any size (and the largest FLUX.2's schedule serves)
+        limit = min(MAX_IMAGE_PIXELS, max_image_tokens(args.steps or 4) * PIXELS_PER_LATENT ** 2)
         canvas = inpaint.expand_canvas(image, inpaint.parse_expand(args.expand), max_pixels=limit)
         image, mask = canvas.image, canvas.mask
     sp = join_ranks(args)

@@ -12,9 +12,11 @@ import torch
 from ..models.autoencoder import AutoEncoder
 from ..models.qwen3 import Qwen3, Qwen3Params
 from ..models.text_encoder import build_qwen3_encoder
-from ..models.transformer import Flux2Transformer
+from ..families import VARIANTS
+from ..families.flux2.variants import QWEN3_4B
+from ..models.transformer import Flux2Transformer, TransformerParams
 from ..pipeline import Models
-from ..variants import QWEN3_4B, VARIANTS, AutoEncoderParams, TransformerParams, Variant
+from ..variants import AutoEncoderParams, Variant
 
 DEMO_TEXT_WIDTH = 32
 DEMO_TEXT = replace(QWEN3_4B, name="demo", hidden_size=DEMO_TEXT_WIDTH)
@@ -70,7 +72,7 @@ def demo_models(variant: str = "klein-4b", device="cpu") -> Models:
         qwen = Qwen3(qwen_params, qwen_params.num_layers)
     ae.load_state_dict(random_weights(_shapes(ae), g), assign=True)
     encoder = build_qwen3_encoder(random_weights(_shapes(qwen), g), config=qwen_params, device=device,
-                                  dtype=torch.float32)
+                                  dtype=torch.float32, spec=DEMO_TEXT)
     return Models(transformer, demo_variant(variant), ae.to(device).eval(), encoder)
 
 

@@ -22,11 +22,27 @@ from torch import Tensor, nn
 
 from .. import kitchen
 from ..errors import Flux2Error
-from ..variants import TransformerParams
+from ..variants import AttentionShape
 from .layers import Layers
 from .rope import apply_rope, rope_table
 from .run_state import run_state
 from .shards import TokenShards
+
+
+@dataclass(frozen=True)
+class TransformerParams(AttentionShape):
+    """FLUX.2's transformer (the defaults are Klein 4B's)."""
+    in_channels: int = 128             # patchified latent channels (32 AE channels x 2 x 2)
+    context_in_dim: int = 7680         # 3 x text-encoder hidden size (layers 9, 18, 27 concatenated)
+    hidden_size: int = 3072
+    num_heads: int = 24
+    depth: int = 5                     # double-stream blocks
+    depth_single_blocks: int = 20
+    mlp_ratio: float = 3.0
+    axes_dim: tuple[int, ...] = (32, 32, 32, 32)   # RoPE dims per id axis (t, h, w, l); sums to head_dim
+    theta: int = 2000
+    use_guidance_embed: bool = False   # FLUX.2-dev only
+
 
 TIME_EMBED_DIM = 256
 FP16_MAX = torch.finfo(torch.float16).max

@@ -187,7 +187,7 @@ def test_live_token_count_is_exact_once_the_server_answered(page):
 
 def test_live_token_count_follows_the_connected_text_encoder(page):
     """Connected to a FLUX 3 (Qwen3-VL) encoder's loader, the prompt counts with its template, up to 4096."""
-    from flux2_core.variants import QWEN3_VL_4B
+    from flux2_core.families.flux3.variants import QWEN3_VL_4B
     from tests.comfyui.base_dir import FILES
 
     assert PROMPTS["flux3_encoder"] == FILES["text_encoder_flux3"]

@@ -42,7 +42,7 @@ def test_route_counts_exactly_what_flux2_core_counts(comfy, expected, name, pref
 def test_route_counts_for_the_text_encoder_named(comfy):
     """A FLUX 3 (Qwen3-VL) encoder's file: its template and 4096; FLUX.2's, one not in the folder, or a path out of
     it: Qwen3's and 512; a name that is no string: 400."""
-    from flux2_core.variants import QWEN3_VL_4B
+    from flux2_core.families.flux3.variants import QWEN3_VL_4B
 
     tokenizer, text = load_tokenizer(), PROMPTS["long"]
     flux2, flux3 = count_prompt_tokens(tokenizer, text), count_prompt_tokens(tokenizer, text, QWEN3_VL_4B.template)

@@ -19,7 +19,8 @@ from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.runtime import parallel
 from flux2_core.runtime.followers import free_port
 from flux2_core.sampling import euler
-from flux2_core.variants import Flux3Params, TransformerParams
+from flux2_core.models.flux3 import Flux3Params
+from flux2_core.models.transformer import TransformerParams
 from tests.memory import peak_bytes
 from tests.tiny.transformer import random_bfl_transformer_state_dict
 
