@@ -410,9 +410,9 @@ def kv_worker(args) -> None:
     ``ReferenceKVCache`` keyed by the image (a hit runs neither the AE encoder nor the reference pass)."""
     from PIL import Image
 
+    from flux2_core.families import get_variant
     from flux2_core.runtime.cache import ReferenceKVCache
     from flux2_core.sampling.references import encode_references
-    from flux2_core.families import get_variant
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or CONFIGS[args.config].dtype)

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from ..flux2_core.errors import Flux2Error
+from ..flux2_core.families import encoder_for
 from ..flux2_core.models.text_encoder import count_prompt_tokens
 from ..flux2_core.models.tokenizer import load_tokenizer
-from ..flux2_core.families import encoder_for
 from ..flux2_core.variants import TextEncoderSpec
 
 ROUTE = "/flux2_klein/tokens"

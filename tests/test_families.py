@@ -10,11 +10,11 @@ import torch
 
 from flux2_core import families, weights
 from flux2_core.errors import Flux2Error
+from flux2_core.families import VARIANTS
 from flux2_core.families.flux2 import FLUX2
+from flux2_core.families.flux2.variants import KLEIN_4B, KLEIN_9B
 from flux2_core.families.flux3 import FLUX3
 from flux2_core.runtime import memory
-from flux2_core.families import VARIANTS
-from flux2_core.families.flux2.variants import KLEIN_4B, KLEIN_9B
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_comfyui_transformer
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from flux2_core.models import flux3
 from flux2_core.families.flux3.schedule import flux3_schedule
+from flux2_core.models import flux3
 from flux2_core.prompt_padding import ToMultiple
 from tests.tiny.flux3 import (
     flux3_mlx_at,
@@ -606,8 +606,8 @@ def test_a_qwen3_vl_gguf_is_flux3s_encoder(tmp_path):
 
     from flux2_core import weights
     from flux2_core.errors import Flux2Error
-    from flux2_core.storage.ggml_layers import GGMLLinear
     from flux2_core.families.flux2.variants import QWEN3_4B
+    from flux2_core.storage.ggml_layers import GGMLLinear
     from tests.tiny.flux3 import TINY_QWEN3_VL_TEXT
     from tests.tiny.gguf import encoder_types, hf_names, llama_cpp_names, qwen3_tokens, save_gguf
     from tests.tiny.text_encoder import build_tiny_qwen3, comfyui_state_dict

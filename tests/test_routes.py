@@ -18,9 +18,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flux2_core.families.flux2.variants import QWEN3_TEMPLATE
 from flux2_core.models.text_encoder import count_prompt_tokens
 from flux2_core.models.tokenizer import load_tokenizer
-from flux2_core.families.flux2.variants import QWEN3_TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,10 +19,10 @@ from flux2_core import checks, pipeline
 from flux2_core.app import cli
 from flux2_core.app.demo import demo_models
 from flux2_core.errors import Flux2Error
+from flux2_core.families import VARIANTS
 from flux2_core.runtime import memory
 from flux2_core.runtime.cache import PromptCache
 from flux2_core.sampling import euler
-from flux2_core.families import VARIANTS
 
 SIZE = {"width": 64, "height": 64}
 

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 
 from flux2_core import families
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2.variants import QWEN3_4B, QWEN3_8B
 from flux2_core.models.qwen3 import Qwen3Params
 from flux2_core.models.text_encoder import build_qwen3_encoder, build_qwen3_model, qwen3_state_dict
 from flux2_core.models.tokenizer import build_qwen3_tokenizer, load_tokenizer
-from flux2_core.families.flux2.variants import QWEN3_4B, QWEN3_8B
 from tests.device import DEVICE, DTYPE, assert_close, relative_error, tolerance
 from tests.tiny.text_encoder import (
     TINY_QWEN3_CONFIG,

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2.variants import QWEN3_4B, QWEN3_TEMPLATE
 from flux2_core.models.text_encoder import build_qwen3_encoder, count_prompt_tokens, render_prompt
 from flux2_core.models.tokenizer import build_qwen3_tokenizer, load_tokenizer
-from flux2_core.families.flux2.variants import QWEN3_4B, QWEN3_TEMPLATE
 from tests.tiny.text_encoder import build_tiny_qwen3
 
 LONG = "a red fox in the snow, " * 90     # 7 tokens a repeat (words, comma), 1 for the last space: 631 + 12

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 from ..errors import Flux2Error
-from ..families import VARIANTS, runnable_variants
+from ..families import FAMILIES, VARIANTS, runnable_variants
 from .models_folder import find_weights, search_models, variant_option
 from .option_types import number_option
 from .outputs import check_folder, write_new
@@ -218,9 +218,11 @@ def check_early(args, refs) -> None:
     rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or latents.latent_size(
                  *(latents.PIXELS_PER_LATENT if side is None else side for side in (args.height, args.width)))),
              (["--steps"], lambda: args.steps is None or schedules.check_steps(args.steps)),
-             # a size whose family's schedule breaks at 4 steps (the least demanding default) breaks at any default
-             (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or family is None
-              or family.schedule(args.steps or 4, math.prod(latents.latent_size(args.height, args.width)))),
+             # a size whose family's schedule breaks at 4 steps (the least demanding default) breaks at any default;
+             # before the files say which family runs, every family's schedule is asked
+             (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or [
+                 f.schedule(args.steps or 4, math.prod(latents.latent_size(args.height, args.width)))
+                 for f in ([family] if family is not None else FAMILIES.values())]),
              (["--cfg"], lambda: args.cfg is None or euler.check_cfg(args.cfg)),
              (["--seed", "--batch"], lambda: euler.check_seed(0 if args.seed is None else args.seed, args.batch)),
              (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None)),
@@ -259,7 +261,9 @@ def early_family(args):
     from ..families import family_of
 
     if args.variant or args.demo:
-        return family_of(VARIANTS[args.variant or "klein-4b"])
+        from .demo import demo_variant
+
+        return family_of(demo_variant(args.variant) if args.demo else VARIANTS[args.variant])
     try:
         from ..weights import inspect_transformer
 
@@ -466,7 +470,7 @@ def load_for_command(args, device, size: tuple[int, int]):
 
         print("DEMO MODE: tiny built-in RANDOM weights. The pictures are noise; this only checks that every stage "
               "runs. Use --models or --transformer/--text-encoder/--ae for real images.")
-        models, files = demo_models(args.variant or "klein-4b", device or "cpu"), {"weights": "demo (random)"}
+        models, files = demo_models(args.variant, device or "cpu"), {"weights": "demo (random)"}
     else:
         found, files = search_models(args.models, args.variant, args.transformer, args.text_encoder, args.ae), {}
         for note in found.notes:                 # the other models in the folder, files that could not be read

@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import torch
 
+from ..families import VARIANTS
+from ..families.flux2.variants import QWEN3_4B
 from ..models.autoencoder import AutoEncoder
 from ..models.qwen3 import Qwen3, Qwen3Params
 from ..models.text_encoder import build_qwen3_encoder
-from ..families import VARIANTS
-from ..families.flux2.variants import QWEN3_4B
 from ..models.transformer import Flux2Transformer, TransformerParams
 from ..pipeline import Models
 from ..variants import AutoEncoderParams, Variant
@@ -27,6 +27,7 @@ DEMO_QWEN3 = {"vocab_size": 151936, "hidden_size": DEMO_TEXT_WIDTH, "intermediat
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1_000_000.0,
               "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "tie_word_embeddings": True}
 DEMO_SEED = 2026
+DEMO_VARIANT = "klein-4b"      # whose sampling defaults --demo takes without --variant (its model is FLUX.2's)
 
 
 def random_weights(shapes: dict[str, torch.Size], generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -59,7 +60,7 @@ def demo_transformer(device="cpu", generator: torch.Generator | None = None) -> 
     return transformer.to(device).eval()
 
 
-def demo_models(variant: str = "klein-4b", device="cpu") -> Models:
+def demo_models(variant: str | None = None, device="cpu") -> Models:
     """``variant`` picks the sampling defaults (steps, CFG, KV) of that family."""
     from ..weights import default_device_dtype
 
@@ -76,7 +77,7 @@ def demo_models(variant: str = "klein-4b", device="cpu") -> Models:
     return Models(transformer, demo_variant(variant), ae.to(device).eval(), encoder)
 
 
-def demo_variant(variant: str = "klein-4b") -> Variant:
-    chosen = VARIANTS[variant]
+def demo_variant(variant: str | None = None) -> Variant:
+    chosen = VARIANTS[variant or DEMO_VARIANT]
     return replace(chosen, name=f"demo ({chosen.name} defaults)", params=DEMO_TRANSFORMER, files=(),
                    text_encoder=DEMO_TEXT)

@@ -13,6 +13,7 @@ from ...models.layers import Layers
 from ...models.transformer import Flux2Transformer, ReferenceKV, TransformerParams
 from ..family import MemoryInputs
 
+
 def build(params: TransformerParams, layers: Layers) -> Flux2Transformer:
     return Flux2Transformer(params, layers)
 

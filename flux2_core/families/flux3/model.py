@@ -45,7 +45,7 @@ def condition(model: flux3.Flux3Transformer, txt: Tensor, h: int, w: int, *, ref
     return velocity
 
 
-def memory(params: Flux3Params) -> MemoryInputs:
+def memory(params: flux3.Flux3Params) -> MemoryInputs:
     """Inside one block, per token with H hidden and M = mlp_ratio·H: the modulated x, q, k, v, the attention out
     (5H), mlp_in's 2M and its SwiGLU M, the two outputs (2H), the residual and the per-token modulation of the single
     blocks (4H), and the float64-built RoPE table kept as float32 [head_dim/2, 2]."""
