@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from flux2_core.families.flux2.variants import QWEN3_TEMPLATE
 from flux2_core.models.text_encoder import count_prompt_tokens
 from flux2_core.models.tokenizer import load_tokenizer
 from tests.comfyui import graphs
@@ -22,7 +23,7 @@ PROMPTS = {"short": "a red fox in the snow",
 @pytest.fixture(scope="module")
 def expected():
     tokenizer = load_tokenizer()
-    return {name: count_prompt_tokens(tokenizer, prompt) for name, prompt in PROMPTS.items()}
+    return {name: count_prompt_tokens(tokenizer, prompt, QWEN3_TEMPLATE) for name, prompt in PROMPTS.items()}
 
 
 def test_feature_flag_is_announced(comfy):
@@ -45,7 +46,8 @@ def test_route_counts_for_the_text_encoder_named(comfy):
     from flux2_core.families.flux3.variants import QWEN3_VL_4B
 
     tokenizer, text = load_tokenizer(), PROMPTS["long"]
-    flux2, flux3 = count_prompt_tokens(tokenizer, text), count_prompt_tokens(tokenizer, text, QWEN3_VL_4B.template)
+    flux2, flux3 = (count_prompt_tokens(tokenizer, text, QWEN3_TEMPLATE),
+                    count_prompt_tokens(tokenizer, text, QWEN3_VL_4B.template))
     for encoder, answer in [(comfy.files["text_encoder_flux3"], {"count": flux3, "limit": 4096}),
                             (comfy.files["text_encoder"], {"count": flux2, "limit": 512}),
                             ("no-such-file.safetensors", {"count": flux2, "limit": 512}),
