@@ -34,7 +34,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flux2_core.variants import FLUX2_AE, KLEIN_4B, KLEIN_9B, AutoEncoderParams, TransformerParams
+from flux2_core.families.flux2.variants import KLEIN_4B, KLEIN_9B
+from flux2_core.models.transformer import TransformerParams
+from flux2_core.variants import FLUX2_AE, AutoEncoderParams
 
 OURS_OPTIONS = ("ours_fp8", "ours_int8", "ours_compile", "ours_compile_decoder", "ours_gguf", "ours_no_kitchen",
                 "ours_no_fused", "ours_small_decoder", "ours_compute")
@@ -277,7 +279,7 @@ def run_ours(models, meter: Meter, args, refs=(), reference_kv=None):
 
 def apply_options(models, args) -> None:
     """Our opt-in speed-ups, as the --ours-* flags ask."""
-    from flux2_core.families.flux2 import quantizable
+    from flux2_core.families.flux2.files import quantizable
     from flux2_core.runtime.compile import compile_blocks
     from flux2_core.storage.int8 import quantize_blocks, use_int8_matmul
     from flux2_core.storage.quant import quantize_transformer, use_fp8_matmul
@@ -408,9 +410,9 @@ def kv_worker(args) -> None:
     ``ReferenceKVCache`` keyed by the image (a hit runs neither the AE encoder nor the reference pass)."""
     from PIL import Image
 
+    from flux2_core.families import get_variant
     from flux2_core.runtime.cache import ReferenceKVCache
     from flux2_core.sampling.references import encode_references
-    from flux2_core.variants import get_variant
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or CONFIGS[args.config].dtype)

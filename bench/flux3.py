@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flux2_core.variants import Flux3Params
+from flux2_core.models.flux3 import Flux3Params
 
 CPU = torch.device("cpu")
 CONFIGS = {   # transformer sizes; the text width is the tiny Qwen3-VL tower's 8 layers x 32

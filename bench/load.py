@@ -30,7 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flux2_core.variants import KLEIN_4B, KLEIN_9B, TransformerParams
+from flux2_core.families.flux2.variants import KLEIN_4B, KLEIN_9B
+from flux2_core.models.transformer import TransformerParams
 
 CONFIGS = {
     "medium": TransformerParams(context_in_dim=7680, hidden_size=2048, num_heads=16, depth=3, depth_single_blocks=12),
@@ -64,7 +65,7 @@ def write_files(folder: Path, params: TransformerParams) -> None:
     from safetensors.torch import save_file
 
     from bench import random_state  # bench/bench.py (this folder is first on sys.path)
-    from flux2_core.families.flux2 import quantizable
+    from flux2_core.families.flux2.files import quantizable
     from flux2_core.models.transformer import Flux2Transformer
     from flux2_core.storage.quant import quantize_fp8
 
@@ -91,7 +92,7 @@ def worker(args) -> None:
         print(json.dumps(report))
         return
     from flux2_core import weights
-    from flux2_core.families.flux2 import quantizable
+    from flux2_core.families.flux2.files import quantizable
     from flux2_core.runtime.memory import module_bytes
     from flux2_core.storage import quant
     from flux2_core.storage.ggml_layers import gguf_types

@@ -45,8 +45,9 @@ try:                    # imported as bench.parallel (the tests)
 except ImportError:     # run as a script: bench.py is the module beside this file
     from bench import CONFIGS, fmt_bytes, machine, proc_status, random_state, transformer_flops
 
+from flux2_core.families.flux2.variants import KLEIN_9B
+from flux2_core.models.transformer import TransformerParams
 from flux2_core.runtime.followers import free_port
-from flux2_core.variants import KLEIN_9B, TransformerParams
 
 COLLECTIVES = ("all_to_all_single", "broadcast", "all_gather_into_tensor")
 MIB = 2 ** 20
@@ -211,9 +212,10 @@ def reset_peak() -> None:
 
 def _rank(rank: int, world: int, port: int, threads: int, job: dict, out: str) -> None:
     """One rank of a measured run: rank 0 times the denoises, every rank writes ``rank{rank}.json`` to ``out``."""
+    from flux2_core.families.flux2.schedule import flux2_schedule
     from flux2_core.models import shards
     from flux2_core.runtime import parallel
-    from flux2_core.sampling import euler, schedules
+    from flux2_core.sampling import euler
 
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")   # torch 2.13's notice
     torch.set_num_threads(threads)
@@ -246,7 +248,7 @@ def _rank(rank: int, world: int, port: int, threads: int, job: dict, out: str) -
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 128, side, side, generator=g).to(dtype)
     txt = torch.randn(1, job["txt_tokens"], cfg.transformer.context_in_dim, generator=g).to(dtype)
-    sigmas = schedules.flux2_schedule(job["steps"], side * side)
+    sigmas = flux2_schedule(job["steps"], side * side)
     steps = []
     with torch.no_grad():
         for i in range(1 + job["repeats"]):

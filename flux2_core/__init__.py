@@ -18,7 +18,7 @@ API = {
     "load_models": "pipeline", "generate": "pipeline", "Models": "pipeline", "Result": "pipeline",
     "apply_adapters": "pipeline", "optimize_transformer": "pipeline",
     "load_transformer": "weights", "load_text_encoder": "weights", "load_autoencoder": "weights",
-    "PromptUpsampler": "upsampler.model", "Flux2Error": "errors", "VARIANTS": "variants", "BatchClient": "app.batch", "BatchJob": "app.batch_jobs",
+    "PromptUpsampler": "upsampler.model", "Flux2Error": "errors", "VARIANTS": "families", "BatchClient": "app.batch", "BatchJob": "app.batch_jobs",
 }
 __all__ = ["VARIANTS", "BatchClient", "BatchJob", "Flux2Error", "Models", "PromptUpsampler", "Result", "apply_adapters", "generate", "load_autoencoder",
            "load_models", "load_text_encoder", "load_transformer", "optimize_transformer"]

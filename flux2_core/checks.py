@@ -34,6 +34,17 @@ def number(name: str, value, low: float | None = None, high: float | None = None
     return value
 
 
+# More steps than anyone means (base models use 50); it bounds a schedule's size, which a typo could make huge.
+MAX_STEPS = 10_000
+
+
+def check_steps(steps: int) -> None:
+    """A denoise's step count, which every schedule (each family's and the shared ones) is made for."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise Flux2Error(f"steps must be a whole number from 1 to {MAX_STEPS}, got {steps!r}; distilled Klein uses 4, "
+                         f"base uses 50")
+
+
 # ASCII digits only: str.isdigit() takes "²" (which int() refuses) and int() takes "٣" or "３" (no user means them);
 # a length bound, since int() refuses over 4300 digits and float() makes inf of long ones.
 WHOLE_TEXT = re.compile(r"[+-]?[0-9]+", re.ASCII)

@@ -24,9 +24,10 @@ from .devices import compute_dtype
 from .errors import Flux2Error
 from .families import family_of, family_of_params
 from .models.autoencoder import AutoEncoder
+from .models.reference_kv import ReferenceKV
 from .models.run_state import run_state
 from .models.text_encoder import PromptEmbeds, PromptEncoder
-from .models.transformer import Flux2Transformer, ReferenceKV
+from .models.transformer import Flux2Transformer
 from .runtime import memory
 from .runtime.cache import PromptCache, ReferenceKVCache
 from .runtime.offload import place, stream_blocks, streamed_blocks
@@ -269,7 +270,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     embeds = encode_for_run(models, ask, run, negative, batch, kept_kv, offload_encoder, say)
     if noise is None:
         noise = make_noise(batch, ask.height, ask.width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise,
-                           draw=family_of(variant).noise)
+                           reading=family_of(variant).noise)
     noise = noise.to(device, torch.float32)
     start, pack, blend = start_and_references(models, ask, noise, run.plan.reference_kv, reference_kv)
     latents = run(noise, embeds.row(0), embeds.row(1) if run.cfg else None, references=pack, start=start,

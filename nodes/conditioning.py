@@ -20,7 +20,7 @@ from PIL import Image
 
 from ..flux2_core.digests import image_digest
 from ..flux2_core.errors import Flux2Error
-from ..flux2_core.families import FAMILIES, family_of_encoder
+from ..flux2_core.families import FAMILIES, encoder_for, family_of_encoder
 from ..flux2_core.runtime import cache, memory
 from ..flux2_core.sampling import references
 from ..flux2_core.sampling.boxes import boxed_prompt, rows_read
@@ -123,7 +123,9 @@ class Reference(io.ComfyNode):
         latents, sources = list(first.get("reference_latents", [])), list(first.get(SOURCES, []))
         sources += [None] * (len(latents) - len(sources))       # latents appended by other nodes have no source
         new = [to_pil(item) for item in image]
-        family = FAMILIES[first.get(types.META, {}).get("family", "flux2")]        # ComfyUI's prompts: FLUX.2
+        meta = first.get(types.META, {})
+        # ComfyUI's own prompts carry no family: theirs is the family of a Qwen3 file that says nothing (FLUX.2)
+        family = FAMILIES[meta["family"]] if "family" in meta else family_of_encoder(encoder_for(None))
         fit = family.references
         count = len(latents) + len(new)
         # a graph's inpainting adds its picture here as a reference, if at all: it is counted among the latents

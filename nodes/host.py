@@ -40,8 +40,8 @@ from ..flux2_core import checks
 from ..flux2_core.adapters import patching
 from ..flux2_core.adapters.lora import AdapterUse
 from ..flux2_core.errors import Flux2Error
+from ..flux2_core.models.reference_kv import ReferenceKV
 from ..flux2_core.models.run_state import run_state
-from ..flux2_core.models.transformer import ReferenceKV
 from ..flux2_core.runtime.cache import fingerprint
 from ..flux2_core.runtime.followers import FollowerGroup, TransformerSource
 from ..flux2_core.upsampler.model import upsamplers_under

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from ..flux2_core.errors import Flux2Error
+from ..flux2_core.families import encoder_for
 from ..flux2_core.models.text_encoder import count_prompt_tokens
 from ..flux2_core.models.tokenizer import load_tokenizer
-from ..flux2_core.variants import QWEN3_4B, TextEncoderSpec
+from ..flux2_core.variants import TextEncoderSpec
 
 ROUTE = "/flux2_klein/tokens"
 FEATURE = "flux2_klein_tokens"
-LIMIT = QWEN3_4B.max_length          # 512 for Qwen3-4B and 8B alike (FLUX 3's Qwen3-VL reads up to 4096)
+LIMIT = encoder_for(None).max_length    # what an unmarked Qwen3 file is read to: 512 (FLUX 3's Qwen3-VL reads 4096)
 # 512 tokens are a few thousand characters; counting 16384 takes milliseconds, and JSON of that many characters
 # (up to 4 bytes each in UTF-8) fits 64 KiB.
 MAX_TEXT = 16384
@@ -69,26 +70,27 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 
 def spec_of_file(name: str | None) -> TextEncoderSpec:
-    """The spec a text encoder file of ComfyUI's folder is read with (FLUX.2's Qwen3 where there is no such file, or
-    it cannot be read: the label falls back, the run says what is wrong)."""
+    """The spec a text encoder file of ComfyUI's folder is read with (the registry's for a file that says nothing,
+    FLUX.2's Qwen3, where there is no such file or it cannot be read: the label falls back, the run says what is
+    wrong)."""
     if not name:
-        return QWEN3_4B
+        return encoder_for(None)
     from . import host  # ComfyUI's folders: only asked when a name is given (inside ComfyUI)
 
     try:
         if name not in host.model_choices("text_encoders"):    # only what a loader lists: no path of the caller's
-            return QWEN3_4B
+            return encoder_for(None)
         path = host.resolve("text_encoders", name)
         return _file_spec(path, os.path.getmtime(path))
     except (Flux2Error, OSError):
-        return QWEN3_4B
+        return encoder_for(None)
 
 
 @functools.lru_cache(maxsize=32)
 def _file_spec(path: str, _mtime: float) -> TextEncoderSpec:
     from ..flux2_core.weights import text_encoder_spec
 
-    return text_encoder_spec(path) or QWEN3_4B
+    return text_encoder_spec(path)
 
 
 async def read_body(request: web.Request, limit: int) -> bytes | None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from flux2_core.adapters.formats import linear_shapes
 from flux2_core.adapters.lora import read_adapter
 from flux2_core.errors import Flux2Error
-from flux2_core.variants import KLEIN_4B, KLEIN_9B
+from flux2_core.families.flux2.variants import KLEIN_4B, KLEIN_9B
 from tests.tiny.adapters import (
     LORA_FORMATS,
     adapter_state_dict,

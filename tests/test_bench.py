@@ -13,8 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench import bench
 from flux2_core.models import rope
-from flux2_core.models.transformer import Flux2Transformer
-from flux2_core.variants import TransformerParams
+from flux2_core.models.transformer import Flux2Transformer, TransformerParams
 
 
 def test_transformer_flops_matches_torch_count():

@@ -28,6 +28,7 @@ def encoder():
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
+    from flux2_core.families.flux2.variants import QWEN3_4B
     from flux2_core.models.text_encoder import build_qwen3_encoder
 
     config = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=28,
@@ -36,7 +37,7 @@ def encoder():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         sd = {k: 0.2 * torch.randn_like(v) for k, v in Qwen3Model(config).state_dict().items()}
-    return build_qwen3_encoder(sd, config, device=DEVICE, dtype=DTYPE)
+    return build_qwen3_encoder(sd, config, device=DEVICE, dtype=DTYPE, spec=QWEN3_4B)
 
 
 def test_prompt_cache_skips_the_encoder_and_returns_what_it_would(encoder):

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 
 from flux2_core import weights
 from flux2_core.errors import Flux2Error
-from flux2_core.variants import QWEN3_4B, QWEN3_VL_4B
+from flux2_core.families.flux2.variants import QWEN3_4B
+from flux2_core.families.flux3.variants import QWEN3_VL_4B
 from tests.tiny.flux3 import TINY_QWEN3_VL_TEXT
 from tests.tiny.text_encoder import TINY_QWEN3_CONFIG, build_tiny_qwen3, comfyui_state_dict
 

@@ -2,6 +2,7 @@
 FLUX.2 model it describes and against values worked out by hand."""
 
 import itertools
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -9,10 +10,11 @@ import torch
 
 from flux2_core import families, weights
 from flux2_core.errors import Flux2Error
+from flux2_core.families import VARIANTS
 from flux2_core.families.flux2 import FLUX2
+from flux2_core.families.flux2.variants import KLEIN_4B, KLEIN_9B
 from flux2_core.families.flux3 import FLUX3
 from flux2_core.runtime import memory
-from flux2_core.variants import KLEIN_4B, KLEIN_9B, VARIANTS
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_comfyui_transformer
 
 
@@ -67,19 +69,59 @@ def test_memory_inputs_by_hand():
     assert memory.denoise_memory(KLEIN_4B, 1000, 2, torch.bfloat16) == 2 * 1000 * (24 * 3072 * 2 + 512)
 
 
-# --- a second family through the engine (tests/toy_family.py: its registry entry and its model only) ---------------
+def test_the_registry_holds_each_familys_variants_in_the_order_of_registration():
+    import flux2_core
+
+    assert list(families.VARIANTS) == [v.name for f in families.FAMILIES.values() for v in f.variants]
+    assert list(families.FAMILIES) == ["flux2", "flux3"]          # FLUX.2's first: a models folder tries them first
+    assert flux2_core.VARIANTS is families.VARIANTS                # the public API's registry is the families'
+    assert all(v.family == f.name for f in families.FAMILIES.values() for v in f.variants)
+
+
+def test_register_refuses_a_record_of_the_wrong_kind_naming_the_family_and_the_field():
+    """Every field of a family is required (no default of another family's behaviour); ``register`` checks the kind of
+    each, callables callable, a variant naming another family, and names already taken; nothing is added then."""
+    from dataclasses import fields, replace
+
+    from flux2_core.families import Family
+    from tests.toy_family import TOY, TOY_VARIANT
+
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'boxes'"):
+        Family(**{f.name: getattr(TOY, f.name) for f in fields(Family) if f.name != "boxes"})
+    for change, message in [({"schedule": "toy"}, "its schedule must be callable, got str 'toy'"),
+                            ({"latent_dtype": torch.float32}, "its latent_dtype must be callable"),
+                            ({"boxes": None}, "its boxes must be a bool"),
+                            ({"variants": [TOY_VARIANT]}, "its variants must be a tuple"),
+                            ({"gguf_archs": ("toy", 1)}, "its gguf_archs must be a tuple"),
+                            ({"references": None}, "its references must be a ReferenceFit")]:
+        with pytest.raises(Flux2Error, match=r"the model family 'toy' cannot be registered: " + re.escape(message)):
+            families.register(replace(TOY, **change))
+    with pytest.raises(Flux2Error, match="its variant 'toy' says it is of the family 'flux3'"):
+        families.register(replace(TOY, variants=(replace(TOY_VARIANT, family="flux3"),)))
+    with pytest.raises(Flux2Error, match="'klein-4b' already registered"):
+        families.register(replace(TOY, variants=(replace(TOY_VARIANT, name="klein-4b"),)))
+    assert "toy" not in families.FAMILIES and "toy" not in families.VARIANTS
+
+
+# --- a second family through the engine (tests/toy_family/: a family package of its own) -----------------------------
 
 @pytest.fixture
-def toy(monkeypatch):
+def toy():
     from tests.toy_family import TOY
 
-    monkeypatch.setitem(families.FAMILIES, TOY.name, TOY)
-    return TOY
+    families.register(TOY)
+    try:
+        yield TOY
+    finally:
+        if TOY.name in families.FAMILIES:
+            families.unregister(TOY.name)
 
 
 def toy_models(toy):
-    """The toy transformer beside the demo's autoencoder and Qwen3 (prompt embeddings 96 wide)."""
+    """The toy transformer beside the demo's autoencoder and Qwen3 (prompt embeddings 96 wide), the Qwen3 read as the
+    toy's text encoder says (its template, its padding)."""
     from flux2_core.app.demo import demo_models
+    from flux2_core.models.text_encoder import PromptEncoder
     from flux2_core.pipeline import Models
     from tests.toy_family import ToyModel, ToyParams
 
@@ -89,27 +131,31 @@ def toy_models(toy):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-    return Models(model.eval(), toy.variant_for(model.params, ""), demo.autoencoder, demo.prompt_encoder)
+    variant = toy.variant_for(model.params, "")
+    encoder = PromptEncoder(demo.prompt_encoder.model, demo.prompt_encoder.tokenizer, variant.text_encoder)
+    return Models(model.eval(), variant, demo.autoencoder, encoder)
 
 
-def euler_by_hand(model, embeds, noise, sigmas, cfg):
+def euler_by_hand(model, embeds, noise, sigmas, cfg, kv=None):
     """The Euler loop with CFG written out: x += (s' - s) (v_neg + cfg (v_pos - v_neg)), the toy model called alone."""
     x = noise
     for s, s_next in itertools.pairwise(sigmas):
         t = torch.full((x.shape[0],), s)
-        v_pos, v_neg = model(x, t, embeds[:1]), model(x, t, embeds[1:])
+        v_pos, v_neg = model(x, t, embeds[:1], kv=kv), model(x, t, embeds[1:], kv=kv)
         x = x + (s_next - s) * (v_neg + cfg * (v_pos - v_neg))
     return x
 
 
 @pytest.mark.parametrize("storage", ["float", "int8"])
 def test_a_second_family_runs_through_generate(toy, storage):
-    """generate with a model of another family: its schedule, CFG (the toy is not guidance-distilled), the memory
-    estimate from its entry and, with int8, the storage its ``quantizable`` picks; the latents equal the Euler loop
-    written out by hand around the toy model."""
+    """generate with a model of another family: its own schedule (2t / (1 + t) on thirds: 1, 0.8, 0.5, 0), its own
+    noise (the seed's draw mirrored and negated), its own prompt padding (each prompt alone to a multiple of 16
+    tokens: both prompts in the toy's template are 16 rows), CFG
+    (the toy is not guidance-distilled), the memory estimate from its entry and, with int8, the storage its
+    ``quantizable`` picks; the latents equal the Euler loop written out by hand around the toy model."""
     from flux2_core import pipeline
     from flux2_core.sampling.euler import make_noise
-    from flux2_core.sampling.schedules import flux2_schedule
+    from flux2_core.sampling.schedules import named_schedule
     from flux2_core.storage.protocol import census
 
     models = toy_models(toy)
@@ -118,21 +164,48 @@ def test_a_second_family_runs_through_generate(toy, storage):
         assert census(models.transformer).get("int8") == 1           # toy_out alone
     result = pipeline.generate(models, "a red fox", negative="", cfg=3.0, width=64, height=48, seed=5, steps=3)
     embeds = models.prompt_encoder.encode(["a red fox", ""]).embeds
-    sigmas = flux2_schedule(3, 4 * 3)
-    expected = euler_by_hand(models.transformer, embeds, make_noise(1, 48, 64, 5), sigmas, 3.0)
+    assert embeds.shape[1] == 16 and result.settings["sigmas"] == pytest.approx([1.0, 0.8, 0.5, 0.0])
+    assert named_schedule(toy.schedule_name, 3, 12) == pytest.approx([1.0, 0.8, 0.5, 0.0])   # the Scheduler's lookup
+    sigmas = [1.0, 0.8, 0.5, 0.0]
+    noise = -make_noise(1, 48, 64, 5).flip(-1)                       # the toy's reading of seed 5's draw
+    expected = euler_by_hand(models.transformer, embeds, noise, sigmas, 3.0)
     torch.testing.assert_close(result.latents, expected, rtol=1e-5, atol=1e-5)
     assert result.settings["steps"] == 3 and result.settings["variant"] == "toy"
     assert result.images.shape == (1, 48, 64, 3)
 
 
-def test_a_second_family_refuses_what_it_cannot_take(toy):
+def test_a_second_familys_kv_references_are_made_once_and_read_every_step(toy):
+    """The toy's references are K/V-style (its variant a KV edition): generate encodes the reference, the toy's
+    reference pass runs once for the whole run (not once per step or per CFG half), and the latents equal the Euler
+    loop by hand with the K/V made here from the reference's latent; joined reference tokens are refused in the toy's
+    words."""
     from PIL import Image
 
     from flux2_core import pipeline
+    from flux2_core.models import rope
+    from flux2_core.sampling import euler
+    from flux2_core.sampling.euler import make_noise
+    from flux2_core.sampling.references import image_to_tensor
 
-    with pytest.raises(Flux2Error, match="the toy model takes no references"):
-        pipeline.generate(toy_models(toy), "a red fox", references=[Image.new("RGB", (64, 64))], width=64, height=64,
-                          steps=2)
+    models = toy_models(toy)
+    model = models.transformer
+    picture = Image.fromarray(torch.randint(0, 256, (64, 96, 3), generator=torch.Generator().manual_seed(1),
+                                            dtype=torch.uint8).numpy())
+    passes = []
+    original = model.reference_kv
+    model.reference_kv = lambda ref, ids: passes.append(ref.shape) or original(ref, ids)
+    result = pipeline.generate(models, "a red fox", negative="", cfg=2.0, references=[picture], width=64, height=48,
+                               seed=5, steps=3)
+    assert passes == [(1, 24, 128)]                 # one pass, over the reference's 4 x 6 latent cells
+    with torch.no_grad():
+        tokens = rope.pack(models.autoencoder.encode(image_to_tensor(picture)))
+        kv = original(tokens, None)
+    embeds = models.prompt_encoder.encode(["a red fox", ""]).embeds
+    expected = euler_by_hand(model, embeds, -make_noise(1, 48, 64, 5).flip(-1), [1.0, 0.8, 0.5, 0.0], 2.0, kv)
+    torch.testing.assert_close(result.latents, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Flux2Error, match="the toy model takes references only as K/V"):
+        euler.denoise(model, torch.zeros(1, 128, 3, 4), [1.0, 0.0], embeds[:1], ref=tokens,
+                      ref_ids=torch.zeros(1, 24, 4), kv=False)
 
 
 def test_a_second_familys_file_loads_by_its_entry_and_is_refused_without_it(toy, tmp_path, monkeypatch):
@@ -149,9 +222,9 @@ def test_a_second_familys_file_loads_by_its_entry_and_is_refused_without_it(toy,
     save_file({"model.diffusion_model." + k: v for k, v in state.items()}, str(path))    # behind ComfyUI's prefix
     model, variant = weights.load_transformer(path, "cpu", torch.float32, int8=True)
     assert isinstance(model, ToyModel) and model.params == params and variant.family == "toy"
-    assert census(model) == {"float": 2, "int8": 1}
+    assert census(model) == {"float": 3, "int8": 1}
     assert torch.equal(model.toy_in.weight, state["toy_in.weight"])
-    monkeypatch.delitem(families.FAMILIES, toy.name)
+    families.unregister(toy.name)
     with pytest.raises(Flux2Error, match=r"toy.safetensors is not a FLUX.2 or FLUX 3 Image Klein transformer: .*Pass "
                                          r"a FLUX.2 or FLUX 3 Image Klein diffusion model: flux-2-klein-\*.safetensors"):
         weights.load_transformer(path, "cpu", torch.float32)

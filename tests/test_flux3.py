@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from flux2_core.families.flux3.schedule import flux3_schedule
 from flux2_core.models import flux3
-from flux2_core.sampling.schedules import flux3_schedule
+from flux2_core.prompt_padding import ToMultiple
 from tests.tiny.flux3 import (
     flux3_mlx_at,
     mlx_dit,
@@ -150,7 +151,7 @@ LONG_PROMPT = ("a ceramicist's studio at golden hour, shelves of glazed bowls in
 def tiny_vl_spec():
     from dataclasses import replace
 
-    from flux2_core.variants import QWEN3_VL_4B
+    from flux2_core.families.flux3.variants import QWEN3_VL_4B
 
     return replace(QWEN3_VL_4B, name="custom", hidden_size=32)
 
@@ -201,7 +202,7 @@ def test_text_encoder_equals_transformers_qwen3_vl(tmp_path):
     got = ours.encode(prompts)
     for i, prompt in enumerate(prompts):
         ids, mask = (t[:, :got.lengths[i]] for t in ours.tokenize([prompt])[:2])
-        positions = ours.positions(mask)
+        positions = torch.where(mask.bool(), torch.arange(mask.shape[1]), 1)      # pads at position 1
         with torch.no_grad():
             out = hf(input_ids=ids, attention_mask=mask, position_ids=positions[None].expand(3, -1, -1),
                      output_hidden_states=True)
@@ -270,7 +271,7 @@ def test_a_seed_draws_the_references_noise():
     from flux2_core.families.flux3 import FLUX3
     from flux2_core.sampling.euler import make_noise
 
-    noise = make_noise(2, 48, 64, 11, draw=FLUX3.noise)
+    noise = make_noise(2, 48, 64, 11, reading=FLUX3.noise)
     for i in range(2):
         tokens = torch.randn(12, 128, generator=torch.Generator().manual_seed(11 + i))
         assert torch.equal(noise[i:i + 1], flux3_noise_grid(tokens.to(torch.bfloat16).float(), 3, 4))
@@ -431,7 +432,7 @@ def test_a_flux3_fp8_file_runs_as_its_stored_values(tmp_path):
     from safetensors.torch import save_file
 
     from flux2_core import pipeline
-    from flux2_core.families.flux3 import quantizable
+    from flux2_core.families.flux3.files import quantizable
     from flux2_core.storage.protocol import census
     from tests.tiny.layouts import comfy_fp8, save_prefixed
 
@@ -459,7 +460,7 @@ def test_a_flux3_file_in_comfyuis_quantized_formats_keeps_them(tmp_path, kind):
     from safetensors.torch import save_file
 
     from flux2_core import pipeline
-    from flux2_core.families.flux3 import quantizable
+    from flux2_core.families.flux3.files import quantizable
     from flux2_core.storage.protocol import census
     from tests.tiny.layouts import comfy_quant, kitchen_weight, save_prefixed
 
@@ -541,7 +542,7 @@ def test_a_models_folder_gives_flux3_files_under_any_name(tmp_path, monkeypatch)
 
     from flux2_core.app import cli
     from flux2_core.errors import Flux2Error
-    from flux2_core.variants import VARIANTS
+    from flux2_core.families import VARIANTS
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder
     from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_bfl_transformer
 
@@ -573,13 +574,14 @@ def test_a_text_encoder_file_says_which_model_it_is(tmp_path):
     does a single file by its name, and the folder is refused for FLUX.2; a Qwen3 folder (its config says so) is refused for FLUX 3, naming the file to load."""
     from flux2_core import weights
     from flux2_core.errors import Flux2Error
-    from flux2_core.variants import QWEN3_4B, QWEN3_VL_4B
+    from flux2_core.families.flux2.variants import QWEN3_4B
+    from flux2_core.families.flux3.variants import QWEN3_VL_4B
     from tests.tiny.flux3 import TINY_QWEN3_VL_TEXT
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder, save_diffusers_text_encoder
 
     folder = save_tiny_qwen3_vl(tmp_path / "vl")
     found = weights.load_text_encoder(folder, "cpu", torch.float32)
-    assert found.spec.model == "qwen3-vl" and found.spec.pad_multiple == 80 and len(found.model.layers) == 32
+    assert found.spec.model == "qwen3-vl" and found.spec.padding == ToMultiple(80, pad_position=1) and len(found.model.layers) == 32
     with pytest.raises(Flux2Error, match=r"is a Qwen3-VL text encoder \(known by its config.json; FLUX 3 Image Klein "
                                          r"reads it\), but FLUX.2 Klein 4B reads Qwen3-4B: load the Qwen3-4B text "
                                          r"encoder"):
@@ -604,8 +606,8 @@ def test_a_qwen3_vl_gguf_is_flux3s_encoder(tmp_path):
 
     from flux2_core import weights
     from flux2_core.errors import Flux2Error
+    from flux2_core.families.flux2.variants import QWEN3_4B
     from flux2_core.storage.ggml_layers import GGMLLinear
-    from flux2_core.variants import QWEN3_4B
     from tests.tiny.flux3 import TINY_QWEN3_VL_TEXT
     from tests.tiny.gguf import encoder_types, hf_names, llama_cpp_names, qwen3_tokens, save_gguf
     from tests.tiny.text_encoder import build_tiny_qwen3, comfyui_state_dict
@@ -617,7 +619,7 @@ def test_a_qwen3_vl_gguf_is_flux3s_encoder(tmp_path):
     save_file(hf_names(values, hf), str(tmp_path / "qwen3vl_4b.safetensors"))
     encoder = weights.load_text_encoder(path, "cpu", torch.float32)
     reference = weights.load_text_encoder(tmp_path / "qwen3vl_4b.safetensors", "cpu", torch.float32)
-    assert encoder.spec == reference.spec and encoder.spec.model == "qwen3-vl" and encoder.spec.pad_multiple == 80
+    assert encoder.spec == reference.spec and encoder.spec.model == "qwen3-vl" and encoder.spec.padding == ToMultiple(80, pad_position=1)
     assert weights.text_encoder_spec(path).model == "qwen3-vl"
     # q, o and the MLP's three of each of the 32 layers (k and v hold 1024 values, which llama.cpp keeps in F32)
     assert len([m for m in encoder.model.modules() if isinstance(m, GGMLLinear)]) == 32 * 5

@@ -21,12 +21,13 @@ from flux2_core import weights
 from flux2_core.adapters.lora import read_adapter
 from flux2_core.adapters.patching import set_adapters
 from flux2_core.errors import Flux2Error
+from flux2_core.families import VARIANTS
 from flux2_core.models import rope
 from flux2_core.models.autoencoder import AutoEncoder
 from flux2_core.models.tokenizer import build_qwen3_tokenizer
+from flux2_core.models.transformer import TransformerParams
 from flux2_core.pipeline import Models, generate
 from flux2_core.storage.ggml_layers import GGMLEmbedding, GGMLLinear, gguf_types
-from flux2_core.variants import VARIANTS, TransformerParams
 from tests.fused import fused_on, graphs, ran_fused  # noqa: F401 (fixtures)
 from tests.tiny.adapters import adapter_state_dict, lora_state_dict, random_lora
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder

@@ -12,7 +12,7 @@ CORE = ROOT / "flux2_core"
 
 # lowest first; a top-level file is its own layer: the base modules, then pipeline.py (the public API)
 LAYERS = [
-    {"errors"}, {"variants", "checks", "user_json", "latents", "digests", "kitchen", "devices", "key_tables"}, {"storage"}, {"models"}, {"families"}, {"weights"},
+    {"errors"}, {"variants", "prompt_padding", "checks", "user_json", "latents", "digests", "kitchen", "devices", "key_tables"}, {"storage"}, {"models"}, {"families"}, {"weights"},
     {"adapters"}, {"runtime"}, {"sampling"}, {"upsampler"}, {"pipeline"}, {"app", "__main__", "__init__"},
 ]
 
@@ -96,9 +96,11 @@ def test_the_check_sees_a_lazy_upward_import(tmp_path):
 # the shared code (loaders, storage, memory, offload, sampling, nodes)
 FLUX2_NAMES = re.compile(r"\b(img_in|txt_in|time_in|guidance_in|double_blocks|single_blocks|double_stream_modulation"
                          r"|single_stream_modulation|final_layer)\b")
-FLUX2_HOME = {"flux2_core/models/transformer.py", "flux2_core/families/flux2.py"}
-# another family's model and entry spell its own modules, some of which BFL named as FLUX.2's (txt_in, single_blocks)
-OWN_NAMES = {"flux2_core/models/flux3.py": "flux3", "flux2_core/families/flux3.py": "flux3"}
+FLUX2_HOME = {"flux2_core/models/transformer.py",
+              *(p.relative_to(ROOT).as_posix() for p in (CORE / "families" / "flux2").rglob("*.py"))}
+# another family's model and package spell its own modules, some of which BFL named as FLUX.2's (txt_in, single_blocks)
+OWN_NAMES = {"flux2_core/models/flux3.py": "flux3",
+             **{p.relative_to(ROOT).as_posix(): "flux3" for p in (CORE / "families" / "flux3").rglob("*.py")}}
 
 
 def module_names(family: str) -> set[str]:
@@ -107,10 +109,9 @@ def module_names(family: str) -> set[str]:
 
     from flux2_core.families import get_family
     from flux2_core.models.layers import Layers
-    from flux2_core.variants import VARIANTS
 
     entry = get_family(family)
-    params = next(v.params for v in VARIANTS.values() if v.family == family)
+    params = entry.variants[0].params
     with torch.device("meta"):
         model = entry.build(params, Layers())
     return {name.split(".")[0] for name, _ in model.named_parameters()}
@@ -185,3 +186,81 @@ def test_the_format_name_check_sees_a_literal_and_not_a_docstring(tmp_path):
     names = registered_names()
     assert {"int8_tensorwise", "nvfp4"} <= names
     assert format_names_outside_storage(names, core) == {"weights/keyed.py": ["nvfp4"]}
+
+
+# --- no family told apart by its name outside families/ ------------------------------------------------------------
+# What the code around the models may not do: compare with, look up by or key on a family's name ("flux2"), its title
+# ("FLUX.2"), a variant's name ("klein-4b") or title. Prose (messages, docstrings) may name them; only string constants
+# in comparisons (==, !=, in, is; str.startswith / endswith), in subscripts (VARIANTS["klein-4b"]) and as dict keys
+# count. Known places another engineer is turning into questions to the family record, each with its constants; the
+# list only shrinks (a place that no longer tests a name must leave it).
+KNOWN_NAME_TESTS = {
+    "nodes/engine_model.py": {"flux2"},      # HOST_MODELS keyed by family name: ComfyUI's model of each family
+}
+SCANNED = [CORE, ROOT / "nodes"]
+
+
+def family_words() -> set[str]:
+    from flux2_core.families import FAMILIES
+
+    words = set()
+    for family in FAMILIES.values():
+        words |= {family.name, family.title, family.schedule_name}
+        words |= {w for v in family.variants for w in (v.name, v.title) if w}
+    return words
+
+
+def name_tests(source: str, words: set[str]) -> list[tuple[int, str]]:
+    """(line, constant) of each string in ``words`` that ``source`` compares with, subscripts by or keys a dict on."""
+    found = []
+
+    def constants(node: ast.AST) -> list[ast.Constant]:
+        return [c for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            places = [node.left, *node.comparators]
+        elif isinstance(node, ast.Subscript):
+            places = [node.slice]
+        elif isinstance(node, ast.Dict):
+            places = [k for k in node.keys if k is not None]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith")):
+            places = node.args
+        else:
+            continue
+        found += [(c.lineno, c.value) for place in places for c in constants(place) if c.value in words]
+    return found
+
+
+def test_no_family_is_told_apart_by_its_name_outside_families():
+    words = family_words()
+    found, stale = {}, {}
+    for path in sorted(p for root in SCANNED for p in root.rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if name.startswith("flux2_core/families/"):
+            continue
+        hits = name_tests(path.read_text(), words)
+        unknown = [(line, word) for line, word in hits if word not in KNOWN_NAME_TESTS.get(name, set())]
+        if unknown:
+            found[name] = unknown
+        gone = KNOWN_NAME_TESTS.get(name, set()) - {word for _, word in hits}
+        if gone:
+            stale[name] = sorted(gone)
+    assert not found, ("a family told apart by its name (ask its record instead; prose may name it): "
+                       + "; ".join(f"{n}: {hits}" for n, hits in found.items()))
+    assert not stale, f"KNOWN_NAME_TESTS lists names these files no longer test (drop them): {stale}"
+
+
+def test_the_name_check_sees_comparisons_keys_and_prefixes_but_not_prose():
+    words = {"flux2", "FLUX.2", "klein-4b"}
+    source = """
+def f(variant, table):
+    \"\"\"FLUX.2 and klein-4b in prose.\"\"\"
+    if variant.family == "flux2":
+        raise ValueError("FLUX.2 is named here in a message, flux2 too")
+    x = table["klein-4b"], {"FLUX.2": 1}, variant.name.startswith("flux2"), variant.title in ("FLUX.2", "other")
+    return f"the {'FLUX.2'} model"
+"""
+    assert sorted(name_tests(source, words)) == [(4, "flux2"), (6, "FLUX.2"), (6, "FLUX.2"), (6, "flux2"),
+                                                 (6, "klein-4b")]

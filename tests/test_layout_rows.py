@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from flux2_core.errors import Flux2Error
-from flux2_core.variants import VARIANTS
+from flux2_core.families import VARIANTS
 
 BOX = [0.1, 0.1, 0.5, 0.5]
 SOURCES = st.one_of(

@@ -153,7 +153,7 @@ def test_an_explicit_transformer_is_not_told_to_use_variant(tiny_files, tmp_path
     suggest --variant, which could not replace the file given. (The tiny file's headers read as no real variant, so
     they are read here as Klein 4B's, as a real file's would be.)"""
     from flux2_core import weights
-    from flux2_core.variants import VARIANTS
+    from flux2_core.families import VARIANTS
 
     monkeypatch.setattr(weights, "inspect_transformer", lambda path: (None, VARIANTS["klein-4b"]))
     lay_out(tmp_path, {"flux-2-klein-4b-fp8.safetensors", "flux3-image-klein-bf16.safetensors",

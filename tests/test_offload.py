@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flux2_core.errors import Flux2Error
-from flux2_core.families.flux2 import quantizable
+from flux2_core.families.flux2.files import quantizable
 from flux2_core.models import rope
 from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.runtime import compile as compiling

@@ -18,7 +18,7 @@ from PIL import Image
 from flux2_core import kitchen, pipeline, weights
 from flux2_core.app import cli
 from flux2_core.errors import Flux2Error
-from flux2_core.families.flux2 import quantizable
+from flux2_core.families.flux2.files import quantizable
 from tests.tiny.gguf import dit_types, save_gguf
 from tests.tiny.layouts import comfy_fp8, save_prefixed
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict

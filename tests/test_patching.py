@@ -20,7 +20,7 @@ from flux2_core.adapters.patching import set_adapters
 from flux2_core.app import cli
 from flux2_core.app.demo import DEMO_TRANSFORMER
 from flux2_core.errors import Flux2Error
-from flux2_core.families.flux2 import quantizable
+from flux2_core.families.flux2.files import quantizable
 from flux2_core.models import rope
 from flux2_core.models.run_state import run_state
 from flux2_core.models.transformer import Flux2Transformer

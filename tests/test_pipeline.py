@@ -14,16 +14,17 @@ from PIL import Image
 
 from flux2_core import pipeline
 from flux2_core.errors import Flux2Error
+from flux2_core.families import VARIANTS
+from flux2_core.families.flux2.variants import QWEN3_4B
 from flux2_core.models import rope
 from flux2_core.models.autoencoder import AutoEncoder
 from flux2_core.models.text_encoder import build_qwen3_encoder
 from flux2_core.models.tokenizer import build_qwen3_tokenizer
-from flux2_core.models.transformer import Flux2Transformer
+from flux2_core.models.transformer import Flux2Transformer, TransformerParams
 from flux2_core.pipeline import Models, generate, to_uint8
 from flux2_core.runtime import memory
 from flux2_core.runtime.cache import PromptCache, ReferenceKVCache
 from flux2_core.sampling.euler import make_noise
-from flux2_core.variants import VARIANTS, TransformerParams
 from tests.device import DEVICE, DTYPE, assert_close, image_levels, relative_error, to, tolerance
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder, save_bfl_autoencoder
 from tests.tiny.text_encoder import build_tiny_qwen3, comfyui_state_dict, save_comfyui_text_encoder
@@ -53,7 +54,7 @@ def tiny(tmp_path_factory):
     ae = AutoEncoder(TINY_AE_PARAMS)
     ae.load_state_dict(bfl_state_dict(vae))
     te = build_tiny_qwen3(seed=5)
-    encoder = build_qwen3_encoder(comfyui_state_dict(te), config=te.config, device=DEVICE, dtype=DTYPE)
+    encoder = build_qwen3_encoder(comfyui_state_dict(te), config=te.config, device=DEVICE, dtype=DTYPE, spec=QWEN3_4B)
     prompts = PromptCache()          # shared: each distinct prompt is encoded once (the tiny Qwen3 is the slow part)
     transformer, ae = to(transformer).eval(), ae.to(DEVICE).eval()
     ours = {family: Models(transformer, tiny_variant(family), ae, encoder, prompt_cache=prompts)

@@ -3,8 +3,8 @@
 import pytest
 
 from flux2_core.errors import Flux2Error
+from flux2_core.families import VARIANTS
 from flux2_core.sampling.plan import plan_denoise
-from flux2_core.variants import VARIANTS
 
 SIGMAS = [1.0, 0.75, 0.5, 0.25, 0.0]
 

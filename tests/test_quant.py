@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from flux2_core.errors import Flux2Error
-from flux2_core.families.flux2 import quantizable
+from flux2_core.families.flux2.files import quantizable
 from flux2_core.models import rope
 from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.storage import kernels, quant

@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flux2_core.families.flux2.variants import QWEN3_TEMPLATE
 from flux2_core.models.text_encoder import count_prompt_tokens
 from flux2_core.models.tokenizer import load_tokenizer
 
@@ -76,7 +77,7 @@ def tokenizer():
 def test_counts_what_flux2_core_counts(post, tokenizer):
     texts = ["a red fox", "", "Zürich, 東京 🌃", "x" * routes.MAX_TEXT]
     answers = [post(json.dumps({"text": t}).encode()) for t in texts]
-    assert answers == [(200, {"count": count_prompt_tokens(tokenizer, t), "limit": 512}) for t in texts]
+    assert answers == [(200, {"count": count_prompt_tokens(tokenizer, t, QWEN3_TEMPLATE), "limit": 512}) for t in texts]
 
 
 @pytest.mark.parametrize("chunked", [False, True])

@@ -19,10 +19,10 @@ from flux2_core import checks, pipeline
 from flux2_core.app import cli
 from flux2_core.app.demo import demo_models
 from flux2_core.errors import Flux2Error
+from flux2_core.families import VARIANTS
 from flux2_core.runtime import memory
 from flux2_core.runtime.cache import PromptCache
 from flux2_core.sampling import euler
-from flux2_core.variants import VARIANTS
 
 SIZE = {"width": 64, "height": 64}
 
@@ -247,7 +247,7 @@ def test_each_variant_has_its_edition_and_title_and_a_file_name_picks_it():
     messages use."""
     from types import SimpleNamespace
 
-    from flux2_core.variants import variant_for_params
+    from flux2_core.families.flux2.variants import variant_for_params
     from flux2_core.weights import check_text_encoder_fits
     from tests.tiny.transformer import TINY_TRANSFORMER
 

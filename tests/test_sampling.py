@@ -12,12 +12,12 @@ import torch
 from PIL import Image
 
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2.schedule import flux2_schedule
 from flux2_core.latents import latent_size
 from flux2_core.models.autoencoder import AutoEncoder
 from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.sampling.euler import add_noise, denoise, euler, make_noise
 from flux2_core.sampling.references import encode_references
-from flux2_core.sampling.schedules import flux2_schedule
 from tests.device import DEVICE, DTYPE, assert_close, relative_error, to, tolerance
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder
 from tests.tiny.transformer import (

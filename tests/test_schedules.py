@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2.schedule import empirical_mu, flux2_schedule, max_image_tokens
+from flux2_core.families.flux3.schedule import flux3_schedule
 from flux2_core.sampling.schedules import (
+    SCHEDULES,
     check_sigmas,
-    empirical_mu,
-    flux2_schedule,
     linear_schedule,
-    max_image_tokens,
     named_schedule,
     power_schedule,
     truncate_for_strength,
@@ -156,9 +156,12 @@ def test_steps_and_named_schedules():
     with pytest.raises(Flux2Error, match="from 1 to 10000"):
         linear_schedule(10_001)
     assert named_schedule("flux2", 4, 4096) == flux2_schedule(4, 4096)
+    assert named_schedule("flux3", 4, 4096) == flux3_schedule(4)
+    # the Scheduler node's options, which saved workflows store as text: the families' own, then the shared ones
+    assert SCHEDULES == ("flux2", "flux3", "linear", "power")
     assert named_schedule("power", 4, 4096, 2.0) == power_schedule(4, 2.0)
     assert named_schedule("linear", 4, 4096, float("nan")) == linear_schedule(4)     # rho only matters to power
-    for name, rho, what in [("power", float("nan"), "rho"), ("power", float("inf"), "rho"), ("karras", 1, "unknown")]:
+    for name, rho, what in [("power", float("nan"), "rho"), ("power", float("inf"), "rho"), ("karras", 1, "unknown schedule 'karras'; use one of flux2, flux3, linear, power")]:
         with pytest.raises(Flux2Error, match=what):
             named_schedule(name, 4, 4096, rho)
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flux2_core import families
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2.variants import QWEN3_4B, QWEN3_8B
 from flux2_core.models.qwen3 import Qwen3Params
 from flux2_core.models.text_encoder import build_qwen3_encoder, build_qwen3_model, qwen3_state_dict
 from flux2_core.models.tokenizer import build_qwen3_tokenizer, load_tokenizer
-from flux2_core.variants import QWEN3_4B, QWEN3_8B
 from tests.device import DEVICE, DTYPE, assert_close, relative_error, tolerance
 from tests.tiny.text_encoder import (
     TINY_QWEN3_CONFIG,
@@ -41,7 +42,7 @@ def qwen3():
 
 def build(state_dict, **kwargs):
     """Our encoder in DTYPE on DEVICE."""
-    return build_qwen3_encoder(state_dict, device=DEVICE, dtype=DTYPE, **kwargs)
+    return build_qwen3_encoder(state_dict, device=DEVICE, dtype=DTYPE, **{"spec": QWEN3_4B, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +155,8 @@ def test_diffusers_folders_with_config_and_sibling_tokenizer(tmp_path, qwen3, en
 
 def test_bfloat16_is_close_to_float32(qwen3, encoder):
     """Our bf16 encoder against our float32 one (both on DEVICE): within 5%, the bound this test always had."""
-    half, full = (build_qwen3_encoder(qwen3.state_dict(), device=DEVICE, dtype=dtype, tokenizer=encoder.tokenizer)
+    half, full = (build_qwen3_encoder(qwen3.state_dict(), device=DEVICE, dtype=dtype, tokenizer=encoder.tokenizer,
+                                      spec=QWEN3_4B)
                   for dtype in (torch.bfloat16, torch.float32))
     out = half.encode(PROMPTS[1:2]).embeds
     assert out.dtype == torch.bfloat16
@@ -215,7 +217,8 @@ def test_real_sizes_on_meta(size, tokenizer):
     params = Qwen3Params.from_state_dict(qwen3_state_dict(sd))
     assert (params.hidden_size, params.intermediate_size, params.num_layers) == (hidden, intermediate, 36)
     assert (params.num_heads, params.num_kv_heads, params.head_dim, params.vocab_size) == (32, 8, 128, 151936)
-    encoder = build_qwen3_encoder(sd, device="meta", dtype=torch.bfloat16, tokenizer=tokenizer)
+    encoder = build_qwen3_encoder(sd, device="meta", dtype=torch.bfloat16, tokenizer=tokenizer,
+                                  spec=families.encoder_for(None, hidden))       # the registry's pick by width
     assert encoder.spec == spec and len(encoder.model.layers) == 27
     per_layer = sum(v.numel() for k, v in sd.items() if k.startswith("model.layers.0."))
     expected = sd["model.embed_tokens.weight"].numel() + 27 * per_layer
@@ -225,21 +228,21 @@ def test_real_sizes_on_meta(size, tokenizer):
 def test_bad_state_dicts_are_refused(qwen3):
     sd = qwen3.state_dict()
     with pytest.raises(Flux2Error, match="not a Qwen3"):
-        build_qwen3_encoder({k: v for k, v in sd.items() if "embed_tokens" not in k})
+        build_qwen3_encoder({k: v for k, v in sd.items() if "embed_tokens" not in k}, spec=QWEN3_4B)
     with pytest.raises(Flux2Error, match="q_norm"):
-        build_qwen3_encoder({k: v for k, v in sd.items() if "q_norm" not in k})
+        build_qwen3_encoder({k: v for k, v in sd.items() if "q_norm" not in k}, spec=QWEN3_4B)
     shallow = {k: v for k, v in sd.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 20}
     with pytest.raises(Flux2Error, match="27"):
-        build_qwen3_encoder(shallow)
+        build_qwen3_encoder(shallow, spec=QWEN3_4B)
     with pytest.raises(Flux2Error, match="quantized"):
-        build_qwen3_encoder({**sd, "model.layers.0.mlp.up_proj.weight_scale": torch.ones(())})
+        build_qwen3_encoder({**sd, "model.layers.0.mlp.up_proj.weight_scale": torch.ones(())}, spec=QWEN3_4B)
     params = Qwen3Params.from_state_dict(qwen3_state_dict(sd))
     with pytest.raises(Flux2Error, match="do not fit"):
         build_qwen3_model({k: v for k, v in sd.items() if "layers.3.mlp.up_proj" not in k}, params, 27, "cpu",
                           torch.float32)
     wider = {**TINY_QWEN3_CONFIG, "intermediate_size": 96}
     with pytest.raises(Flux2Error, match="do not fit"):
-        build_qwen3_encoder(sd, config=wider, device="cpu", dtype=torch.float32)
+        build_qwen3_encoder(sd, config=wider, device="cpu", dtype=torch.float32, spec=QWEN3_4B)
 
 
 def test_bad_prompts_are_refused(encoder):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2.variants import QWEN3_4B, QWEN3_TEMPLATE
 from flux2_core.models.text_encoder import build_qwen3_encoder, count_prompt_tokens, render_prompt
 from flux2_core.models.tokenizer import build_qwen3_tokenizer, load_tokenizer
 from tests.tiny.text_encoder import build_tiny_qwen3
@@ -26,19 +27,19 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def encoder(tokenizer):
     return build_qwen3_encoder(build_tiny_qwen3().state_dict(), device="cpu", dtype=torch.float32,
-                               tokenizer=tokenizer)
+                               tokenizer=tokenizer, spec=QWEN3_4B)
 
 
 def test_count_is_the_prompt_plus_the_template(tokenizer):
-    counts = [count_prompt_tokens(tokenizer, p) for p in PROMPTS]
+    counts = [count_prompt_tokens(tokenizer, p, QWEN3_TEMPLATE) for p in PROMPTS]
     assert counts == [TEMPLATE_IDS + len(tokenizer.encode(p)) for p in PROMPTS]
     assert counts[0] == 12 and counts[1] == 12 + 6 and counts[2] == 12 + 631    # "a| red| fox| in| the| snow"
 
 
 def test_count_equals_the_encoders_token_counts(encoder, tokenizer):
     out = encoder.encode(PROMPTS)
-    assert out.token_counts == [count_prompt_tokens(tokenizer, p) for p in PROMPTS]
-    assert out.dropped == [max(0, count_prompt_tokens(tokenizer, p) - 512) for p in PROMPTS]
+    assert out.token_counts == [count_prompt_tokens(tokenizer, p, QWEN3_TEMPLATE) for p in PROMPTS]
+    assert out.dropped == [max(0, count_prompt_tokens(tokenizer, p, QWEN3_TEMPLATE) - 512) for p in PROMPTS]
     assert out.dropped[2] == 643 - 512
 
 
@@ -49,14 +50,14 @@ def test_count_and_template_equal_transformers_chat_template():
     for prompt in [*PROMPTS, "<think>a</think>", "  spaced  ", "{{ braces }} {% raw %}"]:
         text = hf.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                       add_generation_prompt=True, enable_thinking=False)
-        assert render_prompt(prompt) == text
-        assert count_prompt_tokens(ours, prompt) == len(hf(text)["input_ids"])
-    assert render_prompt("a cat") == "<|im_start|>user\na cat<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        assert render_prompt(prompt, QWEN3_TEMPLATE) == text
+        assert count_prompt_tokens(ours, prompt, QWEN3_TEMPLATE) == len(hf(text)["input_ids"])
+    assert render_prompt("a cat", QWEN3_TEMPLATE) == "<|im_start|>user\na cat<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
 def test_a_prompt_that_is_not_a_string_is_refused(tokenizer):
     with pytest.raises(Flux2Error, match="must be a string"):
-        count_prompt_tokens(tokenizer, None)
+        count_prompt_tokens(tokenizer, None, QWEN3_TEMPLATE)
 
 
 def test_a_prompt_holding_bytes_that_are_not_utf8_is_refused(tokenizer, encoder):
@@ -64,7 +65,7 @@ def test_a_prompt_holding_bytes_that_are_not_utf8_is_refused(tokenizer, encoder)
     a tokenizer TypeError; counting and encoding say the same."""
     prompt = b"a caf\xe9 by the sea".decode("utf-8", "surrogateescape")
     with pytest.raises(Flux2Error, match=r"character 5 stands for a byte that is not UTF-8 \('a caf' comes before"):
-        count_prompt_tokens(tokenizer, prompt)
+        count_prompt_tokens(tokenizer, prompt, QWEN3_TEMPLATE)
     with pytest.raises(Flux2Error, match="not valid text"):
         encoder.encode([prompt])
 

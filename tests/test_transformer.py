@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2.variants import KLEIN_4B, KLEIN_9B
 from flux2_core.models import rope
-from flux2_core.models.transformer import Flux2Transformer, ReferenceKV, timestep_embedding
-from flux2_core.variants import KLEIN_4B, KLEIN_9B
+from flux2_core.models.reference_kv import ReferenceKV
+from flux2_core.models.transformer import Flux2Transformer, timestep_embedding
 from tests.device import DEVICE, DTYPE, to, tolerance
 from tests.tiny.transformer import (
     TINY_TRANSFORMER,

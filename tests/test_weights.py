@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from flux2_core import weights
 from flux2_core.errors import Flux2Error
+from flux2_core.families import get_variant
+from flux2_core.families.flux2.variants import KLEIN_4B, KLEIN_9B
 from flux2_core.models import rope
-from flux2_core.variants import KLEIN_4B, KLEIN_9B, get_variant
 from flux2_core.weights import dequantize, loading
 from tests.tiny.autoencoder import (
     build_diffusers_autoencoder,

@@ -25,7 +25,6 @@ from types import MappingProxyType
 
 from ..errors import Flux2Error
 from ..families import Family, family_of_params, linear_shapes
-from ..variants import VARIANTS
 
 # file suffix -> role; the longest matching suffix wins (".lora_A.default.weight" before ".weight" forms)
 SUFFIXES = {
@@ -218,7 +217,7 @@ def refuse_missing_blocks(keys: list[str], names: ModelNames, params, where: str
     has = ", ".join(f"{n} {group}" for group, n in names.depths.items())
     model = names.model_name(params.hidden_size)
     models = [*((names.model_name(v.params.hidden_size), _depths(names.family, v.params))
-                for v in VARIANTS.values() if v.family == names.family.name and v.params != params),
+                for v in names.family.variants if v.params != params),
               *names.family.adapters.other_depths]
     fits = [(sum(d.values()), name) for name, d in models if all(i < d.get(g, 0) for g, i in deepest.items())]
     made = f"; it was probably made for {min(fits)[1]}" if fits else ""

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 from ..errors import Flux2Error
-from ..variants import VARIANTS, runnable_variants
+from ..families import FAMILIES, VARIANTS, runnable_variants
 from .models_folder import find_weights, search_models, variant_option
 from .option_types import number_option
 from .outputs import check_folder, write_new
@@ -214,12 +214,15 @@ def check_early(args, refs) -> None:
     from ..sampling import euler, inpaint, schedules
     from ..sampling.references import check_count, check_reference
 
+    family = early_family(args)
     rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or latents.latent_size(
                  *(latents.PIXELS_PER_LATENT if side is None else side for side in (args.height, args.width)))),
              (["--steps"], lambda: args.steps is None or schedules.check_steps(args.steps)),
-             # a size whose flux2 schedule breaks at 4 steps (the least demanding default) breaks at any default
-             (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or schedules.flux2_schedule(
-                 args.steps or 4, math.prod(latents.latent_size(args.height, args.width)))),
+             # a size whose family's schedule breaks at 4 steps (the least demanding default) breaks at any default;
+             # before the files say which family runs, every family's schedule is asked
+             (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or [
+                 f.schedule(args.steps or 4, math.prod(latents.latent_size(args.height, args.width)))
+                 for f in ([family] if family is not None else FAMILIES.values())]),
              (["--cfg"], lambda: args.cfg is None or euler.check_cfg(args.cfg)),
              (["--seed", "--batch"], lambda: euler.check_seed(0 if args.seed is None else args.seed, args.batch)),
              (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None)),
@@ -236,7 +239,6 @@ def check_early(args, refs) -> None:
         raise Flux2Error("--decoder replaces the decoder of a real autoencoder; --demo has none: leave one out")
     if args.int8 and args.fp8 == "yes":
         raise Flux2Error("--int8 and --fp8 both choose how the blocks' weights are stored: pick one")
-    family = early_family(args)
     if family is not None:              # else the load that follows says what is wrong with the files
         fit = family.references
         given = references_given(args, refs)
@@ -259,7 +261,9 @@ def early_family(args):
     from ..families import family_of
 
     if args.variant or args.demo:
-        return family_of(VARIANTS[args.variant or "klein-4b"])
+        from .demo import demo_variant
+
+        return family_of(demo_variant(args.variant) if args.demo else VARIANTS[args.variant])
     try:
         from ..weights import inspect_transformer
 
@@ -342,11 +346,12 @@ def generate_command(argv: list[str]) -> int:
     if image is not None:                # before any model loads (a mask is fitted to the image: the image decides)
         grid_size(*image.size, f"--image {args.image}")
     if args.expand:                      # outpainting: the canvas and its mask become the image and the mask
+        from ..families.flux2.schedule import max_image_tokens
         from ..latents import PIXELS_PER_LATENT
-        from ..sampling import inpaint, schedules
+        from ..sampling import inpaint
 
-        # as any input, any size
-        limit = min(MAX_IMAGE_PIXELS, schedules.max_image_tokens(args.steps or 4) * PIXELS_PER_LATENT ** 2)
+        # as any input, any size (and the largest FLUX.2's schedule serves)
+        limit = min(MAX_IMAGE_PIXELS, max_image_tokens(args.steps or 4) * PIXELS_PER_LATENT ** 2)
         canvas = inpaint.expand_canvas(image, inpaint.parse_expand(args.expand), max_pixels=limit)
         image, mask = canvas.image, canvas.mask
     sp = join_ranks(args)
@@ -465,7 +470,7 @@ def load_for_command(args, device, size: tuple[int, int]):
 
         print("DEMO MODE: tiny built-in RANDOM weights. The pictures are noise; this only checks that every stage "
               "runs. Use --models or --transformer/--text-encoder/--ae for real images.")
-        models, files = demo_models(args.variant or "klein-4b", device or "cpu"), {"weights": "demo (random)"}
+        models, files = demo_models(args.variant, device or "cpu"), {"weights": "demo (random)"}
     else:
         found, files = search_models(args.models, args.variant, args.transformer, args.text_encoder, args.ae), {}
         for note in found.notes:                 # the other models in the folder, files that could not be read

@@ -9,12 +9,14 @@ from dataclasses import replace
 
 import torch
 
+from ..families import VARIANTS
+from ..families.flux2.variants import QWEN3_4B
 from ..models.autoencoder import AutoEncoder
 from ..models.qwen3 import Qwen3, Qwen3Params
 from ..models.text_encoder import build_qwen3_encoder
-from ..models.transformer import Flux2Transformer
+from ..models.transformer import Flux2Transformer, TransformerParams
 from ..pipeline import Models
-from ..variants import QWEN3_4B, VARIANTS, AutoEncoderParams, TransformerParams, Variant
+from ..variants import AutoEncoderParams, Variant
 
 DEMO_TEXT_WIDTH = 32
 DEMO_TEXT = replace(QWEN3_4B, name="demo", hidden_size=DEMO_TEXT_WIDTH)
@@ -25,6 +27,7 @@ DEMO_QWEN3 = {"vocab_size": 151936, "hidden_size": DEMO_TEXT_WIDTH, "intermediat
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1_000_000.0,
               "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "tie_word_embeddings": True}
 DEMO_SEED = 2026
+DEMO_VARIANT = "klein-4b"      # whose sampling defaults --demo takes without --variant (its model is FLUX.2's)
 
 
 def random_weights(shapes: dict[str, torch.Size], generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -57,7 +60,7 @@ def demo_transformer(device="cpu", generator: torch.Generator | None = None) -> 
     return transformer.to(device).eval()
 
 
-def demo_models(variant: str = "klein-4b", device="cpu") -> Models:
+def demo_models(variant: str | None = None, device="cpu") -> Models:
     """``variant`` picks the sampling defaults (steps, CFG, KV) of that family."""
     from ..weights import default_device_dtype
 
@@ -70,11 +73,11 @@ def demo_models(variant: str = "klein-4b", device="cpu") -> Models:
         qwen = Qwen3(qwen_params, qwen_params.num_layers)
     ae.load_state_dict(random_weights(_shapes(ae), g), assign=True)
     encoder = build_qwen3_encoder(random_weights(_shapes(qwen), g), config=qwen_params, device=device,
-                                  dtype=torch.float32)
+                                  dtype=torch.float32, spec=DEMO_TEXT)
     return Models(transformer, demo_variant(variant), ae.to(device).eval(), encoder)
 
 
-def demo_variant(variant: str = "klein-4b") -> Variant:
-    chosen = VARIANTS[variant]
+def demo_variant(variant: str | None = None) -> Variant:
+    chosen = VARIANTS[variant or DEMO_VARIANT]
     return replace(chosen, name=f"demo ({chosen.name} defaults)", params=DEMO_TRANSFORMER, files=(),
                    text_encoder=DEMO_TEXT)

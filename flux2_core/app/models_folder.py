@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import Flux2Error
-from ..variants import TextEncoderSpec, Variant, runnable_variant, runnable_variants
+from ..families import runnable_variant, runnable_variants
+from ..variants import TextEncoderSpec, Variant
 
 # ComfyUI model folders (and their legacy names) and the usual autoencoder names in them
 TRANSFORMER_FOLDERS = ("diffusion_models", "unet")

@@ -1,10 +1,14 @@
 """The registry of model families: what differs between FLUX.2 and the families after it, one record each.
 
 A family is a transformer architecture with its file layouts, its text encoder and its variants; FLUX.2 (Klein 4B / 9B,
-base, 9B-KV, dev) is the first. The code around the model (weights, adapters, runtime, sampling, the nodes, all in the
-layers above this one) asks a family record what it must know of the model it holds — its files' namings, how to read
-its parameters and build it, which of its linears a quantized storage may hold, how it sees a latent batch, its memory
-estimate's inputs, its schedule — and never tests which family it is.
+base, 9B-KV, dev) is the first. Each family is a package here (``flux2/``, ``flux3/``: its record in ``__init__``, its
+variants, files, model, schedule, sampling and adapters in modules of their own) and joins the registry
+(``registry.py``: ``FAMILIES``, ``VARIANTS``) through ``register``, which checks its record.
+
+The code around the model (weights, adapters, runtime, sampling, the nodes, all in the layers above this one) asks a
+family record what it must know of the model it holds — its files' namings, how to read its parameters and build it,
+which of its linears a quantized storage may hold, how it sees a latent batch, its memory estimate's inputs, its
+schedule — and never tests which family it is.
 
     family = ...                                  # the one whose file layout (key_tables.Layout) the file has
     params = family.read_params(shapes)           # the architecture from the file's shapes (``ShapeReader``)
@@ -18,57 +22,54 @@ import functools
 
 import torch
 
-from ..errors import Flux2Error
 from ..models.layers import Layers
 from ..storage.protocol import stored_linears
-from ..variants import VARIANTS, TextEncoderSpec, Variant
-from .family import AdapterNaming, Family, MemoryInputs, ModelParams, NoiseDraw, ReferenceFit, ShapeReader
+from .family import AdapterNaming, Family, MemoryInputs, ModelParams, NoiseReading, ReferenceFit, ShapeReader
 from .flux2 import FLUX2
 from .flux3 import FLUX3
+from .registry import (
+    FAMILIES,
+    VARIANTS,
+    encoder_for,
+    family_of,
+    family_of_encoder,
+    family_of_params,
+    get_family,
+    get_variant,
+    register,
+    runnable_variant,
+    runnable_variants,
+    text_encoders,
+    unregister,
+)
 
 __all__ = [
     "FAMILIES",
+    "VARIANTS",
     "AdapterNaming",
     "Family",
     "MemoryInputs",
     "ModelParams",
-    "NoiseDraw",
+    "NoiseReading",
     "ReferenceFit",
     "ShapeReader",
+    "encoder_for",
     "family_of",
     "family_of_encoder",
     "family_of_params",
     "get_family",
+    "get_variant",
     "linear_shapes",
+    "register",
+    "runnable_variant",
+    "runnable_variants",
+    "text_encoders",
+    "unregister",
 ]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (FLUX2, FLUX3)}
-
-
-def get_family(name: str) -> Family:
-    try:
-        return FAMILIES[name]
-    except KeyError:
-        raise Flux2Error(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}") from None
-
-
-def family_of(variant: Variant) -> Family:
-    return get_family(variant.family)
-
-
-def family_of_encoder(spec: TextEncoderSpec) -> Family:
-    """The family whose prompts an encoder of this model reads (Qwen3-VL: FLUX 3; Qwen3 and the rest: FLUX.2): what
-    a prompt's conditioning knows of the model it is for before it meets one (how references are sized, boxes)."""
-    return family_of(next((v for v in VARIANTS.values() if v.text_encoder.model == spec.model), VARIANTS["klein-4b"]))
-
-
-def family_of_params(params) -> Family:
-    """The family whose architecture ``params`` describe (each family has its own parameter class)."""
-    family = next((f for f in FAMILIES.values() if type(params) is f.params_type), None)
-    if family is None:
-        raise Flux2Error(f"{type(params).__name__} is no model family's parameters; known: "
-                         f"{', '.join(f.params_type.__name__ for f in FAMILIES.values())}")
-    return family
+# FLUX.2 first: a models folder's search and a file that says nothing take the first family's variants first
+register(FLUX2)
+register(FLUX3)
 
 
 def linear_shapes(params) -> dict[str, tuple[int, int]]:

@@ -12,7 +12,6 @@ import torch
 from torch import Tensor, nn
 
 from ..key_tables import Layout
-from ..models import rope
 from ..models.layers import Layers
 from ..variants import Variant
 
@@ -21,7 +20,8 @@ class ModelParams(Protocol):
     """What the code around a model reads of any family's parameters (the rest is the family's own)."""
 
     context_in_dim: int          # the width of the prompt embeddings the model takes
-    use_guidance_embed: bool     # a guidance-embedding model: the guidance scale is an input, not CFG
+    use_guidance_embed: bool     # a guidance-embedding model: the guidance scale is an input, not CFG (a family
+                                 # with no such model defines it as a property that says False)
     num_heads: int               # attention heads: what sequence parallelism splits over the ranks
     hidden_size: int             # the token width (what LoRA messages tell models apart by)
 
@@ -68,12 +68,11 @@ class AdapterNaming:
                                                      # shape says the adapter was made for, "" where it says nothing
 
 
-@dataclass(frozen=True)
-class NoiseDraw:
-    """How a seed becomes the start noise of one image (drawn on a CPU generator in float32, item i with seed + i)."""
-
-    token_major: bool = False     # drawn as [h*w, 128] tokens (FLUX 3's reference), not [128, h, w] (FLUX.2's)
-    bf16: bool = False            # rounded through bfloat16 after the draw (FLUX 3's reference)
+# How a family reads a seed's draw: every family's start noise is one draw per image from a CPU generator seeded with
+# seed + i, in float32, in the order the values come ([n, 128, h, w] channels first, as FLUX.2's reference lays them
+# out); the family returns its noise on the latent grid [n, 128, h, w] (FLUX 3 reads the same values token by token
+# and rounds them through bf16). One draw serves every family, so the Noise node draws before the model is known.
+NoiseReading = Callable[[Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -92,21 +91,14 @@ class ReferenceFit:
     pad_min: int = 0
 
 
-FLUX2_REFERENCES = ReferenceFit(single_pixels=2024 * 2024, multi_pixels=1024 * 1024)   # "2024" as BFL's code
-
-
-def bf16_latent(compute: torch.dtype) -> torch.dtype:
-    """FLUX.2's latent between steps: in bfloat16 BFL's reference keeps the latent and time in bf16 (and ours equals
-    it there); in float16 BFL has no reference, and ComfyUI's native FLUX.2 is the one users compare with: a float32
-    latent and time, the model's input cast to float16 at each call."""
-    return torch.bfloat16 if compute == torch.bfloat16 else torch.float32
-
-
 @dataclass(frozen=True)
 class Family:
+    """Every field is the family's own statement (none has a default: a family that forgot one would silently get
+    another's behaviour); ``families.register`` checks each before the family joins the registry."""
     name: str                                       # the registry key, and ``Variant.family`` of its variants
     params_type: type                               # its architecture's parameters (a frozen dataclass)
     title: str                                      # what messages call it: "FLUX.2"
+    variants: tuple[Variant, ...]                   # its releases (``families.VARIANTS`` gathers every family's)
     layouts: tuple[Layout, ...]                     # the namings of its transformer files, each known by a key only
                                                     # it holds (key_tables.Layout)
     lookalikes: tuple[tuple[str, str], ...]         # (a key, what the file is): files often taken for this family's
@@ -122,11 +114,12 @@ class Family:
     # back on the latent grid; the samplers around it (Euler, CFG, inpainting, ComfyUI's) are the same for every family
     condition: Callable[..., Callable[[Tensor, Tensor, Tensor | None], Tensor]]
     memory: Callable[[object], MemoryInputs]        # params -> the inputs of its memory estimate
-    schedule: str                                   # its default sigmas: a name ``schedules.named_schedule`` knows
+    schedule: Callable[[int, int], list[float]]     # (steps, image tokens) -> its default sigmas, 1 down to 0
+    schedule_name: str                              # the schedule as the Scheduler node lists it ("flux2")
     adapters: AdapterNaming                         # what LoRA matching and its messages know of it
-    noise: NoiseDraw = NoiseDraw()                  # how a seed becomes its start noise
-    latent_dtype: Callable[[torch.dtype], torch.dtype] = bf16_latent   # compute dtype -> the latent's between steps
+    noise: NoiseReading                             # how it reads a seed's draw as its start noise
+    latent_dtype: Callable[[torch.dtype], torch.dtype]   # compute dtype -> the latent's between steps
     # [(h, w) of each reference latent] -> their position ids [1, sum(h*w), 4] (what tells references apart)
-    reference_ids: Callable[..., Tensor] = rope.reference_ids
-    references: ReferenceFit = FLUX2_REFERENCES     # how its reference images are sized
-    boxes: bool = False                             # its prompts may carry layout boxes (``sampling/boxes.py``)
+    reference_ids: Callable[..., Tensor]
+    references: ReferenceFit                        # how its reference images are sized
+    boxes: bool                                     # its prompts may carry layout boxes (``sampling/boxes.py``)

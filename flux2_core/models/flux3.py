@@ -25,12 +25,35 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from ..errors import Flux2Error
-from ..variants import Flux3Params
+from ..variants import AttentionShape
 from .layers import Layers
 from .rope import rope_table
 from .run_state import run_state
 from .shards import TokenShards, shares
 from .transformer import TIME_EMBED_DIM, LastLayer, MLPEmbedder, Modulation, QKNorm, swiglu, timestep_embedding
+
+
+@dataclass(frozen=True)
+class Flux3Params(AttentionShape):
+    """FLUX 3 Image Klein's transformer: per-mode early blocks (image, references, text), then single blocks over each
+    sample's joint sequence [image, references, text] with per-mode modulation; every block one parallel attention + MLP
+    under one modulation and one gate."""
+    in_channels: int = 128             # patchified latent channels (the FLUX.2 autoencoder's)
+    context_in_dim: int = 20480        # 8 x Qwen3-VL-4B's 2560 (layers 4, 8, ..., 32 stacked per token)
+    hidden_size: int = 3072
+    num_heads: int = 24
+    depth: int = 5                     # early blocks per mode
+    depth_single_blocks: int = 28
+    mlp_ratio: float = 3.0
+    axes_dim: tuple[int, ...] = (32, 32, 32, 32)   # RoPE dims per id axis (t, h, w, l); sums to head_dim
+    theta: int = 10000
+    flow_map: bool = False             # the distilled model: it is also told the time each step goes to
+
+    @property
+    def use_guidance_embed(self) -> bool:
+        """No FLUX 3 model embeds a guidance scale (``ModelParams``: the base model guides with CFG)."""
+        return False
+
 
 IMAGE, REFERENCES, TEXT = "image", "image_cond", "txt"    # the modes, in their order inside a sample
 IMAGE_ID_SCALE = 0.5          # image and reference positions are (row, col) / 2

@@ -1,7 +1,9 @@
 """The Qwen3 prompt embedder, as BFL's ``Qwen3Embedder`` and diffusers' ``_get_qwen3_prompt_embeds``: the prompt in
-Qwen3's chat template, 512 tokens (right padded / truncated), embeds [B, 512, 3*D] = cat(hidden states 9, 18, 27)
-per token, un-normed (FLUX.2's ``TextEncoderSpec``; another family's spec gives its template, layers and length). Pad tokens are masked as keys inside Qwen3 but their rows are kept: the transformer sees all
-512. Layers 28.. and the final norm never matter, so the model is built with 27 layers and no final norm.
+its spec's template, padded as its spec's ``padding`` says (FLUX.2: every prompt 512 tokens, right padded / truncated),
+embeds [B, L, layers*D] = the spec's hidden states concatenated per token, un-normed (FLUX.2: 9, 18, 27). Pad tokens
+are masked as keys inside Qwen3 but their rows are kept: the transformer sees all L. Layers past the deepest read and
+the final norm never matter, so the model is built without them. Every spec comes from the family asking (the registry
+above this layer): nothing here names a family's encoder.
 """
 
 from __future__ import annotations
@@ -14,19 +16,18 @@ from ..checks import dtype_cause, finite
 from ..errors import Flux2Error
 from ..storage.quant import DROPPED_SUFFIXES
 from ..storage.stored_format import LayerFormat
-from ..variants import QWEN3_4B, QWEN3_8B, QWEN3_TEMPLATE, QWEN3_VL_4B, TextEncoderSpec
+from ..variants import TextEncoderSpec
 from .layers import Layers
 from .qwen3 import Qwen3, Qwen3Params
 from .tokenizer import Qwen3Tokenizer, as_qwen3_tokenizer, load_tokenizer
 
-# Known Qwen3 sizes, by hidden width.
-SPECS_BY_HIDDEN = {QWEN3_4B.hidden_size: QWEN3_4B, QWEN3_8B.hidden_size: QWEN3_8B}
-ENCODERS_READ = (QWEN3_4B, QWEN3_8B, QWEN3_VL_4B)     # what messages list where no family asks
-
 
 def encoder_needed(spec: TextEncoderSpec | None) -> str:
-    """What a message says the encoder must be: the asking spec's reader and files, else every encoder read here."""
-    return "; ".join(f"{s.reader} reads the {s.wanted}" for s in ((spec,) if spec is not None else ENCODERS_READ))
+    """What a message says the encoder must be: the asking spec's reader and files (none asked: the one the
+    transformer's family reads)."""
+    if spec is None:
+        return "Load the Qwen3 (or Qwen3-VL) text encoder the transformer's family reads"
+    return f"{spec.reader} reads the {spec.wanted}"
 
 
 @dataclass
@@ -58,8 +59,8 @@ def stack_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None
     return torch.cat(padded), [r.shape[1] for r in rows for _ in range(r.shape[0])]
 
 
-def render_prompt(prompt: str, template: str = QWEN3_TEMPLATE) -> str:
-    """The prompt in its encoder's template (``TextEncoderSpec.template``; Qwen3's chat template by default)."""
+def render_prompt(prompt: str, template: str) -> str:
+    """The prompt in its encoder's template (``TextEncoderSpec.template``)."""
     if not isinstance(prompt, str):
         raise Flux2Error(f"a prompt must be a string, got {type(prompt).__name__}")
     try:
@@ -71,7 +72,7 @@ def render_prompt(prompt: str, template: str = QWEN3_TEMPLATE) -> str:
     return template.replace("{prompt}", prompt)
 
 
-def count_prompt_tokens(tokenizer: Qwen3Tokenizer, prompt: str, template: str = QWEN3_TEMPLATE) -> int:
+def count_prompt_tokens(tokenizer: Qwen3Tokenizer, prompt: str, template: str) -> int:
     """Before truncation: the exact count the web extension shows under the prompt."""
     return len(tokenizer.encode(render_prompt(prompt, template)))
 
@@ -105,44 +106,37 @@ class PromptEncoder:
         return getattr(self.model.embed_tokens, "dtype", self.model.embed_tokens.weight.dtype)
 
     def lengths(self, counts: list[int]) -> list[int] | None:
-        """Each prompt's padded length where the spec pads each alone (to its multiple, at most max_length), else
-        None: every prompt is max_length."""
-        multiple, most = self.spec.pad_multiple, self.spec.max_length
-        return [min(-(-n // multiple) * multiple, most) for n in counts] if multiple else None
+        """Each prompt's padded length where the spec's padding pads each alone, else None: every prompt has the one
+        length the padding gives."""
+        padding = self.spec.padding
+        return [padding.length(n, self.spec.max_length) for n in counts] if padding.per_prompt else None
 
     def text_tokens(self, prompts: list[str]) -> int:
         """The text rows the model gets for ``prompts`` encoded together (``tokenize``'s L), without encoding them:
         what a memory estimate counts."""
-        if not self.spec.pad_multiple:
-            return self.spec.max_length
+        if not self.spec.padding.per_prompt:
+            return self.spec.padding.length(0, self.spec.max_length)
         return max(self.lengths([count_prompt_tokens(self.tokenizer, p, self.spec.template) for p in prompts]))
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """(ids [B, L], attention mask [B, L], untruncated token counts); L is max_length, or with a ``pad_multiple``
-        the longest prompt's own padded length."""
+        """(ids [B, L], attention mask [B, L], untruncated token counts); L is the length the spec's padding gives
+        every prompt, or where it pads each alone, the longest prompt's own padded length."""
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise Flux2Error(f"prompts must be a list of strings, got {type(prompts).__name__}")
         if not prompts:
             raise Flux2Error("no prompt to encode: pass at least one (an empty string is a valid prompt)")
         texts = [render_prompt(p, self.spec.template) for p in prompts]
-        counts = [len(self.tokenizer.encode(t)) for t in texts] if self.spec.pad_multiple else None
-        length = max(self.lengths(counts)) if counts else self.spec.max_length
+        counts = [len(self.tokenizer.encode(t)) for t in texts] if self.spec.padding.per_prompt else None
+        length = max(self.lengths(counts)) if counts else self.spec.padding.length(0, self.spec.max_length)
         ids, mask, counts = self.tokenizer.padded(texts, length)
         return torch.tensor(ids), torch.tensor(mask), counts
-
-    def positions(self, mask: torch.Tensor) -> torch.Tensor:
-        """RoPE positions [B, L]: tokens count from 0; pads go on counting, or all take ``spec.pad_position``."""
-        index = torch.arange(mask.shape[1]).expand_as(mask)
-        if self.spec.pad_position is None:
-            return index
-        return torch.where(mask.bool(), index, torch.full_like(index, self.spec.pad_position))
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> PromptEmbeds:
         ids, mask, counts = self.tokenize(prompts)
         batch, length = ids.shape
         states = self.model(ids.to(self.device), mask.to(self.device), self.spec.output_layers,
-                            self.positions(mask).to(self.device))
+                            self.spec.padding.positions(mask).to(self.device))
         layers = torch.stack(states, dim=2)                                                 # [B, L, layers, D]
         embeds = layers.reshape(batch, length, -1)                                          # [B, L, layers*D]
         lengths = self.lengths(counts)
@@ -212,20 +206,18 @@ def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, 
 
 
 def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device="cpu", dtype=torch.bfloat16,
-                        tokenizer=None, spec: TextEncoderSpec | None = None,
+                        tokenizer=None, *, spec: TextEncoderSpec,
                         ggml_types: dict[str, int] | None = None, kept: dict[str, torch.dtype] | None = None,
                         stored: dict[str, StoredLayer] | None = None) -> PromptEncoder:
     """``config``: ``Qwen3Params``, a config.json dict (or a transformers Qwen3Config), or None to read it from the
-    shapes. ``ggml_types``: module name -> GGML type of the layers given as GGUF blocks. ``spec``: None picks by width.
+    shapes. ``ggml_types``: module name -> GGML type of the layers given as GGUF blocks. ``spec``: how its family
+    reads it (a file's own width taken where the spec's differs).
     """
     if config is None:
-        params = Qwen3Params.from_state_dict(qwen3_state_dict(state_dict, spec),
-                                             **({"rope_theta": spec.rope_theta} if spec is not None else {}))
+        params = Qwen3Params.from_state_dict(qwen3_state_dict(state_dict, spec), rope_theta=spec.rope_theta)
     else:
         params = config if isinstance(config, Qwen3Params) else Qwen3Params.from_config(config)
-    if spec is None:
-        spec = SPECS_BY_HIDDEN.get(params.hidden_size) or replace(QWEN3_4B, name="custom", hidden_size=params.hidden_size)
-    elif spec.hidden_size != params.hidden_size:     # another size of the model the spec reads (tests, or a mistake
+    if spec.hidden_size != params.hidden_size:     # another size of the model the spec reads (tests, or a mistake
         spec = replace(spec, name="custom", hidden_size=params.hidden_size)   # the transformer's check then names)
     check_depth(params.num_layers, spec)          # before building: Qwen3 cannot make layers the file lacks
     model = build_qwen3_model(state_dict, params, max(spec.output_layers), device, dtype, ggml_types, kept, stored,

@@ -22,11 +22,28 @@ from torch import Tensor, nn
 
 from .. import kitchen
 from ..errors import Flux2Error
-from ..variants import TransformerParams
+from ..variants import AttentionShape
 from .layers import Layers
+from .reference_kv import ReferenceKV
 from .rope import apply_rope, rope_table
 from .run_state import run_state
 from .shards import TokenShards
+
+
+@dataclass(frozen=True)
+class TransformerParams(AttentionShape):
+    """FLUX.2's transformer (the defaults are Klein 4B's)."""
+    in_channels: int = 128             # patchified latent channels (32 AE channels x 2 x 2)
+    context_in_dim: int = 7680         # 3 x text-encoder hidden size (layers 9, 18, 27 concatenated)
+    hidden_size: int = 3072
+    num_heads: int = 24
+    depth: int = 5                     # double-stream blocks
+    depth_single_blocks: int = 20
+    mlp_ratio: float = 3.0
+    axes_dim: tuple[int, ...] = (32, 32, 32, 32)   # RoPE dims per id axis (t, h, w, l); sums to head_dim
+    theta: int = 2000
+    use_guidance_embed: bool = False   # FLUX.2-dev only
+
 
 TIME_EMBED_DIM = 256
 FP16_MAX = torch.finfo(torch.float16).max
@@ -232,37 +249,6 @@ class LastLayer(nn.Module):
     def forward(self, x: Tensor, vec: Tensor) -> Tensor:
         shift, scale = self.adaLN_modulation(vec)[:, None, :].chunk(2, dim=-1)   # order: shift, then scale
         return self.linear(modulate(x, shift, scale))
-
-
-@dataclass
-class ReferenceKV:
-    """blocks[i] = (k, v), each [B, heads, num_tokens, head_dim], double blocks first; a batch of 1 broadcasts.
-    From a sequence-parallel model each rank holds its heads/P heads, and ``parallel_id`` names the call that made them.
-    """
-
-    blocks: list[tuple[Tensor, Tensor]]
-    num_tokens: int
-    parallel_id: str | None = None
-
-    @property
-    def batch(self) -> int:
-        return self.blocks[0][0].shape[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.blocks[0][0].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.blocks[0][0].device
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.blocks)
-
-    def to(self, device=None, dtype=None) -> ReferenceKV:
-        return ReferenceKV([(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype))
-                            for k, v in self.blocks], self.num_tokens, self.parallel_id)
 
 
 def _batched(x: Tensor, batch: int, name: str) -> Tensor:

@@ -20,27 +20,25 @@ from torch import Tensor
 
 from .. import checks
 from ..errors import Flux2Error
-from ..families import NoiseDraw, family_of_params
+from ..families import NoiseReading, family_of_params
 from ..latents import LATENT_CHANNELS, latent_size
-from ..models import rope
+from ..models.reference_kv import ReferenceKV
 from ..models.text_encoder import stack_rows
-from ..models.transformer import ReferenceKV
 from ..runtime import memory
 from .conditioning import KVSource, ReferencePack, Velocity, velocity_for
 from .step_cache import StepCache
 
-CHANNELS_FIRST = NoiseDraw()   # FLUX.2's draw: [128, h, w] in float32
 MAX_CFG = 100.0          # as ComfyUI's CFGGuider and KSampler; far beyond any useful scale, still finite in bf16 steps
 
 
 # --- noise ------------------------------------------------------------------------------------------------------
 
 def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", dtype=torch.float32,
-               bfl_cuda_noise: bool = False, draw: NoiseDraw = CHANNELS_FIRST) -> Tensor:
+               bfl_cuda_noise: bool = False, reading: NoiseReading | None = None) -> Tensor:
     """[batch, 128, height/16, width/16]; item i uses seed + i, so it equals a batch-1 run with that seed. Drawn on a
-    CPU generator in float32 (diffusers' and ComfyUI's convention: the same on every device), as the family's
-    ``draw`` says (FLUX 3: token-major, rounded through bf16); ``bfl_cuda_noise`` draws bf16 on ``device`` as FLUX.2's
-    reference CLI does.
+    CPU generator in float32 (diffusers' and ComfyUI's convention: the same on every device), then read as the
+    family's ``reading`` says (``families.NoiseReading``; None: as drawn); ``bfl_cuda_noise`` draws bf16 on
+    ``device`` as FLUX.2's reference CLI does.
     """
     h, w = latent_size(height, width)
     check_seed(seed, batch)
@@ -50,14 +48,11 @@ def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", 
         memory.fits(values * 4, memory.free_memory(where), f"noise for {batch} x {width}x{height} on {where}",
                     "use a smaller size or batch")
     gen_device, gen_dtype = (device, torch.bfloat16) if bfl_cuda_noise else ("cpu", torch.float32)
-    shape = (1, h * w, LATENT_CHANNELS) if draw.token_major else (1, LATENT_CHANNELS, h, w)
-    items = [torch.randn(shape, dtype=gen_dtype, device=gen_device,
+    items = [torch.randn((1, LATENT_CHANNELS, h, w), dtype=gen_dtype, device=gen_device,
                          generator=torch.Generator(gen_device).manual_seed(seed + i)) for i in range(batch)]
     noise = torch.cat(items)
-    if draw.token_major:
-        noise = rope.unpack(noise, h, w)
-    if draw.bf16:
-        noise = noise.to(torch.bfloat16)
+    if reading is not None:
+        noise = reading(noise)
     return noise.to(device=device, dtype=dtype)
 
 

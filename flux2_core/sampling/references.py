@@ -23,7 +23,7 @@ from PIL import Image, ImageOps
 
 from ..errors import Flux2Error
 from ..families import ReferenceFit
-from ..families.family import FLUX2_REFERENCES
+from ..families.flux2.sampling import REFERENCES as FLUX2_REFERENCES
 from ..latents import PIXELS_PER_LATENT
 from ..models import rope
 

@@ -23,7 +23,7 @@ from ..variants import Variant
 from . import inpaint
 from .boxes import Box, boxed_prompt, check_rows, read_boxes, rows_read
 from .references import ReferenceCount, as_pil, center_crop_16, padded_box, prepare_references
-from .schedules import check_strength, named_schedule
+from .schedules import check_strength
 
 DEFAULT_SIZE = 1024
 
@@ -99,7 +99,7 @@ def read_request(variant: Variant, prompt: str, *, references=(), width: int | N
     width, height = (base[0] if width is None else width), (base[1] if height is None else height)
     h, w = latent_size(height, width)
     if sigmas is None:
-        sigmas = named_schedule(family.schedule, variant.default_steps if steps is None else steps, h * w)
+        sigmas = family.schedule(variant.default_steps if steps is None else steps, h * w)
     request = Request(text, layout, refs, init, width, height, sigmas, strength, crop=crop)
     if masked:
         pixels, notes = inpaint.image_mask(mask, source, (width, height))

@@ -23,7 +23,7 @@ from torch import nn
 from .. import families
 from ..devices import SIXTEEN_BIT, compute_dtype, kept_dtype
 from ..errors import Flux2Error
-from ..families import Family
+from ..families import Family, ModelParams
 from ..key_tables import Layout, Recipe, same_names, table_names, table_recipes
 from ..models.autoencoder import AutoEncoder, WeightFiles
 from ..models.layers import Choice, Layers
@@ -36,17 +36,7 @@ from ..storage.int8 import Int8Linear
 from ..storage.protocol import FLOAT_KINDS, StoredLinear
 from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, quantize_fp8
 from ..storage.stored_format import SCALE, LayerFormat
-from ..variants import (
-    MISTRAL_SMALL,
-    QWEN3_4B,
-    QWEN3_8B,
-    QWEN3_VL_4B,
-    AutoEncoderParams,
-    TextEncoderSpec,
-    TransformerParams,
-    Variant,
-    get_variant,
-)
+from ..variants import AutoEncoderParams, TextEncoderSpec, Variant
 from .checkpoint import TORCH_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json, read_tensor
 from .dequantize import comfy_formats, dequantize
 from .gguf_file import architecture, describe_gguf
@@ -491,7 +481,7 @@ def transformer_family(source: Source) -> Family:
     return next(f for f in families.FAMILIES.values() if source.layout in f.layouts)
 
 
-def transformer_params(source: Source) -> TransformerParams:
+def transformer_params(source: Source) -> ModelParams:
     """The architecture the file's shapes give, read by its family."""
     return transformer_family(source).read_params(SourceShapes(source))
 
@@ -507,14 +497,14 @@ def variant_hint(source: Source) -> str:
     return path.name if path.is_file() else "/".join(path.parts[-3:])
 
 
-def inspect_transformer(path: str | Path, params: TransformerParams | None = None,
-                        variant: str | None = None) -> tuple[TransformerParams, Variant]:
+def inspect_transformer(path: str | Path, params: ModelParams | None = None,
+                        variant: str | None = None) -> tuple[ModelParams, Variant]:
     """From the headers alone: no tensor is read."""
     return _transformer_spec(_transformer_source(path), params, variant)
 
 
 def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
-                     params: TransformerParams | None = None, variant: str | None = None,
+                     params: ModelParams | None = None, variant: str | None = None,
                      fp8: bool | None = None, int8: bool | str = False) -> tuple[Flux2Transformer, Variant]:
     """``params`` overrides the architecture read from shapes; ``variant`` the one detected from it.
 
@@ -555,7 +545,7 @@ def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | No
                             and k not in scales else t.itemsize) for k, t in state.items())
 
 
-def _transformer_on_meta(path, params: TransformerParams | None, variant: str | None, fp8: bool | None,
+def _transformer_on_meta(path, params: ModelParams | None, variant: str | None, fp8: bool | None,
                          int8: bool | str = False, dtype: torch.dtype = torch.float32,
                          storages: dict[str, Choice] | None = None) -> tuple[Source, Flux2Transformer, Variant]:
     """``storages``: filled with the storage each linear was made in (``Layers.chosen``)."""
@@ -632,12 +622,12 @@ def _transformer_source(path) -> Source:
                        tuple(arch for f in known for arch in f.gguf_archs))
 
 
-def _transformer_spec(source: Source, params: TransformerParams | None,
-                      variant: str | None) -> tuple[TransformerParams, Variant]:
+def _transformer_spec(source: Source, params: ModelParams | None,
+                      variant: str | None) -> tuple[ModelParams, Variant]:
     params = params or transformer_params(source)
     if not variant:
         return params, transformer_family(source).variant_for(params, variant_hint(source))
-    chosen = get_variant(variant)
+    chosen = families.get_variant(variant)
     if chosen.params.hidden_size != params.hidden_size or chosen.params.context_in_dim != params.context_in_dim:
         raise Flux2Error(f"variant {variant!r} is {chosen.params.hidden_size} wide with {chosen.params.context_in_dim}"
                          f"-wide text input, but {source.ckpt.path} is {params.hidden_size} / "
@@ -741,7 +731,7 @@ def _is_decoder_alone(path) -> bool:
 TEXT_ENCODER_LAYOUTS = [Layout("Hugging Face Qwen3", "layers.0.self_attn.q_norm.weight", same_names),
                         Layout("llama.cpp GGUF", "blk.0.attn_q_norm.weight",
                                lambda keys: table_recipes(QWEN3_FROM_LLAMA_CPP), table_names(QWEN3_FROM_LLAMA_CPP))]
-ENCODER_FILES = {spec.name: spec.wanted for spec in (QWEN3_4B, QWEN3_8B, QWEN3_VL_4B, MISTRAL_SMALL)}
+ENCODER_FILES = {spec.name: spec.wanted for spec in families.text_encoders()}   # the registered families' encoders
 
 
 @dataclass(frozen=True)
@@ -760,9 +750,8 @@ def inspect_text_encoder(path: str | Path) -> EncoderIdentity:
     return replace(encoder_model(source), hidden=need_shape(source, key)[-1] if key else 0)
 
 
-def text_encoder_spec(path: str | Path) -> TextEncoderSpec | None:
-    """From the headers alone, the spec a file is read with when none is asked (``encoder_spec``): Qwen3-VL-4B's
-    for a file that says it is Qwen3-VL, else None (FLUX.2's, picked by width: all read 512 tokens alike)."""
+def text_encoder_spec(path: str | Path) -> TextEncoderSpec:
+    """From the headers alone, the spec a file is read with when none is asked (``encoder_spec``)."""
     return encoder_spec(_text_encoder_source(path), None)
 
 
@@ -782,7 +771,7 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     device, dtype = default_device_dtype(device, dtype, fp16=False)
     source = _text_encoder_source(path)
     spec = encoder_spec(source, spec)
-    last = max((spec or QWEN3_4B).output_layers)
+    last = max(spec.output_layers)
     keys = sorted(k for k in map(source.layout.ours, source.keys) if k is not None and is_used(k, last))
     ggml_types = {k.removesuffix(".weight"): source.ggml_type(k) for k in keys if source.ggml_type(k) is not None}
     shapes = {k: torch.empty(need_shape(source, k), device="meta") for k in keys}
@@ -802,7 +791,7 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
         tokenizer = load_tokenizer(source.ckpt.files[0].parent)
     try:
         config = qwen3_config(source) or Qwen3Params.from_state_dict(qwen3_state_dict(shapes, spec),
-                                                                      (spec or QWEN3_4B).rope_theta)
+                                                                      spec.rope_theta)
         encoder = build_qwen3_encoder(state, config=config, device=device, dtype=dtype, tokenizer=tokenizer,
                                       ggml_types=ggml_types, kept=kept, spec=spec, stored=layers)
     except Flux2Error as e:
@@ -849,13 +838,15 @@ def describe_encoder(source: Source) -> str:
     return f"{source.layout.name} layout{where}{said}"
 
 
-def encoder_spec(source: Source, spec: TextEncoderSpec | None) -> TextEncoderSpec | None:
+def encoder_spec(source: Source, spec: TextEncoderSpec | None) -> TextEncoderSpec:
     """The spec to read the file with. Asked for one (the transformer's): refused where the file says it is another
     model, or says nothing and the spec takes only files that say so ("cannot tell"), each time naming the file to
-    load. Asked for none: Qwen3-VL-4B's for a file that says it is Qwen3-VL, else None (FLUX.2's, picked by width)."""
+    load. Asked for none: the registry's for what the file says it is and its width (``families.encoder_for``)."""
     found = encoder_model(source)
     if spec is None:
-        return QWEN3_VL_4B if found.model == QWEN3_VL_4B.model else None
+        key = next((k for k in map(source.layout.ours, source.keys) if k is not None
+                    and k.endswith("embed_tokens.weight")), None)
+        return families.encoder_for(found.model, need_shape(source, key)[-1] if key else 0)
     if spec.reads(found.model):
         return spec
     load = f"load the {spec.wanted}, or its Hugging Face folder"

@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 from flux2_core.app.demo import random_weights
 from flux2_core.models.autoencoder import AutoEncoder
-from flux2_core.variants import AutoEncoderParams, TransformerParams
+from flux2_core.models.transformer import TransformerParams
+from flux2_core.variants import AutoEncoderParams
 from tests.comfyui.host import PACK_FOLDER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +80,7 @@ EXTRA_PATHS = """comfyui-gguf:
 def write_tiny_models(models: Path) -> dict[str, str]:
     """Random weights in ComfyUI's model folders: BFL transformer (also as a base, a KV and an fp8mixed model),
     ComfyUI Qwen3 file, BFL autoencoders (tiny, and one of the real size). Returns {role: file name}."""
-    from flux2_core.families.flux2 import quantizable
+    from flux2_core.families.flux2.files import quantizable
     from tests.tiny.adapters import (
         adapter_state_dict,
         lora_state_dict,

@@ -3,7 +3,7 @@ tree (pytest does not collect it):
 
     python family_probe.py PACK_DIR TOY_FILE TEXT_ENCODER AE        -> one JSON object on stdout
 
-The toy family (tests/toy_family.py: a registry entry and its model) is registered in the pack's registry; then our
+The toy family (tests/toy_family/: a family package of its own) is registered in the pack's registry; then our
 nodes run as ComfyUI's executor calls them (loader, prompt encode, noise, scheduler, Denoise with CFG, decode), and the
 engine runs the same files through ``pipeline.generate``. The report holds both sides' differences and what FLUX.2
 Klein to MODEL says of the toy's model.
@@ -58,9 +58,9 @@ def main() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("flux2_pack.flux2_core"):
             sys.modules[name.removeprefix("flux2_pack.")] = module
-    toy = load_module("toy_family", pack_dir / "tests" / "toy_family.py")
+    toy = load_module("toy_family", pack_dir / "tests" / "toy_family" / "__init__.py", package=True)
 
-    families.FAMILIES[toy.TOY.name] = toy.TOY
+    families.register(toy.TOY)
     import folder_paths
 
     for folder, path in (("diffusion_models", toy_file), ("text_encoders", encoder_file), ("vae", ae_file)):
@@ -72,7 +72,8 @@ def main() -> None:
     (positive,) = run_node(conditioning.PromptEncode, text_encoder=encoder, prompt=PROMPT)
     (negative,) = run_node(conditioning.PromptEncode, text_encoder=encoder, prompt=NEGATIVE)
     (noise,) = run_node(sampling.Noise, seed=SEED, width=WIDTH, height=HEIGHT, batch_size=1)
-    (sigmas,) = run_node(sampling.Scheduler, steps=STEPS, schedule="flux2", rho=2.0, width=WIDTH, height=HEIGHT)
+    (sigmas,) = run_node(sampling.Scheduler, steps=STEPS, schedule=toy.TOY.schedule_name, rho=2.0, width=WIDTH,
+                         height=HEIGHT)
     (latent,) = run_node(sampling.Denoise, model=model, positive=positive, negative=negative, noise=noise,
                          sigmas=sigmas, cfg=CFG, denoise=1.0)
     (image,) = run_node(autoencoder.AEDecode, ae=ae, latent=latent)

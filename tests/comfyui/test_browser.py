@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageChops
 
+from flux2_core.families.flux2.variants import QWEN3_TEMPLATE
 from flux2_core.models.text_encoder import count_prompt_tokens
 from flux2_core.models.tokenizer import load_tokenizer
 from tests.comfyui.host import PACK_FOLDER
@@ -172,7 +173,7 @@ def test_nodes_share_one_colour_family(page):
 
 
 def test_live_token_count_is_exact_once_the_server_answered(page):
-    exact = {name: count_prompt_tokens(load_tokenizer(), PROMPTS[name]) for name in ("short", "long")}
+    exact = {name: count_prompt_tokens(load_tokenizer(), PROMPTS[name], QWEN3_TEMPLATE) for name in ("short", "long")}
     assert exact["short"] == 12 + 6 and exact["long"] > 512   # "a| red| fox| in| the| snow" + the chat template
     assert page["feature"] is True
     short, long = page["short"], page["long"]
@@ -187,12 +188,12 @@ def test_live_token_count_is_exact_once_the_server_answered(page):
 
 def test_live_token_count_follows_the_connected_text_encoder(page):
     """Connected to a FLUX 3 (Qwen3-VL) encoder's loader, the prompt counts with its template, up to 4096."""
-    from flux2_core.variants import QWEN3_VL_4B
+    from flux2_core.families.flux3.variants import QWEN3_VL_4B
     from tests.comfyui.base_dir import FILES
 
     assert PROMPTS["flux3_encoder"] == FILES["text_encoder_flux3"]
     exact = count_prompt_tokens(load_tokenizer(), PROMPTS["short"], QWEN3_VL_4B.template)
-    assert exact == count_prompt_tokens(load_tokenizer(), PROMPTS["short"]) - 4      # no empty thinking block
+    assert exact == count_prompt_tokens(load_tokenizer(), PROMPTS["short"], QWEN3_TEMPLATE) - 4      # no empty thinking block
     assert page["flux3"]["answered"] == {"text": PROMPTS["short"], "encoder": PROMPTS["flux3_encoder"], "limit": 4096,
                                          "count": exact, "exact": True, "label": f"{exact} / 4096 tokens",
                                          "over": False}

@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_a_second_family_runs_through_our_nodes_as_the_engine_runs_it(comfy, tmp_path):
-    """A toy transformer file (tests/toy_family.py) beside the tiny Qwen3 and autoencoder: our loader reads it through
+    """A toy transformer file (tests/toy_family/) beside the tiny Qwen3 and autoencoder: our loader reads it through
     the toy's entry into a plain holder (ComfyUI has no model of it), Prompt Encode, Noise, Scheduler, Denoise with CFG
     and AE Decode give the latents and pixels pipeline.generate gives on the same files, and FLUX.2 Klein to MODEL
     refuses the toy's model, saying what to use."""

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from flux2_core.families.flux2.variants import QWEN3_TEMPLATE
 from flux2_core.models.text_encoder import count_prompt_tokens
 from flux2_core.models.tokenizer import load_tokenizer
 from tests.comfyui import graphs
@@ -22,7 +23,7 @@ PROMPTS = {"short": "a red fox in the snow",
 @pytest.fixture(scope="module")
 def expected():
     tokenizer = load_tokenizer()
-    return {name: count_prompt_tokens(tokenizer, prompt) for name, prompt in PROMPTS.items()}
+    return {name: count_prompt_tokens(tokenizer, prompt, QWEN3_TEMPLATE) for name, prompt in PROMPTS.items()}
 
 
 def test_feature_flag_is_announced(comfy):
@@ -42,10 +43,11 @@ def test_route_counts_exactly_what_flux2_core_counts(comfy, expected, name, pref
 def test_route_counts_for_the_text_encoder_named(comfy):
     """A FLUX 3 (Qwen3-VL) encoder's file: its template and 4096; FLUX.2's, one not in the folder, or a path out of
     it: Qwen3's and 512; a name that is no string: 400."""
-    from flux2_core.variants import QWEN3_VL_4B
+    from flux2_core.families.flux3.variants import QWEN3_VL_4B
 
     tokenizer, text = load_tokenizer(), PROMPTS["long"]
-    flux2, flux3 = count_prompt_tokens(tokenizer, text), count_prompt_tokens(tokenizer, text, QWEN3_VL_4B.template)
+    flux2, flux3 = (count_prompt_tokens(tokenizer, text, QWEN3_TEMPLATE),
+                    count_prompt_tokens(tokenizer, text, QWEN3_VL_4B.template))
     for encoder, answer in [(comfy.files["text_encoder_flux3"], {"count": flux3, "limit": 4096}),
                             (comfy.files["text_encoder"], {"count": flux2, "limit": 512}),
                             ("no-such-file.safetensors", {"count": flux2, "limit": 512}),

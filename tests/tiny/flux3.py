@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from flux2_core.variants import Flux3Params
+from flux2_core.models.flux3 import Flux3Params
 
 TINY_FLUX3 = Flux3Params(in_channels=128, context_in_dim=64, hidden_size=64, num_heads=2, depth=2,
                          depth_single_blocks=2, mlp_ratio=3.0, axes_dim=(8, 8, 8, 8), flow_map=True)

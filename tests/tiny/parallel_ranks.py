@@ -14,12 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from flux2_core.errors import Flux2Error
 from flux2_core.models import flux3, rope
-from flux2_core.models.flux3 import Flux3Transformer
-from flux2_core.models.transformer import Flux2Transformer
+from flux2_core.models.flux3 import Flux3Params, Flux3Transformer
+from flux2_core.models.transformer import Flux2Transformer, TransformerParams
 from flux2_core.runtime import parallel
 from flux2_core.runtime.followers import free_port
 from flux2_core.sampling import euler
-from flux2_core.variants import Flux3Params, TransformerParams
 from tests.memory import peak_bytes
 from tests.tiny.transformer import random_bfl_transformer_state_dict
 

@@ -1,20 +1,13 @@
-"""The FLUX.2 family's record: Klein 4B / 9B (distilled, base, 9B-KV) and dev, BFL's transformer
-(``models/transformer.py``) on Qwen3 (Klein) or Mistral (dev) prompt embeddings."""
+"""FLUX.2's transformer files: BFL's and diffusers' namings (``FROM_DIFFUSERS``, also what adapters in diffusers'
+names are read by), the files often taken for one, the architecture read from a file's shapes, and the linears a
+quantized storage may hold."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
-
-from torch import Tensor
-
-from ..errors import Flux2Error
-from ..key_tables import Layout, same_names, table_recipes
-from ..models import rope
-from ..models.layers import Layers
-from ..models.transformer import Flux2Transformer, ReferenceKV
-from ..variants import TransformerParams, variant_for_params
-from .family import AdapterNaming, Family, MemoryInputs, ShapeReader
+from ...errors import Flux2Error
+from ...key_tables import Layout, same_names, table_recipes
+from ...models.transformer import TransformerParams
+from ..family import ShapeReader
 
 # the blocks and the shared modulations: over 95% of the weights; the embedders and the final layer stay float (they
 # are small, and the model reads nothing from them)
@@ -42,10 +35,6 @@ def read_params(file: ShapeReader) -> TransformerParams:
     except ValueError as e:
         raise Flux2Error(f"{file.where}: the architecture read from the file is inconsistent ({e}); pass params= "
                          f"explicitly") from None
-
-
-def build(params: TransformerParams, layers: Layers) -> Flux2Transformer:
-    return Flux2Transformer(params, layers)
 
 
 # our (BFL's) keys <- diffusers' (a tuple of sources is concatenated along dim 0: diffusers splits q, k, v)
@@ -91,62 +80,3 @@ LAYOUTS = (Layout("BFL", "double_stream_modulation_img.lin.weight", same_names),
 # files users take for a FLUX.2 Klein transformer: a key only they hold, and what to tell them
 FLUX1 = "a FLUX.1 transformer; FLUX.2 Klein needs its own flux-2-klein-*.safetensors"
 LOOKALIKES = (("double_blocks.0.img_mod.lin.weight", FLUX1), ("transformer_blocks.0.norm1.linear.weight", FLUX1))
-
-
-def condition(model: Flux2Transformer, txt: Tensor, h: int, w: int, *, ref: Tensor | None = None,
-              ref_ids: Tensor | None = None, ref_kv: ReferenceKV | None = None,
-              guidance: Tensor | None = None, txt_lengths: list[int] | None = None
-              ) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
-    """The model's velocity on the latent grid for one conditioning: txt [n, L, C] at ids (0, 0, 0, l); the latent
-    [n, 128, h, w] packed to h*w tokens at (0, row, col, 0); references joined after the image (``ref`` [1 or n, Lref,
-    128] at ``ref_ids``) or attended through their cached K/V (``ref_kv``); FLUX.2-dev's ``guidance`` [n]. FLUX.2
-    reads the current time alone (``t_next`` is not used). Its prompts are all one length (512 tokens)."""
-    if txt_lengths is not None:
-        raise Flux2Error("FLUX.2 takes prompt embeddings of one length (512 tokens each): encode every prompt of a "
-                         "batch with the FLUX.2 text encoder")
-    ids: dict[int, tuple[Tensor, Tensor]] = {}          # by batch: (image ids, text ids), made once
-
-    def velocity(x: Tensor, t: Tensor, t_next: Tensor | None) -> Tensor:
-        n = x.shape[0]
-        if n not in ids:
-            ids[n] = rope.image_ids(n, h, w, device=x.device), rope.text_ids(n, txt.shape[1], device=x.device)
-        img_ids, txt_ids = ids[n]
-        v = model(rope.pack(x), img_ids, t, txt, txt_ids, guidance=guidance, ref=ref, ref_ids=ref_ids, ref_kv=ref_kv)
-        return rope.unpack(v, h, w)                                          # [n, h*w, 128] -> [n, 128, h, w]
-    return velocity
-
-
-def memory(params: TransformerParams) -> MemoryInputs:
-    """The peak is inside one single block: per token, with H hidden and M = mlp_ratio·H, linear1's output 3H + 2M,
-    the concat H + M, the SwiGLU M, about 8 H-wide tensors, and the float32 RoPE table [head_dim/2, 2]. For Klein
-    24 H-wide values per token, 23.5 measured on CPU (tests/test_pipeline.py). Every double and single block keeps a
-    reference's K/V in the KV edition."""
-    h, m = params.hidden_size, params.mlp_hidden
-    return MemoryInputs(peak_values=(3 * h + 2 * m) + (h + m) + m + 8 * h, table_bytes=params.head_dim * 4, hidden=h,
-                        kv_layers=params.depth + params.depth_single_blocks)
-
-
-# LoRAs: a FLUX.1 adapter's names (checked on keys that matched none of ours); FLUX.1's MLP is 4 x hidden, FLUX.2's 3 x
-FLUX1_ADAPTER = re.compile(r"(?:img|txt)_mod[._]lin(?:$|[._])|single_blocks[._]\d+[._]modulation[._]lin|norm1(?:_context)?"
-                           r"[._]linear|single_transformer_blocks[._]\d+[._](?:proj_mlp|norm[._]linear)|ff(?:_context)?"
-                           r"[._]net[._]|distilled_guidance_layer")
-
-
-def adapter_shape_hint(module: str, found: tuple[int, int], hidden: int) -> str:
-    if module.endswith((".linear1", "_mlp.0")) and found[0] in (7 * hidden, 4 * hidden):
-        return " Its MLP width is FLUX.1's (4x hidden): this is a FLUX.1 LoRA, which does not fit FLUX.2."
-    return ""
-
-
-ADAPTERS = AdapterNaming(groups=(("double blocks", "double_blocks."), ("single blocks", "single_blocks.")),
-                         models={3072: "Klein 4B", 4096: "Klein 9B", 6144: "FLUX.2 dev"},
-                         lookalikes=((FLUX1_ADAPTER, "FLUX.1"),),
-                         other_depths=(("FLUX.1", {"double blocks": 19, "single blocks": 38}),),
-                         shape_hint=adapter_shape_hint)
-
-FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", layouts=LAYOUTS, lookalikes=LOOKALIKES,
-               gguf_archs=("flux", ""),
-               files_hint="flux-2-klein-*.safetensors or .gguf (ComfyUI models/diffusion_models) or a diffusers "
-                          "transformer/ folder",
-               read_params=read_params, build=build, quantizable=quantizable, variant_for=variant_for_params,
-               condition=condition, memory=memory, schedule="flux2", adapters=ADAPTERS)
