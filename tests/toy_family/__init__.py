@@ -1,11 +1,10 @@
-"""A toy second model family, laid out as a family package is (its record here; ``model``, ``variants``,
-``schedule`` beside it), to show that the code around a model (generate, the Euler loop and CFG, the plan, the memory
-estimate, quantized storage, the text encoder's padding, the schedule) holds no FLUX.2 assumption. Tests register it
+"""A toy third model family, laid out as a family package is (its record here; ``model``, ``variants``,
+``schedule``, ``sampling`` beside it), to show that the code around a model (generate, the Euler loop and CFG, the
+plan, the memory estimate, quantized storage, the text encoder's padding, the schedule, the noise, K/V-style
+references) holds no FLUX.2 assumption. Tests register it
 with ``families.register(TOY)`` and remove it with ``families.unregister``."""
 
 from __future__ import annotations
-
-import torch
 
 from flux2_core.families import AdapterNaming, Family, ReferenceFit
 from flux2_core.key_tables import Layout, same_names
