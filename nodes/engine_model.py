@@ -37,6 +37,7 @@ from torch import nn
 
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.families import family_of
+from ..flux2_core.families.flux2 import FLUX2
 from ..flux2_core.runtime import memory
 from ..flux2_core.runtime.cache import ReferenceKVCache
 from ..flux2_core.sampling import conditioning
@@ -137,7 +138,7 @@ class HostModel:
 
 # the families ComfyUI runs natively, by family name (flux2_core.families); a family without an entry is sampled by
 # our Denoise node alone, and FLUX.2 Klein to MODEL refuses it
-HOST_MODELS = {"flux2": HostModel(comfy.model_base.Flux2, comfy.supported_models.Flux2, flux2_config)}
+HOST_MODELS = {FLUX2.name: HostModel(comfy.model_base.Flux2, comfy.supported_models.Flux2, flux2_config)}
 HOLDER_NAME = "Flux2KleinTransformer"       # ComfyUI's log names a model by its class: "Requested to load ..."
 
 

@@ -194,9 +194,7 @@ def test_the_format_name_check_sees_a_literal_and_not_a_docstring(tmp_path):
 # in comparisons (==, !=, in, is; str.startswith / endswith), in subscripts (VARIANTS["klein-4b"]) and as dict keys
 # count. Known places another engineer is turning into questions to the family record, each with its constants; the
 # list only shrinks (a place that no longer tests a name must leave it).
-KNOWN_NAME_TESTS = {
-    "nodes/engine_model.py": {"flux2"},      # HOST_MODELS keyed by family name: ComfyUI's model of each family
-}
+KNOWN_NAME_TESTS: dict[str, set[str]] = {}
 SCANNED = [CORE, ROOT / "nodes"]
 
 
@@ -264,3 +262,44 @@ def f(variant, table):
 """
     assert sorted(name_tests(source, words)) == [(4, "flux2"), (6, "FLUX.2"), (6, "FLUX.2"), (6, "flux2"),
                                                  (6, "klein-4b")]
+
+
+# What differs between families is read where its rule lives: a family's record and model (families/, models/), and
+# the one module that applies each of its data; everywhere else asks those (a flag read elsewhere is a second rule).
+FLAG_HOMES = {
+    "padded": {"flux2_core/sampling/references.py"},          # ReferenceFit: how references are sized
+    "max_side": {"flux2_core/sampling/references.py"},
+    "pad_min": {"flux2_core/sampling/references.py"},
+    "takes_layout": {"flux2_core/sampling/boxes.py"},         # whether prompts may carry layout boxes
+    "use_kv_cache": {"flux2_core/sampling/plan.py", "flux2_core/variants.py"},   # references_as_kv, the one rule
+    "pad_multiple": {"flux2_core/prompt_padding.py"},        # how prompts are padded
+    "pad_position": {"flux2_core/prompt_padding.py"},
+    "flow_map": set(),                                       # FLUX 3's distilled model: its family and model alone
+    "latent_dtype": {"flux2_core/sampling/euler.py"},         # the latent between steps: the loop
+}
+FLAG_FREE = ("flux2_core/families/", "flux2_core/models/")
+
+
+def flag_reads(source: str, flags: set[str]) -> list[tuple[int, str]]:
+    """(line, attribute) of every read of an attribute named in ``flags``."""
+    return sorted((node.lineno, node.attr) for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Attribute) and node.attr in flags)
+
+
+def test_no_family_flag_is_read_outside_its_home():
+    found = {}
+    for path in sorted(p for root in SCANNED for p in root.rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if name.startswith(FLAG_FREE):
+            continue
+        hits = [(line, flag) for line, flag in flag_reads(path.read_text(), set(FLAG_HOMES))
+                if name not in FLAG_HOMES[flag]]
+        if hits:
+            found[name] = hits
+    assert not found, ("a family's flag read outside its home (ask the family, or the module that applies it): "
+                       + "; ".join(f"{n}: {hits}" for n, hits in found.items()))
+
+
+def test_the_flag_check_sees_an_attribute_read():
+    source = "def f(family, fit):\n    return fit.padded or family.takes_layout or fit.padded_box\n"
+    assert flag_reads(source, set(FLAG_HOMES)) == [(2, "padded"), (2, "takes_layout")]

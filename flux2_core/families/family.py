@@ -122,4 +122,4 @@ class Family:
     # [(h, w) of each reference latent] -> their position ids [1, sum(h*w), 4] (what tells references apart)
     reference_ids: Callable[..., Tensor]
     references: ReferenceFit                        # how its reference images are sized
-    boxes: bool                                     # its prompts may carry layout boxes (``sampling/boxes.py``)
+    takes_layout: bool                              # its prompts may carry layout boxes (``sampling/boxes.py``)

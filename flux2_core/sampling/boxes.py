@@ -237,8 +237,8 @@ def with_boxes(prompt: str, boxes: list[Box]) -> str:
 
 def check_layout(boxes: list[Box], family: Family, model: str) -> None:
     """Boxes for a family that reads none are refused: its prompt would carry text it was never trained on."""
-    if boxes and not family.boxes:
-        takers = " and ".join(f.title for f in FAMILIES.values() if f.boxes)
+    if boxes and not family.takes_layout:
+        takers = " and ".join(f.title for f in FAMILIES.values() if f.takes_layout)
         raise Flux2Error(f"{model} takes no layout: boxes are for {takers}; leave the boxes out, or describe where "
                          f"things go in the prompt")
 

@@ -222,6 +222,15 @@ def padded_box(size: tuple[int, int], fit: ReferenceFit) -> tuple[int, int, int,
     return left, top, left + fw, top + fh
 
 
+def canvas_crop(images, count: ReferenceCount, fit: ReferenceFit, sized: bool) -> tuple[int, int, int, int] | None:
+    """Where the picture made for one reference alone on its padded canvas (where the family pads one) is cropped back
+    to the reference's own box; None where nothing is cropped: several references, an inpainted picture among them, or
+    a size given (``sized``: a width, a height or a picture to edit)."""
+    if not fit.padded or count.pictures != 1 or count.inpainted or sized:
+        return None
+    return padded_box(as_pil(images[0]).size, fit)
+
+
 def padded_reference(image: Image.Image, fit: ReferenceFit) -> tuple[Image.Image, tuple[int, int, int, int] | None]:
     """One reference alone, fitted and centred on its canvas with the border reflected (mirrored with its edge row
     where the picture is 16 px or less across) -> (the canvas, the picture's box on it; None where it fills it)."""

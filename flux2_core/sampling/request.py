@@ -22,7 +22,7 @@ from ..latents import LATENT_CHANNELS, latent_size
 from ..variants import Variant
 from . import inpaint
 from .boxes import Box, boxed_prompt, check_rows, read_boxes, rows_read
-from .references import ReferenceCount, as_pil, center_crop_16, padded_box, prepare_references
+from .references import ReferenceCount, as_pil, canvas_crop, center_crop_16, prepare_references
 from .schedules import check_strength
 
 DEFAULT_SIZE = 1024
@@ -89,9 +89,7 @@ def read_request(variant: Variant, prompt: str, *, references=(), width: int | N
     check_rows(rows_read(prompt, layout), count, "the boxes")    # each row's "from" names a reference given
     fit = family.references
     refs = prepare_references(references, count, fit, family.title) if references else []
-    # one reference alone on a padded canvas (FLUX 3): the picture made at the canvas's size is cropped back to it
-    crop = (padded_box(as_pil(references[0]).size, fit) if fit.padded and len(refs) == 1 and not masked
-            and image is None and width is None and height is None else None)
+    crop = canvas_crop(references, count, fit, sized=image is not None or width is not None or height is not None)
     source = as_pil(image) if image is not None else None
     init = center_crop_16(source.convert("RGB"), "the image to edit") if source is not None else None
     strength = check_strength(strength, init is not None)           # before the sizes, which read the image

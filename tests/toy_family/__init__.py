@@ -27,4 +27,4 @@ TOY = Family(name="toy", params_type=ToyParams, title="Toy", variants=(TOY_VARIA
              noise=toy_noise, latent_dtype=latent_dtype,
              reference_ids=rope.reference_ids, references=ReferenceFit(single_pixels=1024 * 1024,
                                                                         multi_pixels=1024 * 1024),
-             boxes=False)
+             takes_layout=False)

@@ -16,4 +16,4 @@ FLUX3 = Family(name="flux3", params_type=flux3.Flux3Params, title="FLUX 3 Image 
                variant_for=variants.variant_for, condition=model.condition, memory=model.memory,
                schedule=schedule.flux3_schedule, schedule_name="flux3", adapters=adapters.ADAPTERS,
                noise=sampling.noise, latent_dtype=sampling.latent_dtype, reference_ids=flux3.reference_ids,
-               references=sampling.REFERENCES, boxes=True)
+               references=sampling.REFERENCES, takes_layout=True)
