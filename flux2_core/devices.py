@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,22 @@ def compute_dtype(device: torch.device | str, fp16: bool = True) -> ComputeDtype
                "this CPU has no bf16 instructions (AMX or AVX-512 BF16)")
         return ComputeDtype(torch.float32, f"{why}: bf16 would run several times slower than float32")
     return ComputeDtype(torch.float32, f"{device.type} device")
+
+
+def model_dtype(device: torch.device | str, supported: Sequence[torch.dtype],
+                host: torch.dtype | None = None) -> ComputeDtype:
+    """The one rule for a transformer's compute dtype, the command line's and the nodes': ``supported`` are the dtypes
+    its family runs in (``Family.dtypes``); the host's choice where it makes one among them (ComfyUI's, which honours
+    its --bf16-unet, --fp16-unet and --force-fp32), else what the device computes fast (``compute_dtype``, float16 only
+    where the family runs in it), else float32."""
+    if host is not None and host in supported:
+        return ComputeDtype(host, "the host's choice")
+    pick = compute_dtype(device)
+    if pick.dtype in supported:
+        return pick
+    second = compute_dtype(device, fp16=False)
+    return ComputeDtype(second.dtype if second.dtype in supported else torch.float32,
+                        f"{pick.why}, but this model does not run in {pick.name}")
 
 
 def _cuda(device: torch.device, fp16: bool) -> ComputeDtype:

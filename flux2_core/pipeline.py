@@ -82,7 +82,8 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
 
     cpu, stream, asked = torch.device("cpu"), False, dtype
     if offload_blocks is not False:            # decided from the headers: streamed weights are read to the CPU only
-        device, dtype = weights.default_device_dtype(device, dtype)
+        device, _ = weights.default_device_dtype(device, torch.float32)
+        dtype = dtype or weights.transformer_dtype(transformer, device).dtype
         _, planned = weights.inspect_transformer(transformer, variant=variant)
         stream = memory.should_stream(offload_blocks, device, memory.working_memory(planned, size, dtype),
                                       lambda: weights.transformer_bytes(transformer, dtype, variant=variant, fp8=fp8,

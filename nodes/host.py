@@ -39,6 +39,7 @@ from torch import nn
 from ..flux2_core import checks
 from ..flux2_core.adapters import patching
 from ..flux2_core.adapters.lora import AdapterUse
+from ..flux2_core.devices import model_dtype
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.models.reference_kv import ReferenceKV
 from ..flux2_core.models.run_state import run_state
@@ -160,13 +161,11 @@ def devices(kind: str) -> tuple[torch.device, torch.device]:
     return mm.vae_device(), mm.vae_offload_device()
 
 
-FLUX2_DTYPES = [torch.bfloat16, torch.float16, torch.float32]    # ComfyUI's inference dtypes for FLUX.2, in its order
-
-
 def pick_dtype(choice: str, kind: str, device: torch.device, weight_dtype: torch.dtype | None = None,
-               parameters: int = 0) -> torch.dtype:
-    """The compute dtype a loader's option names. "auto": for the transformer, ComfyUI's own choice for FLUX.2 on this
-    device (as its UNETLoader makes it from the file's ``weight_dtype`` and ``parameters``, so --fp16-unet,
+               parameters: int = 0, supported: tuple[torch.dtype, ...] = ()) -> torch.dtype:
+    """The compute dtype a loader's option names. "auto": for the transformer, the engine's one rule
+    (``devices.model_dtype``) among the dtypes its family runs in (``supported``), with ComfyUI's own choice as the
+    host's (as its UNETLoader makes it from the file's ``weight_dtype`` and ``parameters``, so --fp16-unet,
     --bf16-unet, --force-fp32 apply; float32 on a CPU, fp16 on a T4); the autoencoder follows ComfyUI's VAE rules
     (--fp32-vae / --bf16-vae); the text encoder bfloat16 where the device runs it well, else float32. A 16-bit file's
     weights stay 16-bit under a wider compute dtype either way (the engine's rule)."""
@@ -175,8 +174,8 @@ def pick_dtype(choice: str, kind: str, device: torch.device, weight_dtype: torch
     if kind == "ae":
         return mm.vae_dtype(device, [torch.bfloat16, torch.float32])
     if kind == "transformer":
-        stored = mm.unet_dtype(model_params=parameters, supported_dtypes=FLUX2_DTYPES, weight_dtype=weight_dtype)
-        return mm.unet_manual_cast(stored, device, FLUX2_DTYPES) or stored
+        stored = mm.unet_dtype(model_params=parameters, supported_dtypes=list(supported), weight_dtype=weight_dtype)
+        return model_dtype(device, supported, mm.unet_manual_cast(stored, device, list(supported)) or stored).dtype
     return torch.bfloat16 if mm.should_use_bf16(device) else torch.float32
 
 

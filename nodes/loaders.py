@@ -89,7 +89,7 @@ class ModelLoader(io.ComfyNode):
         fp8, int8 = {"auto": None, FP8: True}.get(dtype, False), INT8_CHOICES.get(dtype, False)   # load_transformer's
         path = host.resolve("diffusion_models", model_name)
         dtype = host.pick_dtype("auto" if dtype in (FP8, *INT8_CHOICES) else dtype, "transformer", load_device,
-                                *weights.stored_dtype(path))
+                                *weights.stored_dtype(path), supported=weights.transformer_family_at(path).dtypes)
         model, variant = weights.load_transformer(path, offload_device, dtype, fp8=fp8, int8=int8)
         kinds = census(model)
         matmuls = choose_matmuls(model, load_device, dtype)

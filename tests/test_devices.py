@@ -273,3 +273,42 @@ def test_the_files_own_dtype_is_read_from_its_header(bf16_file, tmp_path):
     for v in mixed.values():
         by_dtype[v.dtype] = by_dtype.get(v.dtype, 0) + v.numel()
     assert weights.stored_dtype(path)[0] == max(by_dtype, key=by_dtype.get)
+
+
+# --- one dtype rule for a transformer, per family: the command line's and the nodes' -------------------------------
+
+@pytest.mark.parametrize("name,capability,family,host,expected", [
+    ("Tesla T4", (7, 5), "flux2", None, torch.float16),          # fp16 fast, and FLUX.2 runs in it (its clamps)
+    ("Tesla T4", (7, 5), "flux3", None, torch.float32),          # FLUX 3 does not: the next the device runs well
+    ("NVIDIA H100 80GB HBM3", (9, 0), "flux3", None, torch.bfloat16),
+    ("Tesla T4", (7, 5), "flux3", torch.float16, torch.float32),   # a host's choice outside the family's is not taken
+    ("NVIDIA H100 80GB HBM3", (9, 0), "flux2", torch.float16, torch.float16),   # ComfyUI's --fp16-unet is
+])
+def test_a_transformers_dtype_is_the_devices_among_its_familys(monkeypatch, name, capability, family, host, expected):
+    from flux2_core.families import FAMILIES
+
+    gpu(monkeypatch, name, *capability)
+    chosen = devices.model_dtype(torch.device("cuda", 0), FAMILIES[family].dtypes, host)
+    assert chosen.dtype == expected
+    if family == "flux3" and host is None and expected == torch.float32:
+        assert "does not run in float16" in chosen.why
+
+
+def test_a_flux3_file_is_loaded_in_its_familys_dtype_where_the_device_would_pick_fp16(monkeypatch, tmp_path):
+    """The engine's loader and the command line take the dtype from the file's family: where the device's own pick is
+    float16 (a T4), a FLUX.2 file computes in float16 and a FLUX 3 file in float32 (FLUX 3 does not run in float16)."""
+    from safetensors.torch import save_file
+
+    from tests.tiny.flux3 import random_flux3_state_dict, tiny_flux3
+
+    pick = devices.ComputeDtype(torch.float16, "a T4 (simulated)")
+    monkeypatch.setattr(devices, "compute_dtype", lambda device, fp16=True: pick if fp16 else
+                        devices.ComputeDtype(torch.float32, "no fp16"))
+    flux2_file = tmp_path / "flux2.safetensors"
+    save_bfl_transformer(random_bfl_transformer_state_dict(TINY_TRANSFORMER), flux2_file)
+    flux3_file = tmp_path / "flux3.safetensors"
+    save_file(random_flux3_state_dict(tiny_flux3()), str(flux3_file))
+    assert weights.transformer_dtype(flux2_file, "cpu").dtype == torch.float16
+    assert weights.transformer_dtype(flux3_file, "cpu").dtype == torch.float32
+    model, _ = weights.load_transformer(flux3_file, "cpu")
+    assert model.dtype == torch.float32

@@ -478,10 +478,9 @@ def load_for_command(args, device, size: tuple[int, int]):
         paths = found.paths
         dtype = getattr(torch, args.dtype) if args.dtype else None
         if dtype is None:
-            from ..devices import compute_dtype
-            from ..weights import default_device_dtype
+            from ..weights import default_device_dtype, transformer_dtype
 
-            chosen = compute_dtype(default_device_dtype(device, None)[0])
+            chosen = transformer_dtype(paths.transformer, default_device_dtype(device, None)[0])
             print(f"computing in {chosen.name}: {chosen.why}", file=sys.stderr)
             files["dtype"] = f"{chosen.name} ({chosen.why})"
         else:

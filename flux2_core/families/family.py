@@ -123,3 +123,5 @@ class Family:
     reference_ids: Callable[..., Tensor]
     references: ReferenceFit                        # how its reference images are sized
     takes_layout: bool                              # its prompts may carry layout boxes (``sampling/boxes.py``)
+    dtypes: tuple[torch.dtype, ...]                 # the compute dtypes its transformer runs in, the preferred first
+                                                    # (``devices.model_dtype``: the one rule, CLI and nodes)

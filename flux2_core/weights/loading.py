@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .. import families
-from ..devices import SIXTEEN_BIT, compute_dtype, kept_dtype
+from ..devices import SIXTEEN_BIT, ComputeDtype, compute_dtype, kept_dtype, model_dtype
 from ..errors import Flux2Error
 from ..families import Family, ModelParams
 from ..key_tables import Layout, Recipe, same_names, table_names, table_recipes
@@ -518,9 +518,21 @@ def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = 
         raise Flux2Error(f"fp8 must be None (as the file stores it), True or False, got {fp8!r}")
     if int8 not in (True, False, "convrot"):
         raise Flux2Error(f"int8 must be True, 'convrot' or False, got {int8!r}")
-    device, dtype = default_device_dtype(device, dtype)
+    device, _ = default_device_dtype(device, torch.float32)
+    dtype = dtype or transformer_dtype(path, device).dtype
     source, model, chosen = _transformer_on_meta(path, params, variant, fp8, int8, dtype)
     return assign(model, read_state_dict(source, model, device, dtype)), chosen
+
+
+def transformer_family_at(path: str | Path) -> Family:
+    """The family of a transformer file, from its header."""
+    return transformer_family(_transformer_source(path))
+
+
+def transformer_dtype(path: str | Path, device, host: torch.dtype | None = None) -> ComputeDtype:
+    """The compute dtype a transformer file runs in on ``device`` (``devices.model_dtype``, by its family's dtypes;
+    ``host``: the host's own choice)."""
+    return model_dtype(device, transformer_family_at(path).dtypes, host)
 
 
 def stored_dtype(path: str | Path) -> tuple[torch.dtype | None, int]:

@@ -6,6 +6,8 @@ with ``families.register(TOY)`` and remove it with ``families.unregister``."""
 
 from __future__ import annotations
 
+import torch
+
 from flux2_core.families import AdapterNaming, Family, ReferenceFit
 from flux2_core.key_tables import Layout, same_names
 from flux2_core.models import rope
@@ -27,4 +29,5 @@ TOY = Family(name="toy", params_type=ToyParams, title="Toy", variants=(TOY_VARIA
              noise=toy_noise, latent_dtype=latent_dtype,
              reference_ids=rope.reference_ids, references=ReferenceFit(single_pixels=1024 * 1024,
                                                                         multi_pixels=1024 * 1024),
-             takes_layout=False)
+             takes_layout=False,
+               dtypes=(torch.bfloat16, torch.float16, torch.float32))

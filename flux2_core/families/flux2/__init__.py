@@ -6,6 +6,8 @@ latent dtype, references) and ``adapters``."""
 
 from __future__ import annotations
 
+import torch
+
 from ...models import rope
 from ...models.transformer import TransformerParams
 from ..family import Family
@@ -19,4 +21,5 @@ FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", vari
                variant_for=variants.variant_for_params, condition=model.condition, memory=model.memory,
                schedule=schedule.flux2_schedule, schedule_name="flux2", adapters=adapters.ADAPTERS,
                noise=sampling.noise, latent_dtype=sampling.latent_dtype, reference_ids=rope.reference_ids,
-               references=sampling.REFERENCES, takes_layout=False)
+               references=sampling.REFERENCES, takes_layout=False,
+               dtypes=(torch.bfloat16, torch.float16, torch.float32))

@@ -5,6 +5,8 @@ latent dtype, references) and ``adapters``; its prompts may carry layout boxes."
 
 from __future__ import annotations
 
+import torch
+
 from ...models import flux3
 from ..family import Family
 from . import adapters, files, model, sampling, schedule, variants
@@ -16,4 +18,5 @@ FLUX3 = Family(name="flux3", params_type=flux3.Flux3Params, title="FLUX 3 Image 
                variant_for=variants.variant_for, condition=model.condition, memory=model.memory,
                schedule=schedule.flux3_schedule, schedule_name="flux3", adapters=adapters.ADAPTERS,
                noise=sampling.noise, latent_dtype=sampling.latent_dtype, reference_ids=flux3.reference_ids,
-               references=sampling.REFERENCES, takes_layout=True)
+               references=sampling.REFERENCES, takes_layout=True,
+               dtypes=(torch.bfloat16, torch.float32))
