@@ -5,7 +5,8 @@ tree (pytest does not collect it):
 
 The toy family (tests/toy_family/: a family package of its own) is registered in the pack's registry; then our
 nodes run as ComfyUI's executor calls them (loader, prompt encode, noise, scheduler, Denoise with CFG, decode), and the
-engine runs the same files through ``pipeline.generate``. The report holds both sides' differences and what FLUX.2
+engine runs the same files through ``pipeline.generate``; then with a reference (Reference node), which the toy takes as K/V made once: two
+Denoise runs, the second reusing them. The report holds both sides' differences, the reference passes and what FLUX.2
 Klein to MODEL says of the toy's model.
 """
 
@@ -24,7 +25,9 @@ from comfy.cli_args import args
 
 args.cpu = True                   # before comfy.model_management is imported: devices() gives the CPU
 
+import numpy as np
 import torch
+from PIL import Image
 
 PROMPT, NEGATIVE, SEED, WIDTH, HEIGHT, STEPS, CFG = "a red fox", "", 4, 48, 32, 3, 2.5
 
@@ -87,12 +90,28 @@ def main() -> None:
     expected = pipeline.generate(models, PROMPT, negative=NEGATIVE, cfg=CFG, width=WIDTH, height=HEIGHT, seed=SEED,
                                  steps=STEPS)
     pixels = (image[0] * 255).round().to(torch.uint8)
+
+    # a reference: the toy takes it as K/V, made by its reference pass once and reused by the second Denoise
+    picture = Image.fromarray(torch.randint(0, 256, (64, 96, 3), generator=torch.Generator().manual_seed(1),
+                                            dtype=torch.uint8).numpy())
+    (edit,) = run_node(conditioning.Reference, conditioning=positive, ae=ae,
+                       image=torch.from_numpy(np.asarray(picture)).float().div(255)[None])
+    passes = []
+    make = model.core.reference_kv
+    model.core.reference_kv = lambda ref, ids: passes.append(list(ref.shape)) or make(ref, ids)
+    edited = [run_node(sampling.Denoise, model=model, positive=edit, negative=negative, noise=noise, sigmas=sigmas,
+                       cfg=CFG, denoise=1.0)[0]["samples"] for _ in range(2)]
+    expected_edit = pipeline.generate(models, PROMPT, negative=NEGATIVE, cfg=CFG, width=WIDTH, height=HEIGHT,
+                                      seed=SEED, steps=STEPS, references=[picture])
     print(json.dumps({
         "model": type(model.core).__name__, "variant": model.variant.name, "holder": type(model.patcher.model).__name__,
         "latents_max_diff": (latent["samples"] - expected.latents).abs().max().item(),
         "latents_max": expected.latents.abs().max().item(),
         "pixels_max_diff": (pixels.int() - expected.images[0].int()).abs().max().item(),
-        "to_model": to_model}))
+        "edit_max_diffs": [(e - expected_edit.latents).abs().max().item() for e in edited],
+        "edit_max": expected_edit.latents.abs().max().item(),
+        "edit_changed": (expected_edit.latents - expected.latents).abs().max().item(),
+        "reference_passes": passes, "to_model": to_model}))
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ HERE = Path(__file__).resolve().parent
 def test_a_second_family_runs_through_our_nodes_as_the_engine_runs_it(comfy, tmp_path):
     """A toy transformer file (tests/toy_family/) beside the tiny Qwen3 and autoencoder: our loader reads it through
     the toy's entry into a plain holder (ComfyUI has no model of it), Prompt Encode, Noise, Scheduler, Denoise with CFG
-    and AE Decode give the latents and pixels pipeline.generate gives on the same files, and FLUX.2 Klein to MODEL
-    refuses the toy's model, saying what to use."""
+    and AE Decode give the latents and pixels pipeline.generate gives on the same files (the toy's own schedule, noise
+    reading and prompt padding), with a reference too (the toy's K/V-style references, made once for two runs), and
+    FLUX.2 Klein to MODEL refuses the toy's model, saying what to use."""
     g = torch.Generator().manual_seed(3)
     toy_file = tmp_path / "diffusion_models" / "toy.safetensors"
     toy_file.parent.mkdir()
@@ -36,4 +37,9 @@ def test_a_second_family_runs_through_our_nodes_as_the_engine_runs_it(comfy, tmp
     report = json.loads(result.stdout.splitlines()[-1])
     assert (report["model"], report["variant"], report["holder"]) == ("ToyModel", "toy", "Flux2KleinTransformer")
     assert report["latents_max_diff"] <= 1e-6 * report["latents_max"] and report["pixels_max_diff"] <= 1
+    # with a reference, taken as K/V: both runs equal generate, the reference changed the picture, and the reference
+    # pass ran once over its 4 x 6 latent cells (the second run reused the K/V)
+    assert all(diff <= 1e-6 * report["edit_max"] for diff in report["edit_max_diffs"])
+    assert report["edit_changed"] > 1e-3 * report["edit_max"]
+    assert report["reference_passes"] == [[1, 24, 128]]
     assert "ComfyUI has no model of Toy" in report["to_model"] and "FLUX.2 Klein Denoise" in report["to_model"]
