@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..flux2_core.sampling.boxes import Box, check_rows, read_boxes, rows
+from ..flux2_core.sampling.boxes import Box, check_rows, clamp_notes, read_boxes, rows
 from . import host, types
 
 EXAMPLE = ('[{"desc": "a red hot-air balloon", "bbox": [0.08, 0.1, 0.45, 0.4]},\n'
@@ -37,7 +37,8 @@ class Layout(io.ComfyNode):
     @classmethod
     def execute(cls, boxes: str) -> io.NodeOutput:
         layout = read_layout(boxes)
-        shown = "\n".join(f"{row['id']}: {row.get('bbox') or row.get('tgt_bbox')} {row['desc']}" for row in rows(layout))
+        shown = "\n".join([*(f"{row['id']}: {row.get('bbox') or row.get('tgt_bbox')} {row['desc']}"
+                             for row in rows(layout)), *clamp_notes(layout)])
         return io.NodeOutput(layout, ui=ui.PreviewText(f"{len(layout)} boxes on the 0-1000 canvas\n{shown}"))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from flux2_core.errors import Flux2Error
 from flux2_core.sampling.boxes import read_boxes, with_boxes
@@ -22,6 +23,10 @@ LAYOUTS = [
       "tgt_bbox": [0.3, 0.5, 1.0, 0.9]},
      {"desc": "a hat", "from": "target", "tgt_bbox": [0.1, 0.1, 0.2, 0.2]},
      {"desc": "a cat", "from": "ref_image_2", "src_bbox": [0.4, 0.4, 0.6, 0.6], "tgt_bbox": []}],
+    # boxes drawn past the picture's edges: the reference clamps each coordinate into 0-1 before the row
+    [{"desc": "a kite", "bbox": [-0.05, 0.2, 0.4, 1.07]},
+     {"id": "dog", "desc": "the dog", "from": "ref_image_0", "src_bbox": [0.2, -0.3, 1.2, 0.5],
+      "tgt_bbox": [0.5, 0.5, 1.0001, 0.9]}],
 ]
 
 
@@ -34,6 +39,33 @@ def test_rows_equal_the_reference(boxes):
     assert with_boxes(prompt, read_boxes(json.dumps(boxes))) == expected       # from the JSON text alike
 
 
+def test_boxes_past_the_edge_are_drawn_to_it_and_said():
+    """Each box reaching past an edge is named, with the sides that did; the others are not."""
+    from flux2_core.sampling.boxes import clamp_notes
+
+    notes = clamp_notes(read_boxes(LAYOUTS[-1] + [{"id": "sun", "desc": "the sun", "bbox": [0, 0, 0.2, 0.2]}]))
+    assert notes == ["box 'obj_1' reaches past the picture's edge (bbox): it is drawn to the edge, as the reference "
+                     "draws it",
+                     "box 'dog' reaches past the picture's edge (src_bbox, tgt_bbox): it is drawn to the edge, as the "
+                     "reference draws it"]
+
+
+def test_a_layout_past_the_edge_makes_the_picture_of_its_clamped_layout():
+    """generate with boxes past the edge: the same latents as the boxes drawn to the edge by hand (the prompt the model
+    reads is the reference's, as test_rows_equal_the_reference shows), and the note among the warnings."""
+    from flux2_core.app.demo import demo_models
+    from flux2_core.pipeline import generate
+
+    models = demo_models("flux3-klein")
+    past = [{"desc": "a kite", "bbox": [-0.05, 0.2, 0.4, 1.07]}]
+    edge = [{"desc": "a kite", "bbox": [0.0, 0.2, 0.4, 1.0]}]
+    result = generate(models, "a kite", boxes=past, width=64, height=48, steps=2, seed=1)
+    expected = generate(models, "a kite", boxes=edge, width=64, height=48, steps=2, seed=1)
+    assert torch.equal(result.latents, expected.latents)
+    assert any("box 'obj_1' reaches past the picture's edge" in w for w in result.warnings)
+    assert not any("edge" in w for w in expected.warnings)
+
+
 def test_no_boxes_leave_the_prompt_alone():
     assert with_boxes("a fox ", read_boxes("")) == "a fox "
     assert with_boxes("a fox ", read_boxes([])) == "a fox "
@@ -42,6 +74,9 @@ def test_no_boxes_leave_the_prompt_alone():
 @pytest.mark.parametrize("text,message", [
     ("[{\"desc\": \"x\", \"bbox\": [0.1, 0.1, 0.5]}]", r"box 1 bbox must be four numbers"),
     ("[{\"desc\": \"x\", \"bbox\": [100, 50, 600, 400]}]", r"fractions of the height and width, 0 to 1 .*divide by 1000"),
+    ("[{\"desc\": \"x\", \"bbox\": [0, 0, 1, 5]}]", r"fractions of the height and width, 0 to 1 .*divide by 1000"),
+    ("[{\"desc\": \"x\", \"bbox\": [1.1, 0.2, 1.5, 0.4]}]", r"box 1 bbox is \[1.1, 0.2, 1.5, 0.4\]: it lies wholly "
+                                                           r"outside the picture"),
     ("[{\"desc\": \"x\", \"bbox\": [0.6, 0.1, 0.5, 0.4]}]", r"y_max must be above y_min"),
     ("[{\"desc\": \"x\", \"bbox\": [0.1, \"a\", 0.5, 0.4]}]", r"four numbers"),
     ("[{\"desc\": \"x\", \"bbox\": [0.1, true, 0.5, 0.4]}]", r"four numbers"),

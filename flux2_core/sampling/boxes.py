@@ -44,6 +44,7 @@ class Box:
     source: str = ""               # the "from" of a move: "ref_image_0", ..., "target"
     src_bbox: tuple[float, ...] | None = None
     tgt_bbox: tuple[float, ...] | None = None
+    clamped: tuple[str, ...] = ()  # the sides given reaching past the picture's edge, drawn to the edge
 
     def row(self) -> dict:
         """Its row on the 0-1000 canvas, keys in the order the model was trained on."""
@@ -51,6 +52,12 @@ class Box:
             return {"id": self.id, "bbox": canvas_box(self.bbox), "desc": self.desc}
         return {"id": self.id, "from": self.source, "src_bbox": canvas_box(self.src_bbox),
                 "tgt_bbox": canvas_box(self.tgt_bbox), "desc": self.desc}
+
+
+def clamp_notes(boxes: list[Box]) -> list[str]:
+    """One note per box drawn to the picture's edge (its reference clamps each coordinate into 0-1 before the row)."""
+    return [f"box {box.id!r} reaches past the picture's edge ({', '.join(box.clamped)}): it is drawn to the edge, as "
+            f"the reference draws it" for box in boxes if box.clamped]
 
 
 def canvas_box(box: tuple[float, ...] | None) -> list[int] | None:
@@ -88,34 +95,46 @@ def _box(item, index: int, where: str) -> Box:
     box_id, desc = item.get("id") or f"obj_{index + 1}", item.get("desc") or ""
     if not isinstance(box_id, str) or not isinstance(desc, str):
         raise Flux2Error(f"{name}: id and desc must be text")
-    sides = {side: _coordinates(item.get(side), f"{name} {side}") for side in SIDES}
+    read = {side: _coordinates(item.get(side), f"{name} {side}") for side in SIDES}
+    sides = {side: None if box is None else box[0] for side, box in read.items()}
+    clamped = tuple(side for side, box in read.items() if box is not None and box[1])
     if sides["bbox"] is not None:
         if sides["src_bbox"] is not None or sides["tgt_bbox"] is not None or item.get("from"):
             raise Flux2Error(f"{name} has bbox and a move (from / src_bbox / tgt_bbox): give one of them")
-        return Box(box_id, desc, bbox=sides["bbox"])
+        return Box(box_id, desc, bbox=sides["bbox"], clamped=clamped)
     if sides["src_bbox"] is None and sides["tgt_bbox"] is None:
         raise Flux2Error(f"{name} has no box: give bbox [y_min, x_min, y_max, x_max] in 0-1 (or src_bbox / tgt_bbox "
                          f"for something moved from a reference)")
     source = item.get("from") or ""
     if not isinstance(source, str):
         raise Flux2Error(f"{name}: from must be text: {FROM_FORMS}")
-    return Box(box_id, desc, source=source, src_bbox=sides["src_bbox"], tgt_bbox=sides["tgt_bbox"])
+    return Box(box_id, desc, source=source, src_bbox=sides["src_bbox"], tgt_bbox=sides["tgt_bbox"], clamped=clamped)
 
 
-def _coordinates(value, name: str) -> tuple[float, ...] | None:
+# A box may reach past the picture's edge (a box editor dragged beyond it, an upsampler's answer): its reference clamps
+# each coordinate into 0-1 before writing the row, and so do we. Beyond a whole picture past an edge it is no 0-1 box
+# drawn a little wide but another convention (most often the 0-1000 canvas's numbers): refused, with the fix.
+REACH = (-1.0, 2.0)
+
+
+def _coordinates(value, name: str) -> tuple[tuple[float, ...], bool] | None:
+    """(the box clamped into 0-1, whether it was clamped); None for no box."""
     if value is None or value == []:             # the reference reads an empty box as none
         return None
     if not isinstance(value, list) or len(value) != 4 or any(
             isinstance(v, bool) or not isinstance(v, (int, float)) for v in value):
         raise Flux2Error(f"{name} must be four numbers [y_min, x_min, y_max, x_max], got {json.dumps(value)[:80]}")
-    if any(not 0 <= v <= 1 for v in value):
+    if any(not REACH[0] <= v <= REACH[1] for v in value):        # NaN fails this too
         raise Flux2Error(f"{name} is {value}: coordinates are fractions of the height and width, 0 to 1 (for a box "
                          f"on the 0-1000 canvas divide by 1000)")
     y_min, x_min, y_max, x_max = (float(v) for v in value)
     if y_max <= y_min or x_max <= x_min:
         raise Flux2Error(f"{name} is {value}: it is [y_min, x_min, y_max, x_max], so y_max must be above y_min and "
                          f"x_max above x_min")
-    return y_min, x_min, y_max, x_max
+    box = tuple(min(1.0, max(0.0, v)) for v in (y_min, x_min, y_max, x_max))
+    if box[2] <= box[0] or box[3] <= box[1]:
+        raise Flux2Error(f"{name} is {value}: it lies wholly outside the picture (0 to 1 each way); move it inside")
+    return box, box != (y_min, x_min, y_max, x_max)
 
 
 # --- what a row's "from" may name: one rule for the user's rows and the upsampler's ----------------------------------

@@ -21,7 +21,7 @@ from ..families import family_of
 from ..latents import LATENT_CHANNELS, latent_size
 from ..variants import Variant
 from . import inpaint
-from .boxes import Box, boxed_prompt, check_rows, read_boxes, rows_read
+from .boxes import Box, boxed_prompt, check_rows, clamp_notes, read_boxes, rows_read
 from .references import ReferenceCount, as_pil, canvas_crop, center_crop_16, prepare_references
 from .schedules import check_strength
 
@@ -98,7 +98,7 @@ def read_request(variant: Variant, prompt: str, *, references=(), width: int | N
     h, w = latent_size(height, width)
     if sigmas is None:
         sigmas = family.schedule(variant.default_steps if steps is None else steps, h * w)
-    request = Request(text, layout, refs, init, width, height, sigmas, strength, crop=crop)
+    request = Request(text, layout, refs, init, width, height, sigmas, strength, crop=crop, notes=clamp_notes(layout))
     if masked:
         pixels, notes = inpaint.image_mask(mask, source, (width, height))
         request.mask = inpaint.latent_mask(pixels, batch, h, w)[0]
