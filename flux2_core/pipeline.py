@@ -323,13 +323,14 @@ def start_and_references(models: Models, ask: Request, noise: Tensor, as_kv: boo
         pack = pack_references(models.variant, [start, *latents])
         return start, pack, inpaint.Inpaint(start, noise, ask.mask, inpaint.AFTER_STEP)
     if as_kv and given_kv is None and models.reference_cache is not None:
-        given_kv = models.reference_cache.get_for_images(model, ae, ask.references, model.dtype,
-                                                         encode=encode_references)
+        given_kv = models.reference_cache.get_for_images(
+            model, ae, ask.references, model.dtype, encode=lambda ae, images, dtype: encode_references(
+                ae, images, dtype, ids=family.reference_ids, fit=family.references))
     if given_kv is not None:
         return start, ReferencePack(kv=given_kv), None
     if not ask.references:
         return start, NO_REFERENCES, None
-    return start, pack_references(models.variant, reference_latents(ae, ask.references, fit=family.references)), None
+    return start, pack_references(models.variant, reference_latents(ae, ask.references, None, family.references)), None
 
 
 def decoded(models: Models, ask: Request, latents: Tensor, seed: int, settings: dict, warnings: list[str]) -> Result:

@@ -44,10 +44,9 @@ def test_boxes_past_the_edge_are_drawn_to_it_and_said():
     from flux2_core.sampling.boxes import clamp_notes
 
     notes = clamp_notes(read_boxes(LAYOUTS[-1] + [{"id": "sun", "desc": "the sun", "bbox": [0, 0, 0.2, 0.2]}]))
-    assert notes == ["box 'obj_1' reaches past the picture's edge (bbox): it is drawn to the edge, as the reference "
-                     "draws it",
-                     "box 'dog' reaches past the picture's edge (src_bbox, tgt_bbox): it is drawn to the edge, as the "
-                     "reference draws it"]
+    said = "it is drawn to the edge, as the reference draws it"
+    assert notes == [f"box 'obj_1' reaches past the picture's edge (bbox): {said}",
+                     f"box 'dog' reaches past the picture's edge (src_bbox, tgt_bbox): {said}"]
 
 
 def test_a_layout_past_the_edge_makes_the_picture_of_its_clamped_layout():
@@ -75,8 +74,7 @@ def test_no_boxes_leave_the_prompt_alone():
     ("[{\"desc\": \"x\", \"bbox\": [0.1, 0.1, 0.5]}]", r"box 1 bbox must be four numbers"),
     ("[{\"desc\": \"x\", \"bbox\": [100, 50, 600, 400]}]", r"fractions of the height and width, 0 to 1 .*divide by 1000"),
     ("[{\"desc\": \"x\", \"bbox\": [0, 0, 1, 5]}]", r"fractions of the height and width, 0 to 1 .*divide by 1000"),
-    ("[{\"desc\": \"x\", \"bbox\": [1.1, 0.2, 1.5, 0.4]}]", r"box 1 bbox is \[1.1, 0.2, 1.5, 0.4\]: it lies wholly "
-                                                           r"outside the picture"),
+    ("[{\"desc\": \"x\", \"bbox\": [1.1, 0.2, 1.5, 0.4]}]", r"box 1 bbox is \[1.1, 0.2, 1.5, 0.4\]: it lies wholly outside"),
     ("[{\"desc\": \"x\", \"bbox\": [0.6, 0.1, 0.5, 0.4]}]", r"y_max must be above y_min"),
     ("[{\"desc\": \"x\", \"bbox\": [0.1, \"a\", 0.5, 0.4]}]", r"four numbers"),
     ("[{\"desc\": \"x\", \"bbox\": [0.1, true, 0.5, 0.4]}]", r"four numbers"),

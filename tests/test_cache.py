@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flux2_core.digests import tensor_digest
+from flux2_core.families.flux2 import FLUX2
 from flux2_core.models import rope
 from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.runtime.cache import LRUCache, PromptCache, ReferenceKVCache, fingerprint
@@ -223,7 +224,7 @@ def test_reference_kv_cache_by_images_skips_the_autoencoder_too():
         assert (encodes[0], passes[0]) == (1, 1)
         assert cache.get_for_images(model, ae, [image.copy()], DTYPE, encode=encode_references) is kv      # same pixels: nothing runs
         assert (encodes[0], passes[0]) == (1, 1)
-        ref, ref_ids = encode_references(ae, [image], DTYPE)
+        ref, ref_ids = encode_references(ae, [image], DTYPE, ids=FLUX2.reference_ids, fit=FLUX2.references)
         assert torch.equal(kv.blocks[-1][1], model.reference_kv(ref, ref_ids).blocks[-1][1])
         other = image.copy()
         other.putpixel((0, 0), (0, 0, 0) if image.getpixel((0, 0)) != (0, 0, 0) else (1, 1, 1))

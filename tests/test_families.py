@@ -86,11 +86,12 @@ def test_register_refuses_a_record_of_the_wrong_kind_naming_the_family_and_the_f
     from flux2_core.families import Family
     from tests.toy_family import TOY, TOY_VARIANT
 
-    with pytest.raises(TypeError, match="missing 1 required positional argument: 'boxes'"):
-        Family(**{f.name: getattr(TOY, f.name) for f in fields(Family) if f.name != "boxes"})
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'takes_layout'"):
+        Family(**{f.name: getattr(TOY, f.name) for f in fields(Family) if f.name != "takes_layout"})
     for change, message in [({"schedule": "toy"}, "its schedule must be callable, got str 'toy'"),
                             ({"latent_dtype": torch.float32}, "its latent_dtype must be callable"),
-                            ({"boxes": None}, "its boxes must be a bool"),
+                            ({"takes_layout": None}, "its takes_layout must be a bool"),
+                            ({"dtypes": (torch.float32, "bf16")}, "its dtypes must be a tuple"),
                             ({"variants": [TOY_VARIANT]}, "its variants must be a tuple"),
                             ({"gguf_archs": ("toy", 1)}, "its gguf_archs must be a tuple"),
                             ({"references": None}, "its references must be a ReferenceFit")]:

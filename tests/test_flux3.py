@@ -332,7 +332,7 @@ def test_one_reference_is_fitted_and_padded_as_the_reference(size):
     canvas, our_box = padded_reference(picture, FLUX3.references)
     assert our_box == box and canvas.size == expected.size
     assert np.array_equal(np.asarray(canvas), np.asarray(expected))
-    assert np.array_equal(np.asarray(prepare_references([picture], fit=FLUX3.references)[0]), np.asarray(expected))
+    assert np.array_equal(np.asarray(prepare_references([picture], None, FLUX3.references)[0]), np.asarray(expected))
 
 
 def test_several_references_are_capped_and_cropped_as_the_reference():
@@ -344,11 +344,11 @@ def test_several_references_are_capped_and_cropped_as_the_reference():
     from flux2_core.sampling.references import prepare_references
 
     pictures = [random_picture(w, h, i) for i, (w, h) in enumerate([(1500, 1000), (70, 50), (17, 900)])]
-    ours = prepare_references(pictures, fit=FLUX3.references)
+    ours = prepare_references(pictures, None, FLUX3.references)
     for picture, prepared in zip(pictures, ours):
         assert np.array_equal(np.asarray(prepared), np.asarray(prepare_multi_reference(picture)))
     with pytest.raises(Flux2Error, match="takes at most 10 reference images.*got 11 reference pictures"):
-        prepare_references([random_picture(32, 32)] * 11, fit=FLUX3.references)
+        prepare_references([random_picture(32, 32)] * 11, None, FLUX3.references)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from PIL import Image
 
 from flux2_core.app import cli
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2 import FLUX2
 from flux2_core.sampling.references import MAX_IMAGE_PIXELS, as_pil, open_image, prepare_references
 
 SETTINGS = settings(max_examples=150, deadline=None, database=None,
@@ -87,7 +88,7 @@ def test_16_bit_modes_in_memory(mode, dtype):
     values = rng.integers(-1000 if mode == "I" else 0, 70000 if mode == "I" else 65536, (64, 80)).astype(dtype)
     image = Image.frombytes(mode, (80, 64), values.tobytes())
     assert image.mode == mode
-    (out,) = prepare_references([image])
+    (out,) = prepare_references([image], None, FLUX2.references)
     assert np.array_equal(np.asarray(out), expected_from_16_bit(values))
 
 
@@ -121,7 +122,7 @@ def test_exif_orientation_is_applied(tmp_path, orientation, upright):
     image = open_image(tmp_path / "photo.png")
     assert np.array_equal(np.asarray(image), upright(stored))
     with Image.open(tmp_path / "photo.png") as raw:     # the same through the pipeline's own entry, given PIL
-        assert np.array_equal(np.asarray(prepare_references([raw])[0]), upright(stored))
+        assert np.array_equal(np.asarray(prepare_references([raw], None, FLUX2.references)[0]), upright(stored))
 
 
 def test_unreadable_exif_is_ignored(tmp_path):
@@ -208,7 +209,7 @@ def test_cli_uses_the_same_decoding(tmp_path):
                                  np.zeros((2, 64, 64, 3), np.uint8)])
 def test_what_is_not_an_image(bad):
     with pytest.raises(Flux2Error, match="reference image 1 must be a PIL image or a uint8 HxWxC array"):
-        prepare_references([bad])
+        prepare_references([bad], None, FLUX2.references)
 
 
 # ---------------------------------------------------------------------------------------------------------------

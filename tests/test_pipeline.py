@@ -15,6 +15,7 @@ from PIL import Image
 from flux2_core import pipeline
 from flux2_core.errors import Flux2Error
 from flux2_core.families import VARIANTS
+from flux2_core.families.flux2 import FLUX2
 from flux2_core.families.flux2.variants import QWEN3_4B
 from flux2_core.models import rope
 from flux2_core.models.autoencoder import AutoEncoder
@@ -355,7 +356,7 @@ def test_kv_uses_a_precomputed_cache(tiny):
     refs = [photo(64, 64, 2)]
     first = generate(models, PROMPT, references=refs, width=32, height=32, steps=2)
     from flux2_core.sampling.references import encode_references
-    ref, ref_ids = encode_references(models.autoencoder, refs)
+    ref, ref_ids = encode_references(models.autoencoder, refs, None, ids=FLUX2.reference_ids, fit=FLUX2.references)
     cache = models.transformer.reference_kv(ref.to(DTYPE), ref_ids)
     again = generate(models, PROMPT, references=refs, width=32, height=32, steps=2, reference_kv=cache)
     assert torch.equal(first.latents, again.latents)

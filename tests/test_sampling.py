@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2 import FLUX2
 from flux2_core.families.flux2.schedule import flux2_schedule
 from flux2_core.latents import latent_size
 from flux2_core.models.autoencoder import AutoEncoder
@@ -212,14 +213,14 @@ def test_references_match_diffusers(models):
     ours, theirs, ae, vae = models
     noise, txt = start_noise(1, 13), embeds(4)
     images = ref_images()
-    ref, ref_ids = encode_references(ae, images)
+    ref, ref_ids = encode_references(ae, images, None, ids=FLUX2.reference_ids, fit=FLUX2.references)
     expected = run_diffusers("distilled", theirs, vae, noise, 3, txt, images=images)
     got = ours_trace(ours, noise, 3, txt, ref=ref, ref_ids=ref_ids)
     assert_traces_close(got, expected)
     # with CFG, references go into both halves
     neg = embeds(5)
     expected = run_diffusers("base", theirs, vae, noise, 3, txt, neg, cfg=3.0, images=images[:1])
-    ref1, ref1_ids = encode_references(ae, images[:1])
+    ref1, ref1_ids = encode_references(ae, images[:1], None, ids=FLUX2.reference_ids, fit=FLUX2.references)
     assert_traces_close(ours_trace(ours, noise, 3, txt, negative_txt=neg, cfg=3.0, ref=ref1, ref_ids=ref1_ids),
                         expected)
 
@@ -228,7 +229,7 @@ def test_kv_matches_diffusers(models):
     ours, theirs, ae, vae = models
     noise, txt = start_noise(2, 14), embeds(6)
     images = ref_images()[:2]
-    ref, ref_ids = encode_references(ae, images)
+    ref, ref_ids = encode_references(ae, images, None, ids=FLUX2.reference_ids, fit=FLUX2.references)
     expected = run_diffusers("kv", theirs, vae, noise, 4, txt.expand(2, -1, -1), images=images)
     calls = []
     original = ours.reference_kv
@@ -259,7 +260,7 @@ def test_batch_equals_single_runs(models):
 
 def test_refs_twice_is_an_error(models):
     ours, _, ae, _ = models
-    ref, ref_ids = encode_references(ae, ref_images()[:1], DTYPE)
+    ref, ref_ids = encode_references(ae, ref_images()[:1], DTYPE, ids=FLUX2.reference_ids, fit=FLUX2.references)
     with pytest.raises(Flux2Error, match="not both"):
         denoise(ours, start_noise(1, 0).to(DTYPE), [1.0, 0.0], embeds(0), ref=ref, ref_ids=ref_ids,
                 ref_kv=ours.reference_kv(ref, ref_ids))

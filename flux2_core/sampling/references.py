@@ -23,7 +23,6 @@ from PIL import Image, ImageOps
 
 from ..errors import Flux2Error
 from ..families import ReferenceFit
-from ..families.flux2.sampling import REFERENCES as FLUX2_REFERENCES
 from ..latents import PIXELS_PER_LATENT
 from ..models import rope
 
@@ -98,7 +97,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def check_reference(image: Image.Image, index: int = 0, fit: ReferenceFit = FLUX2_REFERENCES) -> None:
+def check_reference(image: Image.Image, index: int, fit: ReferenceFit) -> None:
     w, h = image.size
     if min(w, h) < fit.min_side:
         raise Flux2Error(f"reference image {index + 1} is {w}x{h}; both sides must be at least {fit.min_side} px: "
@@ -137,13 +136,12 @@ def center_crop_16(image: Image.Image, name: str = "the image") -> Image.Image:
     return image.crop((left, top, left + w, top + h))
 
 
-def pixel_cap(count: int, fit: ReferenceFit = FLUX2_REFERENCES) -> int:
-    """FLUX.2: 2024^2 alone, 1024^2 each otherwise."""
+def pixel_cap(count: int, fit: ReferenceFit) -> int:
+    """The pixels one of ``count`` references is capped at (FLUX.2: 2024^2 alone, 1024^2 each otherwise)."""
     return fit.single_pixels if count == 1 else fit.multi_pixels
 
 
-def prepare_reference(image: Image.Image, cap: int, index: int = 0, fit: ReferenceFit = FLUX2_REFERENCES
-                      ) -> Image.Image:
+def prepare_reference(image: Image.Image, cap: int, index: int, fit: ReferenceFit) -> Image.Image:
     check_reference(image, index, fit)
     return center_crop_16(cap_pixels(image, cap), f"reference image {index + 1}")
 
@@ -165,7 +163,7 @@ class ReferenceCount:
         return f"{pictures} plus the picture being inpainted ({self.total})" if self.inpainted else pictures
 
 
-def prepare_references(images, count: ReferenceCount | None = None, fit: ReferenceFit = FLUX2_REFERENCES,
+def prepare_references(images, count: ReferenceCount | None, fit: ReferenceFit,
                        model: str = "this model") -> list[Image.Image]:
     """``count``: what the model is given, the images and the picture being inpainted (default: the images alone);
     each image is capped as one of ``count.total``. ``model``: its name, for the message over the limit."""
@@ -253,23 +251,21 @@ def image_to_tensor(image: Image.Image) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_references(ae, images, dtype: torch.dtype | None = None, ids=rope.reference_ids,
-                      fit: ReferenceFit = FLUX2_REFERENCES) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_references(ae, images, dtype: torch.dtype | None, *, ids, fit: ReferenceFit
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> tokens [1, Lref, 128] in ``dtype`` and ids [1, Lref, 4], Lref = sum of (h/16)*(w/16), on the AE's device;
-    ``ids`` and ``fit``: the family's ``reference_ids`` and ``references`` (FLUX.2's by default).
+    ``ids`` and ``fit``: the family's ``reference_ids`` and ``references``.
     """
-    tokens, ids = reference_tokens(reference_latents(ae, images, fit=fit), ids)
+    tokens, ids = reference_tokens(reference_latents(ae, images, None, fit), ids)
     return tokens.to(dtype or tokens.dtype), ids
 
 
-def reference_latents(ae, images, count: ReferenceCount | None = None, fit: ReferenceFit = FLUX2_REFERENCES
-                      ) -> list[torch.Tensor]:
+def reference_latents(ae, images, count: ReferenceCount | None, fit: ReferenceFit) -> list[torch.Tensor]:
     """Each [1, 128, h/16, w/16]."""
     return [ae.encode(image_to_tensor(im)) for im in prepare_references(images, count, fit)]
 
 
-def reference_tokens(latents: list[torch.Tensor], ids=rope.reference_ids
-                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def reference_tokens(latents: list[torch.Tensor], ids) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """latents each [n, 128, h, w], every item one reference -> tokens [1, Lref, 128], ids [1, Lref, 4] (``ids``:
     the family's ``reference_ids``); (None, None) for none.
     """
@@ -280,8 +276,7 @@ def reference_tokens(latents: list[torch.Tensor], ids=rope.reference_ids
     return tokens, ids([tuple(z.shape[-2:]) for z in items], device=tokens.device)
 
 
-def batched_reference_tokens(latents: list[torch.Tensor], ids=rope.reference_ids
-                             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def batched_reference_tokens(latents: list[torch.Tensor], ids) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """ComfyUI's ``ref_latents`` as its samplers batch them (reference i of item b is ``latents[i][b]``, each
     [1 or B, 128, h, w]) -> tokens [1 or B, Lref, 128], ids [1, Lref, 4] (``ids``: the family's ``reference_ids``).
     """
