@@ -17,14 +17,13 @@ import math
 import torch
 from comfy_api.latest import io, ui
 
-from ..flux2_core import families, latents, weights
+from ..flux2_core import latents
 from ..flux2_core.adapters.lora import AdapterUse
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.runtime import cache, memory, parallel
 from ..flux2_core.runtime import compile as compiling
-from ..flux2_core.sampling import conditioning, euler, inpaint, references, schedules, step_cache
-from ..flux2_core.sampling.boxes import check_rows
-from ..flux2_core.sampling.run import prepare_run
+from ..flux2_core.sampling import euler, schedules, step_cache
+from ..flux2_core.sampling.latent_run import latent_run
 from . import host, types
 
 log = logging.getLogger("flux2_klein")
@@ -153,37 +152,31 @@ class Denoise(io.ComfyNode):
     @classmethod
     def execute(cls, model: host.Managed, positive, noise, sigmas, cfg: float, denoise: float,
                 negative=None, latent=None, cache: float = 0.0) -> io.NodeOutput:
-        variant, spread = model.variant, model.ranks > 1 and model.recipe is not None
-        given = positive[0][1].get("reference_latents", [])
-        check_rows(positive[0][1].get(types.META, {}).get("rows", []), references.ReferenceCount(len(given)),
-                   "the layout (FLUX 3 Klein Layout's boxes, or the table the prompt ends in)")
-        pack = conditioning.pack_references(variant, given)                          # both CFG branches
-        run = prepare_run(model.core, variant, sigmas, cfg, strength=denoise, image=latent is not None,  # the CLI's
-                          negative=negative is not None, references=bool(pack), cache=cache)             # rules
-        if run.plan.guidance.note:
-            log.warning("FLUX.2 Klein Denoise: %s", run.plan.guidance.note)
-        inpaint.check_source("noise_mask" in noise, latent is not None)             # a masked LATENT as the noise
-        noise = family_noise(noise, variant)                                         # [B, 128, h, w]
-        start = torch.zeros_like(noise) if latent is None else image_latent(latent["samples"], noise)
-        blend, mask_note = masked(latent, start, noise)                              # ComfyUI's noise_mask
-        txt = prompt_embeds(positive, variant)
+        spread = model.ranks > 1 and model.recipe is not None
+        asked = latent_run(model.core, model.variant, txt=prompt_embeds(positive),
+                           negative=prompt_embeds(negative) if negative is not None else None,
+                           references=positive[0][1].get("reference_latents", []),
+                           rows=positive[0][1].get(types.META, {}).get("rows", []), noise=noise["samples"],
+                           drawn=noise.get(DRAWN) is noise["samples"], masked_noise="noise_mask" in noise,
+                           latent=None if latent is None else latent["samples"],
+                           noise_mask=None if latent is None else latent.get("noise_mask"),
+                           sigmas=sigmas, cfg=cfg, strength=denoise, cache=cache)
+        for note in asked.notes:
+            log.warning("FLUX.2 Klein Denoise: %s", note)
         if spread:
             check_spread(model)                                                      # before followers start
-        kv_here = run.plan.reference_kv and not spread     # a parallel run's denoise makes its own split K/V
-        kept = kv_here and REFERENCE_KV.holds(model.key, pack.tokens.to(model.dtype), pack.ids)
-        batch, _, h, w = noise.shape
-        needed = run.need(batch, h, w, model.dtype, text_tokens=txt.shape[1],
-                          ref_tokens=pack.count, new_kv=not kept, ranks=model.ranks if spread else 1)
+        kv_here = asked.run.plan.reference_kv and not spread  # a parallel run's denoise makes its own split K/V
+        kept = kv_here and REFERENCE_KV.holds(model.key, asked.references.tokens.to(model.dtype), asked.references.ids)
+        needed = asked.need(model.dtype, ranks=model.ranks if spread else 1, kept_kv=kept)
         device = model.ready(needed)
-        memory.check_memory(device, needed, f"denoising {list(noise.shape)} latents", free=host.free_memory,
+        memory.check_memory(device, needed, f"denoising {list(asked.noise.shape)} latents", free=host.free_memory,
                             fix="use a smaller size or batch, or fewer or smaller references")
         model.use_adapters(model.core, lambda adapter: adapter.patches)
         set_compiled(model)
         parallel.attach(model.core, spread_over(model) if spread else None)
         try:
-            out = run(noise.to(device), txt, prompt_embeds(negative, variant) if run.cfg else None, references=pack,
-                      start=start.to(device), inpaint=blend, callback=host.StepReporter(run.plan.steps, device),
-                      kv_source=kept_kv(model, needed) if kv_here else None, dtype=model.dtype)
+            out = asked(device, dtype=model.dtype, callback=host.StepReporter(asked.run.plan.steps, device),
+                        kv_source=kept_kv(model, needed) if kv_here else None)
             if spread:
                 parallel.sequence_parallel_of(model.core).release()          # the followers' share of the reference K/V
         except BaseException:
@@ -191,12 +184,11 @@ class Denoise(io.ComfyNode):
             raise
         finally:
             parallel.attach(model.core, None)
+        if asked.run.cache is not None:
+            log.info("FLUX.2 Klein Denoise: %s", asked.run.cache_note())
         kv_note = ("reference K/V: reused (no reference pass)" if kept else "reference K/V: computed") if kv_here else ""
-        if run.cache is not None:
-            log.info("FLUX.2 Klein Denoise: %s", run.cache_note())
-        notes = "; ".join(note for note in (run.plan.guidance.note, mask_note, kv_note,
-                                            f"denoised on {model.ranks} ranks" if spread else "", run.cache_note())
-                          if note)
+        notes = "; ".join(note for note in (*asked.notes, kv_note, f"denoised on {model.ranks} ranks" if spread else "",
+                                            asked.run.cache_note()) if note)
         return io.NodeOutput({"samples": out.float().to(host.intermediate_device())},
                              ui=ui.PreviewText(notes) if notes else None)
 
@@ -263,47 +255,12 @@ def kept_kv(model: host.Managed, needed: int):
 REFERENCE_KV = cache.ReferenceKVCache(max_items=1, max_bytes=None, size=lambda patcher: patcher.model_size())
 
 
-def image_latent(latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The image-to-image start latent, checked against the noise and broadcast over its batch."""
-    if latent.shape[1:] != noise.shape[1:] or latent.shape[0] not in (1, noise.shape[0]):
-        raise Flux2Error(f"the latent {list(latent.shape)} does not fit the noise {list(noise.shape)}: connect the "
-                         f"latent to the noise node's latent input (same size), and make the noise batch the latent's "
-                         f"batch or use a single latent")
-    return latent.to(noise).expand_as(noise)
-
-
-def masked(latent, start: torch.Tensor, noise: torch.Tensor) -> tuple[inpaint.Inpaint | None, str]:
-    """(the core's inpainting blend, a note) for ComfyUI's ``noise_mask`` on the LATENT ``latent`` (pixel-sized
-    [n, 1, H, W], 1 = repaint, soft values kept) over ``start`` [B, 128, h, w] with ``noise``; (None, "") without one.
-    The blend is ComfyUI's own, before each model call (``inpaint.BEFORE_MODEL``): a graph inpaints as with KSampler."""
-    if latent is None or latent.get("noise_mask") is None:
-        return None, ""
-    batch, _, h, w = noise.shape
-    mask, note = inpaint.latent_mask(latent["noise_mask"], batch, h, w)
-    notes = "; ".join(n for n in (note, inpaint.mask_note(latent["noise_mask"], mask)) if n)
-    if notes:
-        log.warning("FLUX.2 Klein Denoise: %s", notes)
-    return inpaint.Inpaint(start, noise, mask, inpaint.BEFORE_MODEL), notes
-
-
 DRAWN = "flux2_klein_drawn"   # our key beside a Noise node's samples: the very tensor it drew (the seed's draw)
 
 
-def family_noise(noise: dict, variant) -> torch.Tensor:
-    """The noise of a LATENT for the model: the Noise node's draw read as the model's family reads a seed's draw
-    (FLUX 3: in token order, through bf16), so a seed gives the command line's picture, with no second draw; as given
-    where the samples are no longer what the node drew (another node made new ones on the way, keeping our key)."""
-    samples = noise["samples"]
-    if noise.get(DRAWN) is not samples:
-        return samples
-    return families.family_of(variant).noise(samples)
-
-
-def prompt_embeds(conditioning, variant) -> torch.Tensor:
-    """The embeddings [1 or B, L, C] of a CONDITIONING, checked against the model's text width."""
+def prompt_embeds(conditioning) -> torch.Tensor:
+    """The embeddings [1 or B, L, C] of a CONDITIONING (the run checks them against the model's text width)."""
     if len(conditioning) > 1:
         log.warning("FLUX.2 Klein Denoise uses the first of %d conditioning entries", len(conditioning))
-    embeds = conditioning[0][0]
-    weights.check_embeddings_fit(variant, embeds)
-    return embeds
+    return conditioning[0][0]
 
