@@ -411,6 +411,7 @@ def kv_worker(args) -> None:
     from PIL import Image
 
     from flux2_core.families import get_variant
+    from flux2_core.families.flux2 import FLUX2
     from flux2_core.runtime.cache import ReferenceKVCache
     from flux2_core.sampling.references import encode_references
 
@@ -434,7 +435,9 @@ def kv_worker(args) -> None:
                 if name == "kv-cached":
                     meter.mark("ref-lookup")
                     kv = cache.get_for_images(models.transformer, models.autoencoder, [ref], dtype,
-                                              encode=encode_references)
+                                              encode=lambda ae, images, dtype: encode_references(
+                                                  ae, images, dtype, ids=FLUX2.reference_ids,
+                                                  fit=FLUX2.references))
                 run_ours(models, meter, args, refs=[ref], reference_kv=kv)
                 entry[name] = {"total": time.perf_counter() - t, "times": meter.times, "peaks": meter.peaks}
             if i:

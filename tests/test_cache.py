@@ -207,6 +207,12 @@ def test_tensor_digest_sees_dtype_shape_and_values():
     assert tensor_digest(x) != tensor_digest(y)
 
 
+def flux2_encode(ae, images, dtype):
+    from flux2_core.sampling.references import encode_references
+
+    return encode_references(ae, images, dtype, ids=FLUX2.reference_ids, fit=FLUX2.references)
+
+
 def test_reference_kv_cache_by_images_skips_the_autoencoder_too():
     from PIL import Image
 
@@ -220,12 +226,12 @@ def test_reference_kv_cache_by_images_skips_the_autoencoder_too():
     image = Image.fromarray((torch.rand(64, 80, 3, generator=g) * 255).byte().numpy())
     cache = ReferenceKVCache()
     with torch.no_grad():
-        kv = cache.get_for_images(model, ae, [image], DTYPE, encode=encode_references)
+        kv = cache.get_for_images(model, ae, [image], DTYPE, encode=flux2_encode)
         assert (encodes[0], passes[0]) == (1, 1)
-        assert cache.get_for_images(model, ae, [image.copy()], DTYPE, encode=encode_references) is kv      # same pixels: nothing runs
+        assert cache.get_for_images(model, ae, [image.copy()], DTYPE, encode=flux2_encode) is kv      # same pixels: nothing runs
         assert (encodes[0], passes[0]) == (1, 1)
         ref, ref_ids = encode_references(ae, [image], DTYPE, ids=FLUX2.reference_ids, fit=FLUX2.references)
         assert torch.equal(kv.blocks[-1][1], model.reference_kv(ref, ref_ids).blocks[-1][1])
         other = image.copy()
         other.putpixel((0, 0), (0, 0, 0) if image.getpixel((0, 0)) != (0, 0, 0) else (1, 1, 1))
-        assert cache.get_for_images(model, ae, [other], DTYPE, encode=encode_references) is not kv        # one pixel changed: recomputed
+        assert cache.get_for_images(model, ae, [other], DTYPE, encode=flux2_encode) is not kv        # one pixel changed: recomputed

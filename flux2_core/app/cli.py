@@ -477,14 +477,6 @@ def load_for_command(args, device, size: tuple[int, int]):
             print(f"note: {note}", file=sys.stderr)
         paths = found.paths
         dtype = getattr(torch, args.dtype) if args.dtype else None
-        if dtype is None:
-            from ..weights import default_device_dtype, transformer_dtype
-
-            chosen = transformer_dtype(paths.transformer, default_device_dtype(device, None)[0])
-            print(f"computing in {chosen.name}: {chosen.why}", file=sys.stderr)
-            files["dtype"] = f"{chosen.name} ({chosen.why})"
-        else:
-            files["dtype"] = f"{args.dtype} (--dtype)"
         fp8, int8 = {"auto": None, "yes": True, "no": False}[args.fp8], INT8_CHOICES[args.int8]
         # what --int8 / --fp8 yes do to the file's layers, from its headers: one that changes nothing says so
         outcome = storage_outcome(paths[0], variant=args.variant, fp8=fp8, int8=int8)
@@ -493,6 +485,14 @@ def load_for_command(args, device, size: tuple[int, int]):
         models = load_models(*paths, device=device, dtype=dtype, variant=args.variant, fp8=fp8, int8=int8,
                              offload_encoder=offload, offload_blocks=offload_blocks, size=size, decoder=args.decoder)
         files |= {"transformer": paths[0].name, "text_encoder": paths[1].name, "ae": paths[2].name}
+        if dtype is None:             # the family's rule on this device (devices.model_dtype), as load_models took it
+            from ..weights import transformer_dtype
+
+            chosen = transformer_dtype(paths[0], models.device)
+            print(f"computing in {chosen.name}: {chosen.why}", file=sys.stderr)
+            files["dtype"] = f"{chosen.name} ({chosen.why})"
+        else:
+            files["dtype"] = f"{args.dtype} (--dtype)"
         if args.decoder:
             files["decoder"] = Path(args.decoder).name
     optimize_transformer(models, fp8=args.demo and args.fp8 == "yes", int8=args.demo and INT8_CHOICES[args.int8])  # files: on load
