@@ -86,7 +86,9 @@ class W4A8Linear(KitchenLinear):
 
     kind = "w4a8"
     op = "w4a8_int8_linear"
-    work_bytes = 24             # the int64 codes, their levels, the int8 grid in float32, the turned product
+    # bytes per value alive at the peak of a dequantization, counted from its tensors: the int64 codes, their levels,
+    # the int8 grid and the scaled values in float32, the turned product
+    work_bytes = 24
 
     def __init__(self, in_features: int, out_features: int, group: int, rotation: int,
                  held: dict[str, torch.dtype], item_by_item: bool = False, device=None):
@@ -138,7 +140,7 @@ class SvdQuantLinear(KitchenLinear):
 
     kind = "svdquant"
     op = "scaled_mm_svdquant_w4a4"
-    work_bytes = 20
+    work_bytes = 28             # the int64 codes, signed and scaled codes, the low-rank product, its sum and the result
 
     def __init__(self, in_features: int, out_features: int, rank: int, held: dict[str, torch.dtype],
                  item_by_item: bool = False, device=None):
@@ -182,7 +184,7 @@ class AwqLinear(KitchenLinear):
 
     kind = "awq"
     op = "gemv_awq_w4a16"
-    work_bytes = 16
+    work_bytes = 20             # the int64 codes, the centred codes, their scaled values and the result
 
     def __init__(self, in_features: int, out_features: int, group: int, held: dict[str, torch.dtype],
                  item_by_item: bool = False, device=None):
