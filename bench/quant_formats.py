@@ -6,7 +6,8 @@ memory each holds and the error it makes.
     python bench/quant_formats.py --config klein-4b --device cuda --dtype bfloat16 --size 1024 --json out.json
 
 The formats: ComfyUI's (written by comfy-kitchen's own quantizers, as ComfyUI's files are: int8 per row, int8 ConvRot,
-NVFP4, MXFP8, ConvRot W4A4) and GGUF's Q8_0 (gguf's quantizer) and Q4_K (random blocks: gguf cannot write K-quants
+NVFP4, MXFP8, ConvRot W4A4, W4A8; SVDQuant W4A4 and AWQ W4A16, which comfy-kitchen cannot quantize, by their layouts'
+rules with bf16 scales: tests/tiny/layouts.py) and GGUF's Q8_0 (gguf's quantizer) and Q4_K (random blocks: gguf cannot write K-quants
 from values, so it has speed and memory, no error), each over the layers the family quantizes
 (its blocks), the rest kept as the float file has it. Each is written to a file, loaded by ``weights.load_transformer``
 (the matmuls chosen as ``load_models`` chooses them), and timed on the same inputs: the layer is the first double
@@ -31,9 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 COMFY = {"int8": "int8_rowwise", "int8 ConvRot": "int8_convrot", "nvfp4": "nvfp4", "mxfp8": "mxfp8",
          "W4A4 ConvRot": "convrot_w4a4"}          # our row name -> tests/tiny/layouts.py's comfy_quant kind
+# our row name -> tests/tiny/layouts.py's w4_quant kind (SVDQuant's low-rank branch: rank 32, as its converter's)
+W4 = {"W4A8": "asym_w4a8_int8", "SVDQuant W4A4": "svdquant_w4a4", "AWQ W4A16": "awq_w4a16"}
+W4_RANK = 32
 GGUF = ("Q8_0", "Q4_K")
 RANDOM_BLOCKS = ("Q4_K",)        # gguf's Python package cannot quantize K-quants: the file holds random blocks
-FORMATS = ("float", *COMFY, *GGUF)
+FORMATS = ("float", *COMFY, *W4, *GGUF)
 LAYER = "double_blocks.0.img_attn.qkv"
 TEXT_TOKENS = 512
 
@@ -42,7 +46,7 @@ def write_file(state: dict, fmt: str, quantizable, folder: Path, device: torch.d
     """The float state in ``fmt``, as a ComfyUI-prefixed safetensors file or a GGUF."""
     from safetensors.torch import save_file
 
-    from tests.tiny.layouts import comfy_quant
+    from tests.tiny.layouts import comfy_quant, w4_quant
 
     if fmt in GGUF:
         from gguf import GGMLQuantizationType
@@ -56,6 +60,10 @@ def write_file(state: dict, fmt: str, quantizable, folder: Path, device: torch.d
     layers = [k.removesuffix(".weight") for k, v in state.items() if v.ndim == 2 and quantizable(k.removesuffix(".weight"))]
     if fmt == "float":
         out = state
+    elif fmt in W4:            # SVDQuant and AWQ need inputs in multiples of their group (64): the others stay float
+        fits = [layer for layer in layers if state[layer + ".weight"].shape[1] % 64 == 0]
+        on_device = {k: v.to(device) if k.removesuffix(".weight") in fits else v for k, v in state.items()}
+        out = {k: v.cpu() for k, v in w4_quant(on_device, fits, W4[fmt], torch.bfloat16, W4_RANK).items()}
     else:        # comfy-kitchen quantizes on the device (its eager code on a GPU is fast), the file is written from the CPU
         on_device = {k: v.to(device) if k.removesuffix(".weight") in layers else v for k, v in state.items()}
         out = {k: v.cpu() for k, v in comfy_quant(on_device, layers, COMFY[fmt], 256 if "ConvRot" in fmt else 0).items()}

@@ -109,3 +109,31 @@ def convrot_w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     """x [..., K] @ the ConvRot W4A4 weight (int8 [N, K/2] packed int4 · weight_scale [N])ᵀ, x turned by ConvRot and
     quantized to int4 per token."""
     return _imported()[0].convrot_w4a4_linear(x, weight, weight_scale, convrot_groupsize=rotation)
+
+
+def w4a8_int8_linear(x: torch.Tensor, weight: torch.Tensor, s_rel: torch.Tensor, s_channel: torch.Tensor,
+                     codebook: torch.Tensor | None, correction: torch.Tensor | None, group: int,
+                     rotation: int) -> torch.Tensor:
+    """x [..., K] @ the grouped W4A8 weight (int8 [N, K/2] packed 4-bit codes, their group scales s_rel [N, K/group],
+    row scales s_channel [N], a codebook [16] or uniform codes, a correction [K/group, N] or none)ᵀ: the codes
+    decoded to int8, x turned by ConvRot and quantized to int8 per token."""
+    return _imported()[0].w4a8_int8_linear(x, weight, s_rel, s_channel, codebook=codebook, correction=correction,
+                                           group_size=group, convrot_groupsize=rotation, out_dtype=x.dtype)
+
+
+def svdquant_w4a4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, proj_down: torch.Tensor,
+                         proj_up: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ the SVDQuant weight ᵀ: x divided by the smoothing and quantized to int4 per 64 inputs, times the
+    int4 codes [N, K/2] and their group scales [K/64, N], plus the low-rank branch x @ proj_down [K, R] @ proj_upᵀ
+    [R, N] -> [M, N] in the scales' dtype."""
+    ck = _imported()[0]
+    q, scales, low_rank = ck.quantize_svdquant_w4a4(x, smooth=smooth, lora_down=proj_down)
+    out = ck.scaled_mm_svdquant_w4a4(act=q, wgt=weight, ascales=scales, wscales=scale, lora_act_in=low_rank,
+                                     lora_up=proj_up)
+    return out[: x.shape[0]]                       # the activation quantizer pads the rows to 256
+
+
+def awq_w4a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor,
+                     group: int) -> torch.Tensor:
+    """x [..., K] @ the AWQ weight ((codes [N, K/2] - 8) x scale + zeros, both [K/group, N])ᵀ, x as it is."""
+    return _imported()[0].gemv_awq_w4a16(x, weight, scale, zeros, group_size=group)

@@ -122,7 +122,8 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     assert [(r["threshold"], r["steps"]) for r in rows] == [(0.0, 12), (0.9, 12)]
     assert rows[0]["computed"] == 12 and 2 < rows[1]["computed"] < 12 and rows[1]["psnr"] > 10
     (measured,) = [f["formats"] for f in formats]                      # each format smaller than float, and near it
-    assert list(measured) == ["float", "int8", "int8 ConvRot", "nvfp4", "mxfp8", "W4A4 ConvRot", "Q8_0", "Q4_K"]
+    assert list(measured) == ["float", "int8", "int8 ConvRot", "nvfp4", "mxfp8", "W4A4 ConvRot", "W4A8", "SVDQuant W4A4",
+                             "AWQ W4A16", "Q8_0", "Q4_K"]
     assert all(r["bytes"] < measured["float"]["bytes"] for name, r in measured.items() if name != "float")
     assert all(0 < r["error"] < 0.1 for name, r in measured.items() if name not in ("float", "Q4_K"))
 

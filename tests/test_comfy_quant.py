@@ -205,11 +205,11 @@ def test_int8_convrot_at_load_holds_outliers_better(float_sd, tmp_path):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"format": "awq_w4a16"}, "'awq_w4a16'.*cannot be loaded here"),
+    ({"format": "gptq_w4a16"}, "'gptq_w4a16'.*cannot be loaded here"),
     ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 48}, "not a power of 4"),
     ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": "big"}, "not a positive whole number"),
-    ({"format": "nvfp4", "convrot": True}, "runs for int8 and W4A4 only"),
-    ({"format": "float8_e4m3fn", "convrot": True}, "runs for int8 and W4A4 only"),
+    ({"format": "nvfp4", "convrot": True}, "runs for int8, W4A4 and W4A8 only"),
+    ({"format": "float8_e4m3fn", "convrot": True}, "runs for int8, W4A4 and W4A8 only"),
 ])
 def test_formats_that_cannot_run_are_refused_by_name_and_layer(files, tmp_path, spec, message):
     _, sd, layers = files["int8_rowwise"]

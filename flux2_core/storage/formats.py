@@ -1,6 +1,7 @@
 """The registry of stored formats: every ``StoredFormat`` (``stored_format``) by each name files give it. The formats
 are defined beside the classes that hold them (fp8: ``quant``; int8: ``int8``; nvfp4, mxfp8, 2-D blocks, W4A4:
-``packed``); another is added by ``register`` alone, the loaders and the layer factory unchanged.
+``packed``; W4A8, SVDQuant, AWQ: ``w4``); another is added by ``register`` alone, the loaders and the layer factory
+unchanged.
 
 ``read_layer`` is the one entry for a file's spec of a layer: a name no format has and ConvRot on a format that is
 never turned are refused here, naming what can be run; the rest is the format's own ``layer``.
@@ -20,6 +21,7 @@ from .packed import (
 )
 from .quant import FP8_E4M3_FORMAT, FP8_E5M2_FORMAT
 from .stored_format import LayerFile, LayerFormat, StoredFormat
+from .w4 import AWQ_FORMAT, SVDQUANT_FORMAT, W4A8_FORMAT
 
 # name -> format; a format of several names is in it under each
 STORED_FORMATS: dict[str, StoredFormat] = {}
@@ -42,7 +44,7 @@ def unregister(fmt: StoredFormat) -> None:
 
 
 for _format in (FP8_E4M3_FORMAT, FP8_E5M2_FORMAT, INT8_FORMAT, INT8_BLOCKS_FORMAT, FP8_BLOCKS_FORMAT, NVFP4_FORMAT,
-                NVFP4_PLAIN_FORMAT, MXFP8_FORMAT, W4A4_FORMAT):
+                NVFP4_PLAIN_FORMAT, MXFP8_FORMAT, W4A4_FORMAT, W4A8_FORMAT, SVDQUANT_FORMAT, AWQ_FORMAT):
     register(_format)
 
 
@@ -64,7 +66,8 @@ def read_layer(file: LayerFile) -> LayerFormat:
                          f"here; supported are bf16/fp16/fp32 files and these formats: "
                          f"{', '.join(sorted(STORED_FORMATS))}")
     if file.spec.get("convrot") and not fmt.rotates:
-        turned = " and ".join(dict.fromkeys(f.title for f in formats() if f.rotates))
+        titles = list(dict.fromkeys(f.title for f in formats() if f.rotates))
+        turned = " and ".join([", ".join(titles[:-1]), titles[-1]] if len(titles) > 1 else titles)
         raise Flux2Error(f"{file.where} is {file.name} with ConvRot, which this pack runs for {turned} only")
     return fmt.layer(file)
 

@@ -12,6 +12,7 @@ from torch import nn
 from .int8 import use_int8_matmul
 from .packed import use_int4_matmul
 from .quant import use_fp8_matmul
+from .w4 import use_kitchen_matmul
 
 
 @dataclass(frozen=True)
@@ -23,14 +24,16 @@ class MatmulChoice:
     int8: bool
     int8_note: str
     int4_note: str = ""
+    w4_note: str = ""               # W4A8, SVDQuant, AWQ: comfy-kitchen's own matmul or the weight dequantized
 
     @property
     def notes(self) -> list[str]:
-        return [note for note in (self.fp8_note, self.int8_note, self.int4_note) if note]
+        return [note for note in (self.fp8_note, self.int8_note, self.int4_note, self.w4_note) if note]
 
 
 def choose_matmuls(model: nn.Module, device, dtype: torch.dtype, fp8="auto", int8="auto") -> MatmulChoice:
     """Each choice "auto" (the faster path where it runs), True (Flux2Error where it cannot) or False."""
     fp8_on, fp8_note = use_fp8_matmul(model, fp8, torch.device(device), dtype)
     int8_on, int8_note = use_int8_matmul(model, int8, torch.device(device), dtype)
-    return MatmulChoice(fp8_on, fp8_note, int8_on, int8_note, use_int4_matmul(model, device))
+    return MatmulChoice(fp8_on, fp8_note, int8_on, int8_note, use_int4_matmul(model, device),
+                        use_kitchen_matmul(model, device))

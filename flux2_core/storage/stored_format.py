@@ -55,6 +55,8 @@ INT8 = StoredTensor(("I8",))
 FLOAT_SCALES = ("F32", "BF16", "F16")
 SCALE = StoredTensor(FLOAT_SCALES, ScaleRule())
 BLOCK_SCALE = StoredTensor(FLOAT_SCALES, ScaleRule(zero=True))
+# the torch dtype of each safetensors code a format keeps a tensor in as the file has it (``LayerFormat.held``)
+HELD_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -159,8 +161,12 @@ class LayerFormat:
     format: StoredFormat
     name: str                    # the name the file gives it
     rotation: int = 0            # ConvRot group (a power of 4); 0: none
-    block: int = 0               # a block format: the side of a block
+    block: int = 0               # a block format: the side of a block; a grouped one: the inputs a group holds
     per_row: bool = True         # a scale per output row, else one per tensor
+    # a format whose tensors vary by file (which it holds, in which dtype): each tensor beside the weight as the file
+    # holds it, (name, dtype), which its layer keeps as it is
+    held: tuple[tuple[str, torch.dtype], ...] = ()
+    rank: int = 0                # a low-rank branch's rank (SVDQuant)
 
     @property
     def tensors(self) -> dict[str, StoredTensor]:
