@@ -461,8 +461,8 @@ def test_block_and_row_scales_by_hand():
 
 
 @pytest.mark.parametrize("case, message", [
-    ("comfy-awq", "'awq_w4a16'.*cannot be loaded"),
-    ("comfy-unknown", "'asym_w4a8_int8'.*cannot be loaded"),
+    ("comfy-gptq", "'gptq_w4a16'.*cannot be loaded"),        # layouts ComfyUI's files may name and we do not run
+    ("comfy-unknown", "'marlin_w4a16'.*cannot be loaded"),
     ("int8-weight", "stored as torch.int8.*does not know"),
     ("gptq", "GPTQ"),
     ("bnb", "bitsandbytes"),
@@ -471,7 +471,7 @@ def test_unknown_quantisation_is_refused(dit, tmp_path, case, message):
     sd, meta = dict(dit.sd), None
     layer = "double_blocks.0.img_attn.proj"
     if case.startswith("comfy"):
-        fmt = "awq_w4a16" if case == "comfy-awq" else "asym_w4a8_int8"
+        fmt = "gptq_w4a16" if case == "comfy-gptq" else "marlin_w4a16"
         meta = {"_quantization_metadata": json.dumps({"layers": {layer: fmt}})}
     elif case == "int8-weight":
         sd[layer + ".weight"] = torch.ones(64, 64, dtype=torch.int8)
