@@ -83,7 +83,7 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
               "bench tiny GGUF Q4_0": slow, "bench tiny base CFG": slow, "bench tiny-KV edit": slow,
               "flux3 small": slow, "flux3 small int8": True, "step cache tiny base": slow, "quant formats tiny": slow}
     for stage, selected in stages.items():
-        status = "ok" if selected else re.escape("not selected (--only)")
+        status = "ok" if selected else re.escape("not selected (--only / --part)")
         assert f"\n## {stage}\n" in report and re.search(rf"\| {re.escape(stage)} \| {status} \|", report), stage
     assert "- torch: " + torch.__version__ in report and "- device: CPU" in report
     assert "FLUX2_TEST_DEVICE=cpu FLUX2_TEST_DTYPE=bfloat16" in report

@@ -83,3 +83,22 @@ def test_no_fused_reaches_the_worker_as_flux2_no_fused(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "worker", lambda args: seen.append(os.environ.get("FLUX2_NO_FUSED")))
     bench.main(["--worker", "ours", "--config", "tiny", "--ours-no-fused", "--out", str(tmp_path / "w.json")])
     assert seen == ["1"]
+
+
+def test_the_parts_of_the_gpu_check_cover_every_stage_by_its_name(tmp_path, monkeypatch):
+    """--part N selects one call's share by exact stage names: every GPU stage is in a part (a stage added without
+    one would never run in a part-by-part session), no part names a stage that does not exist, and --only adds to a
+    part."""
+    check = gpu_check()
+    monkeypatch.setenv("COMFYUI_DIR", str(tmp_path))            # the native stage exists either way; named alike
+    names = {"tests", *(s.name for s in [*check.bench_stages(False, tmp_path, tmp_path),
+                                          *check.flux3_stages(False, tmp_path),
+                                          check.step_cache_stage(False, tmp_path, tmp_path),
+                                          check.quant_formats_stage(False, tmp_path),
+                                          check.native_stage(False, tmp_path)])}
+    in_parts = set().union(*check.PARTS.values())
+    assert in_parts == names, (names - in_parts, in_parts - names)
+    assert check.selected("bench klein-4b fp8", None, 2) and not check.selected("bench klein-4b fp8 no fused", None, 2)
+    assert check.selected("bench klein-4b fp8 no fused", ["no fused"], 2)
+    assert not check.selected("bench klein-9b distilled", None, 1) and check.selected("anything", None, None)
+    assert not check.selected("bench klein-4b fp8", ["int8"], None)
