@@ -140,7 +140,8 @@ class Denoise(io.ComfyNode):
                     io.Sigmas.Input("sigmas", tooltip="Noise levels, from FLUX.2 Klein Scheduler or any scheduler."),
                     io.Float.Input("cfg", default=1.0, min=0.0, max=euler.MAX_CFG, step=0.1, round=0.01,
                                    tooltip="Guidance scale. Distilled Klein: 1 (no negative needed; other values are "
-                                           "ignored); base: about 4 with a negative (an empty prompt)."),
+                                           "ignored); base: about 4 with a negative (an empty prompt), FLUX 3 Image "
+                                           "Klein's base 3.5."),
                     io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01,
                                    tooltip="Image-to-image strength: runs the last denoise x steps from the latent "
                                            "noised to that level; 1 starts from pure noise (a noise mask still "
