@@ -22,7 +22,8 @@ class LoRA(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="Flux2KleinLoRA", display_name="FLUX.2 Klein LoRA", category=f"{types.CATEGORY}/loaders",
-            description="Applies a LoRA (also LoKr, LoHa, DoRA) made for FLUX.2 Klein: ai-toolkit, kohya/musubi, "
+            description="Applies a LoRA (also LoKr, LoHa, DoRA) made for the loaded model (FLUX.2 Klein or FLUX 3 "
+                        "Image Klein): ai-toolkit, kohya/musubi, "
                         "diffusers/PEFT, ComfyUI and LyCORIS files. Chain several for a stack. The node shows how "
                         "many tensors matched per block group and the keys that matched nothing (all of them in "
                         "ComfyUI's log).",

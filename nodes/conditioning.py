@@ -68,7 +68,8 @@ class PromptEncode(io.ComfyNode):
         info = f"{tokens} / {limit} tokens"
         if dropped:
             info += f": {dropped} tokens beyond {limit} were cut off"
-            log.warning("FLUX.2 Klein prompt has %d tokens; the last %d (beyond %d) were cut off", tokens, dropped, limit)
+            log.warning("%s prompt has %d tokens; the last %d (beyond %d) were cut off", family.title, tokens, dropped,
+                        limit)
         if PROMPTS.cache.misses == misses:
             info += " (cached)"
         return io.NodeOutput(conditioning, ui=ui.PreviewText(info))
@@ -112,7 +113,8 @@ class Reference(io.ComfyNode):
                         "Chain it for more references; a batch adds one reference per image.",
             inputs=[io.Conditioning.Input("conditioning", tooltip="The prompt conditioning (positive)."),
                     io.Image.Input("image", tooltip="Reference image(s); for FLUX.2 each side at least 64 px and an "
-                                                            "aspect of at most 8:1."),
+                                                            "aspect of at most 8:1 (FLUX 3: any size and "
+                                                            "aspect)."),
                     types.AutoEncoder.Input("ae", tooltip="The FLUX.2 autoencoder.")],
             outputs=[io.Conditioning.Output(display_name="conditioning",
                                             tooltip="The conditioning with the references appended.")])

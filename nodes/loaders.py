@@ -23,8 +23,9 @@ INT8_CONVROT = "int8_convrot"
 INT8_CHOICES = {INT8: True, INT8_CONVROT: "convrot"}          # -> weights.load_transformer's int8
 MODEL_DTYPE_TOOLTIP = ("Compute dtype. auto: what ComfyUI picks for FLUX.2 on this device (bfloat16 on GPUs from "
                        "Ampere on, float16 on Volta / Turing such as the T4, float32 on CPUs and older GPUs; "
-                       "--fp16-unet / --bf16-unet / --force-fp32 apply); the layers an fp8 file stores in fp8 stay "
-                       "fp8, with the file's scales. bfloat16 / float16 / float32: computed in that dtype (fp8 files "
+                       "--fp16-unet / --bf16-unet / --force-fp32 apply); FLUX 3 Image Klein runs in bfloat16 or "
+                       "float32 only, so auto gives it float32 where FLUX.2 would take float16; the layers an fp8 "
+                       "file stores in fp8 stay fp8, with the file's scales. bfloat16 / float16 / float32: computed in that dtype (fp8 files "
                        "dequantized). A bf16 / fp16 file's weights stay 16-bit under a wider dtype, cast per layer "
                        f"(half the memory of float32). float16 clamps the residual streams as ComfyUI does. {FP8}: every block's weights in fp8 "
                        "(about half the memory of bfloat16), quantized as they load, computed in the auto dtype; "
@@ -47,13 +48,16 @@ AE_DTYPE_TOOLTIP = ("auto follows ComfyUI's VAE dtype (bfloat16 on recent GPUs, 
 
 
 def stored_note(model, matmuls=None) -> str:
-    """'40 layers in int8 (int8 matmul: ...), 12 layers in nvfp4 (dequantized as they run), ' for the quantized layers
-    a model holds (GGUF blocks aside: ``gguf_note``)."""
+    """'40 layers in int8, 8 layers in w4a8 (int8 matmul: ...; w4a8 matmul in its own format: ...), 12 layers in
+    nvfp4 (dequantized as they run), ' for the quantized layers a model holds (GGUF blocks aside: ``gguf_note``):
+    every note of its ``MatmulChoice``, after the kinds they are about."""
     kinds, gguf = census(model), gguf_types(model)
-    notes = {"fp8": matmuls and matmuls.fp8_note, "int8": matmuls and matmuls.int8_note,
-             "w4a4": matmuls and matmuls.int4_note}
-    return "".join(f"{n} layers in {kind} ({notes.get(kind) or 'dequantized as they run'}), "
-                   for kind, n in kinds.items() if kind not in FLOAT_KINDS and kind not in gguf)
+    held = {kind: n for kind, n in kinds.items() if kind not in FLOAT_KINDS and kind not in gguf}
+    chosen = matmuls.kinds if matmuls else ()
+    multiplied = ", ".join(f"{n} layers in {kind}" for kind, n in held.items() if kind in chosen)
+    notes = f"{multiplied} ({'; '.join(matmuls.notes)}), " if matmuls and matmuls.notes else ""
+    return notes + "".join(f"{n} layers in {kind} (dequantized as they run), "
+                           for kind, n in held.items() if kind not in chosen)
 
 
 def dtype_input(extra=(), tooltip: str = DTYPE_TOOLTIP) -> io.Combo.Input:
@@ -76,7 +80,8 @@ class ModelLoader(io.ComfyNode):
                         "BF16 safetensors). The model and variant are read from the weights and the file name "
                         "('base' / 'kv' in the name).",
             inputs=[io.Combo.Input("model_name", options=host.model_choices("diffusion_models"),
-                                   tooltip="A flux-2-klein-*.safetensors file (BFL or ComfyUI, fp8 too), a Klein GGUF "
+                                   tooltip="A flux-2-klein-*.safetensors or flux3-image-klein*.safetensors file (BFL or "
+                                           "ComfyUI, fp8 too), a FLUX.2 Klein GGUF "
                                            "(flux-2-klein-4b-Q4_K_M.gguf: Q8_0 ... Q2_K) or a diffusers folder, under "
                                            "models/diffusion_models or models/unet (and ComfyUI-GGUF's unet_gguf "
                                            "paths)."),
@@ -117,8 +122,9 @@ class TextEncoderLoader(io.ComfyNode):
                         "(FLUX.2: up to hidden state 27; FLUX 3: 32).",
             inputs=[io.Combo.Input("text_encoder_name", options=host.model_choices("text_encoders"),
                                    tooltip="qwen_3_4b.safetensors / qwen_3_8b*.safetensors (ComfyUI files, fp8 too), "
+                                           "qwen3vl_4b.safetensors (FLUX 3 Image Klein's), "
                                            "a llama.cpp Qwen3 GGUF (Qwen3-4B-Q4_K_M.gguf: Q8_0 ... Q2_K; its "
-                                           "quantized layers stay quantized) or a Hugging Face Qwen3 folder, under "
+                                           "quantized layers stay quantized) or a Hugging Face Qwen3 / Qwen3-VL folder, under "
                                            "models/text_encoders or models/clip (and ComfyUI-GGUF's clip_gguf "
                                            "paths)."),
                     dtype_input()],

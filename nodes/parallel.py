@@ -25,7 +25,8 @@ class Parallel(io.ComfyNode):
                         "split between them and attention trades them (sequence parallelism), so one large image "
                         "comes sooner. The first run starts a process per extra GPU that loads the model file; they "
                         "stop when ComfyUI unloads the model between prompts (Unload models). The GPUs must divide "
-                        "the model's attention heads (Klein 4B: 24, 9B: 32). Results equal one GPU's to float "
+                        "the model's attention heads (FLUX.2 Klein 4B and FLUX 3 Image Klein: 24, Klein 9B: 32). "
+                        "Results equal one GPU's to float "
                         "rounding.",
             inputs=[types.Model.Input("model", tooltip="From FLUX.2 Klein Load Model (LoRAs may follow or precede)."),
                     io.Int.Input("gpus", default=2, min=2, max=8,

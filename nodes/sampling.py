@@ -20,6 +20,7 @@ from comfy_api.latest import io, ui
 from ..flux2_core import latents
 from ..flux2_core.adapters.lora import AdapterUse
 from ..flux2_core.errors import Flux2Error
+from ..flux2_core.families import family_of
 from ..flux2_core.runtime import cache, memory, parallel
 from ..flux2_core.runtime import compile as compiling
 from ..flux2_core.sampling import euler, schedules, step_cache
@@ -67,14 +68,19 @@ class Scheduler(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="Flux2KleinScheduler", display_name="FLUX.2 Klein Scheduler", category=f"{types.CATEGORY}/sampling",
-            description="The noise levels (SIGMAS) of each step, from 1 to 0. flux2: the reference schedule, shifted "
-                        "by an empirical mu that depends on the image size and the step count; linear: evenly "
-                        "spaced; power: (1 - i/steps) ** rho. The image size comes from the latent (connect the "
-                        "noise), or from width and height sockets where no latent is connected.",
+            description=f"The noise levels (SIGMAS) of each step, from 1 to 0. {schedules.MODELS_OWN}: the schedule of "
+                        "the connected model's family (connect the model: FLUX.2 Klein's or FLUX 3 Image Klein's); "
+                        "flux2: FLUX.2's, shifted by an empirical mu that depends on the image size and the step "
+                        "count; flux3: FLUX 3 Image Klein's; linear: evenly spaced; power: (1 - i/steps) ** rho. The "
+                        "image size comes from the latent (connect the noise), or from width and height sockets where "
+                        "no latent is connected.",
             inputs=[io.Int.Input("steps", default=4, min=1, max=200,
-                                 tooltip="Denoising steps: 4 for distilled Klein, about 50 for base models."),
-                    io.Combo.Input("schedule", options=list(schedules.SCHEDULES), default="flux2",
-                                   tooltip="Which schedule (see above)."),
+                                 tooltip="Denoising steps: 4 for distilled FLUX.2 Klein, 16 for distilled FLUX 3 "
+                                         "Image Klein, about 50 for the base models (the loader shows its "
+                                         "model's)."),
+                    io.Combo.Input("schedule", options=list(schedules.SCHEDULES), default=schedules.MODELS_OWN,
+                                   tooltip=f"Which schedule (see above); {schedules.MODELS_OWN} needs the model "
+                                           "connected."),
                     io.Float.Input("rho", default=2.0, min=0.1, max=10.0, step=0.1,
                                    tooltip="Exponent of the power schedule (1 = linear); the others ignore it."),
                     io.Latent.Input("latent", optional=True,
@@ -83,25 +89,35 @@ class Scheduler(io.ComfyNode):
                     io.Int.Input("width", **SIZE, optional=True, force_input=True,
                                  tooltip="Image width in pixels, where no latent is connected."),
                     io.Int.Input("height", **SIZE, optional=True, force_input=True,
-                                 tooltip="Image height in pixels, where no latent is connected.")],
+                                 tooltip="Image height in pixels, where no latent is connected."),
+                    # last: a saved workflow's links name an input by its position
+                    types.Model.Input("model", optional=True,
+                                      tooltip=f"The model the sigmas are for: {schedules.MODELS_OWN} is its family's "
+                                              "schedule (the other schedules ignore it).")],
             outputs=[io.Sigmas.Output(display_name="sigmas", tooltip="steps + 1 noise levels, 1 ... 0.")])
 
     @classmethod
     def validate_inputs(cls, steps=None, schedule=None, rho=None, latent=host.UNCONNECTED, width=host.UNCONNECTED,
-                        height=host.UNCONNECTED):
-        # the schedule itself is made at queue time too: a size whose flux2 schedule breaks is refused there
+                        height=host.UNCONNECTED, model=host.UNCONNECTED):
+        # the schedule itself is made at queue time too: a size whose flux2 schedule breaks is refused there; the
+        # model's own waits for the model (a link: which family it is shows only when the graph runs)
         if latent is host.UNCONNECTED and host.UNCONNECTED in (width, height):
             return "connect the latent (the noise), or give both width and height"
         sizes = {} if latent is not host.UNCONNECTED else {"width": width, "height": height}
-        return host.validate(cls, {"steps": steps, "schedule": schedule, "rho": rho} | sizes,
-                             lambda: latent is not host.UNCONNECTED or schedules.named_schedule(
-                                 schedule, steps, math.prod(latents.latent_size(height, width)), rho))
+
+        def made_here():
+            schedules.check_model_for(schedule, model is not host.UNCONNECTED)
+            if latent is host.UNCONNECTED and schedule != schedules.MODELS_OWN:
+                schedules.named_schedule(schedule, steps, math.prod(latents.latent_size(height, width)), rho)
+        return host.validate(cls, {"steps": steps, "schedule": schedule, "rho": rho} | sizes, made_here)
 
     @classmethod
     def execute(cls, steps: int, schedule: str, rho: float, latent=None, width: int | None = None,
-                height: int | None = None) -> io.NodeOutput:
+                height: int | None = None, model: host.Managed | None = None) -> io.NodeOutput:
         h, w = latent["samples"].shape[-2:] if latent is not None else latents.latent_size(height, width)
-        return io.NodeOutput(torch.tensor(schedules.named_schedule(schedule, steps, h * w, rho), dtype=torch.float32))
+        family = family_of(model.variant) if model is not None else None
+        return io.NodeOutput(torch.tensor(schedules.named_schedule(schedule, steps, h * w, rho, family),
+                                          dtype=torch.float32))
 
 
 class Denoise(io.ComfyNode):
@@ -124,7 +140,8 @@ class Denoise(io.ComfyNode):
                     io.Sigmas.Input("sigmas", tooltip="Noise levels, from FLUX.2 Klein Scheduler or any scheduler."),
                     io.Float.Input("cfg", default=1.0, min=0.0, max=euler.MAX_CFG, step=0.1, round=0.01,
                                    tooltip="Guidance scale. Distilled Klein: 1 (no negative needed; other values are "
-                                           "ignored); base: about 4 with a negative (an empty prompt)."),
+                                           "ignored); base: about 4 with a negative (an empty prompt), FLUX 3 Image "
+                                           "Klein's base 3.5."),
                     io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01,
                                    tooltip="Image-to-image strength: runs the last denoise x steps from the latent "
                                            "noised to that level; 1 starts from pure noise (a noise mask still "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
+from ..flux2_core.sampling.boxes import clamp_notes
 from ..flux2_core.upsampler.model import MAX_NEW_TOKENS, PromptUpsampler, check_request
 from . import host, types
 from .conditioning import to_pil
@@ -39,13 +40,15 @@ class Upsampler(io.ComfyNode):
     def execute(cls, upsampler: str, prompt: str, boxes: list | None = None, **images) -> io.NodeOutput:
         pictures = [to_pil(item) for i in range(1, PICTURE_INPUTS + 1)
                     if images.get(f"image_{i}") is not None for item in images[f"image_{i}"]]
-        check_request(prompt, len(pictures), boxes)
+        layout = check_request(prompt, len(pictures), boxes)
         model = PromptUpsampler(host.resolve_upsampler(upsampler), device=host.free_for_upsampler())
         try:
             answer = model(prompt, pictures, boxes=boxes, on_token=host.TokenReporter(MAX_NEW_TOKENS))
         finally:
             del model
             host.free_for_upsampler()
-        shown = f"{answer.tokens} tokens from {len(pictures)} picture(s)\n{answer.prompt}" if answer.tokens else \
-            f"already upsampled, kept as it is\n{answer.prompt}"
+        said = f"{answer.tokens} tokens from {len(pictures)} picture(s)" if answer.tokens else \
+            "already upsampled, kept as it is"
+        # the boxes go on in its answer's table as drawn: to the picture's edge where they reach past it
+        shown = "\n".join([said, *clamp_notes(layout), answer.prompt])
         return io.NodeOutput(answer.prompt, ui=ui.PreviewText(shown))

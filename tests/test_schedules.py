@@ -11,6 +11,7 @@ from flux2_core.errors import Flux2Error
 from flux2_core.families.flux2.schedule import empirical_mu, flux2_schedule, max_image_tokens
 from flux2_core.families.flux3.schedule import flux3_schedule
 from flux2_core.sampling.schedules import (
+    MODELS_OWN,
     SCHEDULES,
     check_sigmas,
     linear_schedule,
@@ -157,13 +158,25 @@ def test_steps_and_named_schedules():
         linear_schedule(10_001)
     assert named_schedule("flux2", 4, 4096) == flux2_schedule(4, 4096)
     assert named_schedule("flux3", 4, 4096) == flux3_schedule(4)
-    # the Scheduler node's options, which saved workflows store as text: the families' own, then the shared ones
-    assert SCHEDULES == ("flux2", "flux3", "linear", "power")
+    # the Scheduler node's options, which saved workflows store as text: the model's own, the families' own, then the
+    # shared ones (the names saved workflows hold before the model's own was added stay as they were)
+    assert SCHEDULES == ("model's own", "flux2", "flux3", "linear", "power") and MODELS_OWN == SCHEDULES[0]
     assert named_schedule("power", 4, 4096, 2.0) == power_schedule(4, 2.0)
     assert named_schedule("linear", 4, 4096, float("nan")) == linear_schedule(4)     # rho only matters to power
     for name, rho, what in [("power", float("nan"), "rho"), ("power", float("inf"), "rho"), ("karras", 1, "unknown schedule 'karras'; use one of flux2, flux3, linear, power")]:
         with pytest.raises(Flux2Error, match=what):
             named_schedule(name, 4, 4096, rho)
+
+
+def test_the_models_own_schedule_is_its_familys_and_needs_the_model():
+    from flux2_core.families import FAMILIES
+
+    assert named_schedule(MODELS_OWN, 4, 4096, family=FAMILIES["flux3"]) == flux3_schedule(4)
+    assert named_schedule(MODELS_OWN, 4, 4096, family=FAMILIES["flux2"]) == flux2_schedule(4, 4096)
+    assert flux3_schedule(4) != flux2_schedule(4, 4096)
+    assert named_schedule("linear", 4, 4096, family=FAMILIES["flux3"]) == linear_schedule(4)   # a named one wins
+    with pytest.raises(Flux2Error, match="connect the model, or pick one of flux2, flux3, linear, power$"):
+        named_schedule(MODELS_OWN, 4, 4096)
 
 
 def test_strength_needs_an_image_below_one():

@@ -122,8 +122,9 @@ def test_kitchen_matmul_is_off_on_the_cpu(files):
     from flux2_core.storage.matmul import choose_matmuls
 
     model = load(files["asym_w4a8_int8"][0])
-    notes = choose_matmuls(model, "cpu", torch.float32).notes
-    assert any("w4a8 matmul in its own format: off" in n for n in notes), notes
+    choice = choose_matmuls(model, "cpu", torch.float32)
+    assert any("w4a8 matmul in its own format: off" in n for n in choice.notes), choice.notes
+    assert choice.kinds == ("w4a8",) and set(choice.kinds) <= set(census(model))      # the layers the notes are about
     assert not any(getattr(m, "kitchen_matmul", False) for m in model.modules())
 
 

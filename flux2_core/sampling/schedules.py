@@ -1,6 +1,6 @@
 """Noise schedules: pure functions returning ``steps + 1`` sigmas from 1 (noise) to 0 (clean). Each family's own
 schedule is in its package (``Family.schedule``); here are the shared ones (linear, power), the schedules by the name
-the Scheduler node lists, and the rules for sigmas and strength.
+the Scheduler node lists (the connected model's own first), and the rules for sigmas and strength.
 
 The values are float32 numbers as Python floats (the reference builds an fp32 tensor and calls ``tolist()``), so the
 sampler's step sizes are exactly the reference's.
@@ -18,8 +18,10 @@ from ..errors import Flux2Error
 from ..families import FAMILIES
 
 SHARED = ("linear", "power")      # the schedules of no family, after the families' own
-# the Scheduler node's options (saved workflows store the option's text): the families registered when it is imported
-SCHEDULES = (*(f.schedule_name for f in FAMILIES.values()), *SHARED)
+MODELS_OWN = "model's own"        # the schedule of the family of the model it is made for, whichever that is
+# the Scheduler node's options (saved workflows store the option's text, so a name, once listed, stays): the model's
+# own (its default), then the families registered when this is imported, then the shared ones
+SCHEDULES = (MODELS_OWN, *(f.schedule_name for f in FAMILIES.values()), *SHARED)
 
 
 def linear_schedule(steps: int) -> list[float]:
@@ -35,18 +37,34 @@ def power_schedule(steps: int, rho: float = 1.0) -> list[float]:
     return (t ** rho).tolist()
 
 
-def named_schedule(name: str, steps: int, image_tokens: int, rho: float = 1.0) -> list[float]:
-    """The schedule the Scheduler node's option ``name`` stands for: a family's own (``Family.schedule_name``), or one
-    of the shared ones (``rho``: the power schedule's exponent)."""
+def check_model_for(name: str, model_given: bool) -> None:
+    """``MODELS_OWN`` is the schedule of the model it is made for: refused where no model is given."""
+    if name == MODELS_OWN and not model_given:
+        raise Flux2Error(f"the schedule {MODELS_OWN!r} is the connected model's own: connect the model, or pick one "
+                         f"of {', '.join(_named())}")
+
+
+def named_schedule(name: str, steps: int, image_tokens: int, rho: float = 1.0, family=None) -> list[float]:
+    """The schedule the Scheduler node's option ``name`` stands for: ``family``'s own for ``MODELS_OWN`` (a
+    ``families.Family``, the connected model's), a family's by its ``Family.schedule_name``, or one of the shared ones
+    (``rho``: the power schedule's exponent)."""
+    check_model_for(name, family is not None)
+    if name == MODELS_OWN:
+        return family.schedule(steps, image_tokens)
     if name == "linear":
         return linear_schedule(steps)
     if name == "power":
         return power_schedule(steps, rho)
-    family = next((f for f in FAMILIES.values() if f.schedule_name == name), None)
-    if family is None:
-        names = (*(f.schedule_name for f in FAMILIES.values()), *SHARED)
-        raise Flux2Error(f"unknown schedule {name!r}; use one of {', '.join(names)}")
-    return family.schedule(steps, image_tokens)
+    named = next((f for f in FAMILIES.values() if f.schedule_name == name), None)
+    if named is None:
+        raise Flux2Error(f"unknown schedule {name!r}; use one of {', '.join(_named())}")
+    return named.schedule(steps, image_tokens)
+
+
+def _named() -> tuple[str, ...]:
+    """The schedules known by their own name: the families registered now (a family registered after this module,
+    such as the tests' toy, too), then the shared ones."""
+    return (*(f.schedule_name for f in FAMILIES.values()), *SHARED)
 
 
 def check_sigmas(sigmas) -> list[float]:

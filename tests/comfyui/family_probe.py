@@ -4,7 +4,8 @@ tree (pytest does not collect it):
     python family_probe.py PACK_DIR TOY_FILE TEXT_ENCODER AE        -> one JSON object on stdout
 
 The toy family (tests/toy_family/: a family package of its own) is registered in the pack's registry; then our
-nodes run as ComfyUI's executor calls them (loader, prompt encode, noise, scheduler, Denoise with CFG, decode), and the
+nodes run as ComfyUI's executor calls them (loader, prompt encode, noise, scheduler (the model's own), Denoise with CFG,
+decode), and the
 engine runs the same files through ``pipeline.generate``; then with a reference (Reference node), which the toy takes as K/V made once: two
 Denoise runs, the second reusing them. The report holds both sides' differences, the reference passes and what FLUX.2
 Klein to MODEL says of the toy's model.
@@ -43,11 +44,16 @@ def load_module(name: str, path: Path, package: bool = False):
 
 def run_node(node, **inputs) -> tuple:
     """A V3 node's outputs, its execute called as ComfyUI's executor calls it (a locked clone, inference mode)."""
+    return node_output(node, **inputs).args
+
+
+def node_output(node, **inputs):
+    """A V3 node's NodeOutput (its outputs and what it shows, ``ui``), called as ``run_node`` calls it."""
     from comfy_api.internal import make_locked_method_func
 
     node.VALIDATE_CLASS()
     with torch.inference_mode():
-        return make_locked_method_func(node, "execute", node.PREPARE_CLASS_CLONE(None))(**inputs).args
+        return make_locked_method_func(node, "execute", node.PREPARE_CLASS_CLONE(None))(**inputs)
 
 
 def main() -> None:
@@ -55,6 +61,7 @@ def main() -> None:
     load_module("flux2_pack", pack_dir / "__init__.py", package=True)
     from flux2_pack.flux2_core import families, pipeline
     from flux2_pack.flux2_core.errors import Flux2Error
+    from flux2_pack.flux2_core.sampling import schedules
     from flux2_pack.nodes import autoencoder, comfy_model, conditioning, loaders, sampling
 
     # the toy imports the engine as ``flux2_core``: the pack's own modules under that name, so it registers there
@@ -75,8 +82,12 @@ def main() -> None:
     (positive,) = run_node(conditioning.PromptEncode, text_encoder=encoder, prompt=PROMPT)
     (negative,) = run_node(conditioning.PromptEncode, text_encoder=encoder, prompt=NEGATIVE)
     (noise,) = run_node(sampling.Noise, seed=SEED, width=WIDTH, height=HEIGHT, batch_size=1)
-    (sigmas,) = run_node(sampling.Scheduler, steps=STEPS, schedule=toy.TOY.schedule_name, rho=2.0, width=WIDTH,
-                         height=HEIGHT)
+    # the Scheduler's model's own with the toy's model connected (the toy, registered after the node's options were
+    # listed, has no option of its own there): what Denoise runs with, and the toy's schedule by its name
+    (sigmas,) = run_node(sampling.Scheduler, steps=STEPS, schedule=schedules.MODELS_OWN, rho=2.0, width=WIDTH,
+                         height=HEIGHT, model=model)
+    (named,) = run_node(sampling.Scheduler, steps=STEPS, schedule=toy.TOY.schedule_name, rho=2.0, width=WIDTH,
+                        height=HEIGHT)
     (latent,) = run_node(sampling.Denoise, model=model, positive=positive, negative=negative, noise=noise,
                          sigmas=sigmas, cfg=CFG, denoise=1.0)
     (image,) = run_node(autoencoder.AEDecode, ae=ae, latent=latent)
@@ -111,7 +122,8 @@ def main() -> None:
         "edit_max_diffs": [(e - expected_edit.latents).abs().max().item() for e in edited],
         "edit_max": expected_edit.latents.abs().max().item(),
         "edit_changed": (expected_edit.latents - expected.latents).abs().max().item(),
-        "reference_passes": passes, "to_model": to_model}))
+        "reference_passes": passes, "to_model": to_model, "sigmas": sigmas.tolist(), "named_sigmas": named.tolist(),
+        "listed": toy.TOY.schedule_name in schedules.SCHEDULES}))
 
 
 if __name__ == "__main__":

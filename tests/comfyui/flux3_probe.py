@@ -4,7 +4,7 @@ tree (pytest does not collect it):
     python flux3_probe.py PACK_DIR TRANSFORMER TEXT_ENCODER_FOLDER AE CFG [edit]   -> one JSON object on stdout
 
 Our nodes run as ComfyUI's executor calls them (the three loaders, Prompt Encode for the prompt and an empty negative,
-Noise, Scheduler's flux3 schedule, Denoise, which draws FLUX 3's noise from the Noise node's seed, AE Decode), and the
+Noise, a fresh Scheduler's default (the model's own: FLUX 3's schedule), Denoise, which draws FLUX 3's noise from the Noise node's seed, AE Decode), and the
 engine runs the same files through ``pipeline.generate``. The report holds both sides' differences and what FLUX.2
 Klein to MODEL says of the model. ``edit``: the prompt carries boxes (the Layout node) and two Reference nodes in a
 chain add two pictures; Denoise runs after the first (one reference, on its padded canvas) and after the second (two,
@@ -59,7 +59,11 @@ def main() -> None:
     (positive,) = run_node(conditioning.PromptEncode, text_encoder=text_encoder, prompt=PROMPT, boxes=layout)
     (negative,) = run_node(conditioning.PromptEncode, text_encoder=text_encoder, prompt=NEGATIVE)
     (noise,) = run_node(sampling.Noise, seed=SEED, width=WIDTH, height=HEIGHT, batch_size=1)
-    (sigmas,) = run_node(sampling.Scheduler, steps=STEPS, schedule="flux3", rho=2.0, width=WIDTH, height=HEIGHT)
+    # a fresh Scheduler's schedule (its default option) with the model connected: what Denoise runs with
+    schedule = next(i for i in sampling.Scheduler.define_schema().inputs if i.id == "schedule")
+    (sigmas,) = run_node(sampling.Scheduler, steps=STEPS, schedule=schedule.default, rho=2.0, width=WIDTH,
+                         height=HEIGHT, model=model)
+    (named,) = run_node(sampling.Scheduler, steps=STEPS, schedule="flux3", rho=2.0, width=WIDTH, height=HEIGHT)
     pictures = [picture(80, 50, 1), picture(40, 72, 2)] if edit else []
     conditionings = [positive]
     for p in pictures:                                    # one Reference node per picture, chained
@@ -87,7 +91,8 @@ def main() -> None:
         "model": type(model.core).__name__, "variant": model.variant.name, "encoder": text_encoder.core.spec.model,
         "tokens": [positive[0][0].shape[1], negative[0][0].shape[1]],
         "reference_shapes": [list(t.shape) for t in conditionings[-1][0][1].get("reference_latents", [])],
-        "runs": runs, "to_model": to_model}))
+        "runs": runs, "to_model": to_model, "schedule_default": schedule.default, "sigmas": sigmas.tolist(),
+        "named_sigmas": named.tolist()}))
 
 
 def picture(width: int, height: int, seed: int):

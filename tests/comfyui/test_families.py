@@ -6,11 +6,13 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
 from tests.comfyui.host import PACK_FOLDER
 from tests.toy_family import ToyModel, ToyParams
+from tests.toy_family.schedule import toy_schedule
 
 HERE = Path(__file__).resolve().parent
 
@@ -37,6 +39,9 @@ def test_a_second_family_runs_through_our_nodes_as_the_engine_runs_it(comfy, tmp
     report = json.loads(result.stdout.splitlines()[-1])
     assert (report["model"], report["variant"], report["holder"]) == ("ToyModel", "toy", "Flux2KleinTransformer")
     assert report["latents_max_diff"] <= 1e-6 * report["latents_max"] and report["pixels_max_diff"] <= 1
+    # the Scheduler's model's own, which those latents ran with, is the toy's schedule, though the toy has no option
+    # of its own in the node's list
+    assert report["sigmas"] == report["named_sigmas"] == pytest.approx(toy_schedule(3, 2 * 3)) and not report["listed"]
     # with a reference, taken as K/V: both runs equal generate, the reference changed the picture, and the reference
     # pass ran once over its 4 x 6 latent cells (the second run reused the K/V)
     assert all(diff <= 1e-6 * report["edit_max"] for diff in report["edit_max_diffs"])

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 
+from flux2_core.families.flux2.schedule import flux2_schedule
+from flux2_core.families.flux3.schedule import flux3_schedule
 from tests.comfyui.host import PACK_FOLDER
 
 HERE = Path(__file__).resolve().parent
@@ -45,3 +47,7 @@ def test_flux3_runs_through_our_nodes_as_the_engine_runs_it(comfy, tmp_path, flo
     if edit:      # 80x50 alone: fitted as is on an 80x64 canvas; with the second: centre-cropped to 80x48
         assert report["reference_shapes"] == [[1, 128, 3, 5], [1, 128, 4, 2]]
     assert "ComfyUI has no model of FLUX 3 Image Klein" in report["to_model"]
+    # a fresh Scheduler, the model connected, gives FLUX 3's schedule (the runs above used it), as its flux3 option
+    assert report["schedule_default"] == "model's own"
+    assert report["sigmas"] == report["named_sigmas"] == pytest.approx(flux3_schedule(3), abs=1e-7)
+    assert report["sigmas"] != pytest.approx(flux2_schedule(3, 4 * 3), abs=1e-3)

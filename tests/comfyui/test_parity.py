@@ -187,3 +187,27 @@ def test_a_distilled_model_ignores_cfg_in_the_node_as_in_flux2_core(comfy, direc
     assert any("cfg 3 is ignored" in w for w in expected.warnings)
     assert "cfg 3 is ignored" in " ".join(comfy.client.history(run.prompt_id)["outputs"]["8"]["text"])
     assert torch.equal(ours, run_latent(comfy, graphs.ours, {**case, "cfg": 1.0}))
+
+
+def test_the_loader_says_how_each_kind_of_quantized_layer_multiplies(comfy):
+    """A ComfyUI file holding W4A8 and AWQ W4A16 layers (comfy-kitchen's grouped 4-bit formats): the loader shows the
+    note on their matmul (comfy-kitchen's own-format kernels, GPU only: off on this CPU, the weights dequantized), for
+    both kinds, and the run goes on."""
+    from safetensors.torch import load_file
+
+    from tests.tiny.layouts import save_prefixed, w4_quant
+
+    pytest.importorskip("comfy_kitchen")
+    folder = comfy.base / "models" / "diffusion_models"
+    weights = load_file(str(folder / comfy.files["transformer"]))
+    weights = w4_quant(w4_quant(weights, ["double_blocks.0.img_attn.qkv", "single_blocks.0.linear1"],
+                                "asym_w4a8_int8"), ["single_blocks.1.linear1"], "awq_w4a16")
+    name = "flux-2-klein-tiny-w4.safetensors"
+    save_prefixed(weights, folder / name)
+    run = comfy.client.run(graphs.ours(comfy.files, "a red fox", steps=2, model_file=name, model_dtype="auto",
+                                       **SIZE))
+    info = " ".join(str(v) for v in comfy.client.history(run.prompt_id)["outputs"]["1"].get("text", []))
+    assert "2 layers in w4a8" in info and "1 layers in awq" in info, info
+    for kind in ("w4a8", "awq"):
+        assert f"{kind} matmul in its own format: off (no GPU kernel here); dequantized" in info, info
+    assert "dequantized as they run" not in info, info

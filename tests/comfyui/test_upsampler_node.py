@@ -39,6 +39,10 @@ def test_the_upsampler_node_answers_as_the_engine(comfy, tmp_path):
     assert report["edit"] == ours("a red fox in the snow", pictures).prompt
     assert "already ends in a box table" in report["twice"]
     assert report["interrupted"] == "InterruptProcessingException"
+    # a box past the picture's edge goes on drawn to the edge (y_min -0.1, x_max 1.2): the node says so
+    sun = "box 'sun' reaches past the picture's edge (bbox): it is drawn to the edge"
+    assert sun in report["wide_shown"] and "reaches past" not in report["shown"]
+    assert '"bbox": [0, 700, 300, 1000]' in report["wide_shown"]             # the clamped row in its answer's table
 
 
 def picture(width: int, height: int, seed: int) -> Image.Image:

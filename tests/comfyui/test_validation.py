@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from flux2_core.errors import Flux2Error
@@ -73,6 +74,23 @@ def test_a_schedule_that_breaks_at_this_size_is_refused(comfy):
     assert any("at most about 4688x4688 px" in d for d in errors["7"])
     prompt["7"]["inputs"].update(schedule="power", rho=float("inf"))
     assert any("rho must be a finite number" in d for d in refused(comfy, prompt)["7"])
+
+
+def test_the_models_own_schedule_needs_the_model_and_is_its_familys(comfy):
+    """Without the model connected the Scheduler's model's own is refused at queue time, naming the fix; with it
+    linked (unseen at queue time) it runs, and on FLUX.2 Klein its sigmas are the flux2 schedule's: the same latent."""
+    prompt = graph(comfy, output="latent")
+    prompt["7"]["inputs"]["schedule"] = "model's own"
+    errors = refused(comfy, prompt)
+    assert list(errors) == ["7"]
+    assert any("connect the model, or pick one of flux2, flux3, linear, power" in d for d in errors["7"]), errors
+    latents = {}
+    for schedule, model in (("flux2", None), ("model's own", graphs.link("1"))):
+        prompt = graph(comfy, output="latent", seed=24)
+        prompt["7"]["inputs"].update(schedule=schedule, **({"model": model} if model else {}))
+        run = comfy.client.run(prompt)
+        latents[schedule] = graphs.saved_latent(comfy.base, comfy.client.history(run.prompt_id))
+    assert torch.equal(latents["flux2"], latents["model's own"])
 
 
 def test_a_nan_lora_strength_is_refused(comfy):

@@ -4,8 +4,8 @@
     python upsampler_probe.py PACK_DIR UPSAMPLERS_DIR   -> one JSON object on stdout
 
 UPSAMPLERS_DIR is registered as a models/prompt_upsamplers path. The node runs as ComfyUI's executor calls it: a
-request with the Layout node's boxes, and an edit with a picture on image_1 and a batch of two on image_2 (three
-pictures). The report holds what the node lists and answers, what Prompt Encode says when the same boxes come to it
+request with the Layout node's boxes (and with a box past the picture's edge), and an edit with a picture on image_1 and a batch of two on image_2 (three
+pictures). The report holds what the node lists, answers and shows, what Prompt Encode says when the same boxes come to it
 again, and what an interrupt raises.
 """
 
@@ -36,7 +36,7 @@ def picture(width: int, height: int, seed: int) -> torch.Tensor:
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
-    from family_probe import load_module, run_node
+    from family_probe import load_module, node_output, run_node
 
     pack_dir, upsamplers = Path(sys.argv[1]), Path(sys.argv[2])
     load_module("flux2_pack", pack_dir / "__init__.py", package=True)
@@ -51,6 +51,11 @@ def main() -> None:
     (text,) = run_node(upsampler.Upsampler, upsampler=choices[0], prompt=PROMPT, boxes=layout)
     (edit,) = run_node(upsampler.Upsampler, upsampler=choices[0], prompt=PROMPT, image_1=picture(90, 60, 1)[None],
                        image_2=torch.stack([picture(40, 64, 2), picture(40, 64, 3)]))
+    # a box reaching past the picture's edge, drawn to it: the node says so, as the Layout node does
+    wide = [{"id": "sun", "desc": "the sun", "bbox": [-0.1, 0.7, 0.3, 1.2]}]
+    (wide_layout,) = run_node(boxes.Layout, boxes=json.dumps(wide))
+    wide_shown = node_output(upsampler.Upsampler, upsampler=choices[0], prompt=PROMPT, boxes=wide_layout).ui.as_dict()
+    shown = node_output(upsampler.Upsampler, upsampler=choices[0], prompt=PROMPT, boxes=layout).ui.as_dict()
     encoder = sys.argv[3] if len(sys.argv) > 3 else None
     twice = ""
     if encoder:
@@ -68,7 +73,8 @@ def main() -> None:
         interrupted = type(e).__name__
     finally:
         mm.interrupt_current_processing(False)
-    print(json.dumps({"choices": choices, "text": text, "edit": edit, "twice": twice, "interrupted": interrupted}))
+    print(json.dumps({"choices": choices, "text": text, "edit": edit, "twice": twice, "interrupted": interrupted,
+                      "wide_shown": "\n".join(wide_shown["text"]), "shown": "\n".join(shown["text"])}))
 
 
 if __name__ == "__main__":
