@@ -514,9 +514,7 @@ def load_for_command(args, device, size: tuple[int, int]):
                              fp8=YES_NO[args.fp8_matmul])
     for note in matmuls.notes:
         print(note, file=sys.stderr)
-    for kind, on, note in (("fp8", matmuls.fp8, matmuls.fp8_note), ("int8", matmuls.int8, matmuls.int8_note)):
-        if note:
-            files[f"{kind}_matmul"] = "on" if on else "off"
+    files |= matmuls.record()                   # every quantized kind with a matmul of its own: on or off
     return models, files
 
 
