@@ -118,3 +118,46 @@ def test_the_png_records_the_matmul_of_every_4_bit_kind(tmp_path, capsys):
         "w4a4_matmul": "off", "awq_matmul": "off", "svdquant_matmul": "off"}, params
     assert "W4A4 int4 matmul: off" in err and "awq matmul in its own format: off" in err
     assert "svdquant matmul in its own format: off" in err
+
+
+# --- weight files that are not what their names say ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,content,says", [
+    ("flux-2-klein-4b.safetensors", b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 +
+     b"\nsize 7751087592\n", ["Git LFS pointer", "git lfs pull"]),
+    ("flux-2-klein-4b-Q4_K_M.gguf", b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 +
+     b"\nsize 2751087592\n", ["Git LFS pointer", "git lfs pull"]),
+    ("flux-2-klein-4b.safetensors", b"<!DOCTYPE html>\n<html><head><title>Sign in</title></head></html>",
+     ["web page", "<!DOCTYPE html>", "licence"]),
+    ("flux-2-klein-4b.safetensors", b'{"error":"Access to model is restricted. You must be authenticated."}',
+     ["but text", "Access to model is restricted", "download it again"]),
+    # a download manager's file, made at full size before its bytes arrive
+    ("flux-2-klein-4b-Q4_K_M.gguf", bytes(4096), ["not a valid GGUF file", "download it again"]),
+])
+def test_a_weight_file_that_is_text_or_empty_says_what_it_is(other_files, tmp_path, capsys, name, content, says):
+    _, te, ae, _ = other_files
+    path = tmp_path / name
+    path.write_bytes(content)
+    err = error_of(["--transformer", str(path), "--text-encoder", str(te), "--ae", str(ae), "--prompt", "x",
+                    "--out", str(tmp_path / "out")], capsys)
+    assert str(path) in err and all(text in err for text in says), err
+    assert name.endswith(".safetensors") or ".safetensors" not in err, err      # a GGUF is not called safetensors
+
+
+def test_a_text_encoder_tensor_of_another_shape_is_named(other_files, tmp_path, capsys):
+    """One linear of the encoder one row too wide: the message names the tensor, its shape and the one the file's other
+    tensors imply (not torch's size-mismatch dump), and says to download the file again."""
+    from safetensors.torch import load_file
+
+    tmp, te, ae, _ = other_files
+    state = load_file(str(te))
+    key = "model.layers.0.mlp.up_proj.weight"
+    rows, columns = state[key].shape
+    state[key] = torch.zeros(rows + 1, columns)
+    broken = tmp_path / "qwen_3_4b.safetensors"
+    save_file(state, str(broken))
+    err = error_of(["--transformer", str(transformer_file("flux2", tmp)), "--text-encoder", str(broken), "--ae",
+                    str(ae), "--prompt", "x", "--width", "32", "--height", "32", "--device", "cpu",
+                    "--out", str(tmp_path / "out")], capsys)
+    assert f"layers.0.mlp.up_proj.weight is [{rows + 1}, {columns}], not [{rows}, {columns}]" in err, err
+    assert "download it again" in err and "size mismatch" not in err, err
