@@ -48,16 +48,12 @@ AE_DTYPE_TOOLTIP = ("auto follows ComfyUI's VAE dtype (bfloat16 on recent GPUs, 
 
 
 def stored_note(model, matmuls=None) -> str:
-    """'40 layers in int8, 8 layers in w4a8 (int8 matmul: ...; w4a8 matmul in its own format: ...), 12 layers in
+    """'40 layers in int8 (int8 matmul: ...), 8 layers in w4a8 (w4a8 matmul in its own format: ...), 12 layers in
     nvfp4 (dequantized as they run), ' for the quantized layers a model holds (GGUF blocks aside: ``gguf_note``):
-    every note of its ``MatmulChoice``, after the kinds they are about."""
+    each kind with its ``MatmulChoice`` note."""
     kinds, gguf = census(model), gguf_types(model)
-    held = {kind: n for kind, n in kinds.items() if kind not in FLOAT_KINDS and kind not in gguf}
-    chosen = matmuls.kinds if matmuls else ()
-    multiplied = ", ".join(f"{n} layers in {kind}" for kind, n in held.items() if kind in chosen)
-    notes = f"{multiplied} ({'; '.join(matmuls.notes)}), " if matmuls and matmuls.notes else ""
-    return notes + "".join(f"{n} layers in {kind} (dequantized as they run), "
-                           for kind, n in held.items() if kind not in chosen)
+    return "".join(f"{n} layers in {kind} ({(matmuls and matmuls.note_for(kind)) or 'dequantized as they run'}), "
+                   for kind, n in kinds.items() if kind not in FLOAT_KINDS and kind not in gguf)
 
 
 def dtype_input(extra=(), tooltip: str = DTYPE_TOOLTIP) -> io.Combo.Input:

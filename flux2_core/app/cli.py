@@ -218,11 +218,8 @@ def check_early(args, refs) -> None:
     rules = [(["--width", "--height"], lambda: args.width is None and args.height is None or latents.latent_size(
                  *(latents.PIXELS_PER_LATENT if side is None else side for side in (args.height, args.width)))),
              (["--steps"], lambda: args.steps is None or schedules.check_steps(args.steps)),
-             # a size whose family's schedule breaks at 4 steps (the least demanding default) breaks at any default;
-             # before the files say which family runs, every family's schedule is asked
-             (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or [
-                 f.schedule(args.steps or 4, math.prod(latents.latent_size(args.height, args.width)))
-                 for f in ([family] if family is not None else FAMILIES.values())]),
+             (["--width", "--height", "--steps"], lambda: None in (args.width, args.height) or check_schedule(
+                 family, args.steps, args.width, args.height)),
              (["--cfg"], lambda: args.cfg is None or euler.check_cfg(args.cfg)),
              (["--seed", "--batch"], lambda: euler.check_seed(0 if args.seed is None else args.seed, args.batch)),
              (["--strength"], lambda: schedules.check_strength(args.strength, args.image is not None)),
@@ -253,6 +250,17 @@ def check_early(args, refs) -> None:
         if not Path(path).expanduser().is_file():
             raise Flux2Error(f"--lora {path}: no such file; give the path of a .safetensors LoRA, optionally with "
                              f":STRENGTH (e.g. --lora style.safetensors:0.8)")
+
+
+def check_schedule(family, steps: int | None, width: int, height: int) -> None:
+    """The schedule of the family that runs serves a picture of this size (FLUX.2's breaks on large ones; FLUX 3's
+    takes any); before the files say which family runs (``family`` None), every family's is asked. Without --steps, at
+    4 steps, the least demanding default: a size that breaks at 4 breaks at any default."""
+    from .. import latents
+
+    tokens = math.prod(latents.latent_size(height, width))
+    for each in [family] if family is not None else FAMILIES.values():
+        each.schedule(steps or 4, tokens)
 
 
 def early_family(args):
@@ -346,13 +354,16 @@ def generate_command(argv: list[str]) -> int:
     if image is not None:                # before any model loads (a mask is fitted to the image: the image decides)
         grid_size(*image.size, f"--image {args.image}")
     if args.expand:                      # outpainting: the canvas and its mask become the image and the mask
-        from ..families.flux2.schedule import max_image_tokens
-        from ..latents import PIXELS_PER_LATENT
         from ..sampling import inpaint
 
-        # as any input, any size (and the largest FLUX.2's schedule serves)
-        limit = min(MAX_IMAGE_PIXELS, max_image_tokens(args.steps or 4) * PIXELS_PER_LATENT ** 2)
-        canvas = inpaint.expand_canvas(image, inpaint.parse_expand(args.expand), max_pixels=limit)
+        # the canvas is the picture made: at most an input's size, and one the schedule of the model's family serves
+        canvas = inpaint.expand_canvas(image, inpaint.parse_expand(args.expand), max_pixels=MAX_IMAGE_PIXELS)
+        width, height = canvas.image.size
+        try:
+            check_schedule(early_family(args), args.steps, width, height)
+        except Flux2Error as e:
+            raise Flux2Error(f"--expand: the expanded canvas, {width}x{height} px, is the picture made, and {e}; "
+                             f"expand less, or shrink the image first") from None
         image, mask = canvas.image, canvas.mask
     sp = join_ranks(args)
     upsampled = [{} for _ in args.prompt]
@@ -514,9 +525,7 @@ def load_for_command(args, device, size: tuple[int, int]):
                              fp8=YES_NO[args.fp8_matmul])
     for note in matmuls.notes:
         print(note, file=sys.stderr)
-    for kind, on, note in (("fp8", matmuls.fp8, matmuls.fp8_note), ("int8", matmuls.int8, matmuls.int8_note)):
-        if note:
-            files[f"{kind}_matmul"] = "on" if on else "off"
+    files |= matmuls.record()                   # every quantized kind with a matmul of its own: on or off
     return models, files
 
 

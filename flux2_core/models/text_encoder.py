@@ -196,6 +196,13 @@ def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, 
     keep |= {f"{name}.{k}": t.to(device) for name, layer in stored.items() if is_used(f"{name}.weight", num_layers)
              for k, t in layer.tensors.items()}
     misfit = f"the text-encoder weights do not fit Qwen3 ({params.hidden_size} wide, {num_layers} layers)"
+    wanted = model.state_dict()                  # shapes on meta: a tensor of another shape named before torch's dump
+    wrong = [k for k, v in keep.items() if k in wanted and tuple(v.shape) != tuple(wanted[k].shape)]
+    if wrong:
+        shown = "; ".join(f"{k} is {list(keep[k].shape)}, not {list(wanted[k].shape)}" for k in wrong[:3])
+        raise Flux2Error(f"{misfit}: {len(wrong)} of its tensors have shapes other than the file's other tensors and "
+                         f"config imply ({shown}{'; ...' if len(wrong) > 3 else ''}); the file is inconsistent or "
+                         f"damaged: download it again")
     try:
         missing, unexpected = model.load_state_dict(keep, strict=False, assign=True)
     except RuntimeError as e:   # a shape differs from the config

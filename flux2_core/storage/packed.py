@@ -239,17 +239,21 @@ class W4A4Linear(DequantizedLinear):
         return super().extra_repr() + f", ConvRot group {self.rotation}" + (", int4 matmul" if self.int4_matmul else "")
 
 
-def use_int4_matmul(model: nn.Module, device) -> str:
+def use_int4_matmul(model: nn.Module, device) -> bool | None:
     """W4A4 layers multiply in int4 where comfy-kitchen has a GPU kernel for it (its eager code unpacks to floats,
-    no faster than the dequantized weight); a note, "" without W4A4 layers."""
+    no faster than the dequantized weight): whether they do, None without W4A4 layers (``int4_note`` words it)."""
     layers = [m for m in model.modules() if isinstance(m, W4A4Linear)]
     if not layers:
-        return ""
+        return None
     device = torch.device(device)
     on = device.type == "cuda" and not kitchen.available("convrot_w4a4_linear") and bool(
         kitchen.gpu_backends("convrot_w4a4_linear"))
     for layer in layers:
         layer.int4_matmul = on
+    return on
+
+
+def int4_note(on: bool) -> str:
     return "W4A4 int4 matmul: on" if on else "W4A4 int4 matmul: off (no GPU kernel here); the weights are dequantized"
 
 

@@ -213,21 +213,22 @@ class AwqLinear(KitchenLinear):
         return super().extra_repr() + f", group {self.group}"
 
 
-def use_kitchen_matmul(model: torch.nn.Module, device) -> str:
+def use_kitchen_matmul(model: torch.nn.Module, device) -> dict[str, bool]:
     """These layers multiply in their own format where comfy-kitchen has a GPU kernel for it (its CPU code
-    dequantizes as ours does, or quantizes activations only to dequantize them); a note, "" without such layers."""
+    dequantizes as ours does, or quantizes activations only to dequantize them): each kind of them the model holds ->
+    whether it does ({} without such layers; ``kitchen_note`` words it)."""
     layers = [m for m in model.modules() if isinstance(m, KitchenLinear)]
-    if not layers:
-        return ""
     device, on = torch.device(device), {}
     for layer in layers:
         if layer.op not in on:
             on[layer.op] = device.type == "cuda" and not kitchen.available(layer.op) and bool(
                 kitchen.gpu_backends(layer.op))
         layer.kitchen_matmul = on[layer.op]
-    kinds = {layer.kind: on[layer.op] for layer in layers}
-    return "; ".join(f"{kind} matmul in its own format: {'on' if used else 'off (no GPU kernel here); dequantized'}"
-                     for kind, used in kinds.items())
+    return {layer.kind: on[layer.op] for layer in layers}
+
+
+def kitchen_note(kind: str, on: bool) -> str:
+    return f"{kind} matmul in its own format: {'on' if on else 'off (no GPU kernel here); dequantized'}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

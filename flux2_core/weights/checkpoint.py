@@ -181,6 +181,38 @@ def refuse_other_format(path: Path, start: bytes) -> None:
         raise Flux2Error(f"{path} is a pickle-based checkpoint (.ckpt/.pt/.bin), not a .safetensors file. Pickle files "
                          f"can run arbitrary code when opened, so they are never loaded here: download the "
                          f".safetensors version of these weights (or convert the file once with a tool you trust)")
+    text = _text_start(path)
+    if text:
+        raise Flux2Error(f"{path} is not a valid weights file but text (it begins {text!r}): {_text_fix(text)}")
+    if path.suffix.lower() == ".gguf":
+        raise Flux2Error(f"{path} is not a valid GGUF file (it does not begin with the letters GGUF that every GGUF "
+                         f"file begins with): it is corrupt or only partly downloaded; download it again")
+
+
+def _text_start(path: Path) -> str:
+    """The first line of a file that begins with text (a Git LFS pointer, a web page or a server's error message saved
+    under a weight file's name), else "". Weights never do: the 8 bytes a safetensors header's length is written in
+    would, as text, give a length far past safetensors' limit."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(256)
+    except OSError:
+        return ""
+    printable = bytes(range(32, 127)) + b"\t\n\r"
+    head = start[:64]
+    if not head or head.translate(None, printable):
+        return ""
+    return start.decode("ascii", "replace").strip().splitlines()[0][:80] if start.strip() else ""
+
+
+def _text_fix(text: str) -> str:
+    if text.startswith("version https://git-lfs"):
+        return ("a Git LFS pointer, left where the file should be by a clone without its large files: run "
+                "'git lfs pull' in that repository, or download the file itself")
+    if text.startswith("<"):
+        return ("a web page saved instead of the file (a login, licence or error page): download the file itself, "
+                "logged in and with the model's licence accepted where it asks for that")
+    return "not the file itself (perhaps a server's error message): download it again"
 
 
 # ---------------------------------------------------------------------------------------------------------------
