@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import Flux2Error
+
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 # NVIDIA Turing cards without fp16 tensor cores, whose fp16 results ComfyUI also refuses (black images)
 NO_FP16 = ("1660", "1650", "1630", "T500", "T550", "T600", "MX550", "MX450", "CMP 30HX", "T2000", "T1000", "T1200")
@@ -91,6 +93,16 @@ def model_dtype(device: torch.device | str, supported: Sequence[torch.dtype],
     second = compute_dtype(device, fp16=False)
     return ComputeDtype(second.dtype if second.dtype in supported else torch.float32,
                         f"{pick.why}, but this model does not run in {pick.name}")
+
+
+def check_model_dtype(dtype: torch.dtype, supported: Sequence[torch.dtype], model: str) -> torch.dtype:
+    """A compute dtype asked for by name: refused where the model (``model``: what messages call it) does not run in it
+    (``Family.dtypes``), since its activations can overflow there and the picture come out black."""
+    if dtype not in supported:
+        names = " or ".join(str(d).removeprefix("torch.") for d in supported)
+        raise Flux2Error(f"{model} runs in {names}, not in {str(dtype).removeprefix('torch.')}: pick {names}, or auto "
+                         f"(the fastest of them on this device)")
+    return dtype
 
 
 def _cuda(device: torch.device, fp16: bool) -> ComputeDtype:

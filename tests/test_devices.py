@@ -312,3 +312,29 @@ def test_a_flux3_file_is_loaded_in_its_familys_dtype_where_the_device_would_pick
     assert weights.transformer_dtype(flux3_file, "cpu").dtype == torch.float32
     model, _ = weights.load_transformer(flux3_file, "cpu")
     assert model.dtype == torch.float32
+
+
+def test_a_dtype_asked_for_that_the_family_does_not_run_in_is_refused_before_loading(tmp_path, capsys):
+    """float16 asked for by name: a FLUX.2 file computes in it (its clamps), a FLUX 3 file is refused with the dtypes
+    it runs in, from the engine's loader and from the command line (an error line, no traceback, no picture)."""
+    from safetensors.torch import save_file
+
+    from flux2_core.errors import Flux2Error
+    from tests.tiny.flux3 import random_flux3_state_dict, tiny_flux3
+
+    flux2_file = tmp_path / "flux2.safetensors"
+    save_bfl_transformer(random_bfl_transformer_state_dict(TINY_TRANSFORMER), flux2_file)
+    flux3_file = tmp_path / "flux3.safetensors"
+    save_file(random_flux3_state_dict(tiny_flux3()), str(flux3_file))
+    model, _ = weights.load_transformer(flux2_file, "cpu", torch.float16)
+    assert model.dtype == torch.float16
+    with pytest.raises(Flux2Error, match=r"FLUX 3 Image Klein runs in bfloat16 or float32, not in float16"):
+        weights.load_transformer(flux3_file, "cpu", torch.float16)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert weights.load_transformer(flux3_file, "cpu", dtype)[0].dtype == dtype
+    code = cli.main(["--transformer", str(flux3_file), "--text-encoder", str(tmp_path / "te"), "--ae",
+                     str(tmp_path / "ae.safetensors"), "--prompt", "a fox", "--width", "64", "--height", "64",
+                     "--device", "cpu", "--dtype", "float16", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code != 0 and "not in float16" in err and "Traceback" not in err, err
+    assert not list(tmp_path.glob("out/*.png"))

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .. import families
-from ..devices import SIXTEEN_BIT, ComputeDtype, compute_dtype, kept_dtype, model_dtype
+from ..devices import SIXTEEN_BIT, ComputeDtype, check_model_dtype, compute_dtype, kept_dtype, model_dtype
 from ..errors import Flux2Error
 from ..families import Family, ModelParams
 from ..key_tables import Layout, Recipe, same_names, table_names, table_recipes
@@ -563,6 +563,7 @@ def _transformer_on_meta(path, params: ModelParams | None, variant: str | None, 
     """``storages``: filled with the storage each linear was made in (``Layers.chosen``)."""
     source = _transformer_source(path)
     family = transformer_family(source)
+    check_model_dtype(dtype, family.dtypes, family.title)        # before anything is built or read
     params, chosen = _transformer_spec(source, params, variant)
     quantizable = family.quantizable
     layers = Layers(fp8=fp8_storage(source, fp8, quantizable), ggml=gguf_storage(source, quantizable),

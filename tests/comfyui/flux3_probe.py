@@ -87,11 +87,16 @@ def main() -> None:
         to_model = ""
     except Flux2Error as e:
         to_model = str(e)
+    try:                                      # float16 by name: FLUX 3 runs in bfloat16 or float32 only
+        run_node(loaders.ModelLoader, model_name=transformer.name, dtype="float16")
+        float16 = ""
+    except Flux2Error as e:
+        float16 = str(e)
     print(json.dumps({
         "model": type(model.core).__name__, "variant": model.variant.name, "encoder": text_encoder.core.spec.model,
         "tokens": [positive[0][0].shape[1], negative[0][0].shape[1]],
         "reference_shapes": [list(t.shape) for t in conditionings[-1][0][1].get("reference_latents", [])],
-        "runs": runs, "to_model": to_model, "schedule_default": schedule.default, "sigmas": sigmas.tolist(),
+        "runs": runs, "to_model": to_model, "float16": float16, "schedule_default": schedule.default, "sigmas": sigmas.tolist(),
         "named_sigmas": named.tolist()}))
 
 

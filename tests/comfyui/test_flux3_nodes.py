@@ -47,6 +47,7 @@ def test_flux3_runs_through_our_nodes_as_the_engine_runs_it(comfy, tmp_path, flo
     if edit:      # 80x50 alone: fitted as is on an 80x64 canvas; with the second: centre-cropped to 80x48
         assert report["reference_shapes"] == [[1, 128, 3, 5], [1, 128, 4, 2]]
     assert "ComfyUI has no model of FLUX 3 Image Klein" in report["to_model"]
+    assert "runs in bfloat16 or float32, not in float16" in report["float16"]      # the loader, asked for float16
     # a fresh Scheduler, the model connected, gives FLUX 3's schedule (the runs above used it), as its flux3 option
     assert report["schedule_default"] == "model's own"
     assert report["sigmas"] == report["named_sigmas"] == pytest.approx(flux3_schedule(3), abs=1e-7)
