@@ -93,6 +93,11 @@ def test_a_mask_becomes_the_pictures_alpha(tmp_path):
     picture = uploads.read_picture(str(photo), "--image 10", mask=str(tmp_path / "alpha.png"))
     assert list(Image.open(io.BytesIO(picture.data())).getchannel("A").tobytes())[-1] == 7
     assert uploads.read_picture(str(photo), "--image 10", mask=str(tmp_path / "alpha.png")).name == picture.name
+    opaque = grey.convert("RGBA")                        # a black and white mask saved with an opaque alpha channel
+    opaque.save(tmp_path / "opaque.png")
+    picture = uploads.read_picture(str(photo), "--image 10", mask=str(tmp_path / "opaque.png"))
+    assert list(Image.open(io.BytesIO(picture.data())).getchannel("A").tobytes()) == [255, 0, 255, 255, 255, 255,
+                                                                                     255, 255]
     picture_file(tmp_path / "small.png", mode="L", size=(2, 2), colour=0)
     with pytest.raises(Flux2Error, match=r"the mask .*small.png is 2x2 pixels and the picture .*photo.png 4x2"):
         uploads.read_picture(str(photo), "--image 10", mask=str(tmp_path / "small.png"))

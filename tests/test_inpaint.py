@@ -25,6 +25,40 @@ def test_a_mask_image_is_its_grey_level():
     assert mask[0, 0].tolist() == [[1.0, 0.0, 1.0], [1.0, 1.0, pytest.approx(0.2)]]
 
 
+def test_a_mask_with_transparency_is_read_by_it_and_an_opaque_one_by_its_grey(tmp_path):
+    """Transparent = repaint in a mask with transparency (ComfyUI's mask editor), whatever its colours; a mask whose
+    alpha channel is opaque everywhere (a black and white PNG saved with alpha) is read by its grey levels, as one
+    without alpha: through the engine (image_mask) and from a file as the command line opens it."""
+    from flux2_core.sampling.references import open_picture
+
+    drawn = Image.new("RGBA", (3, 1), (0, 0, 0, 255))
+    for x, a in enumerate((0, 255, 128)):
+        drawn.putpixel((x, 0), (255 * (x % 2), 0, 0, a))       # colours that say the opposite of the alpha
+    opaque = Image.new("RGBA", (3, 1), (0, 0, 0, 255))
+    for x, v in enumerate((255, 0, 51)):
+        opaque.putpixel((x, 0), (v, v, v, 255))
+    palette = Image.new("P", (3, 1), 1)
+    palette.putpalette([0, 0, 0, 255, 255, 255] * 2)
+    palette.putpixel((2, 0), 0)
+    palette.info["transparency"] = 0                            # index 0 (black) transparent: pixel 2 repainted
+    expected = {"drawn": [255, 0, 127], "opaque": [255, 0, 51], "palette": [0, 0, 255]}
+    for name, mask in (("drawn", drawn), ("opaque", opaque), ("palette", palette)):
+        assert list(inpaint.mask_levels(mask).tobytes()) == expected[name], name
+        mask.save(tmp_path / f"{name}.png")
+        assert list(inpaint.mask_levels(open_picture(tmp_path / f"{name}.png")).tobytes()) == expected[name], name
+    la = Image.new("LA", (3, 1), (255, 255))
+    la.putpixel((1, 0), (255, 0))
+    assert list(inpaint.mask_levels(la).tobytes()) == [0, 255, 0]
+    image = Image.new("RGB", (32, 16))
+    column = [x * 3 // 32 for x in range(32)]                   # each of the 3 pixels widened to a third
+    drawn_big = Image.new("RGBA", (32, 16))
+    drawn_big.putdata([drawn.getpixel((c, 0)) for _ in range(16) for c in column])
+    by_hand = Image.new("L", (32, 16))
+    by_hand.putdata([expected["drawn"][c] for _ in range(16) for c in column])
+    assert torch.equal(inpaint.image_mask(drawn_big, image, (32, 16))[0],
+                       inpaint.image_mask(by_hand, image, (32, 16))[0])
+
+
 def test_the_latent_grid_reads_the_centre_pixels_of_each_cell_bilinearly():
     # a 16x downscale with corners not aligned samples pixel 16 * i + 7.5: the mean of pixels 7 and 8 of each cell
     mask = torch.zeros(1, 1, 32, 48)

@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of images (default 1)")
     p.add_argument("--image", metavar="IMG", help="image-to-image: start from this image")
     p.add_argument("--mask", metavar="MASK", help="inpainting: repaint the white areas of this mask over --image, keep "
-                                                "the black ones (grey blends); the same size as the image")
+                                                "the black ones (grey blends); in a mask with transparency, the "
+                                                "transparent areas (as ComfyUI's mask editor); the same size as the "
+                                                "image")
     p.add_argument("--expand", metavar="L,T,R,B",
                    help="outpainting: add LEFT,TOP,RIGHT,BOTTOM pixels around --image (each rounded up to a multiple "
                         "of 16) and paint them, fading into the image over 32 pixels so the seam is repainted too "
@@ -200,10 +202,17 @@ def save_png(image, file, parameters: dict) -> None:
 
 
 def open_image(path: str):
-    """--ref / --image / --mask files: bounded, upright, 16-bit scaled RGB (``references.open_image``)."""
+    """--ref / --image files: bounded, upright, 16-bit scaled RGB (``references.open_image``)."""
     from ..sampling.references import open_image as decode
 
     return decode(path)
+
+
+def open_mask(path: str):
+    """--mask: bounded and upright, its transparency kept (``inpaint.mask_levels`` reads it)."""
+    from ..sampling.references import open_picture
+
+    return open_picture(path)
 
 
 # --- the command --------------------------------------------------------------------------------------------------
@@ -350,7 +359,7 @@ def generate_command(argv: list[str]) -> int:
     check_early(args, refs)
     layout_file, args.boxes = args.boxes, read_layout(args.boxes)
     check_rows_early(args, refs, layout_file)
-    mask = open_image(args.mask) if args.mask else None
+    mask = open_mask(args.mask) if args.mask else None
     if image is not None:                # before any model loads (a mask is fitted to the image: the image decides)
         grid_size(*image.size, f"--image {args.image}")
     if args.expand:                      # outpainting: the canvas and its mask become the image and the mask

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from ..errors import Flux2Error
+from ..sampling.inpaint import mask_levels
 from .queue_client import ComfyClient, ServerError, parse_json, shown, size
 
 UPLOAD_LIMIT = 100 << 20          # bytes: ComfyUI's default --max-upload-size is 100 MB
@@ -94,11 +95,9 @@ def read_picture(path: str, what: str, mask: str | None = None) -> Picture:
 
 
 def mask_alpha(mask: Image.Image) -> Image.Image:
-    """The mask's own alpha (ComfyUI's mask editor: transparent = repaint), else its grey levels turned over
-    (white = repaint)."""
-    if "A" in mask.getbands() or "transparency" in mask.info:
-        return mask.convert("RGBA").getchannel("A")
-    return Image.eval(mask.convert("L"), lambda v: 255 - v)
+    """The alpha Load Image reads the mask from (transparent = repaint): the engine's reading of the mask picture
+    (``inpaint.mask_levels``) turned over."""
+    return Image.eval(mask_levels(mask), lambda v: 255 - v)
 
 
 def _masked_bytes(path: str, mask_path: str, what: str) -> bytes:

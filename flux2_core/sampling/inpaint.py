@@ -26,7 +26,7 @@ from torch import Tensor
 from ..checks import parse_number
 from ..errors import Flux2Error
 from .euler import Velocity, add_noise
-from .references import MAX_IMAGE_PIXELS, as_pil, center_crop_16, grid_crop
+from .references import MAX_IMAGE_PIXELS, as_pil, center_crop_16, decoded, grid_crop
 
 AFTER_STEP = "after_step"        # diffusers: blend after each step, at the next sigma
 BEFORE_MODEL = "before_model"    # ComfyUI: blend before each model call, at the current sigma
@@ -98,6 +98,20 @@ def expand_canvas(image: Image.Image, sides: tuple[int, int, int, int], feather:
     return Canvas(canvas, Image.fromarray(np.round(mask * 255).astype(np.uint8), "L"), box)
 
 
+def mask_levels(mask, name: str = "the mask") -> Image.Image:
+    """A mask picture as "L" levels, 255 = repaint. A picture with transparency is read by it, as ComfyUI's mask editor
+    and Load Image read one (transparent = repaint); any other by its grey levels (white = repaint), so a black and
+    white mask saved with an opaque alpha channel means what it shows."""
+    picture = decoded(mask, name)
+    if picture.mode in ("La", "RGBa"):              # premultiplied: PIL converts these only to their plain modes
+        picture = picture.convert(picture.mode.upper())
+    if "A" in picture.getbands() or "transparency" in picture.info:
+        alpha = picture.convert("RGBA").getchannel("A")
+        if alpha.getextrema()[0] < 255:
+            return Image.eval(alpha, lambda v: 255 - v)
+    return as_pil(picture, name).convert("L")
+
+
 def mask_tensor(image: Image.Image) -> Tensor:
     """-> float32 [1, 1, H, W]: the grey level ("L", as PIL converts colour) / 255."""
     grey = np.asarray(image.convert("L"), dtype=np.float32) / 255
@@ -127,7 +141,7 @@ def check_mask_size(mask_size: tuple[int, int], image_size: tuple[int, int], wha
 
 def image_mask(mask, image: Image.Image, size: tuple[int, int]) -> tuple[Tensor, list[str]]:
     """-> (float32 [1, 1, H, W] at ``size``, notes), fitted, cropped and resized as the source image is."""
-    mask = as_pil(mask, "the mask")
+    mask = mask_levels(mask)
     note = check_mask_size(mask.size, image.size)
     if note:
         mask = mask.resize(image.size, Image.Resampling.BILINEAR)

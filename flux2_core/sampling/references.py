@@ -31,12 +31,19 @@ SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 
 def open_image(path) -> Image.Image:
+    """A picture file as RGB: bounded, decoded, upright, 16-bit scaled."""
+    return _to_rgb(open_picture(path))
+
+
+def open_picture(path) -> Image.Image:
+    """A picture file bounded, decoded and upright, in its own mode (a mask keeps its transparency:
+    ``inpaint.mask_levels``)."""
     try:
         with Image.open(path) as image:
             w, h = image.size
             if w * h > MAX_IMAGE_PIXELS:
                 raise _too_large(path, f"{w}x{h}, {w * h:,} pixels")
-            return as_pil(image, f"image {path}")
+            return decoded(image, f"image {path}")
     except FileNotFoundError:
         raise Flux2Error(f"image {path}: no such file") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:   # PIL's own limit, set lower
@@ -54,14 +61,19 @@ def _too_large(path, detail: str) -> Flux2Error:
 
 
 def as_pil(image, name: str = "an image") -> Image.Image:
-    """From a PIL image or a uint8 array HxW or HxWxC (C = 1 to 4)."""
+    """From a PIL image or a uint8 array HxW or HxWxC (C = 1 to 4), as RGB."""
+    return _to_rgb(decoded(image, name))
+
+
+def decoded(image, name: str = "an image") -> Image.Image:
+    """A PIL image or a uint8 array HxW or HxWxC (C = 1 to 4) decoded and upright, in its own mode."""
     image = _pil(image, name)
     try:
         image.load()                # a lazily opened file decodes here
     except Exception as e:  # noqa: BLE001 (Pillow raises many types on bad data; its own fuzzers catch Exception)
         raise Flux2Error(f"{name} could not be decoded ({type(e).__name__}: {e}); it is damaged or cut short: "
                          f"save or download it again") from None
-    return _to_rgb(_upright(image))
+    return _upright(image)
 
 
 def _pil(image, name: str) -> Image.Image:
