@@ -16,6 +16,7 @@ def latent_size(height: int, width: int) -> tuple[int, int]:
             raise Flux2Error(f"{name} must be a whole number of pixels >= {PIXELS_PER_LATENT}, got {value!r}")
     if height % PIXELS_PER_LATENT or width % PIXELS_PER_LATENT:
         n = PIXELS_PER_LATENT
+        nearest = [max((side + n // 2) // n * n, n) for side in (width, height)]     # in integers: any size exact
         raise Flux2Error(f"image size {width}x{height} (WxH) is not a multiple of {n}; "
-                         f"use e.g. {round(width / n) * n or n}x{round(height / n) * n or n}")
+                         f"use e.g. {nearest[0]}x{nearest[1]}")
     return height // PIXELS_PER_LATENT, width // PIXELS_PER_LATENT

@@ -54,6 +54,12 @@ def test_bad_sizes_and_seeds():
     with pytest.raises(Flux2Error, match="seed"):
         make_noise(1, 64, 64, seed=-1)
     assert latent_size(48, 80) == (3, 5)
+    # the size suggested is the nearest multiple of 16 in whole numbers, however large: 2^60 + 24 lies 8 from
+    # 2^60 + 16 and 2^60 + 32 (a float holds neither, and rounds it to 2^60)
+    with pytest.raises(Flux2Error, match=rf"use e\.g\. 1008x{2**60 + 32}$"):
+        latent_size(2**60 + 24, 1000)
+    with pytest.raises(Flux2Error, match=r"use e\.g\. 16x48$"):            # halves round up; never below 16
+        latent_size(40, 17)
 
 
 # --- the Euler loop -----------------------------------------------------------------------------------------------
