@@ -161,3 +161,24 @@ def test_a_text_encoder_tensor_of_another_shape_is_named(other_files, tmp_path, 
                     "--out", str(tmp_path / "out")], capsys)
     assert f"layers.0.mlp.up_proj.weight is [{rows + 1}, {columns}], not [{rows}, {columns}]" in err, err
     assert "download it again" in err and "size mismatch" not in err, err
+
+
+def test_an_animated_picture_gives_its_first_frame_and_says_so(tmp_path, capsys):
+    """An animated GIF as --ref / --image / --mask: its first frame, as Pillow decodes it, and a note with the frame
+    count; a still picture gets no note."""
+    import numpy as np
+    from PIL import Image
+
+    from flux2_core.app import cli
+
+    frames = [Image.new("RGB", (32, 32), colour) for colour in ((200, 10, 10), (10, 200, 10), (10, 10, 200))]
+    frames[0].save(tmp_path / "moving.gif", save_all=True, append_images=frames[1:], duration=100)
+    frames[0].save(tmp_path / "still.png")
+    image = cli.open_image(str(tmp_path / "moving.gif"))
+    with Image.open(tmp_path / "moving.gif") as first:
+        assert np.array_equal(np.asarray(image), np.asarray(first.convert("RGB")))
+    assert "moving.gif holds 3 frames" in capsys.readouterr().err
+    cli.open_mask(str(tmp_path / "moving.gif"))
+    assert "holds 3 frames" in capsys.readouterr().err
+    cli.open_image(str(tmp_path / "still.png"))
+    assert "frames" not in capsys.readouterr().err

@@ -205,14 +205,29 @@ def open_image(path: str):
     """--ref / --image files: bounded, upright, 16-bit scaled RGB (``references.open_image``)."""
     from ..sampling.references import open_image as decode
 
-    return decode(path)
+    image = decode(path)
+    note_first_frame(path)
+    return image
 
 
 def open_mask(path: str):
     """--mask: bounded and upright, its transparency kept (``inpaint.mask_levels`` reads it)."""
     from ..sampling.references import open_picture
 
-    return open_picture(path)
+    image = open_picture(path)
+    note_first_frame(path)
+    return image
+
+
+def note_first_frame(path: str) -> None:
+    """An animation or a multi-page file gives its first frame (as Pillow opens it): said, not silently taken."""
+    from PIL import Image
+
+    with Image.open(path) as picture:               # read already: only the frame count is looked up here
+        frames = getattr(picture, "n_frames", 1)
+    if frames > 1:
+        print(f"note: {path} holds {frames} frames (an animation or a multi-page file); the first is used",
+              file=sys.stderr)
 
 
 # --- the command --------------------------------------------------------------------------------------------------
