@@ -204,3 +204,26 @@ def test_a_bad_image_is_refused_before_anything_is_sent(fakes, tmp_path, capsys)
     err = capsys.readouterr().err
     assert code == 1 and err.startswith(f"error: --image 10={tmp_path / 'notes.png'}: ") and "Traceback" not in err
     assert "is not a readable picture" in err and server.uploads == [] and server.prompts == []
+
+
+def test_a_mask_and_its_picture_are_joined_upright(tmp_path):
+    """EXIF orientation 6 (turned a quarter): the picture and the mask are each turned upright, as Load Image turns a
+    picture, before they are compared and joined; a mask turned where its picture is not is another size, refused
+    with the sizes (not a crash in the join)."""
+    from PIL import ImageOps
+
+    turned = Image.Exif()
+    turned[0x0112] = 6
+    photo = Image.new("RGB", (4, 2), (50, 60, 70))
+    photo.save(tmp_path / "photo.png", exif=turned)
+    photo.save(tmp_path / "plain.png")
+    mask = Image.new("L", (4, 2), 0)
+    mask.putpixel((1, 0), 255)
+    mask.save(tmp_path / "mask.png", exif=turned)
+    picture = uploads.read_picture(str(tmp_path / "photo.png"), "--image 10", mask=str(tmp_path / "mask.png"))
+    joined = Image.open(io.BytesIO(picture.data()))
+    upright = ImageOps.exif_transpose(Image.open(tmp_path / "mask.png"))
+    assert joined.size == upright.size == (2, 4) and (picture.width, picture.height) == (2, 4)
+    assert list(joined.getchannel("A").tobytes()) == [255 - v for v in upright.tobytes()]
+    with pytest.raises(Flux2Error, match=r"is 2x4 pixels and the picture .*plain.png 4x2"):
+        uploads.read_picture(str(tmp_path / "plain.png"), "--image 10", mask=str(tmp_path / "mask.png"))

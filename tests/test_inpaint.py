@@ -43,20 +43,22 @@ def test_a_mask_with_transparency_is_read_by_it_and_an_opaque_one_by_its_grey(tm
     palette.info["transparency"] = 0                            # index 0 (black) transparent: pixel 2 repainted
     expected = {"drawn": [255, 0, 127], "opaque": [255, 0, 51], "palette": [0, 0, 255]}
     for name, mask in (("drawn", drawn), ("opaque", opaque), ("palette", palette)):
-        assert list(inpaint.mask_levels(mask).tobytes()) == expected[name], name
+        reading = inpaint.mask_levels(mask)
+        assert list(reading.levels.tobytes()) == expected[name], name
+        assert ("transparent areas are repainted" in reading.note) == (name != "opaque"), reading.note
         mask.save(tmp_path / f"{name}.png")
-        assert list(inpaint.mask_levels(open_picture(tmp_path / f"{name}.png")).tobytes()) == expected[name], name
+        assert list(inpaint.mask_levels(open_picture(tmp_path / f"{name}.png")).levels.tobytes()) == expected[name]
     la = Image.new("LA", (3, 1), (255, 255))
     la.putpixel((1, 0), (255, 0))
-    assert list(inpaint.mask_levels(la).tobytes()) == [0, 255, 0]
+    assert list(inpaint.mask_levels(la).levels.tobytes()) == [0, 255, 0]
     image = Image.new("RGB", (32, 16))
     column = [x * 3 // 32 for x in range(32)]                   # each of the 3 pixels widened to a third
     drawn_big = Image.new("RGBA", (32, 16))
     drawn_big.putdata([drawn.getpixel((c, 0)) for _ in range(16) for c in column])
     by_hand = Image.new("L", (32, 16))
     by_hand.putdata([expected["drawn"][c] for _ in range(16) for c in column])
-    assert torch.equal(inpaint.image_mask(drawn_big, image, (32, 16))[0],
-                       inpaint.image_mask(by_hand, image, (32, 16))[0])
+    (got, notes), (expected_mask, none) = (inpaint.image_mask(m, image, (32, 16)) for m in (drawn_big, by_hand))
+    assert torch.equal(got, expected_mask) and none == [] and "has transparency" in notes[0]
 
 
 def test_the_latent_grid_reads_the_centre_pixels_of_each_cell_bilinearly():

@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import sys
 from dataclasses import dataclass
 
 from PIL import Image
 
 from ..errors import Flux2Error
 from ..sampling.inpaint import mask_levels
+from ..sampling.references import decoded
 from .queue_client import ComfyClient, ServerError, parse_json, shown, size
 
 UPLOAD_LIMIT = 100 << 20          # bytes: ComfyUI's default --max-upload-size is 100 MB
@@ -94,21 +96,25 @@ def read_picture(path: str, what: str, mask: str | None = None) -> Picture:
     return Picture(path, f"flux2-{digest[:32]}{suffix}", digest, width, height, os.fspath(mask) if mask else None)
 
 
-def mask_alpha(mask: Image.Image) -> Image.Image:
+def mask_alpha(mask: Image.Image, name: str = "the mask") -> Image.Image:
     """The alpha Load Image reads the mask from (transparent = repaint): the engine's reading of the mask picture
-    (``inpaint.mask_levels``) turned over."""
-    return Image.eval(mask_levels(mask), lambda v: 255 - v)
+    (``inpaint.mask_levels``) turned over; its note, where it has one, on stderr as the command line's."""
+    reading = mask_levels(mask, name)
+    if reading.note:
+        print(f"note: {reading.note}", file=sys.stderr)
+    return Image.eval(reading.levels, lambda v: 255 - v)
 
 
 def _masked_bytes(path: str, mask_path: str, what: str) -> bytes:
     """PNG bytes, the same each time for the same two files."""
-    picture = _open(path, _read(path, what), what)
-    mask = _open(mask_path, _read(mask_path, what), what)
+    # both upright (their EXIF orientation applied, as Load Image turns a picture) before they are compared and joined
+    picture = decoded(_open(path, _read(path, what), what), f"{what}: {path}")
+    mask = decoded(_open(mask_path, _read(mask_path, what), what), f"{what}: {mask_path}")
     if mask.size != picture.size:
         raise Flux2Error(f"{what}: the mask {mask_path} is {mask.width}x{mask.height} pixels and the picture {path} "
                          f"{picture.width}x{picture.height}; a mask must be the size of its picture")
     joined = picture.convert("RGB")
-    joined.putalpha(mask_alpha(mask))
+    joined.putalpha(mask_alpha(mask, f"{what}: the mask {mask_path}"))
     out = io.BytesIO()
     joined.save(out, "PNG")
     return out.getvalue()

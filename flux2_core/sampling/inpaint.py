@@ -15,6 +15,7 @@ latent's noise, by one of two conventions:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,9 +71,10 @@ def parse_expand(text: str) -> tuple[int, int, int, int]:
 
 
 def expand_canvas(image: Image.Image, sides: tuple[int, int, int, int], feather: int = DEFAULT_FEATHER,
-                  max_pixels: int | None = None) -> Canvas:
+                  max_pixels: int | None = None, check: Callable[[int, int], None] | None = None) -> Canvas:
     """``sides`` = (left, top, right, bottom), multiples of 16. The mask fades into the source over ``feather`` pixels
-    on the sides that grew, so the seam is repainted too.
+    on the sides that grew, so the seam is repainted too. ``check(width, height)``: the caller's rule for the canvas's
+    size (a model's schedule), asked before the canvas is made, as ``max_pixels`` is.
     """
     image = center_crop_16(as_pil(image, "the image to expand").convert("RGB"), "the image to expand")
     left, top, right, bottom = sides
@@ -81,6 +83,8 @@ def expand_canvas(image: Image.Image, sides: tuple[int, int, int, int], feather:
         raise Flux2Error(f"expanding {image.width}x{image.height} by {left},{top},{right},{bottom} makes a "
                          f"{width}x{height} canvas, {width * height / 1e6:.1f} megapixels, over the "
                          f"{max_pixels / 1e6:.1f} this allows: expand less, or shrink the image first")
+    if check is not None:
+        check(width, height)
     canvas = Image.new("RGB", (width, height), OUTPAINT_FILL)
     canvas.paste(image, (left, top))
     inside = np.full((height, width), np.inf, dtype=np.float32)   # pixels into the source from the nearest grown side
@@ -98,18 +102,28 @@ def expand_canvas(image: Image.Image, sides: tuple[int, int, int, int], feather:
     return Canvas(canvas, Image.fromarray(np.round(mask * 255).astype(np.uint8), "L"), box)
 
 
-def mask_levels(mask, name: str = "the mask") -> Image.Image:
+@dataclass(frozen=True)
+class MaskReading:
+    levels: Image.Image              # "L", 255 = repaint
+    note: str = ""                   # said where the reading is not the plain grey one
+
+
+def mask_levels(mask, name: str = "the mask") -> MaskReading:
     """A mask picture as "L" levels, 255 = repaint. A picture with transparency is read by it, as ComfyUI's mask editor
-    and Load Image read one (transparent = repaint); any other by its grey levels (white = repaint), so a black and
-    white mask saved with an opaque alpha channel means what it shows."""
+    and Load Image read one (transparent = repaint), and says so (white strokes on a transparent layer mean the
+    opposite there); any other by its grey levels (white = repaint), so a black and white mask saved with an opaque
+    alpha channel means what it shows."""
     picture = decoded(mask, name)
     if picture.mode in ("La", "RGBa"):              # premultiplied: PIL converts these only to their plain modes
         picture = picture.convert(picture.mode.upper())
     if "A" in picture.getbands() or "transparency" in picture.info:
         alpha = picture.convert("RGBA").getchannel("A")
         if alpha.getextrema()[0] < 255:
-            return Image.eval(alpha, lambda v: 255 - v)
-    return as_pil(picture, name).convert("L")
+            return MaskReading(Image.eval(alpha, lambda v: 255 - v),
+                               f"{name} has transparency, so it was read by it as ComfyUI's mask editor draws one: "
+                               "the transparent areas are repainted, the opaque ones kept (for white = repaint, save "
+                               "it without transparency)")
+    return MaskReading(as_pil(picture, name).convert("L"))
 
 
 def mask_tensor(image: Image.Image) -> Tensor:
@@ -141,14 +155,16 @@ def check_mask_size(mask_size: tuple[int, int], image_size: tuple[int, int], wha
 
 def image_mask(mask, image: Image.Image, size: tuple[int, int]) -> tuple[Tensor, list[str]]:
     """-> (float32 [1, 1, H, W] at ``size``, notes), fitted, cropped and resized as the source image is."""
-    mask = mask_levels(mask)
-    note = check_mask_size(mask.size, image.size)
-    if note:
+    reading = mask_levels(mask)
+    mask, notes = reading.levels, [reading.note] if reading.note else []
+    resized = check_mask_size(mask.size, image.size)
+    if resized:
         mask = mask.resize(image.size, Image.Resampling.BILINEAR)
+        notes.append(resized)
     mask = center_crop_16(mask.convert("L"), "the mask")
     if mask.size != size:
         mask = mask.resize(size, Image.Resampling.BILINEAR)
-    return mask_tensor(mask), [note] if note else []
+    return mask_tensor(mask), notes
 
 
 def latent_mask(mask: Tensor, batch: int, h: int, w: int) -> tuple[Tensor, str]:
