@@ -75,11 +75,21 @@ def test_the_expanded_canvas_is_bounded_by_the_schedule_of_the_family_in_the_fil
     def loading(*args, **kwargs):
         raise Flux2Error("the run reached the loading of the models")
 
+    from PIL import Image
+
+    made, new = [], Image.new
+
+    def spy(mode, size, *args, **kwargs):                 # every picture made: the canvas is one
+        made.append(tuple(size))
+        return new(mode, size, *args, **kwargs)
+
     monkeypatch.setattr(cli, "load_for_command", loading)
+    monkeypatch.setattr(Image, "new", spy)
     err = error_of(["--transformer", str(transformer), "--text-encoder", str(te), "--ae", str(ae), "--prompt", "x",
                     "--image", str(picture), "--expand", "0,0,5056,5072", "--out", str(tmp / "out")], capsys)
     if family == "flux2":
         assert "--expand" in err and "5120x5120" in err and "FLUX.2 schedule" in err and "expand less" in err, err
+        assert (5120, 5120) not in made                   # refused before the canvas was made
     else:
         assert "reached the loading" in err, err
 
@@ -131,6 +141,11 @@ def test_the_png_records_the_matmul_of_every_4_bit_kind(tmp_path, capsys):
      ["web page", "<!DOCTYPE html>", "licence"]),
     ("flux-2-klein-4b.safetensors", b'{"error":"Access to model is restricted. You must be authenticated."}',
      ["but text", "Access to model is restricted", "download it again"]),
+    # a page with a byte-order mark, and one whose first line is not English
+    ("flux-2-klein-4b.safetensors", b"\xef\xbb\xbf<!DOCTYPE html><html><title>Sign in</title></html>",
+     ["web page", "<!DOCTYPE html>"]),
+    ("flux-2-klein-4b.safetensors", "<title>Zugriff verweigert – Anmeldung</title>".encode(),
+     ["web page", "Zugriff verweigert – Anmeldung"]),
     # a download manager's file, made at full size before its bytes arrive
     ("flux-2-klein-4b-Q4_K_M.gguf", bytes(4096), ["not a valid GGUF file", "download it again"]),
 ])
@@ -181,4 +196,10 @@ def test_an_animated_picture_gives_its_first_frame_and_says_so(tmp_path, capsys)
     cli.open_mask(str(tmp_path / "moving.gif"))
     assert "holds 3 frames" in capsys.readouterr().err
     cli.open_image(str(tmp_path / "still.png"))
+    assert "frames" not in capsys.readouterr().err
+    # a phone's JPEG with a second picture in a multi-picture block (a preview, a gain map) is one photo
+    frames[0].save(tmp_path / "phone.jpg", "MPO", save_all=True, append_images=frames[1:2])
+    with Image.open(tmp_path / "phone.jpg") as phone:
+        assert phone.format == "MPO" and phone.n_frames == 2
+    cli.open_image(str(tmp_path / "phone.jpg"))
     assert "frames" not in capsys.readouterr().err

@@ -225,6 +225,8 @@ def note_first_frame(path: str) -> None:
 
     with Image.open(path) as picture:               # read already: only the frame count is looked up here
         frames = getattr(picture, "n_frames", 1)
+        # a phone's JPEG with a multi-picture block (a preview, a gain map) opens as MPO: one photo, nothing to say
+        frames = 1 if picture.format == "MPO" else frames
     if frames > 1:
         print(f"note: {path} holds {frames} frames (an animation or a multi-page file); the first is used",
               file=sys.stderr)
@@ -380,14 +382,17 @@ def generate_command(argv: list[str]) -> int:
     if args.expand:                      # outpainting: the canvas and its mask become the image and the mask
         from ..sampling import inpaint
 
+        def served(width: int, height: int) -> None:
+            try:
+                check_schedule(early_family(args), args.steps, width, height)
+            except Flux2Error as e:
+                raise Flux2Error(f"--expand: the expanded canvas, {width}x{height} px, is the picture made, and {e}; "
+                                 f"expand less, or shrink the image first") from None
+
         # the canvas is the picture made: at most an input's size, and one the schedule of the model's family serves
-        canvas = inpaint.expand_canvas(image, inpaint.parse_expand(args.expand), max_pixels=MAX_IMAGE_PIXELS)
-        width, height = canvas.image.size
-        try:
-            check_schedule(early_family(args), args.steps, width, height)
-        except Flux2Error as e:
-            raise Flux2Error(f"--expand: the expanded canvas, {width}x{height} px, is the picture made, and {e}; "
-                             f"expand less, or shrink the image first") from None
+        # (both asked before the canvas is made: a refused one costs nothing)
+        canvas = inpaint.expand_canvas(image, inpaint.parse_expand(args.expand), max_pixels=MAX_IMAGE_PIXELS,
+                                       check=served)
         image, mask = canvas.image, canvas.mask
     sp = join_ranks(args)
     upsampled = [{} for _ in args.prompt]

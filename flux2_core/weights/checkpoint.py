@@ -198,11 +198,11 @@ def _text_start(path: Path) -> str:
             start = f.read(256)
     except OSError:
         return ""
-    printable = bytes(range(32, 127)) + b"\t\n\r"
-    head = start[:64]
-    if not head or head.translate(None, printable):
+    text = start.removeprefix(b"\xef\xbb\xbf").decode("utf-8", "replace")     # a BOM, then UTF-8 (a page in any language)
+    head = text[:48]
+    if not head.strip() or "\ufffd" in head or not all(c.isprintable() or c in "\t\n\r" for c in head):
         return ""
-    return start.decode("ascii", "replace").strip().splitlines()[0][:80] if start.strip() else ""
+    return text.strip().splitlines()[0][:80]
 
 
 def _text_fix(text: str) -> str:
