@@ -102,3 +102,12 @@ def test_the_parts_of_the_gpu_check_cover_every_stage_by_its_name(tmp_path, monk
     assert check.selected("bench klein-4b fp8 no fused", ["no fused"], 2)
     assert not check.selected("bench klein-9b distilled", None, 1) and check.selected("anything", None, None)
     assert not check.selected("bench klein-4b fp8", ["int8"], None)
+
+
+def test_a_part_of_the_gpu_check_is_refused_in_the_cpu_smoke_run(capsys):
+    """The smoke run's stages have other names (tiny): --part there would select the tests alone, silently."""
+    import pytest
+
+    with pytest.raises(SystemExit):
+        gpu_check().main(["--cpu-smoke", "--part", "1"])
+    assert "use --only there" in capsys.readouterr().err

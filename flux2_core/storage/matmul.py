@@ -21,10 +21,16 @@ class MatmulChoice:
     "int8", "w4a4", "w4a8", "svdquant", "awq") -> whether that matmul runs; ``kind_notes``: the same kinds -> the line
     that says so. A kind the model does not hold is in neither."""
 
-    fp8: bool
-    int8: bool
     used: dict[str, bool] = field(default_factory=dict)
     kind_notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def fp8(self) -> bool:
+        return self.used.get(Fp8Linear.kind, False)
+
+    @property
+    def int8(self) -> bool:
+        return self.used.get(Int8Linear.kind, False)
 
     @property
     def notes(self) -> list[str]:
@@ -64,4 +70,4 @@ def choose_matmuls(model: nn.Module, device, dtype: torch.dtype, fp8="auto", int
         used[W4A4Linear.kind], notes[W4A4Linear.kind] = int4, int4_note(int4)
     for kind, on in use_kitchen_matmul(model, device).items():
         used[kind], notes[kind] = on, kitchen_note(kind, on)
-    return MatmulChoice(fp8_on, int8_on, used, notes)
+    return MatmulChoice(used, notes)
