@@ -16,7 +16,6 @@ from flux2_core import weights
 from flux2_core.adapters.lora import read_adapter
 from flux2_core.adapters.patching import set_adapters
 from flux2_core.errors import Flux2Error
-from flux2_core.models import rope
 from flux2_core.storage import rotation
 from flux2_core.storage.linear import Linear
 from flux2_core.storage.protocol import FLOAT_KINDS, census
@@ -24,6 +23,7 @@ from tests.tiny.adapters import lora_state_dict, random_lora
 from tests.tiny.layouts import KITCHEN_LAYOUTS, comfy_fp8, comfy_quant, kitchen_weight, save_prefixed
 from tests.tiny.transformer import TINY_TRANSFORMER as P
 from tests.tiny.transformer import random_bfl_transformer_state_dict
+from tests.tiny.transformer import tiny_forward as forward
 
 ck = pytest.importorskip("comfy_kitchen")
 from comfy_kitchen.tensor import get_layout_class
@@ -55,13 +55,6 @@ def files(float_sd, tmp_path_factory):
         sd = comfy_quant(float_sd, layers, kind, ROTATION.get(kind, 0))
         out[kind] = (save_prefixed(sd, tmp / f"klein-tiny-{kind}.safetensors", PREFIX), sd, layers)
     return out
-
-
-def forward(model, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    img, txt = torch.randn(1, 16, P.in_channels, generator=g), torch.randn(1, 8, P.context_in_dim, generator=g)
-    with torch.no_grad():
-        return model(img, rope.image_ids(1, 4, 4), torch.tensor([0.7]), txt, rope.text_ids(1, 8))
 
 
 @pytest.mark.parametrize("kind", list(KITCHEN_LAYOUTS))

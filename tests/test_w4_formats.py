@@ -16,13 +16,13 @@ from flux2_core import weights
 from flux2_core.adapters.lora import read_adapter
 from flux2_core.adapters.patching import set_adapters
 from flux2_core.errors import Flux2Error
-from flux2_core.models import rope
 from flux2_core.storage.linear import Linear
 from flux2_core.storage.protocol import census
 from tests.tiny.adapters import lora_state_dict, random_lora
 from tests.tiny.layouts import W4_LAYOUTS, save_prefixed, w4_quant, w4_weight
 from tests.tiny.transformer import TINY_TRANSFORMER as P
 from tests.tiny.transformer import random_bfl_transformer_state_dict
+from tests.tiny.transformer import tiny_forward as forward
 
 ck = pytest.importorskip("comfy_kitchen")
 
@@ -50,13 +50,6 @@ def files(float_sd, tmp_path_factory):
         sd = w4_quant(float_sd, LAYERS, kind)
         out[kind] = (save_prefixed(sd, tmp / f"klein-tiny-{kind}.safetensors", PREFIX), sd)
     return out
-
-
-def forward(model, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    img, txt = torch.randn(1, 16, P.in_channels, generator=g), torch.randn(1, 8, P.context_in_dim, generator=g)
-    with torch.no_grad():
-        return model(img, rope.image_ids(1, 4, 4), torch.tensor([0.7]), txt, rope.text_ids(1, 8))
 
 
 def load(path):

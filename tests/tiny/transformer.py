@@ -78,6 +78,16 @@ def random_bfl_transformer_state_dict(params: TransformerParams = TINY_TRANSFORM
     return {k: v.to(dtype) for k, v in sd.items()}
 
 
+def tiny_forward(model, seed: int = 1, params: TransformerParams = TINY_TRANSFORMER) -> torch.Tensor:
+    """One call of a tiny transformer on seeded inputs: a 4 x 4 latent grid (16 tokens) and 8 text tokens at t 0.7."""
+    from flux2_core.models import rope
+
+    g = torch.Generator().manual_seed(seed)
+    img, txt = torch.randn(1, 16, params.in_channels, generator=g), torch.randn(1, 8, params.context_in_dim, generator=g)
+    with torch.no_grad():
+        return model(img, rope.image_ids(1, 4, 4), torch.tensor([0.7]), txt, rope.text_ids(1, 8))
+
+
 def save_bfl_transformer(state_dict: dict[str, torch.Tensor], path: str | Path) -> Path:
     """Write a BFL single file (``flux-2-klein-*.safetensors`` layout)."""
     save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path))
