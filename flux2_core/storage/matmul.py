@@ -25,14 +25,6 @@ class MatmulChoice:
     kind_notes: dict[str, str] = field(default_factory=dict)
 
     @property
-    def fp8(self) -> bool:
-        return self.used.get(Fp8Linear.kind, False)
-
-    @property
-    def int8(self) -> bool:
-        return self.used.get(Int8Linear.kind, False)
-
-    @property
     def notes(self) -> list[str]:
         return list(self.kind_notes.values())
 
@@ -43,18 +35,6 @@ class MatmulChoice:
     def record(self) -> dict[str, str]:
         """{"<kind>_matmul": "on" | "off"} for every kind the model holds: what a picture's settings record."""
         return {f"{kind}_matmul": "on" if on else "off" for kind, on in self.used.items()}
-
-    @property
-    def fp8_note(self) -> str:
-        return self.note_for(Fp8Linear.kind)
-
-    @property
-    def int8_note(self) -> str:
-        return self.note_for(Int8Linear.kind)
-
-    @property
-    def int4_note(self) -> str:
-        return self.note_for(W4A4Linear.kind)
 
 
 def choose_matmuls(model: nn.Module, device, dtype: torch.dtype, fp8="auto", int8="auto") -> MatmulChoice:
