@@ -1,7 +1,8 @@
 """The one rule for the dtype a device computes in, and the dtype a 16-bit file's weights are kept in.
 
     compute_dtype(device)   bf16 where the device multiplies it fast (NVIDIA from Ampere, Apple GPUs on macOS 14+,
-                            Intel GPUs with bf16, CPUs with AMX or AVX-512 BF16 that oneDNN may use); fp16 where bf16 is
+                            Intel GPUs with bf16, CPUs with AMX or AVX-512 BF16 that oneDNN may use and where torch's
+                            bf16 attention runs: ``cpu_bf16_off``); fp16 where bf16 is
                             slow but fp16 is not (NVIDIA Volta / Turing: T4, RTX 20xx); float32 otherwise (CPUs
                             without bf16 instructions run a bf16 matmul 5-7x slower than a float32 one; GTX 10xx / 16xx)
     kept_dtype(file, compute)  a 16-bit file's weights stay 16-bit when the compute dtype is wider: cast per layer as it
@@ -29,6 +30,10 @@ NO_FP16 = ("1660", "1650", "1630", "T500", "T550", "T600", "MX550", "MX450", "CM
 ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 ONEDNN_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
 ONEDNN_WITHOUT_VNNI = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE")
+# torch's own kernels come in builds (what ``torch.backends.cpu.get_cpu_capability()`` names; ATEN_CPU_CAPABILITY picks
+# a lower one). On an AMX CPU its bf16 attention packs the operands for AMX with AVX-512 code only, and below that
+# build it raises ("pack_vnni2 is only supported when avx512 is supported", torch 2.13) while bf16 matmuls still run.
+ATEN_AVX512 = "AVX512"
 
 
 @dataclass(frozen=True)
@@ -37,12 +42,14 @@ class CpuFlags:
     amx: bool                      # AMX tiles: bf16 and int8 dot products (Intel Sapphire Rapids on)
     avx512_bf16: bool              # AVX-512 BF16 (AMD Zen 4 / 5, Intel Cooper Lake on)
     vnni: bool                     # AVX-512 VNNI, 8-bit dot products: torch then gives int8 matmuls to oneDNN
+    aten: str                      # the build of torch's own kernels in use: AVX512, AVX2 or DEFAULT on x86
 
 
 def cpu_flags() -> CpuFlags:
-    """The one place the CPU's instructions are read."""
+    """The one place the CPU's instructions, and the build of torch's kernels that uses them, are read."""
     amx = torch.cpu._is_amx_tile_supported()
-    return CpuFlags(amx, torch.cpu._is_avx512_bf16_supported(), amx or torch.cpu._is_vnni_supported())
+    return CpuFlags(amx, torch.cpu._is_avx512_bf16_supported(), amx or torch.cpu._is_vnni_supported(),
+                    torch.backends.cpu.get_cpu_capability())
 
 
 @dataclass(frozen=True)
@@ -67,15 +74,8 @@ def compute_dtype(device: torch.device | str, fp16: bool = True) -> ComputeDtype
     if device.type == "xpu" and torch.xpu.is_bf16_supported():
         return ComputeDtype(torch.bfloat16, "Intel GPU with bf16")
     if device.type == "cpu":
-        why = cpu_bf16()
-        if why:
-            return ComputeDtype(torch.bfloat16, why)
-        isa, variable = onednn_cap()
-        flags = cpu_flags()
-        held = flags.amx or flags.avx512_bf16
-        why = (f"oneDNN is held to {isa} ({variable}), below this CPU's bf16 instructions" if held else
-               "this CPU has no bf16 instructions (AMX or AVX-512 BF16)")
-        return ComputeDtype(torch.float32, f"{why}: bf16 would run several times slower than float32")
+        off = cpu_bf16_off()
+        return ComputeDtype(torch.float32, off) if off else ComputeDtype(torch.bfloat16, cpu_bf16())
     return ComputeDtype(torch.float32, f"{device.type} device")
 
 
@@ -119,22 +119,54 @@ def _cuda(device: torch.device, fp16: bool) -> ComputeDtype:
 
 def onednn_cap() -> tuple[str, str]:
     """(the instruction set oneDNN is held to, upper case; the variable that holds it), or ("", "") where none is.
-    ``ATEN_CPU_CAPABILITY`` is not one: it picks the build of torch's own kernels (elementwise ops, reductions,
-    attention) and of inductor's, while matmuls go to oneDNN as before (bf16 ones stayed about 2x faster than float32
-    with it at avx2 on an AVX-512 BF16 CPU)."""
+    ``ATEN_CPU_CAPABILITY`` is not one: it picks the build of torch's own kernels (``CpuFlags.aten``)."""
     for variable in ONEDNN_ISA_VARIABLES:
         if os.environ.get(variable):
             return os.environ[variable].strip().upper(), variable
     return "", ""
 
 
-def cpu_bf16() -> str:
-    """Why this CPU computes bf16 fast, or "" where it does not (oneDNN held below its bf16 instructions counts as
-    not)."""
+def cpu_bf16_off() -> str:
+    """Why this CPU computes in float32 rather than bf16, or "" where bf16 is the faster choice that runs. Without bf16
+    instructions (or with oneDNN held below them) bf16 matmuls run several times slower than float32 ones. Torch's
+    kernel build (ATEN_CPU_CAPABILITY) leaves the matmuls to oneDNN, bf16 ones about 2x faster than float32 at avx2 on
+    an AVX-512 BF16 CPU, so it weighs only where bf16 attention cannot run (``ATEN_AVX512``)."""
     flags = cpu_flags()
-    if not (flags.amx or flags.avx512_bf16) or onednn_cap()[0] in ONEDNN_WITHOUT_BF16:
+    if not (flags.amx or flags.avx512_bf16):
+        return "this CPU has no bf16 instructions (AMX or AVX-512 BF16): bf16 would run several times slower than float32"
+    isa, variable = onednn_cap()
+    if isa in ONEDNN_WITHOUT_BF16:
+        return (f"oneDNN is held to {isa} ({variable}), below this CPU's bf16 instructions: bf16 would run several "
+                f"times slower than float32")
+    blocked = cpu_bf16_attention_fails()
+    return f"{blocked}, so bf16 cannot run" if blocked else ""
+
+
+def cpu_bf16_attention_fails() -> str:
+    """Why torch's bf16 attention raises on this CPU, or "" where it runs (``ATEN_AVX512``)."""
+    flags = cpu_flags()
+    if not flags.amx or flags.aten == ATEN_AVX512:
         return ""
-    return f"this CPU has {'AMX' if flags.amx else 'AVX-512 BF16'} instructions"
+    held = os.environ.get("ATEN_CPU_CAPABILITY", "").strip()
+    return (f"torch's bf16 attention on an AMX CPU needs its AVX-512 kernels, and it runs its {flags.aten} ones"
+            f"{f' (ATEN_CPU_CAPABILITY={held})' if held else ''}")
+
+
+def check_cpu_dtype(dtype: torch.dtype) -> torch.dtype:
+    """A compute dtype asked for by name on the CPU: refused where it cannot run there (``cpu_bf16_attention_fails``),
+    before anything is loaded, rather than failing in the first attention."""
+    blocked = cpu_bf16_attention_fails() if dtype == torch.bfloat16 else ""
+    if blocked:
+        raise Flux2Error(f"bfloat16 cannot run on this CPU: {blocked}. Unset ATEN_CPU_CAPABILITY (or set it to "
+                         f"avx512), or compute in float32 (--dtype float32, or auto)")
+    return dtype
+
+
+def cpu_bf16() -> str:
+    """Why this CPU computes bf16 fast, or "" where it does not (``cpu_bf16_off``)."""
+    if cpu_bf16_off():
+        return ""
+    return f"this CPU has {'AMX' if cpu_flags().amx else 'AVX-512 BF16'} instructions"
 
 
 def cpu_int8() -> str:

@@ -10,14 +10,14 @@ dtype and the int8 matmul), beside the variables that hold oneDNN below them, an
         machine.set(ZEN4)
         assert devices.compute_dtype("cpu").dtype == torch.bfloat16
 
-``default()`` is this box as it is (its real flags and variables), or the kind ``FLUX2_TEST_CPU`` names
-(``scripts/test`` runs the tests that read the machine once more as the other kind: that pass is what fails when a
-test forgot to ask for the dtype it compares in). What a probe cannot change stays real: the kernels torch and oneDNN
+``default()`` is this box as it is (its real flags, torch's kernel build and the variables), or the kind
+``FLUX2_TEST_CPU`` names (``scripts/test`` runs the tests that read the machine once more as each kind this box is not:
+those passes are what fail when a test forgot to ask for the dtype it compares in). What a probe cannot change stays real: the kernels torch and oneDNN
 run (and what torch itself reads of the CPU: inductor builds for the real one), and processes a test starts, which
 read the real flags (give them ``--dtype``).
 
 A test that reads a probe without setting a machine is written to ``FLUX2_TEST_MACHINE_LOG`` (``scripts/test``'s
-list of the tests to run as the other kind); ``@pytest.mark.real_machine`` leaves a test on the real probes (a
+list of the tests to run as the other kinds); ``@pytest.mark.real_machine`` leaves a test on the real probes (a
 probe's own test).
 """
 
@@ -41,29 +41,44 @@ class Machine:
     avx512_bf16: bool = False         # AVX-512 BF16 (AMD Zen 4 / 5, Intel Cooper Lake, ...)
     vnni: bool = False                # AVX-512 VNNI: 8-bit dot products (torch then gives int8 matmuls to oneDNN)
     onednn_isa: str = ""              # ONEDNN_MAX_CPU_ISA: what oneDNN is held to ("" none)
+    aten: str = "AVX512"              # the build of torch's own kernels (ATEN_CPU_CAPABILITY picks a lower one)
     free_memory: int = 16 * GIB       # what the OS can give without swapping
 
     @property
     def flags(self):
         from flux2_core.devices import CpuFlags
 
-        return CpuFlags(self.amx, self.avx512_bf16, self.vnni or self.amx)
+        return CpuFlags(self.amx, self.avx512_bf16, self.vnni or self.amx, self.aten)
 
     def held_to(self, isa: str) -> Machine:
         return replace(self, name=f"{self.name} held to {isa}", onednn_isa=isa)
+
+    def kernels(self, aten: str) -> Machine:
+        """The same CPU running torch's ``aten`` build of its own kernels (ATEN_CPU_CAPABILITY)."""
+        return replace(self, name=f"{self.name} on {aten} kernels", aten=aten)
+
+    def same_cpu(self, other: Machine) -> bool:
+        """Whether the probes answer alike for the two (names and free memory aside)."""
+        return (self.flags, self.onednn_isa.strip().upper()) == (other.flags, other.onednn_isa.strip().upper())
 
     def __str__(self) -> str:
         flags = [flag for flag, on in (("AMX", self.amx), ("AVX-512 BF16", self.avx512_bf16),
                                        ("AVX-512 VNNI", self.vnni)) if on]
         held = f", ONEDNN_MAX_CPU_ISA={self.onednn_isa}" if self.onednn_isa else ""
-        return f"{self.name} ({', '.join(flags) or 'no bf16 or VNNI instructions'}{held})"
+        return f"{self.name} ({', '.join(flags) or 'no bf16 or VNNI instructions'}{held}, {self.aten} kernels)"
 
 
-AVX2 = Machine("avx2")                                                        # AMD Zen 2 / 3, most laptops
+# The CPU kinds the project has met, and the held states users make of them. Each decides differently in one rule at
+# least: the compute dtype (bf16 or float32), int8 matmul (fast, slow or with wrong sums) and why.
+AVX2 = Machine("avx2", aten="AVX2")                                           # AMD Zen 2 / 3, most laptops
 SKYLAKE = Machine("avx512", vnni=True)                                        # AVX-512 with VNNI, no BF16 (Ice Lake)
-ZEN4 = Machine("avx512-bf16", avx512_bf16=True, vnni=True)
-SAPPHIRE_RAPIDS = Machine("amx", amx=True, avx512_bf16=True, vnni=True)
-KINDS = {m.name: m for m in (AVX2, SKYLAKE, ZEN4, SAPPHIRE_RAPIDS)}
+ZEN4 = Machine("avx512-bf16", avx512_bf16=True, vnni=True)                    # AMD Zen 4 / 5
+SAPPHIRE_RAPIDS = Machine("amx", amx=True, avx512_bf16=True, vnni=True)       # Intel Xeon from Sapphire Rapids
+# a VNNI CPU whose oneDNN is held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2): float32, and int8 sums that overflow 16 bits
+VNNI_HELD_AVX2 = replace(SAPPHIRE_RAPIDS.held_to("AVX2"), name="avx2-vnni")
+# an AMX CPU on torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2): bf16 attention cannot run there, so float32
+AMX_ON_AVX2 = replace(SAPPHIRE_RAPIDS.kernels("AVX2"), name="amx-avx2-kernels")
+KINDS = {m.name: m for m in (AVX2, SKYLAKE, ZEN4, SAPPHIRE_RAPIDS, VNNI_HELD_AVX2, AMX_ON_AVX2)}
 
 
 def onednn_isa_set() -> str:
@@ -74,11 +89,11 @@ def onednn_isa_set() -> str:
 
 
 def this_box() -> Machine:
-    """The real CPU and the variables set for this process."""
+    """The real CPU, torch's kernel build on it and the variables set for this process."""
     amx, bf16, vnni = (torch.cpu._is_amx_tile_supported(), torch.cpu._is_avx512_bf16_supported(),
                        torch.cpu._is_vnni_supported())
     base = SAPPHIRE_RAPIDS if amx else ZEN4 if bf16 else SKYLAKE if vnni else AVX2
-    box = replace(base, name=f"this box ({base.name})")
+    box = replace(base, name=f"this box ({base.name})", aten=torch.backends.cpu.get_cpu_capability())
     isa = onednn_isa_set()
     return box.held_to(isa) if isa else box
 
@@ -93,17 +108,17 @@ def default() -> Machine:
 
 
 def computes_bf16(machine: Machine) -> bool:
-    """The hand-written expectation of the compute dtype rule: bf16 instructions oneDNN may use."""
-    return (machine.amx or machine.avx512_bf16) and machine.onednn_isa not in (
+    """The hand-written expectation of the compute dtype rule: bf16 instructions oneDNN may use, and on an AMX CPU
+    torch's AVX-512 kernels (its bf16 attention needs them there)."""
+    return ((machine.amx or machine.avx512_bf16) and machine.onednn_isa.strip().upper() not in (
         "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+        and not (machine.amx and machine.aten != "AVX512"))
 
 
-def other_kind(machine: Machine) -> dict[str, str]:
-    """The variables that make a run of the other rule than ``machine``'s on this box: a bf16 machine becomes this
-    box held to AVX2 (its real oneDNN kernels too), any other a Zen 4 (bf16, computed slowly but correctly)."""
-    if computes_bf16(machine):
-        return {KIND_VARIABLE: "", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    return {KIND_VARIABLE: ZEN4.name}
+def other_kinds(machine: Machine) -> list[Machine]:
+    """The kinds a run on ``machine`` is not: scripts/test's second pass runs the tests that read the machine once as
+    each (``FLUX2_TEST_CPU``)."""
+    return [kind for kind in KINDS.values() if not kind.same_cpu(machine)]
 
 
 class Pinned:

@@ -60,6 +60,10 @@ def test_gpus_compute_in_what_they_run_fast(monkeypatch, name, capability, fp16,
     (machines.ZEN4, {"DNNL_MAX_CPU_ISA": "AVX2"}, torch.float32),            # the older name, still read by oneDNN
     (machines.ZEN4, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "DNNL_MAX_CPU_ISA": "AVX2"}, torch.bfloat16),  # new first
     (machines.ZEN4, {"ONEDNN_MAX_CPU_ISA": "", "DNNL_MAX_CPU_ISA": "AVX2"}, torch.float32),   # empty: not set
+    (machines.SAPPHIRE_RAPIDS.kernels("AVX2"), {}, torch.float32),    # ATEN_CPU_CAPABILITY=avx2: no bf16 attention
+    (machines.SAPPHIRE_RAPIDS.kernels("DEFAULT"), {}, torch.float32),
+    (machines.ZEN4.kernels("AVX2"), {}, torch.bfloat16),              # its bf16 attention runs on AVX2 kernels
+    (machines.ZEN4.kernels("DEFAULT"), {}, torch.bfloat16),
 ], ids=lambda v: v.name if isinstance(v, machines.Machine) else ",".join(f"{k}={x}" for k, x in v.items()) or "-"
     if isinstance(v, dict) else str(v).removeprefix("torch."))
 def test_cpus_are_told_apart_by_the_bf16_instructions_onednn_may_use(machine, monkeypatch, cpu, variables, expected):
@@ -94,19 +98,35 @@ def test_the_cpu_rule_reads_what_onednn_reads(machine, monkeypatch, cpu, onednn,
         else:
             monkeypatch.setenv(variable, value)
     cap = next((v.strip().upper() for v in (onednn, dnnl) if v), "")
-    expect_bf16 = (cpu.amx or cpu.avx512_bf16) and cap not in BELOW_BF16
+    expect_bf16 = (cpu.amx or cpu.avx512_bf16) and cap not in BELOW_BF16 and not (cpu.amx and cpu.aten != "AVX512")
     assert devices.compute_dtype("cpu").dtype == (torch.bfloat16 if expect_bf16 else torch.float32)
     saturates = bool(devices.cpu_int8_saturates())
     assert saturates == (cpu.vnni and cap in BELOW_AVX512_VNNI)
     assert bool(devices.cpu_int8()) == (cpu.vnni and not saturates)
 
 
-def test_aten_cpu_capability_does_not_decide_the_dtype(machine, monkeypatch):
-    """ATEN_CPU_CAPABILITY=avx2 picks torch's own AVX2 kernels; the matmuls stay oneDNN's, bf16 ones about 2x faster
-    than float32 there (measured on an AVX-512 BF16 EPYC), so bf16 stays the faster choice."""
-    machine.set(machines.ZEN4)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")    # what torch says with it set
-    assert devices.compute_dtype("cpu").dtype == torch.bfloat16
+def test_torchs_kernel_build_decides_only_where_bf16_attention_needs_it(machine):
+    """ATEN_CPU_CAPABILITY=avx2 picks torch's own AVX2 kernels. The matmuls stay oneDNN's, bf16 ones about 2x faster
+    than float32 there (measured on an AVX-512 BF16 EPYC), and bf16 attention runs on those kernels there: bf16 stays.
+    On an AMX CPU torch's bf16 attention needs its AVX-512 kernels (torch 2.13 raises "pack_vnni2 is only supported
+    when avx512 is supported"): float32, said why; bf16 asked for by name is refused with the fix."""
+    from flux2_core.errors import Flux2Error
+
+    machine.set(machines.ZEN4.kernels("AVX2"))
+    assert devices.compute_dtype("cpu").dtype == torch.bfloat16 and devices.check_cpu_dtype(torch.bfloat16)
+    machine.set(machines.SAPPHIRE_RAPIDS.kernels("AVX2"))
+    chosen = devices.compute_dtype("cpu")
+    assert chosen.dtype == torch.float32 and not devices.cpu_bf16()
+    assert "torch's bf16 attention on an AMX CPU needs its AVX-512 kernels, and it runs its AVX2 ones" in chosen.why
+    assert devices.cpu_int8()                                     # its int8 matmuls are oneDNN's: unchanged
+    assert devices.check_cpu_dtype(torch.float32) == torch.float32
+    with pytest.raises(Flux2Error, match=r"bfloat16 cannot run on this CPU: .*Unset ATEN_CPU_CAPABILITY"):
+        devices.check_cpu_dtype(torch.bfloat16)
+
+
+@pytest.mark.real_machine
+def test_the_probe_reads_torchs_kernel_build():
+    assert devices.cpu_flags().aten == torch.backends.cpu.get_cpu_capability()
 
 
 @pytest.mark.parametrize("stored,compute,kept", [
@@ -259,6 +279,26 @@ def test_the_cli_names_the_devices_choice_in_the_log_and_the_png(tmp_path, capsy
     code = cli.main(["--prompt", "x", "--models", str(tmp_path), "--width", "32", "--height", "32", "--steps", "1",
                      "--seed", "1", "--out", str(tmp_path / "p"), "--device", "cpu", "--dtype", "float32"])
     assert code == 0 and png_parameters(tmp_path / "p" / "flux2_1.png")[1]["dtype"] == "float32 (--dtype)"
+
+
+def test_an_amx_cpu_on_avx2_kernels_makes_its_picture_in_float32(machine, tmp_path, capsys):
+    """ATEN_CPU_CAPABILITY=avx2 on an AMX CPU: the command line computes in float32 and says why in the log and the
+    PNG; --dtype bfloat16 is refused before any model loads (an error line with the fix, no traceback, no picture)."""
+    from tests.test_cli import png_parameters, write_models_folder
+
+    machine.set(machines.SAPPHIRE_RAPIDS.kernels("AVX2"))
+    write_models_folder(tmp_path)
+    args = ["--prompt", "x", "--models", str(tmp_path), "--width", "32", "--height", "32", "--steps", "1", "--seed",
+            "1", "--device", "cpu"]
+    code = cli.main([*args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    dtype = png_parameters(tmp_path / "o" / "flux2_1.png")[1]["dtype"]
+    assert dtype.startswith("float32 (") and "needs its AVX-512 kernels" in dtype and "computing in float32" in err
+    code = cli.main([*args, "--dtype", "bfloat16", "--out", str(tmp_path / "p")])
+    err = capsys.readouterr().err
+    assert code == 2 and "bfloat16 cannot run on this CPU" in err and "Traceback" not in err, err
+    assert not (tmp_path / "p").exists() or not list((tmp_path / "p").glob("*.png"))
 
 
 def test_the_files_own_dtype_is_read_from_its_header(bf16_file, tmp_path):

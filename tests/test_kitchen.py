@@ -13,6 +13,7 @@ import torch
 from flux2_core import kitchen
 from flux2_core.models import rope
 from flux2_core.models.transformer import Flux2Transformer, QKNorm, modulate
+from tests import machine as machines
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
 
 pytestmark = pytest.mark.skipif(kitchen.ck is None, reason=f"comfy-kitchen is not importable: {kitchen.MISSING}")
@@ -106,8 +107,10 @@ def test_without_comfy_kitchen_nothing_is_fused(no_kitchen, caplog):
     assert "adaln runs in plain torch: comfy-kitchen is not importable" in caplog.text
 
 
-def test_flux2_no_kitchen_turns_every_kitchen_path_off(monkeypatch, caplog, fresh_kitchen):
+def test_flux2_no_kitchen_turns_every_kitchen_path_off(monkeypatch, caplog, fresh_kitchen, machine):
     from flux2_core.storage.int8 import Int8Linear, use_int8_matmul
+
+    machine.set(machines.ZEN4)              # a CPU whose int8 matmul would run: the variable is the reason
 
     monkeypatch.setenv("FLUX2_NO_KITCHEN", "1")
     monkeypatch.setattr(kitchen, "gpu_backends", lambda op: ["cuda"])      # as if a GPU backend were there

@@ -1,10 +1,9 @@
-"""The machine every test assumes (tests/machine.py) and scripts/test's second pass: a test that reads the CPU's flags
-without setting its machine is run again as the other kind of CPU, where a comparison that silently took this box's
-dtype fails."""
+"""The machine every test assumes (tests/machine.py) and scripts/test's second passes: a test that reads the CPU's
+flags without setting its machine is run again as each kind of CPU this box is not, where a comparison that silently
+took this box's dtype fails."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 from pathlib import Path
@@ -38,31 +37,35 @@ def test_never_asks():
 
 
 @pytest.mark.slow
-def test_a_test_that_forgets_its_machine_fails_in_one_of_the_two_passes(tmp_path):
-    """scripts/test on a file of three tests: only the one that read the flags without setting a machine is run again,
-    as the other kind; it passes in one pass and fails in the other, whichever kind this box is, so the run fails."""
+def test_a_test_that_forgets_its_machine_fails_in_one_of_the_passes(tmp_path):
+    """scripts/test on a file of three tests, told the box is an AVX2 one: only the test that read the flags without
+    setting a machine is run again, once as each other kind; it passes where the kind computes in float32 and fails
+    where it computes in bf16, so the run fails, whatever box runs it."""
     (tmp_path / "test_forgetful.py").write_text(FORGETFUL)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLUX2_TEST", "PYTEST_XDIST", "ONEDNN_", "DNNL_"))}
     run = subprocess.run(["bash", "scripts/test", "-p", "no:cacheprovider", "-c", "pyproject.toml", "--rootdir", ".",
                           "-p", "tests.conftest", str(tmp_path / "test_forgetful.py")],
-                         check=False, cwd=ROOT, env={**env, "FLUX2_TEST_WORKERS": "0"}, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+                         check=False, cwd=ROOT, env={**env, "FLUX2_TEST_WORKERS": "0",
+                                                     machines.KIND_VARIABLE: machines.AVX2.name},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = run.stdout
     assert run.returncode == 1, out
-    assert "[tests] the 1 tests that read the CPU's flags, again as the other kind of CPU" in out, out
-    # the child's first pass: this box without the variables (left out of its environment above)
-    bf16_box = machines.computes_bf16(dataclasses.replace(machines.this_box(), onednn_isa=""))
-    first, second = out.split("again as the other kind of CPU")
-    assert ("1 failed, 2 passed" if bf16_box else "3 passed") in first, out
-    assert ("1 passed, 2 deselected" if bf16_box else "1 failed, 2 deselected") in second, out
-    assert second.count("test_forgot_to_say_which_cpu") >= 1 and "test_said_which_cpu" not in second, out
+    first, *passes = out.split("[tests] the 1 tests that read the CPU's flags, again as CPU kind ")
+    assert "3 passed" in first, out                          # told AVX2: float32, as the forgetful test assumes
+    others = {kind.name: kind for kind in machines.KINDS.values() if kind != machines.AVX2}
+    assert [p.split()[0] for p in passes] == list(others), out
+    for text in passes:
+        kind = others[text.split()[0]]
+        assert ("1 failed, 2 deselected" if machines.computes_bf16(kind) else "1 passed, 2 deselected") in text, text
+        assert "test_said_which_cpu" not in text, text
+    assert any(machines.computes_bf16(kind) for kind in others.values())
 
 
 def test_the_pinned_machine_answers_for_every_probe(machine):
     """The engine's probes answer for the machine set; torch's own flags stay the box's (inductor builds for it)."""
     real = torch.cpu._is_avx512_supported()
     machine.set(machines.SAPPHIRE_RAPIDS.held_to("avx2"))
-    assert devices.cpu_flags() == devices.CpuFlags(amx=True, avx512_bf16=True, vnni=True)
+    assert devices.cpu_flags() == devices.CpuFlags(amx=True, avx512_bf16=True, vnni=True, aten="AVX512")
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "avx2" and "DNNL_MAX_CPU_ISA" not in os.environ
     assert devices.compute_dtype("cpu").dtype == torch.float32 and devices.cpu_int8_saturates()
     machine.set(machines.AVX2)
@@ -79,18 +82,40 @@ def test_each_test_starts_on_the_default_machine(machine):
     assert os.environ.get("ONEDNN_MAX_CPU_ISA", "") == machines.default().onednn_isa
 
 
-def test_the_other_kind_is_the_other_rule():
+def rule_outcomes(machine) -> dict[str, tuple]:
+    outcomes = {}
     for kind in machines.KINDS.values():
-        other = machines.other_kind(kind)
-        if machines.computes_bf16(kind):
-            assert other == {machines.KIND_VARIABLE: "", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-            assert not machines.computes_bf16(kind.held_to("AVX2"))
-        else:
-            assert other == {machines.KIND_VARIABLE: machines.ZEN4.name} and machines.computes_bf16(machines.ZEN4)
+        machine.set(kind)
+        chosen = devices.compute_dtype("cpu")
+        outcomes[kind.name] = (chosen.dtype, chosen.why, devices.cpu_int8(), devices.cpu_int8_saturates())
+    return outcomes
+
+
+def test_each_kind_is_one_the_rules_tell_apart(machine):
+    """The kinds the project has met (AVX2 only, AVX-512 VNNI, AVX-512 BF16, AMX) and the held states users make of
+    them (a VNNI CPU on oneDNN's AVX2 kernels, an AMX CPU on torch's AVX2 kernels): each decides differently somewhere,
+    the compute dtype as written by hand (``computes_bf16``)."""
+    outcomes = rule_outcomes(machine)
+    assert len(set(outcomes.values())) == len(machines.KINDS)
+    for name, (dtype, *_) in outcomes.items():
+        assert (dtype == torch.bfloat16) == machines.computes_bf16(machines.KINDS[name]), name
+    assert {"avx2", "avx512", "avx512-bf16", "amx", "avx2-vnni", "amx-avx2-kernels"} == set(machines.KINDS)
+    assert outcomes["avx2-vnni"][3] and not outcomes["avx2-vnni"][2]         # VNNI held to AVX2: wrong int8 sums
+    assert outcomes["amx-avx2-kernels"][0] == torch.float32 and outcomes["amx-avx2-kernels"][2]   # int8 stays fast
+
+
+def test_the_second_pass_runs_every_kind_the_first_is_not():
+    for kind in machines.KINDS.values():
+        assert machines.other_kinds(kind) == [k for k in machines.KINDS.values() if k is not kind]
+    box = machines.this_box()
+    others = machines.other_kinds(box)
+    assert len(others) >= len(machines.KINDS) - 1 and all(not k.same_cpu(box) for k in others)
+    assert machines.other_kinds(machines.ZEN4.kernels("AVX2")) == list(machines.KINDS.values())  # a state no kind is
 
 
 def test_an_unknown_kind_is_refused_with_the_known_ones(monkeypatch):
     monkeypatch.setenv(machines.KIND_VARIABLE, "pentium")
-    with pytest.raises(ValueError, match="FLUX2_TEST_CPU='pentium' is not one of avx2, avx512, avx512-bf16, amx"):
+    with pytest.raises(ValueError, match="FLUX2_TEST_CPU='pentium' is not one of avx2, avx512, avx512-bf16, amx, avx2-vnni, "
+                       "amx-avx2-kernels"):
         machines.default()
 
