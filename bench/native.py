@@ -1,4 +1,4 @@
-"""Denoising steps of ComfyUI's own FLUX.2 Klein path against our FLUX.2 Klein Denoise node, in one ComfyUI process.
+"""Denoising steps of ComfyUI's own FLUX.2 Klein path against our Klein Denoise node, in one ComfyUI process.
 
 Run it in ComfyUI's Python, naming the ComfyUI source tree (v0.12.1+):
 
@@ -16,7 +16,7 @@ prompt embeddings of Klein's 512 tokens: the text encoder is out of the comparis
 * native: ComfyUI's loader (``comfy.sd.load_diffusion_model``, what UNETLoader calls, with the dtype asked for),
   BasicGuider, KSamplerSelect("euler"), RandomNoise, EmptyFlux2LatentImage, SamplerCustomAdvanced: the graph of the
   real-host parity tests (tests/comfyui/graphs.py, ``native``).
-* ours: FLUX.2 Klein Load Model, Noise, Scheduler and Denoise.
+* ours: Klein Load Model, Noise, Scheduler and Denoise.
 
 Only the sampler call of each side is timed (SamplerCustomAdvanced, Denoise), after one warm-up call each, the sides
 alternating ``--repeats`` times. Per side: median and best seconds per step (the call over the steps), the peak memory

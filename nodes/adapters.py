@@ -1,4 +1,4 @@
-"""FLUX.2 Klein LoRA: a LoRA / LoKr / LoHa / DoRA file from ComfyUI's loras folder, on our model, chainable.
+"""Klein LoRA: a LoRA / LoKr / LoHa / DoRA file from ComfyUI's loras folder, on our model, chainable.
 
 The node only reads the file and says what it matched; the Denoise node applies the chain (flux2_core.adapters.patching:
 merged into full-precision weights, run beside fp8 ones) and restores the weights for models without it.
@@ -21,13 +21,14 @@ class LoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="Flux2KleinLoRA", display_name="FLUX.2 Klein LoRA", category=f"{types.CATEGORY}/loaders",
+            node_id="Flux2KleinLoRA", display_name="Klein LoRA", search_aliases=types.SEARCH_ALIASES,
+            category=f"{types.CATEGORY}/loaders",
             description="Applies a LoRA (also LoKr, LoHa, DoRA) made for the loaded model (FLUX.2 Klein or FLUX 3 "
                         "Image Klein): ai-toolkit, kohya/musubi, "
                         "diffusers/PEFT, ComfyUI and LyCORIS files. Chain several for a stack. The node shows how "
                         "many tensors matched per block group and the keys that matched nothing (all of them in "
                         "ComfyUI's log).",
-            inputs=[types.Model.Input("model", tooltip="From FLUX.2 Klein Load Model (or another LoRA node)."),
+            inputs=[types.Model.Input("model", tooltip="From Klein Load Model (or another LoRA node)."),
                     io.Combo.Input("lora_name", options=host.model_choices("loras"),
                                    tooltip="A .safetensors adapter under models/loras."),
                     io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01,
@@ -59,9 +60,9 @@ class LoRA(io.ComfyNode):
         if adapter.text_encoder_patches and text_encoder is None:
             info += (f"; its {len(adapter.text_encoder_patches)} text-encoder modules are not applied: connect the "
                      "text encoder to this node and encode the prompt with its text_encoder output")
-        log.info("FLUX.2 Klein LoRA %s", info)
+        log.info("Klein LoRA %s", info)
         if adapter.report.unmatched:
-            log.warning("FLUX.2 Klein LoRA %s: keys that matched nothing: %s", lora_name, ", ".join(
+            log.warning("Klein LoRA %s: keys that matched nothing: %s", lora_name, ", ".join(
                 f"{key} ({why})" for key, why in adapter.report.unmatched.items()))
         entry = lora.AdapterUse(lora_name, adapter.digest(), strength, merge_into_fp8, adapter)
         chained = dataclasses.replace(model, adapters=(*model.adapters, entry))

@@ -18,7 +18,8 @@ class AEEncode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="Flux2KleinAEEncode", display_name="FLUX.2 Klein AE Encode", category=f"{types.CATEGORY}/latent",
+            node_id="Flux2KleinAEEncode", display_name="Klein AE Encode", search_aliases=types.SEARCH_ALIASES,
+            category=f"{types.CATEGORY}/latent",
             description="Encodes images into FLUX.2 latents (for image-to-image). Sides that are not multiples of 16 "
                         "are centre-cropped to the nearest multiple below, as ComfyUI's VAE Encode does.",
             inputs=[types.AutoEncoder.Input("ae", tooltip="The FLUX.2 autoencoder."),
@@ -39,7 +40,8 @@ class AEDecode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="Flux2KleinAEDecode", display_name="FLUX.2 Klein AE Decode", category=f"{types.CATEGORY}/latent",
+            node_id="Flux2KleinAEDecode", display_name="Klein AE Decode", search_aliases=types.SEARCH_ALIASES,
+            category=f"{types.CATEGORY}/latent",
             description="Decodes FLUX.2 latents into images (clamped to [-1, 1], then mapped to 0..1).",
             inputs=[types.AutoEncoder.Input("ae", tooltip="The FLUX.2 autoencoder."),
                     io.Latent.Input("latent", tooltip="FLUX.2 latents from the denoiser (or any FLUX.2 sampler).")],

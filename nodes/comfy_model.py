@@ -19,11 +19,11 @@ class ToComfyModel(io.ComfyNode):
             description="Hands a FLUX.2 Klein model to ComfyUI's own samplers as a MODEL: KSampler, "
                         "SamplerCustomAdvanced with any sampler, scheduler and guider, EasyCache and the other "
                         "sampling patches. The engine computes every step, with the model's storage (fp8, int8, GGUF), "
-                        "the FLUX.2 Klein LoRA nodes before this one, and Compile. ComfyUI's samplers run CFG whenever "
+                        "the Klein LoRA nodes before this one, and Compile. ComfyUI's samplers run CFG whenever "
                         "cfg is not 1, on guidance-distilled models too (set cfg 1 for those). Put LoRAs on with "
-                        "FLUX.2 Klein LoRA before this node: ComfyUI's LoRA loaders on this MODEL are refused, as are "
+                        "Klein LoRA before this node: ComfyUI's LoRA loaders on this MODEL are refused, as are "
                         "ControlNets and block patches.",
-            inputs=[types.Model.Input("model", tooltip="From FLUX.2 Klein Load Model (after its LoRA and Compile "
+            inputs=[types.Model.Input("model", tooltip="From Klein Load Model (after its LoRA and Compile "
                                                        "nodes).")],
             outputs=[io.Model.Output(display_name="MODEL", tooltip="The same model as ComfyUI's FLUX.2 MODEL.")])
 
@@ -31,7 +31,7 @@ class ToComfyModel(io.ComfyNode):
     def execute(cls, model: host.Managed) -> io.NodeOutput:
         if model.ranks > 1:
             raise Flux2Error("FLUX.2 Klein to MODEL does not take a model spread over several GPUs yet: bypass "
-                             "FLUX.2 Klein Parallel, or use FLUX.2 Klein Denoise")
+                             "Klein Parallel, or use Klein Denoise")
         return io.NodeOutput(engine_model.comfy_model(model.patcher, model.variant, partial(prepare, model),
                                                          model.key))
 

@@ -34,13 +34,13 @@ class PromptEncode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="Flux2KleinPromptEncode", display_name="FLUX.2 Klein Prompt Encode",
+            node_id="Flux2KleinPromptEncode", display_name="Klein Prompt Encode", search_aliases=types.SEARCH_ALIASES,
             category=f"{types.CATEGORY}/conditioning",
             description="Encodes a prompt with the text encoder into conditioning: FLUX.2's Qwen3 gives 512 tokens "
                         "(hidden states 9/18/27), FLUX 3's Qwen3-VL the prompt padded to a multiple of 80 tokens "
                         "(hidden states 4, 8, ..., 32; at most 4096). Shows the token count; text beyond the limit "
                         "(template included) is cut.",
-            inputs=[types.TextEncoder.Input("text_encoder", tooltip="From FLUX.2 Klein Load Text Encoder."),
+            inputs=[types.TextEncoder.Input("text_encoder", tooltip="From Klein Load Text Encoder."),
                     io.String.Input("prompt", multiline=True, dynamic_prompts=True,
                                     tooltip="What to draw, or for an edit what to change. Empty for the negative of "
                                             "base models."),
@@ -53,7 +53,7 @@ class PromptEncode(io.ComfyNode):
     @classmethod
     def execute(cls, text_encoder: host.Managed | None, prompt: str, boxes: list | None = None) -> io.NodeOutput:
         if text_encoder is None:
-            raise Flux2Error("no text encoder came in: a FLUX.2 Klein LoRA node passes one on only when a text "
+            raise Flux2Error("no text encoder came in: a Klein LoRA node passes one on only when a text "
                              "encoder is connected to its own text_encoder input")
         encoder, misses = text_encoder.core, PROMPTS.cache.misses
         family = family_of_encoder(encoder.spec)                 # the model this prompt is for, by its encoder
@@ -103,7 +103,7 @@ class Reference(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="Flux2KleinReference", display_name="FLUX.2 Klein Reference Image",
+            node_id="Flux2KleinReference", display_name="Klein Reference Image", search_aliases=types.SEARCH_ALIASES,
             category=f"{types.CATEGORY}/conditioning",
             description="Adds reference images for editing: each image is prepared as the reference implementation "
                         "of the prompt's model does, encoded, and appended to the conditioning's reference latents. "

@@ -51,7 +51,7 @@ OTHER_MODEL = "use ComfyUI's own FLUX.2 model for it (Load Diffusion Model)"
 @dataclass(eq=False)
 class EngineRun:
     """What a MODEL made by FLUX.2 Klein to MODEL runs with, carried to the diffusion model in transformer_options:
-    ``prepare`` (called before every model call: applies the FLUX.2 Klein LoRA nodes' adapters and the compile mode,
+    ``prepare`` (called before every model call: applies the Klein LoRA nodes' adapters and the compile mode,
     a no-op once they are set) and the 9B-KV reference K/V of the sampling under way."""
 
     prepare: Callable[[], None]
@@ -183,7 +183,7 @@ def comfy_model(patcher, variant: Variant, prepare: Callable[[], None], model_ke
     if not isinstance(patcher.model, KleinModel):
         title = variant.title or family_of(variant).title
         raise Flux2Error(f"ComfyUI has no model of {title}, so its samplers cannot drive it: sample it with "
-                         f"FLUX.2 Klein Denoise instead of FLUX.2 Klein to MODEL")
+                         f"Klein Denoise instead of FLUX.2 Klein to MODEL")
     run = EngineRun(prepare, model_key)
     model = patcher.clone()
     model.model_options.setdefault("transformer_options", {})[RUN] = run
@@ -197,7 +197,7 @@ def sample(run: EngineRun, executor, *args, **kwargs):
     patcher = executor.class_obj.model_patcher
     if patcher.patches:
         raise Flux2Error(f"ComfyUI's LoRA loader (or another weight patch: {len(patcher.patches)} weights) does not "
-                         f"apply to a FLUX.2 Klein engine MODEL: put the LoRA on with FLUX.2 Klein LoRA before "
+                         f"apply to a FLUX.2 Klein engine MODEL: put the LoRA on with Klein LoRA before "
                          f"FLUX.2 Klein to MODEL (every LoRA format, on fp8, int8 and GGUF models too)")
     try:
         return executor(*args, **kwargs)

@@ -260,8 +260,8 @@ class Managed:
     full_load: bool = False            # never load partially (layers ComfyUI cannot stream, e.g. fp8 ones; GGUF
                                        # ones stream: _host_class)
     fingerprint: str = ""              # cache.fingerprint of the weights as loaded
-    compiled: bool = False             # transformers: run the blocks torch.compiled (FLUX.2 Klein Compile)
-    adapters: tuple[AdapterUse, ...] = ()   # transformers and text encoders: one per FLUX.2 Klein LoRA node, in
+    compiled: bool = False             # transformers: run the blocks torch.compiled (Klein Compile)
+    adapters: tuple[AdapterUse, ...] = ()   # transformers and text encoders: one per Klein LoRA node, in
                                             # chain order
     recipe: TransformerSource | None = None   # transformers: its file as loaded, for follower processes (Parallel)
     ranks: int = 1                     # transformers: the processes (devices) its denoising is spread over
@@ -281,7 +281,7 @@ class Managed:
                 self.adapter_key)
 
     def use_adapters(self, module: nn.Module, patches_of) -> None:
-        """Apply the LoRAs this model came with (FLUX.2 Klein LoRA nodes) to ``module``, its transformer or its
+        """Apply the LoRAs this model came with (Klein LoRA nodes) to ``module``, its transformer or its
         Qwen3, with ``patches_of(adapter)`` picking their patches for it; the weights as loaded when there are none.
         The module is shared by every branch using the loader's output, so each user sets the LoRAs it needs;
         flux2_core.adapters.patching restores the original weights bit for bit in between."""
@@ -407,7 +407,7 @@ def check_interrupt() -> None:
     mm.throw_exception_if_processing_interrupted()
 
 
-# --- several devices (FLUX.2 Klein Parallel) -----------------------------------------------------------------------
+# --- several devices (Klein Parallel) -----------------------------------------------------------------------
 
 FOLLOWERS: dict[tuple, FollowerGroup] = {}       # the running follower group by (recipe, devices); at most one
 
@@ -419,11 +419,11 @@ def parallel_devices(model: Managed) -> list[str]:
     if device.type == "cpu":
         return [str(device)] * model.ranks
     if device.type != "cuda":
-        raise Flux2Error(f"FLUX.2 Klein Parallel spreads the work over NVIDIA GPUs (CUDA), but ComfyUI computes on "
+        raise Flux2Error(f"Klein Parallel spreads the work over NVIDIA GPUs (CUDA), but ComfyUI computes on "
                          f"{device.type} here: bypass the Parallel node")
     others = [f"cuda:{i}" for i in range(torch.cuda.device_count()) if i != device.index]
     if len(others) + 1 < model.ranks:
-        raise Flux2Error(f"FLUX.2 Klein Parallel asks for {model.ranks} GPUs but this machine shows "
+        raise Flux2Error(f"Klein Parallel asks for {model.ranks} GPUs but this machine shows "
                          f"{len(others) + 1}: set its gpus to {len(others) + 1} or fewer")
     return [str(device), *others[:model.ranks - 1]]
 
@@ -438,7 +438,7 @@ def followers(model: Managed) -> FollowerGroup:
     if group is not None and group.usable():
         return group
     close_followers()
-    log.info("FLUX.2 Klein Parallel: starting %d follower processes on %s", model.ranks - 1, ", ".join(key[1][1:]))
+    log.info("Klein Parallel: starting %d follower processes on %s", model.ranks - 1, ", ".join(key[1][1:]))
     FOLLOWERS[key] = FollowerGroup.start(model.recipe, list(key[1]), cancel=check_interrupt)
     detach = comfy.patcher_extension.CallbacksMP.ON_DETACH
     model.patcher.remove_callbacks_with_key(detach, "flux2_followers")          # one, however often they restart

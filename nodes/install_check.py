@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 MIN_COMFYUI = (0, 12, 0)         # the first release with FLUX.2 Klein and the V3 node API we use (pyproject: requires-comfyui)
-PACK_NAME = "FLUX.2 Klein Engine"
+PACK_NAME = "Klein Engine (FLUX.2 Klein, FLUX 3 Image Klein)"
 
 
 def read_requirements(path: Path) -> list[str]:

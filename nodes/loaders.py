@@ -70,7 +70,8 @@ class ModelLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="Flux2KleinModelLoader", display_name="FLUX.2 Klein Load Model", category=f"{types.CATEGORY}/loaders",
+            node_id="Flux2KleinModelLoader", display_name="Klein Load Model", search_aliases=types.SEARCH_ALIASES,
+            category=f"{types.CATEGORY}/loaders",
             description="Loads a FLUX.2 Klein transformer (4B, 9B, 9B-KV, base) from models/diffusion_models (or "
                         "models/unet), safetensors or GGUF, or a FLUX 3 Image Klein transformer (distilled or base, "
                         "BF16 safetensors). The model and variant are read from the weights and the file name "
@@ -110,7 +111,7 @@ class TextEncoderLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="Flux2KleinTextEncoderLoader", display_name="FLUX.2 Klein Load Text Encoder",
+            node_id="Flux2KleinTextEncoderLoader", display_name="Klein Load Text Encoder", search_aliases=types.SEARCH_ALIASES,
             category=f"{types.CATEGORY}/loaders",
             description="Loads the Qwen3 text encoder from models/text_encoders (or models/clip), safetensors or "
                         "GGUF: Qwen3-4B for Klein 4B, Qwen3-8B for Klein 9B, Qwen3-VL-4B for FLUX 3 Image Klein (known "
@@ -142,7 +143,8 @@ class AutoEncoderLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="Flux2KleinAELoader", display_name="FLUX.2 Klein Load Autoencoder", category=f"{types.CATEGORY}/loaders",
+            node_id="Flux2KleinAELoader", display_name="Klein Load Autoencoder", search_aliases=types.SEARCH_ALIASES,
+            category=f"{types.CATEGORY}/loaders",
             description="Loads the FLUX.2 autoencoder (flux2-vae.safetensors / ae.safetensors, BFL's "
                         "full_encoder_small_decoder.safetensors or a diffusers vae folder) from models/vae, optionally "
                         "with BFL's small decoder in place of its own. Its latents are ComfyUI's FLUX.2 latents.",

@@ -4,7 +4,7 @@
     POST /flux2_klein/tokens   {"text": "a red fox", "text_encoder": "qwen3vl_4b.safetensors"}   ->   {"count": 11,
                                                                                                  "limit": 4096}
 
-``count`` is what FLUX.2 Klein Prompt Encode reports for that prompt (``count_prompt_tokens``: the encoder's chat
+``count`` is what Klein Prompt Encode reports for that prompt (``count_prompt_tokens``: the encoder's chat
 template included, before truncation); ``limit`` is the text encoder's. ``text_encoder``, a file of ComfyUI's
 text_encoders folder (what the prompt's loader holds), says which: its headers tell a FLUX 3 Qwen3-VL encoder (its
 template, 4096 tokens) from FLUX.2's (Qwen3's, 512), which is also the answer without one or for a file that cannot

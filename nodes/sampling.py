@@ -35,7 +35,8 @@ class Noise(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="Flux2KleinNoise", display_name="FLUX.2 Klein Noise", category=f"{types.CATEGORY}/sampling",
+            node_id="Flux2KleinNoise", display_name="Klein Noise", search_aliases=types.SEARCH_ALIASES,
+            category=f"{types.CATEGORY}/sampling",
             description="Gaussian starting noise for an image of width x height. Item i of a batch is drawn with "
                         "seed + i on the CPU, so it equals a single image made with that seed, on any device. A model "
                         "whose reference reads its noise another way (FLUX 3 Image Klein: in token order) reads this "
@@ -67,7 +68,8 @@ class Scheduler(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="Flux2KleinScheduler", display_name="FLUX.2 Klein Scheduler", category=f"{types.CATEGORY}/sampling",
+            node_id="Flux2KleinScheduler", display_name="Klein Scheduler", search_aliases=types.SEARCH_ALIASES,
+            category=f"{types.CATEGORY}/sampling",
             description=f"The noise levels (SIGMAS) of each step, from 1 to 0. {schedules.MODELS_OWN}: the schedule of "
                         "the connected model's family (connect the model: FLUX.2 Klein's or FLUX 3 Image Klein's); "
                         "flux2: FLUX.2's, shifted by an empirical mu that depends on the image size and the step "
@@ -124,7 +126,7 @@ class Denoise(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="Flux2KleinDenoise", display_name="FLUX.2 Klein Denoise (Euler)",
+            node_id="Flux2KleinDenoise", display_name="Klein Denoise (Euler)", search_aliases=types.SEARCH_ALIASES,
             category=f"{types.CATEGORY}/sampling",
             description="Runs the Euler flow-matching sampler. With a negative and cfg != 1: classifier-free "
                         "guidance for base models (distilled Klein ignores cfg, as BFL's and diffusers' pipelines "
@@ -134,10 +136,10 @@ class Denoise(io.ComfyNode):
                         "denoise < 1: image-to-image. A latent with a noise mask (Set Latent Noise Mask, VAE Encode "
                         "(for Inpainting), InpaintModelConditioning) inpaints: the white of the mask is repainted, "
                         "the rest kept, as ComfyUI's own samplers do.",
-            inputs=[types.Model.Input("model", tooltip="From FLUX.2 Klein Load Model."),
+            inputs=[types.Model.Input("model", tooltip="From Klein Load Model."),
                     io.Conditioning.Input("positive", tooltip="The prompt (and references)."),
-                    io.Latent.Input("noise", tooltip="Starting noise (FLUX.2 Klein Noise)."),
-                    io.Sigmas.Input("sigmas", tooltip="Noise levels, from FLUX.2 Klein Scheduler or any scheduler."),
+                    io.Latent.Input("noise", tooltip="Starting noise (Klein Noise)."),
+                    io.Sigmas.Input("sigmas", tooltip="Noise levels, from Klein Scheduler or any scheduler."),
                     io.Float.Input("cfg", default=1.0, min=0.0, max=euler.MAX_CFG, step=0.1, round=0.01,
                                    tooltip="Guidance scale. Distilled Klein: 1 (no negative needed; other values are "
                                            "ignored); base: about 4 with a negative (an empty prompt), FLUX 3 Image "
@@ -149,7 +151,7 @@ class Denoise(io.ComfyNode):
                     io.Conditioning.Input("negative", optional=True,
                                           tooltip="Negative prompt for CFG (base models); unused when cfg = 1."),
                     io.Latent.Input("latent", optional=True,
-                                    tooltip="Image latent to start from (FLUX.2 Klein AE Encode or VAE Encode); with "
+                                    tooltip="Image latent to start from (Klein AE Encode or VAE Encode); with "
                                             "a noise mask, the image to inpaint."),
                     io.Float.Input("cache", default=0.0, min=0.0, max=step_cache.MAX_THRESHOLD, step=0.01,
                                    round=0.001, optional=True,
@@ -179,7 +181,7 @@ class Denoise(io.ComfyNode):
                            noise_mask=None if latent is None else latent.get("noise_mask"),
                            sigmas=sigmas, cfg=cfg, strength=denoise, cache=cache)
         for note in asked.notes:
-            log.warning("FLUX.2 Klein Denoise: %s", note)
+            log.warning("Klein Denoise: %s", note)
         if spread:
             check_spread(model)                                                      # before followers start
         kv_here = asked.run.plan.reference_kv and not spread  # a parallel run's denoise makes its own split K/V
@@ -202,7 +204,7 @@ class Denoise(io.ComfyNode):
         finally:
             parallel.attach(model.core, None)
         if asked.run.cache is not None:
-            log.info("FLUX.2 Klein Denoise: %s", asked.run.cache_note())
+            log.info("Klein Denoise: %s", asked.run.cache_note())
         kv_note = ("reference K/V: reused (no reference pass)" if kept else "reference K/V: computed") if kv_here else ""
         notes = "; ".join(note for note in (*asked.notes, kv_note, f"denoised on {model.ranks} ranks" if spread else "",
                                             asked.run.cache_note()) if note)
@@ -214,12 +216,13 @@ class Compile(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return io.Schema(
-            node_id="Flux2KleinCompile", display_name="FLUX.2 Klein Compile", category=f"{types.CATEGORY}/sampling",
+            node_id="Flux2KleinCompile", display_name="Klein Compile", search_aliases=types.SEARCH_ALIASES,
+            category=f"{types.CATEGORY}/sampling",
             description="Runs the model's transformer blocks through torch.compile in the denoiser. The first run at "
                         "a new image size, batch or reference count compiles (about a minute on a GPU, longer on a "
                         "CPU); later steps, prompts and seeds reuse it and run faster. Needs a working Triton (GPU) or "
                         "C++ compiler (CPU).",
-            inputs=[types.Model.Input("model", tooltip="From FLUX.2 Klein Load Model.")],
+            inputs=[types.Model.Input("model", tooltip="From Klein Load Model.")],
             outputs=[types.Model.Output(display_name="model", tooltip="The same model, marked to run compiled.")])
 
     @classmethod
@@ -251,7 +254,7 @@ def check_spread(model: host.Managed) -> None:
     """A parallel run's limits, refused before its followers start."""
     parallel.check_world(model.variant.params.num_heads, model.ranks)
     if model.compiled:
-        raise Flux2Error("FLUX.2 Klein Compile and FLUX.2 Klein Parallel do not run together yet: bypass one")
+        raise Flux2Error("Klein Compile and Klein Parallel do not run together yet: bypass one")
 
 
 def kept_kv(model: host.Managed, needed: int):
@@ -278,6 +281,6 @@ DRAWN = "flux2_klein_drawn"   # our key beside a Noise node's samples: the very 
 def prompt_embeds(conditioning) -> torch.Tensor:
     """The embeddings [1 or B, L, C] of a CONDITIONING (the run checks them against the model's text width)."""
     if len(conditioning) > 1:
-        log.warning("FLUX.2 Klein Denoise uses the first of %d conditioning entries", len(conditioning))
+        log.warning("Klein Denoise uses the first of %d conditioning entries", len(conditioning))
     return conditioning[0][0]
 

@@ -8,5 +8,7 @@ TextEncoder = io.Custom("FLUX2_KLEIN_TEXT_ENCODER")     # Managed(PromptEncoder)
 AutoEncoder = io.Custom("FLUX2_KLEIN_AE")               # Managed(AutoEncoder)
 Boxes = io.Custom("FLUX2_KLEIN_BOXES")                  # list[sampling.boxes.Box]: a layout
 
-CATEGORY = "FLUX.2 Klein"
+CATEGORY = "Klein (FLUX.2, FLUX 3)"     # the menu names both families the nodes serve
+# what a search of the node menu for either family finds on the nodes that serve both
+SEARCH_ALIASES = ["FLUX 3", "FLUX 3 Image Klein", "FLUX.2", "FLUX.2 Klein", "flux3", "flux2"]
 META = "flux2_klein"      # our key in a CONDITIONING entry's dict: what encoded the prompt, token counts

@@ -235,7 +235,7 @@ WORKFLOWS = {
         "details": "Put the image in ComfyUI's input folder as flux2-klein-inpaint-input.png (or pick any image in the "
                    "Input image node), then right-click the node, Open in MaskEditor, and paint the area to repaint "
                    "(an image's transparent pixels count as painted). Soft mask edges blend. For the model to see "
-                   "the whole image while it repaints, add a FLUX.2 Klein Reference node with the same image "
+                   "the whole image while it repaints, add a Klein Reference node with the same image "
                    "between the prompt and the denoiser.",
         # as image-to-image, with the mask set on the encoded image in the noise column, a little below the
         # encoder's row (the mask's link passes under the encoder), the noise and the schedule stacked below it,
@@ -261,7 +261,7 @@ WORKFLOWS = {
                    "centre-crops it to multiples of 16 and the Denoise node cuts the mask the same way, so a few "
                    "pixels of the edges are lost. feathering (40 pixels) fades the painted area into the image, so the seam "
                    "is repainted too. The original image, not the padded canvas, is also a "
-                   "reference (FLUX.2 Klein Reference): the model sees the whole picture sharp at every step, so "
+                   "reference (Klein Reference): the model sees the whole picture sharp at every step, so "
                    "what it adds matches its light, style and objects, and it has no grey border to copy. Bypass "
                    "that node (Ctrl+B) to paint from the prompt alone.",
         # as inpainting, with the pad node between the image and the encoder (the image row one node longer) and a
@@ -291,8 +291,8 @@ WORKFLOWS = {
                    "distilled models included (twice the model calls, and a picture the model was not trained "
                    "for). At cfg 1 the KSampler skips its negative, so the Negative (zeroed) node, ComfyUI's "
                    "ConditioningZeroOut, fills that socket, as in ComfyUI's own FLUX.2 Klein templates; for a base "
-                   "model with cfg above 1, connect a FLUX.2 Klein Prompt Encode there instead (empty, or what to "
-                   "avoid). Put LoRAs on with FLUX.2 Klein LoRA nodes between the model loader and FLUX.2 Klein to "
+                   "model with cfg above 1, connect a Klein Prompt Encode there instead (empty, or what to "
+                   "avoid). Put LoRAs on with Klein LoRA nodes between the model loader and FLUX.2 Klein to "
                    "MODEL: ComfyUI's LoRA loaders on this MODEL are refused. The output size is the Empty Flux 2 "
                    "Latent's width and height.",
         # the MODEL conversion in its own group on the model lane (as the LoRA node sits), the zeroed negative right

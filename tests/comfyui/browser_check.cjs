@@ -156,11 +156,14 @@ async function inPage({ prompts }) {   // runs in the page: it sees only its arg
   result.short = await answered(prompts.short);   // ... asks once, for the last text
   result.long = await answered(prompts.long);
   result.requests = [...requests];
-  api.serverFeatureFlags[TOKENS_FEATURE] = false; // a server without the route: the estimate stays
+  // a server without the route: the estimate stays. The feature is asked of api.serverSupportsFeature, whatever
+  // each frontend keeps the server's flags in
+  const supports = api.serverSupportsFeature;
+  api.serverSupportsFeature = (name) => name !== TOKENS_FEATURE && supports.call(api, name);
   result.fallback = type(prompts.fallback);
   await sleep(1000);
   result.fallback = { typed: result.fallback, later: { ...encode.flux2Tokens } };
-  api.serverFeatureFlags[TOKENS_FEATURE] = true;
+  api.serverSupportsFeature = supports;
   api.fetchApi = fetchApi;
   // the same prompt from a FLUX 3 text encoder's loader: that encoder's template and limit
   const loader = LiteGraph.createNode("Flux2KleinTextEncoderLoader");

@@ -6,7 +6,7 @@ Both share the loaders, the prompt encode and the noise of our pack, so the two 
     prompt = ours(files, "a red fox", output="latent")                                      # -> SaveLatent
     prompt = ours(files, "a red fox", model_file=files["transformer_fp8"], model_dtype="auto")
     prompt = native(files, "a red fox", output="latent")          # UNETLoader + BasicGuider/CFGGuider + SamplerCustomAdvanced
-    prompt = ours(files, "a red fox", loras=[(files["lora"], 0.8)])    # FLUX.2 Klein LoRA nodes (native: LoraLoaderModelOnly)
+    prompt = ours(files, "a red fox", loras=[(files["lora"], 0.8)])    # Klein LoRA nodes (native: LoraLoaderModelOnly)
     prompt = ours(files, "a red fox", model_file=files["transformer_gguf"],
                   text_encoder_file=files["text_encoder_gguf"])
 """
@@ -68,7 +68,7 @@ def ours(files: dict, prompt: str, *, seed: int = 1, width: int = 64, height: in
                    text_encoder_file)
     positive = graph.pop("positive")
     model = "1"
-    for i, (name, strength) in enumerate(loras):             # FLUX.2 Klein LoRA nodes, chained
+    for i, (name, strength) in enumerate(loras):             # Klein LoRA nodes, chained
         graph[str(40 + i)] = {"class_type": "Flux2KleinLoRA",
                               "inputs": {"model": link(model), "lora_name": name, "strength": strength}}
         model = str(40 + i)

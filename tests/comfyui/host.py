@@ -12,8 +12,10 @@ The server runs from a ComfyUI source tree (v0.12.1+) in its own Python environm
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,10 +29,24 @@ from flux2_core.app.queue_client import ComfyClient
 from flux2_core.errors import Flux2Error
 
 PACK_FOLDER = "flux2-klein-engine"       # the pack's folder name in custom_nodes (its registry id)
+# a comfyui-frontend-package's static folder (the one holding index.html) for the server to serve instead of the
+# frontend its requirements pin: the browser tests on the newest frontend
+FRONT_END_VARIABLE = "COMFYUI_FRONT_END_ROOT"
 
-# ComfyUI imports torchvision at module level; FLUX.2 needs neither it nor torchaudio, and the only torchvision on
-# PyPI for this torch may be a CUDA build that fails to import. These stubs exist only in a temp dir of the test run.
-STUB = '''"""Test-only stub: {name} is not installed for this ComfyUI test server; FLUX.2 does not use it."""
+# ComfyUI imports torchvision and torchaudio (and newer releases more of their submodules: torchvision.ops,
+# torchaudio.functional, ...) at start-up; FLUX.2 and FLUX 3 need neither, and the only torchvision on PyPI for this
+# torch may be a CUDA build that fails to import. A stub stands for the whole package: any submodule imports, any name
+# in it is there (usable as a base class), calling one fails with a clear message, and the package has a version
+# (libraries such as transformers parse it). The stubs exist only in a temp dir of the test run.
+STUB = '''"""Test-only stub: {name} is not installed for this ComfyUI test server; FLUX.2 and FLUX 3 do not use it."""
+
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+__version__ = "0.0.0+stub"
+__path__ = []                      # a package: its submodules come from the finder below
 
 
 class Missing:
@@ -47,30 +63,66 @@ class Missing:
     def __call__(self, *args, **kwargs):
         raise RuntimeError(self.name + " is a test stub: it is not installed here")
 
+    def __mro_entries__(self, bases):
+        return (object,)           # a class derived from a stubbed one still defines
 
-def __getattr__(attr):
-    if attr.startswith("__"):
-        raise AttributeError(attr)
-    return Missing("{name}." + attr)
+
+def _missing(module):
+    def attribute(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return Missing(module + "." + attr)
+    return attribute
+
+
+__getattr__ = _missing("{name}")
+
+
+class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Every {name}.<anything> import: a stub module like this one."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.startswith("{name}."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name, "test-only stub")
+        module.__path__, module.__version__ = [], __version__
+        module.__getattr__ = _missing(spec.name)
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.append(_Submodules())
 '''
-STUB_MODULES = {"torchvision": ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"),
-                "torchaudio": ("torchaudio",),
-                # PyAV: ComfyUI's video input types import it at start-up; its wheel is too large to carry to a GPU
-                # machine for the native benchmark, and FLUX.2 reads no video
-                "av": ("av", "av.container", "av.subtitles", "av.subtitles.stream")}
+# PyAV: ComfyUI's video input types import it at start-up; its wheel is too large to carry to a GPU machine for the
+# native benchmark, and FLUX.2 reads no video
+STUBBED = ("torchvision", "torchaudio", "av")
 
 
 def write_torch_stubs(folder: Path, python: str) -> Path:
-    """Stub packages under folder (for the server's PYTHONPATH) for those of STUB_MODULES that do not import."""
+    """Stub packages under folder (for the server's PYTHONPATH) for those of STUBBED that do not import."""
     folder.mkdir(parents=True, exist_ok=True)
-    for top, modules in STUB_MODULES.items():
+    for top in STUBBED:
         if subprocess.run([python, "-c", f"import {top}"], capture_output=True, check=False, timeout=120).returncode == 0:
             continue
-        for module in modules:
-            package = folder.joinpath(*module.split("."))
-            package.mkdir(parents=True, exist_ok=True)
-            (package / "__init__.py").write_text(STUB.format(name=module))
+        (folder / top).mkdir(parents=True, exist_ok=True)
+        (folder / top / "__init__.py").write_text(STUB.format(name=top))
     return folder
+
+
+@functools.cache
+def host_flags(comfy_dir: Path, python: str) -> frozenset[str]:
+    """The command-line flags this ComfyUI has (its main.py --help): releases add and drop some, and an unknown flag
+    makes main.py exit."""
+    run = subprocess.run([python, "main.py", "--help"], cwd=comfy_dir, capture_output=True, text=True, check=False,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=""))
+    if run.returncode != 0:
+        raise RuntimeError(f"{comfy_dir}/main.py --help exited with {run.returncode}:\n{run.stderr[-3000:]}")
+    return frozenset(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", run.stdout))
 
 
 def post_raw(comfy, path: str, body) -> tuple[int, dict]:
@@ -100,8 +152,9 @@ def rss_mib(pid: int) -> float:
 
 
 class ComfyServer:
-    def __init__(self, comfy_dir: Path, python: str, base_dir: Path, stubs: Path):
+    def __init__(self, comfy_dir: Path, python: str, base_dir: Path, stubs: Path, flags: frozenset[str] | None = None):
         self.comfy_dir, self.python, self.base_dir, self.stubs = Path(comfy_dir), python, Path(base_dir), stubs
+        self.flags = flags if flags is not None else host_flags(self.comfy_dir, python)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = self.base_dir / "server.log"
@@ -109,8 +162,16 @@ class ComfyServer:
 
     def command(self) -> list[str]:
         paths = self.base_dir / "extra_model_paths.yaml"          # base_dir.EXTRA_PATHS, where build_base wrote it
+        # assets: scanned at start unless turned off before v0.33's opt-in (--enable-assets), where the flag is gone
+        optional = [flag for flag in ("--disable-assets-autoscan",) if flag in self.flags]
+        frontend = os.environ.get(FRONT_END_VARIABLE, "")    # another frontend than the host's own (its static folder)
+        if frontend:
+            if not (Path(frontend) / "index.html").is_file():
+                raise RuntimeError(f"{FRONT_END_VARIABLE}={frontend} holds no index.html: give the static folder of "
+                                   f"an unpacked comfyui-frontend-package (comfyui_frontend_package/static)")
+            optional += ["--front-end-root", frontend]
         return [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
-                "--disable-auto-launch", "--disable-api-nodes", "--disable-assets-autoscan",
+                "--disable-auto-launch", "--disable-api-nodes", *optional,
                 "--base-directory", str(self.base_dir),
                 "--database-url", f"sqlite:///{self.base_dir / 'user' / 'comfyui.db'}",
                 *(["--extra-model-paths-config", str(paths)] if paths.exists() else [])]

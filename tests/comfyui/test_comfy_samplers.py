@@ -27,7 +27,7 @@ def sampler_graph(comfy, *, engine: bool, prompt: str = "a red fox in the snow",
     """One graph: ComfyUI's sampling nodes on the native model (engine=False) or on ours (engine=True).
 
     ksampler: KSampler (its scheduler, default "simple") instead of SamplerCustomAdvanced (with ComfyUI's
-    BasicScheduler when ``scheduler`` is given, else our FLUX.2 Klein Scheduler's sigmas)."""
+    BasicScheduler when ``scheduler`` is given, else our Klein Scheduler's sigmas)."""
     files = comfy.files
     model_file = model_file or files["transformer_base" if base else "transformer"]
     graph = graphs.common(files, prompt, seed, SIZE["width"], SIZE["height"], steps, negative,
@@ -220,7 +220,7 @@ def test_our_lora_node_before_the_model_output_equals_comfyuis_lora_on_the_nativ
 
 def test_comfyuis_lora_loader_on_our_model_is_refused_with_the_fix(comfy):
     graph = sampler_graph(comfy, engine=True, seed=10, comfy_loras=[(comfy.files["lora"], 0.8)])
-    with pytest.raises(Flux2Error, match="put the LoRA on with FLUX.2 Klein LoRA before FLUX.2 Klein to MODEL"):
+    with pytest.raises(Flux2Error, match="put the LoRA on with Klein LoRA before FLUX.2 Klein to MODEL"):
         comfy.client.run(graph)
     # nothing was left behind: the same model without the LoRA loader still equals the native model
     compare(comfy, "after the refusal", seed=10)

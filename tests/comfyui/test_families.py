@@ -47,4 +47,4 @@ def test_a_second_family_runs_through_our_nodes_as_the_engine_runs_it(comfy, tmp
     assert all(diff <= 1e-6 * report["edit_max"] for diff in report["edit_max_diffs"])
     assert report["edit_changed"] > 1e-3 * report["edit_max"]
     assert report["reference_passes"] == [[1, 24, 128]]
-    assert "ComfyUI has no model of Toy" in report["to_model"] and "FLUX.2 Klein Denoise" in report["to_model"]
+    assert "ComfyUI has no model of Toy" in report["to_model"] and "Klein Denoise" in report["to_model"]

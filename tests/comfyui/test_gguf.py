@@ -163,7 +163,7 @@ def test_comfyui_loads_and_streams_gguf_layers_like_its_own(comfy):
 
 
 def test_lora_on_a_gguf_model_equals_the_engine(comfy):
-    """The FLUX.2 Klein LoRA node on a GGUF transformer (LoRA branches beside the blocks, flux2_core.adapters.patching) gives
+    """The Klein LoRA node on a GGUF transformer (LoRA branches beside the blocks, flux2_core.adapters.patching) gives
     what flux2_core gives with the same file and LoRA; the GGUF model without it comes back bit for bit."""
     from tests.comfyui.test_lora import CASE as LORA_CASE
     from tests.comfyui.test_lora import direct, latent, relative

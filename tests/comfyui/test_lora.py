@@ -1,4 +1,4 @@
-"""FLUX.2 Klein LoRA in the real server: our node chain against flux2_core with the same LoRA applied, against
+"""Klein LoRA in the real server: our node chain against flux2_core with the same LoRA applied, against
 ComfyUI's own LoraLoaderModelOnly on ComfyUI's native FLUX.2 model, strength 0, and the weights restored for a run
 without it. The LoRA is an ai-toolkit file (diffusion_model. + lora_A/lora_B), which both read."""
 

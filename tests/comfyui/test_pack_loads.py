@@ -6,7 +6,7 @@ from pathlib import Path
 from tests.comfyui.host import PACK_FOLDER
 
 ROOT = Path(__file__).resolve().parents[2]
-CATEGORY = "FLUX.2 Klein"
+CATEGORY = "Klein (FLUX.2, FLUX 3)"
 
 
 def declared_node_ids() -> set[str]:

@@ -1,4 +1,4 @@
-"""FLUX.2 Klein Parallel in the real server (--cpu): the model's denoising spread over 2 ranks (this server process
+"""Klein Parallel in the real server (--cpu): the model's denoising spread over 2 ranks (this server process
 and one follower process on gloo) equals the single-process Denoise node's, for text-to-image and for a 9B-KV edit
 with three references; the follower stops when ComfyUI unloads the models ("Unload models"), freeing its memory."""
 
@@ -34,7 +34,7 @@ def latent(comfy, graph) -> tuple[torch.Tensor, dict]:
 
 
 def on_two_ranks(graph: dict) -> dict:
-    """The graph with FLUX.2 Klein Parallel (2 ranks) between the model loader and the denoiser."""
+    """The graph with Klein Parallel (2 ranks) between the model loader and the denoiser."""
     graph["45"] = {"class_type": "Flux2KleinParallel", "inputs": {"model": ["1", 0], "gpus": 2}}
     graph["8"]["inputs"]["model"] = ["45", 0]
     return graph

@@ -1,5 +1,5 @@
 """The pack's token route in a real ComfyUI: announced by a server feature flag, and its count is exactly what
-flux2_core counts and what FLUX.2 Klein Prompt Encode reports in the same server, template included."""
+flux2_core counts and what Klein Prompt Encode reports in the same server, template included."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-// FLUX.2 Klein frontend extension: live prompt token count, width/height snapped to 16, one colour family.
+// Klein frontend extension (FLUX.2 Klein and FLUX 3 Image Klein nodes): live prompt token count, width/height snapped to 16, one colour family.
 // Served at /extensions/<pack folder>/js/flux2_klein.js, hence the three "../" to reach ComfyUI's scripts.
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
@@ -42,7 +42,9 @@ function encoderFile(node) {
     const widget = current.widgets?.find((w) => w.name === ENCODER_WIDGET);
     if (widget) return String(widget.value ?? "");
     const input = current.inputs?.find((i) => i.name === ENCODER_INPUT);
-    const graph = current.graph ?? app.graph;
+    // the node's own graph (a subgraph's inside one); never app.graph, which newer frontends refuse to hand out
+    // before the app is set up, and a node not yet in a graph has no links anyway
+    const graph = current.graph;
     const link = input?.link == null ? null : graph?.getLink?.(input.link) ?? graph?.links?.[input.link];
     current = link ? graph.getNodeById(link.origin_id) : null;
   }
