@@ -121,8 +121,17 @@ def test_compact_workflow_shows_the_widgets_people_change(page, name):
     promoted = next(n for n in ui["nodes"] if n["type"] == definition["id"])["properties"]["proxyWidgets"]
     assert {"prompt", "seed", "steps"} <= {widget for _, widget in promoted}
     value = {(i, w): v for i, n in inner.items() for w, v in zip(WIDGETS.get(n["type"], ()), n["widgets_values"])}
-    # the subgraph node, as the frontend draws it, shows each promoted widget with the inner node's value
-    assert page["layouts"][name]["promoted"] == [[[f"{i}: {w}", value[(i, w)]] for i, w in promoted]]
+    # the subgraph node, as the frontend draws it, shows each promoted widget with the inner node's value, named as
+    # that frontend names them: "<inner node>: <widget>" (up to 1.37), or the widget's name with "_1", "_2", ... for
+    # a name promoted again (1.49 on)
+    seen: dict[str, int] = {}
+    later = []
+    for _, w in promoted:
+        later.append(w if w not in seen else f"{w}_{seen[w]}")
+        seen[w] = seen.get(w, 0) + 1
+    namings = ([f"{i}: {w}" for i, w in promoted], later)
+    assert page["layouts"][name]["promoted"] in [[[[n, value[tuple(key)]] for n, key in zip(names, promoted)]]
+                                                 for names in namings]
 
 
 def changed(a: Path, b: Path) -> float:
