@@ -85,7 +85,9 @@ def model_dtype(device: torch.device | str, supported: Sequence[torch.dtype],
     its family runs in (``Family.dtypes``); the host's choice where it makes one among them (ComfyUI's, which honours
     its --bf16-unet, --fp16-unet and --force-fp32), else what the device computes fast (``compute_dtype``, float16 only
     where the family runs in it), else float32."""
-    if host is not None and host in supported:
+    blocked = (cpu_bf16_attention_fails() if host == torch.bfloat16 and torch.device(device).type == "cpu"
+               else "")
+    if host is not None and host in supported and not blocked:
         return ComputeDtype(host, "the host's choice")
     pick = compute_dtype(device)
     if pick.dtype in supported:
@@ -93,6 +95,25 @@ def model_dtype(device: torch.device | str, supported: Sequence[torch.dtype],
     second = compute_dtype(device, fp16=False)
     return ComputeDtype(second.dtype if second.dtype in supported else torch.float32,
                         f"{pick.why}, but this model does not run in {pick.name}")
+
+
+# the names users write for a compute dtype, as the command line, the engine's loaders and the nodes take them
+DTYPE_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+               "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def dtype_named(value: torch.dtype | str | None) -> torch.dtype | None:
+    """A compute dtype as given (a torch dtype, or a name in ``DTYPE_NAMES`` in any case) -> the torch dtype; None or
+    "auto": None (the device's own choice). Anything else is refused with the names."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if isinstance(value, torch.dtype) and value in COMPUTE_DTYPES:
+        return value
+    if isinstance(value, str) and value.strip().lower() in DTYPE_NAMES:
+        return DTYPE_NAMES[value.strip().lower()]
+    raise Flux2Error(f"dtype {value!r} is not a compute dtype: use auto, bfloat16 (bf16), float16 (fp16) or float32 "
+                     f"(fp32), as a name or a torch dtype")
 
 
 def check_model_dtype(dtype: torch.dtype, supported: Sequence[torch.dtype], model: str) -> torch.dtype:
@@ -157,8 +178,10 @@ def check_cpu_dtype(dtype: torch.dtype) -> torch.dtype:
     before anything is loaded, rather than failing in the first attention."""
     blocked = cpu_bf16_attention_fails() if dtype == torch.bfloat16 else ""
     if blocked:
-        raise Flux2Error(f"bfloat16 cannot run on this CPU: {blocked}. Unset ATEN_CPU_CAPABILITY (or set it to "
-                         f"avx512), or compute in float32 (--dtype float32, or auto)")
+        fix = ("unset ATEN_CPU_CAPABILITY (or set it to avx512), or compute" if os.environ.get("ATEN_CPU_CAPABILITY")
+               else "use a torch build with AVX-512 kernels, or compute")
+        raise Flux2Error(f"bfloat16 cannot run on this CPU: {blocked}. {fix[0].upper()}{fix[1:]} in float32 "
+                         f"(--dtype float32, or auto)")
     return dtype
 
 

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from .devices import compute_dtype
+from .devices import check_cpu_dtype, compute_dtype, dtype_named
 from .errors import Flux2Error
 from .families import family_of, family_of_params
 from .models.autoencoder import AutoEncoder
@@ -80,6 +80,10 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     """
     from . import weights
 
+    dtype = dtype_named(dtype)                  # "fp16", "bf16", ... mean the torch dtype; anything else is refused
+    computes_on, _ = weights.default_device_dtype(device, torch.float32)
+    if dtype is not None and computes_on.type == "cpu":
+        check_cpu_dtype(dtype)                  # refused before anything loads, not in the first attention
     cpu, stream, asked = torch.device("cpu"), False, dtype
     if offload_blocks is not False:            # decided from the headers: streamed weights are read to the CPU only
         device, _ = weights.default_device_dtype(device, torch.float32)

@@ -39,7 +39,7 @@ from torch import nn
 from ..flux2_core import checks
 from ..flux2_core.adapters import patching
 from ..flux2_core.adapters.lora import AdapterUse
-from ..flux2_core.devices import model_dtype
+from ..flux2_core.devices import check_cpu_dtype, cpu_bf16_attention_fails, model_dtype
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.models.reference_kv import ReferenceKV
 from ..flux2_core.models.run_state import run_state
@@ -170,13 +170,14 @@ def pick_dtype(choice: str, kind: str, device: torch.device, weight_dtype: torch
     (--fp32-vae / --bf16-vae); the text encoder bfloat16 where the device runs it well, else float32. A 16-bit file's
     weights stay 16-bit under a wider compute dtype either way (the engine's rule)."""
     if choice != "auto":
-        return DTYPES[choice]
-    if kind == "ae":
-        return mm.vae_dtype(device, [torch.bfloat16, torch.float32])
+        return check_cpu_dtype(DTYPES[choice]) if device.type == "cpu" else DTYPES[choice]
     if kind == "transformer":
         stored = mm.unet_dtype(model_params=parameters, supported_dtypes=list(supported), weight_dtype=weight_dtype)
         return model_dtype(device, supported, mm.unet_manual_cast(stored, device, list(supported)) or stored).dtype
-    return torch.bfloat16 if mm.should_use_bf16(device) else torch.float32
+    host = (mm.vae_dtype(device, [torch.bfloat16, torch.float32]) if kind == "ae" else
+            torch.bfloat16 if mm.should_use_bf16(device) else torch.float32)
+    # ComfyUI's bf16 (--bf16-vae, a CPU it thinks runs bf16) is not taken where torch's bf16 attention cannot run
+    return torch.float32 if host == torch.bfloat16 and device.type == "cpu" and cpu_bf16_attention_fails() else host
 
 
 def dtype_name(dtype: torch.dtype) -> str:

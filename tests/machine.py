@@ -57,9 +57,18 @@ class Machine:
         """The same CPU running torch's ``aten`` build of its own kernels (ATEN_CPU_CAPABILITY)."""
         return replace(self, name=f"{self.name} on {aten} kernels", aten=aten)
 
+    def rules_see(self) -> tuple:
+        """What the CPU rules weigh of this machine: its instructions, how far oneDNN is held (below bf16, below
+        VNNI, or not) and, on an AMX CPU, whether torch runs its AVX-512 kernels."""
+        from flux2_core.devices import ONEDNN_WITHOUT_BF16, ONEDNN_WITHOUT_VNNI
+
+        isa = self.onednn_isa.strip().upper()
+        return (self.amx, self.avx512_bf16, self.vnni or self.amx, isa in ONEDNN_WITHOUT_BF16,
+                isa in ONEDNN_WITHOUT_VNNI, self.amx and self.aten != "AVX512")
+
     def same_cpu(self, other: Machine) -> bool:
-        """Whether the probes answer alike for the two (names and free memory aside)."""
-        return (self.flags, self.onednn_isa.strip().upper()) == (other.flags, other.onednn_isa.strip().upper())
+        """Whether the rules decide alike for the two (names, free memory and what no rule weighs aside)."""
+        return self.rules_see() == other.rules_see()
 
     def __str__(self) -> str:
         flags = [flag for flag, on in (("AMX", self.amx), ("AVX-512 BF16", self.avx512_bf16),
@@ -71,14 +80,14 @@ class Machine:
 # The CPU kinds the project has met, and the held states users make of them. Each decides differently in one rule at
 # least: the compute dtype (bf16 or float32), int8 matmul (fast, slow or with wrong sums) and why.
 AVX2 = Machine("avx2", aten="AVX2")                                           # AMD Zen 2 / 3, most laptops
-SKYLAKE = Machine("avx512", vnni=True)                                        # AVX-512 with VNNI, no BF16 (Ice Lake)
+ICE_LAKE = Machine("avx512", vnni=True)                                       # AVX-512 with VNNI, no BF16 (Ice Lake)
 ZEN4 = Machine("avx512-bf16", avx512_bf16=True, vnni=True)                    # AMD Zen 4 / 5
 SAPPHIRE_RAPIDS = Machine("amx", amx=True, avx512_bf16=True, vnni=True)       # Intel Xeon from Sapphire Rapids
 # a VNNI CPU whose oneDNN is held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2): float32, and int8 sums that overflow 16 bits
 VNNI_HELD_AVX2 = replace(SAPPHIRE_RAPIDS.held_to("AVX2"), name="avx2-vnni")
 # an AMX CPU on torch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2): bf16 attention cannot run there, so float32
 AMX_ON_AVX2 = replace(SAPPHIRE_RAPIDS.kernels("AVX2"), name="amx-avx2-kernels")
-KINDS = {m.name: m for m in (AVX2, SKYLAKE, ZEN4, SAPPHIRE_RAPIDS, VNNI_HELD_AVX2, AMX_ON_AVX2)}
+KINDS = {m.name: m for m in (AVX2, ICE_LAKE, ZEN4, SAPPHIRE_RAPIDS, VNNI_HELD_AVX2, AMX_ON_AVX2)}
 
 
 def onednn_isa_set() -> str:
@@ -92,7 +101,7 @@ def this_box() -> Machine:
     """The real CPU, torch's kernel build on it and the variables set for this process."""
     amx, bf16, vnni = (torch.cpu._is_amx_tile_supported(), torch.cpu._is_avx512_bf16_supported(),
                        torch.cpu._is_vnni_supported())
-    base = SAPPHIRE_RAPIDS if amx else ZEN4 if bf16 else SKYLAKE if vnni else AVX2
+    base = SAPPHIRE_RAPIDS if amx else ZEN4 if bf16 else ICE_LAKE if vnni else AVX2
     box = replace(base, name=f"this box ({base.name})", aten=torch.backends.cpu.get_cpu_capability())
     isa = onednn_isa_set()
     return box.held_to(isa) if isa else box
@@ -115,10 +124,14 @@ def computes_bf16(machine: Machine) -> bool:
         and not (machine.amx and machine.aten != "AVX512"))
 
 
-def other_kinds(machine: Machine) -> list[Machine]:
+def other_kinds(machine: Machine, box: Machine | None = None) -> list[Machine]:
     """The kinds a run on ``machine`` is not: scripts/test's second pass runs the tests that read the machine once as
-    each (``FLUX2_TEST_CPU``)."""
-    return [kind for kind in KINDS.values() if not kind.same_cpu(machine)]
+    each (``FLUX2_TEST_CPU``). On a box whose torch cannot run bf16 attention (an AMX CPU on AVX2 kernels) the kinds
+    that compute in bf16 are left out: their runs would fail in torch itself, whatever the tests assume."""
+    box = box or this_box()
+    real_bf16_attention = not (box.amx and box.aten != "AVX512")
+    return [kind for kind in KINDS.values()
+            if not kind.same_cpu(machine) and (real_bf16_attention or not computes_bf16(kind))]
 
 
 class Pinned:
@@ -170,7 +183,10 @@ class Pinned:
         self.current = replace(self.current, free_memory=nbytes)
 
     def _set_variables(self):
-        for variable in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        """The variables the rules read (for their messages too) as the machine has them."""
+        for variable in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
             self.patch.delenv(variable, raising=False)
         if self.current.onednn_isa:
             self.patch.setenv("ONEDNN_MAX_CPU_ISA", self.current.onednn_isa)
+        if self.current.aten != "AVX512" and self.current.amx:
+            self.patch.setenv("ATEN_CPU_CAPABILITY", self.current.aten.lower())

@@ -399,7 +399,7 @@ def test_demo_with_int8_weights(tmp_path, monkeypatch, capsys, machine):
     from tests import machine as machines
 
     monkeypatch.chdir(tmp_path)
-    machine.set(machines.SKYLAKE)                                      # AVX-512 VNNI, no bf16: float32 and int8
+    machine.set(machines.ICE_LAKE)                                      # AVX-512 VNNI, no bf16: float32 and int8
     argv = ["--demo", "--prompt", "a red fox", "--seed", "3", "--width", "64", "--height", "64", "--steps", "2"]
     assert cli.main([*argv, "--int8", "--out", "int8"]) == 0, capsys.readouterr().err
     assert cli.main([*argv, "--out", "full"]) == 0

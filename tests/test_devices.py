@@ -53,7 +53,7 @@ def test_gpus_compute_in_what_they_run_fast(monkeypatch, name, capability, fp16,
     (machines.ZEN4, {}, torch.bfloat16),                                     # Zen 4 / 5, Cooper Lake
     (machines.ZEN4, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, torch.bfloat16),   # a cap above its instructions
     (machines.ZEN4, {"ONEDNN_MAX_CPU_ISA": "avx512_core_bf16"}, torch.bfloat16),  # oneDNN reads it in any case
-    (machines.SKYLAKE, {}, torch.float32),                                   # AVX-512 without BF16
+    (machines.ICE_LAKE, {}, torch.float32),                                   # AVX-512 without BF16
     (machines.AVX2, {}, torch.float32),                                      # Zen 2 / 3, most laptops
     (machines.SAPPHIRE_RAPIDS, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, torch.float32),    # oneDNN held below its bf16
     (machines.ZEN4, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}, torch.float32),
@@ -122,6 +122,20 @@ def test_torchs_kernel_build_decides_only_where_bf16_attention_needs_it(machine)
     assert devices.check_cpu_dtype(torch.float32) == torch.float32
     with pytest.raises(Flux2Error, match=r"bfloat16 cannot run on this CPU: .*Unset ATEN_CPU_CAPABILITY"):
         devices.check_cpu_dtype(torch.bfloat16)
+
+
+def test_loading_onto_the_cpu_in_bf16_stays_allowed_where_the_cpu_does_not_compute(machine):
+    """The check is where the CPU computes, not where weights wait: a GPU run loads its text encoder (and streamed
+    blocks, and ComfyUI's offloaded models) onto the CPU in the GPU's bf16. ComfyUI's own bf16 choice for a CPU run
+    (--bf16-unet) is not taken there: float32, said why."""
+    from flux2_core.families import FAMILIES
+
+    machine.set(machines.SAPPHIRE_RAPIDS.kernels("AVX2"))
+    assert weights.default_device_dtype("cpu", torch.bfloat16) == (torch.device("cpu"), torch.bfloat16)
+    chosen = devices.model_dtype("cpu", FAMILIES["flux2"].dtypes, host=torch.bfloat16)
+    assert chosen.dtype == torch.float32 and "AVX-512 kernels" in chosen.why
+    machine.set(machines.ZEN4)
+    assert devices.model_dtype("cpu", FAMILIES["flux2"].dtypes, host=torch.bfloat16).dtype == torch.bfloat16
 
 
 @pytest.mark.real_machine

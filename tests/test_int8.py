@@ -144,7 +144,7 @@ def test_auto_turns_int8_matmul_on_where_it_is_faster(machine):
     on, note = use_int8_matmul(model, "auto", CPU, torch.float32)
     assert on is False and "no 8-bit dot-product instructions" in note
     assert use_int8_matmul(model, True, CPU, torch.float32)[0]                  # asked for: it runs all the same
-    machine.set(machines.SKYLAKE)                                              # AVX-512 VNNI
+    machine.set(machines.ICE_LAKE)                                              # AVX-512 VNNI
     model = tiny_model()
     quantize_blocks(model, quantizable)
     narrow = census(model)["int8"]                                               # all narrower than 1024
@@ -171,7 +171,7 @@ def test_int8_matmul_stays_off_where_onednn_would_sum_in_16_bits(machine, monkey
     """A CPU with VNNI gives torch's int8 matmul to oneDNN; held below VNNI oneDNN sums 8-bit pair products in 16
     bits (wrong sums), so int8 matmul stays off there, asked for or not, and says which variable to change. Without
     VNNI torch sums in its own exact loop: asked for, it runs."""
-    machine.set(machines.SKYLAKE)
+    machine.set(machines.ICE_LAKE)
     monkeypatch.setenv(variable, isa)
     model = tiny_model()
     quantize_blocks(model, quantizable)

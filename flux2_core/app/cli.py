@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import Flux2Error
 from ..families import FAMILIES, VARIANTS, runnable_variants
 from .models_folder import find_weights, search_models, variant_option
-from .option_types import number_option
+from .option_types import dtype_option, number_option
 from .outputs import check_folder, write_new
 
 DEMO_SIZE = 256
@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"weights; in a --models folder holding several models, the first of these found, and the "
                         f"run names the others)")
     p.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
-                   help="transformer and text-encoder compute dtype (default: what the device runs fast: bfloat16 on "
+    p.add_argument("--dtype", type=dtype_option, metavar="{auto,bfloat16,float16,float32}",
+                   help="transformer and text-encoder compute dtype (bf16, fp16 and fp32 name them too; default, auto: "
+                        "what the device runs fast: bfloat16 on "
                         "NVIDIA GPUs from Ampere on and on CPUs with AMX or AVX-512 BF16; float16 for the transformer "
                         "on Volta / Turing GPUs such as the T4 and RTX 20xx; else float32). A bf16 or fp16 file's "
                         "weights stay 16-bit where the compute dtype is wider, cast per layer as it runs"),

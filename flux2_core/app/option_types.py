@@ -21,3 +21,18 @@ def number_option(name: str, low: float | None = None, high: float | None = None
 
     parse.__name__ = "whole number" if whole else "number"       # argparse's name for the type in its messages
     return parse
+
+
+def dtype_option(text: str) -> str | None:
+    """``type=`` for --dtype: a name ``devices.dtype_named`` knows ("bf16", "FP16", "float32", "auto", ...) -> the
+    torch dtype's name ("bfloat16", "float16", "float32"), or None for auto."""
+    from ..devices import dtype_named
+
+    try:
+        dtype = dtype_named(text)
+    except Flux2Error as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+dtype_option.__name__ = "dtype"

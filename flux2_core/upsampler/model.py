@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..devices import compute_dtype
+from ..devices import check_cpu_dtype, compute_dtype, dtype_named
 from ..errors import Flux2Error
 from ..sampling.boxes import check_rows, read_boxes, rows, rows_read
 from ..sampling.references import ReferenceCount
@@ -155,7 +155,10 @@ class PromptUpsampler:
         self.folder = find_upsampler(folder)
         self.system_prompts = read_system_prompts(self.folder)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = dtype or compute_dtype(self.device, fp16=False).dtype
+        asked = dtype_named(dtype)
+        if asked is not None and self.device.type == "cpu":
+            check_cpu_dtype(asked)
+        self.dtype = asked or compute_dtype(self.device, fp16=False).dtype
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
             self.model = AutoModelForImageTextToText.from_pretrained(self.folder, dtype=self.dtype,

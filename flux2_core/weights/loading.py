@@ -24,9 +24,9 @@ from .. import families
 from ..devices import (
     SIXTEEN_BIT,
     ComputeDtype,
-    check_cpu_dtype,
-    check_model_dtype,
+        check_model_dtype,
     compute_dtype,
+    dtype_named,
     kept_dtype,
     model_dtype,
 )
@@ -407,8 +407,7 @@ def config_value(source: Source, key: str, kind, default, within: dict | None = 
 
 def default_device_dtype(device, dtype, fp16: bool = True) -> tuple[torch.device, torch.dtype]:
     """cuda if available, else cpu; the dtype the device computes fast (``devices.compute_dtype``; ``fp16``: the model
-    is safe in float16). A device this torch cannot use, or a dtype asked for that cannot run on it
-    (``devices.check_cpu_dtype``), is a Flux2Error here, before anything is loaded for it.
+    is safe in float16). A device this torch cannot use is a Flux2Error here, before anything is loaded for it.
     """
     try:
         device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
@@ -426,9 +425,7 @@ def default_device_dtype(device, dtype, fp16: bool = True) -> tuple[torch.device
             device = torch.device("cuda", torch.cuda.current_device())
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise Flux2Error(f"device {device} asked for, but this torch has no Apple GPU (MPS) available: use cpu")
-    if dtype is not None and device.type == "cpu":
-        check_cpu_dtype(dtype)
-    return device, dtype or compute_dtype(device, fp16).dtype
+    return device, dtype_named(dtype) or compute_dtype(device, fp16).dtype
 
 
 def build_on_meta(make: Callable[[], nn.Module]) -> nn.Module:
@@ -529,7 +526,8 @@ def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = 
         raise Flux2Error(f"fp8 must be None (as the file stores it), True or False, got {fp8!r}")
     if int8 not in (True, False, "convrot"):
         raise Flux2Error(f"int8 must be True, 'convrot' or False, got {int8!r}")
-    device, _ = default_device_dtype(device, dtype or torch.float32)      # an asked-for dtype checked there too
+    dtype = dtype_named(dtype)
+    device, _ = default_device_dtype(device, torch.float32)
     dtype = dtype or transformer_dtype(path, device).dtype
     source, model, chosen = _transformer_on_meta(path, params, variant, fp8, int8, dtype)
     return assign(model, read_state_dict(source, model, device, dtype)), chosen
