@@ -71,6 +71,21 @@ def test_stored_weights_equal_comfy_kitchens_dequantize(files, kind):
         assert torch.equal(ours.float_weight(), theirs[:out, :inputs]), layer
 
 
+@pytest.mark.parametrize("kind", [k for k in KITCHEN_LAYOUTS if k != "mxfp8"])    # E8M0 exponents hold no zero
+def test_a_zero_scale_loads_as_comfy_kitchen_dequantizes_it(float_sd, tmp_path, kind):
+    """A layer whose every scale is 0 (an all-zero layer, as a quantizer writes it; ComfyUI loads it): ours holds what
+    comfy-kitchen's dequantize makes of it, zeros, and computes zeros (before: refused as damaged)."""
+    layer = (W4A4_LAYERS if kind == "convrot_w4a4" else LAYERS)[0]
+    sd = comfy_quant(float_sd, [layer], kind, ROTATION.get(kind, 0))
+    for name in [k for k in sd if k.startswith(layer + ".weight_scale")]:
+        sd[name] = torch.zeros_like(sd[name])
+    model, _ = weights.load_transformer(save_prefixed(sd, tmp_path / "zero.safetensors", PREFIX), "cpu", torch.float32)
+    ours = model.get_submodule(layer)
+    theirs = kitchen_weight(sd, layer, kind).dequantize().float()[: ours.out_features, : ours.in_features]
+    assert torch.equal(ours.float_weight(), theirs) and not theirs.any()
+    assert not ours(torch.randn(2, ours.in_features)).any()
+
+
 @pytest.mark.parametrize("kind", list(KITCHEN_LAYOUTS))
 def test_a_layer_computes_what_comfy_kitchen_computes(files, kind):
     """Float path: x @ the dequantized weight (comfy-kitchen's, falling back as ComfyUI does off Blackwell). Kernel
@@ -357,8 +372,8 @@ def layer_tensors(sd: dict, layer: str) -> list[str]:
 def test_a_quantized_layers_tensors_of_a_wrong_dtype_or_damaged_scales_are_refused(float_sd, tmp_path_factory, data):
     """A drawn format and layer: a tensor saved as a wrong dtype of the same item size (its bytes unchanged), or a
     scale with a value no quantizer writes at a drawn position, is a Flux2Error naming the layer, the format and the
-    tensor; the file as written, a float32 scale stored in bf16 (widened exactly) and a zero block scale (what the
-    quantizers write for an all-zero block: nvfp4's per 16 values, the 2-D block formats') load."""
+    tensor; the file as written, a float32 scale stored in bf16 (widened exactly) and a zero scale (what the
+    quantizers write for an all-zero layer, row or block; every dequantize gives zeros there) load, finite."""
     kind, layer = data.draw(st.sampled_from(QUANTIZED_KINDS)), data.draw(st.sampled_from(W4A4_LAYERS))
     sd = quantized_file(float_sd, kind, layer)
     fmt = FORMAT_NAME.get(kind, kind)
@@ -370,8 +385,8 @@ def test_a_quantized_layers_tensors_of_a_wrong_dtype_or_damaged_scales_are_refus
     kept = {"as written": written}
     if is_scale:
         refused |= scale_values(written, index)
-        if fmt.endswith("_blockwise") or (fmt.startswith("nvfp4") and tensor == "weight_scale"):
-            kept["a zero block scale"] = refused.pop("zero")
+        if "zero" in refused:           # what a quantizer writes for an all-zero layer, row or block: dequantized to 0
+            kept["a zero scale"] = refused.pop("zero")
         if written.dtype == torch.float32:
             kept["in bf16"] = written.to(torch.bfloat16)
     case = data.draw(st.sampled_from(sorted(refused) + sorted(kept)))
@@ -380,6 +395,7 @@ def test_a_quantized_layers_tensors_of_a_wrong_dtype_or_damaged_scales_are_refus
     if case in kept:
         model, _ = weights.load_transformer(path, device="cpu", dtype=torch.float32)
         assert model.get_submodule(layer).kind not in FLOAT_KINDS, case
+        assert torch.isfinite(model.get_submodule(layer).float_weight()).all(), case
         return
     with pytest.raises(Flux2Error) as error:
         weights.load_transformer(path, device="cpu", dtype=torch.float32)

@@ -18,7 +18,6 @@ from .linear import item_by_item, linear
 from .protocol import StoredLinear
 from .rotation import rotate_weight
 from .stored_format import (
-    BLOCK_SCALE,
     FP8_E4M3,
     INT8,
     SCALE,
@@ -262,7 +261,7 @@ def int4_note(on: bool) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 # packed E2M1 pairs, e4m3 scales per 16 values (zero for an all-zero block and for the tiles' padding), a global scale
-NVFP4_TENSORS = {"weight": StoredTensor(("U8",)), "weight_scale": StoredTensor(FP8_E4M3, ScaleRule(zero=True)),
+NVFP4_TENSORS = {"weight": StoredTensor(("U8",)), "weight_scale": StoredTensor(FP8_E4M3, ScaleRule()),
                  "weight_scale_2": SCALE}
 # ComfyUI's (tiled scales, the first value in the high nibble)
 NVFP4_FORMAT = StoredFormat(
@@ -289,7 +288,7 @@ def _blocks_format(title: str, name: str, weight: StoredTensor, dtype: torch.dty
         file.matrix()
         return LayerFormat(fmt, file.name, block=file.whole("group_size", block))
 
-    return StoredFormat(title, (name,), BlockScaledLinear, {"weight": weight, "weight_scale": BLOCK_SCALE}, dtype,
+    return StoredFormat(title, (name,), BlockScaledLinear, {"weight": weight, "weight_scale": SCALE}, dtype,
                         read, lambda f, i, o, per_item, device: BlockScaledLinear(
                             i, o, f.block, f.format.weight_dtype, per_item, device))
 

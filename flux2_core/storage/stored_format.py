@@ -25,8 +25,10 @@ E8M0_NAN = 255          # the one E8M0 code that is no power of two
 
 @dataclass(frozen=True)
 class ScaleRule:
-    """The values a quantizer writes in a scale: finite and positive (each clamps its amax above zero)."""
-    zero: bool = False          # a block's scale: 0 where the block was all zero (or is padding)
+    """The values a quantizer writes in a scale. A scale that multiplies (values = codes x scale) may be zero: what a
+    quantizer writes for an all-zero layer, row or block, and what every dequantize (comfy-kitchen's, ComfyUI's) turns
+    into zeros. One that divides (SVDQuant's smoothing) must be positive. Negative, NaN and infinite ones are damage."""
+    divides: bool = False       # the activations are divided by it: zero would make them infinite
     exponents: bool = False     # E8M0 codes, 2^(code - 127): every code is a power of two but E8M0_NAN
 
     def count_bad(self, scale: Tensor) -> int:
@@ -34,11 +36,11 @@ class ScaleRule:
         if self.exponents:
             return int((scale.view(torch.uint8) == E8M0_NAN).sum())
         values = scale.float()
-        low = values < 0 if self.zero else values <= 0
+        low = values <= 0 if self.divides else values < 0
         return int((low | ~torch.isfinite(values)).sum())
 
     def bad(self) -> str:
-        return "NaN (E8M0 code 255)" if self.exponents else f"negative{'' if self.zero else ', zero'}, NaN or infinite"
+        return "NaN (E8M0 code 255)" if self.exponents else f"negative{', zero' if self.divides else ''}, NaN or infinite"
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,6 @@ INT8 = StoredTensor(("I8",))
 # a float32 scale may be stored in 16 bits (widened exactly as it is read)
 FLOAT_SCALES = ("F32", "BF16", "F16")
 SCALE = StoredTensor(FLOAT_SCALES, ScaleRule())
-BLOCK_SCALE = StoredTensor(FLOAT_SCALES, ScaleRule(zero=True))
 # the torch dtype of each safetensors code a format keeps a tensor in as the file has it (``LayerFormat.held``)
 HELD_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
 

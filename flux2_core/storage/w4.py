@@ -320,7 +320,7 @@ def _read_awq(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
 # ComfyUI names it asym_w4a8_int8; w4a8_int8 is comfy-kitchen's operation's name, which some files give
 W4A8_FORMAT = StoredFormat(
     "W4A8", ("asym_w4a8_int8", "w4a8_int8"), W4A8Linear,
-    {"weight": INT8, "weight_s_rel": StoredTensor(("F8_E4M3", "F32"), ScaleRule(zero=True)),
+    {"weight": INT8, "weight_s_rel": StoredTensor(("F8_E4M3", "F32"), ScaleRule()),
      "weight_s_channel": StoredTensor(("F32",), ScaleRule()), "weight_codebook": StoredTensor(("F32",)),
      "weight_correction": StoredTensor(FLOAT_SCALES)},
     torch.int8, _read_w4a8,
@@ -329,15 +329,15 @@ W4A8_FORMAT = StoredFormat(
 
 SVDQUANT_FORMAT = StoredFormat(
     "SVDQuant", ("svdquant_w4a4",), SvdQuantLinear,
-    {"weight": INT8, "weight_scale": StoredTensor(FLOAT_SCALES, ScaleRule(zero=True)),
+    {"weight": INT8, "weight_scale": StoredTensor(FLOAT_SCALES, ScaleRule()),
      "weight_proj_down": StoredTensor(FLOAT_SCALES), "weight_proj_up": StoredTensor(FLOAT_SCALES),
-     "weight_smooth_factor": StoredTensor(FLOAT_SCALES, ScaleRule())},
+     "weight_smooth_factor": StoredTensor(FLOAT_SCALES, ScaleRule(divides=True))},
     torch.int8, _read_svdquant,
     lambda f, i, o, per_item, device: SvdQuantLinear(i, o, f.rank, dict(f.held), per_item, device), packed_inputs=2)
 
 AWQ_FORMAT = StoredFormat(
     "AWQ", ("awq_w4a16",), AwqLinear,
-    {"weight": INT8, "weight_scale": StoredTensor(FLOAT_SCALES, ScaleRule(zero=True)),
+    {"weight": INT8, "weight_scale": StoredTensor(FLOAT_SCALES, ScaleRule()),
      "weight_zeros": StoredTensor(FLOAT_SCALES)},
     torch.int8, _read_awq,
     lambda f, i, o, per_item, device: AwqLinear(i, o, f.block, dict(f.held), per_item, device), packed_inputs=2)
