@@ -101,9 +101,10 @@ def parse_json(text: str | bytes, source: str, want: type, fix: str):
     return value
 
 
-def read_json_file(path: Path, want: type, fix: str, source: str | None = None):
-    """A JSON file (``parse_json``), its size checked before it is read; ``source`` defaults to the path."""
-    source = source or str(path)
+def read_json_file(path: Path, want: type, fix: str, what: str):
+    """A JSON file (``parse_json``), its size checked before it is read; ``what`` says what the file is in every
+    message ("the transformer's config.json"), beside its path."""
+    source = f"{what} ({path})"
     try:
         size = path.stat().st_size
         if size > MAX_CHARS:

@@ -118,7 +118,7 @@ def test_the_command_line_reads_and_checks_the_boxes_file(tmp_path, capsys):
 
     argv = ["--demo", "--prompt", "x", "--out", str(tmp_path / "out")]
     assert cli.main([*argv, "--boxes", str(tmp_path / "none.json")]) == 2
-    assert f"--boxes {tmp_path / 'none.json'}: no such file" in capsys.readouterr().err
+    assert f"the --boxes file ({tmp_path / 'none.json'}): no such file" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text('[{"desc": "x", "bbox": [10, 10, 50, 50]}]')
     assert cli.main([*argv, "--boxes", str(bad)]) == 2

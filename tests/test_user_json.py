@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +29,7 @@ GOOD = {  # a valid document for each reader: cut short, it is JSON no longer
     "system_prompts": SYSTEM_PROMPTS,
     "preprocessor": {"patch_size": 16, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5]},
     "adapter": {"lora_alpha": 8, "alpha_pattern": {}},
+    "model_config": {"axes_dims_rope": [4, 4, 4, 4]},
 }
 
 
@@ -43,7 +45,7 @@ def boxes_file(text):
     from flux2_core.app.cli import read_layout
 
     path = in_folder("layout.json", text, {}) / "layout.json"
-    return read_layout(str(path)), "layout.json"
+    return read_layout(str(path)), f"the --boxes file ({path})"
 
 
 def layout_node(text):
@@ -54,15 +56,34 @@ def layout_node(text):
 
 def upsampler_config(text):
     folder = in_folder("config.json", text, {PROMPTS_FILE: json.dumps(SYSTEM_PROMPTS)})
-    return find_upsampler(folder), "config.json"
+    return find_upsampler(folder), f"the prompt upsampler's config.json ({folder / 'config.json'})"
 
 
 def system_prompts(text):
-    return read_system_prompts(in_folder(PROMPTS_FILE, text, {})), PROMPTS_FILE
+    folder = in_folder(PROMPTS_FILE, text, {})
+    return read_system_prompts(folder), f"the prompt upsampler's {PROMPTS_FILE} ({folder / PROMPTS_FILE})"
 
 
 def picture_settings(text):
-    return PatchSettings.read(in_folder("preprocessor_config.json", text, {})), "preprocessor_config.json"
+    folder = in_folder("preprocessor_config.json", text, {})
+    return PatchSettings.read(folder), f"the prompt upsampler's preprocessor_config.json ({folder / 'preprocessor_config.json'})"
+
+
+def model_config(text, role: str = "transformer"):
+    """A diffusers folder whose <role>/config.json is ``text``: named as that model's config.json."""
+    from safetensors.torch import save_file
+
+    from flux2_core.weights.checkpoint import open_checkpoint
+
+    root = Path(tempfile.mkdtemp())
+    (root / role).mkdir()
+    save_file({"w": torch.zeros(2)}, str(root / role / "model.safetensors"))
+    (root / role / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"))
+    return open_checkpoint(root, role).config, f"the {role.replace('_', ' ')}'s config.json ({root / role / 'config.json'})"
+
+
+def text_encoder_config(text):
+    return model_config(text, "text_encoder")
 
 
 def adapter_metadata(text):
@@ -74,7 +95,8 @@ def adapter_metadata(text):
 
 
 READERS = {"boxes": [boxes_file, layout_node], "config": [upsampler_config], "system_prompts": [system_prompts],
-           "preprocessor": [picture_settings], "adapter": [adapter_metadata]}
+           "preprocessor": [picture_settings], "adapter": [adapter_metadata],
+           "model_config": [model_config, text_encoder_config]}
 KINDS = sorted(READERS)
 
 
@@ -119,7 +141,13 @@ def test_a_broken_document_is_refused_by_name_with_the_fix(document, data):
     with pytest.raises(Flux2Error) as refused:
         reader(text)
     message = str(refused.value)
-    assert reader(json.dumps(GOOD[kind]))[1] in message and "; " in message, message
+    # what the file is, its path and the fix (before: the path alone, or the file's name alone)
+    subject = reader(json.dumps(GOOD[kind]))[1]
+    if reader in (layout_node, adapter_metadata):
+        assert subject in message and "; " in message, message
+    else:
+        what, path = subject.removesuffix(")").split(" (")
+        assert what in message and Path(path).name in message and "; " in message, message
 
 
 @settings(max_examples=40, deadline=None)
@@ -169,5 +197,5 @@ def test_a_document_over_the_size_limit_is_refused_before_it_is_read():
     text = "[" + " " * MAX_CHARS + "]"
     with pytest.raises(Flux2Error, match=f"over the {MAX_CHARS:,} characters"):
         read_boxes(text, "the Layout node's boxes")
-    with pytest.raises(Flux2Error, match=f"layout.json is {len(text):,} bytes, over the {MAX_CHARS:,}"):
+    with pytest.raises(Flux2Error, match=rf"the --boxes file \(.*layout.json\) is {len(text):,} bytes, over the {MAX_CHARS:,}"):
         boxes_file(text)

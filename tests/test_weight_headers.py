@@ -308,10 +308,11 @@ def test_config_json_must_be_an_object(tmp_path, valid_file):
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(valid_file.read_bytes())
     (folder / "config.json").write_text("[1, 2, 3]")
-    with pytest.raises(Flux2Error, match=r"config.json holds a JSON list, but it must hold a JSON object"):
+    with pytest.raises(Flux2Error, match=r"the model's config.json \(.*config.json\) holds a JSON list, but it must "
+                                         r"hold a JSON object"):
         open_checkpoint(folder, "")
     (folder / "config.json").write_text('{"a": ' + "9" * 5000 + "}")
-    with pytest.raises(Flux2Error, match=r"config.json is not valid JSON.*download it again"):
+    with pytest.raises(Flux2Error, match=r"config.json\) is not valid JSON.*download it again"):
         open_checkpoint(folder, "")
     (folder / "config.json").write_text('{"axes_dims_rope": [4, 4, 4, 4]}')
     assert open_checkpoint(folder, "").config == {"axes_dims_rope": [4, 4, 4, 4]}

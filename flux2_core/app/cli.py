@@ -316,7 +316,7 @@ def read_layout(path: str | None):
     if path is None:
         return None
     layout = read_json_file(Path(path).expanduser(), list,
-                            f"give a UTF-8 JSON file that holds a list of boxes such as {EXAMPLE}", f"--boxes {path}")
+                            f"give a UTF-8 JSON file that holds a list of boxes such as {EXAMPLE}", "the --boxes file")
     return read_boxes(layout, f"the boxes in {path}")
 
 

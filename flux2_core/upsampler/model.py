@@ -68,7 +68,7 @@ def find_upsampler(folder: str | Path) -> Path:
     if not (folder / PROMPTS_FILE).is_file():
         raise Flux2Error(f"{folder} has no {PROMPTS_FILE}: the upsampler's system prompts come with it in BFL's "
                          "release; download the whole folder")
-    config = read_json_file(folder / "config.json", dict, DOWNLOAD_AGAIN)
+    config = read_json_file(folder / "config.json", dict, DOWNLOAD_AGAIN, "the prompt upsampler's config.json")
     if "quantization" in config and "quantization_config" not in config:
         raise Flux2Error(f"{folder} is an MLX folder (its config has MLX's quantization); it runs on Apple's MLX only: "
                          "use BFL's Hugging Face release of the upsampler")
@@ -76,7 +76,7 @@ def find_upsampler(folder: str | Path) -> Path:
 
 
 def read_system_prompts(folder: Path) -> dict[str, str]:
-    prompts = read_json_file(folder / PROMPTS_FILE, dict, DOWNLOAD_AGAIN)
+    prompts = read_json_file(folder / PROMPTS_FILE, dict, DOWNLOAD_AGAIN, f"the prompt upsampler's {PROMPTS_FILE}")
     missing = [task for task in TASKS if not isinstance(prompts.get(task), str)]
     if missing:
         raise Flux2Error(f"{folder / PROMPTS_FILE} has no system prompt for {', '.join(missing)}; download it again")

@@ -88,7 +88,7 @@ class PatchSettings:
         if not path.is_file():
             raise Flux2Error(f"{folder} has no preprocessor_config.json (how its vision tower cuts pictures); "
                              "download the whole upsampler folder")
-        config = read_json_file(path, dict, DOWNLOAD_AGAIN)
+        config = read_json_file(path, dict, DOWNLOAD_AGAIN, "the prompt upsampler's preprocessor_config.json")
         size = config.get("size") or {}
         defaults = cls()
         return cls(patch_size=config.get("patch_size", defaults.patch_size),

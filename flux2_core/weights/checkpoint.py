@@ -244,7 +244,8 @@ def open_checkpoint(path: str | Path, subfolder: str) -> Checkpoint:
         found, meta = read_gguf(file) if gguf else read_header(file)
         tensors.update(found)
         metadata.update(meta)
-    config = read_json(folder / "config.json") if folder else {}
+    role = subfolder.replace("_", " ") or "model"
+    config = read_json(folder / "config.json", f"the {role}'s config.json") if folder else {}
     root = next((p for p in ([folder, folder.parent] if folder else [path.parent])
                  if (p / "model_index.json").is_file()), None)
     return Checkpoint(path, files, tensors, metadata, config, root)
@@ -281,7 +282,7 @@ def _folder_files(folder: Path) -> list[Path]:
 
 def _shard_names(index: Path) -> list[str]:
     """Plain file names only, so a downloaded index cannot send reads outside its folder."""
-    weight_map = read_json(index).get("weight_map", {})
+    weight_map = read_json(index, "the shard index of the weights").get("weight_map", {})
     names = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
     if not all(isinstance(n, str) and n != ".." and Path(n).name == n for n in names):
         raise Flux2Error(f"{index} is not a valid shard index: its weight_map must map tensor names to the names of "
@@ -289,8 +290,8 @@ def _shard_names(index: Path) -> list[str]:
     return sorted(names)
 
 
-def read_json(path: Path) -> dict:
-    """{} when there is no file."""
+def read_json(path: Path, what: str) -> dict:
+    """{} when there is no file; ``what``: what the file is, for messages."""
     if not path.is_file():
         return {}
-    return read_json_file(path, dict, "download it again")
+    return read_json_file(path, dict, "download it again", what)

@@ -496,7 +496,8 @@ def transformer_params(source: Source) -> ModelParams:
 
 def variant_hint(source: Source) -> str:
     """Base / KV / distilled: diffusers' model_index.json, else the file or folder names."""
-    index = read_json(source.ckpt.root / "model_index.json") if source.ckpt.root else {}
+    root = source.ckpt.root
+    index = read_json(root / "model_index.json", "the diffusers folder's model_index.json") if root else {}
     if "KV" in index.get("_class_name", ""):
         return "kv"
     if "is_distilled" in index:

@@ -77,7 +77,7 @@ function trackTokens(node) {
     const count = approxTokenCount(text) + TEMPLATE_TOKENS;
     node.flux2Tokens = { text, encoder, limit, count, exact: false, label: tokenLabel(count, false, limit),
                          over: count > limit };
-    node.setDirtyCanvas?.(true, false);
+    if (node.graph) node.setDirtyCanvas?.(true, false);
     clearTimeout(timer);
     timer = setTimeout(async () => {             // ask the server once typing pauses
       const answer = await serverCount(text, encoder);
@@ -85,7 +85,7 @@ function trackTokens(node) {
       const { count: exact, limit: exactLimit } = answer;
       node.flux2Tokens = { text, encoder, limit: exactLimit, count: exact, exact: true,
                            label: tokenLabel(exact, true, exactLimit), over: exact > exactLimit };
-      node.setDirtyCanvas?.(true, false);
+      if (node.graph) node.setDirtyCanvas?.(true, false);
     }, 300);
   };
   widget.inputEl?.addEventListener("input", update);   // the multiline textarea
@@ -96,7 +96,9 @@ function trackTokens(node) {
     return result;
   };
   node.flux2UpdateTokens = update;
-  update();
+  // a node the frontend makes before its graph exists (while it registers the node types) counts once it is drawn
+  // or configured: nothing here may reach for the app's graph before the app has one
+  if (node.graph) update();
 }
 
 function schedulerValues(values) {
@@ -139,6 +141,12 @@ app.registerExtension({
         return configure.call(this, { ...info, widgets_values: schedulerValues(info.widgets_values) }, ...args);
       };
     }
+    const onAdded = nodeType.prototype.onAdded;
+    nodeType.prototype.onAdded = function (...args) {       // now in a graph: the first count
+      const result = onAdded?.apply(this, args);
+      this.flux2UpdateTokens?.();
+      return result;
+    };
     const onConfigure = nodeType.prototype.onConfigure;
     nodeType.prototype.onConfigure = function (...args) {   // a loaded workflow sets widget values afterwards
       const result = onConfigure?.apply(this, args);
