@@ -280,14 +280,19 @@ def check_early(args, refs) -> None:
 
 
 def check_schedule(family, steps: int | None, width: int, height: int) -> None:
-    """The schedule of the family that runs serves a picture of this size (FLUX.2's breaks on large ones; FLUX 3's
-    takes any); before the files say which family runs (``family`` None), every family's is asked. Without --steps, at
-    4 steps, the least demanding default: a size that breaks at 4 breaks at any default."""
+    """The family that runs makes a picture of this size: its schedule serves it (FLUX.2's breaks on large ones) and no
+    side is past its ``max_side``; before the files say which family runs (``family`` None), every family's schedule
+    is asked, and a side no family makes is refused. Without --steps, at 4 steps, the least demanding default: a size
+    that breaks at 4 breaks at any default."""
     from .. import latents
 
     tokens = math.prod(latents.latent_size(height, width))
     for each in [family] if family is not None else FAMILIES.values():
         each.schedule(steps or 4, tokens)
+    if family is not None:
+        family.check_size(width, height)
+    elif all(max(width, height) > each.max_side for each in FAMILIES.values()):      # no family makes it
+        max(FAMILIES.values(), key=lambda each: each.max_side).check_size(width, height)
 
 
 def early_family(args):

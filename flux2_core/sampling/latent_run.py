@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..errors import Flux2Error
 from ..families import family_of
+from ..latents import PIXELS_PER_LATENT
 from ..variants import Variant
 from ..weights import check_embeddings_fit
 from . import inpaint
@@ -58,6 +59,7 @@ def latent_run(model, variant: Variant, *, txt: Tensor, negative: Tensor | None,
     drawn, which the family then reads its own way (else it is taken as given); ``latent``: the image-to-image start
     ([1 or B, 128, h, w]) and ``noise_mask`` its pixel-sized mask (1 = repaint); ``masked_noise``: the noise came with
     a mask (a masked latent given as the noise), which needs the latent it masks."""
+    family_of(variant).check_size(*(side * PIXELS_PER_LATENT for side in noise.shape[-1:-3:-1]))
     check_rows(rows, ReferenceCount(len(references)),
                "the layout (FLUX 3 Klein Layout's boxes, or the table the prompt ends in)")
     pack = pack_references(variant, references)
