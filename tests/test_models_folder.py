@@ -162,3 +162,37 @@ def test_an_explicit_transformer_is_not_told_to_use_variant(tiny_files, tmp_path
     found = cli.search_models(str(tmp_path), None, str(explicit))
     assert found.transformer == explicit and "--variant" not in " ".join(found.notes), found.notes
     assert cli.search_models(str(tmp_path), None).notes[0].startswith("this run takes klein-4b")    # without it: said
+
+
+NOT_FILES = ["loop", "dangling", "folder", "fifo"]
+
+
+def make_not_a_file(path: Path, kind: str) -> str:
+    """An entry named like a weights file that is none: what the survey must call it."""
+    if kind == "loop":
+        os.symlink(path.name, path)
+        return "a symbolic link that loops back on itself"
+    if kind == "dangling":
+        os.symlink("gone.safetensors", path)
+        return "a link to gone.safetensors, which does not exist"
+    if kind == "folder":
+        path.mkdir()
+        return "a folder, not a weights file"
+    os.mkfifo(path)
+    return "not a regular file"
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kinds=st.lists(st.sampled_from(NOT_FILES), min_size=1, max_size=3),
+       names=st.lists(st.sampled_from(sorted(n for n in TRANSFORMERS if not n.startswith("flux3"))), min_size=3,
+                      max_size=3, unique=True))
+def test_entries_that_are_not_files_are_named_and_the_survey_goes_on(tiny_files, tmp_path_factory, kinds, names):
+    """A symlink loop, a dangling link, a folder or a FIFO under a FLUX.2 file's usual name beside a working FLUX 3:
+    each is passed over, named as what it is, and FLUX 3 runs (before: the loop was picked, then "does not exist")."""
+    folder = tmp_path_factory.mktemp("not-files")
+    lay_out(folder, {"flux3-image-klein-bf16.safetensors", "qwen3vl_4b_int8_convrot.safetensors", VAE}, tiny_files)
+    said = {name: make_not_a_file(folder / "diffusion_models" / name, kind) for kind, name in zip(kinds, names)}
+    paths, notes = search(folder, None)
+    assert paths is not None and paths[0].name == "flux3-image-klein-bf16.safetensors", notes
+    for name, what in said.items():
+        assert f"passed over diffusion_models/{name}: it is {what}" in notes, notes

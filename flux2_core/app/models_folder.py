@@ -6,6 +6,8 @@ the others found are named with the option that picks them; a refusal names the 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,9 +59,40 @@ class Survey:
         return [v for v in runnable_variants() if self.models.get(v.name) and v != exclude]
 
 
-def _files(models: Path, folders: tuple[str, ...]) -> Iterator[Path]:
+def _files(models: Path, folders: tuple[str, ...], passed: list[str] | None = None) -> Iterator[Path]:
+    """The weight files of the folders, by name: readable regular files (or links to one) only; each other entry
+    named like one is said in ``passed`` (what it is) and the survey goes on to the others."""
     for folder in folders:
-        yield from sorted(p for p in (models / folder).glob("*") if p.suffix.lower() in WEIGHT_SUFFIXES)
+        for path in sorted(p for p in (models / folder).glob("*") if p.suffix.lower() in WEIGHT_SUFFIXES):
+            why = unusable(path)
+            if not why:
+                yield path
+            elif passed is not None and (note := f"passed over {path.relative_to(models)}: it is {why}") not in passed:
+                passed.append(note)
+
+
+def unusable(path: Path) -> str:
+    """What an entry named like a weights file is when it cannot be read as one, or "" where it can."""
+    if not path.is_symlink() and not path.exists():
+        return "not there"
+    if path.is_symlink() and not path.exists():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:                          # Python before 3.13 says a loop so
+            return "a symbolic link that loops back on itself"
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return "a symbolic link that loops back on itself"
+            return f"a link to {os.readlink(path)}, which does not exist"
+    if path.is_dir():
+        return "a folder, not a weights file"
+    if not path.is_file():
+        return "not a regular file (a device, a pipe or a socket)"
+    try:
+        with open(path, "rb"):
+            return ""
+    except OSError as e:
+        return f"a file that cannot be read ({e.strerror or e})"
 
 
 # a GGUF quantization's name: Q4_K_M, IQ3_XS, Q8_0, BF16, F16, F32
@@ -100,7 +133,7 @@ def _survey(folder: Path) -> Survey:
     from ..weights import inspect_transformer
 
     survey, runnable = Survey(folder), runnable_variants()
-    for path in _files(folder, TRANSFORMER_FOLDERS):
+    for path in _files(folder, TRANSFORMER_FOLDERS, survey.passed):
         variant = next((v for v in runnable if _usual(path, v.files, v.gguf_stem)), None)
         if variant is None:
             try:
@@ -121,7 +154,7 @@ def _usual_file(folder: Path, folders: tuple[str, ...], names: tuple[str, ...], 
     """The first of ``names`` found in the folders (in their order), else the first GGUF of the stem."""
     for name in names:
         for sub in folders:
-            if (folder / sub / name).is_file():
+            if not unusable(folder / sub / name):
                 return folder / sub / name
     return next((p for p in _files(folder, folders) if gguf_stem and _usual(p, (), gguf_stem)), None)
 
@@ -134,7 +167,7 @@ def _text_encoder(folder: Path, spec: TextEncoderSpec, passed: list[str]) -> Pat
     found = _usual_file(folder, TEXT_ENCODER_FOLDERS, spec.files, spec.gguf_stem)
     if found is not None:
         return found
-    for path in _files(folder, TEXT_ENCODER_FOLDERS):
+    for path in _files(folder, TEXT_ENCODER_FOLDERS, passed):
         try:
             identity = inspect_text_encoder(path)
         except Flux2Error:
