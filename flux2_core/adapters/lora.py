@@ -25,6 +25,7 @@ from torch import Tensor
 from ..digests import tensor_digest
 from ..errors import Flux2Error
 from ..families import ModelParams
+from ..listing import bounded_list
 from ..user_json import parse_json
 from ..weights.checkpoint import TORCH_DTYPES, open_checkpoint, read_tensor
 from .formats import (
@@ -144,8 +145,7 @@ class MatchReport:
                 f"{sum(self.tensors.values())} tensors in {sum(self.modules.values())} modules: {groups or 'none'}")
         if self.unmatched:
             keys = list(self.unmatched)
-            more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-            line += f"; {len(keys)} key{'s' * (len(keys) > 1)} matched nothing: {', '.join(keys[:limit])}{more}"
+            line += f"; {len(keys)} key{'s' * (len(keys) > 1)} matched nothing: {bounded_list(keys, limit)}"
         return line
 
 

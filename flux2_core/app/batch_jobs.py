@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..checks import parse_number
 from ..errors import Flux2Error
+from ..listing import bounded_notes
 from .queue_client import apply_overrides, parse_value, shown
 from .uploads import Picture, plan_pictures, set_picture
 
@@ -149,9 +150,8 @@ def read_batch(path: str) -> list[BatchJob]:
 
 
 def errors_message(errors: list[str]) -> str:
-    more = f"\n  ... and {len(errors) - MAX_ERRORS} more" if len(errors) > MAX_ERRORS else ""
     return (f"{len(errors)} job(s) of the batch are wrong; nothing was queued:\n  "
-            + "\n  ".join(errors[:MAX_ERRORS]) + more) if len(errors) > 1 else errors[0]
+            + "\n  ".join(bounded_notes(errors, "wrong jobs", MAX_ERRORS))) if len(errors) > 1 else errors[0]
 
 
 def resolve(base: dict, job: BatchJob, pictures: dict[str, Picture], names: dict[str, str] | None = None) -> dict:

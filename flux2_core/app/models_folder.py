@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..errors import Flux2Error
 from ..families import runnable_variant, runnable_variants
+from ..listing import bounded_notes
 from ..variants import TextEncoderSpec, Variant
 
 # ComfyUI model folders (and their legacy names) and the usual autoencoder names in them
@@ -237,7 +238,9 @@ def search_models(models: str | None, variant: str | None, transformer: str | No
     others = _others(survey, chosen) if survey is not None and chosen is not None else ""
     if missing:
         how = "--variant" if asked is not None else "--transformer" if given_transformer else "the first model found"
-        raise Flux2Error(_missing_message(folder, chosen, how, missing, others, notes))
+        raise Flux2Error(_missing_message(folder, chosen, how, missing, others,
+                                          bounded_notes(notes, "files passed over")))
+    notes = bounded_notes(notes, "files passed over")
     if others and asked is None and not given_transformer:      # --variant cannot replace an explicit --transformer
         order = ", ".join(v.name for v in runnable_variants())
         notes.insert(0, f"this run takes {chosen.name} ({Path(transformer).name}), the first model found in the "

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import Flux2Error
 from ..families import FAMILIES, Family
+from ..listing import bounded_notes
 from ..user_json import list_at_end, parse_json
 from .references import ReferenceCount
 
@@ -55,9 +56,11 @@ class Box:
 
 
 def clamp_notes(boxes: list[Box]) -> list[str]:
-    """One note per box drawn to the picture's edge (its reference clamps each coordinate into 0-1 before the row)."""
-    return [f"box {box.id!r} reaches past the picture's edge ({', '.join(box.clamped)}): it is drawn to the edge, as "
-            f"the reference draws it" for box in boxes if box.clamped]
+    """One note per box drawn to the picture's edge (its reference clamps each coordinate into 0-1 before the row),
+    the first few of many and how many more (``listing.bounded_notes``)."""
+    return bounded_notes([f"box {box.id!r} reaches past the picture's edge ({', '.join(box.clamped)}): it is drawn to "
+                          f"the edge, as the reference draws it" for box in boxes if box.clamped],
+                         "boxes reach past the picture's edge and are drawn to it")
 
 
 def canvas_box(box: tuple[float, ...] | None) -> list[int] | None:
