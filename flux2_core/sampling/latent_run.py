@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..errors import Flux2Error
 from ..families import family_of
-from ..latents import PIXELS_PER_LATENT
+from ..latents import LATENT_CHANNELS, PIXELS_PER_LATENT
 from ..variants import Variant
 from ..weights import check_embeddings_fit
 from . import inpaint
@@ -59,6 +59,8 @@ def latent_run(model, variant: Variant, *, txt: Tensor, negative: Tensor | None,
     drawn, which the family then reads its own way (else it is taken as given); ``latent``: the image-to-image start
     ([1 or B, 128, h, w]) and ``noise_mask`` its pixel-sized mask (1 = repaint); ``masked_noise``: the noise came with
     a mask (a masked latent given as the noise), which needs the latent it masks."""
+    check_inputs(noise=noise, txt=txt, negative=negative, references=references, latent=latent,
+                 noise_mask=noise_mask)
     family_of(variant).check_size(*(side * PIXELS_PER_LATENT for side in noise.shape[-1:-3:-1]))
     check_rows(rows, ReferenceCount(len(references)),
                "the layout (FLUX 3 Klein Layout's boxes, or the table the prompt ends in)")
@@ -79,6 +81,58 @@ def latent_run(model, variant: Variant, *, txt: Tensor, negative: Tensor | None,
         blend = inpaint.Inpaint(start, noise, mask, inpaint.BEFORE_MODEL)
         notes += [note, inpaint.mask_note(noise_mask, mask)]
     return LatentRun(run, noise, start, txt, negative, pack, blend, [note for note in notes if note])
+
+
+# where each input of the run comes from in a graph, for the refusals: what to connect instead
+SOURCES = {"noise": "the noise comes from Klein Noise (a FLUX.2-family latent: a video model's or FLUX.1's does not "
+                    "fit)",
+           "txt": "the prompt comes from Klein Prompt Encode (or ComfyUI's text encode on the model's text encoder)",
+           "negative": "the negative prompt comes from Klein Prompt Encode, as the positive one",
+           "reference": "reference latents come from Klein Reference Image, or ComfyUI's VAE Encode with the FLUX.2 "
+                        "autoencoder (FLUX.1's makes 16 channels)",
+           "latent": "the start latent comes from Klein AE Encode, or ComfyUI's VAE Encode with the FLUX.2 autoencoder",
+           "mask": "the mask comes from ComfyUI's Set Latent Noise Mask (a MASK of the picture's size)"}
+LATENT = f"[batch, {LATENT_CHANNELS}, height/16, width/16]"
+
+
+def _refuse(what: str, tensor, wanted: str, source: str) -> Flux2Error:
+    found = f"shape {list(tensor.shape)}" if isinstance(tensor, Tensor) else f"a {type(tensor).__name__}"
+    return Flux2Error(f"{what} is {found}, but the run takes {wanted}: {SOURCES[source]}")
+
+
+def _latent(what: str, tensor, source: str, batch: int | None = None) -> None:
+    """A latent [B, 128, h, w] with something in it and only finite values (B = ``batch`` where given)."""
+    if (not isinstance(tensor, Tensor) or tensor.ndim != 4 or tensor.shape[1] != LATENT_CHANNELS
+            or 0 in tensor.shape or (batch is not None and tensor.shape[0] != batch)):
+        raise _refuse(what, tensor, LATENT.replace("batch", str(batch)) if batch is not None else LATENT, source)
+    if not bool(torch.isfinite(tensor).all()):
+        raise Flux2Error(f"{what} holds NaN or infinite values: {SOURCES[source]}, and what made it went wrong")
+
+
+def check_inputs(*, noise, txt, negative, references, latent, noise_mask) -> None:
+    """Every tensor the run is handed, checked before any model call: rank, channels, batch, size and finiteness; a
+    refusal names the input, the shape found, the shape wanted and where such an input comes from."""
+    _latent("the noise latent", noise, "noise")
+    batch = noise.shape[0]
+    for what, embeds, source in (("the prompt embeddings", txt, "txt"), ("the negative prompt embeddings", negative,
+                                                                          "negative")):
+        if embeds is None and source == "negative":
+            continue
+        if not isinstance(embeds, Tensor) or embeds.ndim != 3 or 0 in embeds.shape:
+            raise _refuse(what, embeds, "[batch, tokens, width]", source)
+        if embeds.shape[0] not in (1, batch):
+            raise Flux2Error(f"{what} hold {embeds.shape[0]} prompts, but the noise {batch} latents: one prompt for "
+                             f"every latent, or as many prompts as latents ({SOURCES[source]}; the noise's "
+                             f"batch_size is Klein Noise's)")
+        if not bool(torch.isfinite(embeds).all()):
+            raise Flux2Error(f"{what} hold NaN or infinite values: {SOURCES[source]}")
+    for i, reference in enumerate(references):
+        _latent(f"reference latent {i + 1}", reference, "reference", batch=1)
+    if latent is not None:
+        _latent("the start latent", latent, "latent")
+    if noise_mask is not None and (not isinstance(noise_mask, Tensor) or noise_mask.numel() == 0
+                                   or noise_mask.ndim not in (2, 3, 4)):
+        raise _refuse("the noise mask", noise_mask, "[H, W], [B, H, W] or [B, 1, H, W] with something in it", "mask")
 
 
 def image_latent(latent: Tensor, noise: Tensor) -> Tensor:
