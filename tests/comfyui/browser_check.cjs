@@ -9,6 +9,7 @@ const path = require("path");
 const { chromium } = require("playwright-core");
 
 const [url, pack, names, executablePath, prompts, thumbnails, screenshot] = process.argv.slice(2);
+const EXTENSION = "flux2_klein.ui";   // this pack's frontend extension (web/js/flux2_klein.js)
 const VIEW = { width: 1600, height: 1000 };
 // the minimap would cover a corner of the graph in a thumbnail
 const THUMBNAIL = { width: 560, quality: 0.8, style: ".minimap-main-container { visibility: hidden !important; }" };
@@ -191,7 +192,19 @@ async function inPage({ prompts }) {   // runs in the page: it sees only its arg
            "--disable-component-update", "--disable-sync"],
   });
   const errors = [];
+  const hostErrors = [];      // what the frontend logs by itself: the same page with this pack's extension disabled
+  const setting = (value) => fetch(`${url}/settings/Comfy.Extension.Disabled`, {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(value) });
   try {
+    await setting([EXTENSION]);
+    const bare = await browser.newPage({ viewport: VIEW });
+    bare.on("console", (m) => { if (m.type() === "error") hostErrors.push(`${m.text()} [${m.location().url}]`); });
+    bare.on("pageerror", (e) => hostErrors.push(String(e)));
+    await bare.goto(url);
+    await bare.waitForFunction(() => window.app?.graph, null, { timeout: 90000 });
+    await bare.waitForTimeout(3000);
+    await bare.close();
+    await setting([]);
     const page = await browser.newPage({ viewport: VIEW });
     page.on("console", (m) => { if (m.type() === "error") errors.push(`${m.text()} [${m.location().url}]`); });
     page.on("pageerror", (e) => errors.push(String(e)));
@@ -200,7 +213,7 @@ async function inPage({ prompts }) {   // runs in the page: it sees only its arg
     const loaded = await page.waitForFunction(() => window.__FLUX2_KLEIN_LOADED__, null, { timeout: 15000 })
       .then(() => true, () => false);
     if (!loaded) {                    // report what the console said instead of timing out blindly
-      console.log(JSON.stringify({ loaded, errors }));
+      console.log(JSON.stringify({ loaded, errors, hostErrors }));
       return;
     }
     const workflows = { prompts: {}, layouts: {}, colours: [] };
@@ -241,7 +254,7 @@ async function inPage({ prompts }) {   // runs in the page: it sees only its arg
 
     const result = await page.evaluate(inPage, { prompts: JSON.parse(prompts) });
     result.colours.push(...workflows.colours);
-    console.log(JSON.stringify({ loaded, ...workflows, ...result, cards, errors }));
+    console.log(JSON.stringify({ loaded, ...workflows, ...result, cards, errors, hostErrors }));
   } finally {
     await browser.close();
   }

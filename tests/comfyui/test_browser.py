@@ -68,7 +68,9 @@ def ours_or_uncaught(error: str) -> bool:
 
 
 def test_extension_loads_without_console_errors(page):
-    errors = [e for e in page["errors"] if ours_or_uncaught(e)]
+    """No error but those the frontend logs by itself, on the same page with our extension disabled (frontend
+    1.49.6 logs "ComfyApp graph accessed before initialization" with no custom node installed)."""
+    errors = [e for e in page["errors"] if ours_or_uncaught(e) and e not in page["hostErrors"]]
     assert errors == [], "\n".join(errors)
     declared = {m for p in ROOT.glob("nodes/*.py") for m in re.findall(r'node_id="(\w+)"', p.read_text())}
     assert declared and sorted(page["registered"]) == sorted(declared), page["registered"]
