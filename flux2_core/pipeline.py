@@ -240,11 +240,12 @@ def to_uint8(x: Tensor) -> Tensor:
 def generate(models: Models, prompt: str, *, references=(), width: int | None = None, height: int | None = None,
              steps: int | None = None, cfg: float | None = None, negative: str = "", seed: int = 0, batch: int = 1,
              sigmas: list[float] | None = None, image: Image.Image | None = None, strength: float = 1.0,
-             mask: Image.Image | None = None, boxes=None,
+             mask: Image.Image | None = None, mask_reading: str = "auto", boxes=None,
              reference_kv: ReferenceKV | None = None, noise: Tensor | None = None, bfl_cuda_noise: bool = False,
              cache: float = 0.0, offload_encoder="auto", callback=None, warn=None) -> Result:
-    """references: PIL images. sigmas overrides steps. image + strength: image-to-image; with ``mask`` (white =
-    repaint): inpainting. reference_kv: precomputed K/V (KV models; else ``models.reference_cache``). noise: explicit
+    """references: PIL images. sigmas overrides steps. image + strength: image-to-image; with ``mask``: inpainting,
+    the mask read as ``mask_reading`` says ("auto": white = repaint, or its transparency where it has some and both
+    readings agree; "alpha": transparent = repaint; "grey": white = repaint; ``sampling.inpaint.mask_levels``). reference_kv: precomputed K/V (KV models; else ``models.reference_cache``). noise: explicit
     [batch, 128, H/16, W/16]. cache: the step cache's threshold (0: off; ``sampling.step_cache``), what it did in
     ``settings["cache"]``. callback(Step) after every step; warn(text) for each warning as it arises (all are also in
     ``Result.warnings``), so a caller can show them before the work.
@@ -259,7 +260,8 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
 
     # the request and its run, every setting checked before any model runs
     ask = read_request(variant, prompt, references=references, width=width, height=height, steps=steps,
-                       sigmas=sigmas, image=image, strength=strength, mask=mask, boxes=boxes, batch=batch, say=say)
+                       sigmas=sigmas, image=image, strength=strength, mask=mask, boxes=boxes, batch=batch, say=say,
+                       mask_reading=mask_reading)
     if ask.masked and reference_kv is not None:
         raise Flux2Error("inpainting adds the source image as reference 1, which a precomputed reference_kv does not "
                          "hold: leave reference_kv out")

@@ -62,7 +62,7 @@ def test_the_expanded_canvas_is_bounded_by_the_schedule_of_the_family_in_the_fil
                                                                                      monkeypatch):
     """A 64x48 picture expanded to 5120x5120 (102400 tokens): past what FLUX.2's schedule serves at 4 steps (it says
     at most about 4688x4688), within what an input may be (8192^2). FLUX.2's file is refused before it loads, naming
-    --expand and the canvas; FLUX 3's schedule takes any size, so its run goes on to load the models."""
+    --expand and the canvas; FLUX 3's schedule serves it, but its sides are past the 4096 FLUX 3 makes: refused too."""
     from flux2_core.families import FAMILIES
 
     tmp, te, ae, picture = other_files
@@ -89,13 +89,13 @@ def test_the_expanded_canvas_is_bounded_by_the_schedule_of_the_family_in_the_fil
                     "--image", str(picture), "--expand", "0,0,5056,5072", "--out", str(tmp / "out")], capsys)
     if family == "flux2":
         assert "--expand" in err and "5120x5120" in err and "FLUX.2 schedule" in err and "expand less" in err, err
-        assert (5120, 5120) not in made                   # refused before the canvas was made
-    else:
-        assert "reached the loading" in err, err
+    else:                                                 # its schedule serves it, its sides are past its 4096
+        assert "--expand" in err and "FLUX 3 Image Klein makes pictures up to 4096 px a side" in err, err
+    assert (5120, 5120) not in made and "reached the loading" not in err      # refused before the canvas was made
 
 
 def test_the_expanded_canvas_is_still_at_most_an_inputs_size(other_files, capsys, monkeypatch):
-    """FLUX 3 takes any size its schedule serves, but the canvas stays within what an input may be (8192^2 px)."""
+    """A canvas past what an input may be (8192^2 px) is refused before it is made, whatever the family makes."""
     tmp, te, ae, picture = other_files
     transformer = transformer_file("flux3", tmp)
     monkeypatch.setattr(cli, "load_for_command", lambda *a, **k: pytest.fail("loaded"))

@@ -77,7 +77,8 @@ def test_pictures_too_large_are_refused(tmp_path, monkeypatch):
 
 def test_a_mask_becomes_the_pictures_alpha(tmp_path):
     """Load Image gives 1 - alpha as the mask: a white mask pixel (repaint) must become alpha 0, a black one 255;
-    a mask with alpha of its own gives that alpha as it is."""
+    a mask with alpha of its own gives that alpha as it is where it is read by it (mask_reading="alpha"; its grey
+    levels say otherwise, so auto refuses)."""
     photo = picture_file(tmp_path / "photo.png", colour=(50, 60, 70), size=(4, 2))
     grey = Image.new("L", (4, 2), 0)
     grey.putpixel((1, 0), 255)
@@ -90,9 +91,12 @@ def test_a_mask_becomes_the_pictures_alpha(tmp_path):
     alpha = Image.new("RGBA", (4, 2), (0, 0, 0, 255))
     alpha.putpixel((3, 1), (0, 0, 0, 7))
     alpha.save(tmp_path / "alpha.png")
-    picture = uploads.read_picture(str(photo), "--image 10", mask=str(tmp_path / "alpha.png"))
+    with pytest.raises(Flux2Error, match="reads two ways"):      # its grey levels (all black) say "keep all"
+        uploads.read_picture(str(photo), "--image 10", mask=str(tmp_path / "alpha.png"))
+    picture = uploads.read_picture(str(photo), "--image 10", mask=str(tmp_path / "alpha.png"), mask_reading="alpha")
     assert list(Image.open(io.BytesIO(picture.data())).getchannel("A").tobytes())[-1] == 7
-    assert uploads.read_picture(str(photo), "--image 10", mask=str(tmp_path / "alpha.png")).name == picture.name
+    assert uploads.read_picture(str(photo), "--image 10", mask=str(tmp_path / "alpha.png"),
+                                mask_reading="alpha").name == picture.name
     opaque = grey.convert("RGBA")                        # a black and white mask saved with an opaque alpha channel
     opaque.save(tmp_path / "opaque.png")
     picture = uploads.read_picture(str(photo), "--image 10", mask=str(tmp_path / "opaque.png"))

@@ -6,8 +6,11 @@ tests/comfyui/test_inpaint.py."""
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from flux2_core.errors import Flux2Error
@@ -25,10 +28,11 @@ def test_a_mask_image_is_its_grey_level():
     assert mask[0, 0].tolist() == [[1.0, 0.0, 1.0], [1.0, 1.0, pytest.approx(0.2)]]
 
 
-def test_a_mask_with_transparency_is_read_by_it_and_an_opaque_one_by_its_grey(tmp_path):
-    """Transparent = repaint in a mask with transparency (ComfyUI's mask editor), whatever its colours; a mask whose
-    alpha channel is opaque everywhere (a black and white PNG saved with alpha) is read by its grey levels, as one
-    without alpha: through the engine (image_mask) and from a file as the command line opens it."""
+def test_a_mask_is_read_as_asked_and_two_readings_that_disagree_are_refused(tmp_path):
+    """grey: white = repaint; alpha: transparent = repaint (ComfyUI's mask editor), whatever the colours; auto: the
+    grey levels of a mask without transparency (a black and white PNG saved with an opaque alpha too), and where the
+    two readings disagree (white strokes on a transparent layer) a refusal that names the choice: through the engine
+    (image_mask) and from a file as the command line opens it."""
     from flux2_core.sampling.references import open_picture
 
     drawn = Image.new("RGBA", (3, 1), (0, 0, 0, 255))
@@ -41,24 +45,57 @@ def test_a_mask_with_transparency_is_read_by_it_and_an_opaque_one_by_its_grey(tm
     palette.putpalette([0, 0, 0, 255, 255, 255] * 2)
     palette.putpixel((2, 0), 0)
     palette.info["transparency"] = 0                            # index 0 (black) transparent: pixel 2 repainted
-    expected = {"drawn": [255, 0, 127], "opaque": [255, 0, 51], "palette": [0, 0, 255]}
+    by_alpha = {"drawn": [255, 0, 127], "palette": [0, 0, 255]}
     for name, mask in (("drawn", drawn), ("opaque", opaque), ("palette", palette)):
-        reading = inpaint.mask_levels(mask)
-        assert list(reading.levels.tobytes()) == expected[name], name
-        assert ("transparent areas are repainted" in reading.note) == (name != "opaque"), reading.note
         mask.save(tmp_path / f"{name}.png")
-        assert list(inpaint.mask_levels(open_picture(tmp_path / f"{name}.png")).levels.tobytes()) == expected[name]
+        for picture in (mask, open_picture(tmp_path / f"{name}.png")):
+            if name == "opaque":                                # no transparency: grey, with or without auto
+                assert list(inpaint.mask_levels(picture).levels.tobytes()) == [255, 0, 51]
+                with pytest.raises(Flux2Error, match="has no transparency to read it by"):
+                    inpaint.mask_levels(picture, reading="alpha")
+                continue
+            reading = inpaint.mask_levels(picture, reading="alpha")
+            assert list(reading.levels.tobytes()) == by_alpha[name] and "transparent areas are repainted" in reading.note
+            grey = inpaint.mask_levels(picture, reading="grey")
+            assert list(grey.levels.tobytes()) == list(picture.convert("L").tobytes()), name
+            with pytest.raises(Flux2Error, match=r"reads two ways.*--mask-reading on the command line"):
+                inpaint.mask_levels(picture)
     la = Image.new("LA", (3, 1), (255, 255))
     la.putpixel((1, 0), (255, 0))
-    assert list(inpaint.mask_levels(la).levels.tobytes()) == [0, 255, 0]
+    assert list(inpaint.mask_levels(la, reading="alpha").levels.tobytes()) == [0, 255, 0]
     image = Image.new("RGB", (32, 16))
     column = [x * 3 // 32 for x in range(32)]                   # each of the 3 pixels widened to a third
     drawn_big = Image.new("RGBA", (32, 16))
     drawn_big.putdata([drawn.getpixel((c, 0)) for _ in range(16) for c in column])
     by_hand = Image.new("L", (32, 16))
-    by_hand.putdata([expected["drawn"][c] for _ in range(16) for c in column])
-    (got, notes), (expected_mask, none) = (inpaint.image_mask(m, image, (32, 16)) for m in (drawn_big, by_hand))
-    assert torch.equal(got, expected_mask) and none == [] and "has transparency" in notes[0]
+    by_hand.putdata([by_alpha["drawn"][c] for _ in range(16) for c in column])
+    got, notes = inpaint.image_mask(drawn_big, image, (32, 16), reading="alpha")
+    expected_mask, _ = inpaint.image_mask(by_hand, image, (32, 16))
+    assert torch.equal(got, expected_mask) and notes and "read by its transparency" in notes[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([0.0, 0.003, 0.05, 0.5, 1.0]))
+def test_auto_takes_the_reading_both_agree_on_and_refuses_past_a_sliver(seed, share):
+    """A 40 x 25 mask whose transparency marks where to repaint and whose grey levels agree except on a drawn share
+    of its pixels: auto reads it by its transparency up to 0.5% of them (a sliver), and past it refuses."""
+    rng = np.random.default_rng(seed)
+    repaint = rng.random((25, 40)) < 0.4
+    white = repaint.copy()
+    flip = rng.random((25, 40)) < share
+    white[flip] = ~white[flip]
+    rgba = np.zeros((25, 40, 4), np.uint8)
+    rgba[..., :3] = np.where(white, 255, 0)[..., None]
+    rgba[..., 3] = np.where(repaint, 0, 255)
+    mask = Image.fromarray(rgba, "RGBA")
+    if flip.mean() <= inpaint.SLIVER:
+        levels = np.asarray(inpaint.mask_levels(mask).levels)
+        assert np.array_equal(levels >= 128, repaint)
+    else:
+        with pytest.raises(Flux2Error, match=r"reads two ways: by its transparency it repaints"):
+            inpaint.mask_levels(mask)
+    assert np.array_equal(np.asarray(inpaint.mask_levels(mask, reading="alpha").levels) >= 128, repaint)
+    assert np.array_equal(np.asarray(inpaint.mask_levels(mask, reading="grey").levels) >= 128, white)
 
 
 def test_the_latent_grid_reads_the_centre_pixels_of_each_cell_bilinearly():

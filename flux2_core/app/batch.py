@@ -211,7 +211,7 @@ class BatchClient:
                  *, per_server: int = 2, timeout: float = 600.0, server_timeout: float = 60.0,
                  images: dict[str, str] | None = None, masks: dict[str, str] | None = None,
                  sets: dict[str, object] | None = None, seed: int | None = None,
-                 progress: bool | BatchProgress | None = None, on_job=None):
+                 progress: bool | BatchProgress | None = None, on_job=None, mask_reading: str = "auto"):
         self.workflow_name = os.fspath(workflow) if isinstance(workflow, (str, os.PathLike)) else ""
         self.workflow = load_workflow(workflow) if isinstance(workflow, (str, os.PathLike)) else check_workflow(
             workflow, "the workflow given to BatchClient")
@@ -221,7 +221,7 @@ class BatchClient:
         ComfyClient(self.servers[0], timeout=timeout, heartbeat=server_timeout)       # checks both timeouts
         self.out, self.per_server, self.timeout, self.server_timeout = out, per_server, timeout, server_timeout
         self.images, self.masks, self.sets, self.seed = dict(images or {}), dict(masks or {}), dict(sets or {}), seed
-        self.progress, self.on_job = progress, on_job
+        self.progress, self.on_job, self.mask_reading = progress, on_job, mask_reading
         self.poll = POLL              # seconds between two questions to a server about its queue (queue_watch)
         self._turn = 0                # the server after the last one picked: the first to try among equals
         self._cancelled = threading.Event()
@@ -248,7 +248,7 @@ class BatchClient:
                                  "line")
             full.append(BatchJob(job.prompt, job.seed if job.seed is not None else self.seed, job.size, job.images,
                                  job.masks, {**self.sets, **job.sets}, job.id, job.source))
-        return plan_jobs(self.workflow, full, self.images, self.masks)
+        return plan_jobs(self.workflow, full, self.images, self.masks, self.mask_reading)
 
     def run(self, jobs: Iterable[BatchJob | dict]) -> BatchSummary:
         """Run the jobs not done before; returns when each is done or failed. Bad input raises Flux2Error before
@@ -510,6 +510,7 @@ def batch_main(args) -> int:
         client = BatchClient(args.workflow, args.server or ["127.0.0.1:8188"], args.out, per_server=args.per_server,
                              timeout=args.timeout, server_timeout=args.server_timeout,
                              images=parse_pairs(args.image, "--image"), masks=parse_pairs(args.mask, "--mask"),
+                             mask_reading=args.mask_reading,
                              sets=sets, seed=args.seed, progress=True,
                              on_job=lambda record, folder: [print(folder / name, flush=True)
                                                             for name in record.files])

@@ -192,7 +192,7 @@ def job_key(workflow: dict) -> str:
 
 
 def plan_jobs(base: dict, jobs: list[BatchJob], images: dict[str, str] | None = None,
-              masks: dict[str, str] | None = None) -> list[PlannedJob]:
+              masks: dict[str, str] | None = None, mask_reading: str = "auto") -> list[PlannedJob]:
     """`images` / `masks`: pictures for every job (a job's own replace them node by node); each file is read once,
     ids are checked unique, and all the bad jobs are listed in one Flux2Error."""
     planned, errors, ids, keys, seen = [], [], {}, {}, {}
@@ -204,7 +204,7 @@ def plan_jobs(base: dict, jobs: list[BatchJob], images: dict[str, str] | None = 
             cache_key = tuple(sorted((n, p, masked.get(n)) for n, p in files.items()))
             pictures = seen.get(cache_key)
             if pictures is None:
-                pictures = seen[cache_key] = plan_pictures(base, files, masked, where)
+                pictures = seen[cache_key] = plan_pictures(base, files, masked, where, mask_reading)
             job_id = job.id if job.id is not None else f"{number:04d}"
             if not (isinstance(job_id, str) and ID.fullmatch(job_id)):
                 raise Flux2Error(f'{where}"id" {quoted(job_id)} must be 1 to 100 letters, digits, ".", "_" or "-" '

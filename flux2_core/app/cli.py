@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import Flux2Error
 from ..families import FAMILIES, VARIANTS, runnable_variants
+from ..sampling.inpaint import MASK_READINGS
 from .models_folder import find_weights, search_models, variant_option
 from .option_types import dtype_option, number_option
 from .outputs import check_folder, write_new
@@ -79,9 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of images (default 1)")
     p.add_argument("--image", metavar="IMG", help="image-to-image: start from this image")
     p.add_argument("--mask", metavar="MASK", help="inpainting: repaint the white areas of this mask over --image, keep "
-                                                "the black ones (grey blends); in a mask with transparency, the "
-                                                "transparent areas (as ComfyUI's mask editor); the same size as the "
-                                                "image")
+                                                "the black ones (grey blends), the same size as the image; how a mask "
+                                                "with transparency is read: --mask-reading")
+    p.add_argument("--mask-reading", choices=list(MASK_READINGS), default="auto",
+                   help="grey: white = repaint; alpha: transparent = repaint (as ComfyUI's mask editor draws a mask); "
+                        "auto (default): grey for a mask without transparency, and for one with transparency the "
+                        "reading both give, else a refusal asking which (white strokes on a transparent layer mean "
+                        "the opposite in the two)")
     p.add_argument("--expand", metavar="L,T,R,B",
                    help="outpainting: add LEFT,TOP,RIGHT,BOTTOM pixels around --image (each rounded up to a multiple "
                         "of 16) and paint them, fading into the image over 32 pixels so the seam is repainted too "
@@ -573,7 +578,8 @@ def models_generate(models, args, prompt: str, seed: int, batch: int, refs, imag
     from ..pipeline import generate
 
     return generate(models, prompt, references=refs, width=width, height=height, steps=args.steps, cfg=args.cfg,
-                    negative=args.negative, seed=seed, batch=batch, image=image, mask=mask, strength=args.strength,
+                    negative=args.negative, seed=seed, batch=batch, image=image, mask=mask,
+                    mask_reading=args.mask_reading, strength=args.strength,
                     boxes=args.boxes, cache=args.cache,
                     bfl_cuda_noise=args.bfl_noise, offload_encoder=encoder_offload(args), callback=Progress(),
                     warn=lambda note: print(f"note: {note}", file=sys.stderr, flush=True))

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from ..errors import Flux2Error
+from ..sampling.inpaint import MASK_READINGS
 from . import queue_client
 from .batch import MAX_PER_SERVER, batch_main
 from .batch_jobs import MAX_SEED
@@ -43,8 +44,11 @@ def options(prog: str) -> argparse.ArgumentParser:
                         help="a picture from this machine for Load Image node NODE, uploaded to ComfyUI's input "
                              "folder under a name made from its bytes (repeatable)")
     parser.add_argument("--mask", action="append", default=[], metavar="NODE=PATH",
-                        help="a mask for the --image of node NODE: its alpha (or, without alpha, white = repaint) "
-                             "becomes the picture's alpha, which Load Image gives as the mask")
+                        help="a mask for the --image of node NODE, read as --mask-reading says, becomes the "
+                             "picture's alpha, which Load Image gives as the mask")
+    parser.add_argument("--mask-reading", choices=list(MASK_READINGS), default="auto",
+                        help="grey: white = repaint; alpha: transparent = repaint (as ComfyUI's mask editor); auto "
+                             "(default): grey without transparency, else the reading both give, or a refusal asking")
     parser.add_argument("--out", default="output", metavar="DIR", help="folder for the downloaded images (default "
                         "output/); existing files are kept, a taken name gets -1, -2, ...")
     parser.add_argument("--timeout", type=number_option("--timeout", 0, above_low=True), default=600.0,
@@ -95,7 +99,8 @@ def main(argv=None, prog: str = "flux2-klein queue") -> int:
 
 def upload_pictures(workflow: dict, args: argparse.Namespace, server: str) -> dict:
     """The workflow with the --image (and --mask) files uploaded and their nodes set to the names ComfyUI gave."""
-    pictures = plan_pictures(workflow, parse_pairs(args.image, "--image"), parse_pairs(args.mask, "--mask"))
+    pictures = plan_pictures(workflow, parse_pairs(args.image, "--image"), parse_pairs(args.mask, "--mask"),
+                             mask_reading=args.mask_reading)
     check_folder(args.out, "--out")                  # every check before the first upload
     client = queue_client.ComfyClient(server, timeout=args.timeout, heartbeat=args.server_timeout)
     for node, picture in pictures.items():

@@ -37,9 +37,11 @@ class Picture:
     width: int
     height: int
     mask: str | None = None       # the mask file whose alpha it carries (then the bytes are a PNG made here)
+    mask_reading: str = "auto"    # how the mask was read (``inpaint.mask_levels``)
 
     def data(self) -> bytes:
-        data = _masked_bytes(self.path, self.mask, "upload") if self.mask else _read(self.path, "upload")
+        data = (_masked_bytes(self.path, self.mask, "upload", self.mask_reading) if self.mask else
+                _read(self.path, "upload"))
         if hashlib.sha256(data).hexdigest() != self.digest:
             raise Flux2Error(f"the picture {self.path} on this machine changed after it was checked (its bytes are "
                              "no longer the ones checked), so it was not sent; put the original back, or run again to "
@@ -80,12 +82,12 @@ def _open(path: str, data: bytes, what: str) -> Image.Image:
     return picture
 
 
-def read_picture(path: str, what: str, mask: str | None = None) -> Picture:
+def read_picture(path: str, what: str, mask: str | None = None, mask_reading: str = "auto") -> Picture:
     """Within UPLOAD_LIMIT and PIXEL_LIMIT; with `mask`, a PNG with the mask's alpha. `what`: the option, for
     messages."""
     path = os.fspath(path)
     if mask is not None:
-        data = _masked_bytes(path, os.fspath(mask), what)
+        data = _masked_bytes(path, os.fspath(mask), what, mask_reading)
         suffix = ".png"
     else:
         data = _read(path, what)
@@ -93,19 +95,20 @@ def read_picture(path: str, what: str, mask: str | None = None) -> Picture:
     with Image.open(io.BytesIO(data)) as picture:
         width, height = picture.size
     digest = hashlib.sha256(data).hexdigest()
-    return Picture(path, f"flux2-{digest[:32]}{suffix}", digest, width, height, os.fspath(mask) if mask else None)
+    return Picture(path, f"flux2-{digest[:32]}{suffix}", digest, width, height, os.fspath(mask) if mask else None,
+                   mask_reading)
 
 
-def mask_alpha(mask: Image.Image, name: str = "the mask") -> Image.Image:
+def mask_alpha(mask: Image.Image, name: str = "the mask", reading: str = "auto") -> Image.Image:
     """The alpha Load Image reads the mask from (transparent = repaint): the engine's reading of the mask picture
     (``inpaint.mask_levels``) turned over; its note, where it has one, on stderr as the command line's."""
-    reading = mask_levels(mask, name)
+    reading = mask_levels(mask, name, reading)
     if reading.note:
         print(f"note: {reading.note}", file=sys.stderr)
     return Image.eval(reading.levels, lambda v: 255 - v)
 
 
-def _masked_bytes(path: str, mask_path: str, what: str) -> bytes:
+def _masked_bytes(path: str, mask_path: str, what: str, reading: str = "auto") -> bytes:
     """PNG bytes, the same each time for the same two files."""
     # both upright (their EXIF orientation applied, as Load Image turns a picture) before they are compared and joined
     picture = decoded(_open(path, _read(path, what), what), f"{what}: {path}")
@@ -114,7 +117,7 @@ def _masked_bytes(path: str, mask_path: str, what: str) -> bytes:
         raise Flux2Error(f"{what}: the mask {mask_path} is {mask.width}x{mask.height} pixels and the picture {path} "
                          f"{picture.width}x{picture.height}; a mask must be the size of its picture")
     joined = picture.convert("RGB")
-    joined.putalpha(mask_alpha(mask, f"{what}: the mask {mask_path}"))
+    joined.putalpha(mask_alpha(mask, f"{what}: the mask {mask_path}", reading))
     out = io.BytesIO()
     joined.save(out, "PNG")
     return out.getvalue()
@@ -178,7 +181,8 @@ def parse_pairs(items, option: str) -> dict[str, str]:
     return pairs
 
 
-def plan_pictures(workflow: dict, images: dict[str, str], masks: dict[str, str], where: str = "") -> dict:
+def plan_pictures(workflow: dict, images: dict[str, str], masks: dict[str, str], where: str = "",
+                  mask_reading: str = "auto") -> dict:
     """{node: Picture}, all checked before anything is uploaded; `where` prefixes messages (a batch line)."""
     pictures = {}
     for node, mask in masks.items():
@@ -188,5 +192,5 @@ def plan_pictures(workflow: dict, images: dict[str, str], masks: dict[str, str],
     for node, path in images.items():
         what = f"{where}--image {node}={path}"
         check_picture_node(workflow, node, what)
-        pictures[node] = read_picture(path, what, masks.get(node))
+        pictures[node] = read_picture(path, what, masks.get(node), mask_reading)
     return pictures

@@ -108,22 +108,43 @@ class MaskReading:
     note: str = ""                   # said where the reading is not the plain grey one
 
 
-def mask_levels(mask, name: str = "the mask") -> MaskReading:
-    """A mask picture as "L" levels, 255 = repaint. A picture with transparency is read by it, as ComfyUI's mask editor
-    and Load Image read one (transparent = repaint), and says so (white strokes on a transparent layer mean the
-    opposite there); any other by its grey levels (white = repaint), so a black and white mask saved with an opaque
-    alpha channel means what it shows."""
+# How a mask picture is read: "grey", its grey levels (white = repaint); "alpha", its transparency (transparent =
+# repaint, as ComfyUI's mask editor draws one); "auto", the grey levels of a picture without transparency, and of one
+# with transparency the reading both agree on, else a refusal that names the choice (the two say opposite things of
+# white strokes on a transparent layer).
+MASK_READINGS = ("auto", "alpha", "grey")
+SLIVER = 0.005                       # the share of pixels two readings may disagree on and still be one mask
+CHOOSE = ("choose how to read it: alpha (transparent = repaint, as ComfyUI's mask editor) or grey (white = repaint): "
+          "--mask-reading on the command line, mask_reading= in Python")
+
+
+def mask_levels(mask, name: str = "the mask", reading: str = "auto") -> MaskReading:
+    """A mask picture as "L" levels, 255 = repaint, read as ``reading`` says (``MASK_READINGS``)."""
+    if reading not in MASK_READINGS:
+        raise Flux2Error(f"the mask reading {reading!r} is not one of {', '.join(MASK_READINGS)}")
     picture = decoded(mask, name)
     if picture.mode in ("La", "RGBa"):              # premultiplied: PIL converts these only to their plain modes
         picture = picture.convert(picture.mode.upper())
+    grey, by_alpha = as_pil(picture, name).convert("L"), None
     if "A" in picture.getbands() or "transparency" in picture.info:
         alpha = picture.convert("RGBA").getchannel("A")
         if alpha.getextrema()[0] < 255:
-            return MaskReading(Image.eval(alpha, lambda v: 255 - v),
-                               f"{name} has transparency, so it was read by it as ComfyUI's mask editor draws one: "
-                               "the transparent areas are repainted, the opaque ones kept (for white = repaint, save "
-                               "it without transparency)")
-    return MaskReading(as_pil(picture, name).convert("L"))
+            by_alpha = Image.eval(alpha, lambda v: 255 - v)
+    if reading == "grey" or (reading == "auto" and by_alpha is None):
+        return MaskReading(grey, "" if by_alpha is None else f"{name} was read by its grey levels (white = repaint); "
+                                                            f"its transparency was not read")
+    if by_alpha is None:
+        raise Flux2Error(f"{name} has no transparency to read it by (the alpha reading): read it by its grey levels "
+                         f"(grey or auto), or save it with the areas to repaint transparent")
+    said = f"{name} was read by its transparency: the transparent areas are repainted, the opaque ones kept"
+    if reading == "alpha":
+        return MaskReading(by_alpha, said)
+    a, g = (np.asarray(levels) >= 128 for levels in (by_alpha, grey))
+    differ = float((a != g).mean())
+    if differ <= SLIVER:
+        return MaskReading(by_alpha, f"{said} (its grey levels say the same)")
+    raise Flux2Error(f"{name} reads two ways: by its transparency it repaints {a.mean():.0%} of the picture, by its "
+                     f"grey levels {g.mean():.0%}, and they disagree on {differ:.0%} of it; {CHOOSE}")
 
 
 def mask_tensor(image: Image.Image) -> Tensor:
@@ -153,9 +174,10 @@ def check_mask_size(mask_size: tuple[int, int], image_size: tuple[int, int], wha
     return f"the mask is {mw}x{mh} (WxH), {what} {w}x{h}: the mask was resized to fit it"
 
 
-def image_mask(mask, image: Image.Image, size: tuple[int, int]) -> tuple[Tensor, list[str]]:
-    """-> (float32 [1, 1, H, W] at ``size``, notes), fitted, cropped and resized as the source image is."""
-    reading = mask_levels(mask)
+def image_mask(mask, image: Image.Image, size: tuple[int, int], reading: str = "auto") -> tuple[Tensor, list[str]]:
+    """-> (float32 [1, 1, H, W] at ``size``, notes), read as ``reading`` says (``mask_levels``), fitted, cropped and
+    resized as the source image is."""
+    reading = mask_levels(mask, reading=reading)
     mask, notes = reading.levels, [reading.note] if reading.note else []
     resized = check_mask_size(mask.size, image.size)
     if resized:

@@ -73,7 +73,7 @@ class Request:
 def read_request(variant: Variant, prompt: str, *, references=(), width: int | None = None,
                  height: int | None = None, steps: int | None = None, sigmas: list[float] | None = None,
                  image=None, strength: float = 1.0, mask=None, boxes=None, batch: int = 1,
-                 say: Callable[[str], None] = lambda note: None) -> Request:
+                 say: Callable[[str], None] = lambda note: None, mask_reading: str = "auto") -> Request:
     """Everything of a generate call that can be refused, refused (``Flux2Error``) before any model runs; ``say``
     receives each note as it arises."""
     if not isinstance(prompt, str):
@@ -101,7 +101,7 @@ def read_request(variant: Variant, prompt: str, *, references=(), width: int | N
         sigmas = family.schedule(variant.default_steps if steps is None else steps, h * w)
     request = Request(text, layout, refs, init, width, height, sigmas, strength, crop=crop, notes=clamp_notes(layout))
     if masked:
-        pixels, notes = inpaint.image_mask(mask, source, (width, height))
+        pixels, notes = inpaint.image_mask(mask, source, (width, height), mask_reading)
         request.mask = inpaint.latent_mask(pixels, batch, h, w)[0]
         request.notes += [*notes, inpaint.mask_note(pixels, request.mask)]
     request.notes = [note for note in request.notes if note]
