@@ -12,7 +12,8 @@ CORE = ROOT / "flux2_core"
 
 # lowest first; a top-level file is its own layer: the base modules, then pipeline.py (the public API)
 LAYERS = [
-    {"errors"}, {"variants", "prompt_padding", "checks", "user_json", "latents", "digests", "kitchen", "devices", "key_tables"}, {"storage"}, {"models"}, {"families"}, {"weights"},
+    {"errors"}, {"variants", "prompt_padding", "checks", "user_json", "latents", "digests", "kitchen", "devices", "key_tables",
+                 "listing"}, {"storage"}, {"models"}, {"families"}, {"weights"},
     {"adapters"}, {"runtime"}, {"sampling"}, {"upsampler"}, {"pipeline"}, {"app", "__main__", "__init__"},
 ]
 

@@ -1,4 +1,4 @@
-"""Each family states the longest side it makes (``Family.max_side``: FLUX 3 Image Klein's reference's 4K), and the
+"""Each family states the longest side it makes (``Family.largest_side``: FLUX 3 Image Klein's reference's 4K), and the
 one size check refuses a side past it before any model loads: from the command line, in generate and in the Denoise
 run asked for in latents. Expectations are the records' numbers, written here by hand."""
 
@@ -15,7 +15,7 @@ STATED = {"flux2": 8192, "flux3": 4096}       # FLUX 3: "up to 4K" (BFL's model 
 
 
 def test_each_family_states_its_longest_side():
-    assert {name: FAMILIES[name].max_side for name in STATED} == STATED
+    assert {name: FAMILIES[name].largest_side for name in STATED} == STATED
 
 
 @settings(max_examples=200, deadline=None)

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 from ..errors import Flux2Error
-from ..families import FAMILIES, VARIANTS, runnable_variants
+from ..families import FAMILIES, VARIANTS, check_size_for_any, runnable_variants
 from ..sampling.inpaint import MASK_READINGS
 from .models_folder import find_weights, search_models, variant_option
 from .option_types import dtype_option, number_option
@@ -286,7 +286,7 @@ def check_early(args, refs) -> None:
 
 def check_schedule(family, steps: int | None, width: int, height: int) -> None:
     """The family that runs makes a picture of this size: its schedule serves it (FLUX.2's breaks on large ones) and no
-    side is past its ``max_side``; before the files say which family runs (``family`` None), every family's schedule
+    side is past its ``largest_side``; before the files say which family runs (``family`` None), every family's schedule
     is asked, and a side no family makes is refused. Without --steps, at 4 steps, the least demanding default: a size
     that breaks at 4 breaks at any default."""
     from .. import latents
@@ -296,8 +296,8 @@ def check_schedule(family, steps: int | None, width: int, height: int) -> None:
         each.schedule(steps or 4, tokens)
     if family is not None:
         family.check_size(width, height)
-    elif all(max(width, height) > each.max_side for each in FAMILIES.values()):      # no family makes it
-        max(FAMILIES.values(), key=lambda each: each.max_side).check_size(width, height)
+    else:
+        check_size_for_any(width, height)
 
 
 def early_family(args):

@@ -30,6 +30,7 @@ from .flux3 import FLUX3
 from .registry import (
     FAMILIES,
     VARIANTS,
+    check_size_for_any,
     encoder_for,
     family_of,
     family_of_encoder,
@@ -53,6 +54,7 @@ __all__ = [
     "NoiseReading",
     "ReferenceFit",
     "ShapeReader",
+    "check_size_for_any",
     "encoder_for",
     "family_of",
     "family_of_encoder",

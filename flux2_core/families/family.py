@@ -126,15 +126,15 @@ class Family:
     takes_layout: bool                              # its prompts may carry layout boxes (``sampling/boxes.py``)
     dtypes: tuple[torch.dtype, ...]                 # the compute dtypes its transformer runs in, the preferred first
                                                     # (``devices.model_dtype``: the one rule, CLI and nodes)
-    max_side: int                                   # the longest side of a picture it makes, in pixels (its
+    largest_side: int                               # the longest side of a picture it makes, in pixels (its
                                                     # reference's limit; ``check_size``)
 
     def check_size(self, width: int, height: int) -> None:
-        """The one size check of a run, before any model loads: a side past ``max_side`` is refused (the schedule
+        """The one size check of a run, before any model loads: a side past ``largest_side`` is refused (the schedule
         checks the area where it depends on it: FLUX.2's)."""
-        if max(width, height) > self.max_side:
-            fit = self.max_side / max(width, height)
+        if max(width, height) > self.largest_side:
+            fit = self.largest_side / max(width, height)
             smaller = "x".join(str(max(16, int(side * fit) // 16 * 16)) for side in (width, height))
-            raise Flux2Error(f"{self.title} makes pictures up to {self.max_side} px a side; "
+            raise Flux2Error(f"{self.title} makes pictures up to {self.largest_side} px a side; "
                              f"{width}x{height} (WxH) is past it: use e.g. {smaller}, or make a smaller picture and "
                              f"upscale it")

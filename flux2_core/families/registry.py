@@ -42,6 +42,12 @@ def register(family: Family) -> Family:
     return family
 
 
+def check_size_for_any(width: int, height: int) -> None:
+    """Before the files say which family runs: a size no registered family makes is refused (by the one that makes the
+    largest, which names its limit)."""
+    max(FAMILIES.values(), key=lambda family: family.largest_side).check_size(width, height)
+
+
 def unregister(name: str) -> None:
     """Removes a family and its variants (tests' toy family)."""
     family = FAMILIES.pop(name)

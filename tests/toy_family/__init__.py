@@ -30,4 +30,4 @@ TOY = Family(name="toy", params_type=ToyParams, title="Toy", variants=(TOY_VARIA
              reference_ids=rope.reference_ids, references=ReferenceFit(single_pixels=1024 * 1024,
                                                                         multi_pixels=1024 * 1024),
              takes_layout=False,
-               dtypes=(torch.bfloat16, torch.float16, torch.float32), max_side=2048)
+               dtypes=(torch.bfloat16, torch.float16, torch.float32), largest_side=2048)
