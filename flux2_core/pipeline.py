@@ -81,8 +81,7 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
     from . import weights
 
     dtype = dtype_named(dtype)                  # "fp16", "bf16", ... mean the torch dtype; anything else is refused
-    computes_on, _ = weights.default_device_dtype(device, torch.float32)
-    if dtype is not None and computes_on.type == "cpu":
+    if dtype is not None and str(device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
         check_cpu_dtype(dtype)                  # refused before anything loads, not in the first attention
     cpu, stream, asked = torch.device("cpu"), False, dtype
     if offload_blocks is not False:            # decided from the headers: streamed weights are read to the CPU only

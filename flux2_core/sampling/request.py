@@ -96,9 +96,9 @@ def read_request(variant: Variant, prompt: str, *, references=(), width: int | N
     base = (init or refs[0]).size if init or refs else (DEFAULT_SIZE, DEFAULT_SIZE)
     width, height = (base[0] if width is None else width), (base[1] if height is None else height)
     h, w = latent_size(height, width)
-    family.check_size(width, height)
     if sigmas is None:
         sigmas = family.schedule(variant.default_steps if steps is None else steps, h * w)
+    family.check_size(width, height)
     request = Request(text, layout, refs, init, width, height, sigmas, strength, crop=crop, notes=clamp_notes(layout))
     if masked:
         pixels, notes = inpaint.image_mask(mask, source, (width, height), mask_reading)
