@@ -168,9 +168,8 @@ def cpu_bf16_attention_fails() -> str:
     flags = cpu_flags()
     if not flags.amx or flags.aten == ATEN_AVX512:
         return ""
-    held = os.environ.get("ATEN_CPU_CAPABILITY", "").strip()
-    return (f"torch's bf16 attention on an AMX CPU needs its AVX-512 kernels, and it runs its {flags.aten} ones"
-            f"{f' (ATEN_CPU_CAPABILITY={held})' if held else ''}")
+    return (f"torch's bf16 attention on an AMX CPU needs its AVX-512 kernels, and it runs its {flags.aten} ones "
+            f"(ATEN_CPU_CAPABILITY picks them)")
 
 
 def check_cpu_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -178,10 +177,8 @@ def check_cpu_dtype(dtype: torch.dtype) -> torch.dtype:
     before anything is loaded, rather than failing in the first attention."""
     blocked = cpu_bf16_attention_fails() if dtype == torch.bfloat16 else ""
     if blocked:
-        fix = ("unset ATEN_CPU_CAPABILITY (or set it to avx512), or compute" if os.environ.get("ATEN_CPU_CAPABILITY")
-               else "use a torch build with AVX-512 kernels, or compute")
-        raise Flux2Error(f"bfloat16 cannot run on this CPU: {blocked}. {fix[0].upper()}{fix[1:]} in float32 "
-                         f"(--dtype float32, or auto)")
+        raise Flux2Error(f"bfloat16 cannot run on this CPU: {blocked}. Unset ATEN_CPU_CAPABILITY (or set it to "
+                         f"avx512), or compute in float32 (--dtype float32, or auto)")
     return dtype
 
 

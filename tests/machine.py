@@ -183,10 +183,9 @@ class Pinned:
         self.current = replace(self.current, free_memory=nbytes)
 
     def _set_variables(self):
-        """The variables the rules read (for their messages too) as the machine has them."""
-        for variable in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        """The variables the rules read as the machine has them. ATEN_CPU_CAPABILITY is not one: the rules read torch's
+        kernel build through the flags, and the variable would change what inductor builds for the real CPU."""
+        for variable in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
             self.patch.delenv(variable, raising=False)
         if self.current.onednn_isa:
             self.patch.setenv("ONEDNN_MAX_CPU_ISA", self.current.onednn_isa)
-        if self.current.aten != "AVX512" and self.current.amx:
-            self.patch.setenv("ATEN_CPU_CAPABILITY", self.current.aten.lower())
