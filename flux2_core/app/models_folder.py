@@ -74,9 +74,9 @@ def _files(models: Path, folders: tuple[str, ...], passed: list[str] | None = No
 
 def unusable(path: Path) -> str:
     """What an entry named like a weights file is when it cannot be read as one, or "" where it can."""
-    if not path.is_symlink() and not path.exists():
-        return "not there"
-    if path.is_symlink() and not path.exists():
+    if not path.exists():                             # a link whose target cannot be reached, or nothing
+        if not path.is_symlink():
+            return "not there"
         try:
             path.resolve(strict=True)
         except RuntimeError:                          # Python before 3.13 says a loop so

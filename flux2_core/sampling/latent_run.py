@@ -114,10 +114,10 @@ def check_inputs(*, noise, txt, negative, references, latent, noise_mask) -> Non
     refusal names the input, the shape found, the shape wanted and where such an input comes from."""
     _latent("the noise latent", noise, "noise")
     batch = noise.shape[0]
-    for what, embeds, source in (("the prompt embeddings", txt, "txt"), ("the negative prompt embeddings", negative,
-                                                                          "negative")):
-        if embeds is None and source == "negative":
-            continue
+    prompts = [("the prompt embeddings", txt, "txt")]
+    if negative is not None:
+        prompts.append(("the negative prompt embeddings", negative, "negative"))
+    for what, embeds, source in prompts:
         if not isinstance(embeds, Tensor) or embeds.ndim != 3 or 0 in embeds.shape:
             raise _refuse(what, embeds, "[batch, tokens, width]", source)
         if embeds.shape[0] not in (1, batch):

@@ -21,15 +21,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .. import families
-from ..devices import (
-    SIXTEEN_BIT,
-    ComputeDtype,
-        check_model_dtype,
-    compute_dtype,
-    dtype_named,
-    kept_dtype,
-    model_dtype,
-)
+from ..devices import SIXTEEN_BIT, ComputeDtype, check_model_dtype, compute_dtype, dtype_named, kept_dtype, model_dtype
 from ..errors import Flux2Error
 from ..families import Family, ModelParams
 from ..key_tables import Layout, Recipe, same_names, table_names, table_recipes
