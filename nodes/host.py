@@ -12,6 +12,12 @@ streams their weights in at each call; it can do that only for layers of its own
 ComfyUI's subclasses of the same layers (same parameters, same maths; they only add the weight streaming), and
 makes every other layer that holds parameters (RMS norms) follow its input to the device it runs on. Layers whose
 storage copies itself to its input's device (GGUF blocks) get ComfyUI's mark of a castable layer: see ``_host_class``.
+
+Dynamic VRAM (ComfyUI's ``CoreModelPatcher`` made ``ModelPatcherDynamic``, its default on NVIDIA from v0.3x): our
+patchers are the host's ``CoreModelPatcher``, so our models stream from RAM layer by layer as its own do. Such a host
+keeps pinned and on-GPU copies of the weights it streams and re-makes the ones it loads whole at every load, so there
+the pack never writes a stored weight: LoRAs run beside the weights (``Managed.use_adapters``), reference K/V are
+kept on the offload device between runs, and GGUF blocks (buffers, which it loads whole) carry no streaming mark.
 """
 
 from __future__ import annotations
@@ -285,9 +291,15 @@ class Managed:
         """Apply the LoRAs this model came with (Klein LoRA nodes) to ``module``, its transformer or its
         Qwen3, with ``patches_of(adapter)`` picking their patches for it; the weights as loaded when there are none.
         The module is shared by every branch using the loader's output, so each user sets the LoRAs it needs;
-        flux2_core.adapters.patching restores the original weights bit for bit in between."""
+        flux2_core.adapters.patching restores the original weights bit for bit in between. Under dynamic VRAM nothing
+        merges (a merged weight would go stale in the host's copies): every LoRA runs beside the weights."""
         if run_state(module).adapter_key != self.adapter_key:
             merge = patching.merge_asked(a.merge for a in self.adapters if a.strength)
+            if is_dynamic(self.patcher):
+                if merge:
+                    log.warning("Klein LoRA: merge is not taken under ComfyUI's dynamic VRAM, which streams the "
+                                "weights as stored; the LoRA runs beside them")
+                merge = False
             patching.set_adapters(module, [(patch, a.strength) for a in self.adapters
                                            for patch in patches_of(a.adapter)], self.adapter_key, merge)
 
@@ -299,8 +311,28 @@ class Managed:
 
 def partially_loaded(model: Managed) -> bool:
     """Whether ComfyUI keeps some of the model's layers on the offload device, streaming their weights at each call
-    (its "lowvram" loading, when the model does not fit the free memory)."""
-    return bool(getattr(model.patcher.model, "model_lowvram", False))
+    (its "lowvram" loading, when the model does not fit the free memory, and every load under dynamic VRAM)."""
+    return is_dynamic(model.patcher) or bool(getattr(model.patcher.model, "model_lowvram", False))
+
+
+def is_dynamic(patcher) -> bool:
+    """Whether ComfyUI streams this patcher's weights from RAM (a ``ModelPatcherDynamic``)."""
+    return bool(getattr(patcher, "is_dynamic", lambda: False)())
+
+
+def new_patcher(model: nn.Module, kind: str) -> comfy.model_patcher.ModelPatcher:
+    """A patcher of the class the host makes its own models with (``CoreModelPatcher``: dynamic where dynamic VRAM
+    is on; a plain ``ModelPatcher`` on a CPU load device and on hosts without it), on the devices of ``kind``.
+
+    The first dynamic patchers (opt-in before v0.3x) kept every weight they do not stream on the CPU, where our
+    encoders, which run where their anchor layer is, would then compute; there our models keep the plain patcher
+    they always had. The later design loads those weights whole (``restore_loaded_backups`` puts them back)."""
+    load_device, offload_device = devices(kind)
+    plain = comfy.model_patcher.ModelPatcher
+    patcher_class = getattr(comfy.model_patcher, "CoreModelPatcher", plain)
+    if not hasattr(patcher_class, "restore_loaded_backups"):
+        patcher_class = plain
+    return patcher_class(model, load_device=load_device, offload_device=offload_device)
 
 
 def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str = "", variant=None,
@@ -312,16 +344,14 @@ def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str =
     encoder's embedding) is marked all the same: ComfyUI moves a marked layer whole or not at all too, and an
     unmarked one never (``_host_class``).
     """
+    holder = host_model(module, variant, dtype, devices(kind)[1]) if kind == "transformer" else None
+    patcher = new_patcher(holder if holder is not None else HOLDERS[kind](module), kind)
     for name, layer in module.named_modules():
-        castable = _castable(layer, name == anchor)
+        castable = _castable(layer, name == anchor, is_dynamic(patcher))
         if castable is not None:
             layer.__class__ = castable                   # a subclass with the same state: see the module docstring
         elif next(layer.children(), None) is None and next(layer.parameters(recurse=False), None) is not None:
             layer.register_forward_pre_hook(_follow_input)   # a leaf layer with parameters, e.g. an RMS norm
-    load_device, offload_device = devices(kind)
-    holder = host_model(module, variant, dtype, offload_device) if kind == "transformer" else None
-    holder = holder if holder is not None else HOLDERS[kind](module)
-    patcher = comfy.model_patcher.ModelPatcher(holder, load_device=load_device, offload_device=offload_device)
     return Managed(core, patcher, dtype, variant, full_load, fingerprint(module))
 
 
@@ -346,10 +376,12 @@ class Flux2KleinReferenceKV(nn.Module):
 
 def manage_reference_kv(kv: ReferenceKV) -> comfy.model_patcher.ModelPatcher:
     """Reference K/V (freshly computed, on the transformer's device) under ComfyUI's model management; ComfyUI
-    counts them as loaded from the first ``reference_kv_ready``."""
-    load_device, offload_device = devices("transformer")
-    return comfy.model_patcher.ModelPatcher(Flux2KleinReferenceKV(kv), load_device=load_device,
-                                            offload_device=offload_device)
+    counts them as loaded from the first ``reference_kv_ready``. A dynamic host loads them whole at each load and
+    frees them by putting back what it had before, so there they start on the offload device."""
+    patcher = new_patcher(Flux2KleinReferenceKV(kv), "transformer")
+    if is_dynamic(patcher):
+        patcher.model.to(patcher.offload_device)
+    return patcher
 
 
 def reference_kv_ready(patcher: comfy.model_patcher.ModelPatcher, model: Managed, memory: int) -> ReferenceKV:
@@ -360,14 +392,15 @@ def reference_kv_ready(patcher: comfy.model_patcher.ModelPatcher, model: Managed
     return patcher.model.kv().to(device)     # no copy unless ComfyUI had to give their memory to the transformer
 
 
-def _castable(layer: nn.Module, anchor: bool) -> type | None:
+def _castable(layer: nn.Module, anchor: bool, dynamic: bool) -> type | None:
     """The class ComfyUI can stream a layer as (``_host_class``): marked when its storage follows its input (anchor or
-    not), ComfyUI's castable class for a layer of a castable torch class (ours included); None for anything else and
-    for a plain anchor."""
+    not) and the host is not dynamic (which loads the blocks, buffers, whole and would only reserve room to stream
+    them), ComfyUI's castable class for a layer of a castable torch class (ours included); None for anything else
+    and for a plain anchor."""
     if hasattr(layer, "comfy_cast_weights"):
         return None                                      # already ComfyUI's
     if getattr(layer, "follows_input", False):
-        return _host_class(type(layer), None)
+        return None if dynamic else _host_class(type(layer), None)
     base = next((base for base in CASTABLE if isinstance(layer, base)), None)
     return None if anchor or base is None else _host_class(type(layer), base)
 

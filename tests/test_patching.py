@@ -119,6 +119,31 @@ def test_run_time_branches_equal_merged_weights():
     assert (forward(branched) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("axis", ["out", "in"])
+def test_dora_as_a_branch_equals_its_merge_and_changes_no_stored_weight(axis):
+    """merge=False (a host that streams the weights as stored, ComfyUI's dynamic VRAM): DoRA runs as a branch that
+    gives what its merge gives, after another LoRA on the same layers and at a strength other than 1, per output row
+    and per input column, and every stored tensor stays bit for bit."""
+    (a, _, _), (b, _, _) = lora(1), lora(2)
+    g = torch.Generator().manual_seed(3)
+
+    def dora(patch):
+        shape = (patch.shape[0], 1) if axis == "out" else (1, patch.shape[1])
+        return replace(patch, dora_scale=0.5 + torch.rand(shape, generator=g))
+
+    patches = [(p, 0.8) for p in a.patches] + [(dora(p), 0.6) for p in b.patches]
+    merged, branched = tiny_model(), tiny_model()
+    set_adapters(merged, patches)
+    set_adapters(branched, patches, merge=False)
+    assert not run_state(branched).adapters.merged and len(run_state(branched).adapters.hooks) == len(MODULES)
+    assert all(torch.equal(v, tiny_model().state_dict()[k]) for k, v in branched.state_dict().items())
+    want, plain = forward(merged), forward(tiny_model())
+    assert (forward(branched) - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (plain - want).abs().max() > 1e-2 * want.abs().max()          # the patches change the result
+    set_adapters(branched, [])
+    assert torch.equal(forward(branched), plain)
+
+
 def test_fp8_layers_take_a_branch_unless_asked_to_merge():
     """The fp8 weights stay as they are; the result equals merging the LoRA into the dequantized float weights."""
     a, _, _ = lora(1)

@@ -4,8 +4,10 @@ Where the layer's storage merges (float weights), W' = W + Σ strength·ΔW is c
 W, which the layer keeps on the CPU: free per step, and every new set starts from the original, so nothing ever
 drifts. Quantized storage (fp8, GGUF) runs a branch y[..., rows] += strength·ΔW x beside the unchanged weight, since
 re-quantizing a merged weight would round it again; ``merge=True`` merges anyway, as the storage does it. DoRA
-always merges: it rescales the whole weight. ``run_state(model).adapter_key`` names the applied set; the caches key
-by it (``cache.fingerprint``), so nothing computed with one set is served for another.
+rescales the whole weight, so it merges unless ``merge=False``, which changes no stored tensor at all (a host that
+streams the weights as stored): its branch scales the layer's output rows, or its input columns, by the factor the
+merge would use. ``run_state(model).adapter_key`` names the applied set; the caches key by it
+(``cache.fingerprint``), so nothing computed with one set is served for another.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def merge_asked(flags) -> bool | None:
 def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: Hashable = (),
                  merge: bool | None = None) -> None:
     """Replaces whatever an earlier call applied; an empty list gives the model as loaded. ``merge``: None merges
-    float layers and branches the others, True merges all, False branches all but DoRA. Strength 0 is left out. Every
+    float layers and branches the others, True merges all, False branches all (no stored tensor changes). Strength 0
+    is left out. Every
     patch is checked against its layer before anything changes: a refused set leaves the model as it was.
     """
     if merge not in (None, True, False):
@@ -58,11 +61,11 @@ def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: 
     for name, items in by_layer.items():
         layer = layers[name]
         dora = any(p.dora_scale is not None for p, _ in items)
-        if dora or merge is True or (merge is None and layer.merges_adapters):
+        if merge is True or (merge is None and (dora or layer.merges_adapters)):
             layer.merge_weight(_merged(items))
             applied.merged.append(layer)
         else:
-            applied.hooks.append(layer.register_forward_hook(_branches(items)))
+            applied.hooks.append(layer.register_forward_hook(_branches(items, _dora_factors(layer, items))))
 
 
 @torch.no_grad()
@@ -123,13 +126,48 @@ def _on_device(items: list[tuple[Patch, float]], device: torch.device) -> list[t
     return items
 
 
-def _branches(items: list[tuple[Patch, float]]):
+@torch.no_grad()
+def _dora_factors(layer: StoredLinear, items: list[tuple[Patch, float]]) -> list[Tensor | None]:
+    """Per patch, its DoRA factor ([rows, 1] or [1, in]) against the weight as the patches before it leave it, as
+    ``_merge_rows`` computes it; None for the others. Replayed once on a float32 copy that is never written back."""
+    if all(patch.dora_scale is None for patch, _ in items):
+        return [None] * len(items)
+    # a copy: a float32 layer's float_weight is its weight itself
+    weight, factors = layer.float_weight(torch.float32, torch.device("cpu")).clone(), []
+    for patch, strength in items:
+        rows = slice(*patch.rows) if patch.rows else slice(None)
+        factors.append(None if patch.dora_scale is None else patch.dora_factor(weight[rows]))
+        weight[rows] = patch.merged(weight[rows], strength)
+    return factors
+
+
+def _branches(items: list[tuple[Patch, float]], factors: list[Tensor | None]):
     """A forward hook; ΔW is never built for LoRA and LoKr."""
     def hook(layer: nn.Module, args: tuple, out: Tensor) -> Tensor:
         x = args[0]
         out = out.clone() if torch.is_grad_enabled() else out       # in place when nothing records the graph
-        for patch, strength in _on_device(items, x.device):
-            rows = slice(*patch.rows) if patch.rows else slice(None)
-            out[..., rows] += strength * patch.branch(x).to(out.dtype)
-        return out
+        factors[:] = [None if f is None else f.to(x.device) for f in factors]      # moved once, as the patches
+        return _branched(layer, _on_device(items, x.device), factors, x, out)
     return hook
+
+
+def _branched(layer: nn.Module, items: list[tuple[Patch, float]], factors: list[Tensor | None], x: Tensor,
+              out: Tensor) -> Tensor:
+    """``out`` (W x, W the stored weight) made W' x, patch after patch as ``_merge_rows`` makes W'. DoRA per output
+    row: W' x = W x + s·(f ⊙ (W + ΔW) x − W x). Per input column: (W + ΔW)(f ⊙ x), which needs the weight as the
+    patches before it leave it applied to f ⊙ x: the layer's own forward (no hooks) and those patches again."""
+    for i, ((patch, strength), factor) in enumerate(zip(items, factors)):
+        rows = slice(*patch.rows) if patch.rows else slice(None)
+        if factor is None:
+            out[..., rows] += strength * patch.branch(x).to(out.dtype)
+            continue
+        if factor.shape[-1] == 1:                                    # [rows, 1]
+            base, delta = out[..., rows].float(), patch.branch(x.float())
+            scaled = (base + delta) * factor.T
+        else:                                                        # [1, in]
+            xs = x * factor.to(x.dtype)
+            base = out[..., rows].float()
+            scaled = _branched(layer, items[:i], factors[:i], xs, layer.forward(xs))[..., rows].float() + \
+                patch.branch(xs.float())
+        out[..., rows] = (base + strength * (scaled - base)).to(out.dtype)
+    return out
