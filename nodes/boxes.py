@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..flux2_core.sampling.boxes import Box, check_rows, clamp_notes, read_boxes, rows
+from ..flux2_core.errors import Flux2Error
+from ..flux2_core.sampling.boxes import Box, boxes_from_pixels, check_rows, clamp_notes, read_boxes, rows
 from . import host, types
 
 EXAMPLE = ('[{"desc": "a red hot-air balloon", "bbox": [0.08, 0.1, 0.45, 0.4]},\n'
@@ -36,10 +37,55 @@ class Layout(io.ComfyNode):
 
     @classmethod
     def execute(cls, boxes: str) -> io.NodeOutput:
-        layout = read_layout(boxes)
-        shown = "\n".join([*(f"{row['id']}: {row.get('bbox') or row.get('tgt_bbox')} {row['desc']}"
-                             for row in rows(layout)), *clamp_notes(layout)])
-        return io.NodeOutput(layout, ui=ui.PreviewText(f"{len(layout)} boxes on the 0-1000 canvas\n{shown}"))
+        return layout_output(read_layout(boxes))
+
+
+class LayoutFromBoxes(io.ComfyNode):
+    """Listed where the host has ComfyUI's bounding-box type (``NEEDS_TYPES`` in extension.py)."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="Flux2KleinLayoutFromBoxes", display_name="FLUX 3 Klein Layout from Boxes",
+            category=f"{types.CATEGORY}/conditioning",
+            description="The Layout node's boxes from ComfyUI's bounding boxes: a box drawn with the Bounding Box "
+                        "node, or those a detector found, in pixels of the picture they are on, one description "
+                        "per line in the boxes' order. Connect it to Prompt Encode's boxes.",
+            inputs=[io.BoundingBox.Input("bboxes", force_input=True,
+                                         tooltip="A box or a list of boxes (x, y, width, height in pixels)."),
+                    io.Image.Input("image", tooltip="The picture the boxes are on: its size turns pixels into the "
+                                                    "layout's 0-1."),
+                    io.String.Input("descs", multiline=True, default="",
+                                    tooltip="What goes in each box, one line per box, in the boxes' order.")],
+            outputs=[types.Boxes.Output(display_name="boxes", tooltip="The checked boxes, for Prompt Encode.")])
+
+    @classmethod
+    def execute(cls, bboxes, image, descs: str) -> io.NodeOutput:
+        where = "the Layout from Boxes node"
+        lines = [line.strip() for line in descs.splitlines() if line.strip()]
+        return layout_output(boxes_from_pixels(pixel_rects(bboxes, where), image.shape[2], image.shape[1], lines,
+                                               where))
+
+
+def layout_output(layout: list[Box]) -> io.NodeOutput:
+    shown = "\n".join([*(f"{row['id']}: {row.get('bbox') or row.get('tgt_bbox')} {row['desc']}"
+                         for row in rows(layout)), *clamp_notes(layout)])
+    return io.NodeOutput(layout, ui=ui.PreviewText(f"{len(layout)} boxes on the 0-1000 canvas\n{shown}"))
+
+
+def pixel_rects(bboxes, where: str) -> list[tuple[float, float, float, float]]:
+    """ComfyUI's bounding-box value as (x, y, width, height) rectangles: one box, a list of boxes, or a detector's
+    list per frame of a batch of one."""
+    if isinstance(bboxes, list) and len(bboxes) == 1 and isinstance(bboxes[0], list):
+        bboxes = bboxes[0]
+    if isinstance(bboxes, list) and any(isinstance(item, list) for item in bboxes):
+        raise Flux2Error(f"{where}: the boxes are of {len(bboxes)} frames; give the boxes of one picture")
+    try:
+        return [(float(b["x"]), float(b["y"]), float(b["width"]), float(b["height"]))
+                for b in (bboxes if isinstance(bboxes, list) else [bboxes])]
+    except (KeyError, TypeError, ValueError):
+        raise Flux2Error(f"{where}: boxes come as x, y, width and height in pixels (ComfyUI's bounding boxes), got "
+                         f"{str(bboxes)[:80]}") from None
 
 
 def read_layout(boxes: str) -> list[Box]:

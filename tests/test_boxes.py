@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flux2_core.errors import Flux2Error
-from flux2_core.sampling.boxes import read_boxes, with_boxes
+from flux2_core.sampling.boxes import boxes_from_pixels, read_boxes, with_boxes
 
 bbox = pytest.importorskip("flux3_mlx.bbox", reason="flux3-mlx (a test extra) is the reference for box rows")
 
@@ -129,3 +129,21 @@ def test_the_command_line_reads_and_checks_the_boxes_file(tmp_path, capsys):
     assert cli.main([*argv, "--boxes", str(good)]) == 2         # the demo is FLUX.2: refused, nothing written
     assert "takes no layout" in capsys.readouterr().err
     assert not list((tmp_path / "out").glob("*.png"))
+
+
+def test_pixel_boxes_become_the_layout_of_their_fractions():
+    """ComfyUI's bounding boxes (x, y, width, height in pixels) on a 200x100 picture: [y_min, x_min, y_max, x_max]
+    in 0-1, computed by hand; one past the right edge is drawn to it, as a typed layout's is."""
+    layout = boxes_from_pixels([(20, 10, 100, 50), (150, 0, 80, 100)], 200, 100, ["a red kite", "a tree"])
+    assert [box.bbox for box in layout] == [(0.1, 0.1, 0.6, 0.6), (0.0, 0.75, 1.0, 1.0)]
+    assert [box.desc for box in layout] == ["a red kite", "a tree"] and layout[1].clamped
+    assert [box.id for box in layout] == ["obj_1", "obj_2"]
+
+
+@pytest.mark.parametrize(("rects", "size", "descs", "message"), [
+    ([(0, 0, 10, 10)], (64, 64), [], "1 boxes but 0 descriptions; write one line per box"),
+    ([(0, 0, 0, 10)], (64, 64), ["a"], "box 1 is 0.0x10.0 pixels; a box needs a width and a height"),
+    ([(0, 0, 10, 10)], (0, 64), ["a"], "the picture is 0x64 pixels")])
+def test_bad_pixel_boxes_are_refused(rects, size, descs, message):
+    with pytest.raises(Flux2Error, match=message):
+        boxes_from_pixels([tuple(map(float, r)) for r in rects], *size, descs)

@@ -100,7 +100,7 @@ SCHEMAS = node_schemas()
 
 
 def test_node_ids_categories_descriptions_tooltips():
-    assert len(SCHEMAS) == 16, sorted(SCHEMAS)
+    assert len(SCHEMAS) == 17, sorted(SCHEMAS)
     for node_id, schema in SCHEMAS.items():
         assert node_id.startswith("Flux2Klein"), node_id
         assert schema["category"].startswith("{}/"), (node_id, schema["category"])    # types.CATEGORY/<sub>
@@ -112,9 +112,10 @@ def test_node_ids_categories_descriptions_tooltips():
 def test_every_node_is_registered():
     tree = ast.parse((ROOT / "nodes" / "extension.py").read_text())
     listed = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "NODES")
+    newer = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "NEEDS_TYPES")
     classes = {n.name for p in (ROOT / "nodes").glob("*.py") for n in ast.parse(p.read_text()).body
                if isinstance(n, ast.ClassDef) and any(ast.unparse(b) == "io.ComfyNode" for b in n.bases)}
-    assert {e.id for e in listed.elts} == classes
+    assert {e.id for e in listed.elts} | {k.id for k in newer.keys} == classes
 
 
 def test_registry_validator_checks_pass():

@@ -85,6 +85,22 @@ def read_boxes(data, where: str = "the boxes") -> list[Box]:
     return boxes
 
 
+def boxes_from_pixels(rects: list[tuple[float, float, float, float]], width: int, height: int, descs: list[str],
+                      where: str = "the boxes") -> list[Box]:
+    """A layout from pixel rectangles (x, y, width, height; (0, 0) the top left) on a picture of ``width`` x
+    ``height`` pixels, one description each, in order: what a drawn box or a detector's gives."""
+    if len(descs) != len(rects):
+        raise Flux2Error(f"{where}: {len(rects)} boxes but {len(descs)} descriptions; write one line per box, in the "
+                         f"boxes' order")
+    if width <= 0 or height <= 0:
+        raise Flux2Error(f"{where}: the picture is {width}x{height} pixels; give the picture the boxes are on")
+    for i, (_, _, w, h) in enumerate(rects):
+        if not (w > 0 and h > 0):
+            raise Flux2Error(f"{where}: box {i + 1} is {w}x{h} pixels; a box needs a width and a height")
+    return read_boxes([{"desc": desc, "bbox": [y / height, x / width, (y + h) / height, (x + w) / width]}
+                       for (x, y, w, h), desc in zip(rects, descs)], where)
+
+
 def _box(item, index: int, where: str) -> Box:
     name = f"{where}: box {index + 1}"
     if isinstance(item, Box):
