@@ -9,6 +9,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CATEGORY = "Klein (FLUX.2, FLUX 3)"
 
 
+NEWER_HOST_NODES = {"Flux2KleinLayoutFromBoxes": "PrimitiveBoundingBox"}        # ComfyUI's bounding boxes: v0.15.0 on
+
+
 def declared_node_ids() -> set[str]:
     """Node ids as written in nodes/*.py (read from the source, independently of ComfyUI's registry)."""
     source = "".join(p.read_text() for p in sorted((ROOT / "nodes").glob("*.py")))
@@ -27,7 +30,9 @@ def test_every_node_is_registered_with_metadata(comfy):
     ours = {name: node for name, node in info.items() if node["python_module"] == f"custom_nodes.{PACK_FOLDER}"}
     declared = declared_node_ids()
     assert declared, "no node_id found in nodes/*.py"
-    assert set(ours) == declared
+    # nodes taking a newer host's io type are listed where the host has it (the marker: its own node of that type)
+    missing = {node for node, marker in NEWER_HOST_NODES.items() if marker not in info}
+    assert set(ours) == declared - missing
     for name, node in ours.items():
         assert name.startswith("Flux2Klein")
         assert node["category"].split("/")[0] == CATEGORY, (name, node["category"])
