@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from . import stages
 from .devices import check_cpu_dtype, compute_dtype, dtype_named
 from .errors import Flux2Error
 from .families import family_of, family_of_params
@@ -34,8 +35,7 @@ from .runtime.offload import place, stream_blocks, streamed_blocks
 from .sampling import inpaint
 from .sampling.boxes import rows
 from .sampling.conditioning import NO_REFERENCES, ReferencePack, pack_references
-from .sampling.euler import make_noise
-from .sampling.references import encode_references, image_to_tensor, reference_latents
+from .sampling.references import encode_references, reference_latents
 from .sampling.request import DEFAULT_SIZE, Request, read_request
 from .sampling.run import DenoiseRun, prepare_run
 from .storage.int8 import quantize_blocks
@@ -230,11 +230,6 @@ class Result:
     warnings: list[str] = field(default_factory=list)
 
 
-def to_uint8(x: Tensor) -> Tensor:
-    """[B, 3, H, W] in about [-1, 1] -> uint8 [B, H, W, 3], truncating like the reference's .byte()."""
-    return (127.5 * (x.float().clamp(-1, 1) + 1)).to(torch.uint8).permute(0, 2, 3, 1).cpu()
-
-
 @torch.no_grad()
 def generate(models: Models, prompt: str, *, references=(), width: int | None = None, height: int | None = None,
              steps: int | None = None, cfg: float | None = None, negative: str = "", seed: int = 0, batch: int = 1,
@@ -274,10 +269,8 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     kept_kv = reference_kv is not None or (not ask.masked and models.reference_cache is not None and
                                            models.reference_cache.holds_images(model, ae, ask.references, model.dtype))
     embeds = encode_for_run(models, ask, run, negative, batch, kept_kv, offload_encoder, say)
-    if noise is None:
-        noise = make_noise(batch, ask.height, ask.width, seed, device=device, bfl_cuda_noise=bfl_cuda_noise,
-                           reading=family_of(variant).noise)
-    noise = noise.to(device, torch.float32)
+    noise = (stages.make_noise(models, seed, ask.width, ask.height, batch, bfl_cuda_noise) if noise is None else
+             noise.to(device, torch.float32))
     start, pack, blend = start_and_references(models, ask, noise, run.plan.reference_kv, reference_kv)
     latents = run(noise, embeds.row(0), embeds.row(1) if run.cfg else None, references=pack, start=start,
                   inpaint=blend, callback=callback, dtype=model.dtype)
@@ -318,11 +311,7 @@ def start_and_references(models: Models, ask: Request, noise: Tensor, as_kv: boo
     the reference pass; inpainting puts the picture first among the references and is never cached (the cache keys on
     reference pictures)."""
     ae, model, family = models.autoencoder, models.transformer, family_of(models.variant)
-    start = None
-    if ask.init is not None:
-        init = ask.init if ask.init.size == (ask.width, ask.height) else ask.init.resize((ask.width, ask.height),
-                                                                                           Image.Resampling.LANCZOS)
-        start = ae.encode(image_to_tensor(init)).to(noise.device)                  # [1, 128, h, w]
+    start = None if ask.init is None else stages.encode_image(models, ask.init, ask.width, ask.height)
     if ask.masked:
         latents = reference_latents(ae, ask.references, ask.reference_count, family.references)
         pack = pack_references(models.variant, [start, *latents])
@@ -341,10 +330,7 @@ def start_and_references(models: Models, ask: Request, noise: Tensor, as_kv: boo
 def decoded(models: Models, ask: Request, latents: Tensor, seed: int, settings: dict, warnings: list[str]) -> Result:
     """The latents [B, 128, h, w] decoded (in tiles where one piece does not fit), a padded reference's box cropped
     out."""
-    ae, (h, w) = models.autoencoder, ask.grid
-    tile = memory.decode_tile(ae, 1, h, w, memory.free_memory(models.device))       # None: in one piece
-    images = torch.cat([to_uint8(ae.decode(latents[i:i + 1], tile)) for i in range(latents.shape[0])])
-    width, height = ask.width, ask.height
+    images, width, height = stages.decode(models, latents), ask.width, ask.height
     if ask.crop is not None:
         left, top, right, bottom = ask.crop
         images, width, height = images[:, top:bottom, left:right], right - left, bottom - top

@@ -14,7 +14,7 @@ CORE = ROOT / "flux2_core"
 LAYERS = [
     {"errors"}, {"variants", "prompt_padding", "checks", "user_json", "latents", "digests", "kitchen", "devices", "key_tables",
                  "listing"}, {"storage"}, {"models"}, {"families"}, {"weights"},
-    {"adapters"}, {"runtime"}, {"sampling"}, {"upsampler"}, {"pipeline"}, {"app", "__main__", "__init__"},
+    {"adapters"}, {"runtime"}, {"sampling"}, {"upsampler"}, {"stages"}, {"pipeline"}, {"app", "__main__", "__init__"},
 ]
 
 

@@ -22,10 +22,11 @@ from flux2_core.models.autoencoder import AutoEncoder
 from flux2_core.models.text_encoder import build_qwen3_encoder
 from flux2_core.models.tokenizer import build_qwen3_tokenizer
 from flux2_core.models.transformer import Flux2Transformer, TransformerParams
-from flux2_core.pipeline import Models, generate, to_uint8
+from flux2_core.pipeline import Models, generate
 from flux2_core.runtime import memory
 from flux2_core.runtime.cache import PromptCache, ReferenceKVCache
 from flux2_core.sampling.euler import make_noise
+from flux2_core.stages import to_uint8
 from tests.device import DEVICE, DTYPE, assert_close, image_levels, relative_error, to, tolerance
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder, save_bfl_autoencoder
 from tests.tiny.text_encoder import build_tiny_qwen3, comfyui_state_dict, save_comfyui_text_encoder

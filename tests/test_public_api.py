@@ -30,7 +30,7 @@ def test_the_readme_python_example_runs(tmp_path, monkeypatch):
     from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict, save_bfl_transformer
 
     readme = (ROOT / "README.md").read_text()
-    (example,) = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+    example = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)[0]         # the first: generate
     monkeypatch.chdir(tmp_path)
     save_bfl_transformer(random_bfl_transformer_state_dict(TINY_TRANSFORMER, seed=1),
                          tmp_path / "flux-2-klein-4b.safetensors")
