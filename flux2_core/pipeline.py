@@ -24,11 +24,11 @@ from . import stages
 from .devices import check_cpu_dtype, compute_dtype, dtype_named
 from .errors import Flux2Error
 from .families import family_of, family_of_params
+from .families.family import Transformer
 from .models.autoencoder import AutoEncoder
 from .models.reference_kv import ReferenceKV
 from .models.run_state import run_state
 from .models.text_encoder import PromptEmbeds, PromptEncoder
-from .models.transformer import Flux2Transformer
 from .runtime import memory
 from .runtime.cache import PromptCache, ReferenceKVCache
 from .runtime.offload import place, stream_blocks, streamed_blocks
@@ -52,7 +52,7 @@ LARGE_STEPS = 200
 
 @dataclass
 class Models:
-    transformer: Flux2Transformer
+    transformer: Transformer        # any family's (families.family.Transformer)
     variant: Variant
     autoencoder: AutoEncoder
     prompt_encoder: PromptEncoder

@@ -292,3 +292,21 @@ def test_a_second_family_runs_from_the_command_line(toy, tmp_path, capsys):
     models = pipeline.load_models(*files, device="cpu", dtype=torch.float32)
     expected = pipeline.generate(models, "a fox", cfg=2.5, width=48, height=32, seed=4)
     assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / "flux2_4.png")), expected.images[0].numpy())
+
+
+def test_every_familys_transformer_answers_the_model_protocol(toy):
+    """What runtime code asks of any transformer (``families.family.Transformer``): its params, its blocks in order,
+    its device and compute dtype; each family's ``build`` on tiny parameters gives one."""
+    from flux2_core.families.family import Transformer
+    from flux2_core.models.layers import Layers
+    from tests.tiny.flux3 import tiny_flux3
+    from tests.toy_family import TOY_VARIANT
+
+    for family, params in [(FLUX2, TINY_TRANSFORMER), (FLUX3, tiny_flux3()), (toy, TOY_VARIANT.params)]:
+        model = family.build(params, Layers())
+        assert isinstance(model, Transformer), family.name
+        assert model.params is params and model.dtype == torch.float32 and model.device.type == "cpu"
+        blocks = model.blocks()
+        assert isinstance(blocks, list) and all(isinstance(block, torch.nn.Module) for block in blocks)
+        assert blocks or family is toy                        # the toy runs its few layers as one piece
+    assert not isinstance(torch.nn.Linear(2, 2), Transformer)

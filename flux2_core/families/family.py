@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +25,25 @@ class ModelParams(Protocol):
                                  # with no such model defines it as a property that says False)
     num_heads: int               # attention heads: what sequence parallelism splits over the ranks
     hidden_size: int             # the token width (what LoRA messages tell models apart by)
+
+
+@runtime_checkable
+class Transformer(Protocol):
+    """What the code around a transformer asks of any family's (``Family.build`` makes one): streaming, compiling,
+    sequence parallelism and the memory rules read these; everything else is the family's own. A family with KV
+    editions also gives ``reference_kv(ref, ref_ids) -> ReferenceKV``."""
+
+    params: ModelParams
+
+    def blocks(self) -> list[nn.Module]:
+        """The repeated blocks, in the order they run."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype."""
 
 
 class ShapeReader(Protocol):
@@ -106,7 +125,7 @@ class Family:
     gguf_archs: tuple[str, ...]                     # the general.architecture values of its GGUF transformer files
     files_hint: str                                 # the files to pass, for messages
     read_params: Callable[[ShapeReader], object]    # the architecture from a file's shapes
-    build: Callable[[object, Layers], nn.Module]    # (params, layers) -> the transformer (the model protocol)
+    build: Callable[[object, Layers], Transformer]  # (params, layers) -> the transformer
     quantizable: Callable[[str], bool]              # the linears a quantized storage may hold (by module name)
     variant_for: Callable[[object, str], Variant]   # (params, a name hint) -> the registered or a custom variant
     # (model, txt [n, L, C], h, w, *, ref, ref_ids, ref_kv, guidance, txt_lengths) -> velocity(x [n, C, h, w], t [n],

@@ -1,7 +1,8 @@
-"""One denoise run, what every caller runs: ``pipeline.generate``, the Denoise node and the engine's MODEL that
-ComfyUI's samplers call. A request becomes one prepared run, then runs with the caller's hooks:
+"""One denoise run, what the engine's own samplers run: ``pipeline.generate``, ``stages.denoise`` and the Denoise
+node (the MODEL for ComfyUI's samplers runs their loop instead, on ``conditioning.velocity_for``). A request becomes
+one prepared run, then runs with the caller's hooks:
 
-    run = prepare_run(model, variant, sigmas, cfg, strength=..., start=..., references=n, cache=threshold)
+    run = prepare_run(model, variant, sigmas, cfg, strength=..., image=True, references=True, cache=threshold)
     need = run.need(batch, h, w, dtype, text_tokens=..., ref_tokens=..., new_kv=...)   # bytes beside the weights
     latents = run(noise, txt, negative, references=pack, start=latent, inpaint=blend, kv_source=..., callback=...)
 
