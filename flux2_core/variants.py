@@ -78,15 +78,15 @@ class TextEncoderSpec:
                             # which they are are refused for the other
     title: str              # the model as messages name it: "Qwen3-4B", "Qwen3-VL-4B-Instruct"
     reader: str             # who reads it, as messages name it: "FLUX.2 Klein 4B", "FLUX 3 Image Klein"
-    files: tuple[str, ...] = ()   # usual file names (ComfyUI text_encoders/), for finding weights
-    gguf_stem: str = ""           # GGUF files are named <stem>-<quant>.gguf (llama.cpp / unsloth: Qwen3-4B-Q4_K_M.gguf)
-    rope_theta: float = 1_000_000.0   # the encoder's RoPE base where its file has no config.json to say it
+    files: tuple[str, ...]  # usual file names (ComfyUI text_encoders/), for finding weights
+    gguf_stem: str          # GGUF files are named <stem>-<quant>.gguf (llama.cpp / unsloth: Qwen3-4B-Q4_K_M.gguf)
+    rope_theta: float       # the encoder's RoPE base where its file has no config.json to say it
     # a file that does not say which language model it is (no config, no tower names, a name that says neither) is
     # read as this one: Qwen3-4B and Qwen3-VL-4B's text tower have the same shapes, so only the family asking can
     # decide. FLUX.2's Qwen3 files have always been read so; a Qwen3-VL file says what it is (its tower's names, its
     # config, its GGUF architecture, ComfyUI's name), so FLUX 3 refuses one that does not
-    unmarked: bool = True
-    loadable: bool = True    # False: no loader here reads it (FLUX.2 [dev]'s Mistral), so its variants cannot run
+    unmarked: bool
+    loadable: bool          # False: no loader here reads it (FLUX.2 [dev]'s Mistral), so its variants cannot run
 
     @property
     def width(self) -> int:

@@ -101,14 +101,14 @@ class ReferenceFit:
 
     single_pixels: int           # one reference alone is scaled down to at most this many pixels
     multi_pixels: int            # each of several references
-    min_side: int = 64           # a smaller side is refused
-    max_aspect: float | None = 8.0   # a longer aspect ratio is refused (None: any)
-    max_count: int | None = None     # at most this many references (None: any number)
-    padded: bool = False         # one reference alone is fitted (rounded sizes, at most max_side a side) and
+    min_side: int                # a smaller side is refused
+    max_aspect: float | None     # a longer aspect ratio is refused (None: any)
+    max_count: int | None        # at most this many references (None: any number)
+    padded: bool                 # one reference alone is fitted (rounded sizes, at most max_side a side) and
                                  # reflect-padded to its 16-px canvas (at least pad_min a side), and the picture
                                  # made at its size is cropped back to the reference's own (FLUX 3)
-    max_side: int = 0
-    pad_min: int = 0
+    max_side: int                # (padded only; 0 otherwise)
+    pad_min: int
 
 
 @dataclass(frozen=True)

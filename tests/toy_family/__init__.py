@@ -27,7 +27,8 @@ TOY = Family(name="toy", params_type=ToyParams, title="Toy", variants=(TOY_VARIA
              adapters=AdapterNaming(groups=(("toy layers", "toy_"),), models={16: "the toy"}, lookalikes=(),
                                     other_depths=(), shape_hint=lambda module, found, hidden: ""),
              noise=toy_noise, latent_dtype=latent_dtype,
-             reference_ids=rope.reference_ids, references=ReferenceFit(single_pixels=1024 * 1024,
-                                                                        multi_pixels=1024 * 1024),
+             reference_ids=rope.reference_ids, references=ReferenceFit(
+                 single_pixels=1024 * 1024, multi_pixels=1024 * 1024, min_side=64, max_aspect=8.0, max_count=None,
+                 padded=False, max_side=0, pad_min=0),
              takes_layout=False,
                dtypes=(torch.bfloat16, torch.float16, torch.float32), largest_side=2048)

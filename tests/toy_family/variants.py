@@ -12,7 +12,8 @@ from .model import ToyParams
 
 TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n"
 PADDING = ToMultiple(16)
-TEXT = TextEncoderSpec("toy-text", 32, (9, 18, 27), 512, TEMPLATE, PADDING, "qwen3", "Qwen3", "Toy")
+TEXT = TextEncoderSpec("toy-text", 32, (9, 18, 27), 512, TEMPLATE, PADDING, "qwen3", "Qwen3", "Toy", files=(),
+                       gguf_stem="", rope_theta=1_000_000.0, unmarked=True, loadable=True)
 TOY_VARIANT = Variant("toy", ToyParams(), TEXT, default_steps=3, default_cfg=1.0, guidance_distilled=False,
                       use_kv_cache=True, title="Toy", family="toy")
 

@@ -8,7 +8,8 @@ from torch import Tensor
 
 from ..family import ReferenceFit
 
-REFERENCES = ReferenceFit(single_pixels=2024 * 2024, multi_pixels=1024 * 1024)   # "2024" as BFL's code
+REFERENCES = ReferenceFit(single_pixels=2024 * 2024, multi_pixels=1024 * 1024, min_side=64, max_aspect=8.0,   # "2024"
+                          max_count=None, padded=False, max_side=0, pad_min=0)                           # as BFL's code
 
 
 def noise(drawn: Tensor) -> Tensor:

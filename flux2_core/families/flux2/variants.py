@@ -19,10 +19,12 @@ PADDING = ToMaxLength()
 QWEN3_LAYERS = (9, 18, 27)
 
 
-def qwen3_spec(name: str, hidden_size: int, title: str, reader: str, **more) -> TextEncoderSpec:
-    """A Qwen3 encoder as FLUX.2 reads it."""
+def qwen3_spec(name: str, hidden_size: int, title: str, reader: str, files: tuple[str, ...],
+               gguf_stem: str) -> TextEncoderSpec:
+    """A Qwen3 encoder as FLUX.2 reads it: RoPE base 1e6 where a file has no config, and a file that says nothing of
+    which model it is read as Qwen3 (FLUX.2's Qwen3 files have always been read so)."""
     return TextEncoderSpec(name, hidden_size, QWEN3_LAYERS, 512, QWEN3_TEMPLATE, PADDING, "qwen3", title, reader,
-                           **more)
+                           files, gguf_stem, rope_theta=1_000_000.0, unmarked=True, loadable=True)
 
 
 QWEN3_4B = qwen3_spec("qwen3-4b", 2560, "Qwen3-4B", "FLUX.2 Klein 4B", files=("qwen_3_4b.safetensors",),
@@ -30,7 +32,8 @@ QWEN3_4B = qwen3_spec("qwen3-4b", 2560, "Qwen3-4B", "FLUX.2 Klein 4B", files=("q
 QWEN3_8B = qwen3_spec("qwen3-8b", 4096, "Qwen3-8B", "FLUX.2 Klein 9B",
                       files=("qwen_3_8b.safetensors", "qwen_3_8b_fp8mixed.safetensors"), gguf_stem="Qwen3-8B")
 MISTRAL_SMALL = TextEncoderSpec("mistral-small-3.2", 5120, (10, 20, 30), 512, QWEN3_TEMPLATE, PADDING, "mistral",
-                                "Mistral-Small-3.2", "FLUX.2 [dev]", loadable=False)
+                                "Mistral-Small-3.2", "FLUX.2 [dev]", files=(), gguf_stem="", rope_theta=1_000_000.0,
+                                unmarked=True, loadable=False)
 
 KLEIN_4B = TransformerParams(context_in_dim=7680, hidden_size=3072, num_heads=24, depth=5, depth_single_blocks=20)
 KLEIN_9B = TransformerParams(context_in_dim=12288, hidden_size=4096, num_heads=32, depth=8, depth_single_blocks=24)
@@ -76,5 +79,5 @@ def variant_for_params(params: TransformerParams, hint: str = "") -> Variant:
         if v.params.use_guidance_embed or v.edition == edition:      # dev has one edition
             return v
     template = registry.VARIANTS[EDITION_DEFAULTS[edition]]
-    encoder = qwen3_spec("custom", params.context_in_dim // len(QWEN3_LAYERS), "Qwen3", "FLUX.2 Klein")
+    encoder = qwen3_spec("custom", params.context_in_dim // len(QWEN3_LAYERS), "Qwen3", "FLUX.2 Klein", (), "")
     return replace(template, name="custom", params=params, text_encoder=encoder, files=(), title="")

@@ -19,7 +19,8 @@ QWEN3_VL_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant
 QWEN3_VL_4B = TextEncoderSpec("qwen3-vl-4b", 2560, (4, 8, 12, 16, 20, 24, 28, 32), 4096, QWEN3_VL_TEMPLATE,
                               ToMultiple(80, pad_position=1), "qwen3-vl", "Qwen3-VL-4B-Instruct", "FLUX 3 Image Klein",
                               files=("qwen3vl_4b.safetensors", "qwen3vl_4b_int8_convrot.safetensors"),
-                              gguf_stem="Qwen3-VL-4B-Instruct", rope_theta=5_000_000.0, unmarked=False)
+                              gguf_stem="Qwen3-VL-4B-Instruct", rope_theta=5_000_000.0, unmarked=False,
+                              loadable=True)
 
 FLUX3_KLEIN = Flux3Params(flow_map=True)
 FLUX3_KLEIN_BASE = Flux3Params()
