@@ -34,8 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from flux2_core.families.flux2.transformer import TransformerParams
 from flux2_core.families.flux2.variants import KLEIN_4B, KLEIN_9B
-from flux2_core.models.transformer import TransformerParams
 from flux2_core.variants import FLUX2_AE, AutoEncoderParams
 
 OURS_OPTIONS = ("ours_fp8", "ours_int8", "ours_compile", "ours_compile_decoder", "ours_gguf", "ours_no_kitchen",

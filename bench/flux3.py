@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flux2_core.models.flux3 import Flux3Params
+from flux2_core.families.flux3.transformer import Flux3Params
 
 CPU = torch.device("cpu")
 CONFIGS = {   # transformer sizes; the text width is the tiny Qwen3-VL tower's 8 layers x 32
@@ -75,7 +75,7 @@ def files(folder: Path, params: Flux3Params):
 def transformer_call(params: Flux3Params, state, size: int, repeats: int, device: torch.device = CPU,
                      dtype: torch.dtype = torch.float32, theirs: bool = True, int8: bool = False) -> dict:
     """One velocity call on each side: (size/16)^2 image tokens with 80 text tokens, the flow map's t and t_next."""
-    from flux2_core.models import flux3
+    from flux2_core.families.flux3 import transformer as flux3
 
     h = w = size // 16
     g = torch.Generator().manual_seed(0)

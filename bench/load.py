@@ -30,8 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from flux2_core.families.flux2.transformer import TransformerParams
 from flux2_core.families.flux2.variants import KLEIN_4B, KLEIN_9B
-from flux2_core.models.transformer import TransformerParams
 
 CONFIGS = {
     "medium": TransformerParams(context_in_dim=7680, hidden_size=2048, num_heads=16, depth=3, depth_single_blocks=12),
@@ -66,7 +66,7 @@ def write_files(folder: Path, params: TransformerParams) -> None:
 
     from bench import random_state  # bench/bench.py (this folder is first on sys.path)
     from flux2_core.families.flux2.files import quantizable
-    from flux2_core.models.transformer import Flux2Transformer
+    from flux2_core.families.flux2.transformer import Flux2Transformer
     from flux2_core.storage.quant import quantize_fp8
 
     with torch.device("meta"):

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 from bench import CONFIGS, machine, random_state  # bench/bench.py (this folder is first on sys.path)
 from flux2_core.adapters.lora import read_adapter
 from flux2_core.adapters.patching import set_adapters
+from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.models import rope
-from flux2_core.models.transformer import Flux2Transformer
 
 RANK = 16
 

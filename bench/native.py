@@ -152,7 +152,7 @@ def write_transformer(bench, folder: Path, params, dtype: torch.dtype, device: s
     drawn by bench.py's writer (the demo's init rule, bench.py's transformer seed); both sides load this file."""
     from safetensors.torch import save_file
 
-    from flux2_core.models.transformer import Flux2Transformer
+    from flux2_core.families.flux2.transformer import Flux2Transformer
 
     with torch.device("meta"):
         model = Flux2Transformer(params)

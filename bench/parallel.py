@@ -45,8 +45,8 @@ try:                    # imported as bench.parallel (the tests)
 except ImportError:     # run as a script: bench.py is the module beside this file
     from bench import CONFIGS, fmt_bytes, machine, proc_status, random_state, transformer_flops
 
+from flux2_core.families.flux2.transformer import TransformerParams
 from flux2_core.families.flux2.variants import KLEIN_9B
-from flux2_core.models.transformer import TransformerParams
 from flux2_core.runtime.followers import free_port
 
 COLLECTIVES = ("all_to_all_single", "broadcast", "all_gather_into_tensor")
@@ -195,7 +195,7 @@ class TimedCollectives:
 
 def build_transformer(p: TransformerParams, dtype: torch.dtype):
     """The transformer with bench.py's random weights (seed 1): the same in every rank."""
-    from flux2_core.models.transformer import Flux2Transformer
+    from flux2_core.families.flux2.transformer import Flux2Transformer
 
     with torch.device("meta"):
         model = Flux2Transformer(p)

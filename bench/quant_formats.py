@@ -114,8 +114,8 @@ def main(argv=None) -> int:
 
     from bench import CONFIGS, random_state
     from flux2_core import families
+    from flux2_core.families.flux2.transformer import Flux2Transformer
     from flux2_core.models import rope
-    from flux2_core.models.transformer import Flux2Transformer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="medium", help="bench.py's config (default medium)")

@@ -64,7 +64,7 @@ def merge(adapter, weights, strength=1.0):
 
 
 def test_linear_shapes_are_the_transformers():
-    from flux2_core.models.transformer import Flux2Transformer
+    from flux2_core.families.flux2.transformer import Flux2Transformer
 
     for params in (P, KLEIN_4B, KLEIN_9B):
         with torch.device("meta"):

@@ -12,8 +12,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import bench
+from flux2_core.families.flux2.transformer import Flux2Transformer, TransformerParams
 from flux2_core.models import rope
-from flux2_core.models.transformer import Flux2Transformer, TransformerParams
 
 
 def test_transformer_flops_matches_torch_count():

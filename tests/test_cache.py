@@ -9,8 +9,8 @@ import torch
 
 from flux2_core.digests import tensor_digest
 from flux2_core.families.flux2 import FLUX2
+from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.models import rope
-from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.runtime.cache import LRUCache, PromptCache, ReferenceKVCache, fingerprint
 from tests.device import DEVICE, DTYPE, to
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict

@@ -155,7 +155,7 @@ def test_find_gguf_weights_by_their_quant_suffix(tmp_path):
 def write_models_folder(folder, fp8_file: bool = False):
     """Tiny real weight files under ComfyUI's names (the transformer as a BFL fp8 file: per-row scales, if asked)."""
     from flux2_core.families.flux2.files import quantizable
-    from flux2_core.models.transformer import Flux2Transformer
+    from flux2_core.families.flux2.transformer import Flux2Transformer
     from flux2_core.storage.quant import quantize_transformer
     from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
     from tests.tiny.text_encoder import build_tiny_qwen3, save_comfyui_text_encoder

@@ -59,7 +59,7 @@ def test_flux3_runs_sequence_parallel_from_its_files(tmp_path):
 
     from safetensors.torch import save_file
 
-    from flux2_core.models.flux3 import Flux3Transformer
+    from flux2_core.families.flux3.transformer import Flux3Transformer
     from tests.tiny.autoencoder import build_diffusers_autoencoder, save_bfl_autoencoder
     from tests.tiny.flux3 import TINY_FLUX3, save_tiny_qwen3_vl
 

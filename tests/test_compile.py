@@ -12,8 +12,8 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.models import rope
-from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.runtime.compile import compile_blocks, is_compiled, uncompile_blocks
 from tests.device import DEVICE, DTYPE, assert_close, to
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from flux2_core import devices, weights
 from flux2_core.app import cli
 from flux2_core.app.demo import demo_models
-from flux2_core.models import transformer as transformer_module
+from flux2_core.families.flux2 import transformer as transformer_module
 from flux2_core.storage.linear import CastLinear, Linear
 from flux2_core.storage.protocol import call_bytes, census
 from tests import machine as machines
@@ -192,7 +192,7 @@ def reference_velocity(path) -> torch.Tensor:
     """The file's weights widened to float32 by safetensors' own reader, into a model built in float32."""
     from safetensors.torch import load_file
 
-    from flux2_core.models.transformer import Flux2Transformer
+    from flux2_core.families.flux2.transformer import Flux2Transformer
 
     model = Flux2Transformer(TINY_TRANSFORMER)
     model.load_state_dict({k: v.float() for k, v in load_file(str(path)).items()})

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from flux2_core.families.flux3 import transformer as flux3
 from flux2_core.families.flux3.schedule import flux3_schedule
-from flux2_core.models import flux3
 from flux2_core.prompt_padding import ToMultiple
 from tests.tiny.flux3 import (
     flux3_mlx_at,

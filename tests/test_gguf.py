@@ -22,10 +22,10 @@ from flux2_core.adapters.lora import read_adapter
 from flux2_core.adapters.patching import set_adapters
 from flux2_core.errors import Flux2Error
 from flux2_core.families import VARIANTS
+from flux2_core.families.flux2.transformer import TransformerParams
 from flux2_core.models import rope
 from flux2_core.models.autoencoder import AutoEncoder
 from flux2_core.models.tokenizer import build_qwen3_tokenizer
-from flux2_core.models.transformer import TransformerParams
 from flux2_core.pipeline import Models, generate
 from flux2_core.storage.ggml_layers import GGMLEmbedding, GGMLLinear, gguf_types
 from tests.fused import fused_on, graphs, ran_fused  # noqa: F401 (fixtures)

@@ -17,8 +17,8 @@ from flux2_core import kitchen, weights
 from flux2_core.app import cli
 from flux2_core.errors import Flux2Error
 from flux2_core.families.flux2.files import quantizable
+from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.models import rope
-from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.storage.int8 import Int8Linear, quantize_blocks, quantize_int8, use_int8_matmul
 from flux2_core.storage.linear import Linear
 from flux2_core.storage.protocol import census

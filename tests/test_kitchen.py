@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from flux2_core import kitchen
+from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.models import rope
-from flux2_core.models.transformer import Flux2Transformer, QKNorm, modulate
+from flux2_core.models.blocks import QKNorm, modulate
 from tests import machine as machines
 from tests.tiny.transformer import TINY_TRANSFORMER, random_bfl_transformer_state_dict
 

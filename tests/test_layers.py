@@ -3,8 +3,8 @@ name it ends up with, storage is chosen per name at construction, per-item layer
 
 import torch
 
+from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.models.layers import Layers
-from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.storage.linear import Linear, VectorLinear
 from flux2_core.storage.quant import Fp8Linear
 from tests.tiny.transformer import TINY_TRANSFORMER, bfl_transformer_shapes

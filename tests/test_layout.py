@@ -64,6 +64,23 @@ def test_no_package_imports_from_a_package_above_it():
     assert not upward, "imports running up the layers:\n" + "\n".join(upward)
 
 
+def test_each_family_is_a_wing_of_its_own():
+    """A family's package holds its network; no family imports another's package, and models/ (the pieces families
+    share) imports none: what two families share lives below them."""
+    crossing = {}
+    for path in sorted(CORE.rglob("*.py")):
+        module = module_of(path)
+        parts = module.split(".")
+        own = parts[1] if parts[0] == "families" and len(parts) > 1 and (CORE / "families" / parts[1]).is_dir() else None
+        wings = {target.split(".")[1] for target in imports(path) if target.startswith("families.")
+                 and len(target.split(".")) > 1 and (CORE / "families" / target.split(".")[1]).is_dir()}
+        if (own is not None or parts[0] == "models") and wings - {own}:
+            crossing[module] = sorted(wings - {own})
+    assert not crossing, f"a family's (or a shared model's) module imports another family's package: {crossing}"
+    assert (CORE / "families" / "flux2" / "transformer.py").exists()
+    assert (CORE / "families" / "flux3" / "transformer.py").exists()
+
+
 def test_no_import_cycles_between_modules():
     graph = {module_of(p): imports(p, top_level_only=True) for p in CORE.rglob("*.py")}
     state: dict[str, str] = {}
@@ -97,10 +114,10 @@ def test_the_check_sees_a_lazy_upward_import(tmp_path):
 # the shared code (loaders, storage, memory, offload, sampling, nodes)
 FLUX2_NAMES = re.compile(r"\b(img_in|txt_in|time_in|guidance_in|double_blocks|single_blocks|double_stream_modulation"
                          r"|single_stream_modulation|final_layer)\b")
-FLUX2_HOME = {"flux2_core/models/transformer.py",
+FLUX2_HOME = {"flux2_core/families/flux2/transformer.py",
               *(p.relative_to(ROOT).as_posix() for p in (CORE / "families" / "flux2").rglob("*.py"))}
 # another family's model and package spell its own modules, some of which BFL named as FLUX.2's (txt_in, single_blocks)
-OWN_NAMES = {"flux2_core/models/flux3.py": "flux3",
+OWN_NAMES = {"flux2_core/families/flux3/transformer.py": "flux3",
              **{p.relative_to(ROOT).as_posix(): "flux3" for p in (CORE / "families" / "flux3").rglob("*.py")}}
 
 

@@ -10,8 +10,8 @@ import torch
 
 from flux2_core.errors import Flux2Error
 from flux2_core.families.flux2.files import quantizable
+from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.models import rope
-from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.runtime import compile as compiling
 from flux2_core.runtime import memory, offload
 from flux2_core.storage import quant

@@ -210,7 +210,7 @@ def test_generate_refuses_too_many_references_before_any_model_runs(pictures, in
     before the prompt encoder or the autoencoder is touched, the message naming what counts; within, the count passes
     (the run then reaches a model)."""
     from flux2_core.families.flux3 import FLUX3
-    from flux2_core.models.flux3 import Flux3Transformer
+    from flux2_core.families.flux3.transformer import Flux3Transformer
     from tests.tiny.flux3 import TINY_FLUX3
 
     with torch.device("meta"):

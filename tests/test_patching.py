@@ -21,9 +21,9 @@ from flux2_core.app import cli
 from flux2_core.app.demo import DEMO_TRANSFORMER
 from flux2_core.errors import Flux2Error
 from flux2_core.families.flux2.files import quantizable
+from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.models import rope
 from flux2_core.models.run_state import run_state
-from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.runtime import memory
 from flux2_core.runtime.cache import fingerprint
 from flux2_core.storage import quant

@@ -16,16 +16,17 @@ from flux2_core import pipeline
 from flux2_core.errors import Flux2Error
 from flux2_core.families import VARIANTS
 from flux2_core.families.flux2 import FLUX2
+from flux2_core.families.flux2.transformer import Flux2Transformer, TransformerParams
 from flux2_core.families.flux2.variants import QWEN3_4B
 from flux2_core.models import rope
 from flux2_core.models.autoencoder import AutoEncoder
 from flux2_core.models.text_encoder import build_qwen3_encoder
 from flux2_core.models.tokenizer import build_qwen3_tokenizer
-from flux2_core.models.transformer import Flux2Transformer, TransformerParams
 from flux2_core.pipeline import Models, generate
 from flux2_core.runtime import memory
 from flux2_core.runtime.cache import PromptCache, ReferenceKVCache
 from flux2_core.sampling.euler import make_noise
+from flux2_core.sampling.references import image_to_tensor
 from flux2_core.stages import to_uint8
 from tests.device import DEVICE, DTYPE, assert_close, image_levels, relative_error, to, tolerance
 from tests.tiny.autoencoder import TINY_AE_PARAMS, bfl_state_dict, build_diffusers_autoencoder, save_bfl_autoencoder
@@ -249,7 +250,7 @@ def test_kv_inpainting_matches_diffusers_kv_with_the_inpainting_blend(tiny):
     ours, theirs = tiny
     image, mask = photo(80, 64, seed=9), box_mask((80, 64), (20, 8, 56, 40))
     noise = make_noise(1, 64, 80, seed=5)
-    source = ours["kv"].autoencoder.encode(pipeline.image_to_tensor(image).to(DEVICE)).float()
+    source = ours["kv"].autoencoder.encode(image_to_tensor(image).to(DEVICE)).float()
     m = torch.nn.functional.interpolate(torch.from_numpy(np.asarray(mask) / 255.0).float()[None, None], size=(4, 5),
                                         mode="bilinear").to(DEVICE)
     pipe = Flux2KleinKVPipeline(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True,
@@ -276,7 +277,7 @@ def test_inpainting_keeps_the_source_latent_outside_the_mask(tiny):
     image = photo(80, 64, seed=9)
     result = generate(models, PROMPT, image=image, mask=box_mask((80, 64), (16, 16, 48, 48)), strength=0.8,
                       steps=3, seed=1)
-    source = models.autoencoder.encode(pipeline.image_to_tensor(image).to(DEVICE)).float().cpu()
+    source = models.autoencoder.encode(image_to_tensor(image).to(DEVICE)).float().cpu()
     keep = torch.ones(4, 5, dtype=torch.bool)
     keep[1:3, 1:3] = False                                    # the 2x2 cells under the box
     assert torch.equal(result.latents[0][:, keep], source[0][:, keep])          # exactly: blended to x0 at sigma 0
@@ -287,7 +288,7 @@ def test_an_empty_mask_gives_the_source_back_and_says_so(tiny):
     models = tiny[0]["distilled"]
     image = photo(64, 48, seed=2)
     result = generate(models, PROMPT, image=image, mask=Image.new("L", (64, 48), 0), strength=0.5, steps=2, seed=1)
-    source = models.autoencoder.encode(pipeline.image_to_tensor(image).to(DEVICE)).float().cpu()
+    source = models.autoencoder.encode(image_to_tensor(image).to(DEVICE)).float().cpu()
     assert torch.equal(result.latents, source)
     assert any("mask is empty" in w for w in result.warnings)
 

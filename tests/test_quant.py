@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from flux2_core.errors import Flux2Error
 from flux2_core.families.flux2.files import quantizable
+from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.models import rope
-from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.storage import kernels, quant
 from flux2_core.storage.quant import FP8, Fp8Linear, count_fp8, dequantize_fp8, quantize_fp8, quantize_transformer
 from flux2_core.weights import load_transformer

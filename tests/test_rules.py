@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from flux2_core import checks, pipeline
+from flux2_core import checks, pipeline, stages
 from flux2_core.app import cli
 from flux2_core.app.demo import demo_models
 from flux2_core.errors import Flux2Error
@@ -156,7 +156,7 @@ def test_the_cli_writes_no_black_image(models, tmp_path, monkeypatch, capsys):
 
 def test_memory_is_refused_before_it_is_allocated(models, monkeypatch, machine):
     made = []
-    monkeypatch.setattr(pipeline, "make_noise", lambda *a, **k: made.append(1))
+    monkeypatch.setattr(stages, "make_noise", lambda *a, **k: made.append(1))
     machine.free(1 << 20)
     with pytest.raises(Flux2Error, match=r"generating 1 x 64x64 needs about .* GiB of working memory, but only 0\.0"):
         pipeline.generate(models, "a fox", **SIZE, steps=1)

@@ -14,9 +14,9 @@ from PIL import Image
 from flux2_core.errors import Flux2Error
 from flux2_core.families.flux2 import FLUX2
 from flux2_core.families.flux2.schedule import flux2_schedule
+from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.latents import latent_size
 from flux2_core.models.autoencoder import AutoEncoder
-from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.sampling.euler import add_noise, denoise, euler, make_noise
 from flux2_core.sampling.references import encode_references
 from tests.device import DEVICE, DTYPE, assert_close, relative_error, to, tolerance

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from flux2_core.errors import Flux2Error
-from flux2_core.pipeline import generate, image_to_tensor
+from flux2_core.pipeline import generate
 from flux2_core.sampling import euler as euler_module
 from flux2_core.sampling.euler import denoise, euler
+from flux2_core.sampling.references import image_to_tensor
 from flux2_core.sampling.step_cache import StepCache
 from tests import test_pipeline
 from tests.device import assert_close

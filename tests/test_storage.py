@@ -7,8 +7,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.models.layers import Layers
-from flux2_core.models.transformer import Flux2Transformer
 from flux2_core.storage.ggml_layers import GGMLEmbedding, GGMLLinear, gguf_types
 from flux2_core.storage.int8 import Int8Linear
 from flux2_core.storage.linear import Linear, VectorLinear

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from flux2_core.errors import Flux2Error
+from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.families.flux2.variants import KLEIN_4B, KLEIN_9B
 from flux2_core.models import rope
+from flux2_core.models.blocks import timestep_embedding
 from flux2_core.models.reference_kv import ReferenceKV
-from flux2_core.models.transformer import Flux2Transformer, timestep_embedding
 from tests.device import DEVICE, DTYPE, to, tolerance
 from tests.tiny.transformer import (
     TINY_TRANSFORMER,

@@ -10,11 +10,11 @@ from dataclasses import replace
 import torch
 
 from ..families import VARIANTS
+from ..families.flux2.transformer import Flux2Transformer, TransformerParams
 from ..families.flux2.variants import QWEN3_4B
 from ..models.autoencoder import AutoEncoder
 from ..models.qwen3 import Qwen3, Qwen3Params
 from ..models.text_encoder import build_qwen3_encoder
-from ..models.transformer import Flux2Transformer, TransformerParams
 from ..pipeline import Models
 from ..variants import AutoEncoderParams, Variant
 

@@ -24,13 +24,13 @@ from .. import families
 from ..devices import SIXTEEN_BIT, ComputeDtype, check_model_dtype, compute_dtype, dtype_named, kept_dtype, model_dtype
 from ..errors import Flux2Error
 from ..families import Family, ModelParams
+from ..families.flux2.transformer import Flux2Transformer
 from ..key_tables import Layout, Recipe, same_names, table_names, table_recipes
 from ..models.autoencoder import AutoEncoder, WeightFiles
 from ..models.layers import Choice, Layers
 from ..models.qwen3 import Qwen3Params
 from ..models.text_encoder import PromptEncoder, StoredLayer, build_qwen3_encoder, is_used, qwen3_state_dict
 from ..models.tokenizer import load_tokenizer
-from ..models.transformer import Flux2Transformer
 from ..storage import ggml
 from ..storage.int8 import Int8Linear
 from ..storage.protocol import FLOAT_KINDS, StoredLinear

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from flux2_core.app.demo import random_weights
+from flux2_core.families.flux2.transformer import TransformerParams
 from flux2_core.models.autoencoder import AutoEncoder
-from flux2_core.models.transformer import TransformerParams
 from flux2_core.variants import AutoEncoderParams
 from tests.comfyui.host import PACK_FOLDER
 

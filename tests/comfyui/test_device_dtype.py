@@ -12,7 +12,7 @@ import torch
 
 from flux2_core import pipeline
 from flux2_core.errors import Flux2Error
-from flux2_core.models import transformer as transformer_module
+from flux2_core.families.flux2 import transformer as transformer_module
 from tests.comfyui import graphs
 
 SIZE = {"width": 64, "height": 48}

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from flux2_core.models.transformer import TransformerParams
+from flux2_core.families.flux2.transformer import TransformerParams
 
 from .transformer import bfl_transformer_shapes
 

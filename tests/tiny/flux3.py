@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from flux2_core.models.flux3 import Flux3Params
+from flux2_core.families.flux3.transformer import Flux3Params
 
 TINY_FLUX3 = Flux3Params(in_channels=128, context_in_dim=64, hidden_size=64, num_heads=2, depth=2,
                          depth_single_blocks=2, mlp_ratio=3.0, axes_dim=(8, 8, 8, 8), flow_map=True)
@@ -155,7 +155,7 @@ def our_models(params, state, te, ae):
     """Our pipeline's models from a tiny FLUX 3 state, a Qwen3-VL folder and an autoencoder file, in float32."""
     from flux2_core import weights
     from flux2_core.families.flux3 import FLUX3
-    from flux2_core.models.flux3 import Flux3Transformer
+    from flux2_core.families.flux3.transformer import Flux3Transformer
     from flux2_core.pipeline import Models
 
     model = Flux3Transformer(params).eval()

@@ -13,9 +13,10 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from flux2_core.errors import Flux2Error
-from flux2_core.models import flux3, rope
-from flux2_core.models.flux3 import Flux3Params, Flux3Transformer
-from flux2_core.models.transformer import Flux2Transformer, TransformerParams
+from flux2_core.families.flux2.transformer import Flux2Transformer, TransformerParams
+from flux2_core.families.flux3 import transformer as flux3
+from flux2_core.families.flux3.transformer import Flux3Params, Flux3Transformer
+from flux2_core.models import rope
 from flux2_core.runtime import parallel
 from flux2_core.runtime.followers import free_port
 from flux2_core.sampling import euler

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from flux2_core.models.transformer import TransformerParams
+from flux2_core.families.flux2.transformer import TransformerParams
 
 # Same shape family as the real models (128 latent channels, 4 RoPE axes), small enough to run in milliseconds.
 TINY_TRANSFORMER = TransformerParams(in_channels=128, context_in_dim=96, hidden_size=64, num_heads=2, depth=2,

@@ -1,4 +1,4 @@
-"""The FLUX.2 family: Klein 4B / 9B (distilled, base, 9B-KV) and dev, BFL's transformer (``models/transformer.py``)
+"""The FLUX.2 family: Klein 4B / 9B (distilled, base, 9B-KV) and dev, BFL's transformer (``transformer.py``)
 on Qwen3 (Klein) or Mistral (dev) prompt embeddings. Its record (``FLUX2``) gathers what its modules hold:
 ``variants`` (its releases and text encoders), ``files`` (its namings and what quantizes), ``model`` (build, the
 velocity on the latent grid, the memory estimate's inputs), ``schedule`` (the empirical-mu shift), ``sampling`` (noise,
@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from ...models import rope
-from ...models.transformer import TransformerParams
 from ..family import Family
 from . import adapters, files, model, sampling, schedule, variants
+from .transformer import TransformerParams
 
 FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", variants=variants.VARIANTS,
                layouts=files.LAYOUTS, lookalikes=files.LOOKALIKES, gguf_archs=("flux", ""),

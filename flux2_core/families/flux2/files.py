@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from ...errors import Flux2Error
 from ...key_tables import Layout, same_names, table_recipes
-from ...models.transformer import TransformerParams
 from ..family import ShapeReader
+from .transformer import TransformerParams
 
 # the blocks and the shared modulations: over 95% of the weights; the embedders and the final layer stay float (they
 # are small, and the model reads nothing from them)

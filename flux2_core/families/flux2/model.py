@@ -11,8 +11,8 @@ from ...errors import Flux2Error
 from ...models import rope
 from ...models.layers import Layers
 from ...models.reference_kv import ReferenceKV
-from ...models.transformer import Flux2Transformer, TransformerParams
 from ..family import MemoryInputs
+from .transformer import Flux2Transformer, TransformerParams
 
 
 def build(params: TransformerParams, layers: Layers) -> Flux2Transformer:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from ...models.transformer import TransformerParams
 from ...prompt_padding import ToMaxLength
 from ...variants import TextEncoderSpec, Variant
 from .. import registry
+from .transformer import TransformerParams
 
 # Qwen3's chat template for one user turn with the generation prompt, thinking off (what transformers'
 # apply_chat_template(..., add_generation_prompt=True, enable_thinking=False) renders)

@@ -1,5 +1,5 @@
 """The FLUX 3 family: FLUX 3 Image Klein (the distilled "flow map", 16 steps) and its base (50 steps, CFG), BFL's
-transformer (``models/flux3.py``) on Qwen3-VL-4B prompt embeddings, the FLUX.2 autoencoder's latent. Its record
+transformer (``transformer.py``) on Qwen3-VL-4B prompt embeddings, the FLUX.2 autoencoder's latent. Its record
 (``FLUX3``) gathers what its modules hold: ``variants``, ``files``, ``model``, ``schedule``, ``sampling`` (noise,
 latent dtype, references) and ``adapters``; its prompts may carry layout boxes."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from ...models import flux3
 from ..family import Family
 from . import adapters, files, model, sampling, schedule, variants
+from . import transformer as flux3
 
 FLUX3 = Family(name="flux3", params_type=flux3.Flux3Params, title="FLUX 3 Image Klein", variants=variants.VARIANTS,
                layouts=files.LAYOUTS, lookalikes=(), gguf_archs=("flux3", ""),

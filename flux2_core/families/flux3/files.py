@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from ...errors import Flux2Error
 from ...key_tables import Layout, same_names
-from ...models.flux3 import Flux3Params
 from ..family import ShapeReader
+from .transformer import Flux3Params
 
 # every block and modulation; the input embedders, time embedders and the final layer stay float (small, and every
 # token's scale comes from them)

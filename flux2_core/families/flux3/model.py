@@ -10,9 +10,10 @@ import torch
 from torch import Tensor
 
 from ...errors import Flux2Error
-from ...models import flux3, rope
+from ...models import rope
 from ...models.layers import Layers
 from ..family import MemoryInputs
+from . import transformer as flux3
 
 
 def build(params: flux3.Flux3Params, layers: Layers) -> flux3.Flux3Transformer:

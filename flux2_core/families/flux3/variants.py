@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ...models.flux3 import Flux3Params
 from ...prompt_padding import ToMultiple
 from ...variants import TextEncoderSpec, Variant
 from .. import registry
+from .transformer import Flux3Params
 
 # Qwen3-VL's chat template for one user turn with the generation prompt (it has no thinking block)
 QWEN3_VL_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"

@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from ..errors import Flux2Error
-from ..variants import AttentionShape
-from .layers import Layers
-from .rope import rope_table
-from .run_state import run_state
-from .shards import TokenShards, shares
-from .transformer import TIME_EMBED_DIM, LastLayer, MLPEmbedder, Modulation, QKNorm, swiglu, timestep_embedding
+from ...errors import Flux2Error
+from ...models.blocks import TIME_EMBED_DIM, LastLayer, MLPEmbedder, Modulation, QKNorm, swiglu, timestep_embedding
+from ...models.layers import Layers
+from ...models.rope import rope_table
+from ...models.run_state import run_state
+from ...models.shards import TokenShards, shares
+from ...variants import AttentionShape
 
 
 @dataclass(frozen=True)
