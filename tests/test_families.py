@@ -310,3 +310,18 @@ def test_every_familys_transformer_answers_the_model_protocol(toy):
         assert isinstance(blocks, list) and all(isinstance(block, torch.nn.Module) for block in blocks)
         assert blocks or family is toy                        # the toy runs its few layers as one piece
     assert not isinstance(torch.nn.Linear(2, 2), Transformer)
+
+
+def test_encoder_messages_come_from_the_registry_and_an_unread_encoder_is_refused(toy):
+    """The loader's hint lists each registered release's encoder (a family that joins is in it); an encoder whose
+    language model no family reads gets no family by default."""
+    from dataclasses import replace
+
+    from flux2_core.families.flux2.variants import QWEN3_4B
+
+    hint = families.encoder_hint()
+    assert "FLUX.2 Klein 4B reads Qwen3-4B (qwen_3_4b.safetensors or a Qwen3-4B GGUF)" in hint
+    assert "FLUX 3 Image Klein reads Qwen3-VL-4B-Instruct" in hint and "Toy reads Qwen3" in hint
+    assert families.family_of_encoder(QWEN3_4B) is FLUX2
+    with pytest.raises(Flux2Error, match=r"no model family reads prompts encoded by Gemma \(gemma\); FLUX.2 Klein 4B"):
+        families.family_of_encoder(replace(QWEN3_4B, model="gemma", title="Gemma"))

@@ -153,8 +153,22 @@ def encoder_for(model: str | None, hidden: int = 0) -> TextEncoderSpec:
 
 def family_of_encoder(spec: TextEncoderSpec) -> Family:
     """The family whose prompts an encoder of this model reads (its own variants' encoder, else the first whose
-    encoder reads the same language model; the first family where none does): what a prompt's conditioning knows of
-    the model it is for before it meets one (how references are sized, boxes)."""
+    encoder reads the same language model): what a prompt's conditioning knows of the model it is for before it meets
+    one (how references are sized, boxes). An encoder no family reads is refused with the ones they read."""
     variant = next((v for v in VARIANTS.values() if v.text_encoder == spec), None) or next(
         (v for v in VARIANTS.values() if v.text_encoder.model == spec.model), None)
-    return family_of(variant) if variant is not None else next(iter(FAMILIES.values()))
+    if variant is None:
+        raise Flux2Error(f"no model family reads prompts encoded by {spec.title} ({spec.model}); {encoder_hint()}")
+    return family_of(variant)
+
+
+def encoder_hint() -> str:
+    """Which text encoder each release reads, from the registry, for messages: "FLUX.2 Klein 4B reads Qwen3-4B
+    (qwen_3_4b.safetensors or a Qwen3-4B GGUF); ..."."""
+    lines = {}
+    for spec in text_encoders():
+        if spec.loadable:
+            names = [*spec.files[:1], *([f"a {spec.gguf_stem} GGUF"] if spec.gguf_stem else [])]
+            lines.setdefault(spec.name, f"{spec.reader} reads {spec.title}" + (f" ({' or '.join(names)})" if names
+                                                                               else ""))
+    return "; ".join(lines.values()) + "."

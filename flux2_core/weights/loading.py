@@ -771,9 +771,7 @@ def text_encoder_spec(path: str | Path) -> TextEncoderSpec:
 
 
 def _text_encoder_source(path) -> Source:
-    return open_source(path, "text_encoder", TEXT_ENCODER_LAYOUTS, "a Qwen3 text encoder",
-                       "FLUX.2 Klein 4B needs Qwen3-4B (qwen_3_4b.safetensors or a Qwen3-4B GGUF), Klein 9B needs "
-                       "Qwen3-8B, FLUX 3 Image Klein needs Qwen3-VL-4B (qwen3vl_4b.safetensors or a Qwen3-VL-4B GGUF).",
+    return open_source(path, "text_encoder", TEXT_ENCODER_LAYOUTS, "a Qwen3 text encoder", families.encoder_hint(),
                        tuple(GGUF_ENCODER_ARCHS))
 
 
