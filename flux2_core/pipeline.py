@@ -274,14 +274,20 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
     start, pack, blend = start_and_references(models, ask, noise, run.plan.reference_kv, reference_kv)
     latents = run(noise, embeds.row(0), embeds.row(1) if run.cfg else None, references=pack, start=start,
                   inpaint=blend, callback=callback, dtype=model.dtype)
+    return decoded(models, ask, latents, seed, run_settings(ask, run, prompt, negative, seed, batch, variant),
+                   warnings)
+
+
+def run_settings(ask: Request, run: DenoiseRun, prompt: str, negative: str, seed: int, batch: int,
+                 variant: Variant) -> dict:
+    """What a run used, for the image's metadata (the size is the decoded one's: ``decoded``)."""
     settings = {"prompt": prompt, "negative": negative if run.cfg else None, "width": ask.width,
                 "height": ask.height, "steps": run.plan.steps, "cfg": run.plan.guidance.scale, "seed": seed,
                 "batch": batch, "variant": variant.name, "references": len(ask.references),
                 "strength": ask.strength if ask.init is not None else None, "mask": ask.masked,
                 "sigmas": [round(s, 6) for s in run.sigmas]}
-    settings |= ({"boxes": rows(ask.layout)} if ask.layout else {}) | ({"cache": run.cache.report().record()}
-                                                                       if run.cache else {})
-    return decoded(models, ask, latents, seed, settings, warnings)
+    return settings | ({"boxes": rows(ask.layout)} if ask.layout else {}) | ({"cache": run.cache.report().record()}
+                                                                             if run.cache else {})
 
 
 def encode_for_run(models: Models, ask: Request, run: DenoiseRun, negative: str, batch: int, kept_kv: bool,

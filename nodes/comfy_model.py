@@ -8,7 +8,7 @@ from comfy_api.latest import io
 
 from ..flux2_core.errors import Flux2Error
 from . import engine_model, host, types
-from .sampling import set_compiled
+from .compile import set_compiled
 
 
 class ToComfyModel(io.ComfyNode):

@@ -6,10 +6,13 @@ from .adapters import LoRA
 from .autoencoder import AEDecode, AEEncode
 from .boxes import Layout, LayoutFromBoxes
 from .comfy_model import ToComfyModel
+from .compile import Compile
 from .conditioning import PromptEncode, Reference
+from .denoise import Denoise
 from .loaders import AutoEncoderLoader, ModelLoader, TextEncoderLoader
+from .noise import Noise
 from .parallel import Parallel
-from .sampling import Compile, Denoise, Noise, Scheduler
+from .scheduler import Scheduler
 from .upsampler import Upsampler
 
 NODES = [ModelLoader, TextEncoderLoader, AutoEncoderLoader, LoRA, Layout, Upsampler, PromptEncode, Reference, Noise, Scheduler, Denoise,

@@ -321,3 +321,12 @@ def test_no_family_flag_is_read_outside_its_home():
 def test_the_flag_check_sees_an_attribute_read():
     source = "def f(family, fit):\n    return fit.padded or family.takes_layout or fit.padded_box\n"
     assert flag_reads(source, set(FLAG_HOMES)) == [(2, "padded"), (2, "takes_layout")]
+
+
+def test_the_denoise_node_is_a_thin_adapter():
+    """The Denoise node names at most six engine names: the run (``sampling.latent_run``), the memory check, the
+    reference K/V cache, parallel runs, the LoRAs for followers and the error type."""
+    tree = ast.parse((ROOT / "nodes" / "denoise.py").read_text())
+    names = [alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+             and node.level == 2 and (node.module or "").startswith("flux2_core") for alias in node.names]
+    assert 0 < len(names) <= 6, names

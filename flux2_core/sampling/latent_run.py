@@ -22,9 +22,21 @@ from ..weights import check_embeddings_fit
 from . import inpaint
 from .boxes import check_rows
 from .conditioning import KVSource, ReferencePack, pack_references
-from .euler import Step
+from .euler import MAX_CFG, Step
 from .references import ReferenceCount
 from .run import DenoiseRun, prepare_run
+from .schedules import check_strength
+from .step_cache import MAX_THRESHOLD as MAX_CACHE
+from .step_cache import check_threshold
+
+__all__ = ["MAX_CACHE", "MAX_CFG", "LatentRun", "check_inputs", "check_settings", "latent_run"]
+
+
+def check_settings(strength: float, image: bool, cache: float) -> None:
+    """A denoise's settings checked before anything loads (a node's validation): the strength (below 1 only with a
+    start latent, ``image``) and the step cache's threshold; the bounds of cfg and the cache are MAX_CFG, MAX_CACHE."""
+    check_strength(strength, image)
+    check_threshold(cache)
 
 
 @dataclass

@@ -62,7 +62,10 @@ def main() -> None:
     from flux2_pack.flux2_core import families, pipeline
     from flux2_pack.flux2_core.errors import Flux2Error
     from flux2_pack.flux2_core.sampling import schedules
-    from flux2_pack.nodes import autoencoder, comfy_model, conditioning, loaders, sampling
+    from flux2_pack.nodes import autoencoder, comfy_model, conditioning, loaders
+    from flux2_pack.nodes.denoise import Denoise
+    from flux2_pack.nodes.noise import Noise
+    from flux2_pack.nodes.scheduler import Scheduler
 
     # the toy imports the engine as ``flux2_core``: the pack's own modules under that name, so it registers there
     for name, module in list(sys.modules.items()):
@@ -81,14 +84,14 @@ def main() -> None:
     (ae,) = run_node(loaders.AutoEncoderLoader, ae_name=ae_file.name, dtype="float32")
     (positive,) = run_node(conditioning.PromptEncode, text_encoder=encoder, prompt=PROMPT)
     (negative,) = run_node(conditioning.PromptEncode, text_encoder=encoder, prompt=NEGATIVE)
-    (noise,) = run_node(sampling.Noise, seed=SEED, width=WIDTH, height=HEIGHT, batch_size=1)
+    (noise,) = run_node(Noise, seed=SEED, width=WIDTH, height=HEIGHT, batch_size=1)
     # the Scheduler's model's own with the toy's model connected (the toy, registered after the node's options were
     # listed, has no option of its own there): what Denoise runs with, and the toy's schedule by its name
-    (sigmas,) = run_node(sampling.Scheduler, steps=STEPS, schedule=schedules.MODELS_OWN, rho=2.0, width=WIDTH,
+    (sigmas,) = run_node(Scheduler, steps=STEPS, schedule=schedules.MODELS_OWN, rho=2.0, width=WIDTH,
                          height=HEIGHT, model=model)
-    (named,) = run_node(sampling.Scheduler, steps=STEPS, schedule=toy.TOY.schedule_name, rho=2.0, width=WIDTH,
+    (named,) = run_node(Scheduler, steps=STEPS, schedule=toy.TOY.schedule_name, rho=2.0, width=WIDTH,
                         height=HEIGHT)
-    (latent,) = run_node(sampling.Denoise, model=model, positive=positive, negative=negative, noise=noise,
+    (latent,) = run_node(Denoise, model=model, positive=positive, negative=negative, noise=noise,
                          sigmas=sigmas, cfg=CFG, denoise=1.0)
     (image,) = run_node(autoencoder.AEDecode, ae=ae, latent=latent)
     try:
@@ -110,7 +113,7 @@ def main() -> None:
     passes = []
     make = model.core.reference_kv
     model.core.reference_kv = lambda ref, ids: passes.append(list(ref.shape)) or make(ref, ids)
-    edited = [run_node(sampling.Denoise, model=model, positive=edit, negative=negative, noise=noise, sigmas=sigmas,
+    edited = [run_node(Denoise, model=model, positive=edit, negative=negative, noise=noise, sigmas=sigmas,
                        cfg=CFG, denoise=1.0)[0]["samples"] for _ in range(2)]
     expected_edit = pipeline.generate(models, PROMPT, negative=NEGATIVE, cfg=CFG, width=WIDTH, height=HEIGHT,
                                       seed=SEED, steps=STEPS, references=[picture])

@@ -47,7 +47,10 @@ def main() -> None:
     import folder_paths
     from flux2_pack.flux2_core import pipeline
     from flux2_pack.flux2_core.errors import Flux2Error
-    from flux2_pack.nodes import autoencoder, boxes, comfy_model, conditioning, loaders, sampling
+    from flux2_pack.nodes import autoencoder, boxes, comfy_model, conditioning, loaders
+    from flux2_pack.nodes.denoise import Denoise
+    from flux2_pack.nodes.noise import Noise
+    from flux2_pack.nodes.scheduler import Scheduler
 
     for folder, path in (("diffusion_models", transformer), ("text_encoders", encoder), ("vae", ae_file)):
         folder_paths.add_model_folder_path(folder, str(path.parent), is_default=True)
@@ -58,12 +61,12 @@ def main() -> None:
     (layout,) = run_node(boxes.Layout, boxes=json.dumps(BOXES)) if edit else (None,)
     (positive,) = run_node(conditioning.PromptEncode, text_encoder=text_encoder, prompt=PROMPT, boxes=layout)
     (negative,) = run_node(conditioning.PromptEncode, text_encoder=text_encoder, prompt=NEGATIVE)
-    (noise,) = run_node(sampling.Noise, seed=SEED, width=WIDTH, height=HEIGHT, batch_size=1)
+    (noise,) = run_node(Noise, seed=SEED, width=WIDTH, height=HEIGHT, batch_size=1)
     # a fresh Scheduler's schedule (its default option) with the model connected: what Denoise runs with
-    schedule = next(i for i in sampling.Scheduler.define_schema().inputs if i.id == "schedule")
-    (sigmas,) = run_node(sampling.Scheduler, steps=STEPS, schedule=schedule.default, rho=2.0, width=WIDTH,
+    schedule = next(i for i in Scheduler.define_schema().inputs if i.id == "schedule")
+    (sigmas,) = run_node(Scheduler, steps=STEPS, schedule=schedule.default, rho=2.0, width=WIDTH,
                          height=HEIGHT, model=model)
-    (named,) = run_node(sampling.Scheduler, steps=STEPS, schedule="flux3", rho=2.0, width=WIDTH, height=HEIGHT)
+    (named,) = run_node(Scheduler, steps=STEPS, schedule="flux3", rho=2.0, width=WIDTH, height=HEIGHT)
     pictures = [picture(80, 50, 1), picture(40, 72, 2)] if edit else []
     conditionings = [positive]
     for p in pictures:                                    # one Reference node per picture, chained
@@ -72,7 +75,7 @@ def main() -> None:
     models = pipeline.load_models(transformer, encoder, ae_file, device="cpu", dtype=torch.float32)
     runs = []
     for count, positive in enumerate(conditionings[1:] if edit else conditionings, start=int(edit)):
-        (latent,) = run_node(sampling.Denoise, model=model, positive=positive, negative=negative, noise=noise,
+        (latent,) = run_node(Denoise, model=model, positive=positive, negative=negative, noise=noise,
                              sigmas=sigmas, cfg=cfg, denoise=1.0)
         (image,) = run_node(autoencoder.AEDecode, ae=ae, latent=latent)
         expected = pipeline.generate(models, PROMPT, negative=NEGATIVE, cfg=cfg, width=WIDTH, height=HEIGHT,
