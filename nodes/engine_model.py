@@ -90,7 +90,7 @@ class EngineCall(nn.Module):
         _, _, h, w = x.shape
         dtype, device = x.dtype, x.device                    # apply_model cast x to our dtype
         pack = conditioning.pack_references(self.variant, list(ref_latents or []), batched=True)
-        use_guidance = self.variant.params.use_guidance_embed and guidance is not None
+        use_guidance = family_of(self.variant).guidance_embedded(self.variant.params) and guidance is not None
         velocity = conditioning.velocity_for(       # 9B-KV: the references' K/V made once per sampling (run.kv)
             self.engine, context.to(device, dtype), h, w, pack, as_kv=references_as_kv(self.variant, bool(pack)),
             guidance=guidance.to(device, dtype) if use_guidance else None,

@@ -21,8 +21,6 @@ class ModelParams(Protocol):
     """What the code around a model reads of any family's parameters (the rest is the family's own)."""
 
     context_in_dim: int          # the width of the prompt embeddings the model takes
-    use_guidance_embed: bool     # a guidance-embedding model: the guidance scale is an input, not CFG (a family
-                                 # with no such model defines it as a property that says False)
     num_heads: int               # attention heads: what sequence parallelism splits over the ranks
     hidden_size: int             # the token width (what LoRA messages tell models apart by)
 
@@ -147,6 +145,8 @@ class Family:
                                                     # (``devices.model_dtype``: the one rule, CLI and nodes)
     largest_side: int                               # the longest side of a picture it makes, in pixels (its
                                                     # reference's limit; ``check_size``)
+    guidance_embedded: Callable[[object], bool]     # params -> whether the model takes the guidance scale as an
+                                                    # input (FLUX.2 [dev]) rather than guiding with CFG
 
     def check_size(self, width: int, height: int) -> None:
         """The one size check of a run, before any model loads: a side past ``largest_side`` is refused (the schedule

@@ -134,7 +134,7 @@ def guidance_for(variant, cfg: float, negative: bool = True) -> Guidance:
       above 1). Without a negative (``negative=False``: the node's input unconnected) it runs unguided, with a note.
     """
     scale = check_cfg(cfg)
-    if variant.params.use_guidance_embed:
+    if family_of_params(variant.params).guidance_embedded(variant.params):
         return Guidance(scale, False, scale)
     if variant.guidance_distilled:
         note = "" if scale == 1 else (f"cfg {scale:g} is ignored: {variant.name} is guidance-distilled (one pass per "

@@ -31,4 +31,5 @@ TOY = Family(name="toy", params_type=ToyParams, title="Toy", variants=(TOY_VARIA
                  single_pixels=1024 * 1024, multi_pixels=1024 * 1024, min_side=64, max_aspect=8.0, max_count=None,
                  padded=False, max_side=0, pad_min=0),
              takes_layout=False,
-               dtypes=(torch.bfloat16, torch.float16, torch.float32), largest_side=2048)
+               dtypes=(torch.bfloat16, torch.float16, torch.float32), largest_side=2048,
+               guidance_embedded=lambda params: False)

@@ -29,10 +29,6 @@ class ToyParams:
     def hidden_size(self) -> int:
         return self.hidden
 
-    @property
-    def use_guidance_embed(self) -> bool:
-        return False
-
 
 class ToyModel(nn.Module):
     def __init__(self, params: ToyParams, layers: Layers | None = None):

@@ -23,4 +23,5 @@ FLUX2 = Family(name="flux2", params_type=TransformerParams, title="FLUX.2", vari
                noise=sampling.noise, latent_dtype=sampling.latent_dtype, reference_ids=rope.reference_ids,
                references=sampling.REFERENCES, takes_layout=False,
                dtypes=(torch.bfloat16, torch.float16, torch.float32),
-               largest_side=8192)          # the nodes' widest; its schedule bounds the area (flux2_schedule)
+               largest_side=8192,
+               guidance_embedded=lambda params: params.use_guidance_embed)          # the nodes' widest; its schedule bounds the area (flux2_schedule)

@@ -19,4 +19,5 @@ FLUX3 = Family(name="flux3", params_type=flux3.Flux3Params, title="FLUX 3 Image 
                schedule=schedule.flux3_schedule, schedule_name="flux3", adapters=adapters.ADAPTERS,
                noise=sampling.noise, latent_dtype=sampling.latent_dtype, reference_ids=flux3.reference_ids,
                references=sampling.REFERENCES, takes_layout=True,
-               dtypes=(torch.bfloat16, torch.float32), largest_side=4096)       # "up to 4K", BFL's model table
+               dtypes=(torch.bfloat16, torch.float32), largest_side=4096,       # "up to 4K", BFL's model table
+               guidance_embedded=lambda params: False)                         # the base guides with CFG

@@ -49,11 +49,6 @@ class Flux3Params(AttentionShape):
     theta: int = 10000
     flow_map: bool = False             # the distilled model: it is also told the time each step goes to
 
-    @property
-    def use_guidance_embed(self) -> bool:
-        """No FLUX 3 model embeds a guidance scale (``ModelParams``: the base model guides with CFG)."""
-        return False
-
 
 IMAGE, REFERENCES, TEXT = "image", "image_cond", "txt"    # the modes, in their order inside a sample
 IMAGE_ID_SCALE = 0.5          # image and reference positions are (row, col) / 2
