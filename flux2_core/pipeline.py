@@ -37,7 +37,7 @@ from .sampling.boxes import rows
 from .sampling.conditioning import NO_REFERENCES, ReferencePack, pack_references
 from .sampling.references import encode_references, reference_latents
 from .sampling.request import DEFAULT_SIZE, Request, read_request
-from .sampling.run import DenoiseRun, prepare_run
+from .sampling.run import DenoiseRun, Hooks, prepare_run
 from .storage.int8 import quantize_blocks
 from .storage.matmul import choose_matmuls
 from .storage.protocol import call_bytes
@@ -273,7 +273,7 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
              noise.to(device, torch.float32))
     start, pack, blend = start_and_references(models, ask, noise, run.plan.reference_kv, reference_kv)
     latents = run(noise, embeds.row(0), embeds.row(1) if run.cfg else None, references=pack, start=start,
-                  inpaint=blend, callback=callback, dtype=model.dtype)
+                  inpaint=blend, hooks=Hooks(callback=callback), dtype=model.dtype)
     return decoded(models, ask, latents, seed, run_settings(ask, run, prompt, negative, seed, batch, variant),
                    warnings)
 

@@ -24,7 +24,7 @@ from .sampling import euler
 from .sampling.boxes import boxed_prompt, read_boxes
 from .sampling.conditioning import NO_REFERENCES, ReferencePack, pack_references
 from .sampling.references import as_pil, center_crop_16, image_to_tensor, reference_latents
-from .sampling.run import prepare_run
+from .sampling.run import Hooks, prepare_run
 
 
 @torch.no_grad()
@@ -82,7 +82,7 @@ def denoise(models, noise: Tensor, embeds: PromptEmbeds, sigmas: list[float], *,
     run = prepare_run(model, variant, sigmas, variant.default_cfg if cfg is None else cfg, strength=strength,
                       image=start is not None, references=references is not NO_REFERENCES)
     return run(noise, embeds.row(0), embeds.row(1) if run.cfg else None, references=references, start=start,
-               callback=callback, dtype=model.dtype)
+               hooks=Hooks(callback=callback), dtype=model.dtype)
 
 
 @torch.no_grad()

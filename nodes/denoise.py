@@ -19,7 +19,7 @@ from comfy_api.latest import io, ui
 from ..flux2_core.adapters.lora import AdapterUse
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.runtime import cache, memory, parallel
-from ..flux2_core.sampling import latent_run as run
+from ..flux2_core.sampling import run
 from . import host, types
 from .compile import set_compiled
 from .noise import DRAWN
@@ -98,8 +98,8 @@ class Denoise(io.ComfyNode):
         set_compiled(model)
         parallel.attach(model.core, spread_over(model) if spread else None)
         try:
-            out = asked(device, dtype=model.dtype, callback=host.StepReporter(asked.run.plan.steps, device),
-                        kv_source=kept_kv(model, needed) if kv_here else None)
+            out = asked(device, dtype=model.dtype, hooks=run.Hooks(host.StepReporter(asked.run.plan.steps, device),
+                                                                   kept_kv(model, needed) if kv_here else None))
             if spread:
                 parallel.sequence_parallel_of(model.core).release()          # the followers' share of the reference K/V
         except BaseException:

@@ -41,7 +41,7 @@ from ..flux2_core.families.flux2 import FLUX2
 from ..flux2_core.runtime import memory
 from ..flux2_core.runtime.cache import ReferenceKVCache
 from ..flux2_core.sampling import conditioning
-from ..flux2_core.sampling.plan import references_as_kv
+from ..flux2_core.sampling.run import references_as_kv
 from ..flux2_core.variants import Variant
 
 RUN = "flux2_klein_run"        # our key in transformer_options (and for our wrapper): the MODEL's EngineRun

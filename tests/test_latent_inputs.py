@@ -1,4 +1,4 @@
-"""The Denoise run asked for in latents (``sampling.latent_run``) checks every tensor it is handed before any model
+"""The Denoise run asked for in latents (``sampling.run.latent_run``) checks every tensor it is handed before any model
 call: a video model's 5-D noise, a prompt batch that differs from the noise's, FLUX.1's 16-channel reference latent,
 an empty mask, NaN, ... are each refused naming the input, the shape found and the shape wanted, and where such an
 input comes from (before: raw torch errors such as "too many values to unpack")."""
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from flux2_core.errors import Flux2Error
 from flux2_core.families import VARIANTS
-from flux2_core.sampling.latent_run import latent_run
+from flux2_core.sampling.run import latent_run
 
 KLEIN_4B = VARIANTS["klein-4b"]
 WIDTH = KLEIN_4B.params.context_in_dim
@@ -91,7 +91,7 @@ def test_a_spoiled_input_is_refused_by_name_before_any_model_call(kind, data):
 
 def test_the_inputs_of_a_real_run_pass_the_checks():
     """The control: the same checks take what the nodes hand over (a prompt per latent, or one for all)."""
-    from flux2_core.sampling.latent_run import check_inputs
+    from flux2_core.sampling.run import check_inputs
 
     for batch, prompts in ((1, 1), (3, 1), (3, 3)):
         inputs = good(batch) | {"txt": torch.zeros(prompts, 8, WIDTH), "negative": torch.zeros(prompts, 8, WIDTH),

@@ -289,7 +289,7 @@ FLAG_HOMES = {
     "max_side": {"flux2_core/sampling/references.py"},
     "pad_min": {"flux2_core/sampling/references.py"},
     "takes_layout": {"flux2_core/sampling/boxes.py"},         # whether prompts may carry layout boxes
-    "use_kv_cache": {"flux2_core/sampling/plan.py", "flux2_core/variants.py"},   # references_as_kv, the one rule
+    "use_kv_cache": {"flux2_core/sampling/run.py", "flux2_core/variants.py"},   # references_as_kv, the one rule
     "pad_multiple": {"flux2_core/prompt_padding.py"},        # how prompts are padded
     "pad_position": {"flux2_core/prompt_padding.py"},
     "flow_map": set(),                                       # FLUX 3's distilled model: its family and model alone
@@ -324,7 +324,7 @@ def test_the_flag_check_sees_an_attribute_read():
 
 
 def test_the_denoise_node_is_a_thin_adapter():
-    """The Denoise node names at most six engine names: the run (``sampling.latent_run``), the memory check, the
+    """The Denoise node names at most six engine names: the run (``sampling.run``), the memory check, the
     reference K/V cache, parallel runs, the LoRAs for followers and the error type."""
     tree = ast.parse((ROOT / "nodes" / "denoise.py").read_text())
     names = [alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)

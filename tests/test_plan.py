@@ -1,10 +1,10 @@
-"""The plan of a denoise (flux2_core/sampling/plan.py): the rules the CLI, the Python API and the Denoise node share."""
+"""The plan of a denoise (flux2_core/sampling/run.py): the rules the CLI, the Python API and the Denoise node share."""
 
 import pytest
 
 from flux2_core.errors import Flux2Error
 from flux2_core.families import VARIANTS
-from flux2_core.sampling.plan import plan_denoise
+from flux2_core.sampling.run import plan_denoise
 
 SIGMAS = [1.0, 0.75, 0.5, 0.25, 0.0]
 

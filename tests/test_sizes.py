@@ -60,8 +60,8 @@ def test_generate_and_the_latent_run_refuse_before_the_model_runs():
     import torch
 
     from flux2_core.families.flux3.variants import VARIANTS
-    from flux2_core.sampling.latent_run import latent_run
     from flux2_core.sampling.request import read_request
+    from flux2_core.sampling.run import latent_run
 
     variant = VARIANTS[0]
     with pytest.raises(Flux2Error, match="FLUX 3 Image Klein makes pictures up to 4096 px a side"):
