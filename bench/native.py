@@ -130,7 +130,7 @@ def start_comfyui(comfy_dir: Path, device: str, extra: str):
 def import_pack():
     """Our nodes, from the pack imported as ComfyUI imports it: a package from its folder (relative imports)."""
     load_module("flux2_pack", ROOT / "__init__.py", package=True)
-    return {name: importlib.import_module(f"flux2_pack.nodes.{name}") for name in ("loaders", "sampling")}
+    return {name: importlib.import_module(f"flux2_pack.nodes.{name}") for name in ("loaders", "noise", "scheduler", "denoise")}
 
 
 def run_node(node, **inputs) -> tuple:
@@ -216,10 +216,10 @@ def native_side(dtype: torch.dtype, cast: str, cond: list, sigmas: torch.Tensor,
 def our_side(pack: dict, dtype_name: str, cond: list, sigmas: torch.Tensor, size: int):
     """Our nodes: (the sampler call, what it computes in)."""
     (model,) = run_node(pack["loaders"].ModelLoader, model_name=MODEL_FILE, dtype=dtype_name)
-    (noise,) = run_node(pack["sampling"].Noise, seed=SEED, width=size, height=size, batch_size=1)
+    (noise,) = run_node(pack["noise"].Noise, seed=SEED, width=size, height=size, batch_size=1)
 
     def call() -> torch.Tensor:
-        (out,) = run_node(pack["sampling"].Denoise, model=model, positive=cond, noise=noise, sigmas=sigmas, cfg=1.0,
+        (out,) = run_node(pack["denoise"].Denoise, model=model, positive=cond, noise=noise, sigmas=sigmas, cfg=1.0,
                           denoise=1.0)
         return out["samples"]
     return call, model.dtype, model.patcher.model_size()
@@ -391,7 +391,7 @@ def main(argv=None) -> dict:
         written = time.perf_counter() - t
         register_models(Path(tmp))
         cond = prompt_conditioning(cfg.transformer.context_in_dim)
-        (sigmas,) = run_node(pack["sampling"].Scheduler, steps=args.steps, schedule="flux2", rho=2.0, width=size,
+        (sigmas,) = run_node(pack["scheduler"].Scheduler, steps=args.steps, schedule="flux2", rho=2.0, width=size,
                              height=size)
         t = time.perf_counter()
         native, native_dtype, attention, native_bytes = native_side(dtype, args.native_cast, cond, sigmas, size)
