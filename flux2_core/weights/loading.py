@@ -27,12 +27,11 @@ from ..families import Family, ModelParams
 from ..families.flux2.transformer import Flux2Transformer
 from ..key_tables import Layout, Recipe, same_names, table_names, table_recipes
 from ..models.autoencoder import AutoEncoder, WeightFiles
-from ..models.layers import Choice, Layers
+from ..models.layers import Layers
 from ..models.qwen3 import Qwen3Params
 from ..models.text_encoder import PromptEncoder, StoredLayer, build_qwen3_encoder, is_used, qwen3_state_dict
 from ..models.tokenizer import load_tokenizer
-from ..storage import ggml
-from ..storage.int8 import Int8Linear
+from ..storage import choices, ggml
 from ..storage.protocol import FLOAT_KINDS, StoredLinear
 from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, quantize_fp8
 from ..storage.stored_format import SCALE, LayerFormat
@@ -561,7 +560,7 @@ def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | No
 
 def _transformer_on_meta(path, params: ModelParams | None, variant: str | None, fp8: bool | None,
                          int8: bool | str = False, dtype: torch.dtype = torch.float32,
-                         storages: dict[str, Choice] | None = None) -> tuple[Source, Flux2Transformer, Variant]:
+                         storages: dict[str, str] | None = None) -> tuple[Source, Flux2Transformer, Variant]:
     """``storages``: filled with the storage each linear was made in (``Layers.chosen``)."""
     source = _transformer_source(path)
     family = transformer_family(source)
@@ -584,15 +583,15 @@ def storage_outcome(path: str | Path, *, variant: str | None = None, fp8: bool |
     option = option_name(fp8, int8)
     if option is None:
         return None
-    storages: dict[str, Choice] = {}
+    storages: dict[str, str] = {}
     source, _, _ = _transformer_on_meta(path, None, variant, fp8, int8, storages=storages)
     def as_asked(name: str) -> bool:
         fmt = source.stored_format(name + ".weight")
         if int8:
-            return fmt is not None and fmt.format.storage is Int8Linear and bool(fmt.rotation) == (int8 == "convrot")
+            return fmt is not None and choices.INT8.keeps(fmt, int8)
         return source.stores_fp8(name + ".weight")
 
-    return tally(option, Choice.INT8 if int8 else Choice.FP8, storages, transformer_family(source).quantizable,
+    return tally(option, choices.INT8.name if int8 else choices.FP8.name, storages, transformer_family(source).quantizable,
                  lambda name: stored_as(source, name + ".weight"), as_asked)
 
 

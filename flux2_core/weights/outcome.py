@@ -8,8 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..models.layers import Choice
-
 
 @dataclass(frozen=True)
 class StorageOutcome:
@@ -39,9 +37,9 @@ def option_name(fp8: bool | None, int8: bool | str) -> str | None:
     return "fp8" if fp8 is True else None
 
 
-def tally(option: str, made: Choice, chosen: dict[str, Choice], quantizable: Callable[[str], bool],
+def tally(option: str, made: str, chosen: dict[str, str], quantizable: Callable[[str], bool],
           stored_as: Callable[[str], str | None], as_asked: Callable[[str], bool]) -> StorageOutcome:
-    """``made``: the storage the option makes (``models.layers.Choice``); ``chosen``: the storage ``Layers`` chose
+    """``made``: the storage the option makes (its name in ``storage.choices``); ``chosen``: the storage ``Layers`` chose
     for each linear; ``stored_as(name)``: the file's format of the layer as lines name it (None: float);
     ``as_asked(name)``: the file stores it as the option would. Of the layers an option may store (its family's
     ``quantizable``), those it made in its own storage from another were quantized by it; the others stay as the file
@@ -50,7 +48,7 @@ def tally(option: str, made: Choice, chosen: dict[str, Choice], quantizable: Cal
     for name, how in chosen.items():
         if not quantizable(name):
             continue
-        if how is made and not as_asked(name):
+        if how == made and not as_asked(name):
             quantized += 1
         else:
             file_format = stored_as(name) or "float"
