@@ -109,3 +109,30 @@ def test_it_takes_a_lora_as_the_float_model_merges_it(files, toy):
     assert (forward(model) - want).abs().max() <= 1e-5 * want.abs().max()
     set_adapters(model, [])
     assert all(torch.equal(v, stored[k]) for k, v in model.state_dict().items())
+
+
+def test_its_matmul_rule_is_asked_where_the_model_runs(files, toy):
+    """A format that multiplies in its own format says so in its record (``StoredFormat.matmul``): choose_matmuls
+    asks it with the device and options, beside the other formats' rules, and reports what it answered."""
+    from dataclasses import replace
+
+    from flux2_core.storage.matmul import choose_matmuls
+
+    seen = []
+
+    def rule(model, device, dtype, asked):
+        seen.append((device.type, dtype, asked["int8"]))
+        return {toy.storage.kind: (False, "toy int16 matmul: off (no kernel)")}
+
+    model = load(files[0])
+    assert toy.storage.kind not in choose_matmuls(model, "cpu", torch.float32).used     # no rule: nothing said
+    formats.unregister(toy)
+    formats.register(with_rule := replace(toy, matmul=rule))
+    try:
+        choice = choose_matmuls(model, "cpu", torch.float32, int8=False)
+    finally:
+        formats.unregister(with_rule)
+        formats.register(toy)
+    assert seen == [("cpu", torch.float32, False)]
+    assert choice.used[toy.storage.kind] is False
+    assert choice.note_for(toy.storage.kind) == "toy int16 matmul: off (no kernel)"

@@ -116,10 +116,16 @@ def _read_int8(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
 
 
 # ComfyUI's int8 files: a scale per tensor or per row (the name says tensorwise either way), optionally ConvRot
+def int8_matmuls(model: nn.Module, device: torch.device, dtype: torch.dtype, asked: dict) -> dict:
+    """The int8 format's ``StoredFormat.matmul``: ``use_int8_matmul`` with the int8 option asked."""
+    on, note = use_int8_matmul(model, asked.get("int8", "auto"), device, dtype)
+    return {Int8Linear.kind: (on, note)} if note else {}
+
+
 INT8_FORMAT = StoredFormat(
     "int8", ("int8_tensorwise",), Int8Linear, {"weight": INT8, "weight_scale": SCALE}, torch.int8, _read_int8,
     lambda f, i, o, per_item, device: Int8Linear(i, o, per_item, device, per_row=f.per_row, rotation=f.rotation),
-    rotates=True)
+    rotates=True, matmul=int8_matmuls)
 
 
 def quantize_blocks(model: nn.Module, chosen, convrot: bool = False) -> list[str]:

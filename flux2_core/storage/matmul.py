@@ -1,6 +1,6 @@
 """How a model's quantized layers multiply, decided once where it runs (``choose_matmuls``, called by every loader):
-fp8 in fp8 (``quant``), int8 in int8 (``int8``), the 4-bit formats in their own format (``packed``, ``w4``) where the
-device does that faster, else the weights cast or dequantized to the compute dtype."""
+each registered format says it for its own layers (``StoredFormat.matmul``: fp8 in fp8, int8 in int8, the 4-bit
+formats in their own format where the device does that faster, else the weights cast or dequantized)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .int8 import Int8Linear, use_int8_matmul
-from .packed import W4A4Linear, int4_note, use_int4_matmul
-from .quant import Fp8Linear, use_fp8_matmul
-from .w4 import kitchen_note, use_kitchen_matmul
+from .formats import formats
 
 
 @dataclass(frozen=True)
@@ -39,15 +36,8 @@ class MatmulChoice:
 
 def choose_matmuls(model: nn.Module, device, dtype: torch.dtype, fp8="auto", int8="auto") -> MatmulChoice:
     """Each choice "auto" (the faster path where it runs), True (Flux2Error where it cannot) or False."""
-    fp8_on, fp8_note = use_fp8_matmul(model, fp8, torch.device(device), dtype)
-    int8_on, int8_note = use_int8_matmul(model, int8, torch.device(device), dtype)
-    used, notes = {}, {}
-    for kind, on, note in ((Fp8Linear.kind, fp8_on, fp8_note), (Int8Linear.kind, int8_on, int8_note)):
-        if note:                                # "" where the model holds no such layers
+    asked, used, notes = {"fp8": fp8, "int8": int8}, {}, {}
+    for rule in dict.fromkeys(f.matmul for f in formats() if f.matmul is not None):     # each rule once, in order
+        for kind, (on, note) in rule(model, torch.device(device), dtype, asked).items():
             used[kind], notes[kind] = on, note
-    int4 = use_int4_matmul(model, device)
-    if int4 is not None:
-        used[W4A4Linear.kind], notes[W4A4Linear.kind] = int4, int4_note(int4)
-    for kind, on in use_kitchen_matmul(model, device).items():
-        used[kind], notes[kind] = on, kitchen_note(kind, on)
     return MatmulChoice(used, notes)

@@ -310,6 +310,13 @@ def _read_w4a4(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
 
 
 # two signed int4 a byte, a scale per row
+def int4_matmuls(model: nn.Module, device, dtype: torch.dtype, asked: dict) -> dict:
+    """W4A4's ``StoredFormat.matmul``: comfy-kitchen's int4 kernel where it has one (``use_int4_matmul``)."""
+    on = use_int4_matmul(model, device)
+    return {} if on is None else {W4A4Linear.kind: (on, int4_note(on))}
+
+
 W4A4_FORMAT = StoredFormat(
     "W4A4", ("convrot_w4a4",), W4A4Linear, {"weight": INT8, "weight_scale": SCALE}, torch.int8, _read_w4a4,
-    lambda f, i, o, per_item, device: W4A4Linear(i, o, f.rotation, per_item, device), packed_inputs=2, rotates=True)
+    lambda f, i, o, per_item, device: W4A4Linear(i, o, f.rotation, per_item, device), packed_inputs=2, rotates=True,
+    matmul=int4_matmuls)

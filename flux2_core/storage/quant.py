@@ -106,11 +106,17 @@ class Fp8Linear(nn.Module, StoredLinear):
         return f"in={self.in_features}, out={self.out_features}, {self.weight.dtype}, {kind} scale"
 
 
+def fp8_matmuls(model: nn.Module, device: torch.device, dtype: torch.dtype, asked: dict) -> dict:
+    """The fp8 formats' ``StoredFormat.matmul``: ``use_fp8_matmul`` with the fp8 option asked."""
+    on, note = use_fp8_matmul(model, asked.get("fp8", "auto"), device, dtype)
+    return {Fp8Linear.kind: (on, note)} if note else {}
+
+
 def _fp8_format(names: tuple[str, ...], weight: tuple[str, ...], dtype: torch.dtype) -> StoredFormat:
     """Float8 weights with an optional per-tensor or per-row scale, under any scale name the fp8 reader takes; held
     by the loader's fp8 choice, which keeps the file's values and scales (``Fp8Linear``) unless fp8=False."""
     return StoredFormat("fp8", names, Fp8Linear, {"weight": StoredTensor(weight)} | {
-        s.removeprefix("."): SCALE for s in SCALE_SUFFIXES}, dtype, fp8_choice=True)
+        s.removeprefix("."): SCALE for s in SCALE_SUFFIXES}, dtype, fp8_choice=True, matmul=fp8_matmuls)
 
 
 # ComfyUI's scaled fp8 (per tensor) and the converter's per-row fp8: one layout, a scale of one value or one a row

@@ -126,6 +126,10 @@ class StoredFormat:
     fp8_choice: bool = False
     # a tensor beside a weight by which a file that names no format stores the layer in this one (BFL's nvfp4)
     known_by: str = ""
+    # (model, device, dtype, asked) -> {kind: (runs, note)} for the kinds of its layers the model holds: whether they
+    # multiply in their own format there (``matmul.choose_matmuls`` asks every format's); ``asked`` holds that call's
+    # options ({"fp8": "auto" | True | False, "int8": ...}). None: always dequantized or cast
+    matmul: Callable[..., dict[str, tuple[bool, str]]] | None = None
 
     def layer(self, file: LayerFile) -> LayerFormat:
         """``file`` checked (each tensor in a dtype the format stores it in, then the format's own checks)."""

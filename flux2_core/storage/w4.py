@@ -318,6 +318,11 @@ def _read_awq(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
 
 
 # ComfyUI names it asym_w4a8_int8; w4a8_int8 is comfy-kitchen's operation's name, which some files give
+def kitchen_matmuls(model: torch.nn.Module, device, dtype: torch.dtype, asked: dict) -> dict:
+    """The grouped 4-bit formats' ``StoredFormat.matmul`` (one rule for the three: ``use_kitchen_matmul``)."""
+    return {kind: (on, kitchen_note(kind, on)) for kind, on in use_kitchen_matmul(model, device).items()}
+
+
 W4A8_FORMAT = StoredFormat(
     "W4A8", ("asym_w4a8_int8", "w4a8_int8"), W4A8Linear,
     {"weight": INT8, "weight_s_rel": StoredTensor(("F8_E4M3", "F32"), ScaleRule()),
@@ -325,7 +330,7 @@ W4A8_FORMAT = StoredFormat(
      "weight_correction": StoredTensor(FLOAT_SCALES)},
     torch.int8, _read_w4a8,
     lambda f, i, o, per_item, device: W4A8Linear(i, o, f.block, f.rotation, dict(f.held), per_item, device),
-    packed_inputs=2, rotates=True)
+    packed_inputs=2, rotates=True, matmul=kitchen_matmuls)
 
 SVDQUANT_FORMAT = StoredFormat(
     "SVDQuant", ("svdquant_w4a4",), SvdQuantLinear,
@@ -333,11 +338,13 @@ SVDQUANT_FORMAT = StoredFormat(
      "weight_proj_down": StoredTensor(FLOAT_SCALES), "weight_proj_up": StoredTensor(FLOAT_SCALES),
      "weight_smooth_factor": StoredTensor(FLOAT_SCALES, ScaleRule(divides=True))},
     torch.int8, _read_svdquant,
-    lambda f, i, o, per_item, device: SvdQuantLinear(i, o, f.rank, dict(f.held), per_item, device), packed_inputs=2)
+    lambda f, i, o, per_item, device: SvdQuantLinear(i, o, f.rank, dict(f.held), per_item, device), packed_inputs=2,
+    matmul=kitchen_matmuls)
 
 AWQ_FORMAT = StoredFormat(
     "AWQ", ("awq_w4a16",), AwqLinear,
     {"weight": INT8, "weight_scale": StoredTensor(FLOAT_SCALES, ScaleRule()),
      "weight_zeros": StoredTensor(FLOAT_SCALES)},
     torch.int8, _read_awq,
-    lambda f, i, o, per_item, device: AwqLinear(i, o, f.block, dict(f.held), per_item, device), packed_inputs=2)
+    lambda f, i, o, per_item, device: AwqLinear(i, o, f.block, dict(f.held), per_item, device), packed_inputs=2,
+    matmul=kitchen_matmuls)
