@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from .errors import Flux2Error
 from .families import family_of
 from .latents import latent_size
 from .models.text_encoder import PromptEmbeds
@@ -80,7 +81,11 @@ def denoise(models, noise: Tensor, embeds: PromptEmbeds, sigmas: list[float], *,
     with embeds' row 1 as the negative); ``start`` + ``strength``: image-to-image from an encoded picture."""
     variant, model = models.variant, models.transformer
     run = prepare_run(model, variant, sigmas, variant.default_cfg if cfg is None else cfg, strength=strength,
-                      image=start is not None, references=references is not NO_REFERENCES)
+                      image=start is not None, references=bool(references))
+    if run.cfg and embeds.embeds.shape[0] < 2:
+        raise Flux2Error(f"{variant.title or variant.name} guides with CFG at cfg {run.plan.guidance.scale:g}, and the "
+                         f"embeddings hold no negative prompt: encode one (encode_prompt(models, prompt, \"\") for an "
+                         f"empty one), or pass cfg=1")
     return run(noise, embeds.row(0), embeds.row(1) if run.cfg else None, references=references, start=start,
                hooks=Hooks(callback=callback), dtype=model.dtype)
 

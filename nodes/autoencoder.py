@@ -53,7 +53,7 @@ class AEDecode(io.ComfyNode):
         host.check_interrupt()
         h, w = samples.shape[-2:]
         device = ae.ready(memory.decode_bytes(ae.core, 1, h, w))
-        tile = memory.decode_tile(ae.core, 1, h, w, host.free_memory(device))        # None: in one piece
+        tile = memory.decode_tile(ae.core, 1, h, w, host.free_memory(ae, device))        # None: in one piece
         with torch.no_grad():
             images = [ae.core.decode(z[None], tile).float().clamp(-1, 1).to(host.intermediate_device()) for z in samples]
         return io.NodeOutput((torch.cat(images).movedim(1, -1) + 1) / 2)

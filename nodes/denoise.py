@@ -92,7 +92,7 @@ class Denoise(io.ComfyNode):
         kept = kv_here and REFERENCE_KV.holds(model.key, asked.references.tokens.to(model.dtype), asked.references.ids)
         needed = asked.need(model.dtype, ranks=model.ranks if spread else 1, kept_kv=kept)
         device = model.ready(needed)
-        memory.check_memory(device, needed, f"denoising {list(asked.noise.shape)} latents", free=host.free_memory,
+        memory.check_memory(device, needed, f"denoising {list(asked.noise.shape)} latents", free=lambda where: host.free_memory(model, where),
                             fix="use a smaller size or batch, or fewer or smaller references")
         model.use_adapters(model.core, lambda adapter: adapter.patches)
         set_compiled(model)

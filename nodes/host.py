@@ -14,10 +14,12 @@ makes every other layer that holds parameters (RMS norms) follow its input to th
 storage copies itself to its input's device (GGUF blocks) get ComfyUI's mark of a castable layer: see ``_host_class``.
 
 Dynamic VRAM (ComfyUI's ``CoreModelPatcher`` made ``ModelPatcherDynamic``, its default on NVIDIA from v0.3x): our
-patchers are the host's ``CoreModelPatcher``, so our models stream from RAM layer by layer as its own do. Such a host
-keeps pinned and on-GPU copies of the weights it streams and re-makes the ones it loads whole at every load, so there
-the pack never writes a stored weight: LoRAs run beside the weights (``Managed.use_adapters``), reference K/V are
-kept on the offload device between runs, and GGUF blocks (buffers, which it loads whole) carry no streaming mark.
+float models' patchers are the host's ``CoreModelPatcher``, so they stream from RAM layer by layer as its own do;
+models whose weights are buffers (GGUF, fp8, int8, packed formats), which it would copy whole at every load, keep
+the plain patcher (``new_patcher``). Such a host keeps pinned and on-GPU copies of the weights it streams and re-makes
+the ones it loads whole at every load, so there the pack never writes a stored weight: LoRAs run beside the weights
+(``Managed.use_adapters``), and reference K/V are kept on the offload device between runs; free memory is the
+patcher's own count (``free_memory``), which includes what the host gives back on demand.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ..flux2_core.models.reference_kv import ReferenceKV
 from ..flux2_core.models.run_state import run_state
 from ..flux2_core.runtime.cache import fingerprint
 from ..flux2_core.runtime.followers import FollowerGroup, TransformerSource
+from ..flux2_core.storage.protocol import FLOAT_KINDS, Storage
 from ..flux2_core.upsampler.model import upsamplers_under
 from ..flux2_core.variants import Variant
 from .engine_model import HOLDER_NAME, host_model
@@ -320,19 +323,40 @@ def is_dynamic(patcher) -> bool:
     return bool(getattr(patcher, "is_dynamic", lambda: False)())
 
 
-def new_patcher(model: nn.Module, kind: str) -> comfy.model_patcher.ModelPatcher:
+def new_patcher(model: nn.Module, kind: str, streams: bool = True) -> comfy.model_patcher.ModelPatcher:
     """A patcher of the class the host makes its own models with (``CoreModelPatcher``: dynamic where dynamic VRAM
     is on; a plain ``ModelPatcher`` on a CPU load device and on hosts without it), on the devices of ``kind``.
 
-    The first dynamic patchers (opt-in before v0.3x) kept every weight they do not stream on the CPU, where our
-    encoders, which run where their anchor layer is, would then compute; there our models keep the plain patcher
-    they always had. The later design loads those weights whole (``restore_loaded_backups`` puts them back)."""
+    Dynamic only where it can stream the model (``streams``): it streams parameters alone and loads buffers whole at
+    every load, so a model whose weights are buffers (GGUF blocks, fp8, int8, packed formats) keeps the plain
+    patcher, which loads them once and streams GGUF blocks by their mark. The first dynamic patchers (opt-in before
+    v0.3x) kept every weight they do not stream on the CPU, where our encoders, which run where their anchor layer
+    is, would then compute; there too the plain patcher. The later design loads those weights whole
+    (``restore_loaded_backups`` puts them back)."""
     load_device, offload_device = devices(kind)
     plain = comfy.model_patcher.ModelPatcher
     patcher_class = getattr(comfy.model_patcher, "CoreModelPatcher", plain)
-    if not hasattr(patcher_class, "restore_loaded_backups"):
+    if not streams or not hasattr(patcher_class, "restore_loaded_backups"):
         patcher_class = plain
-    return patcher_class(model, load_device=load_device, offload_device=offload_device)
+    patcher = patcher_class(model, load_device=load_device, offload_device=offload_device)
+    if is_dynamic(patcher):
+        patcher.cached_patcher_init = (_no_plain_copy, ())
+    return patcher
+
+
+def _no_plain_copy(*args, **kwargs):
+    """What a dynamic patcher calls for a fresh copy of its model (ComfyUI's TorchCompileModel node, conditioning
+    with hooks, its device selectors): ComfyUI reloads its own models' files for one; ours are refused with what to
+    do instead."""
+    raise Flux2Error("this ComfyUI node needs a fresh copy of the model (TorchCompileModel, conditioning with hooks, "
+                     "a device selector under dynamic VRAM), which a Klein model does not make: use Klein Compile "
+                     "before Klein to MODEL and Klein Parallel for several GPUs, or start ComfyUI with "
+                     "--disable-dynamic-vram")
+
+
+def streams_whole(module: nn.Module) -> bool:
+    """Whether every weight storage of ``module`` holds plain float weights (parameters a dynamic host streams)."""
+    return all(layer.kind in FLOAT_KINDS for layer in module.modules() if isinstance(layer, Storage))
 
 
 def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str = "", variant=None,
@@ -345,7 +369,7 @@ def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str =
     unmarked one never (``_host_class``).
     """
     holder = host_model(module, variant, dtype, devices(kind)[1]) if kind == "transformer" else None
-    patcher = new_patcher(holder if holder is not None else HOLDERS[kind](module), kind)
+    patcher = new_patcher(holder if holder is not None else HOLDERS[kind](module), kind, streams_whole(module))
     for name, layer in module.named_modules():
         castable = _castable(layer, name == anchor, is_dynamic(patcher))
         if castable is not None:
@@ -405,10 +429,11 @@ def _castable(layer: nn.Module, anchor: bool, dynamic: bool) -> type | None:
     return None if anchor or base is None else _host_class(type(layer), base)
 
 
-def free_memory(device: torch.device) -> int:
-    """What ComfyUI counts as free on ``device`` once it has offloaded what it could (``Managed.ready``): the GPU's
-    free and cached memory, or the RAM available on the CPU."""
-    return mm.get_free_memory(device)
+def free_memory(model: Managed, device: torch.device) -> int:
+    """What ComfyUI counts as free for ``model`` on ``device`` once it has offloaded what it could
+    (``Managed.ready``): the GPU's free and cached memory, or the RAM available on the CPU, and under dynamic VRAM
+    what streamed weights it would give back on demand (the patcher's own count, as its samplers ask it)."""
+    return model.patcher.get_free_memory(device)
 
 
 def _follow_input(layer: nn.Module, args) -> None:

@@ -103,3 +103,14 @@ def test_flux3_with_boxes_equals_generate(tmp_path):
          flux2_core.decode(models, latents))
     with pytest.raises(flux2_core.Flux2Error, match="boxes"):               # FLUX.2 takes no boxes, as in generate
         flux2_core.encode_prompt(flux2_models(tmp_path, "flux-2-klein-4b.safetensors"), "a beach", boxes=boxes)
+
+
+def test_cfg_without_a_negative_is_refused_with_what_to_encode(tmp_path):
+    """A CFG model's denoise needs the negative's row: embeddings of the prompt alone are refused before any step,
+    with the call that makes them; cfg=1 runs unguided."""
+    models = flux2_models(tmp_path, "flux-2-klein-base-tiny.safetensors")
+    embeds = flux2_core.encode_prompt(models, "a lighthouse")
+    noise, sigmas = flux2_core.make_noise(models, 1, W, H), flux2_core.schedule(models, W, H, steps=2)
+    with pytest.raises(flux2_core.Flux2Error, match=r'no negative prompt: encode one \(encode_prompt\(models, prompt, ""\)'):
+        flux2_core.denoise(models, noise, embeds, sigmas)
+    assert flux2_core.denoise(models, noise, embeds, sigmas, cfg=1.0).shape == noise.shape
