@@ -9,7 +9,6 @@ skipped with the reason otherwise.
 
 import json
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,6 +20,7 @@ from flux2_core.families.flux2.variants import QWEN3_TEMPLATE
 from flux2_core.models.text_encoder import count_prompt_tokens
 from flux2_core.models.tokenizer import load_tokenizer
 from tests.comfyui.host import PACK_FOLDER
+from tests.comfyui.test_pack_loads import expected_node_ids
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -67,13 +67,13 @@ def ours_or_uncaught(error: str) -> bool:
     return f"/extensions/{PACK_FOLDER}/" in error or "flux2" in error.lower()
 
 
-def test_extension_loads_without_console_errors(page):
+def test_extension_loads_without_console_errors(page, comfy):
     """No error but those the frontend logs by itself, on the same page with our extension disabled (frontend
     1.49.6 logs "ComfyApp graph accessed before initialization" with no custom node installed)."""
     errors = [e for e in page["errors"] if ours_or_uncaught(e) and e not in page["hostErrors"]]
     assert errors == [], "\n".join(errors)
-    declared = {m for p in ROOT.glob("nodes/*.py") for m in re.findall(r'node_id="(\w+)"', p.read_text())}
-    assert declared and sorted(page["registered"]) == sorted(declared), page["registered"]
+    expected = expected_node_ids(comfy.client.get_json("/object_info"))
+    assert expected and sorted(page["registered"]) == sorted(expected), page["registered"]
 
 
 @pytest.mark.parametrize("name", UI_NAMES)
