@@ -239,7 +239,8 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
              cache: float = 0.0, offload_encoder="auto", callback=None, warn=None) -> Result:
     """references: PIL images. sigmas overrides steps. image + strength: image-to-image; with ``mask``: inpainting,
     the mask read as ``mask_reading`` says ("auto": white = repaint, or its transparency where it has some and both
-    readings agree; "alpha": transparent = repaint; "grey": white = repaint; ``sampling.inpaint.mask_levels``). reference_kv: precomputed K/V (KV models; else ``models.reference_cache``). noise: explicit
+    readings agree; "alpha": transparent = repaint; "grey": white = repaint; ``sampling.inpaint.mask_levels``).
+    reference_kv: precomputed K/V (KV models; else ``models.reference_cache``). noise: explicit
     [batch, 128, H/16, W/16]. cache: the step cache's threshold (0: off; ``sampling.step_cache``), what it did in
     ``settings["cache"]``. callback(Step) after every step; warn(text) for each warning as it arises (all are also in
     ``Result.warnings``), so a caller can show them before the work.

@@ -41,12 +41,10 @@ def encode_prompt(models, prompt: str, negative: str | None = None, boxes=None) 
 def make_noise(models, seed: int, width: int, height: int, batch: int = 1, bfl_cuda_noise: bool = False) -> Tensor:
     """float32 [batch, 128, height/16, width/16] on the models' device, item i from seed + i, read as the family
     reads its noise."""
-    noise = euler.make_noise(batch, height, width, seed, device=models.device, bfl_cuda_noise=bfl_cuda_noise,
-                             reading=family_of(models.variant).noise)
-    return noise.to(models.device, torch.float32)
+    return euler.make_noise(batch, height, width, seed, device=models.device, bfl_cuda_noise=bfl_cuda_noise,
+                            reading=family_of(models.variant).noise)
 
 
-@torch.no_grad()
 def schedule(models, width: int, height: int, steps: int | None = None) -> list[float]:
     """The family's sigmas for ``steps`` (default: the variant's) at this size, ending at 0."""
     h, w = latent_size(height, width)

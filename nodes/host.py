@@ -320,7 +320,7 @@ def partially_loaded(model: Managed) -> bool:
 
 def is_dynamic(patcher) -> bool:
     """Whether ComfyUI streams this patcher's weights from RAM (a ``ModelPatcherDynamic``)."""
-    return bool(getattr(patcher, "is_dynamic", lambda: False)())
+    return patcher.is_dynamic()
 
 
 def new_patcher(model: nn.Module, kind: str, streams: bool = True) -> comfy.model_patcher.ModelPatcher:
@@ -371,7 +371,7 @@ def manage(core, module: nn.Module, kind: str, dtype: torch.dtype, anchor: str =
     holder = host_model(module, variant, dtype, devices(kind)[1]) if kind == "transformer" else None
     patcher = new_patcher(holder if holder is not None else HOLDERS[kind](module), kind, streams_whole(module))
     for name, layer in module.named_modules():
-        castable = _castable(layer, name == anchor, is_dynamic(patcher))
+        castable = _castable(layer, name == anchor)
         if castable is not None:
             layer.__class__ = castable                   # a subclass with the same state: see the module docstring
         elif next(layer.children(), None) is None and next(layer.parameters(recurse=False), None) is not None:
@@ -416,15 +416,14 @@ def reference_kv_ready(patcher: comfy.model_patcher.ModelPatcher, model: Managed
     return patcher.model.kv().to(device)     # no copy unless ComfyUI had to give their memory to the transformer
 
 
-def _castable(layer: nn.Module, anchor: bool, dynamic: bool) -> type | None:
+def _castable(layer: nn.Module, anchor: bool) -> type | None:
     """The class ComfyUI can stream a layer as (``_host_class``): marked when its storage follows its input (anchor or
-    not) and the host is not dynamic (which loads the blocks, buffers, whole and would only reserve room to stream
-    them), ComfyUI's castable class for a layer of a castable torch class (ours included); None for anything else
-    and for a plain anchor."""
+    not; such a model keeps the plain patcher: ``new_patcher``), ComfyUI's castable class for a layer of a castable
+    torch class (ours included); None for anything else and for a plain anchor."""
     if hasattr(layer, "comfy_cast_weights"):
         return None                                      # already ComfyUI's
     if getattr(layer, "follows_input", False):
-        return None if dynamic else _host_class(type(layer), None)
+        return _host_class(type(layer), None)
     base = next((base for base in CASTABLE if isinstance(layer, base)), None)
     return None if anchor or base is None else _host_class(type(layer), base)
 

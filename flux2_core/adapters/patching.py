@@ -43,8 +43,8 @@ def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: 
                  merge: bool | None = None) -> None:
     """Replaces whatever an earlier call applied; an empty list gives the model as loaded. ``merge``: None merges
     float layers and branches the others, True merges all, False branches all (no stored tensor changes). Strength 0
-    is left out. Every
-    patch is checked against its layer before anything changes: a refused set leaves the model as it was.
+    is left out. Every patch is checked against its layer before anything changes: a refused set leaves the model as
+    it was.
     """
     if merge not in (None, True, False):
         raise Flux2Error(f"merge must be None (by layer), True or False, got {merge!r}")

@@ -9,6 +9,7 @@ stays equal to single runs.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -29,16 +30,15 @@ class Layers:
                  kept: Callable[[str], torch.dtype | None] | None = None,
                  stored: Callable[[str], object | None] | None = None, convrot: bool = False,
                  chosen: dict[str, str] | None = None):
-        self.fp8, self.prefix, self.ggml, self.int8, self.kept, self.stored = fp8, prefix, ggml, int8, kept, stored
-        self.convrot = convrot
-        self.chosen = {} if chosen is None else chosen
+        self.prefix, self.chosen = prefix, {} if chosen is None else chosen
         int8_kind = "convrot" if convrot else "plain"
         self.pickers = {"stored": stored, "int8": int8 and (lambda name: int8_kind if int8(name) else None),
                         "ggml": ggml, "fp8": fp8, "kept": kept}
 
     def scope(self, name: str) -> Layers:
-        return Layers(self.fp8, f"{self.prefix}{name}.", self.ggml, self.int8, self.kept, self.stored, self.convrot,
-                      self.chosen)
+        scoped = copy.copy(self)                  # the same choosers and ``chosen``, under a longer prefix
+        scoped.prefix = f"{self.prefix}{name}."
+        return scoped
 
     def linear(self, name: str, in_features: int, out_features: int, per_item: bool = False) -> nn.Module:
         """Bias-free [out, in]; ``per_item``: one batch item at a time, for the per-item vectors [B, in]."""
@@ -59,4 +59,5 @@ class Layers:
 
     def embedding(self, name: str, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> nn.Module:
         """Float ``nn.Embedding``, or GGUF blocks whose looked-up rows are dequantized to ``dtype``."""
-        return choices.embedding(rows, dim, None if self.ggml is None else self.ggml(self.prefix + name), dtype)
+        ggml = self.pickers["ggml"]
+        return choices.embedding(rows, dim, None if ggml is None else ggml(self.prefix + name), dtype)

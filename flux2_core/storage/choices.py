@@ -44,7 +44,6 @@ FP8 = LayerStorage("fp8", lambda i, o, per_item, _: Fp8Linear(i, o, item_by_item
 KEPT = LayerStorage("kept", lambda i, o, per_item, dtype: CastLinear(i, o, dtype, item_by_item=per_item))
 FLOAT = LayerStorage("float", lambda i, o, per_item, _: (VectorLinear if per_item else Linear)(i, o))
 ORDER = (STORED, INT8, GGML, FP8, KEPT)          # asked in this order; FLOAT where none picks
-BY_NAME = {storage.name: storage for storage in (*ORDER, FLOAT)}
 
 
 def embedding(rows: int, dim: int, qtype: int | None, dtype: torch.dtype) -> nn.Module:

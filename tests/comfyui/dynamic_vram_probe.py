@@ -74,17 +74,10 @@ comfy_aimdo.model_vbar.vbar_unpin = lambda reservation: None
 import comfy.model_management as mm
 import comfy.model_patcher
 
-
-def import_pack(folder: Path):
-    """The pack as ComfyUI imports it: a package from its folder (the nodes use relative imports)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("flux2_pack", folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["flux2_pack"] = module
-    spec.loader.exec_module(module)
-    return module
-
+# the pack's import as model_management_probe.py (beside this file) does it; its setup is this one's, its main
+# does not run
+sys.path.append(str(Path(__file__).resolve().parent))
+from model_management_probe import import_pack
 
 CASTABLE_TORCH = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.GroupNorm, torch.nn.LayerNorm, torch.nn.Embedding)
 
