@@ -1,6 +1,6 @@
 """The registry of stored formats: every ``StoredFormat`` (``stored_format``) by each name files give it. The formats
 are defined beside the classes that hold them (fp8: ``quant``; int8: ``int8``; nvfp4, mxfp8, 2-D blocks, W4A4:
-``packed``; W4A8, SVDQuant, AWQ: ``w4``); another is added by ``register`` alone, the loaders and the layer factory
+``packed``; W4A8, SVDQuant, AWQ: ``w4``; OrbitQuant's: ``orbitquant``); another is added by ``register`` alone, the loaders and the layer factory
 unchanged.
 
 ``read_layer`` is the one entry for a file's spec of a layer: a name no format has and ConvRot on a format that is
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..errors import Flux2Error
 from .int8 import INT8_FORMAT
+from .orbitquant import ORBITQUANT_FORMAT, ORBITQUANT_INT4_FORMAT
 from .packed import (
     FP8_BLOCKS_FORMAT,
     INT8_BLOCKS_FORMAT,
@@ -44,7 +45,8 @@ def unregister(fmt: StoredFormat) -> None:
 
 
 for _format in (FP8_E4M3_FORMAT, FP8_E5M2_FORMAT, INT8_FORMAT, INT8_BLOCKS_FORMAT, FP8_BLOCKS_FORMAT, NVFP4_FORMAT,
-                NVFP4_PLAIN_FORMAT, MXFP8_FORMAT, W4A4_FORMAT, W4A8_FORMAT, SVDQUANT_FORMAT, AWQ_FORMAT):
+                NVFP4_PLAIN_FORMAT, MXFP8_FORMAT, W4A4_FORMAT, W4A8_FORMAT, SVDQUANT_FORMAT, AWQ_FORMAT,
+                ORBITQUANT_FORMAT, ORBITQUANT_INT4_FORMAT):
     register(_format)
 
 

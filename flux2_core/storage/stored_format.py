@@ -48,6 +48,9 @@ class StoredTensor:
     """One tensor a format stores for a layer."""
     dtypes: tuple[str, ...]             # the safetensors dtype codes its writers store it in
     scale: ScaleRule | None = None      # None: codes, whose every value means something
+    # one entry per output row along its first dimension, where a format can join layers: a layer our layout
+    # assembles from several of a file's (diffusers' q, k, v) takes theirs one after another, the others once
+    rows: bool = False
 
 
 # uint8 holding float8 bytes is how some of ComfyUI's files store float8 values (read as the float8 they hold)
@@ -131,6 +134,11 @@ class StoredFormat:
     # options ({"fp8": "auto" | True | False, "int8": ...}). None: always dequantized or cast
     matmul: Callable[..., dict[str, tuple[bool, str]]] | None = None
 
+    @property
+    def joins_rows(self) -> bool:
+        """Whether a layer may be assembled from several layers of a file as stored (``StoredTensor.rows``)."""
+        return any(t.rows for t in self.tensors.values())
+
     def layer(self, file: LayerFile) -> LayerFormat:
         """``file`` checked (each tensor in a dtype the format stores it in, then the format's own checks)."""
         self.check_dtypes(file)
@@ -172,6 +180,14 @@ class LayerFormat:
     # holds it, (name, dtype), which its layer keeps as it is
     held: tuple[tuple[str, torch.dtype], ...] = ()
     rank: int = 0                # a low-rank branch's rank (SVDQuant)
+    bits: int = 0                # a code's width where a format's vary by layer (OrbitQuant); 0: packed_inputs says
+    # what else the file says of the layer that its storage keeps ((name, value) pairs: OrbitQuant's settings, with
+    # which orbitquant's own kernels are made)
+    options: tuple[tuple[str, object], ...] = ()
+
+    def inputs(self, columns: int) -> int:
+        """The inputs a stored weight of ``columns`` columns holds."""
+        return columns * 8 // self.bits if self.bits else columns * self.format.packed_inputs
 
     @property
     def tensors(self) -> dict[str, StoredTensor]:

@@ -40,6 +40,7 @@ from .checkpoint import TORCH_DTYPES, Checkpoint, TensorInfo, open_checkpoint, r
 from .dequantize import comfy_formats, dequantize
 from .gguf_file import architecture, describe_gguf
 from .key_mapping import AUTOENCODER_LAYOUTS, OPTIONAL_KEYS, QWEN3_FROM_LLAMA_CPP, describe, find_layout, qwen3_name
+from .orbitquant_files import as_stored
 from .outcome import StorageOutcome, option_name, tally
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -68,18 +69,22 @@ class Source:
         rest = list(shapes[0][1:])
         fmt = self.formats.get(recipe.sources[0].removesuffix(".weight"))
         if fmt is not None:
-            rest = [fmt.format.packed_inputs * rest[0]]
+            rest = [fmt.inputs(rest[0])]
         return (sum(s[0] for s in shapes), *rest)
 
     def stored_format(self, key: str) -> LayerFormat | None:
         """The format a layer is kept in as the file stores it (``LayerFormat.linear``): where the file quantizes it
         in a format the fp8 choice does not hold (``StoredFormat.fp8_choice``) and our key reads one file tensor as
-        it is (a layer our layout assembles from several is dequantized)."""
+        it is, or several layers of one format that joins rows (``StoredFormat.joins_rows``) one after another; a
+        layer our layout assembles otherwise is dequantized."""
         recipe = self.recipe(key)
-        if len(recipe.sources) != 1 or recipe.swap_halves or recipe.sources[0] not in self.keys:
+        if recipe.swap_halves or not all(s in self.keys for s in recipe.sources):
             return None
-        fmt = self.formats.get(recipe.sources[0].removesuffix(".weight"))
-        return fmt if fmt is not None and not fmt.format.fp8_choice else None
+        found = [self.formats.get(s.removesuffix(".weight")) for s in recipe.sources]
+        fmt = found[0]
+        if fmt is None or fmt.format.fp8_choice or any(f != fmt for f in found[1:]):
+            return None
+        return fmt if len(found) == 1 or fmt.format.joins_rows else None
 
     def scale_key(self, layer: str) -> str | None:
         return next((self.prefix + layer + s for s in SCALE_SUFFIXES
@@ -129,7 +134,7 @@ GGUF_ENCODER_ARCHS = {"qwen3": "qwen3", "qwen3vl": "qwen3-vl"}
 
 def open_source(path, subfolder: str, layouts: list[Layout], what: str, loader: str,
                 gguf_archs: tuple[str, ...] = ()) -> Source:
-    ckpt = open_checkpoint(path, subfolder)
+    ckpt = as_stored(open_checkpoint(path, subfolder))
     arch = architecture(ckpt.metadata) if any(i.ggml is not None for i in ckpt.tensors.values()) else None
     if arch is not None and arch not in gguf_archs:
         raise Flux2Error(f"{ckpt.path} is a GGUF of {describe_gguf(arch, ckpt)}, not {what}. {loader}")
@@ -182,6 +187,8 @@ class TensorReader:
             if (info.file, plain) not in self.handles:
                 self.handles[info.file, plain] = safe_open(str(info.file), framework="pt", device=str(self.device))
             tensor = self.handles[info.file, plain].get_tensor(info.name)
+            if tuple(tensor.shape) != info.shape and tensor.numel() == math.prod(info.shape):
+                tensor = tensor.reshape(info.shape)          # a reader gives it another shape (OrbitQuant's codes)
         except SafetensorError as e:    # a valid dtype this safetensors or torch cannot make (F6_*, or newer codes)
             raise Flux2Error(f"{info.file}: tensor {info.name!r} is stored as {info.dtype}, which cannot be read here "
                              f"({e}); update safetensors and torch, or use the bf16 or fp8 release of these "
@@ -199,7 +206,7 @@ class TensorReader:
         layer = key[: -len(".weight")]
         fmt = self.source.formats.get(layer)
         if fmt is not None and not fmt.format.fp8_choice:         # a file key: its own shape, not a recipe's
-            rows, inputs = info.shape[0], info.shape[1] * fmt.format.packed_inputs
+            rows, inputs = info.shape[0], fmt.inputs(info.shape[1])
             like = fmt.linear(inputs, rows, device="meta").state_dict()
             return fmt.format.dequantize(fmt, self.stored(layer, like, tensor), rows, inputs)
         scale = self.source.scale_key(layer)
@@ -262,6 +269,28 @@ class TensorReader:
             out[name] = tensor.reshape(buffer.shape)
         return out
 
+    def joined(self, layers: list[str], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A layer's tensors as the file stores them (``stored``), from one of the file's layers or from several of a
+        format that joins rows: their per-row tensors one after another, the others once (the same in each)."""
+        if len(layers) == 1:
+            return self.stored(layers[0], like)
+        fmt = self.source.formats[layers[0]]
+        parts = []
+        for layer in layers:
+            rows = self.source.info(f"{layer}.weight").shape[0]
+            parts.append(self.stored(layer, {n: torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device="meta")
+                                             if fmt.tensors[n].rows else t for n, t in like.items()}))
+        out = {}
+        for name in like:
+            if fmt.tensors[name].rows:
+                out[name] = torch.cat([p[name] for p in parts])
+            elif all(torch.equal(p[name], parts[0][name]) for p in parts[1:]):
+                out[name] = parts[0][name]
+            else:
+                raise Flux2Error(f"{self.source.ckpt.path}: layers {', '.join(layers)} are read as one layer, but "
+                                 f"their {name} differ; the file is damaged or mixed from two, download it again")
+        return out
+
     def full(self, recipe: Recipe) -> torch.Tensor:
         parts = [self(s) for s in recipe.sources]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -313,8 +342,8 @@ def read_state_dict(source: Source, model: nn.Module, device: torch.device, dtyp
                 state[key] = torch.zeros(like.shape, dtype=like.dtype, device=device)
             elif source.stored_format(key) is not None and keeps_stored(layers.get(key.removesuffix(".weight"))):
                 layer = key.removesuffix(".weight")                                                 # kept as stored
-                state |= {f"{layer}.{name}": tensor for name, tensor in read.stored(
-                    source.recipe(key).sources[0].removesuffix(".weight"),
+                state |= {f"{layer}.{name}": tensor for name, tensor in read.joined(
+                    [s.removesuffix(".weight") for s in source.recipe(key).sources],
                     layers[layer].state_dict()).items()}
             elif like.dtype == torch.uint8 and source.ggml_type(key) is not None:    # kept as GGUF blocks
                 state[key] = fit(read.blocks(key), like, key, source)

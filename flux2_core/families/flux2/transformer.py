@@ -212,8 +212,9 @@ class Flux2Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype (16-bit weights kept under a wider one are cast to it as each layer runs)."""
-        return self.img_in.weight.dtype
+        """The compute dtype (16-bit weights kept under a wider one are cast to it as each layer runs): a norm's,
+        which no quantized file stores otherwise (any linear may be quantized)."""
+        return self.single_blocks[0].norm.query_norm.scale.dtype
 
     def forward(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
                 guidance: Tensor | None = None, ref: Tensor | None = None, ref_ids: Tensor | None = None,

@@ -1,0 +1,247 @@
+"""Weights kept in OrbitQuant's packed formats, as its artifacts store them, and dequantized at each call where
+orbitquant's own kernels do not multiply them (``weights.orbitquant_files`` reads an artifact into these layers):
+
+    OrbitQuant  each row rotated by RPBH (a seeded permutation of the inputs, a ±1 sign each, then a Hadamard transform
+                over each block of B inputs, divided by sqrt(B)), cut into its norm (``weight_norms``) and a unit
+                direction whose every value is the nearest level of a Lloyd-Max codebook of 2^bits levels
+                (``weight_levels``); the codes packed bit by bit, the first value in the lowest bits (2, 3, 4, 6 or
+                8 bits). The weight in the rotated basis is norm x level[code]; x·Wᵀ = (x·R)·(W·R)ᵀ, R orthogonal.
+    int4 RTN    the modulation layers: signed 4-bit codes (code - 8) times a scale per group of 64 inputs.
+
+orbitquant quantizes the activations too (per token, in the rotated basis, to its own codebook); the dequantized path
+here does not, so it computes what the float model holding the dequantized weights computes. Adapters never merge
+into the codes: a merge patches the weight as it is dequantized, which turns the call back into the plain path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ..errors import Flux2Error
+from .linear import item_by_item, linear
+from .packed import DequantizedLinear
+from .stored_format import FLOAT_SCALES, LayerFile, LayerFormat, ScaleRule, StoredFormat, StoredTensor
+
+BITS = (2, 3, 4, 6, 8)          # the widths orbitquant writes
+RTN_GROUP = 64                  # its modulation layers' group
+
+
+def unpack_codes(packed: Tensor, bits: int, inputs: int) -> Tensor:
+    """uint8 [N, inputs·bits/8], codes packed bit by bit from the lowest bit of each row's first byte -> int64
+    [N, inputs]. Each row starts on a byte (inputs·bits is a multiple of 8), so rows are independent."""
+    rows = packed.shape[0]
+    if 8 % bits == 0:                                  # whole codes in a byte: a shift per field
+        fields = [(packed >> (i * bits)) & ((1 << bits) - 1) for i in range(8 // bits)]
+        return torch.stack(fields, dim=-1).reshape(rows, inputs).long()
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    stream = ((packed[..., None] >> shifts) & 1).reshape(rows, inputs, bits)         # each code's bits, low first
+    weights = torch.tensor([1 << i for i in range(bits)], device=packed.device, dtype=torch.uint8)
+    return (stream * weights).sum(-1, dtype=torch.int64)
+
+
+def hadamard_blocks(x: Tensor, block: int) -> Tensor:
+    """x [..., K] -> each block of ``block`` inputs times the (Sylvester) Hadamard matrix of that size, unscaled:
+    log2(block) passes of sums and differences."""
+    shape = x.shape
+    y = x.reshape(-1, block)
+    half = 1
+    while half < block:
+        pairs = y.reshape(-1, block // (2 * half), 2, half)
+        first, second = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack((first + second, first - second), dim=2).reshape(-1, block)
+        half *= 2
+    return y.reshape(shape)
+
+
+def rotate(x: Tensor, order: Tensor, signs: Tensor, block: int) -> Tensor:
+    """x [..., K] -> x·R: permuted, signed, Hadamard over each block, / sqrt(block)."""
+    turned = x.index_select(-1, order.to(x.device)) * signs.to(x.device, x.dtype)
+    return hadamard_blocks(turned, block) * block ** -0.5
+
+
+def rotate_back(x: Tensor, order: Tensor, signs: Tensor, block: int) -> Tensor:
+    """x·Rᵀ (R's inverse): what turns rows stored in the rotated basis back."""
+    turned = hadamard_blocks(x, block) * block ** -0.5 * signs.to(x.device, x.dtype)
+    return torch.empty_like(turned).index_copy_(-1, order.to(x.device), turned)
+
+
+@functools.cache
+def orbitquant_module():
+    """orbitquant where it is installed (its GPU kernels); None where it is not."""
+    try:
+        import orbitquant
+    except ImportError:
+        return None
+    return orbitquant
+
+
+class OrbitLinear(DequantizedLinear):
+    """``weight`` uint8 [N, K·bits/8] (the codes), ``weight_norms`` [N] (bf16, or float32 in fused files),
+    ``weight_levels`` float32 [2^bits], ``weight_order`` int64 [K] (the rotation's permutation), ``weight_signs`` int8
+    [K]. ``kernel``: orbitquant's own layer, sharing these tensors, runs the call (``use_orbitquant_kernels``)."""
+
+    kind = "orbitquant"
+    work_bytes = 20             # the int64 codes and the levels they pick in float32, the scaled rows, the cast
+
+    def __init__(self, in_features: int, out_features: int, bits: int, block: int, norms: torch.dtype,
+                 item_by_item: bool = False, device=None):
+        super().__init__(in_features, out_features, item_by_item)
+        self.bits, self.block = bits, block
+        self.register_buffer("weight", torch.empty(out_features, in_features * bits // 8, dtype=torch.uint8,
+                                                   device=device))
+        self.register_buffer("weight_norms", torch.empty(out_features, dtype=norms, device=device))
+        self.register_buffer("weight_levels", torch.empty(1 << bits, device=device))
+        self.register_buffer("weight_order", torch.empty(in_features, dtype=torch.int64, device=device))
+        self.register_buffer("weight_signs", torch.empty(in_features, dtype=torch.int8, device=device))
+        self.kernel = None
+        self.settings: dict = {}                 # the artifact's quantization settings, for orbitquant's layer
+
+    def stored_tensors(self) -> tuple[Tensor, ...]:
+        return self.weight, self.weight_norms, self.weight_levels, self.weight_order, self.weight_signs
+
+    def rotated(self, device) -> Tensor:
+        """float32 [N, K]: the weight in the rotated basis, norm x level[code]."""
+        codes = unpack_codes(self.weight.to(device), self.bits, self.in_features)
+        levels = self.weight_levels.to(device).float()[codes]
+        return levels * self.weight_norms.to(device).float()[:, None]
+
+    def dequantized(self, device) -> Tensor:
+        return rotate_back(self.rotated(device), self.weight_order, self.weight_signs, self.block)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.weight_patch is not None:
+            return super().forward(x)
+        if self.kernel is not None:
+            return self.kernel(x)
+        weight = self.rotated(x.device).to(x.dtype)
+        turned = rotate(x.float(), self.weight_order, self.weight_signs, self.block).to(x.dtype)
+        return item_by_item(lambda item: linear(item, weight), turned) if self.item_by_item else linear(turned, weight)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", {self.bits} bits, RPBH block {self.block}" + (
+            ", orbitquant's kernels" if self.kernel is not None else "")
+
+
+class Int4GroupLinear(DequantizedLinear):
+    """``weight`` uint8 [N, G·64/2] (4-bit codes, the first in the low nibble, inputs padded to whole groups),
+    ``weight_scale`` [N, G] (bf16): the weight is (code - 8) x its group's scale."""
+
+    kind = "int4 RTN"
+    work_bytes = 16             # the codes, their signed values and the scaled product in float32
+
+    def __init__(self, in_features: int, out_features: int, group: int, item_by_item: bool = False, device=None):
+        super().__init__(in_features, out_features, item_by_item)
+        self.group = group
+        groups = -(-in_features // group)
+        self.register_buffer("weight", torch.empty(out_features, groups * group // 2, dtype=torch.uint8,
+                                                   device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, groups, dtype=torch.bfloat16, device=device))
+
+    def stored_tensors(self) -> tuple[Tensor, ...]:
+        return self.weight, self.weight_scale
+
+    def dequantized(self, device) -> Tensor:
+        codes = unpack_codes(self.weight.to(device), 4, self.weight.shape[1] * 2).float() - 8
+        scales = self.weight_scale.to(device).float()
+        values = codes.reshape(self.out_features, -1, self.group) * scales[..., None]
+        return values.reshape(self.out_features, -1)[:, : self.in_features]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# orbitquant's kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+def kernel_layer(layer: OrbitLinear):
+    """orbitquant's ``OrbitQuantLinear`` over ``layer``'s codes and norms (views, nothing copied), in its fastest
+    mode for the device (its ``auto_fused``)."""
+    oq = orbitquant_module()
+    settings = dict(layer.settings, weight_bits=layer.bits, runtime_mode=layer.settings.get("runtime_mode", "auto_fused"))
+    config = oq.OrbitQuantConfig.from_dict(settings)
+    kernel = oq.OrbitQuantLinear(in_features=layer.in_features, out_features=layer.out_features, config=config,
+                                 module_name="", source_weight_layout="linear",
+                                 bias=None, packed_weight_indices=layer.weight.reshape(-1),
+                                 row_norms=layer.weight_norms.to(torch.bfloat16), debug_weight=None)
+    return kernel
+
+
+def use_orbitquant_kernels(model: torch.nn.Module, device, dtype: torch.dtype, asked: dict) -> dict:
+    """``StoredFormat.matmul``: OrbitQuant layers multiply through orbitquant's own layers (its CUDA and Triton
+    kernels, activations quantized as the format does) on a GPU where orbitquant is installed; else dequantized."""
+    layers = [m for m in model.modules() if isinstance(m, OrbitLinear)]
+    if not layers:
+        return {}
+    device = torch.device(device)
+    on = device.type == "cuda" and orbitquant_module() is not None
+    for layer in layers:
+        layer.kernel = kernel_layer(layer) if on else None
+    if on:
+        note = "orbitquant matmul: orbitquant's own kernels (activations quantized as the format does)"
+    elif device.type == "cuda":
+        note = "orbitquant matmul: dequantized (install orbitquant for its GPU kernels)"
+    else:
+        note = "orbitquant matmul: dequantized (activations not quantized)"
+    return {"orbitquant": (on, note)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the formats
+# ---------------------------------------------------------------------------------------------------------------
+
+def _need(file: LayerFile, name: str, shape: tuple[int, ...]) -> None:
+    got = file.shapes.get(name)
+    if got is None:
+        raise Flux2Error(f"{file.where} is {file.name} but has no {name}; the artifact is incomplete, download it "
+                         f"again")
+    if tuple(got) != tuple(shape):
+        raise file.corrupt(f"is {file.name} with {list(shape)} expected for its {name}, but has {list(got)}")
+
+
+def _read_orbitquant(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
+    bits, block = file.whole("bits", 4), file.whole("block", 1)
+    if bits not in BITS:
+        raise file.corrupt(f"says its codes are {bits} bits, which OrbitQuant never writes ({BITS})")
+    rows, cols = file.matrix()
+    if (cols * 8) % bits:
+        raise file.corrupt(f"has {cols} bytes of {bits}-bit codes a row, which is no whole number of codes")
+    inputs = cols * 8 // bits
+    if block & (block - 1) or inputs % block:
+        raise file.corrupt(f"has an RPBH block of {block}, which is no power of two dividing its {inputs} inputs")
+    _need(file, "weight_norms", (rows,))
+    _need(file, "weight_levels", (1 << bits,))
+    _need(file, "weight_order", (inputs,))
+    _need(file, "weight_signs", (inputs,))
+    norms = {"BF16": torch.bfloat16}.get(file.dtypes["weight_norms"], torch.float32)
+    settings = tuple(sorted((k, v) for k, v in file.spec.get("settings", {}).items()))
+    return LayerFormat(fmt, file.name, block=block, bits=bits, held=(("weight_norms", norms),), options=settings)
+
+
+def _read_int4(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
+    group = file.whole("group_size", RTN_GROUP)
+    rows, cols = file.matrix()
+    if (2 * cols) % group:
+        raise file.corrupt(f"has {2 * cols} 4-bit codes a row, which is no whole number of groups of {group}")
+    _need(file, "weight_scale", (rows, 2 * cols // group))
+    return LayerFormat(fmt, file.name, block=group)
+
+
+def _orbit_layer(fmt: LayerFormat, inputs: int, rows: int, per_item: bool, device) -> OrbitLinear:
+    layer = OrbitLinear(inputs, rows, fmt.bits, fmt.block, dict(fmt.held)["weight_norms"], per_item, device)
+    layer.settings = dict(fmt.options)
+    return layer
+
+
+ORBITQUANT_FORMAT = StoredFormat(
+    "OrbitQuant", ("orbitquant_rpbh",), OrbitLinear,
+    {"weight": StoredTensor(("U8",), rows=True), "weight_norms": StoredTensor(("BF16", "F32"), ScaleRule(), rows=True),
+     "weight_levels": StoredTensor(("F32",)), "weight_order": StoredTensor(("I64",)),
+     "weight_signs": StoredTensor(("I8",))},
+    torch.uint8, _read_orbitquant, _orbit_layer, matmul=use_orbitquant_kernels)
+
+ORBITQUANT_INT4_FORMAT = StoredFormat(
+    "OrbitQuant int4", ("orbitquant_int4_rtn",), Int4GroupLinear,
+    {"weight": StoredTensor(("U8",)), "weight_scale": StoredTensor(FLOAT_SCALES[1:2], ScaleRule())},
+    torch.uint8, _read_int4,
+    lambda fmt, i, o, per_item, device: Int4GroupLinear(i, o, fmt.block, per_item, device), packed_inputs=2)

@@ -1,0 +1,247 @@
+"""OrbitQuant artifacts as users download them: a folder with ``model.safetensors`` (each quantized layer's packed
+codes and row norms, the modulation layers' int4 codes and scales, the rest of the model in bf16), its codebooks and
+rotations (``orbitquant_codebooks.safetensors``, ``orbitquant_rotations.safetensors``), the quantization settings
+(``quantization_config.json``), a manifest (``orbitquant_manifest.json``: the layers, their widths and the files'
+SHA-256) and ``SHA256SUMS``.
+
+``read_artifact`` checks all of it and hands the loaders a ``Checkpoint`` in the terms of the stored formats
+(``storage.orbitquant``): each quantized layer's tensors under the names its storage keeps (``weight``,
+``weight_norms``, ``weight_levels``, ``weight_order``, ``weight_signs``; the codebook and rotation are the artifact's own
+tensors, read from their files) and its spec in ``_quantization_metadata``, as ComfyUI's quantized files give it. No
+byte of the model is copied or rewritten: each tensor is read from where the artifact has it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..errors import Flux2Error
+from ..storage.orbitquant import ORBITQUANT_FORMAT, ORBITQUANT_INT4_FORMAT
+from ..user_json import read_json_file
+from .checkpoint import read_header, read_tensor
+from .tensors import Checkpoint, TensorInfo, short
+
+MANIFEST = "orbitquant_manifest.json"
+CONFIG = "quantization_config.json"
+CODEBOOKS = "orbitquant_codebooks.safetensors"
+ROTATIONS = "orbitquant_rotations.safetensors"
+MODEL = "model.safetensors"
+FORMAT = "orbitquant-v1"
+CODES, NORMS = ".packed_weight_indices", ".row_norms"           # an OrbitQuant layer's tensors in model.safetensors
+INT4_CODES, INT4_SCALES = ".packed_weight", ".scales"            # a modulation layer's (int4, round to nearest)
+# the settings orbitquant's own layer is made with (``storage.orbitquant.kernel_layer``), as the config names them
+KERNEL_SETTINGS = ("activation_bits", "rotation_seed", "block_size", "codebook_version", "activation_eps",
+                   "activation_kernel_backend")
+_VERIFIED: dict[tuple[str, int, int], str] = {}      # (file, size, mtime) -> its SHA-256, checked once a process
+
+
+def as_stored(ckpt: Checkpoint) -> Checkpoint:
+    """An OrbitQuant artifact's checkpoint in the stored formats' terms (``read_artifact``); any other as it is."""
+    folder = ckpt.files[0].parent
+    if (folder / MANIFEST).is_file():
+        return read_artifact(folder, ckpt)
+    if any(k.endswith(CODES) for k in ckpt.tensors):
+        raise Flux2Error(f"{ckpt.files[0]} holds OrbitQuant codes but has no {MANIFEST} beside it: an OrbitQuant "
+                         f"model is a whole folder (its manifest, {CONFIG}, {CODEBOOKS} and {ROTATIONS} beside "
+                         f"{MODEL}). Download the whole artifact folder and give the folder, or its {MODEL}")
+    return ckpt
+
+
+def read_artifact(folder: Path, ckpt: Checkpoint) -> Checkpoint:
+    """``ckpt`` (``model.safetensors`` as read) in the stored formats' terms, everything checked first."""
+    manifest = _json(folder / MANIFEST, "its manifest")
+    config = _json(folder / CONFIG, "its quantization settings")
+    if manifest.get("artifact_format") != FORMAT or manifest.get("quant_method") != "orbitquant":
+        raise Flux2Error(f"{folder / MANIFEST} is not an OrbitQuant manifest of the {FORMAT} format (it says "
+                         f"{short(manifest.get('artifact_format'))}); this pack reads {FORMAT} artifacts")
+    if ckpt.files != [folder / MODEL]:
+        chosen = ", ".join(f.name for f in ckpt.files)
+        raise Flux2Error(f"{folder} is an OrbitQuant artifact, whose model is {MODEL}, not {chosen}: give the folder "
+                         f"or its {MODEL}")
+    if config.get("fused_layout"):
+        raise Flux2Error(f"{folder} is an OrbitQuant fused checkpoint (its layers regrouped for orbitquant's own "
+                         f"fused blocks: {short(config['fused_layout'])}), which this pack does not run: download the "
+                         f"unfused artifact of the same model (the one whose {CONFIG} has no fused_layout)")
+    _check_sums(folder, manifest)
+    codebooks = _codebooks(folder)
+    rotations = _rotations(folder)
+    tensors = dict(ckpt.tensors)
+    specs: dict[str, dict] = {}
+    where = f"{folder}: its"
+    bits = _whole(manifest, "weight_bits", where)
+    overrides = manifest.get("module_bits") or {}
+    if not isinstance(overrides, dict):
+        raise Flux2Error(f"{where} manifest's module_bits is {short(overrides)}, not an object; download it again")
+    settings = {k: config[k] for k in KERNEL_SETTINGS if k in config}
+    for name in _names(manifest, "quantized_modules", where):
+        layer_bits = _whole(overrides, name, where, bits) if name in overrides else bits
+        codes, norms = _pop(tensors, name, CODES, folder), _pop(tensors, name, NORMS, folder)
+        rows = norms.shape[0] if len(norms.shape) == 1 else 0
+        count = math.prod(codes.shape) * 8
+        if not rows or len(codes.shape) not in (1, 2) or count % (rows * layer_bits):
+            raise Flux2Error(f"{folder}: layer {name} has {math.prod(codes.shape)} bytes of codes and "
+                             f"{list(norms.shape)} row norms, which are not {layer_bits}-bit codes of whole rows "
+                             f"(the manifest's width for it); the artifact is damaged, download it again")
+        inputs = count // (rows * layer_bits)
+        levels = codebooks.get((inputs, layer_bits))
+        rotation = rotations.get(inputs)
+        if levels is None or rotation is None:
+            raise Flux2Error(f"{folder}: layer {name} reads as {layer_bits}-bit codes of {inputs} inputs (its "
+                             f"manifest's width), but the artifact has no {'codebook' if levels is None else 'rotation'}"
+                             f" for {inputs} inputs at {layer_bits} bits: its manifest and its tensors disagree; the "
+                             f"artifact is damaged, download it again")
+        block, order, signs = rotation
+        tensors[f"{name}.weight"] = replace(codes, shape=(rows, inputs * layer_bits // 8))
+        tensors |= {f"{name}.weight_norms": norms, f"{name}.weight_levels": levels,
+                    f"{name}.weight_order": order, f"{name}.weight_signs": signs}
+        specs[name] = {"format": ORBITQUANT_FORMAT.names[0], "bits": layer_bits, "block": block,
+                       "settings": settings}
+    group = _whole(manifest, "adaln_group_size", where, 64)
+    for name in _names(manifest, "adaln_modules", where):
+        codes, scales = _pop(tensors, name, INT4_CODES, folder), _pop(tensors, name, INT4_SCALES, folder)
+        rows = scales.shape[0] if len(scales.shape) == 2 else 0
+        if not rows or math.prod(codes.shape) != rows * scales.shape[1] * group // 2:
+            raise Flux2Error(f"{folder}: layer {name} has {math.prod(codes.shape)} bytes of int4 codes and scales "
+                             f"{list(scales.shape)}, which are not groups of {group} (its manifest's); the artifact "
+                             f"is damaged, download it again")
+        tensors[f"{name}.weight"] = replace(codes, shape=(rows, scales.shape[1] * group // 2))
+        tensors[f"{name}.weight_scale"] = scales
+        specs[name] = {"format": ORBITQUANT_INT4_FORMAT.names[0], "group_size": group}
+    stray = sorted(k for k in tensors if k.endswith((CODES, NORMS, INT4_CODES, INT4_SCALES)))
+    if stray:
+        raise Flux2Error(f"{folder}: {MODEL} holds {stray[0]}, of a layer its manifest does not list; the artifact "
+                         f"is damaged or mixed from two, download it again")
+    metadata = dict(ckpt.metadata) | {"_quantization_metadata": json.dumps({"layers": specs})}
+    return replace(ckpt, tensors=tensors, metadata=metadata)
+
+
+def _json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise Flux2Error(f"{path.parent} is an OrbitQuant artifact without {path.name} ({what}); download the whole "
+                         f"folder again")
+    return read_json_file(path, dict, "download the artifact again", f"the OrbitQuant artifact's {path.name}")
+
+
+def _whole(values: dict, key: str, where: str, default: int | None = None) -> int:
+    value = values.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise Flux2Error(f"{where} {key} is {short(value)}, not a positive whole number; the artifact is damaged, "
+                         f"download it again")
+    return value
+
+
+def _names(manifest: dict, key: str, where: str) -> list[str]:
+    names = manifest.get(key, [])
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise Flux2Error(f"{where} manifest's {key} is {short(names)}, not a list of layer names; download it again")
+    return names
+
+
+def _pop(tensors: dict[str, TensorInfo], name: str, suffix: str, folder: Path) -> TensorInfo:
+    info = tensors.pop(name + suffix, None)
+    if info is None:
+        raise Flux2Error(f"{folder}: its manifest lists the quantized layer {name}, but {MODEL} has no "
+                         f"{name}{suffix}; the artifact is incomplete or damaged, download it again")
+    return info
+
+
+def _sha256(path: Path) -> str:
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _VERIFIED:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        _VERIFIED[key] = digest.hexdigest()
+    return _VERIFIED[key]
+
+
+def _check_sums(folder: Path, manifest: dict) -> None:
+    """Every file the manifest gives a SHA-256 of has it, and so has the manifest where SHA256SUMS lists it."""
+    sums = manifest.get("checksums", {})
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise Flux2Error(f"{folder / MANIFEST}: its checksums are {short(sums)}, not file names with their SHA-256; "
+                         f"download it again")
+    listed = folder / "SHA256SUMS"
+    if listed.is_file():
+        for line in listed.read_text(encoding="utf-8", errors="replace").splitlines():
+            digest, _, name = line.strip().partition("  ")
+            if name == MANIFEST:
+                sums = {**sums, MANIFEST: digest}
+    for name, digest in sums.items():
+        path = folder / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise Flux2Error(f"{folder / MANIFEST} gives a checksum for {short(name)}, outside its folder; download "
+                             f"it again")
+        if not path.is_file():
+            raise Flux2Error(f"{folder} lacks {name}, which its manifest lists; download the whole artifact again")
+        if _sha256(path) != digest.lower():
+            raise Flux2Error(f"{path} is not the file the artifact's manifest lists (its SHA-256 differs): it is "
+                             f"damaged, cut or from another artifact; download it again")
+
+
+def _small_tensors(path: Path) -> dict[str, tuple[TensorInfo, torch.Tensor]]:
+    """A codebook or rotation file read whole (kilobytes), through our header checks."""
+    if not path.is_file():
+        raise Flux2Error(f"{path.parent} is an OrbitQuant artifact without {path.name}; download the whole folder "
+                         f"again")
+    infos, _ = read_header(path)
+    with open(path, "rb") as f:
+        return {name: (info, read_tensor(info, f)) for name, info in infos.items()}
+
+
+def _codebooks(folder: Path) -> dict[tuple[int, int], TensorInfo]:
+    """(inputs, bits) -> the levels' tensor: 2^bits float32 levels, finite and rising."""
+    found = {}
+    for name, (info, values) in _small_tensors(folder / CODEBOOKS).items():
+        head, _, kind = name.partition(".")
+        dim, _, bits = head.removeprefix("dim").partition("_bits")
+        if kind != "centroids" or not (dim.isdigit() and bits.isdigit()):
+            continue
+        bits_n = int(bits)
+        if (values.dtype != torch.float32 or values.shape != (1 << bits_n,) or not torch.isfinite(values).all()
+                or (values.diff() <= 0).any()):
+            raise Flux2Error(f"{folder / CODEBOOKS}: {name} is not {1 << bits_n} rising float32 levels; the artifact "
+                             f"is damaged, download it again")
+        found[int(dim), bits_n] = info
+    return found
+
+
+def _rotations(folder: Path) -> dict[int, tuple[int, TensorInfo, TensorInfo]]:
+    """inputs -> (block, the permutation's tensor, the signs' tensor), each checked: a permutation of the inputs,
+    signs of ±1, a block that is a power of two dividing them with its normalization 1/sqrt(block)."""
+    read = _small_tensors(folder / ROTATIONS)
+    found = {}
+    for name, (info, values) in read.items():
+        head, _, kind = name.partition(".")
+        if kind != "permutation":
+            continue
+        try:
+            dim = int(head.split("_")[0].removeprefix("dim"))
+            block = int(head.split("_")[2].removeprefix("block"))
+        except (IndexError, ValueError):
+            raise Flux2Error(f"{folder / ROTATIONS}: {name} is not named as orbitquant names its rotations "
+                             f"(dim<N>_seed<S>_block<B>); the artifact is damaged, download it again") from None
+        signs = read.get(f"{head}.signs")
+        norm = read.get(f"{head}.normalization")
+        ok = (values.dtype == torch.int64 and values.shape == (dim,) and signs is not None
+              and signs[1].dtype == torch.int8 and signs[1].shape == (dim,)
+              and block > 0 and not block & (block - 1) and dim % block == 0
+              and torch.equal(values.sort().values, torch.arange(dim))
+              and bool(((signs[1] == 1) | (signs[1] == -1)).all())
+              and norm is not None and norm[1].numel() == 1 and abs(float(norm[1].reshape(())) - block ** -0.5) < 1e-6)
+        if not ok:
+            raise Flux2Error(f"{folder / ROTATIONS}: the rotation {head} is not a permutation of {dim} inputs with "
+                             f"signs of ±1 over blocks of {block}; the artifact is damaged, download it again")
+        if dim in found and found[dim][0] != block:
+            raise Flux2Error(f"{folder / ROTATIONS} holds two rotations of {dim} inputs; this pack reads artifacts "
+                             f"of one rotation seed and block")
+        found[dim] = (block, info, signs[0])
+    return found
