@@ -7,8 +7,8 @@ memory each holds and the error it makes.
 
 The formats: ComfyUI's (written by comfy-kitchen's own quantizers, as ComfyUI's files are: int8 per row, int8 ConvRot,
 NVFP4, MXFP8, ConvRot W4A4, W4A8; SVDQuant W4A4 and AWQ W4A16, which comfy-kitchen cannot quantize, by their layouts'
-rules with bf16 scales: tests/tiny/layouts.py) and GGUF's Q8_0 (gguf's quantizer) and Q4_K (random blocks: gguf cannot write K-quants
-from values, so it has speed and memory, no error), each over the layers the family quantizes
+rules with bf16 scales: tests/tiny/layouts.py), GGUF's Q8_0 (gguf's quantizer) and Q4_K (random blocks: gguf cannot write K-quants
+from values, so it has speed and memory, no error) and OrbitQuant's artifacts (its own quantizer, 4 and 3 bits), each over the layers the family quantizes
 (its blocks), the rest kept as the float file has it. Each is written to a file, loaded by ``weights.load_transformer``
 (the matmuls chosen as ``load_models`` chooses them), and timed on the same inputs: the layer is the first double
 block's image qkv ([3 x hidden, hidden]) on the step's image tokens; the step is one transformer call with 512 text
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,7 +38,10 @@ W4 = {"W4A8": "asym_w4a8_int8", "SVDQuant W4A4": "svdquant_w4a4", "AWQ W4A16": "
 W4_RANK = 32
 GGUF = ("Q8_0", "Q4_K")
 RANDOM_BLOCKS = ("Q4_K",)        # gguf's Python package cannot quantize K-quants: the file holds random blocks
-FORMATS = ("float", *COMFY, *W4, *GGUF)
+# OrbitQuant artifacts written by orbitquant's own quantizer over the family's block layers: our row name -> weight bits
+# (activations 4-bit: its codebooks for 8 take minutes per width to make; the dequantized path does not quantize them)
+ORBITQUANT = {"OrbitQuant W4": 4, "OrbitQuant W3": 3}
+FORMATS = ("float", *COMFY, *W4, *GGUF, *ORBITQUANT)
 LAYER = "double_blocks.0.img_attn.qkv"
 TEXT_TOKENS = 512
 
@@ -58,6 +62,8 @@ def write_file(state: dict, fmt: str, quantizable, folder: Path, device: torch.d
                   values=False)
         return path
     layers = [k.removesuffix(".weight") for k, v in state.items() if v.ndim == 2 and quantizable(k.removesuffix(".weight"))]
+    if fmt in ORBITQUANT:
+        return orbitquant_artifact(state, layers, ORBITQUANT[fmt], folder / fmt.replace(" ", "-"), device)
     if fmt == "float":
         out = state
     elif fmt in W4:            # SVDQuant and AWQ need inputs in multiples of their group (64): the others stay float
@@ -70,6 +76,31 @@ def write_file(state: dict, fmt: str, quantizable, folder: Path, device: torch.d
     path = folder / f"transformer-{fmt.replace(' ', '-')}.safetensors"
     save_file({"model.diffusion_model." + k: v.contiguous() for k, v in out.items()}, str(path))
     return path
+
+
+def orbitquant_artifact(state: dict, layers: list[str], bits: int, folder: Path, device: torch.device) -> Path:
+    """The float state as our model, its ``layers`` quantized by orbitquant's own quantizer (on the device) and saved
+    as its artifact folder."""
+    import os
+
+    from safetensors.torch import save_file
+
+    os.environ.setdefault("ORBITQUANT_KERNELS_AUTOFETCH", "0")
+    import orbitquant
+    from orbitquant.artifacts import save_orbitquant_artifact
+
+    from flux2_core import weights
+
+    float_file = folder.with_suffix(".float.safetensors")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(float_file))
+    model, _ = weights.load_transformer(float_file, device, torch.float32)
+    float_file.unlink()
+    config = orbitquant.OrbitQuantConfig(weight_bits=bits, activation_bits=4, target_policy="universal",
+                                         modules_to_convert=layers)
+    summary = orbitquant.quantize_model(model, config, quantization_device=str(device))
+    save_orbitquant_artifact(model, folder, config=config, source_model_id="bench/random", source_revision="0" * 40,
+                             source_license="apache-2.0", summary=summary)
+    return folder
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
@@ -104,8 +135,9 @@ def measure(path: Path, inputs: dict, device: torch.device, dtype: torch.dtype, 
         step_s = timed(lambda: model(**inputs), device, repeats)
         out = model(**inputs).float().cpu()
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
     row = {"kinds": census(model), "load_s": loaded, "layer_s": layer_s, "step_s": step_s, "bytes": held,
-           "file_bytes": path.stat().st_size, "notes": notes, "out": out}
+           "file_bytes": sum(f.stat().st_size for f in files if f.is_file()), "notes": notes, "out": out}
     return row
 
 
@@ -147,7 +179,7 @@ def main(argv=None) -> int:
         for fmt in ("float", *[f for f in FORMATS if f != "float" and (not args.only or f in args.only)]):
             path = write_file(state, fmt, quantizable, Path(tmp), device)
             rows[fmt] = measure(path, inputs, device, dtype, args.repeats)
-            path.unlink()
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
             print(f"{fmt}: {rows[fmt]['kinds']}; {'; '.join(rows[fmt]['notes']) or 'no quantized matmul'}", flush=True)
     base, reference = rows["float"], rows["float"]["out"]
     for fmt, r in rows.items():     # gguf cannot write K-quants from values: their blocks are random (no error)

@@ -284,3 +284,37 @@ def test_its_model_file_alone_is_refused_naming_the_folder(artifact, tmp_path):
     (alone / "flux-2-klein-oq.safetensors").write_bytes((artifact / "model.safetensors").read_bytes())
     refused(alone / "flux-2-klein-oq.safetensors", "orbitquant_manifest.json", "whole artifact folder")
     refused(artifact / "orbitquant_codebooks.safetensors", "model.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# where users give it
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_the_command_line_runs_an_artifact_folder(flux2, tmp_path, capsys, monkeypatch):
+    """--transformer takes the folder (or its model.safetensors); --models finds a folder in diffusion_models by
+    its headers (the tiny model's read here as Klein 4B's, as a real artifact's would be)."""
+    import shutil
+
+    from flux2_core import weights as weights_api
+    from flux2_core.app import cli
+    from flux2_core.families import VARIANTS
+    from tests.test_cli import png_parameters, write_models_folder
+
+    write_models_folder(tmp_path)
+    folder = shutil.copytree(flux2[2][4][0], tmp_path / "diffusion_models" / "flux-2-klein-4b-orbitquant-w4a4")
+    for given in (folder, folder / "model.safetensors"):
+        code = cli.main(["--transformer", str(given), "--text-encoder", str(tmp_path / "text_encoders" / "qwen_3_4b.safetensors"),
+                         "--ae", str(tmp_path / "vae" / "flux2-vae.safetensors"), "--prompt", "a fox", "--width", "32",
+                         "--height", "32", "--seed", "1", "--steps", "1", "--device", "cpu", "--out",
+                         str(tmp_path / "out")])
+        assert code == 0, capsys.readouterr().err
+        assert "orbitquant" in png_parameters(tmp_path / "out" / "flux2_1.png")[1]["transformer_weights"]
+        (tmp_path / "out" / "flux2_1.png").unlink()
+    (tmp_path / "diffusion_models" / "flux-2-klein-4b.safetensors").unlink()
+    real = weights_api.inspect_transformer
+    monkeypatch.setattr(weights_api, "inspect_transformer",
+                        lambda path: (real(path)[0], VARIANTS["klein-4b"]) if path == folder else real(path))
+    from flux2_core.app.models_folder import search_models
+
+    found = search_models(str(tmp_path), None)
+    assert found.transformer == folder, found

@@ -72,6 +72,14 @@ def _files(models: Path, folders: tuple[str, ...], passed: list[str] | None = No
                 passed.append(note)
 
 
+def _artifact_folders(models: Path) -> list[Path]:
+    """The model folders of the transformer folders whose weights are one artifact (OrbitQuant's: a manifest beside
+    model.safetensors), known by their headers as a file is."""
+    from ..weights.orbitquant_files import MANIFEST
+
+    return sorted(p.parent for folder in TRANSFORMER_FOLDERS for p in (models / folder).glob(f"*/{MANIFEST}"))
+
+
 def unusable(path: Path) -> str:
     """What an entry named like a weights file is when it cannot be read as one, or "" where it can."""
     if not path.exists():                             # a link whose target cannot be reached, or nothing
@@ -130,11 +138,12 @@ def _passed_note(path: Path, folder: Path) -> str | None:
 
 
 def _survey(folder: Path) -> Survey:
-    """Every transformer file: by its usual name, else by its headers (a FLUX 3 file under any name)."""
+    """Every transformer file: by its usual name, else by its headers (a FLUX 3 file under any name); an artifact
+    folder by its headers."""
     from ..weights import inspect_transformer
 
     survey, runnable = Survey(folder), runnable_variants()
-    for path in _files(folder, TRANSFORMER_FOLDERS, survey.passed):
+    for path in [*_files(folder, TRANSFORMER_FOLDERS, survey.passed), *_artifact_folders(folder)]:
         variant = next((v for v in runnable if _usual(path, v.files, v.gguf_stem)), None)
         if variant is None:
             try:
