@@ -37,7 +37,6 @@ def unpack_codes(packed: Tensor, bits: int, inputs: int) -> Tensor:
         fields = [(packed >> (i * bits)) & ((1 << bits) - 1) for i in range(8 // bits)]
         return torch.stack(fields, dim=-1).reshape(rows, inputs).int()
     # 3 and 6 bits: 8 codes in 3 bytes (4 in 3 at 6 bits) read as one 24-bit number, low byte first
-    group = 24 // bits
     triples = packed.reshape(rows, -1, 3).int()
     word = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
     shifts = torch.arange(0, 24, bits, device=packed.device, dtype=torch.int32)
