@@ -27,11 +27,13 @@ def artifact(comfy, tmp_path_factory):
     """(the artifact's folder name, the float twin's folder name) in models/diffusion_models, removed after."""
     from tests.test_orbitquant import float_twin
     from tests.tiny.orbitquant import quantize
-    from tests.tiny.transformer import TINY_TRANSFORMER, diffusers_transformer_from_bfl_file
+    from flux2_core import weights
+    from tests.tiny.transformer import diffusers_transformer_from_bfl_file
 
     models = comfy.base / "models" / "diffusion_models"
     tmp = tmp_path_factory.mktemp("oq-host")
-    theirs = diffusers_transformer_from_bfl_file(models / comfy.files["transformer"], TINY_TRANSFORMER, tmp / "config")
+    source = models / comfy.files["transformer"]
+    theirs = diffusers_transformer_from_bfl_file(source, weights.inspect_transformer(source)[0], tmp / "config")
     quantize(theirs, models / FOLDER, 4, "flux2")
     float_twin(copy.deepcopy(theirs)).save_pretrained(models / TWIN)
     yield FOLDER, TWIN
