@@ -318,3 +318,19 @@ def test_the_command_line_runs_an_artifact_folder(flux2, tmp_path, capsys, monke
 
     found = search_models(str(tmp_path), None)
     assert found.transformer == folder, found
+
+
+def test_other_orbitquant_layouts_are_refused_naming_what_they_are(artifact, tmp_path):
+    """The same codes in orbitquant's Hugging Face form (settings in config.json, no manifest) and in a release bundle
+    for orbitquant's own runner (a manifest.json of its format above the model folder)."""
+    codes = (artifact / "model.safetensors").read_bytes()
+    hub = tmp_path / "hub" / "transformer"
+    hub.mkdir(parents=True)
+    (hub / "diffusion_pytorch_model.safetensors").write_bytes(codes)
+    (hub / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "orbitquant"}}))
+    refused(hub, "Hugging Face integration", "orbitquant_manifest.json")
+    bundle = tmp_path / "bundle"
+    (bundle / "dit").mkdir(parents=True)
+    (bundle / "manifest.json").write_text(json.dumps({"format": "flux3-orbitquant"}))
+    (bundle / "dit" / "model.safetensors").write_bytes(codes)
+    refused(bundle / "dit", "flux3-orbitquant release bundle", "orbitquant_manifest.json")

@@ -35,6 +35,7 @@ MODEL = "model.safetensors"
 FORMAT = "orbitquant-v1"
 CODES, NORMS = ".packed_weight_indices", ".row_norms"           # an OrbitQuant layer's tensors in model.safetensors
 INT4_CODES, INT4_SCALES = ".packed_weight", ".scales"            # a modulation layer's (int4, round to nearest)
+FUSED = ".oq_fused."                  # a layer group of a fused checkpoint (orbitquant's own fused blocks' layout)
 # the settings orbitquant's own layer is made with (``storage.orbitquant.kernel_layer``), as the config names them
 KERNEL_SETTINGS = ("activation_bits", "rotation_seed", "block_size", "codebook_version", "activation_eps",
                    "activation_kernel_backend")
@@ -46,11 +47,22 @@ def as_stored(ckpt: Checkpoint) -> Checkpoint:
     folder = ckpt.files[0].parent
     if (folder / MANIFEST).is_file():
         return read_artifact(folder, ckpt)
-    if any(k.endswith(CODES) for k in ckpt.tensors):
-        raise Flux2Error(f"{ckpt.files[0]} holds OrbitQuant codes but has no {MANIFEST} beside it: an OrbitQuant "
-                         f"model is a whole folder (its manifest, {CONFIG}, {CODEBOOKS} and {ROTATIONS} beside "
-                         f"{MODEL}). Download the whole artifact folder and give the folder, or its {MODEL}")
-    return ckpt
+    if not any(k.endswith(CODES) or FUSED in k for k in ckpt.tensors):
+        return ckpt
+    where = ckpt.files[0]
+    settings = (ckpt.config or {}).get("quantization_config")
+    if isinstance(settings, dict) and settings.get("quant_method") == "orbitquant":
+        raise Flux2Error(f"{where} is a diffusers model quantized through orbitquant's Hugging Face integration (its "
+                         f"settings in config.json, without an artifact manifest), which this pack does not read: use "
+                         f"the model's OrbitQuant artifact (a folder with {MANIFEST}) or its bf16 release")
+    bundle = _json(folder.parent / "manifest.json", "") if (folder.parent / "manifest.json").is_file() else {}
+    if str(bundle.get("format", "")).endswith("-orbitquant"):
+        raise Flux2Error(f"{where} is part of a {bundle['format']} release bundle, made for orbitquant's own runner "
+                         f"(the script shipped in it), which this pack does not read: use the model's OrbitQuant "
+                         f"artifact (a folder with {MANIFEST}) or its bf16 release")
+    raise Flux2Error(f"{where} holds OrbitQuant codes but has no {MANIFEST} beside it: an OrbitQuant model is a whole "
+                     f"folder (its manifest, {CONFIG}, {CODEBOOKS} and {ROTATIONS} beside {MODEL}). Download the "
+                     f"whole artifact folder and give the folder, or its {MODEL}")
 
 
 def read_artifact(folder: Path, ckpt: Checkpoint) -> Checkpoint:
