@@ -17,7 +17,7 @@ from flux2_core import weights
 from flux2_core.adapters.lora import read_adapter
 from flux2_core.adapters.patching import set_adapters
 from flux2_core.errors import Flux2Error
-from flux2_core.storage.orbitquant import Int4GroupLinear, OrbitLinear, kernel_layer
+from flux2_core.storage.orbitquant import Int4GroupLinear, OrbitLinear
 from flux2_core.storage.protocol import census
 from tests.tiny.adapters import lora_state_dict, random_lora
 from tests.tiny.orbitquant import dequantized, oq, quantize, rewrite
@@ -113,18 +113,46 @@ def test_a_layer_computes_orbitquants_call_but_its_activation_quantization(flux2
     assert (got - quantized).abs().max() > 0                    # the activation quantization is not ours
 
 
-def test_orbitquants_own_layer_runs_the_call_where_its_kernels_do(flux2):
-    """The kernel path (on where orbitquant is installed and a GPU is: ``use_orbitquant_kernels``) is orbitquant's
-    own layer over our codes and norms: on the CPU, in its reference mode, bit for bit its artifact's layer."""
+def test_orbitquants_own_layer_runs_the_call_where_its_kernels_do(flux2, monkeypatch):
+    """Where orbitquant's kernels run (a GPU with orbitquant installed; forced here on the CPU, its reference mode),
+    each call is orbitquant's own layer over our very codes and norms: bit for bit its artifact's layer. That layer is
+    no part of the model's state (nothing more saved or moved) and is made again after a move."""
+    from flux2_core.storage import orbitquant
+    from flux2_core.storage.matmul import choose_matmuls
+
     folder, theirs = flux2[2][4]
-    layer = theirs.get_submodule("transformer_blocks.0.ff.linear_out")
-    mine = load(folder).get_submodule("double_blocks.0.img_mlp.2")
-    mine.settings["runtime_mode"] = "dequant_bf16"
-    mine.kernel = kernel_layer(mine)
-    assert mine.kernel.packed_weight_indices.data_ptr() == mine.weight.data_ptr()           # the same codes
+    model = load(folder)
+    keys = set(model.state_dict())
+    for layer in model.modules():
+        if isinstance(layer, OrbitLinear):
+            layer.settings["runtime_mode"] = "dequant_bf16"
+    monkeypatch.setattr(orbitquant, "kernels_run", lambda device: True)
+    choice = choose_matmuls(model, "cpu", torch.float32)
+    assert choice.used["orbitquant"] and "orbitquant's own kernels" in choice.note_for("orbitquant")
+    mine = model.get_submodule("double_blocks.0.img_mlp.2")
     x = torch.randn(3, mine.in_features, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert torch.equal(mine(x), layer(x))
+        assert torch.equal(mine(x), theirs.get_submodule("transformer_blocks.0.ff.linear_out")(x))
+        assert mine.kernel().packed_weight_indices.data_ptr() == mine.weight.data_ptr()       # the same codes
+        assert set(model.state_dict()) == keys
+        model.to("cpu")
+        assert mine._kernel == (None, None)
+
+
+def test_orbitquants_layer_is_not_used_where_its_settings_make_other_levels(flux2, tmp_path, monkeypatch):
+    """Settings that would make another codebook than the artifact's (a version-1 codebook named over version-2
+    levels): the calls stay dequantized, and the note says why."""
+    import shutil
+
+    from flux2_core.storage import orbitquant
+    from flux2_core.storage.matmul import choose_matmuls
+
+    folder = rewrite(shutil.copytree(flux2[2][4][0], tmp_path / "a"), config_changes={"codebook_version": 1})
+    model = load(folder)
+    monkeypatch.setattr(orbitquant, "kernels_run", lambda device: True)
+    choice = choose_matmuls(model, "cpu", torch.float32)
+    assert not choice.used["orbitquant"] and "not the one its codes were made in" in choice.note_for("orbitquant")
+    assert not any(m.kernel_on for m in model.modules() if isinstance(m, OrbitLinear))
 
 
 def float_twin(theirs) -> torch.nn.Module:
@@ -242,6 +270,51 @@ def test_a_file_whose_checksum_is_off_is_refused(artifact):
     data[-1] ^= 0x10                                      # one code of the last tensor
     (artifact / "model.safetensors").write_bytes(bytes(data))
     refused(artifact, "model.safetensors", "SHA-256")
+
+
+def test_checksums_left_out_are_refused(artifact):
+    names = json.loads((artifact / "orbitquant_manifest.json").read_text())["checksums"]
+    rewrite(artifact, manifest=lambda m: m | {"checksums": {}})
+    refused(artifact, "no checksum of model.safetensors")
+    rewrite(artifact, manifest=lambda m: m | {"checksums": names})          # true again
+    load(artifact)
+    sums = (artifact / "SHA256SUMS").read_text().splitlines()
+    (artifact / "SHA256SUMS").write_text("".join(f"{line}\n" for line in sums if "manifest" not in line))
+    refused(artifact, "SHA256SUMS", "orbitquant_manifest.json")
+
+
+def test_a_second_rotation_and_a_float_weight_beside_codes_are_refused(artifact):
+    from safetensors.torch import load_file
+
+    rotations = load_file(artifact / "orbitquant_rotations.safetensors")
+    head = next(k for k in rotations if k.endswith(".signs")).removesuffix(".signs")
+    rotations |= {k.replace("_seed0_", "_seed7_"): v.clone() for k, v in rotations.items() if k.startswith(head + ".")}
+    save_file(rotations, artifact / "orbitquant_rotations.safetensors")
+    rewrite(artifact)
+    refused(artifact, "seed 7")
+    rotations = {k: v for k, v in rotations.items() if "_seed7_" not in k}
+    save_file(rotations, artifact / "orbitquant_rotations.safetensors")
+    name = "single_transformer_blocks.0.attn.to_out"
+    rewrite(artifact, tensors=lambda sd: sd | {f"{name}.weight": torch.zeros(64, 256, dtype=torch.bfloat16)})
+    refused(artifact, name, "float weight")
+
+
+def test_a_single_file_naming_the_format_has_its_values_checked(artifact, tmp_path):
+    """A file in ComfyUI's convention naming the format of its own: a rotation that is no permutation is refused by
+    the value rules as its tensors are read, not run."""
+    from flux2_core.weights.checkpoint import open_checkpoint, read_tensor
+    from flux2_core.weights.orbitquant_files import as_stored
+
+    ckpt = as_stored(open_checkpoint(artifact, "transformer"))
+    state = {}
+    for key, info in ckpt.tensors.items():
+        with open(info.file, "rb") as f:
+            state[key] = read_tensor(info, f)
+    name = "single_transformer_blocks.0.attn.to_out"
+    state[f"{name}.weight_order"] = torch.zeros_like(state[f"{name}.weight_order"])
+    save_file(state, tmp_path / "one.safetensors", metadata={"_quantization_metadata": ckpt.metadata[
+        "_quantization_metadata"]})
+    refused(tmp_path / "one.safetensors", "weight_order", "not a permutation")
 
 
 def test_a_manifest_listing_a_layer_the_file_lacks_is_refused(artifact):

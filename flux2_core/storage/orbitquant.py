@@ -16,6 +16,8 @@ into the codes: a merge patches the weight as it is dequantized, which turns the
 from __future__ import annotations
 
 import functools
+import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -71,7 +73,9 @@ def rotate_back(x: Tensor, order: Tensor, signs: Tensor, block: int) -> Tensor:
 
 @functools.cache
 def orbitquant_module():
-    """orbitquant where it is installed (its GPU kernels); None where it is not."""
+    """orbitquant where it is installed (its GPU kernels); None where it is not. It never downloads a kernel package
+    while a picture is made (its auto-fetch off unless the user set it)."""
+    os.environ.setdefault("ORBITQUANT_KERNELS_AUTOFETCH", "0")
     try:
         import orbitquant
     except ImportError:
@@ -79,10 +83,17 @@ def orbitquant_module():
     return orbitquant
 
 
+def kernels_run(device: torch.device) -> bool:
+    """Whether orbitquant's own layers run the calls on ``device``: an NVIDIA GPU, orbitquant installed."""
+    return device.type == "cuda" and orbitquant_module() is not None
+
+
 class OrbitLinear(DequantizedLinear):
     """``weight`` uint8 [N, K·bits/8] (the codes), ``weight_norms`` [N] (bf16, or float32 in fused files),
     ``weight_levels`` float32 [2^bits], ``weight_order`` int64 [K] (the rotation's permutation), ``weight_signs`` int8
-    [K]. ``kernel``: orbitquant's own layer, sharing these tensors, runs the call (``use_orbitquant_kernels``)."""
+    [K]. ``kernel_on``: orbitquant's own layer over these very tensors runs the call (``use_orbitquant_kernels``);
+    it is made at the first call on their device and kept outside the module's state, so it is neither saved nor
+    moved (a move makes it again over the moved tensors)."""
 
     kind = "orbitquant"
     work_bytes = 14             # the int32 codes, the levels they pick and the scaled rows in float32 (measured)
@@ -97,8 +108,9 @@ class OrbitLinear(DequantizedLinear):
         self.register_buffer("weight_levels", torch.empty(1 << bits, device=device))
         self.register_buffer("weight_order", torch.empty(in_features, dtype=torch.int64, device=device))
         self.register_buffer("weight_signs", torch.empty(in_features, dtype=torch.int8, device=device))
-        self.kernel = None
+        self.kernel_on = False
         self.settings: dict = {}                 # the artifact's quantization settings, for orbitquant's layer
+        object.__setattr__(self, "_kernel", (None, None))    # (the device it was made on, orbitquant's layer)
 
     def stored_tensors(self) -> tuple[Tensor, ...]:
         return self.weight, self.weight_norms, self.weight_levels, self.weight_order, self.weight_signs
@@ -115,15 +127,32 @@ class OrbitLinear(DequantizedLinear):
     def forward(self, x: Tensor) -> Tensor:
         if self.weight_patch is not None:
             return super().forward(x)
-        if self.kernel is not None:
-            return self.kernel(x)
+        if self.kernel_on:
+            return self.kernel()(x)
         weight = self.rotated(x.device).to(x.dtype)
         turned = rotate(x.float(), self.weight_order, self.weight_signs, self.block).to(x.dtype)
         return item_by_item(lambda item: linear(item, weight), turned) if self.item_by_item else linear(turned, weight)
 
+    def kernel(self):
+        """orbitquant's layer over the codes and norms where they are now: made on their device at its first call,
+        pointed at them again where a host swapped them (streamed weights)."""
+        device, layer = self._kernel
+        if layer is None or device != self.weight.device:
+            layer = kernel_layer(self)
+            object.__setattr__(self, "_kernel", (self.weight.device, layer))
+        elif layer.packed_weight_indices.data_ptr() != self.weight.data_ptr():
+            layer.packed_weight_indices.data = self.weight.reshape(-1)
+            layer.row_norms.data = self.weight_norms.to(torch.bfloat16)
+            layer.clear_dequantized_cache()
+        return layer
+
+    def _apply(self, fn, recurse: bool = True):
+        object.__setattr__(self, "_kernel", (None, None))     # a move: the old layer must not keep the old tensors
+        return super()._apply(fn, recurse)
+
     def extra_repr(self) -> str:
         return super().extra_repr() + f", {self.bits} bits, RPBH block {self.block}" + (
-            ", orbitquant's kernels" if self.kernel is not None else "")
+            ", orbitquant's kernels" if self.kernel_on else "")
 
 
 class Int4GroupLinear(DequantizedLinear):
@@ -168,18 +197,36 @@ def kernel_layer(layer: OrbitLinear):
     return kernel
 
 
+def same_transform(layer: OrbitLinear, kernel) -> bool:
+    """Whether orbitquant's layer, which makes its rotation and codebook from the settings, has the artifact's own
+    (a rotation of another seed would turn the input another way than the codes were made in)."""
+    return (torch.equal(kernel.rotation.permutation, layer.weight_order.cpu())
+            and torch.equal(kernel.rotation.signs, layer.weight_signs.cpu())
+            and torch.equal(kernel.weight_codebook.centroids.float(), layer.weight_levels.float().cpu()))
+
+
 def use_orbitquant_kernels(model: torch.nn.Module, device, dtype: torch.dtype, asked: dict) -> dict:
     """``StoredFormat.matmul``: OrbitQuant layers multiply through orbitquant's own layers (its CUDA and Triton
-    kernels, activations quantized as the format does) on a GPU where orbitquant is installed; else dequantized."""
+    kernels, activations quantized as the format does) on a GPU where orbitquant is installed, where its settings
+    make the artifact's own rotation and codebook (checked once per width); else dequantized."""
     layers = [m for m in model.modules() if isinstance(m, OrbitLinear)]
     if not layers:
         return {}
     device = torch.device(device)
-    on = device.type == "cuda" and orbitquant_module() is not None
-    for layer in layers:
-        layer.kernel = kernel_layer(layer) if on else None
+    on, why = kernels_run(device), ""
     if on:
-        note = "orbitquant matmul: orbitquant's own kernels (activations quantized as the format does)"
+        firsts = {(m.in_features, m.bits): m for m in reversed(layers)}
+        differ = [m for m in firsts.values() if not same_transform(m, kernel_layer(m))]
+        if differ:
+            on, why = False, (f"dequantized: the rotation or codebook orbitquant makes from this artifact's settings "
+                              f"is not the one its codes were made in ({differ[0].in_features} inputs)")
+    for layer in layers:
+        layer.kernel_on = on
+    if on:
+        note = ("orbitquant matmul: orbitquant's own kernels (activations quantized as the format does; it makes "
+                "each width's activation codebook at its first use, minutes at 8 bits, then keeps it on disk)")
+    elif why:
+        note = f"orbitquant matmul: {why}"
     elif device.type == "cuda":
         note = "orbitquant matmul: dequantized (install orbitquant for its GPU kernels)"
     else:
@@ -190,6 +237,31 @@ def use_orbitquant_kernels(model: torch.nn.Module, device, dtype: torch.dtype, a
 # ---------------------------------------------------------------------------------------------------------------
 # the formats
 # ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ValueRule:
+    """The values a tensor of the format may hold, checked as it is read (``StoredTensor.scale``'s place): codes
+    picking inputs ("permutation"), signs ("signs") or a codebook's levels ("levels")."""
+    kind: str
+
+    def count_bad(self, values: Tensor) -> int:
+        if self.kind == "permutation":
+            return int((values.sort().values != torch.arange(values.numel(), device=values.device)).sum())
+        if self.kind == "signs":
+            return int(((values != 1) & (values != -1)).sum())
+        finite = torch.isfinite(values)
+        return int((~finite).sum()) + int((values.diff() <= 0).sum())
+
+    def bad(self) -> str:
+        return {"permutation": "not a permutation of the inputs (repeated or out of range)",
+                "signs": "neither 1 nor -1"}.get(self.kind, "not finite and rising")
+
+
+# the settings orbitquant's own layer is made with, as its quantization_config.json names them, and what each holds
+SETTINGS = {"activation_bits": lambda v: v in BITS, "rotation_seed": lambda v: type(v) is int and v >= 0,
+            "block_size": lambda v: v == "paper" or (type(v) is int and v > 0 and not v & (v - 1)),
+            "codebook_version": lambda v: v in (1, 2), "activation_kernel_backend": lambda v: isinstance(v, str),
+            "activation_eps": lambda v: type(v) in (int, float) and 0 < v < 1}
 
 def _need(file: LayerFile, name: str, shape: tuple[int, ...]) -> None:
     got = file.shapes.get(name)
@@ -217,7 +289,13 @@ def _read_orbitquant(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
     _need(file, "weight_order", (inputs,))
     _need(file, "weight_signs", (inputs,))
     norms = {"BF16": torch.bfloat16}.get(file.dtypes["weight_norms"], torch.float32)
-    settings = tuple(sorted((k, v) for k, v in file.spec.get("settings", {}).items()))
+    given = file.spec.get("settings", {})
+    wrong = [k for k, v in given.items() if k not in SETTINGS or not SETTINGS[k](v)] if isinstance(given, dict) else [
+        "settings"]
+    if wrong:
+        raise file.corrupt(f"has the quantization setting {wrong[0]} = {file.show(given.get(wrong[0], given))}, "
+                           f"which orbitquant never writes")
+    settings = tuple(sorted(given.items()))
     return LayerFormat(fmt, file.name, block=block, bits=bits, held=(("weight_norms", norms),), options=settings)
 
 
@@ -239,8 +317,9 @@ def _orbit_layer(fmt: LayerFormat, inputs: int, rows: int, per_item: bool, devic
 ORBITQUANT_FORMAT = StoredFormat(
     "OrbitQuant", ("orbitquant_rpbh",), OrbitLinear,
     {"weight": StoredTensor(("U8",), rows=True), "weight_norms": StoredTensor(("BF16", "F32"), ScaleRule(), rows=True),
-     "weight_levels": StoredTensor(("F32",)), "weight_order": StoredTensor(("I64",)),
-     "weight_signs": StoredTensor(("I8",))},
+     "weight_levels": StoredTensor(("F32",), ValueRule("levels")),
+     "weight_order": StoredTensor(("I64",), ValueRule("permutation")),
+     "weight_signs": StoredTensor(("I8",), ValueRule("signs"))},
     torch.uint8, _read_orbitquant, _orbit_layer, matmul=use_orbitquant_kernels)
 
 ORBITQUANT_INT4_FORMAT = StoredFormat(

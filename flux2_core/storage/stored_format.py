@@ -47,7 +47,9 @@ class ScaleRule:
 class StoredTensor:
     """One tensor a format stores for a layer."""
     dtypes: tuple[str, ...]             # the safetensors dtype codes its writers store it in
-    scale: ScaleRule | None = None      # None: codes, whose every value means something
+    # the values it may hold, checked as it is read: any object with ``count_bad`` and ``bad`` as ScaleRule has
+    # (OrbitQuant's permutations and signs have rules of their own); None: codes, whose every value means something
+    scale: ScaleRule | None = None
     # one entry per output row along its first dimension, where a format can join layers: a layer our layout
     # assembles from several of a file's (diffusers' q, k, v) takes theirs one after another, the others once
     rows: bool = False

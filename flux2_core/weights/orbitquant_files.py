@@ -16,13 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..errors import Flux2Error
-from ..storage.orbitquant import ORBITQUANT_FORMAT, ORBITQUANT_INT4_FORMAT
+from ..storage.orbitquant import ORBITQUANT_FORMAT, ORBITQUANT_INT4_FORMAT, SETTINGS
 from ..user_json import read_json_file
 from .checkpoint import read_header, read_tensor
 from .tensors import Checkpoint, TensorInfo, short
@@ -36,9 +37,8 @@ FORMAT = "orbitquant-v1"
 CODES, NORMS = ".packed_weight_indices", ".row_norms"           # an OrbitQuant layer's tensors in model.safetensors
 INT4_CODES, INT4_SCALES = ".packed_weight", ".scales"            # a modulation layer's (int4, round to nearest)
 FUSED = ".oq_fused."                  # a layer group of a fused checkpoint (orbitquant's own fused blocks' layout)
-# the settings orbitquant's own layer is made with (``storage.orbitquant.kernel_layer``), as the config names them
-KERNEL_SETTINGS = ("activation_bits", "rotation_seed", "block_size", "codebook_version", "activation_eps",
-                   "activation_kernel_backend")
+CODEBOOK_NAME = re.compile(r"dim(\d+)_bits(\d+)\.centroids", re.ASCII)
+ROTATION_NAME = re.compile(r"dim(\d+)_seed(\d+)_block(\d+)\.permutation", re.ASCII)
 _VERIFIED: dict[tuple[str, int, int], str] = {}      # (file, size, mtime) -> its SHA-256, checked once a process
 
 
@@ -82,7 +82,7 @@ def read_artifact(folder: Path, ckpt: Checkpoint) -> Checkpoint:
                          f"unfused artifact of the same model (the one whose {CONFIG} has no fused_layout)")
     _check_sums(folder, manifest)
     codebooks = _codebooks(folder)
-    rotations = _rotations(folder)
+    rotations = _rotations(folder, config.get("rotation_seed", 0))
     tensors = dict(ckpt.tensors)
     specs: dict[str, dict] = {}
     where = f"{folder}: its"
@@ -90,10 +90,11 @@ def read_artifact(folder: Path, ckpt: Checkpoint) -> Checkpoint:
     overrides = manifest.get("module_bits") or {}
     if not isinstance(overrides, dict):
         raise Flux2Error(f"{where} manifest's module_bits is {short(overrides)}, not an object; download it again")
-    settings = {k: config[k] for k in KERNEL_SETTINGS if k in config}
+    settings = {k: config[k] for k in SETTINGS if k in config}       # what orbitquant's own layer is made with
     for name in _names(manifest, "quantized_modules", where):
         layer_bits = _whole(overrides, name, where, bits) if name in overrides else bits
         codes, norms = _pop(tensors, name, CODES, folder), _pop(tensors, name, NORMS, folder)
+        _no_float_beside(tensors, name, folder)
         rows = norms.shape[0] if len(norms.shape) == 1 else 0
         count = math.prod(codes.shape) * 8
         if not rows or len(codes.shape) not in (1, 2) or count % (rows * layer_bits):
@@ -117,6 +118,7 @@ def read_artifact(folder: Path, ckpt: Checkpoint) -> Checkpoint:
     group = _whole(manifest, "adaln_group_size", where, 64)
     for name in _names(manifest, "adaln_modules", where):
         codes, scales = _pop(tensors, name, INT4_CODES, folder), _pop(tensors, name, INT4_SCALES, folder)
+        _no_float_beside(tensors, name, folder)
         rows = scales.shape[0] if len(scales.shape) == 2 else 0
         if not rows or math.prod(codes.shape) != rows * scales.shape[1] * group // 2:
             raise Flux2Error(f"{folder}: layer {name} has {math.prod(codes.shape)} bytes of int4 codes and scales "
@@ -163,6 +165,12 @@ def _pop(tensors: dict[str, TensorInfo], name: str, suffix: str, folder: Path) -
     return info
 
 
+def _no_float_beside(tensors: dict[str, TensorInfo], name: str, folder: Path) -> None:
+    if f"{name}.weight" in tensors:
+        raise Flux2Error(f"{folder}: {MODEL} holds both codes and a float weight of layer {name}; the artifact is "
+                         f"damaged or mixed from two, download it again")
+
+
 def _sha256(path: Path) -> str:
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
@@ -176,17 +184,24 @@ def _sha256(path: Path) -> str:
 
 
 def _check_sums(folder: Path, manifest: dict) -> None:
-    """Every file the manifest gives a SHA-256 of has it, and so has the manifest where SHA256SUMS lists it."""
+    """Every file the manifest gives a SHA-256 of has it (the model, its codebooks, rotations and settings always
+    among them, as orbitquant writes them), and so has the manifest, by SHA256SUMS."""
     sums = manifest.get("checksums", {})
     if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
         raise Flux2Error(f"{folder / MANIFEST}: its checksums are {short(sums)}, not file names with their SHA-256; "
                          f"download it again")
+    missing = [name for name in (MODEL, CODEBOOKS, ROTATIONS, CONFIG) if name not in sums]
+    if missing:
+        raise Flux2Error(f"{folder / MANIFEST} gives no checksum of {missing[0]}, which every OrbitQuant artifact's "
+                         f"manifest gives; it is damaged, download the artifact again")
     listed = folder / "SHA256SUMS"
-    if listed.is_file():
-        for line in listed.read_text(encoding="utf-8", errors="replace").splitlines():
-            digest, _, name = line.strip().partition("  ")
-            if name == MANIFEST:
-                sums = {**sums, MANIFEST: digest}
+    lines = listed.read_text(encoding="utf-8", errors="replace").splitlines() if listed.is_file() else []
+    # "<digest>  <name>", or "<digest> *<name>" (sha256sum's binary mode)
+    found = {name.strip().removeprefix("*"): digest for digest, _, name in (line.strip().partition(" ") for line in lines)}
+    if MANIFEST not in found:
+        raise Flux2Error(f"{folder} has no SHA256SUMS listing {MANIFEST}, which every OrbitQuant artifact has; "
+                         f"download the whole artifact folder again")
+    sums = {**sums, MANIFEST: found[MANIFEST]}
     for name, digest in sums.items():
         path = folder / name
         if Path(name).is_absolute() or ".." in Path(name).parts:
@@ -213,36 +228,36 @@ def _codebooks(folder: Path) -> dict[tuple[int, int], TensorInfo]:
     """(inputs, bits) -> the levels' tensor: 2^bits float32 levels, finite and rising."""
     found = {}
     for name, (info, values) in _small_tensors(folder / CODEBOOKS).items():
-        head, _, kind = name.partition(".")
-        dim, _, bits = head.removeprefix("dim").partition("_bits")
-        if kind != "centroids" or not (dim.isdigit() and bits.isdigit()):
+        match = CODEBOOK_NAME.fullmatch(name)
+        if match is None:
             continue
-        bits_n = int(bits)
-        if (values.dtype != torch.float32 or values.shape != (1 << bits_n,) or not torch.isfinite(values).all()
-                or (values.diff() <= 0).any()):
-            raise Flux2Error(f"{folder / CODEBOOKS}: {name} is not {1 << bits_n} rising float32 levels; the artifact "
-                             f"is damaged, download it again")
-        found[int(dim), bits_n] = info
+        key = (int(match[1]), int(match[2]))
+        if not 1 <= key[1] <= 8 or (values.dtype != torch.float32 or values.shape != (1 << key[1],)
+                                    or not torch.isfinite(values).all() or (values.diff() <= 0).any()):
+            raise Flux2Error(f"{folder / CODEBOOKS}: {name} is not {1 << min(key[1], 8)} rising float32 levels; the "
+                             f"artifact is damaged, download it again")
+        if key in found:
+            raise Flux2Error(f"{folder / CODEBOOKS} holds two codebooks of {key[0]} inputs at {key[1]} bits; the "
+                             f"artifact is damaged, download it again")
+        found[key] = info
     return found
 
 
-def _rotations(folder: Path) -> dict[int, tuple[int, TensorInfo, TensorInfo]]:
-    """inputs -> (block, the permutation's tensor, the signs' tensor), each checked: a permutation of the inputs,
-    signs of ±1, a block that is a power of two dividing them with its normalization 1/sqrt(block)."""
+def _rotations(folder: Path, seed: object) -> dict[int, tuple[int, TensorInfo, TensorInfo]]:
+    """inputs -> (block, the permutation's tensor, the signs' tensor) of the settings' seed, each checked: a
+    permutation of the inputs, signs of ±1, a block that is a power of two dividing them with its normalization
+    1/sqrt(block)."""
     read = _small_tensors(folder / ROTATIONS)
     found = {}
     for name, (info, values) in read.items():
-        head, _, kind = name.partition(".")
-        if kind != "permutation":
+        match = ROTATION_NAME.fullmatch(name)
+        if match is None:
             continue
-        try:
-            dim = int(head.split("_")[0].removeprefix("dim"))
-            block = int(head.split("_")[2].removeprefix("block"))
-        except (IndexError, ValueError):
-            raise Flux2Error(f"{folder / ROTATIONS}: {name} is not named as orbitquant names its rotations "
-                             f"(dim<N>_seed<S>_block<B>); the artifact is damaged, download it again") from None
-        signs = read.get(f"{head}.signs")
-        norm = read.get(f"{head}.normalization")
+        head, dim, block = name.removesuffix(".permutation"), int(match[1]), int(match[3])
+        if int(match[2]) != seed:
+            raise Flux2Error(f"{folder / ROTATIONS} holds the rotation {head}, of seed {match[2]}, but the artifact's "
+                             f"settings give seed {short(seed)}; the artifact is damaged or mixed, download it again")
+        signs, norm = read.get(f"{head}.signs"), read.get(f"{head}.normalization")
         ok = (values.dtype == torch.int64 and values.shape == (dim,) and signs is not None
               and signs[1].dtype == torch.int8 and signs[1].shape == (dim,)
               and block > 0 and not block & (block - 1) and dim % block == 0
@@ -252,8 +267,8 @@ def _rotations(folder: Path) -> dict[int, tuple[int, TensorInfo, TensorInfo]]:
         if not ok:
             raise Flux2Error(f"{folder / ROTATIONS}: the rotation {head} is not a permutation of {dim} inputs with "
                              f"signs of ±1 over blocks of {block}; the artifact is damaged, download it again")
-        if dim in found and found[dim][0] != block:
-            raise Flux2Error(f"{folder / ROTATIONS} holds two rotations of {dim} inputs; this pack reads artifacts "
-                             f"of one rotation seed and block")
+        if dim in found:
+            raise Flux2Error(f"{folder / ROTATIONS} holds two rotations of {dim} inputs; the artifact is damaged, "
+                             f"download it again")
         found[dim] = (block, info, signs[0])
     return found

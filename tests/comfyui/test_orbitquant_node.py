@@ -25,9 +25,9 @@ TWIN = "flux-2-klein-tiny-orbitquant-dequantized"
 @pytest.fixture(scope="module")
 def artifact(comfy, tmp_path_factory):
     """(the artifact's folder name, the float twin's folder name) in models/diffusion_models, removed after."""
+    from flux2_core import weights
     from tests.test_orbitquant import float_twin
     from tests.tiny.orbitquant import quantize
-    from flux2_core import weights
     from tests.tiny.transformer import diffusers_transformer_from_bfl_file
 
     models = comfy.base / "models" / "diffusion_models"
