@@ -123,9 +123,10 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path, every_stage):
     assert rows[0]["computed"] == 12 and 2 < rows[1]["computed"] < 12 and rows[1]["psnr"] > 10
     (measured,) = [f["formats"] for f in formats]                      # each format smaller than float, and near it
     assert list(measured) == ["float", "int8", "int8 ConvRot", "nvfp4", "mxfp8", "W4A4 ConvRot", "W4A8", "SVDQuant W4A4",
-                             "AWQ W4A16", "Q8_0", "Q4_K"]
+                             "AWQ W4A16", "Q8_0", "Q4_K", "OrbitQuant W4", "OrbitQuant W3"]
     assert all(r["bytes"] < measured["float"]["bytes"] for name, r in measured.items() if name != "float")
-    assert all(0 < r["error"] < 0.1 for name, r in measured.items() if name not in ("float", "Q4_K"))
+    assert all(0 < r["error"] < (0.2 if name == "OrbitQuant W3" else 0.1) for name, r in measured.items()
+               if name not in ("float", "Q4_K"))
 
 
 def test_kept_weights_follow_the_mode(tmp_path):
