@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..errors import Flux2Error
 from .linear import item_by_item, linear
 from .packed import DequantizedLinear
 from .stored_format import FLOAT_SCALES, LayerFile, LayerFormat, ScaleRule, StoredFormat, StoredTensor
+from .w4 import need
 
 BITS = (2, 3, 4, 6, 8)          # the widths orbitquant writes
 RTN_GROUP = 64                  # its modulation layers' group
@@ -263,15 +263,6 @@ SETTINGS = {"activation_bits": lambda v: v in BITS, "rotation_seed": lambda v: t
             "codebook_version": lambda v: v in (1, 2), "activation_kernel_backend": lambda v: isinstance(v, str),
             "activation_eps": lambda v: type(v) in (int, float) and 0 < v < 1}
 
-def _need(file: LayerFile, name: str, shape: tuple[int, ...]) -> None:
-    got = file.shapes.get(name)
-    if got is None:
-        raise Flux2Error(f"{file.where} is {file.name} but has no {name}; the artifact is incomplete, download it "
-                         f"again")
-    if tuple(got) != tuple(shape):
-        raise file.corrupt(f"is {file.name} with {list(shape)} expected for its {name}, but has {list(got)}")
-
-
 def _read_orbitquant(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
     bits, block = file.whole("bits", 4), file.whole("block", 1)
     if bits not in BITS:
@@ -284,10 +275,10 @@ def _read_orbitquant(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
         raise file.corrupt(f"has {cols} bytes of {bits}-bit codes a row, not whole groups of 3 bytes")
     if block & (block - 1) or inputs % block:
         raise file.corrupt(f"has an RPBH block of {block}, which is no power of two dividing its {inputs} inputs")
-    _need(file, "weight_norms", (rows,))
-    _need(file, "weight_levels", (1 << bits,))
-    _need(file, "weight_order", (inputs,))
-    _need(file, "weight_signs", (inputs,))
+    need(file, "weight_norms", (rows,))
+    need(file, "weight_levels", (1 << bits,))
+    need(file, "weight_order", (inputs,))
+    need(file, "weight_signs", (inputs,))
     norms = {"BF16": torch.bfloat16}.get(file.dtypes["weight_norms"], torch.float32)
     given = file.spec.get("settings", {})
     wrong = [k for k, v in given.items() if k not in SETTINGS or not SETTINGS[k](v)] if isinstance(given, dict) else [
@@ -304,7 +295,7 @@ def _read_int4(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
     rows, cols = file.matrix()
     if (2 * cols) % group:
         raise file.corrupt(f"has {2 * cols} 4-bit codes a row, which is no whole number of groups of {group}")
-    _need(file, "weight_scale", (rows, 2 * cols // group))
+    need(file, "weight_scale", (rows, 2 * cols // group))
     return LayerFormat(fmt, file.name, block=group)
 
 
