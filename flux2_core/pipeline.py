@@ -25,6 +25,7 @@ from .devices import check_cpu_dtype, compute_dtype, dtype_named
 from .errors import Flux2Error
 from .families import family_of, family_of_params
 from .families.family import Transformer
+from .families.flux3.boxes import rows
 from .models.autoencoder import AutoEncoder
 from .models.reference_kv import ReferenceKV
 from .models.run_state import run_state
@@ -33,7 +34,6 @@ from .runtime import memory
 from .runtime.cache import PromptCache, ReferenceKVCache
 from .runtime.offload import place, stream_blocks, streamed_blocks
 from .sampling import inpaint
-from .sampling.boxes import rows
 from .sampling.conditioning import NO_REFERENCES, ReferencePack, pack_references
 from .sampling.references import encode_references, reference_latents
 from .sampling.request import DEFAULT_SIZE, Request, read_request

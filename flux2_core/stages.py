@@ -18,20 +18,21 @@ from torch import Tensor
 
 from .errors import Flux2Error
 from .families import family_of
+from .families.flux3.boxes import read_boxes
 from .latents import latent_size
 from .models.text_encoder import PromptEmbeds
 from .runtime import memory
 from .sampling import euler
-from .sampling.boxes import boxed_prompt, read_boxes
 from .sampling.conditioning import NO_REFERENCES, ReferencePack, pack_references
 from .sampling.references import as_pil, center_crop_16, image_to_tensor, reference_latents
+from .sampling.request import boxed_prompt
 from .sampling.run import Hooks, prepare_run
 
 
 @torch.no_grad()
 def encode_prompt(models, prompt: str, negative: str | None = None, boxes=None) -> PromptEmbeds:
     """The prompt (row 0) and, for CFG, the negative (row 1) as the transformer reads them; ``boxes``: a FLUX 3
-    layout (``sampling.boxes``), appended to the prompt as the model reads it."""
+    layout (``families/flux3/boxes.py``), appended to the prompt as the model reads it."""
     family, variant = family_of(models.variant), models.variant
     text = boxed_prompt(prompt, read_boxes(boxes or []), family, variant.title or family.title)
     return models.prompt_encoder.encode([text] if negative is None else [text, negative])

@@ -1,11 +1,11 @@
-"""The layout node: boxes that say where objects go, for FLUX 3 Image Klein's prompts (``sampling/boxes.py``)."""
+"""The layout node: boxes that say where objects go, for FLUX 3 Image Klein's prompts (``families/flux3/boxes.py``)."""
 
 from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
 from ..flux2_core.errors import Flux2Error
-from ..flux2_core.sampling.boxes import Box, boxes_from_pixels, check_rows, clamp_notes, read_boxes, rows
+from ..flux2_core.families.flux3.boxes import Box, boxes_from_pixels, check_rows, clamp_notes, read_boxes, rows
 from . import host, types
 
 EXAMPLE = ('[{"desc": "a red hot-air balloon", "bbox": [0.08, 0.1, 0.45, 0.4]},\n'

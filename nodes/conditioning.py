@@ -21,9 +21,10 @@ from PIL import Image
 from ..flux2_core.digests import image_digest
 from ..flux2_core.errors import Flux2Error
 from ..flux2_core.families import FAMILIES, encoder_for, family_of_encoder
+from ..flux2_core.families.flux3.boxes import rows_read
 from ..flux2_core.runtime import cache, memory
 from ..flux2_core.sampling import references
-from ..flux2_core.sampling.boxes import boxed_prompt, rows_read
+from ..flux2_core.sampling.request import boxed_prompt
 from . import host, types
 
 log = logging.getLogger("flux2_klein")

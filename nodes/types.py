@@ -6,7 +6,7 @@ from comfy_api.latest import io
 Model = io.Custom("FLUX2_KLEIN_MODEL")                  # Managed(Flux2Transformer) + its Variant
 TextEncoder = io.Custom("FLUX2_KLEIN_TEXT_ENCODER")     # Managed(PromptEncoder)
 AutoEncoder = io.Custom("FLUX2_KLEIN_AE")               # Managed(AutoEncoder)
-Boxes = io.Custom("FLUX2_KLEIN_BOXES")                  # list[sampling.boxes.Box]: a layout
+Boxes = io.Custom("FLUX2_KLEIN_BOXES")                  # list[families.flux3.boxes.Box]: a layout
 
 CATEGORY = "Klein (FLUX.2, FLUX 3)"     # the menu names both families the nodes serve
 # what a search of the node menu for either family finds on the nodes that serve both

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..flux2_core.sampling.boxes import clamp_notes
+from ..flux2_core.families.flux3.boxes import clamp_notes
 from ..flux2_core.upsampler.model import MAX_NEW_TOKENS, PromptUpsampler, check_request
 from . import host, types
 from .conditioning import to_pil

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flux2_core.errors import Flux2Error
-from flux2_core.sampling.boxes import boxes_from_pixels, read_boxes, with_boxes
+from flux2_core.families.flux3.boxes import boxes_from_pixels, read_boxes, with_boxes
 
 bbox = pytest.importorskip("flux3_mlx.bbox", reason="flux3-mlx (a test extra) is the reference for box rows")
 
@@ -41,7 +41,7 @@ def test_rows_equal_the_reference(boxes):
 
 def test_boxes_past_the_edge_are_drawn_to_it_and_said():
     """Each box reaching past an edge is named, with the sides that did; the others are not."""
-    from flux2_core.sampling.boxes import clamp_notes
+    from flux2_core.families.flux3.boxes import clamp_notes
 
     notes = clamp_notes(read_boxes(LAYOUTS[-1] + [{"id": "sun", "desc": "the sun", "bbox": [0, 0, 0.2, 0.2]}]))
     said = "it is drawn to the edge, as the reference draws it"
@@ -104,7 +104,7 @@ def test_boxes_are_refused_for_a_model_without_layout():
 def test_boxes_are_not_given_twice():
     """An upsampled prompt already ends in its table: boxes on top would make two tables the model never saw."""
     from flux2_core.families.flux3 import FLUX3
-    from flux2_core.sampling.boxes import boxed_prompt
+    from flux2_core.sampling.request import boxed_prompt
 
     upsampled = with_boxes("a kite <obj_1> over a field", read_boxes(LAYOUTS[0]))
     with pytest.raises(Flux2Error, match="already ends in a box table .* give the boxes once"):

@@ -288,7 +288,7 @@ FLAG_HOMES = {
     "padded": {"flux2_core/sampling/references.py"},          # ReferenceFit: how references are sized
     "max_side": {"flux2_core/sampling/references.py"},
     "pad_min": {"flux2_core/sampling/references.py"},
-    "takes_layout": {"flux2_core/sampling/boxes.py"},         # whether prompts may carry layout boxes
+    "takes_layout": {"flux2_core/sampling/request.py"},         # whether prompts may carry layout boxes
     "use_kv_cache": {"flux2_core/sampling/run.py", "flux2_core/variants.py"},   # references_as_kv, the one rule
     "pad_multiple": {"flux2_core/prompt_padding.py"},        # how prompts are padded
     "pad_position": {"flux2_core/prompt_padding.py"},

@@ -119,8 +119,8 @@ def test_the_upsamplers_check_refuses_exactly_the_rows_that_cannot_apply(layout,
 @given(row=layout_row(1), pictures=st.integers(0, 3))
 def test_a_row_the_upsampler_adds_is_kept_only_where_it_applies(row, pictures):
     """The same rule for the rows the upsampler writes itself: one that cannot apply is left out of its answer."""
-    from flux2_core.sampling.boxes import CANVAS, split_table
-    from flux2_core.upsampler.layout import keep_locked
+    from flux2_core.families.flux3.boxes import CANVAS, split_table
+    from flux2_core.families.flux3.upsampler_rows import keep_locked
 
     canvas = {side: [round(v * CANVAS) for v in BOX] if side in row else None for side in ("src_bbox", "tgt_bbox")}
     added = {"id": row["id"], **({"bbox": [100, 100, 500, 500]} if "bbox" in row else
@@ -158,8 +158,8 @@ def test_the_command_line_checks_the_rows_before_loading(tmp_path, capsys, sourc
 @pytest.mark.parametrize("digits", [7, 5000])
 def test_a_reference_index_of_thousands_of_digits_is_refused_not_a_traceback(digits):
     """int() of a 5000-digit index raised ValueError (Python's 4300-digit limit) past every Flux2Error handler."""
-    from flux2_core.sampling.boxes import check_rows
-    from flux2_core.sampling.references import ReferenceCount
+    from flux2_core.families import ReferenceCount
+    from flux2_core.families.flux3.boxes import check_rows
 
     row = {"id": "a", "from": "ref_image_" + "1" * digits, "src_bbox": [0, 0, 500, 500],
            "tgt_bbox": [500, 500, 900, 900], "desc": "x"}

@@ -38,7 +38,7 @@ def test_bounded_list_is_one_line(n):
 @given(COUNTS)
 def test_boxes_past_the_edge_make_a_few_notes(n):
     """5,000 boxes past the picture's edge printed 5,000 notes (559 KB of log) before."""
-    from flux2_core.sampling.boxes import clamp_notes, read_boxes
+    from flux2_core.families.flux3.boxes import clamp_notes, read_boxes
 
     layout = read_boxes(json.dumps([{"desc": f"thing {i}", "bbox": [-0.1, 0.1, 0.5, 1.2]} for i in range(n)]))
     notes = clamp_notes(layout)

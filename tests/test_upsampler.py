@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from flux2_core.errors import Flux2Error
-from flux2_core.upsampler import layout
+from flux2_core.families.flux3 import upsampler_rows as layout
 from flux2_core.upsampler.model import PresencePenalty, PromptUpsampler
 from flux2_core.upsampler.pictures import picture_size, prepare_picture
 from tests.tiny.upsampler import save_tiny_upsampler

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from flux2_core.errors import Flux2Error
 from flux2_core.families.flux3 import FLUX3
-from flux2_core.sampling.boxes import boxed_prompt, read_boxes, table_at_end, with_boxes
-from flux2_core.upsampler import layout
+from flux2_core.families.flux3 import upsampler_rows as layout
+from flux2_core.families.flux3.boxes import read_boxes, table_at_end, with_boxes
+from flux2_core.sampling.request import boxed_prompt
 from flux2_core.upsampler.model import PROMPTS_FILE, find_upsampler, read_system_prompts
 from flux2_core.upsampler.pictures import PatchSettings
 

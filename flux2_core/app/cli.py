@@ -320,7 +320,7 @@ def early_family(args):
 
 def read_layout(path: str | None):
     """--boxes FILE.json -> the boxes (``boxes.read_boxes``), read and checked before any model loads."""
-    from ..sampling.boxes import EXAMPLE, read_boxes
+    from ..families.flux3.boxes import EXAMPLE, read_boxes
     from ..user_json import read_json_file
 
     if path is None:
@@ -333,7 +333,7 @@ def read_layout(path: str | None):
 def references_given(args, refs):
     """The ReferenceCount the model is given: the --ref pictures and, where --mask or --expand inpaint --image, that
     picture as one more (reference 1)."""
-    from ..sampling.references import ReferenceCount
+    from ..families import ReferenceCount
 
     return ReferenceCount(len(refs), inpainted=args.image is not None and (args.mask is not None
                                                                           or args.expand is not None))
@@ -342,7 +342,7 @@ def references_given(args, refs):
 def check_rows_early(args, refs, layout_file: str | None) -> None:
     """Each prompt's layout rows (--boxes, else a table the prompt ends in) against the references the model will be
     given (``boxes.check_rows``), before any model loads: --mask and --expand give it the picture as reference 1."""
-    from ..sampling.boxes import check_rows, rows_read
+    from ..families.flux3.boxes import check_rows, rows_read
 
     given = references_given(args, refs)
     for prompt in args.prompt:
@@ -479,7 +479,7 @@ def upsample_prompts(args, refs) -> tuple[list[str], list, list[dict]]:
 
     import torch
 
-    from ..sampling.boxes import check_layout
+    from ..sampling.request import check_layout
     from ..upsampler.model import PromptUpsampler, check_request
 
     family = early_family(args)

@@ -24,7 +24,16 @@ import torch
 
 from ..models.layers import Layers
 from ..storage.protocol import stored_linears
-from .family import AdapterNaming, Family, MemoryInputs, ModelParams, NoiseReading, ReferenceFit, ShapeReader
+from .family import (
+    AdapterNaming,
+    Family,
+    MemoryInputs,
+    ModelParams,
+    NoiseReading,
+    ReferenceCount,
+    ReferenceFit,
+    ShapeReader,
+)
 from .flux2 import FLUX2
 from .flux3 import FLUX3
 from .registry import (
@@ -53,6 +62,7 @@ __all__ = [
     "MemoryInputs",
     "ModelParams",
     "NoiseReading",
+    "ReferenceCount",
     "ReferenceFit",
     "ShapeReader",
     "check_size_for_any",

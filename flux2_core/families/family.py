@@ -94,6 +94,23 @@ NoiseReading = Callable[[Tensor], Tensor]
 
 
 @dataclass(frozen=True)
+class ReferenceCount:
+    """The references a model is given: the reference pictures, and the picture being inpainted, which inpainting
+    gives the model as reference 1 (so that it sees what surrounds the area): it counts toward a family's limit."""
+
+    pictures: int
+    inpainted: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.pictures + self.inpainted
+
+    def describe(self) -> str:
+        pictures = f"{self.pictures} reference picture{'' if self.pictures == 1 else 's'}"
+        return f"{pictures} plus the picture being inpainted ({self.total})" if self.inpainted else pictures
+
+
+@dataclass(frozen=True)
 class ReferenceFit:
     """How a family's reference images are sized before encoding (``sampling/references.py`` applies it)."""
 
@@ -140,7 +157,7 @@ class Family:
     # [(h, w) of each reference latent] -> their position ids [1, sum(h*w), 4] (what tells references apart)
     reference_ids: Callable[..., Tensor]
     references: ReferenceFit                        # how its reference images are sized
-    takes_layout: bool                              # its prompts may carry layout boxes (``sampling/boxes.py``)
+    takes_layout: bool                              # its prompts may carry layout boxes (``sampling/request.py``)
     dtypes: tuple[torch.dtype, ...]                 # the compute dtypes its transformer runs in, the preferred first
                                                     # (``devices.model_dtype``: the one rule, CLI and nodes)
     largest_side: int                               # the longest side of a picture it makes, in pixels (its

@@ -15,14 +15,13 @@ then cropped back to it. Each family gives its references their ids (``Family.re
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
 
 from ..errors import Flux2Error
-from ..families import ReferenceFit
+from ..families import ReferenceCount, ReferenceFit
 from ..latents import PIXELS_PER_LATENT
 from ..models import rope
 
@@ -157,22 +156,6 @@ def prepare_reference(image: Image.Image, cap: int, index: int, fit: ReferenceFi
     check_reference(image, index, fit)
     return center_crop_16(cap_pixels(image, cap), f"reference image {index + 1}")
 
-
-@dataclass(frozen=True)
-class ReferenceCount:
-    """The references a model is given: the reference pictures, and the picture being inpainted, which inpainting
-    gives the model as reference 1 (so that it sees what surrounds the area): it counts toward a family's limit."""
-
-    pictures: int
-    inpainted: bool = False
-
-    @property
-    def total(self) -> int:
-        return self.pictures + self.inpainted
-
-    def describe(self) -> str:
-        pictures = f"{self.pictures} reference picture{'' if self.pictures == 1 else 's'}"
-        return f"{pictures} plus the picture being inpainted ({self.total})" if self.inpainted else pictures
 
 
 def prepare_references(images, count: ReferenceCount | None, fit: ReferenceFit,

@@ -17,12 +17,12 @@ from PIL import Image
 from torch import Tensor
 
 from ..errors import Flux2Error
-from ..families import family_of
+from ..families import FAMILIES, Family, ReferenceCount, family_of
+from ..families.flux3.boxes import Box, check_rows, clamp_notes, read_boxes, rows_read, table_at_end, with_boxes
 from ..latents import LATENT_CHANNELS, latent_size
 from ..variants import Variant
 from . import inpaint
-from .boxes import Box, boxed_prompt, check_rows, clamp_notes, read_boxes, rows_read
-from .references import ReferenceCount, as_pil, canvas_crop, center_crop_16, prepare_references
+from .references import as_pil, canvas_crop, center_crop_16, prepare_references
 from .schedules import check_strength
 
 DEFAULT_SIZE = 1024
@@ -108,3 +108,21 @@ def read_request(variant: Variant, prompt: str, *, references=(), width: int | N
     for note in request.notes:
         say(note)
     return request
+
+
+def check_layout(boxes: list[Box], family: Family, model: str) -> None:
+    """Boxes for a family that reads none are refused: its prompt would carry text it was never trained on."""
+    if boxes and not family.takes_layout:
+        takers = " and ".join(f.title for f in FAMILIES.values() if f.takes_layout)
+        raise Flux2Error(f"{model} takes no layout: boxes are for {takers}; leave the boxes out, or describe where "
+                         f"things go in the prompt")
+
+
+def boxed_prompt(prompt: str, boxes: list[Box], family: Family, model: str) -> str:
+    """The prompt with the boxes for a model of ``family`` (``model``: what messages call it), refused where the
+    family reads none: its prompt would carry text it was never trained on."""
+    check_layout(boxes, family, model)
+    if boxes and table_at_end(prompt) is not None:
+        raise Flux2Error("the prompt already ends in a box table (the prompt upsampler's answer carries the boxes it "
+                         "was given): give the boxes once, to the upsampler or here")
+    return with_boxes(prompt, boxes)

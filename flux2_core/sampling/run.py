@@ -24,16 +24,15 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import Flux2Error
-from ..families import family_of
+from ..families import ReferenceCount, family_of
+from ..families.flux3.boxes import check_rows
 from ..latents import LATENT_CHANNELS, PIXELS_PER_LATENT
 from ..runtime import memory
 from ..variants import Variant
 from ..weights import check_embeddings_fit
 from . import inpaint
-from .boxes import check_rows
 from .conditioning import NO_REFERENCES, KVSource, ReferencePack, pack_references
 from .euler import MAX_CFG, Guidance, Inpaint, Step, add_noise, denoise, guidance_for
-from .references import ReferenceCount
 from .schedules import check_sigmas, check_strength, truncate_for_strength
 from .step_cache import MAX_THRESHOLD as MAX_CACHE
 from .step_cache import StepCache, check_threshold

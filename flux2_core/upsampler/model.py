@@ -24,10 +24,10 @@ from PIL import Image
 
 from ..devices import check_cpu_dtype, compute_dtype, dtype_named
 from ..errors import Flux2Error
-from ..sampling.boxes import check_rows, read_boxes, rows, rows_read
-from ..sampling.references import ReferenceCount
+from ..families import ReferenceCount
+from ..families.flux3.boxes import check_rows, read_boxes, rows, rows_read
+from ..families.flux3.upsampler_rows import already_upsampled, keep_locked, request
 from ..user_json import read_json_file
-from .layout import already_upsampled, keep_locked, request
 from .pictures import DOWNLOAD_AGAIN, MAX_PICTURES, PatchSettings, picture_patches, prepare_picture
 
 MAX_NEW_TOKENS = 3584
@@ -84,7 +84,7 @@ def read_system_prompts(folder: Path) -> dict[str, str]:
 
 
 def check_request(prompt: str, pictures: int, boxes=None) -> list:
-    """What the upsampler cannot take, refused before it loads; the boxes read (sampling/boxes.py). The rows it
+    """What the upsampler cannot take, refused before it loads; the boxes read (families/flux3/boxes.py). The rows it
     will lock (the boxes, else a table the request ends in) must name pictures it is shown; an answer it is given
     again is passed on as it is, to be checked where it is drawn."""
     if not prompt.strip():
@@ -198,7 +198,7 @@ class PromptUpsampler:
     @torch.no_grad()
     def __call__(self, prompt: str, pictures: Sequence[Image.Image] = (), boxes=None,
                  on_token: Callable[[int], None] | None = None) -> Upsampled:
-        """``boxes``: a layout (see sampling/boxes.py); the answer then ends in their table, ready for the image
+        """``boxes``: a layout (see families/flux3/boxes.py); the answer then ends in their table, ready for the image
         model. ``on_token(count)`` is called as each token is written (it may raise to stop)."""
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 

@@ -12,8 +12,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from ..sampling.boxes import ROW_ID, row_box, row_problem, split_table, table_at_end
-from ..sampling.references import ReferenceCount
+from ..family import ReferenceCount
+from .boxes import ROW_ID, row_box, row_problem, split_table, table_at_end
 
 SAME_OBJECT = 0.9                  # a renamed row whose box overlaps a locked one this much (IoU) is that object
 LOCKED_HEADER = ("LOCKED BOUNDING-BOX ANNOTATIONS ([y_min, x_min, y_max, x_max] on a 0-1000 canvas, with (0, 0) at the "

@@ -22,11 +22,10 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..errors import Flux2Error
-from ..families import FAMILIES, Family
-from ..listing import bounded_notes
-from ..user_json import list_at_end, parse_json
-from .references import ReferenceCount
+from ...errors import Flux2Error
+from ...listing import bounded_notes
+from ...user_json import list_at_end, parse_json
+from ..family import ReferenceCount
 
 CANVAS = 1000                      # the rows' coordinates run 0..CANVAS
 EXAMPLE = '[{"desc": "a red kite", "bbox": [0.1, 0.05, 0.6, 0.4]}]'
@@ -272,20 +271,3 @@ def with_boxes(prompt: str, boxes: list[Box]) -> str:
         return prompt
     return f"{prompt.rstrip()} {json.dumps(rows(boxes), ensure_ascii=False)}"
 
-
-def check_layout(boxes: list[Box], family: Family, model: str) -> None:
-    """Boxes for a family that reads none are refused: its prompt would carry text it was never trained on."""
-    if boxes and not family.takes_layout:
-        takers = " and ".join(f.title for f in FAMILIES.values() if f.takes_layout)
-        raise Flux2Error(f"{model} takes no layout: boxes are for {takers}; leave the boxes out, or describe where "
-                         f"things go in the prompt")
-
-
-def boxed_prompt(prompt: str, boxes: list[Box], family: Family, model: str) -> str:
-    """The prompt with the boxes for a model of ``family`` (``model``: what messages call it), refused where the
-    family reads none: its prompt would carry text it was never trained on."""
-    check_layout(boxes, family, model)
-    if boxes and table_at_end(prompt) is not None:
-        raise Flux2Error("the prompt already ends in a box table (the prompt upsampler's answer carries the boxes it "
-                         "was given): give the boxes once, to the upsampler or here")
-    return with_boxes(prompt, boxes)
