@@ -52,6 +52,9 @@ class GGMLLinear(nn.Module, StoredLinear):
     def call_bytes(self, dtype: torch.dtype) -> int:
         return self.in_features * self.out_features * (DEQUANTIZE_BYTES_PER_VALUE + dtype.itemsize)
 
+    def read_from(self, file) -> dict[str, Tensor]:
+        return {"weight": file.blocks()}
+
     def forward(self, x: Tensor) -> Tensor:
         """x [..., in] -> [..., out]; the weight is dequantized where x is."""
         weight = self.float_weight(x.dtype, x.device)

@@ -66,6 +66,13 @@ class Int8Linear(nn.Module, StoredLinear):
     def quantized(self, weight: Tensor) -> tuple[Tensor, Tensor]:
         return quantize_int8(rotate_weight(weight.float(), self.rotation) if self.rotation else weight, self.per_row)
 
+    def read_from(self, file) -> dict[str, Tensor]:
+        """A file's int8 as stored, else quantized here (per row) from its values."""
+        if file.stored:
+            return file.as_stored()
+        weight, scale = self.quantized(file.values())
+        return {"weight": weight, "weight_scale": scale}
+
     def forward(self, x: Tensor) -> Tensor:
         return item_by_item(self.matmul, x) if self.item_by_item else self.matmul(x)
 

@@ -37,6 +37,9 @@ class Linear(nn.Linear, StoredLinear):
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight)
 
+    def read_from(self, file) -> dict[str, Tensor]:
+        return {"weight": file.values().to(file.dtype)}
+
     def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
         return self.weight.detach().to(device or self.weight.device, dtype)
 
@@ -52,6 +55,9 @@ class CastLinear(Linear):
         super().__init__(in_features, out_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=self.weight.device))
         self.item_by_item = item_by_item
+
+    def read_from(self, file) -> dict[str, Tensor]:
+        return {"weight": file.values().to(self.weight.dtype)}      # the file's 16-bit values, kept
 
     @property
     def kind(self) -> str:

@@ -8,11 +8,13 @@ and the counters ask a layer instead of testing its class.
     call_bytes      memory a call takes beside its input and output (a dequantized weight), for the estimates
     merges_adapters adapters merge into the weight by default (float); else run-time branches, so a quantized weight
                     is not rounded again; ``unmerge_weight`` restores the stored tensors bit for bit
+    read_from       how a loader fills the layer from a file (``LayerSource``): each storage reads its own tensors
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +32,18 @@ class Storage:
         return 0
 
 
+class LayerSource(Protocol):
+    """One linear of a file as a loader hands it to the layer that will hold it (``weights.loading``)."""
+
+    stored: bool                   # the file keeps the layer in a registered format (``formats.py``)
+    dtype: torch.dtype             # the model's compute dtype
+
+    def as_stored(self) -> dict[str, Tensor]: ...           # the format's tensors as the file holds them
+    def values(self) -> Tensor: ...                         # the weight [out, in] in float32, dequantized where stored
+    def blocks(self) -> Tensor: ...                         # GGUF blocks as stored, uint8 [out, row bytes]
+    def fp8(self) -> tuple[Tensor, Tensor]: ...             # float8 [out, in] and a scale per row [out]
+
+
 class StoredLinear(Storage):
     """A bias-free linear [out, in]. Subclasses set in_features, out_features, item_by_item and give
     ``float_weight``; one that cannot write its weight back (GGUF) overrides ``merge_weight`` / ``unmerge_weight``."""
@@ -39,6 +53,10 @@ class StoredLinear(Storage):
 
     def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
         raise NotImplementedError
+
+    def read_from(self, file: LayerSource) -> dict[str, Tensor]:
+        """The layer's state (its own names) from ``file``; by default a format's tensors as stored."""
+        return file.as_stored()
 
     def stored_tensors(self) -> tuple[Tensor, ...]:
         """The tensors a merge rewrites (and ``unmerge_weight`` restores)."""

@@ -74,6 +74,10 @@ class Fp8Linear(nn.Module, StoredLinear):
         out.weight, out.weight_scale = quantize_fp8(linear.weight, per_row)
         return out
 
+    def read_from(self, file) -> dict[str, Tensor]:
+        weight, scale = file.fp8()                 # the file's own float8 values, or quantized per row as read
+        return {"weight": weight, "weight_scale": scale}
+
     def forward(self, x: Tensor) -> Tensor:
         return item_by_item(self.matmul, x) if self.item_by_item else self.matmul(x)
 

@@ -338,28 +338,48 @@ def read_state_dict(source: Source, model: nn.Module, device: torch.device, dtyp
     state = {}
     with closing(TensorReader(source, device)) as read:
         for key, like in wanted.items():
+            layer = layers.get(key.removesuffix(".weight"))
             if not source.has(key):                       # an optional key the file lacks
                 state[key] = torch.zeros(like.shape, dtype=like.dtype, device=device)
-            elif source.stored_format(key) is not None and keeps_stored(layers.get(key.removesuffix(".weight"))):
-                layer = key.removesuffix(".weight")                                                 # kept as stored
-                state |= {f"{layer}.{name}": tensor for name, tensor in read.joined(
-                    [s.removesuffix(".weight") for s in source.recipe(key).sources],
-                    layers[layer].state_dict()).items()}
-            elif like.dtype == torch.uint8 and source.ggml_type(key) is not None:    # kept as GGUF blocks
+            elif key.endswith(".weight") and isinstance(layer, StoredLinear):      # each storage reads its own
+                name = key.removesuffix(".weight")
+                state |= {f"{name}.{n}": t for n, t in layer.read_from(FileLayer(read, key, like, dtype, layer)).items()}
+            elif like.dtype == torch.uint8 and source.ggml_type(key) is not None:    # GGUF blocks (an embedding)
                 state[key] = fit(read.blocks(key), like, key, source)
-            elif like.dtype in FP8_DTYPES:                # an fp8 layer: float8 weight [out, in] + float32 scale [out]
-                weight, scale = read.fp8(source.recipe(key))
-                state[key], state[key + "_scale"] = fit(weight, like, key, source), scale
-            elif like.dtype == torch.int8:                # an int8 layer: quantized (per row) from the file's values
-                weight, scale = layers[key.removesuffix(".weight")].quantized(fit(read.full(source.recipe(key)),
-                                                                                  like, key, source))
-                state[key], state[key + "_scale"] = weight, scale
             else:
                 tensor = fit(read.full(source.recipe(key)), like, key, source)
-                # a 16-bit layer is one the file's 16-bit weight is kept in (storage.linear.CastLinear)
                 state[key] = tensor.to(like.dtype if like.dtype in SIXTEEN_BIT or not like.is_floating_point()
                                        else dtype)
     return state
+
+
+@dataclass(frozen=True)
+class FileLayer:
+    """One linear of the file as its layer reads it (``storage.protocol.LayerSource``): ``key`` is our weight's."""
+
+    read: TensorReader
+    key: str
+    like: torch.Tensor                   # the layer's weight as built (on the meta device)
+    dtype: torch.dtype
+    layer: nn.Module
+
+    @property
+    def stored(self) -> bool:
+        return self.read.source.stored_format(self.key) is not None
+
+    def as_stored(self) -> dict[str, torch.Tensor]:
+        sources = self.read.source.recipe(self.key).sources
+        return self.read.joined([s.removesuffix(".weight") for s in sources], self.layer.state_dict())
+
+    def values(self) -> torch.Tensor:
+        return fit(self.read.full(self.read.source.recipe(self.key)), self.like, self.key, self.read.source)
+
+    def blocks(self) -> torch.Tensor:
+        return fit(self.read.blocks(self.key), self.like, self.key, self.read.source)
+
+    def fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        weight, scale = self.read.fp8(self.read.source.recipe(self.key))
+        return fit(weight, self.like, self.key, self.read.source), scale
 
 
 def keeps_stored(layer: nn.Module | None) -> bool:
