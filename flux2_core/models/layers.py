@@ -20,20 +20,17 @@ from ..storage import choices
 
 class Layers:
     """The choosers by storage name (``storage.choices``): ``stored(name)`` (the ``LayerFormat`` a file keeps the
-    layer in), ``int8(name)``, ``ggml(name)`` (a GGML type), ``fp8(name)``, ``kept(name)`` (a 16-bit dtype to keep the
-    weight in); each answers None or False where it does not pick the layer. ``convrot``: the int8 layers are made in
-    ConvRot's basis. ``chosen`` (shared by every scope) records the storage name that made each linear, by its full
+    layer in), ``int8(name)`` ("plain" or "convrot": ``StorageAsk.int8_kind``), ``ggml(name)`` (a GGML type),
+    ``fp8(name)``, ``kept(name)`` (a 16-bit dtype to keep the weight in); each answers None or False where it does not
+    pick the layer. ``chosen`` (shared by every scope) records the storage name that made each linear, by its full
     name: what a loader reports of its options (``weights.storage_outcome``) is read from it."""
 
     def __init__(self, fp8: Callable[[str], bool] | None = None, prefix: str = "",
-                 ggml: Callable[[str], int | None] | None = None, int8: Callable[[str], bool] | None = None,
+                 ggml: Callable[[str], int | None] | None = None, int8: Callable[[str], str | None] | None = None,
                  kept: Callable[[str], torch.dtype | None] | None = None,
-                 stored: Callable[[str], object | None] | None = None, convrot: bool = False,
-                 chosen: dict[str, str] | None = None):
+                 stored: Callable[[str], object | None] | None = None, chosen: dict[str, str] | None = None):
         self.prefix, self.chosen = prefix, {} if chosen is None else chosen
-        int8_kind = "convrot" if convrot else "plain"
-        self.pickers = {"stored": stored, "int8": int8 and (lambda name: int8_kind if int8(name) else None),
-                        "ggml": ggml, "fp8": fp8, "kept": kept}
+        self.pickers = {"stored": stored, "int8": int8, "ggml": ggml, "fp8": fp8, "kept": kept}
 
     def scope(self, name: str) -> Layers:
         scoped = copy.copy(self)                  # the same choosers and ``chosen``, under a longer prefix

@@ -31,7 +31,8 @@ from ..models.layers import Layers
 from ..models.qwen3 import Qwen3Params
 from ..models.text_encoder import PromptEncoder, StoredLayer, build_qwen3_encoder, is_used, qwen3_state_dict
 from ..models.tokenizer import load_tokenizer
-from ..storage import choices, ggml
+from ..storage import ggml
+from ..storage.choices import StorageAsk
 from ..storage.protocol import FLOAT_KINDS, StoredLinear
 from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, quantize_fp8
 from ..storage.stored_format import SCALE, LayerFormat
@@ -41,7 +42,7 @@ from .dequantize import comfy_formats, dequantize
 from .gguf_file import architecture, describe_gguf
 from .key_mapping import AUTOENCODER_LAYOUTS, OPTIONAL_KEYS, QWEN3_FROM_LLAMA_CPP, describe, find_layout, qwen3_name
 from .orbitquant_files import as_stored
-from .outcome import StorageOutcome, option_name, tally
+from .outcome import StorageOutcome, tally
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. reading our state dict: recipes -> tensors on the target device, dequantized, cast, shape-fitted
@@ -563,14 +564,11 @@ def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = 
     (``storage.rotation``), which holds more of the weights' accuracy. Layers a quantized file stores in another
     format (ComfyUI's int8, nvfp4, mxfp8, W4A4, ...) stay as stored. The compute dtype is ``dtype`` either way.
     """
-    if fp8 not in (None, True, False):
-        raise Flux2Error(f"fp8 must be None (as the file stores it), True or False, got {fp8!r}")
-    if int8 not in (True, False, "convrot"):
-        raise Flux2Error(f"int8 must be True, 'convrot' or False, got {int8!r}")
+    ask = StorageAsk(fp8, int8)
     dtype = dtype_named(dtype)
     device, _ = default_device_dtype(device, torch.float32)
     dtype = dtype or transformer_dtype(path, device).dtype
-    source, model, chosen = _transformer_on_meta(path, params, variant, fp8, int8, dtype)
+    source, model, chosen = _transformer_on_meta(path, params, variant, ask, dtype)
     return assign(model, read_state_dict(source, model, device, dtype)), chosen
 
 
@@ -600,15 +598,15 @@ def stored_dtype(path: str | Path) -> tuple[torch.dtype | None, int]:
 def transformer_bytes(path: str | Path, dtype: torch.dtype, *, variant: str | None = None,
                       fp8: bool | None = None, int8: bool | str = False) -> int:
     """The weight bytes ``load_transformer`` would make, from the headers alone."""
-    _, model, _ = _transformer_on_meta(path, None, variant, fp8, int8, dtype)
+    _, model, _ = _transformer_on_meta(path, None, variant, StorageAsk(fp8, int8), dtype)
     state = model.state_dict()
     scales = beside_weights(model)
     return sum(t.numel() * (dtype.itemsize if t.is_floating_point() and t.dtype not in (*FP8_DTYPES, *SIXTEEN_BIT)
                             and k not in scales else t.itemsize) for k, t in state.items())
 
 
-def _transformer_on_meta(path, params: ModelParams | None, variant: str | None, fp8: bool | None,
-                         int8: bool | str = False, dtype: torch.dtype = torch.float32,
+def _transformer_on_meta(path, params: ModelParams | None, variant: str | None, ask: StorageAsk,
+                         dtype: torch.dtype = torch.float32,
                          storages: dict[str, str] | None = None) -> tuple[Source, Flux2Transformer, Variant]:
     """``storages``: filled with the storage each linear was made in (``Layers.chosen``)."""
     source = _transformer_source(path)
@@ -616,10 +614,10 @@ def _transformer_on_meta(path, params: ModelParams | None, variant: str | None, 
     check_model_dtype(dtype, family.dtypes, family.title)        # before anything is built or read
     params, chosen = _transformer_spec(source, params, variant)
     quantizable = family.quantizable
-    layers = Layers(fp8=fp8_storage(source, fp8, quantizable), ggml=gguf_storage(source, quantizable),
-                    int8=quantizable if int8 else None, kept=kept_storage(source, dtype, quantizable),
-                    stored=lambda name: source.stored_format(name + ".weight"), convrot=int8 == "convrot",
-                    chosen=storages)
+    layers = Layers(fp8=fp8_storage(source, ask.fp8, quantizable), ggml=gguf_storage(source, quantizable),
+                    int8=lambda name: ask.int8_kind if quantizable(name) else None,
+                    kept=kept_storage(source, dtype, quantizable),
+                    stored=lambda name: source.stored_format(name + ".weight"), chosen=storages)
     model = build_on_meta(lambda: family.build(params, layers))
     return source, model, chosen
 
@@ -629,18 +627,19 @@ def storage_outcome(path: str | Path, *, variant: str | None = None, fp8: bool |
     """What ``load_transformer``'s fp8=True or int8 does to the file's layers (quantized at load, or kept as the file
     stores them), from the headers alone: the model built on the meta device as the load builds it. None where
     neither option is asked."""
-    option = option_name(fp8, int8)
-    if option is None:
+    ask = StorageAsk(fp8, int8)
+    if ask.made is None:
         return None
     storages: dict[str, str] = {}
-    source, _, _ = _transformer_on_meta(path, None, variant, fp8, int8, storages=storages)
+    source, _, _ = _transformer_on_meta(path, None, variant, ask, storages=storages)
+
     def as_asked(name: str) -> bool:
         fmt = source.stored_format(name + ".weight")
-        if int8:
-            return fmt is not None and choices.INT8.keeps(fmt, int8)
+        if ask.int8:
+            return fmt is not None and ask.made.keeps(fmt, ask.int8)
         return source.stores_fp8(name + ".weight")
 
-    return tally(option, choices.INT8.name if int8 else choices.FP8.name, storages, transformer_family(source).quantizable,
+    return tally(ask.option, ask.made.name, storages, transformer_family(source).quantizable,
                  lambda name: stored_as(source, name + ".weight"), as_asked)
 
 

@@ -29,14 +29,6 @@ class StorageOutcome:
         return f"{done}; {kept} kept as the file stores them ({formats})" if kept else done
 
 
-def option_name(fp8: bool | None, int8: bool | str) -> str | None:
-    """The storage option asked (``load_transformer``'s fp8 / int8), as lines name it; None where none is (fp8=None
-    keeps a file's fp8 layers, False dequantizes them: neither quantizes anything)."""
-    if int8:
-        return "int8 ConvRot" if int8 == "convrot" else "int8"
-    return "fp8" if fp8 is True else None
-
-
 def tally(option: str, made: str, chosen: dict[str, str], quantizable: Callable[[str], bool],
           stored_as: Callable[[str], str | None], as_asked: Callable[[str], bool]) -> StorageOutcome:
     """``made``: the storage the option makes (its name in ``storage.choices``); ``chosen``: the storage ``Layers`` chose
