@@ -20,7 +20,7 @@ from PIL import Image
 
 from ..flux2_core.digests import image_digest
 from ..flux2_core.errors import Flux2Error
-from ..flux2_core.families import FAMILIES, encoder_for, family_of_encoder
+from ..flux2_core.families import FAMILIES, ReferenceCount, encoder_for, family_of_encoder
 from ..flux2_core.families.flux3.boxes import rows_read
 from ..flux2_core.runtime import cache, memory
 from ..flux2_core.sampling import references
@@ -132,7 +132,7 @@ class Reference(io.ComfyNode):
         fit = family.references
         count = len(latents) + len(new)
         # a graph's inpainting adds its picture here as a reference, if at all: it is counted among the latents
-        references.check_count(references.ReferenceCount(count), fit, family.title)
+        references.check_count(ReferenceCount(count), fit, family.title)
         if len(latents) == 1 and new and sources[0] is not None:
             latents[0] = encode(ae, sources[0], count, 0, fit)   # the first of several: prepared as one of them
         latents += [encode(ae, im, count, len(latents) + i, fit) for i, im in enumerate(new)]

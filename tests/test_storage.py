@@ -117,3 +117,27 @@ def test_a_merge_that_fails_half_way_is_undone():
     layer.merge_weight(lambda w: w.add_(2.0))                     # and the layer merges normally afterwards
     layer.unmerge_weight()
     assert torch.equal(layer.weight, expected)
+
+
+def test_each_storage_reads_its_own_tensors_from_the_file():
+    """read_from: a float layer casts the file's values to the compute dtype, a kept 16-bit one keeps them, int8
+    quantizes them at load (equal to its own quantizer), and a format layer over a file that stores the layer as
+    float is refused rather than read as garbage."""
+    from types import SimpleNamespace
+
+    from flux2_core.errors import Flux2Error
+    from flux2_core.storage.linear import CastLinear
+    from flux2_core.storage.packed import NvFp4Linear
+
+    values = torch.randn(8, 16, dtype=torch.bfloat16)
+    file = SimpleNamespace(stored=False, dtype=torch.float32, values=lambda: values,
+                           as_stored=lambda: pytest.fail("a float file's layer has nothing stored to read"))
+    assert Linear(16, 8).read_from(file)["weight"].dtype == torch.float32
+    kept = CastLinear(16, 8, torch.bfloat16).read_from(file)["weight"]
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept, values)
+    int8 = Int8Linear(16, 8)
+    weight, scale = int8.quantized(values)
+    read = int8.read_from(file)
+    assert torch.equal(read["weight"], weight) and torch.equal(read["weight_scale"], scale)
+    with pytest.raises(Flux2Error, match="does not store this layer in one"):
+        NvFp4Linear(16, 8, swizzled=True).read_from(file)

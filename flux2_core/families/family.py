@@ -1,4 +1,5 @@
-"""A model family's record (``Family``) and what it reads a file through (``ShapeReader``); the registry is
+"""A model family's record (``Family``), what it reads a file through (``ShapeReader``) and how its references are
+sized and counted (``ReferenceFit``, ``ReferenceCount``); the registry is
 ``families/__init__.py``."""
 
 from __future__ import annotations

@@ -157,7 +157,6 @@ def prepare_reference(image: Image.Image, cap: int, index: int, fit: ReferenceFi
     return center_crop_16(cap_pixels(image, cap), f"reference image {index + 1}")
 
 
-
 def prepare_references(images, count: ReferenceCount | None, fit: ReferenceFit,
                        model: str = "this model") -> list[Image.Image]:
     """``count``: what the model is given, the images and the picture being inpainted (default: the images alone);

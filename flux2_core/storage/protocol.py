@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from ..errors import Flux2Error
+
 FLOAT_KINDS = ("float", "bf16", "fp16")        # weights held as plain floats, whatever the compute dtype
 
 
@@ -35,11 +37,13 @@ class Storage:
 class LayerSource(Protocol):
     """One linear of a file as a loader hands it to the layer that will hold it (``weights.loading``)."""
 
-    stored: bool                   # the file keeps the layer in a registered format (``formats.py``)
     dtype: torch.dtype             # the model's compute dtype
 
+    @property
+    def stored(self) -> bool: ...                           # the file keeps the layer in a registered format
+
     def as_stored(self) -> dict[str, Tensor]: ...           # the format's tensors as the file holds them
-    def values(self) -> Tensor: ...                         # the weight [out, in] in float32, dequantized where stored
+    def values(self) -> Tensor: ...                         # the weight [out, in]: the file's float, or dequantized
     def blocks(self) -> Tensor: ...                         # GGUF blocks as stored, uint8 [out, row bytes]
     def fp8(self) -> tuple[Tensor, Tensor]: ...             # float8 [out, in] and a scale per row [out]
 
@@ -56,6 +60,9 @@ class StoredLinear(Storage):
 
     def read_from(self, file: LayerSource) -> dict[str, Tensor]:
         """The layer's state (its own names) from ``file``; by default a format's tensors as stored."""
+        if not file.stored:
+            raise Flux2Error(f"a {type(self).__name__} layer holds a stored format, but the file does not store this "
+                             f"layer in one; load the file this model was built for")
         return file.as_stored()
 
     def stored_tensors(self) -> tuple[Tensor, ...]:

@@ -344,7 +344,8 @@ def read_state_dict(source: Source, model: nn.Module, device: torch.device, dtyp
                 state[key] = torch.zeros(like.shape, dtype=like.dtype, device=device)
             elif key.endswith(".weight") and isinstance(layer, StoredLinear):      # each storage reads its own
                 name = key.removesuffix(".weight")
-                state |= {f"{name}.{n}": t for n, t in layer.read_from(FileLayer(read, key, like, dtype, layer)).items()}
+                read_here = FileLayer(read, key, like, dtype, layer)
+                state |= {f"{name}.{n}": t for n, t in layer.read_from(read_here).items()}
             elif like.dtype == torch.uint8 and source.ggml_type(key) is not None:    # GGUF blocks (an embedding)
                 state[key] = fit(read.blocks(key), like, key, source)
             else:

@@ -1,7 +1,8 @@
 """The FLUX 3 family: FLUX 3 Image Klein (the distilled "flow map", 16 steps) and its base (50 steps, CFG), BFL's
 transformer (``transformer.py``) on Qwen3-VL-4B prompt embeddings, the FLUX.2 autoencoder's latent. Its record
 (``FLUX3``) gathers what its modules hold: ``variants``, ``files``, ``model``, ``schedule``, ``sampling`` (noise,
-latent dtype, references) and ``adapters``; its prompts may carry layout boxes."""
+latent dtype, references) and ``adapters``; its prompts may carry layout boxes (``boxes.py``, and through the
+prompt upsampler ``upsampler_rows.py``)."""
 
 from __future__ import annotations
 

@@ -270,4 +270,3 @@ def with_boxes(prompt: str, boxes: list[Box]) -> str:
     if not boxes:
         return prompt
     return f"{prompt.rstrip()} {json.dumps(rows(boxes), ensure_ascii=False)}"
-
