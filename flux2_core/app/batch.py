@@ -7,20 +7,12 @@
     summary = client.run([BatchJob(prompt="make it night", seed=1, images={"10": "photo.png"}), ...])
     summary.ok, summary.jobs[0].files, summary.text()
 
-How it runs: every job is checked first (batch_jobs.plan_jobs: inputs, pictures, ids), so bad input stops the batch
-before anything is queued. Jobs that an earlier run of the same batch finished (manifest.Manifest) are skipped. Each
-remaining job goes, as soon as a server has a free slot (`per_server` jobs of ours at once), to the server with the
-least work among those with one: our jobs there, plus the other clients' prompts queued there as its QueueWatch
-(queue_watch.py: GET /prompt every second) last saw them; ties go round the servers in turn. A server with a free
-slot is never left idle while jobs wait, however long its queue (it would otherwise starve behind other clients'
-work, or the batch run one job at a time). Each job runs on a thread of its own: its pictures are uploaded
-(uploads.py, each once per server), the prompt is queued and followed on a websocket of its own, and its images are
-downloaded, checked to be whole and to be this prompt's (the workflow ComfyUI saves in a PNG must be the one sent),
-and published into the output folder and recorded in one step. cancel() stops a run from another thread. A server
-that stops answering (queue_client.ServerUnreachable: no connection, or no answer to HTTP or to websocket pings
-within `server_timeout`) is dropped and its jobs go back in line for the others, but a job on which LOST_SERVERS servers
-stopped answering fails instead (a job that crashes or hangs its server must not take down every server in turn);
-any other failure fails that job alone, with a message naming the job and the server, and the batch goes on.
+Every job is checked before anything is queued; jobs an earlier run finished (the manifest) are skipped. Each job
+goes to the server with a free slot and the least work (our jobs plus other clients' prompts, as its QueueWatch last
+saw them); a free slot is never left idle, however long its queue. Each job runs on its own thread and websocket; its
+images are checked to be this prompt's (the workflow saved in the PNG) and published and recorded in one step.
+A server that stops answering is dropped and its jobs requeued, but a job that LOST_SERVERS servers stopped answering
+on fails (it may be what crashes them); any other failure fails that job alone.
 """
 
 from __future__ import annotations
@@ -123,8 +115,8 @@ class BatchSummary:
 
 @dataclass
 class _Server:
-    """A server as the scheduler sees it. `inflight` is changed by the scheduler's thread alone; `submitted` and
-    `others` by job and watcher threads, under `lock`."""
+    """A server as the scheduler sees it. Only the scheduler thread changes `inflight`; `submitted` and `others`
+    change under `lock`."""
 
     address: str                  # as given
     summary: ServerSummary
@@ -145,8 +137,7 @@ class _Server:
         return self.inflight + self.others
 
     def observe(self, remaining: int) -> None:
-        """ComfyUI's queue_remaining counts our prompts too; what is left is the others' work. A prompt of ours
-        counted before the server has it (or after it ended) only makes that look smaller for a second."""
+        """ComfyUI's queue_remaining counts our prompts too; what is left is the others' work."""
         with self.lock:
             self.others = max(0, remaining - self.submitted)
 
@@ -156,8 +147,7 @@ class _Server:
 
 
 def check_servers(servers: Sequence[str]) -> list[str]:
-    """The servers as given (an https:// one must stay https), each once: one given twice (however it is written)
-    is refused."""
+    """The servers as given (an https:// one stays https); one given twice, however written, is refused."""
     seen = {}
     for server in servers:
         name = parse_server(server)[1]
@@ -171,9 +161,8 @@ def check_servers(servers: Sequence[str]) -> list[str]:
 
 
 def made_by(server: str, prompt_id: str, image: dict, data: bytes, workflow: dict) -> None:
-    """A PNG whose saved workflow (ComfyUI's SaveImage writes it as the "prompt" text) has other nodes or inputs than
-    the one this job sent is another prompt's image: refused. Images without one (JPEG, metadata off) are not
-    checked."""
+    """Refuse a PNG whose saved workflow (SaveImage's "prompt" text) is not the one this job sent: another prompt's
+    image. Images without one (JPEG, metadata off) pass."""
     if not data.startswith(b"\x89PNG"):
         return
     with Image.open(io.BytesIO(data)) as picture:
@@ -191,20 +180,17 @@ def made_by(server: str, prompt_id: str, image: dict, data: bytes, workflow: dic
 
 
 def nodes_of(workflow: dict) -> dict:
-    """{node: (class, inputs)}: what a prompt computes; ComfyUI adds keys of its own to the nodes of the prompt it
-    saves (is_changed: its cache check of a Load Image), which are no part of that."""
+    """{node: (class, inputs)}: what a prompt computes, without the keys ComfyUI adds when it saves (is_changed)."""
     return {nid: (node["class_type"], node["inputs"]) for nid, node in workflow.items()}
 
 
 class BatchClient:
     """Runs batches of jobs of one API workflow over one or more ComfyUI servers, into one output folder.
 
-    workflow: an API-format workflow file, or the workflow itself (a dict). servers: HOST:PORT, one or several.
-    out: the folder for the images and manifest.json. per_server: jobs queued at once on a server. timeout: seconds
-    to wait for a job's next message (a slow step). server_timeout: a server that answers nothing (HTTP, websocket
-    pings) for this long is dropped. images / masks {node: path}, sets {"NODE.INPUT": value}, seed: for every job
-    that does not give its own. progress: True prints the batch line and each job's end to stderr; a BatchProgress
-    to show them your way; None shows nothing. on_job(record, folder) is called as each job ends.
+    workflow: an API-format workflow file or dict. out: the folder for images and manifest.json. per_server: jobs at
+    once per server. timeout: seconds to wait for a job's next message; server_timeout: silence after which a server
+    is dropped. images / masks, sets, seed: defaults for jobs that give none. progress: True prints to stderr, or
+    a BatchProgress. on_job(record, folder) is called as each job ends.
     """
 
     def __init__(self, workflow: str | dict, servers: str | Sequence[str] = "127.0.0.1:8188", out: str = "output",
@@ -228,10 +214,8 @@ class BatchClient:
         self._results: queue.Queue | None = None      # what the scheduler of the run under way waits on
 
     def cancel(self) -> None:
-        """Stop the run under way (or the next one, if none is), from any thread: no job is started any more, and
-        run() returns at once, as on Ctrl-C: the jobs still running on the servers write nothing (their prompts go
-        on in ComfyUI), and those not done are in the summary as "cancelled", not in the manifest (the next run
-        does them)."""
+        """Stop the run under way (or the next one), from any thread, as Ctrl-C does: running jobs write nothing
+        (their prompts go on in ComfyUI) and unfinished ones are "cancelled", left for the next run."""
         self._cancelled.set()
         results = self._results
         if results is not None:
@@ -316,8 +300,7 @@ class BatchClient:
         return ComfyClient(server.address, timeout=self.timeout, heartbeat=self.server_timeout)
 
     def _probe(self, servers: list[_Server], progress) -> None:
-        """Ask each server for its queue (GET /prompt) at once; those that do not answer are dropped, and with none
-        left the batch stops before anything is queued."""
+        """Ask every server for its queue at once; those that do not answer are dropped."""
         def ask(server: _Server) -> None:
             try:
                 server.observe(ask_queue(self._client(server)))
@@ -339,8 +322,7 @@ class BatchClient:
                 progress.note(f"dropped {server.summary.server}: {server.summary.dropped}")
 
     def _pick(self, servers: list[_Server]) -> _Server | None:
-        """The server with the least work (see _Server.load) among the live ones with a free slot; equal ones in
-        turn, starting after the last one picked."""
+        """The live server with a free slot and the least work; ties in turn after the last one picked."""
         free = [s for s in servers if s.alive and s.inflight < self.per_server]
         if not free:
             return None
@@ -349,8 +331,7 @@ class BatchClient:
         return server
 
     def _drop(self, server: _Server, error: ServerUnreachable, progress) -> None:
-        """The error says what happened (a refused connection, a broken one, no answer within how long): a
-        server refused at once is not one that was waited on for --server-timeout."""
+        """Drop the server, noting ``error.problem`` (a refused connection is not a --server-timeout)."""
         if not server.alive:
             return
         server.summary.dropped = error.problem
@@ -401,8 +382,7 @@ class BatchClient:
                                    "it was not given to another. Run the batch again to retry it",
                                    round(seconds, 3), job.job.source)
             if isinstance(result, Flux2Error):
-                # A ServerError names its server; any other is this machine's (a picture changed on disk, the
-                # --out disk full) and names the local file: neither is said to be the server's when it is not.
+                # A ServerError names its server; any other is this machine's (e.g. --out disk full).
                 result = JobRecord(job.id, job.key, "failed", [], server.summary.server, f"{job.where}: {result}",
                                    round(seconds, 3), job.job.source)
             elif isinstance(result, BaseException):
@@ -441,8 +421,7 @@ class BatchClient:
         results.put((job, server, result, time.monotonic() - start))
 
     def _upload(self, client: ComfyClient, server: _Server, picture) -> str:
-        """One upload of a picture per server, whoever needs it first; the others that need it wait for its
-        answer, and other pictures upload meanwhile (one lock for all held across the network made them queue)."""
+        """One upload of a picture per server: a lock per picture, so other pictures upload meanwhile."""
         with server.lock:
             lock = server.uploading.setdefault(picture.name, threading.Lock())
         with lock:

@@ -28,9 +28,7 @@ def group_norm(channels: int, groups: int) -> nn.GroupNorm:
 
 
 def conv_layout(x: torch.Tensor) -> torch.Tensor:
-    """Channels-last on CPU (oneDNN's native layout: decode 1.3x faster on a 2-core AMD EPYC) and for 16-bit CUDA
-    activations (cuDNN's tensor-core layout; bench/gpu-check measures it); the values are the same.
-    """
+    """Channels-last on CPU (oneDNN's native layout: decode 1.3x faster) and for 16-bit CUDA (tensor-core layout)."""
     fast = x.is_cpu or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
     return x.contiguous(memory_format=torch.channels_last) if fast and x.ndim == 4 else x
 
@@ -44,9 +42,7 @@ def unpatchify(z: torch.Tensor) -> torch.Tensor:
     return rearrange(z, "b (c pi pj) h w -> b c (h pi) (w pj)", pi=2, pj=2)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Building blocks
-# ---------------------------------------------------------------------------------------------------------------
+# Building blocks -----------------------------------------------------------------------------------------------------
 
 class ResnetBlock(nn.Module):
     def __init__(self, in_ch: int, out_ch: int, groups: int):
@@ -78,10 +74,8 @@ class AttnBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, _, height, width = x.shape
         h = self.norm(x)
-        # q, k, v [B,1,HW,C] made contiguous: a channels-first conv output rearranged so is a view whose channel
-        # stride is HW, and SDPA's fused kernels (flash / memory-efficient on CUDA, flash on CPU) need stride 1 there.
-        # Without them it runs the math kernel, which materialises the [B,1,HW,HW] scores (16 GiB in float32 for the
-        # 65536 mid-block positions of a 2048^2 decode). On CPU the convs run channels-last and this copies nothing.
+        # contiguous: SDPA's fused kernels need channel stride 1, else the math kernel materialises [B,1,HW,HW]
+        # scores (16 GiB float32 for a 2048^2 decode). Channels-last conv output makes this a no-op.
         q, k, v = (rearrange(conv(h), "b c h w -> b 1 (h w) c").contiguous() for conv in (self.q, self.k, self.v))
         h = F.scaled_dot_product_attention(q, k, v)                      # [B,1,HW,C]
         h = rearrange(h, "b 1 (h w) c -> b c h w", h=height, w=width)
@@ -139,9 +133,7 @@ class Level(nn.Module):
         return self.upsample(self.downsample(x))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Encoder and decoder
-# ---------------------------------------------------------------------------------------------------------------
+# Encoder and decoder -------------------------------------------------------------------------------------------------
 
 class Encoder(nn.Module):
     """[B,3,H,W] -> moments [B,2*z,H/8,W/8] (mean, then log-variance)."""
@@ -202,9 +194,7 @@ class Decoder(nn.Module):
 
     @property
     def halo(self) -> int:
-        """How far, in ``upsample``'s input cells rounded up, one output pixel sees (every 3x3 conv at 2^k x reaches
-        2^-k).
-        """
+        """How far one output pixel sees, in ``upsample``'s input cells rounded up (a 3x3 conv at 2^k x: 2^-k)."""
         reach, levels = 0.0, len(self.up)
         for k, level in enumerate(reversed(self.up)):              # k = 0 at the latent resolution
             reach += 2 * len(level.block) / 2 ** k
@@ -214,9 +204,7 @@ class Decoder(nn.Module):
         return math.ceil(reach)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Memory and tiles
-# ---------------------------------------------------------------------------------------------------------------
+# Memory and tiles ----------------------------------------------------------------------------------------------------
 
 DEFAULT_TILE = 64                # latent cells = 1024 px
 MIN_TILE = 8                     # latent cells = 128 px
@@ -245,14 +233,12 @@ def _ramp(start: int, end: int, n: int, fade: int, scale: int) -> torch.Tensor:
     return weights
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The autoencoder
-# ---------------------------------------------------------------------------------------------------------------
+# The autoencoder -----------------------------------------------------------------------------------------------------
 
 @dataclass
 class WeightFiles:
-    autoencoder: str | None = None        # the autoencoder file (encoder, latent statistics, decoder unless ...)
-    decoder: str | None = None            # ... a decoder file of its own replaced its decoder
+    autoencoder: str | None = None
+    decoder: str | None = None            # a separate decoder file that replaced the autoencoder's decoder
 
 
 class AutoEncoder(nn.Module):
@@ -264,7 +250,7 @@ class AutoEncoder(nn.Module):
         self.encoder = Encoder(params)
         self.decoder = Decoder(params)
         self.bn = nn.BatchNorm2d(4 * params.z_channels, eps=params.bn_eps, affine=False, track_running_stats=True)
-        # the files the weights came from, for messages (set by the loader): a separate decoder's NaN is its own
+        # set by the loader, so a NaN message names the right file
         self.files = WeightFiles()
 
     @property
@@ -310,9 +296,8 @@ class AutoEncoder(nn.Module):
                       self._causes(self.files.autoencoder))
 
     def decode(self, z: torch.Tensor, tile: int | None = None) -> torch.Tensor:
-        """[B,128,h,w] -> [B,3,16h,16w] in the weights' dtype, roughly in [-1,1] (not clamped); with ``tile`` in tiles
-        of that many latent cells (what ``memory.decode_tile`` picks when memory is short).
-        """
+        """[B,128,h,w] -> [B,3,16h,16w] in the weights' dtype, roughly in [-1,1] (not clamped); ``tile``: latent
+        cells per tile."""
         self._check_latent(z)
         finite(z, "the latents to decode", [("the sampler that made them produced NaN/inf (its model's weights, an "
                                              "extreme cfg, or float16 overflow in it)")])
@@ -323,7 +308,7 @@ class AutoEncoder(nn.Module):
         return finite(self.decoder(conv_layout(z.to(self.dtype))), "the decoded images", causes)
 
     def _causes(self, file: str | None, decoder: bool = False) -> list[str]:
-        """``decoder``: the weights are those of a decoder file of its own (``--decoder``), not the autoencoder's."""
+        """``decoder``: the weights come from a separate decoder file (``--decoder``)."""
         part = "the decoder" if decoder else "the autoencoder"
         again = Path(file).name if file else "small_decoder.safetensors" if decoder else "flux2-vae.safetensors"
         return [*dtype_cause(self.dtype, part), (f"{part}'s weights{f' ({file})' if file else ''} hold NaN/inf (a "
@@ -332,11 +317,8 @@ class AutoEncoder(nn.Module):
     # tiled decode -------------------------------------------------------------------------------------------------
 
     def decode_tiled(self, z: torch.Tensor, tile: int | None = None, overlap: int = 4) -> torch.Tensor:
-        """The mid block runs on the whole (small) latent; only the upsampling levels, where the memory goes, run per
-        tile, each with ``decoder.halo`` cells of context, cropped, and cross-faded over ``overlap`` cells. Without
-        GroupNorm this would equal the full decode; with it each tile normalises with its own statistics (small for
-        large tiles).
-        """
+        """The mid block runs on the whole (small) latent; the upsampling levels run per tile with ``decoder.halo``
+        cells of context, cross-faded over ``overlap`` cells. Per-tile GroupNorm statistics make it inexact."""
         self._check_latent(z)
         tile = tile or DEFAULT_TILE
         if tile < 1 or overlap < 0 or overlap >= tile:

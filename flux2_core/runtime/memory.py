@@ -1,8 +1,6 @@
 """Memory: what each stage needs, what a device has free, and the decisions taken from the two.
 
-Models never decide these themselves: the callers (``pipeline``, the CLI, the nodes) ask here and refuse
-(``check_memory``), stream blocks (``should_stream``), rest the text encoder on the CPU (``should_offload``) or
-decode in tiles (``decode_tile``). Estimates are in bytes; the measured factors are checked by the tests.
+Models never decide these themselves; callers ask here. Estimates are in bytes; the tests check the measured factors.
 """
 
 from __future__ import annotations
@@ -28,9 +26,8 @@ ENCODE_MARGIN = 256 << 20     # bytes for one 512-token encode's activations (Qw
 # --- the probe --------------------------------------------------------------------------------------------------
 
 def free_memory(device) -> int | None:
-    """Free plus cached-but-unused on CUDA; on the CPU what the OS can give without swapping. None where unknown: then
-    nothing is refused, streamed or tiled for want of memory.
-    """
+    """Free plus cached-but-unused on CUDA; on the CPU what the OS can give without swapping. None: unknown, so
+    nothing is refused, streamed or tiled."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -57,10 +54,8 @@ def module_bytes(module: nn.Module) -> int:
 # --- the transformer ----------------------------------------------------------------------------------------------
 
 def denoise_memory(params, tokens: int, batch: int, dtype: torch.dtype, ranks: int = 1) -> int:
-    """Peak activation bytes per item of the model batch (CFG doubles it); with ``ranks`` > 1 one rank's. The
-    architecture's part comes from its family (``Family.memory``: the values alive per token at the peak)."""
-    # A rank holds at most tokens / ranks + 1 tokens plus 8 heads-layout tensors [L, H / ranks], an upper bound
-    # (tests/test_parallel.py).
+    """Peak activation bytes for ``batch`` model items (CFG doubles it); with ``ranks`` > 1 one rank's."""
+    # upper bound: a rank holds <= tokens / ranks + 1 tokens plus 8 heads-layout tensors [L, H / ranks]
     arch = family_of_params(params).memory(params)
     local = tokens if ranks == 1 else -(-tokens // ranks) + 1
     heads_layout = 0 if ranks == 1 else 8 * tokens * (arch.hidden // ranks) * dtype.itemsize
@@ -68,8 +63,7 @@ def denoise_memory(params, tokens: int, batch: int, dtype: torch.dtype, ranks: i
 
 
 def reference_kv_bytes(params, tokens: int, dtype: torch.dtype, ranks: int = 1) -> int:
-    """Each block's K and V of the reference tokens (Klein 9B, bf16: 2 GiB for one 1024^2 reference); each rank
-    keeps heads / ranks of them."""
+    """Each block's K and V of the reference tokens (Klein 9B, bf16: 2 GiB for one 1024^2 reference), per rank."""
     arch = family_of_params(params).memory(params)
     return 2 * arch.kv_layers * tokens * (arch.hidden // ranks) * dtype.itemsize
 
@@ -83,10 +77,8 @@ def working_memory(variant: Variant, size: tuple[int, int], dtype: torch.dtype) 
 def denoiser_memory(model: nn.Module, variant: Variant, batch: int, h: int, w: int, dtype: torch.dtype, *,
                     ref_tokens: int = 0, cfg: bool = False, text_tokens: int | None = None,
                     ranks: int | None = None, new_reference_kv: bool = False) -> int:
-    """The one estimate ``generate`` and the Denoise node use: ``denoise_memory`` of text, h x w image and reference
-    tokens, plus the largest quantized layer's call (``call_bytes``), plus the reference K/V a KV model's reference
-    pass makes (``new_reference_kv``). ``ranks`` defaults to the model's sequence-parallel group.
-    """
+    """The one estimate ``generate`` and the Denoise node use: activations, plus the largest quantized layer's
+    call, plus the reference K/V a KV model's reference pass makes (``new_reference_kv``)."""
     text = variant.text_encoder.max_length if text_tokens is None else text_tokens
     ranks = world_of(model) if ranks is None else ranks
     kv = reference_kv_bytes(variant.params, ref_tokens, dtype, ranks) if new_reference_kv else 0
@@ -96,12 +88,11 @@ def denoiser_memory(model: nn.Module, variant: Variant, batch: int, h: int, w: i
 
 # --- the autoencoder ----------------------------------------------------------------------------------------------
 
-# Peak decode (encode) memory per output (input) pixel per base channel per byte: measured on CPU in float32 at
-# 7.7-8.4 for decode and 5.1 for encode (tensors only), rounded up for convolution workspaces.
+# Peak decode (encode) bytes per output (input) pixel, base channel and element byte: measured 7.7-8.4 (5.1) on CPU,
+# rounded up for convolution workspaces.
 DECODE_BYTES_PER_PIXEL = 10
 ENCODE_BYTES_PER_PIXEL = 9
-# [B, HW, 512] activations alive at once in the mid block (7 beside its input, measured on CPU): SDPA's fused
-# kernels never hold the [HW, HW] scores, so the cost is linear in HW.
+# [B, HW, 512] activations alive at once in the mid block (measured); fused SDPA keeps it linear in HW.
 MID_TENSORS = 8
 
 
@@ -126,9 +117,7 @@ def encode_bytes(ae, batch: int, height: int, width: int) -> int:
 
 
 def tiled_decode_bytes(ae, batch: int, h: int, w: int, tile: int) -> int:
-    """The mid block on the whole latent, then its output [batch,512,2h,2w] and the float32 sums [batch,3,H,W] and
-    [1,1,H,W] held beside one tile's levels (tile plus halo).
-    """
+    """The mid block on the whole latent, then its output and the float32 sums held beside one tile's levels."""
     halo = math.ceil(ae.decoder.halo / 2)
     pixels = h * w * ae.pixels_per_latent ** 2
     held = mid_bytes(ae, batch, h, w) // MID_TENSORS + (batch * ae.params.out_ch + 1) * pixels * 4
@@ -141,9 +130,7 @@ def least_decode_bytes(ae, h: int, w: int) -> int:
 
 
 def decode_tile(ae, batch: int, h: int, w: int, free: int | None) -> int | None:
-    """None (one piece) when that fits or the free memory is unknown, else the largest tile side in latent cells that
-    fits. Tiles normalise with their own GroupNorm statistics, so the one-piece decode is kept wherever it fits.
-    """
+    """None (one piece, exact) when that fits or free memory is unknown, else the largest tile side that fits."""
     if free is None or decode_bytes(ae, batch, h, w) <= free:
         return None
     tile = max(h, w)

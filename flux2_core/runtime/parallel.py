@@ -1,12 +1,9 @@
 """Sequence parallelism (Ulysses): one transformer pass spread over the ranks of a torch.distributed group.
 
-The model's maths sees the ranks only as a token split with trades around attention (``models/shards.py``, which it
-asks ``run_state(model).sequence_parallel`` for); this module holds the ranks: starting and joining the group, its
-store, and the calls. Rank 0 drives: it runs the whole pipeline, and ``attach`` makes its model announce each call
-(``forward``, ``reference_kv``) to the followers (``serve``) through the group's store before running it, so a
-follower can wait between generations for as long as it takes; input tensors go by broadcast, and K/V that a
-reference pass made stay on each rank (its heads' share, [B, H/P, Lref, D]) and go by name. A failing rank leaves its
-message in the store, and the driver's error quotes it.
+The model sees the ranks only as a token split with trades around attention (``models/shards.py``). Rank 0 drives
+the whole pipeline; ``attach`` makes its model announce each call to the followers (``serve``) through the store,
+so a follower can wait indefinitely between generations. Tensors go by broadcast; reference K/V stay on each rank
+(its heads' share, [B, H/P, Lref, D]) and go by name. A failing rank's message is left in the store for the driver.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ __all__ = ["SequenceParallel", "TokenShards", "attach", "check_world", "connect_
 DRIVER = 0
 GROUP_TIMEOUT = timedelta(minutes=10)   # a collective waiting this long means a rank is stuck: the pass fails
 POLL = timedelta(seconds=1)             # how often an idle follower checks that the driver is still there
-# the calls a driver announces and ``serve`` runs (other modules add their own through ``serve``'s handlers): the
-# model's two methods (``reference_kv`` makes what the followers keep), and the group's own
+# the calls a driver announces and ``serve`` runs (other modules add theirs through ``serve``'s handlers)
 FORWARD, REFERENCE_KV, RELEASE, STOP = "forward", "reference_kv", "release", "stop"
 KEPT = "kept"         # the extra field naming a call's arguments that are K/V each rank kept from a reference pass
 VALUES = "values"     # the extra field holding a call's arguments that are neither tensors nor kept K/V
@@ -68,9 +64,8 @@ class SequenceParallel:
     # --- the driver's side ------------------------------------------------------------------------------------------
 
     def call(self, run: Callable, name: str, tensors: dict[str, Tensor | None], extra: dict | None = None):
-        """Run ``run(**tensors)`` on every rank. A call cut short on the driver (cancelled, out of memory, a follower
-        failed) leaves the followers waiting inside it: the group is ``broken`` and refuses further calls.
-        """
+        """Run ``run(**tensors)`` on every rank. A call cut short on the driver leaves the followers stuck inside
+        it, so the group becomes ``broken`` and refuses further calls."""
         if not self.driver:
             return run(**tensors)
         self.announce(name, tensors, extra or {})
@@ -97,9 +92,7 @@ class SequenceParallel:
 
     @contextlib.contextmanager
     def cut_short_on_failure(self):
-        """A failed collective becomes a Flux2Error quoting the other ranks; the driver's own error (a cancel, out of
-        memory) passes as it is.
-        """
+        """A failed collective becomes a Flux2Error quoting the other ranks; the driver's own errors pass as is."""
         try:
             yield
         except BaseException as e:
@@ -189,9 +182,7 @@ def check_world(heads: int, world: int) -> None:
 
 
 def attach(model, sp: SequenceParallel | None) -> None:
-    """Spread ``model``'s passes over ``sp``'s ranks; None: run it whole again. The world size must divide the
-    attention heads. On the driver the model's ``forward`` and ``reference_kv`` announce themselves (``_announcing``).
-    """
+    """Spread ``model``'s passes over ``sp``'s ranks (whose count must divide the heads); None: run it whole."""
     if sp is not None:
         check_world(model.params.num_heads, sp.world)
     sp = sp if sp is not None and sp.world > 1 else None
@@ -217,11 +208,9 @@ ANNOUNCING = "flux2_announcing"      # marks the methods ``attach`` put on a mod
 
 
 def _announcing(model, sp: SequenceParallel, name: str) -> Callable:
-    """``model.<name>`` on the driver: checked by the model's ``check_<name>`` before the followers hear of it (bad
-    input fails here alone and the group stays usable), announced, then run on every rank. Tensors (and None) go by
-    broadcast; a value with a ``parallel_id`` is K/V kept from a reference pass, which goes by the name of the call
-    that made it and must be the last such call's (the followers keep only that one); other values (numbers, flags) go
-    in the announcement. The model is held weakly: the method on it does not keep it alive."""
+    """``model.<name>`` on the driver: checked first (bad input fails here alone, the group stays usable), then
+    announced and run on every rank. A value with a ``parallel_id`` is kept reference K/V, which must be the last
+    pass's (the followers keep only that one). The model is held weakly."""
     method = getattr(type(model), name)
     check = getattr(type(model), f"check_{name}", None)
     signature = inspect.signature(method)
@@ -300,9 +289,8 @@ def start(rank: int, world: int, device, *, address: str = "127.0.0.1", port: in
 
 def connect_store(rank: int, world: int, address: str, port: int, host: bool,
                   timeout: timedelta = GROUP_TIMEOUT):
-    """Port 0: one the system picks. On a loopback address the store listens there only, not on every interface as
-    TCPStore does by itself: nothing outside this machine may reach a store that tells processes what to run.
-    """
+    """Port 0: the system picks. On a loopback address the store listens only there (TCPStore alone binds every
+    interface), since the store tells processes what to run."""
     try:
         listen = None
         if host and address in ("127.0.0.1", "localhost"):

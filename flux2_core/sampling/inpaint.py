@@ -1,15 +1,14 @@
 """Inpainting and outpainting: repaint where a mask says so, keep the source everywhere else.
 
-Masks: 1 (white) = repaint, 0 = keep; grey values are kept (soft edges blend). They reach the latent grid one way,
-everywhere (``latent_mask``): bilinear interpolation to [H/16, W/16], as diffusers' Flux2KleinInpaintPipeline and
-ComfyUI's ``noise_mask`` do; it reads the 2 x 2 pixels at each cell's centre, so a thin stroke may reach no cell.
+Masks: 1 (white) = repaint, 0 = keep, grey blends. ``latent_mask`` reaches the [H/16, W/16] grid by bilinear
+interpolation, as diffusers and ComfyUI's ``noise_mask`` do: it reads each cell's centre pixels, so a thin stroke may
+reach no cell.
 
-The sampler keeps the source with keep(x, sigma) = m * x + (1 - m) * ((1 - sigma) * x0 + sigma * eps), eps the start
-latent's noise, by one of two conventions:
+keep(x, sigma) = m * x + (1 - m) * ((1 - sigma) * x0 + sigma * eps), by one of two conventions:
 * AFTER_STEP (``pipeline.generate``, as diffusers): x <- keep(x, sigma') after each step, so where m = 0 the result
-  is exactly the source latent; the source is also reference image 1, so the model sees the surroundings.
+  is exactly the source latent; the source is also reference image 1.
 * BEFORE_MODEL (the Denoise node, as ComfyUI's ``KSamplerX0Inpaint``): the model sees keep(x, sigma) and its clean
-  estimate is clamped to x0 outside the mask; the source reaches the model only as a reference the graph gives.
+  estimate is clamped to x0 outside the mask.
 """
 
 from __future__ import annotations
@@ -73,9 +72,7 @@ def parse_expand(text: str) -> tuple[int, int, int, int]:
 def expand_canvas(image: Image.Image, sides: tuple[int, int, int, int], feather: int = DEFAULT_FEATHER,
                   max_pixels: int | None = None, check: Callable[[int, int], None] | None = None) -> Canvas:
     """``sides`` = (left, top, right, bottom), multiples of 16. The mask fades into the source over ``feather`` pixels
-    on the sides that grew, so the seam is repainted too. ``check(width, height)``: the caller's rule for the canvas's
-    size (a model's schedule), asked before the canvas is made, as ``max_pixels`` is.
-    """
+    so the seam is repainted too. ``check(width, height)`` vets the canvas size before it is made."""
     image = center_crop_16(as_pil(image, "the image to expand").convert("RGB"), "the image to expand")
     left, top, right, bottom = sides
     width, height = image.width + left + right, image.height + top + bottom
@@ -108,10 +105,8 @@ class MaskReading:
     note: str = ""                   # said where the reading is not the plain grey one
 
 
-# How a mask picture is read: "grey", its grey levels (white = repaint); "alpha", its transparency (transparent =
-# repaint, as ComfyUI's mask editor draws one); "auto", the grey levels of a picture without transparency, and of one
-# with transparency the reading both agree on, else a refusal that names the choice (the two say opposite things of
-# white strokes on a transparent layer).
+# "grey": white = repaint; "alpha": transparent = repaint (ComfyUI's mask editor); "auto": grey without transparency,
+# else only where both readings agree (white strokes on a transparent layer read opposite ways).
 MASK_READINGS = ("auto", "alpha", "grey")
 SLIVER = 0.005                       # the share of pixels two readings may disagree on and still be one mask
 CHOOSE = ("choose how to read it: alpha (transparent = repaint, as ComfyUI's mask editor) or grey (white = repaint): "
@@ -160,14 +155,12 @@ def check_source(mask: bool, image: bool) -> None:
 
 
 def check_mask_size(mask_size: tuple[int, int], image_size: tuple[int, int], what: str = "the image") -> str:
-    """Sizes (width, height). The same size is used as it is; the same shape (within one latent cell) is resized with
-    the note returned; another shape is refused: stretching it would repaint the wrong place.
-    """
+    """Sizes (width, height). The same shape (within one latent cell) is resized, with a note; another shape is
+    refused, as stretching it would repaint the wrong place."""
     (mw, mh), (w, h) = mask_size, image_size
     if (mw, mh) == (w, h):
         return ""
-    # scaled by the heights, the mask's width misses the image's by |mw * h / mh - w| pixels (and alike the other
-    # way): more than one latent cell either way is another shape
+    # scaled to the image's height, the mask's width is off by |mw * h / mh - w|: over one cell is another shape
     if abs(mw * h - w * mh) > CELL * min(mw, mh):
         raise Flux2Error(f"the mask is {mw}x{mh} (WxH) but {what} is {w}x{h}, another shape: make the mask from the "
                          f"image itself (the same size; white = repaint, black = keep)")
@@ -175,8 +168,7 @@ def check_mask_size(mask_size: tuple[int, int], image_size: tuple[int, int], wha
 
 
 def image_mask(mask, image: Image.Image, size: tuple[int, int], reading: str = "auto") -> tuple[Tensor, list[str]]:
-    """-> (float32 [1, 1, H, W] at ``size``, notes), read as ``reading`` says (``mask_levels``), fitted, cropped and
-    resized as the source image is."""
+    """-> (float32 [1, 1, H, W] at ``size``, notes): fitted, cropped and resized as the source image is."""
     reading = mask_levels(mask, reading=reading)
     mask, notes = reading.levels, [reading.note] if reading.note else []
     resized = check_mask_size(mask.size, image.size)
@@ -191,8 +183,7 @@ def image_mask(mask, image: Image.Image, size: tuple[int, int], reading: str = "
 
 def latent_mask(mask: Tensor, batch: int, h: int, w: int) -> tuple[Tensor, str]:
     """``mask`` [n, 1, H, W], [n, H, W] or [H, W], n 1 or ``batch``, in [0, 1] -> ([1 or batch, 1, h, w], note or "").
-    Taken at the image's pixel size, its size before the crop to the grid (cut as the image was), or already h x w.
-    """
+    At the image's pixel size, its pre-crop size, or already h x w."""
     if mask.ndim not in (2, 3, 4) or (mask.ndim == 4 and mask.shape[1] != 1):
         raise Flux2Error(f"a mask must be [H, W], [B, H, W] or [B, 1, H, W], got {list(mask.shape)}")
     mask = mask.reshape(-1, 1, *mask.shape[-2:]).float()
@@ -204,11 +195,10 @@ def latent_mask(mask: Tensor, batch: int, h: int, w: int) -> tuple[Tensor, str]:
                          "(or NaN): use a greyscale mask image or ComfyUI's MASK type")
     size = (mask.shape[-1], mask.shape[-2])
     if size != (w, h) and min(size) >= CELL and grid_crop(*size, "the mask")[2:] == (CELL * w, CELL * h):
-        # the size of the picture before it was centre-cropped to the grid (ComfyUI's VAE Encode and ours crop it):
-        # cut the mask the same way, so it stays on the same pixels (stretching it would shift them)
+        # the picture's size before its crop to the grid: crop the mask alike, so it stays on the same pixels
         left, top, width, height = grid_crop(*size, "the mask")
         mask, size = mask[..., top:top + height, left:left + width], (width, height)
-    # an empty mask has no place to get wrong (ComfyUI's Load Image gives a 64 x 64 one for an image without alpha)
+    # an empty mask cannot be misplaced (ComfyUI's Load Image gives a 64 x 64 one for an image without alpha)
     fit = size == (w, h) or not bool(mask.any())
     note = "" if fit else check_mask_size(size, (CELL * w, CELL * h), "the latent's image")
     return F.interpolate(mask, size=(h, w), mode="bilinear"), note

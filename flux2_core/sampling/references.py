@@ -1,15 +1,11 @@
 """Input images and references: decoding, BFL's reference preprocessing, AE encoding into reference tokens.
 
-Decoding (every image, the image to edit too): files over 8192 x 8192 are refused before decoding; the EXIF
-orientation is applied (as diffusers' ``load_image``); 16-bit greyscale becomes round(v / 257), where PIL would clip;
-32-bit float images are refused (no fixed range). Everything else is ``convert("RGB")``, as BFL and diffusers do:
-alpha is dropped, not composited (the parity rule).
+Decoding: EXIF orientation applied (as diffusers' ``load_image``); 16-bit greyscale becomes round(v / 257) where PIL
+would clip; then ``convert("RGB")`` as BFL and diffusers do, so alpha is dropped, not composited (parity).
 
-Preprocessing, as the family's ``ReferenceFit`` says. FLUX.2 (BFL's ``encode_image_refs``): a side below 64 px or an
-aspect ratio above 8 is refused; over the pixel cap (``pixel_cap``) scaled by sqrt(cap / (w*h)) with LANCZOS;
-centre-cropped to multiples of 16; any number. FLUX 3: several the same way at 1 MP each, at most 10; one alone fitted
-to 4 MP and 4096 px a side (sizes rounded) and reflect-padded to its 16-px canvas (``padded_reference``), the picture
-then cropped back to it. Each family gives its references their ids (``Family.reference_ids``).
+Preprocessing follows the family's ``ReferenceFit``. FLUX.2 (BFL's ``encode_image_refs``): LANCZOS-scaled to the pixel
+cap, centre-cropped to multiples of 16. FLUX 3: one reference alone is fitted to 4 MP and reflect-padded to its 16-px
+canvas (``padded_reference``), the picture then cropped back to it.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ def open_image(path) -> Image.Image:
 
 
 def open_picture(path) -> Image.Image:
-    """A picture file bounded, decoded and upright, in its own mode (a mask keeps its transparency:
-    ``inpaint.mask_levels``)."""
+    """A picture file bounded, decoded and upright, in its own mode (so a mask keeps its transparency)."""
     try:
         with Image.open(path) as image:
             w, h = image.size
@@ -159,8 +154,8 @@ def prepare_reference(image: Image.Image, cap: int, index: int, fit: ReferenceFi
 
 def prepare_references(images, count: ReferenceCount | None, fit: ReferenceFit,
                        model: str = "this model") -> list[Image.Image]:
-    """``count``: what the model is given, the images and the picture being inpainted (default: the images alone);
-    each image is capped as one of ``count.total``. ``model``: its name, for the message over the limit."""
+    """``count``: the images plus any inpainted picture (default: the images alone); each is capped as one of
+    ``count.total``."""
     images = [as_pil(im, f"reference image {i + 1}") for i, im in enumerate(images)]
     count = count or ReferenceCount(len(images))
     check_count(count, fit, model)
@@ -170,8 +165,7 @@ def prepare_references(images, count: ReferenceCount | None, fit: ReferenceFit,
 
 
 def check_count(count: ReferenceCount, fit: ReferenceFit, model: str = "this model") -> None:
-    """The family's limit on references (``ReferenceFit.max_count``), the picture being inpainted included: the one
-    rule the command line (before loading), ``generate`` and the Reference node check."""
+    """The family's limit on references (``ReferenceFit.max_count``), the picture being inpainted included."""
     if fit.max_count is None or count.total <= fit.max_count:
         return
     over = count.total - fit.max_count
@@ -182,8 +176,8 @@ def check_count(count: ReferenceCount, fit: ReferenceFit, model: str = "this mod
 
 
 def prepare_one(image: Image.Image, count: int, index: int, fit: ReferenceFit) -> Image.Image:
-    """Reference ``index`` of ``count`` as the family's fit prepares it: one alone on its padded canvas where the
-    family pads, else capped at the pixels of ``count`` references and centre-cropped to the 16-px grid."""
+    """Reference ``index`` of ``count``: alone on its padded canvas where the family pads, else capped and
+    centre-cropped to the 16-px grid."""
     if fit.padded and count == 1:
         check_reference(image, index, fit)
         return padded_reference(image, fit)[0]
@@ -191,9 +185,8 @@ def prepare_one(image: Image.Image, count: int, index: int, fit: ReferenceFit) -
 
 
 def reference_canvas(width: int, height: int, fit: ReferenceFit) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(the fitted size, its 16-px canvas) of one reference alone: scaled to at most ``single_pixels`` and
-    ``max_side`` a side with sizes rounded, the canvas each side rounded up to 16 px (at least ``pad_min``, at most
-    ``max_side``); where rounding up takes the canvas over the pixel count, the scale shrinks by 0.5% until it fits."""
+    """(the fitted size, its 16-px canvas) of one reference alone. Rounding the canvas up can exceed
+    ``single_pixels``, so the scale shrinks by 0.5% until it fits."""
     n = PIXELS_PER_LATENT
     scale = min(1.0, math.sqrt(fit.single_pixels / (width * height)), fit.max_side / max(width, height))
     while True:
@@ -205,8 +198,7 @@ def reference_canvas(width: int, height: int, fit: ReferenceFit) -> tuple[tuple[
 
 
 def padded_box(size: tuple[int, int], fit: ReferenceFit) -> tuple[int, int, int, int] | None:
-    """Where a reference of ``size`` (w, h), alone, lies on its padded canvas: (left, top, right, bottom), None where it
-    fills it (what the picture made at the canvas's size is cropped back to)."""
+    """(left, top, right, bottom) of a lone reference of ``size`` on its padded canvas; None where it fills it."""
     (fw, fh), (w, h) = reference_canvas(*size, fit)
     if (w, h) == (fw, fh):
         return None
@@ -215,17 +207,16 @@ def padded_box(size: tuple[int, int], fit: ReferenceFit) -> tuple[int, int, int,
 
 
 def canvas_crop(images, count: ReferenceCount, fit: ReferenceFit, sized: bool) -> tuple[int, int, int, int] | None:
-    """Where the picture made for one reference alone on its padded canvas (where the family pads one) is cropped back
-    to the reference's own box; None where nothing is cropped: several references, an inpainted picture among them, or
-    a size given (``sized``: a width, a height or a picture to edit)."""
+    """The box the picture made for a lone padded reference is cropped back to; None where nothing is cropped
+    (``sized``: a width, height or picture to edit was given)."""
     if not fit.padded or count.pictures != 1 or count.inpainted or sized:
         return None
     return padded_box(as_pil(images[0]).size, fit)
 
 
 def padded_reference(image: Image.Image, fit: ReferenceFit) -> tuple[Image.Image, tuple[int, int, int, int] | None]:
-    """One reference alone, fitted and centred on its canvas with the border reflected (mirrored with its edge row
-    where the picture is 16 px or less across) -> (the canvas, the picture's box on it; None where it fills it)."""
+    """One reference alone, fitted and centred on its canvas, border reflected -> (canvas, the picture's box on it).
+    A picture 16 px or less across is mirrored with its edge row (``reflect`` needs more)."""
     fitted, (w, h) = reference_canvas(image.width, image.height, fit)
     box = padded_box(image.size, fit)
     if fitted != image.size:
@@ -247,9 +238,7 @@ def image_to_tensor(image: Image.Image) -> torch.Tensor:
 @torch.no_grad()
 def encode_references(ae, images, dtype: torch.dtype | None, *, ids, fit: ReferenceFit
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> tokens [1, Lref, 128] in ``dtype`` and ids [1, Lref, 4], Lref = sum of (h/16)*(w/16), on the AE's device;
-    ``ids`` and ``fit``: the family's ``reference_ids`` and ``references``.
-    """
+    """-> tokens [1, Lref, 128] in ``dtype`` and ids [1, Lref, 4], Lref = sum of (h/16)*(w/16), on the AE's device."""
     tokens, ids = reference_tokens(reference_latents(ae, images, None, fit), ids)
     return tokens.to(dtype or tokens.dtype), ids
 
@@ -260,9 +249,7 @@ def reference_latents(ae, images, count: ReferenceCount | None, fit: ReferenceFi
 
 
 def reference_tokens(latents: list[torch.Tensor], ids) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """latents each [n, 128, h, w], every item one reference -> tokens [1, Lref, 128], ids [1, Lref, 4] (``ids``:
-    the family's ``reference_ids``); (None, None) for none.
-    """
+    """latents each [n, 128, h, w], every item one reference -> tokens [1, Lref, 128], ids [1, Lref, 4]."""
     items = [z[i:i + 1] for z in latents for i in range(z.shape[0])]
     if not items:
         return None, None
@@ -271,9 +258,8 @@ def reference_tokens(latents: list[torch.Tensor], ids) -> tuple[torch.Tensor | N
 
 
 def batched_reference_tokens(latents: list[torch.Tensor], ids) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """ComfyUI's ``ref_latents`` as its samplers batch them (reference i of item b is ``latents[i][b]``, each
-    [1 or B, 128, h, w]) -> tokens [1 or B, Lref, 128], ids [1, Lref, 4] (``ids``: the family's ``reference_ids``).
-    """
+    """ComfyUI's batched ``ref_latents`` (reference i of item b is ``latents[i][b]``, each [1 or B, 128, h, w])
+    -> tokens [1 or B, Lref, 128], ids [1, Lref, 4]."""
     if not latents:
         return None, None
     batch = max(z.shape[0] for z in latents)

@@ -95,15 +95,13 @@ def row_bytes(qtype, n: int) -> int:
     return n // block * size
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # Bit helpers. Blocks are b [n, bytes] uint8; every field comes out with the block as dim 0.
-# ---------------------------------------------------------------------------------------------------------------
 
 def _from_le(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """b [..., k] little-endian bytes -> [...] of the k-byte float `dtype` with those bits."""
     k = b.shape[-1]
-    # Aligned eager bytes are viewed (a little-endian host, as gguf assumes); otherwise (any offset, or compiled,
-    # where storage_offset cannot be traced) the bits go through a wider int, signed before the narrowing cast.
+    # Aligned eager bytes are viewed (little-endian host, as gguf assumes); otherwise (compiled code cannot trace
+    # storage_offset) the bits go through a wider int, sign-extended before the narrowing cast.
     if not torch.compiler.is_compiling() and b.is_contiguous() and b.storage_offset() % k == 0:
         return b.view(dtype).squeeze(-1)
     wide, narrow = (torch.int32, torch.int16) if k == 2 else (torch.int64, torch.int32)
@@ -136,9 +134,7 @@ def _high_bits(qh: torch.Tensor) -> torch.Tensor:
     return _fields(qh, 1, 8, dim=-1).reshape(qh.shape[0], 32) << 4
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # One function per type: blocks b [n, bytes] uint8 -> float32 [n, block values], in gguf's operand order.
-# ---------------------------------------------------------------------------------------------------------------
 
 def _q8_0(b):
     return b[:, 2:].view(torch.int8).float() * _f16(b, 0)
@@ -232,11 +228,9 @@ _BLOCKS = {QType.Q8_0: _q8_0, QType.Q4_0: _q4_0, QType.Q4_1: _q4_1, QType.Q5_0: 
            QType.Q2_K: _q2_k, QType.Q3_K: _q3_k, QType.Q4_K: _q4_k, QType.Q5_K: _q5_k, QType.Q6_K: _q6_k}
 
 
-# On the CPU inductor writes the fused kernel as scalar C++ (it does not vectorize the bit assembly), which beats the
-# plain ops (vectorized, but writing float32 temporaries) only once those leave the cache. Measured on this project's
-# 2-core EPYC, one thread, bf16 out: Q4_K 0.4-0.7x the plain time at every size from 0.8M values; Q8_0 1.3-2.5x up to
-# 6M values, 0.4-0.5x from 9.4M (3072 x 3072, the smallest quantized layer of Klein 4B) on. So the CPU takes it for
-# weights of 2^23 values or more, GPUs at every size.
+# On the CPU inductor emits scalar C++ for the bit assembly, which beats the plain ops (vectorized, but writing
+# float32 temporaries) only once those leave the cache: measured (2-core EPYC, bf16 out) Q8_0 is 1.3-2.5x slower
+# up to 6M values and 0.4-0.5x from 9.4M (3072 x 3072, Klein 4B's smallest quantized layer). GPUs fuse at every size.
 CPU_FUSED_MIN_VALUES = 1 << 23
 
 

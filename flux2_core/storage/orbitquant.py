@@ -1,16 +1,11 @@
-"""Weights kept in OrbitQuant's packed formats, as its artifacts store them, and dequantized at each call where
-orbitquant's own kernels do not multiply them (``weights.orbitquant_files`` reads an artifact into these layers):
+"""Weights kept in OrbitQuant's packed formats, dequantized at each call where orbitquant's own kernels don't run:
 
-    OrbitQuant  each row rotated by RPBH (a seeded permutation of the inputs, a ±1 sign each, then a Hadamard transform
-                over each block of B inputs, divided by sqrt(B)), cut into its norm (``weight_norms``) and a unit
-                direction whose every value is the nearest level of a Lloyd-Max codebook of 2^bits levels
-                (``weight_levels``); the codes packed bit by bit, the first value in the lowest bits (2, 3, 4, 6 or
-                8 bits). The weight in the rotated basis is norm x level[code]; x·Wᵀ = (x·R)·(W·R)ᵀ, R orthogonal.
-    int4 RTN    the modulation layers: signed 4-bit codes (code - 8) times a scale per group of 64 inputs.
+    OrbitQuant  each row rotated by RPBH (seeded permutation, ±1 signs, Hadamard per block of B inputs / sqrt(B)),
+                stored as its norm x a Lloyd-Max codebook level per value; x·Wᵀ = (x·R)·(W·R)ᵀ, R orthogonal.
+    int4 RTN    the modulation layers: (code - 8) x a scale per group of 64 inputs.
 
-orbitquant quantizes the activations too (per token, in the rotated basis, to its own codebook); the dequantized path
-here does not, so it computes what the float model holding the dequantized weights computes. Adapters never merge
-into the codes: a merge patches the weight as it is dequantized, which turns the call back into the plain path.
+orbitquant also quantizes activations; the dequantized path here does not, so it matches the float model holding the
+dequantized weights. A merged adapter patches the dequantized weight and forces the plain path.
 """
 
 from __future__ import annotations
@@ -32,8 +27,7 @@ RTN_GROUP = 64                  # its modulation layers' group
 
 
 def unpack_codes(packed: Tensor, bits: int, inputs: int) -> Tensor:
-    """uint8 [N, inputs·bits/8], codes packed bit by bit from the lowest bit of each row's first byte -> int32
-    [N, inputs]. Each row starts on a byte (inputs·bits is a multiple of 8), so rows are independent."""
+    """uint8 [N, inputs·bits/8], codes packed lowest bit first -> int32 [N, inputs]. Rows start on a byte."""
     rows = packed.shape[0]
     if 8 % bits == 0:                                  # whole codes in a byte: a shift per field
         fields = [(packed >> (i * bits)) & ((1 << bits) - 1) for i in range(8 // bits)]
@@ -46,8 +40,7 @@ def unpack_codes(packed: Tensor, bits: int, inputs: int) -> Tensor:
 
 
 def hadamard_blocks(x: Tensor, block: int) -> Tensor:
-    """x [..., K] -> each block of ``block`` inputs times the (Sylvester) Hadamard matrix of that size, unscaled:
-    log2(block) passes of sums and differences."""
+    """x [..., K] -> each block of ``block`` inputs times the unscaled Sylvester Hadamard matrix."""
     shape = x.shape
     y = x.reshape(-1, block)
     half = 1
@@ -73,8 +66,7 @@ def rotate_back(x: Tensor, order: Tensor, signs: Tensor, block: int) -> Tensor:
 
 @functools.cache
 def orbitquant_module():
-    """orbitquant where it is installed (its GPU kernels); None where it is not. It never downloads a kernel package
-    while a picture is made (its auto-fetch off unless the user set it)."""
+    """orbitquant where it is installed, else None; its kernel auto-fetch is off unless the user set it."""
     os.environ.setdefault("ORBITQUANT_KERNELS_AUTOFETCH", "0")
     try:
         import orbitquant
@@ -89,11 +81,9 @@ def kernels_run(device: torch.device) -> bool:
 
 
 class OrbitLinear(DequantizedLinear):
-    """``weight`` uint8 [N, K·bits/8] (the codes), ``weight_norms`` [N] (bf16, or float32 in fused files),
-    ``weight_levels`` float32 [2^bits], ``weight_order`` int64 [K] (the rotation's permutation), ``weight_signs`` int8
-    [K]. ``kernel_on``: orbitquant's own layer over these very tensors runs the call (``use_orbitquant_kernels``);
-    it is made at the first call on their device and kept outside the module's state, so it is neither saved nor
-    moved (a move makes it again over the moved tensors)."""
+    """``weight`` uint8 [N, K·bits/8], ``weight_norms`` [N] (bf16 or float32), ``weight_levels`` float32 [2^bits],
+    ``weight_order`` int64 [K], ``weight_signs`` int8 [K]. With ``kernel_on`` orbitquant's layer over these tensors
+    runs the call; it is kept outside the module's state, so it is neither saved nor moved."""
 
     kind = "orbitquant"
     work_bytes = 14             # the int32 codes, the levels they pick and the scaled rows in float32 (measured)
@@ -134,8 +124,7 @@ class OrbitLinear(DequantizedLinear):
         return item_by_item(lambda item: linear(item, weight), turned) if self.item_by_item else linear(turned, weight)
 
     def kernel(self):
-        """orbitquant's layer over the codes and norms where they are now: made on their device at its first call,
-        pointed at them again where a host swapped them (streamed weights)."""
+        """orbitquant's layer over the codes and norms where they are now (a host may swap them: streamed weights)."""
         device, layer = self._kernel
         if layer is None or device != self.weight.device:
             layer = kernel_layer(self)
@@ -180,13 +169,10 @@ class Int4GroupLinear(DequantizedLinear):
         return values.reshape(self.out_features, -1)[:, : self.in_features]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# orbitquant's kernels
-# ---------------------------------------------------------------------------------------------------------------
+# Orbitquant's kernels
 
 def kernel_layer(layer: OrbitLinear):
-    """orbitquant's ``OrbitQuantLinear`` over ``layer``'s codes and norms (views, nothing copied), in its fastest
-    mode for the device (its ``auto_fused``)."""
+    """orbitquant's ``OrbitQuantLinear`` over views of ``layer``'s codes and norms."""
     oq = orbitquant_module()
     settings = dict(layer.settings, weight_bits=layer.bits, runtime_mode=layer.settings.get("runtime_mode", "auto_fused"))
     config = oq.OrbitQuantConfig.from_dict(settings)
@@ -198,17 +184,15 @@ def kernel_layer(layer: OrbitLinear):
 
 
 def same_transform(layer: OrbitLinear, kernel) -> bool:
-    """Whether orbitquant's layer, which makes its rotation and codebook from the settings, has the artifact's own
-    (a rotation of another seed would turn the input another way than the codes were made in)."""
+    """Whether the rotation and codebook orbitquant rebuilds from the settings are the artifact's own."""
     return (torch.equal(kernel.rotation.permutation, layer.weight_order.cpu())
             and torch.equal(kernel.rotation.signs, layer.weight_signs.cpu())
             and torch.equal(kernel.weight_codebook.centroids.float(), layer.weight_levels.float().cpu()))
 
 
 def use_orbitquant_kernels(model: torch.nn.Module, device, dtype: torch.dtype, asked: dict) -> dict:
-    """``StoredFormat.matmul``: OrbitQuant layers multiply through orbitquant's own layers (its CUDA and Triton
-    kernels, activations quantized as the format does) on a GPU where orbitquant is installed, where its settings
-    make the artifact's own rotation and codebook (checked once per width); else dequantized."""
+    """``StoredFormat.matmul``: orbitquant's kernels on a GPU where it is installed and rebuilds the artifact's own
+    rotation and codebook (checked once per width); else dequantized."""
     layers = [m for m in model.modules() if isinstance(m, OrbitLinear)]
     if not layers:
         return {}
@@ -234,14 +218,11 @@ def use_orbitquant_kernels(model: torch.nn.Module, device, dtype: torch.dtype, a
     return {"orbitquant": (on, note)}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# the formats
-# ---------------------------------------------------------------------------------------------------------------
+# The formats
 
 @dataclass(frozen=True)
 class ValueRule:
-    """The values a tensor of the format may hold, checked as it is read (``StoredTensor.scale``'s place): codes
-    picking inputs ("permutation"), signs ("signs") or a codebook's levels ("levels")."""
+    """A ``StoredTensor.scale`` rule for "permutation", "signs" or codebook "levels" tensors."""
     kind: str
 
     def count_bad(self, values: Tensor) -> int:
@@ -257,7 +238,7 @@ class ValueRule:
                 "signs": "neither 1 nor -1"}.get(self.kind, "not finite and rising")
 
 
-# the settings orbitquant's own layer is made with, as its quantization_config.json names them, and what each holds
+# orbitquant's quantization_config.json settings and their valid values
 SETTINGS = {"activation_bits": lambda v: v in BITS, "rotation_seed": lambda v: type(v) is int and v >= 0,
             "block_size": lambda v: v == "paper" or (type(v) is int and v > 0 and not v & (v - 1)),
             "codebook_version": lambda v: v in (1, 2), "activation_kernel_backend": lambda v: isinstance(v, str),

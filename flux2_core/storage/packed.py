@@ -1,10 +1,8 @@
-"""Weights kept in a file's packed format and dequantized at each call (memory: about the file's bytes), for the
-formats of ComfyUI's quantized files that no kernel here multiplies directly: nvfp4 (ComfyUI's and BFL's layouts),
-mxfp8, int8 / fp8 with a scale per 2-D block, and ConvRot W4A4 (whose int4 kernel comfy-kitchen has for GPUs).
+"""Weights kept in a file's packed format and dequantized at each call (memory: about the file's bytes): nvfp4
+(ComfyUI's and BFL's layouts), mxfp8, int8 / fp8 with 2-D block scales, and ConvRot W4A4.
 
-State dicts use ComfyUI's names: ``weight``, ``weight_scale`` and, for nvfp4, ``weight_scale_2``. A padded format
-(nvfp4 to 16, mxfp8 to 32 in both dimensions) keeps its padding and drops it as it dequantizes. Adapters are never
-merged into the packed values: a merge patches the weight as it is dequantized (as for GGUF blocks).
+State dicts use ComfyUI's names (``weight``, ``weight_scale``, nvfp4's ``weight_scale_2``). Padded formats (nvfp4 to
+16, mxfp8 to 32) keep their padding until dequantized; adapters patch the dequantized weight, never the packed values.
 """
 
 from __future__ import annotations
@@ -37,9 +35,7 @@ def up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# codecs
-# ---------------------------------------------------------------------------------------------------------------
+# Codecs
 
 def unswizzle(scales: Tensor, rows: int, cols: int) -> Tensor:
     """Block scales in cuBLAS's tiled layout (tiles of 128 rows x 4 columns, each stored as 32 x 16: row r of a tile
@@ -58,9 +54,8 @@ def fp4_values(packed: Tensor, high_first: bool, dtype: torch.dtype = torch.floa
 
 
 def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, swizzled: bool = True) -> Tensor:
-    """-> float32 [N, K] (the padded shape): codes x (global scale x their block's fp8 scale). ComfyUI's layout
-    (``swizzled``): the first element in the high nibble and the scales tiled; BFL's (ModelOpt's): the first element in
-    the low nibble and the scales a plain [N, K/16]."""
+    """-> float32 [N, K] (padded): codes x global scale x block scale. ComfyUI's layout (``swizzled``): first element
+    in the high nibble, scales tiled; BFL's (ModelOpt's): low nibble first, scales a plain [N, K/16]."""
     values = fp4_values(packed, high_first=swizzled)
     rows, blocks = values.shape[0], values.shape[1] // FP4_BLOCK
     scales = unswizzle(block_scale, rows, blocks) if swizzled else block_scale
@@ -97,16 +92,13 @@ def dequantize_blocks(weight: Tensor, scale: Tensor, block: int) -> Tensor:
     return weight.float() * full
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# layers
-# ---------------------------------------------------------------------------------------------------------------
+# Layers
 
 class DequantizedLinear(nn.Module, StoredLinear):
     """A bias-free linear [out, in] whose weight ``dequantized`` rebuilds at each call."""
 
     merges_adapters = False
-    # bytes per value a call takes beside its result while it dequantizes (the codes, float32 values and scales, the
-    # product); each class its own, from the peak measured for a 4096 x 4096 layer's bf16 call
+    # bytes per value a call needs beside its result while it dequantizes (peak measured, 4096 x 4096, bf16)
     work_bytes = 12
 
     def __init__(self, in_features: int, out_features: int, item_by_item: bool):
@@ -209,9 +201,8 @@ class BlockScaledLinear(DequantizedLinear):
 
 
 class W4A4Linear(DequantizedLinear):
-    """ConvRot W4A4: ``weight`` int8 [N, K/2] (two signed int4 a byte), ``weight_scale`` float32 [N]. ``int4_matmul``
-    (``storage.int8.use_int8_matmul``): comfy-kitchen's kernel, which turns and quantizes the activations to int4
-    per token; else the weight is dequantized and multiplied in the compute dtype."""
+    """ConvRot W4A4: ``weight`` int8 [N, K/2] (two signed int4 a byte), ``weight_scale`` float32 [N].
+    ``int4_matmul``: comfy-kitchen's kernel (activations rotated and quantized per token), else dequantized."""
 
     kind = "w4a4"
     work_bytes = 9
@@ -239,8 +230,8 @@ class W4A4Linear(DequantizedLinear):
 
 
 def use_int4_matmul(model: nn.Module, device) -> bool | None:
-    """W4A4 layers multiply in int4 where comfy-kitchen has a GPU kernel for it (its eager code unpacks to floats,
-    no faster than the dequantized weight): whether they do, None without W4A4 layers (``int4_note`` words it)."""
+    """Whether W4A4 layers multiply in int4 (only with a comfy-kitchen GPU kernel: its eager code is no faster than
+    dequantizing); None without W4A4 layers."""
     layers = [m for m in model.modules() if isinstance(m, W4A4Linear)]
     if not layers:
         return None
@@ -256,11 +247,9 @@ def int4_note(on: bool) -> str:
     return "W4A4 int4 matmul: on" if on else "W4A4 int4 matmul: off (no GPU kernel here); the weights are dequantized"
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# the formats these layers hold
-# ---------------------------------------------------------------------------------------------------------------
+# The formats these layers hold
 
-# packed E2M1 pairs, e4m3 scales per 16 values (zero for an all-zero block and for the tiles' padding), a global scale
+# e4m3 block scales are zero for an all-zero block and the tiles' padding
 NVFP4_TENSORS = {"weight": StoredTensor(("U8",)), "weight_scale": StoredTensor(FP8_E4M3, ScaleRule()),
                  "weight_scale_2": SCALE}
 # ComfyUI's (tiled scales, the first value in the high nibble)
@@ -268,8 +257,7 @@ NVFP4_FORMAT = StoredFormat(
     "nvfp4", ("nvfp4",), NvFp4Linear, NVFP4_TENSORS, torch.uint8,
     make=lambda f, i, o, per_item, device: NvFp4Linear(i, o, per_item, swizzled=True, device=device),
     packed_inputs=2)
-# BFL's own (ModelOpt's) files: plain scales, the first value in the low nibble, no format object (known by the
-# global scale); "nvfp4_modelopt" is the name we give it
+# BFL's (ModelOpt's) files name no format, so known by the global scale; "nvfp4_modelopt" is our name for it
 NVFP4_PLAIN_FORMAT = StoredFormat(
     "nvfp4", ("nvfp4_modelopt",), NvFp4Linear, NVFP4_TENSORS, torch.uint8,
     make=lambda f, i, o, per_item, device: NvFp4Linear(i, o, per_item, swizzled=False, device=device),
@@ -282,8 +270,7 @@ MXFP8_FORMAT = StoredFormat(
 
 
 def _blocks_format(title: str, name: str, weight: StoredTensor, dtype: torch.dtype, block: int) -> StoredFormat:
-    """int8 or fp8 with a float32 scale per 2-D block; ``block``: the side the converter writes where the file's
-    object gives none (``group_size``)."""
+    """int8 or fp8 with a float32 scale per 2-D block; ``block``: the default side where the spec has no group_size."""
     def read(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
         file.matrix()
         return LayerFormat(fmt, file.name, block=file.whole("group_size", block))
@@ -309,7 +296,6 @@ def _read_w4a4(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
     return LayerFormat(fmt, file.name, rotation)
 
 
-# two signed int4 a byte, a scale per row
 def int4_matmuls(model: nn.Module, device, dtype: torch.dtype, asked: dict) -> dict:
     """W4A4's ``StoredFormat.matmul``: comfy-kitchen's int4 kernel where it has one (``use_int4_matmul``)."""
     on = use_int4_matmul(model, device)

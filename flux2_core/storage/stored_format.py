@@ -1,11 +1,7 @@
-"""What a stored format is: the one object (``StoredFormat``) that holds every fact of a format a weight file keeps a
-layer in, as ComfyUI's quantized files name it (each layer's ``.comfy_quant`` tensor, the bytes of a JSON object
-``{"format": ..., "convrot": true, ...}``, or an entry of the file's ``_quantization_metadata`` header).
-
-Each format object is defined beside the storage class that holds it (``quant``, ``int8``, ``packed``) and collected
-by the registry (``formats``); the loaders and the layer factory ask it (its tensors and their dtypes, its checks, the
-layer it makes, how many inputs a stored column packs) instead of comparing its names. ``LayerFormat`` is one layer's
-format: the object and what the file's spec says of that layer (the name it gives, ConvRot group, block, scale).
+"""``StoredFormat``: every fact of a format a weight file keeps a layer in, as ComfyUI's quantized files name it
+(each layer's ``.comfy_quant`` tensor holds JSON bytes ``{"format": ..., "convrot": true, ...}``, or the file has a
+``_quantization_metadata`` header). Loaders ask the format object instead of comparing names; ``LayerFormat`` is one
+layer's format plus what the file's spec says of that layer.
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ E8M0_NAN = 255          # the one E8M0 code that is no power of two
 
 @dataclass(frozen=True)
 class ScaleRule:
-    """The values a quantizer writes in a scale. A scale that multiplies (values = codes x scale) may be zero: what a
-    quantizer writes for an all-zero layer, row or block, and what every dequantize (comfy-kitchen's, ComfyUI's) turns
-    into zeros. One that divides (SVDQuant's smoothing) must be positive. Negative, NaN and infinite ones are damage."""
+    """The values a quantizer writes in a scale. A multiplying scale may be zero (an all-zero layer, row or block);
+    a dividing one (SVDQuant's smoothing) must be positive. Negative, NaN and infinite ones are damage."""
     divides: bool = False       # the activations are divided by it: zero would make them infinite
     exponents: bool = False     # E8M0 codes, 2^(code - 127): every code is a power of two but E8M0_NAN
 
@@ -47,29 +42,25 @@ class ScaleRule:
 class StoredTensor:
     """One tensor a format stores for a layer."""
     dtypes: tuple[str, ...]             # the safetensors dtype codes its writers store it in
-    # the values it may hold, checked as it is read: any object with ``count_bad`` and ``bad`` as ScaleRule has
-    # (OrbitQuant's permutations and signs have rules of their own); None: codes, whose every value means something
+    # checked as it is read: anything with ScaleRule's ``count_bad`` and ``bad``; None: codes, every value valid
     scale: ScaleRule | None = None
-    # one entry per output row along its first dimension, where a format can join layers: a layer our layout
-    # assembles from several of a file's (diffusers' q, k, v) takes theirs one after another, the others once
+    # one entry per output row (dim 0), so a layer joined from several of a file's (diffusers' q, k, v) concatenates
     rows: bool = False
 
 
-# uint8 holding float8 bytes is how some of ComfyUI's files store float8 values (read as the float8 they hold)
+# some of ComfyUI's files store float8 values as uint8 bytes
 FP8_E4M3 = ("F8_E4M3", "U8")
 INT8 = StoredTensor(("I8",))
-# a float32 scale may be stored in 16 bits (widened exactly as it is read)
 FLOAT_SCALES = ("F32", "BF16", "F16")
 SCALE = StoredTensor(FLOAT_SCALES, ScaleRule())
-# the torch dtype of each safetensors code a format keeps a tensor in as the file has it (``LayerFormat.held``)
+# safetensors code -> torch dtype, for tensors a layer keeps as the file has them (``LayerFormat.held``)
 HELD_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
 class LayerFile:
-    """What a file says of one layer it stores in a format: the spec (the format object's fields, ``convrot``,
-    ``group_size``, ...) and the layer's tensors of the format's names ("weight", "weight_scale", ...) that the file
-    holds, by their header (no byte read). A format's ``read`` checks it and makes the ``LayerFormat``."""
+    """What a file says of one layer it stores in a format: the spec and its tensors' header shapes and dtypes
+    (no byte read). A format's ``read`` checks it and makes the ``LayerFormat``."""
     name: str                                   # the format name the file gives
     spec: dict
     shapes: dict[str, tuple[int, ...]]
@@ -96,8 +87,7 @@ class LayerFile:
         return shape[0], shape[1] * packed_inputs
 
     def rotation(self, inputs: int) -> int:
-        """The ConvRot group the spec gives (``convrot_groupsize``, 256 by default): a power of 4 dividing
-        ``inputs``."""
+        """The spec's ConvRot group (``convrot_groupsize``): a power of 4 dividing ``inputs``."""
         group = self.whole("convrot_groupsize", DEFAULT_GROUP)
         if not is_power_of_4(group) or inputs % group:
             raise self.corrupt(f"is {self.name} with a ConvRot group of {group}, which is not a power of 4 that divides "
@@ -111,9 +101,8 @@ class LayerFile:
 
 @dataclass(frozen=True, eq=False)
 class StoredFormat:
-    """One stored format, every fact of it in one place. A format is one layout: where two names give the same
-    tensors read the same way they are one format (``float8_e4m3fn`` and its ``_rowwise``), where the same name has two
-    layouts two (ComfyUI's tiled nvfp4 and BFL's plain one)."""
+    """One stored format. A format is one layout: two names for one layout are one format (``float8_e4m3fn`` and
+    its ``_rowwise``); one name with two layouts is two (ComfyUI's tiled nvfp4, BFL's plain one)."""
     title: str                                  # as messages name it ("int8", "W4A4")
     names: tuple[str, ...]                      # the names files give it
     storage: type[nn.Module]                    # the class that holds a layer in it
@@ -121,19 +110,16 @@ class StoredFormat:
     weight_dtype: torch.dtype                   # what the weight's codes are (uint8 files of float8 are read as it)
     # the spec and the header's tensors checked -> the layer's format; None: a 2-D weight, nothing else read
     read: Callable[[StoredFormat, LayerFile], LayerFormat] | None = None
-    # (layer format, in_features, out_features, per_item, device) -> the layer holding it as stored; None: the fp8
-    # choice holds it (``fp8_choice``)
+    # (layer format, in_features, out_features, per_item, device) -> the layer; None: ``fp8_choice`` holds it
     make: Callable[..., nn.Module] | None = None
     packed_inputs: int = 1                      # inputs a stored weight column holds (two 4-bit values a byte: 2)
     rotates: bool = False                       # may be stored in ConvRot's basis
-    # held by the loader's fp8 choice (``storage.quant.Fp8Linear`` with the file's own values, or dequantized with
-    # fp8=False) instead of being kept as stored whatever the options ask
+    # the loader's fp8 choice holds it (Fp8Linear, or dequantized with fp8=False) instead of keeping it as stored
     fp8_choice: bool = False
-    # a tensor beside a weight by which a file that names no format stores the layer in this one (BFL's nvfp4)
+    # a tensor beside a weight that marks this format in a file naming none (BFL's nvfp4)
     known_by: str = ""
-    # (model, device, dtype, asked) -> {kind: (runs, note)} for the kinds of its layers the model holds: whether they
-    # multiply in their own format there (``matmul.choose_matmuls`` asks every format's); ``asked`` holds that call's
-    # options ({"fp8": "auto" | True | False, "int8": ...}). None: always dequantized or cast
+    # (model, device, dtype, asked) -> {kind: (runs, note)}: whether its layers multiply in their own format there;
+    # ``asked`` is {"fp8": "auto" | True | False, ...}. None: always dequantized or cast
     matmul: Callable[..., dict[str, tuple[bool, str]]] | None = None
 
     @property
@@ -151,9 +137,8 @@ class StoredFormat:
         return LayerFormat(self, file.name)
 
     def check_dtypes(self, file: LayerFile) -> None:
-        """Each tensor of the layer the file holds in a dtype its format stores it in, from the header, before any
-        byte is read: a tensor of the same item size in another dtype would be taken at its bytes (an int32 scale
-        read as float32 bits, fp8 bytes as int8 codes)."""
+        """Each tensor in a dtype its format stores it in, checked from the header: a same-size other dtype would
+        otherwise be taken at its bytes (an int32 scale read as float32 bits)."""
         for tensor, stored in self.tensors.items():
             dtype = file.dtypes.get(tensor)
             if dtype is not None and dtype not in stored.dtypes:
@@ -164,8 +149,7 @@ class StoredFormat:
                                  f"use another release of these weights")
 
     def dequantize(self, fmt: LayerFormat, state: dict[str, Tensor], rows: int, inputs: int) -> Tensor:
-        """A layer's tensors as stored (its storage's state names) -> float32 [rows, inputs], through the layer the
-        format makes: its ``float_weight`` is the one dequantization."""
+        """A layer's stored tensors -> float32 [rows, inputs], through the layer's ``float_weight``."""
         layer = fmt.linear(inputs, rows, device=state["weight"].device)
         layer.load_state_dict(state, assign=True)
         return layer.float_weight()
@@ -178,13 +162,11 @@ class LayerFormat:
     rotation: int = 0            # ConvRot group (a power of 4); 0: none
     block: int = 0               # a block format: the side of a block; a grouped one: the inputs a group holds
     per_row: bool = True         # a scale per output row, else one per tensor
-    # a format whose tensors vary by file (which it holds, in which dtype): each tensor beside the weight as the file
-    # holds it, (name, dtype), which its layer keeps as it is
+    # (name, dtype) of tensors kept as the file holds them, for formats whose tensors vary by file
     held: tuple[tuple[str, torch.dtype], ...] = ()
     rank: int = 0                # a low-rank branch's rank (SVDQuant)
     bits: int = 0                # a code's width where a format's vary by layer (OrbitQuant); 0: packed_inputs says
-    # what else the file says of the layer that its storage keeps ((name, value) pairs: OrbitQuant's settings, with
-    # which orbitquant's own kernels are made)
+    # further (name, value) settings the storage keeps (OrbitQuant's, for its kernels)
     options: tuple[tuple[str, object], ...] = ()
 
     def inputs(self, columns: int) -> int:

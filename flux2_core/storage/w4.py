@@ -1,17 +1,12 @@
-"""Weights kept in one of comfy-kitchen's grouped 4-bit formats, as the file stores them, and dequantized at each call
-where no kernel multiplies them in their own format:
+"""Weights kept in one of comfy-kitchen's grouped 4-bit formats as stored, dequantized at each call where no
+kernel multiplies them in their own format:
 
-    W4A8      4-bit codes per group of 16 (a codebook of 16 levels, or uniform), each group's scale relative to its
-              row's, decoded to int8 and turned back from ConvRot's basis; comfy-kitchen's GPU kernels multiply them
-              by int8 activations
-    SVDQuant  signed int4 residual codes with a scale per 64 inputs, a smoothing of the inputs (divided out) and a
-              low-rank branch (proj_down [K, R], proj_up [N, R]), all kept: the weight is their sum; comfy-kitchen's
-              GPU kernels multiply them by int4 activations
-    AWQ       unsigned 4-bit codes with a scale and a zero point per group (W4A16: 16-bit activations)
+    W4A8      4-bit codes per group of 16 (codebook or uniform), group scales relative to the row's, in ConvRot's basis
+    SVDQuant  signed int4 residual (scale per 64 inputs) / input smoothing + a low-rank branch
+    AWQ       unsigned 4-bit codes with a scale and a zero point per group (16-bit activations)
 
-State dicts use the names comfy-kitchen writes (``weight`` and ``weight_<name>`` beside it). Adapters are never merged
-into the codes: a merge patches the weight as it is dequantized (as for ``packed``'s formats); a run-time branch
-leaves the kernel on.
+State dicts use comfy-kitchen's names (``weight``, ``weight_<name>``). Merged adapters patch the dequantized weight
+(and turn the kernel off); a run-time branch leaves the kernel on.
 """
 
 from __future__ import annotations
@@ -38,7 +33,7 @@ from .stored_format import (
 W4A8_GROUP = 16            # comfy-kitchen's default W4A8 group
 SVDQUANT_GROUP = 64        # the one group of SVDQuant's int4 kernels
 AWQ_GROUP = 64             # AWQ's usual group, where a file names none
-# a unit input as SVDQuant's activation quantizer writes it: code 7 times the scale absmax / 7
+# a unit input as SVDQuant's activation quantizer writes it: code 7 x (absmax / 7)
 UNIT_CODE = 7.0
 
 
@@ -54,8 +49,8 @@ def grouped(values: Tensor, group: int) -> Tensor:
 
 
 class KitchenLinear(DequantizedLinear):
-    """A layer comfy-kitchen also multiplies in its own format (``op``): ``kitchen_matmul`` (``use_kitchen_matmul``)
-    where it has a GPU kernel for it, unless adapters are merged into the weight (they patch the dequantized one)."""
+    """A layer comfy-kitchen can multiply in its own format (``op``) where it has a GPU kernel and no adapter is
+    merged."""
 
     op = ""
 
@@ -79,15 +74,12 @@ class KitchenLinear(DequantizedLinear):
 
 
 class W4A8Linear(KitchenLinear):
-    """``weight`` int8 [N, K/2] (4-bit codes), ``weight_s_rel`` [N, K/group] (float8 or float32: a group's scale over
-    its row's), ``weight_s_channel`` float32 [N], and where the file has them ``weight_codebook`` float32 [16] (the
-    level of each code; else uniform: code - 8) and ``weight_correction`` [K/group, N] (an asymmetric group's
-    offset). The weight is stored in ConvRot's basis (group ``rotation``)."""
+    """``weight`` int8 [N, K/2] (4-bit codes), ``weight_s_rel`` [N, K/group], ``weight_s_channel`` [N], optional
+    ``weight_codebook`` [16] (else code - 8) and ``weight_correction`` [K/group, N]; in ConvRot's basis."""
 
     kind = "w4a8"
     op = "w4a8_int8_linear"
-    # bytes per value alive at the peak of a dequantization, counted from its tensors: the int64 codes, their levels,
-    # the int8 grid and the scaled values in float32, the turned product
+    # bytes per value alive at a dequantization's peak (int64 codes, float32 levels, grid, values, rotated product)
     work_bytes = 24
 
     def __init__(self, in_features: int, out_features: int, group: int, rotation: int,
@@ -160,8 +152,7 @@ class SvdQuantLinear(KitchenLinear):
         codes = unpack_nibbles(weight)
         signed = torch.where(codes >= 8, codes - 16, codes).float()
         residual = (grouped(signed, SVDQUANT_GROUP) * scale.float().t()[..., None]).reshape(codes.shape)
-        # what the int4 kernel applies to a unit input of each channel: the smoothing's reciprocal as its activation
-        # quantizer writes it (code 7 x its scale), so the weight is bit for bit the one comfy-kitchen's kernel uses
+        # the smoothing's reciprocal rounded as the kernel's activation quantizer does, to match it bit for bit
         unit = UNIT_CODE * ((1.0 / smooth.float()) / UNIT_CODE)
         return unit * residual + (down.float() @ up.float().t()).t()
 
@@ -214,9 +205,8 @@ class AwqLinear(KitchenLinear):
 
 
 def use_kitchen_matmul(model: torch.nn.Module, device) -> dict[str, bool]:
-    """These layers multiply in their own format where comfy-kitchen has a GPU kernel for it (its CPU code
-    dequantizes as ours does, or quantizes activations only to dequantize them): each kind of them the model holds ->
-    whether it does ({} without such layers; ``kitchen_note`` words it)."""
+    """{kind: whether it multiplies in its own format}: only with a comfy-kitchen GPU kernel (its CPU code is no
+    faster than dequantizing)."""
     layers = [m for m in model.modules() if isinstance(m, KitchenLinear)]
     device, on = torch.device(device), {}
     for layer in layers:
@@ -231,9 +221,7 @@ def kitchen_note(kind: str, on: bool) -> str:
     return f"{kind} matmul in its own format: {'on' if on else 'off (no GPU kernel here); dequantized'}"
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# the formats these layers hold
-# ---------------------------------------------------------------------------------------------------------------
+# The formats these layers hold
 
 def need(file: LayerFile, name: str, shape: tuple[int, ...]) -> None:
     """The layer's ``name`` present in ``shape``, else a Flux2Error naming the layer, the format and the tensor."""
@@ -247,8 +235,7 @@ def need(file: LayerFile, name: str, shape: tuple[int, ...]) -> None:
 
 
 def held_tensors(file: LayerFile, names: tuple[str, ...]) -> tuple[tuple[str, torch.dtype], ...]:
-    """Each of ``names`` the file holds, with the dtype it holds it in (checked against the format's by
-    ``StoredFormat.check_dtypes`` before this is asked)."""
+    """(name, dtype) of each of ``names`` the file holds (dtypes already checked by ``check_dtypes``)."""
     return tuple((n, HELD_DTYPES[file.dtypes[n]]) for n in names if n in file.shapes)
 
 
@@ -258,8 +245,7 @@ def bad_group(file: LayerFile, group: int, inputs: int, allowed: str) -> Flux2Er
 
 
 def _read_w4a8(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
-    """4-bit codes only (a 6-bit row is 3K/4 bytes); the group (16 by default) and ConvRot group (256 by default)
-    from the spec; the group scales give K."""
+    """4-bit codes only (a 6-bit row is 3K/4 bytes); the group scales give K."""
     rows, cols = file.matrix()
     group = file.whole("group_size", W4A8_GROUP)
     if group < 4 or (16 % group and group % 16):
@@ -284,9 +270,8 @@ def _read_w4a8(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
 
 
 def _read_svdquant(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
-    """comfy-kitchen's natural layout (tile-packed weights are its kernels' in-memory form) in groups of 64, signed
-    activations (an unsigned layer shifts its input by a constant a bias takes back; these models' linears have
-    none)."""
+    """comfy-kitchen's natural layout, groups of 64, signed activations (unsigned ones need a bias to undo the
+    shift, and these models' linears have none)."""
     if len(file.shapes.get("weight", ())) == 4:
         raise Flux2Error(f"{file.where} is {file.name} in comfy-kitchen's tile-packed layout, which cannot be loaded "
                          f"here; use a file in its natural [N, K/2] layout")
@@ -317,12 +302,12 @@ def _read_awq(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
     return LayerFormat(fmt, file.name, block=group, held=held_tensors(file, AWQ_NAMES[1:]))
 
 
-# ComfyUI names it asym_w4a8_int8; w4a8_int8 is comfy-kitchen's operation's name, which some files give
 def kitchen_matmuls(model: torch.nn.Module, device, dtype: torch.dtype, asked: dict) -> dict:
     """The grouped 4-bit formats' ``StoredFormat.matmul`` (one rule for the three: ``use_kitchen_matmul``)."""
     return {kind: (on, kitchen_note(kind, on)) for kind, on in use_kitchen_matmul(model, device).items()}
 
 
+# ComfyUI's name, then comfy-kitchen's operation name, which some files give
 W4A8_FORMAT = StoredFormat(
     "W4A8", ("asym_w4a8_int8", "w4a8_int8"), W4A8Linear,
     {"weight": INT8, "weight_s_rel": StoredTensor(("F8_E4M3", "F32"), ScaleRule()),

@@ -1,18 +1,14 @@
 """The FLUX 3 Image Klein transformer, with BFL's parameter names (no Linear has a bias).
 
-Tokens come in three modes, in this order inside each sample: the image being denoised, the reference images
-("image_cond") and the prompt ("txt"). Every block is the same: one LayerNorm modulated by (shift, scale, gate), then
-attention and a SwiGLU MLP side by side, both added back under the one gate.
+Tokens come in three modes, in this order inside each sample: image, references ("image_cond"), prompt ("txt").
 
     vec[mode] = time_in(t) for the image, time_in(0) for references and text (+ ref_time_in(t_next): flow map only)
-    early blocks: each mode through its own blocks (image and references have separate weights), within the mode
+    early blocks: each mode through its own blocks, attending within the mode
     single blocks: the sample's joint sequence [image, references, text], each token modulated by its mode
     final_layer on the image tokens -> velocity [B, Limg, 128]
 
-A batch is B samples side by side: samples never attend to each other, and a sample's text may be shorter than the
-batch's (its own multiple of 80 tokens): ``txt_lengths`` says how many of its text rows are real, and the rest are
-masked as keys (so its image sees exactly what it would alone). Ids: image (0, row/2, col/2, 0), reference i
-(0, row/2, col/2, -(1 + i)), text (0, 0, 0, position); RoPE angles in float64.
+A sample's text may be shorter than the batch's: rows past ``txt_lengths[b]`` are masked as keys, so its image sees
+exactly what it would alone. RoPE angles in float64.
 """
 
 from __future__ import annotations
@@ -35,9 +31,7 @@ from ...variants import AttentionShape
 
 @dataclass(frozen=True)
 class Flux3Params(AttentionShape):
-    """FLUX 3 Image Klein's transformer: per-mode early blocks (image, references, text), then single blocks over each
-    sample's joint sequence [image, references, text] with per-mode modulation; every block one parallel attention + MLP
-    under one modulation and one gate."""
+    """FLUX 3 Image Klein's transformer shape: per-mode early blocks, then single blocks over the joint sequence."""
     in_channels: int = 128             # patchified latent channels (the FLUX.2 autoencoder's)
     context_in_dim: int = 20480        # 8 x Qwen3-VL-4B's 2560 (layers 4, 8, ..., 32 stacked per token)
     hidden_size: int = 3072
@@ -61,9 +55,8 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None, shards: TokenShards | None = None) -> Tensor:
-    """q, k, v [B, heads, l, D] of this rank's tokens (all of them in one process); ``keys`` [B, L] bool over every
-    rank's tokens in rank order (False: not attended to) or None -> [B, l, heads·D]. With ``shards`` the ranks trade
-    heads for tokens around it (``models/shards.py``)."""
+    """q, k, v [B, heads, l, D] of this rank's tokens; ``keys`` [B, L] bool over every rank's tokens in rank order
+    (False: masked) or None -> [B, l, heads·D]. With ``shards`` the ranks trade heads for tokens around it."""
     if shards is not None:
         q, k, v = (shards.heads_from_tokens(x) for x in (q, k, v))
     mask = None if keys is None else keys[:, None, None, :]
@@ -74,8 +67,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None, shards: Toke
 
 
 class Block(nn.Module):
-    """Parallel attention + MLP: x + gate · (attn_out(attention) + mlp_out(SwiGLU(mlp_in))), both on the same
-    modulated x."""
+    """x + gate · (attn_out(attention) + mlp_out(SwiGLU(mlp_in))), both on the same modulated x."""
 
     def __init__(self, p: Flux3Params, layers: Layers):
         super().__init__()
@@ -90,8 +82,7 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, pe: Tensor, mod: tuple[Tensor, Tensor, Tensor], keys: Tensor | None,
                 shards: TokenShards | None = None) -> Tensor:
-        """x [B, L, H]; pe [B, L, D/2, 2]; mod: shift, scale, gate each [B, 1 or L, H]; keys and shards as
-        ``attention`` takes them."""
+        """x [B, L, H]; pe [B, L, D/2, 2]; mod: shift, scale, gate each [B, 1 or L, H]."""
         shift, scale, gate = mod
         h = modulate(x, shift, scale)
         q, k, v = (rearrange(proj(h), "B L (H D) -> B H L D", H=self.heads)
@@ -103,8 +94,8 @@ class Block(nn.Module):
 
 @dataclass(frozen=True)
 class ModeSplit:
-    """A sequence-parallel pass: each mode's tokens shared out over the ranks in contiguous runs (``shares``), so a
-    rank holds [its image run, its reference run, its text run] of every sample."""
+    """A sequence-parallel pass: each mode's tokens split over the ranks in contiguous runs, so a rank holds
+    [its image run, its reference run, its text run] of every sample."""
 
     ranks: object                          # runtime.parallel.SequenceParallel: group, rank, world
     counts: dict[str, tuple[int, ...]]     # mode -> tokens held by each rank
@@ -124,8 +115,7 @@ class ModeSplit:
         return TokenShards(self.ranks.group, self.ranks.rank, tuple(held), (0,) * self.ranks.world)
 
     def joint_keys(self, modes: list[str], text: Tensor) -> Tensor:
-        """[B, L] the joint keys in the order attention sees them: rank by rank, its runs of every mode (``text``:
-        [B, L_text], the text rows' keys)."""
+        """[B, L] joint keys in attention's order (rank by rank, its runs of every mode); ``text`` [B, L_text]."""
         parts, start = [], 0
         for r in range(self.ranks.world):
             content = sum(self.counts[m][r] for m in modes if m != TEXT)
@@ -170,7 +160,6 @@ class Flux3Transformer(nn.Module):
                                                            layers.scope(f"final_layer.{IMAGE}"))})
 
     # what runtime code may ask of any transformer
-
     def blocks(self) -> list[nn.Module]:
         """The repeated blocks, in the order they run (an early block of each mode in turn, then the single blocks)."""
         early = zip(self.content_mode_blocks[IMAGE], self.content_mode_blocks[REFERENCES], self.txt_mode_blocks)
@@ -182,17 +171,14 @@ class Flux3Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype (16-bit weights kept under a wider one are cast to it as each layer runs): a norm's,
-        which no quantized file stores otherwise (any linear may be quantized)."""
+        """The compute dtype, read from a norm: any linear may be quantized or kept 16-bit, a norm never is."""
         return self.single_blocks[0].norm.query_norm.scale.dtype
 
     def forward(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
                 t_next: Tensor | None = None, ref: Tensor | None = None, ref_ids: Tensor | None = None,
                 txt_lengths: list[int] | None = None) -> Tensor:
-        """img [B, Limg, 128] at img_ids [B or 1, Limg, 4]; timesteps [B] in [0, 1]; txt [B, Ltxt, context_in_dim] at
-        txt_ids [B or 1, Ltxt, 4], the first ``txt_lengths[b]`` rows of sample b real (None: all); t_next [B]: the time
-        the step goes to (the flow map alone reads it, and needs it); ref [B or 1, Lref, 128] at ref_ids. Returns the
-        velocity [B, Limg, 128]."""
+        """img [B, Limg, 128], timesteps [B] in [0, 1], txt [B, Ltxt, context_in_dim], ref [B or 1, Lref, 128], ids
+        [B or 1, L, 4]; t_next [B]: the step's target time (flow map only) -> velocity [B, Limg, 128]."""
         self.check_forward(img, img_ids, timesteps, txt, txt_ids, t_next, ref, ref_ids, txt_lengths)
         return self._velocity(img, img_ids, timesteps, txt, txt_ids, t_next, ref, ref_ids, txt_lengths)
 
