@@ -344,7 +344,7 @@ def read_state_dict(source: Source, model: nn.Module, device: torch.device, dtyp
                 state[key] = torch.zeros(like.shape, dtype=like.dtype, device=device)
             elif key.endswith(".weight") and isinstance(layer, StoredLinear):      # each storage reads its own
                 name = key.removesuffix(".weight")
-                read_here = FileLayer(read, key, like, dtype, layer)
+                read_here = FileLayer(read, key, dtype, layer)
                 state |= {f"{name}.{n}": t for n, t in layer.read_from(read_here).items()}
             elif like.dtype == torch.uint8 and source.ggml_type(key) is not None:    # GGUF blocks (an embedding)
                 state[key] = fit(read.blocks(key), like, key, source)
@@ -361,9 +361,12 @@ class FileLayer:
 
     read: TensorReader
     key: str
-    like: torch.Tensor                   # the layer's weight as built (on the meta device)
     dtype: torch.dtype
-    layer: nn.Module
+    layer: nn.Module                     # as built, on the meta device
+
+    @property
+    def like(self) -> torch.Tensor:
+        return self.layer.weight
 
     @property
     def stored(self) -> bool:
