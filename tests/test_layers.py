@@ -1,12 +1,15 @@
 """The seam where the transformer's linear layers are made (flux2_core/models/layers.py): every layer is asked for by the
 name it ends up with, storage is chosen per name at construction, per-item layers stay per item."""
 
+from types import SimpleNamespace
+
 import torch
 
 from flux2_core.families.flux2.transformer import Flux2Transformer
 from flux2_core.models.layers import Layers
 from flux2_core.storage.linear import Linear, VectorLinear
 from flux2_core.storage.quant import Fp8Linear
+from flux2_core.storage.request import LayerRequest
 from tests.tiny.transformer import TINY_TRANSFORMER, bfl_transformer_shapes
 
 
@@ -17,8 +20,9 @@ def test_layers_are_made_under_their_own_names_in_the_storage_asked_for():
         asked.append(name)
         return name.startswith("single_blocks.1.") or name.endswith(".lin")
 
+    file = SimpleNamespace(stored_format=lambda key: None, stores_fp8=lambda key: fp8(key.removesuffix(".weight")))
     with torch.device("meta"):
-        model = Flux2Transformer(TINY_TRANSFORMER, Layers(fp8=fp8))
+        model = Flux2Transformer(TINY_TRANSFORMER, Layers(LayerRequest(file)))
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (Linear, Fp8Linear))}
     # the names the maker saw are exactly the layers' module paths, and BFL's 2-D weight keys
     assert sorted(asked) == sorted(linears)

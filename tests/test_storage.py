@@ -2,6 +2,8 @@
 takes a merge and restores its stored tensors bit for bit, says its kind and what a call costs, so that patching,
 the counters, the estimates and ComfyUI's model management ask it instead of testing its class."""
 
+from types import SimpleNamespace
+
 import gguf
 import pytest
 import torch
@@ -14,6 +16,7 @@ from flux2_core.storage.int8 import Int8Linear
 from flux2_core.storage.linear import Linear, VectorLinear
 from flux2_core.storage.protocol import StoredLinear, call_bytes, census, stored_linears
 from flux2_core.storage.quant import Fp8Linear, count_fp8
+from flux2_core.storage.request import LayerRequest
 from tests.tiny.transformer import TINY_TRANSFORMER
 
 OUT, IN = 48, 64
@@ -76,9 +79,11 @@ def test_each_storage_gives_its_weight_and_takes_a_merge_undone_bit_for_bit(kind
 
 def test_census_counts_and_call_bytes_follow_the_storage_of_each_layer():
     fp8_names = {"single_blocks.0.linear1", "double_blocks.0.img_mlp.0"}
+    file = SimpleNamespace(stored_format=lambda key: None, float_dtype=lambda key: None,
+                           stores_fp8=lambda key: key.removesuffix(".weight") in fp8_names,
+                           ggml_type=lambda key: T.Q8_0 if key == "final_layer.linear.weight" else None)
     with torch.device("meta"):
-        model = Flux2Transformer(TINY_TRANSFORMER, Layers(fp8=fp8_names.__contains__,
-                                                          ggml=lambda n: T.Q8_0 if n == "final_layer.linear" else None))
+        model = Flux2Transformer(TINY_TRANSFORMER, Layers(LayerRequest(file, quantizable=lambda name: True)))
     layers = dict(stored_linears(model))
     kinds = {n: ("fp8" if isinstance(m, Fp8Linear) else "Q8_0" if isinstance(m, GGMLLinear) else "float")
              for n, m in model.named_modules() if isinstance(m, (Linear, Fp8Linear, GGMLLinear))}
@@ -123,7 +128,6 @@ def test_each_storage_reads_its_own_tensors_from_the_file():
     """read_from: a float layer casts the file's values to the compute dtype, a kept 16-bit one keeps them, int8
     quantizes them at load (equal to its own quantizer), and a format layer over a file that stores the layer as
     float is refused rather than read as garbage."""
-    from types import SimpleNamespace
 
     from flux2_core.errors import Flux2Error
     from flux2_core.storage.linear import CastLinear

@@ -15,6 +15,7 @@ import torch
 from ..checks import dtype_cause, finite
 from ..errors import Flux2Error
 from ..storage.quant import DROPPED_SUFFIXES
+from ..storage.request import LayerRequest
 from ..storage.stored_format import LayerFormat
 from ..variants import TextEncoderSpec
 from .layers import Layers
@@ -48,6 +49,29 @@ class StoredLayer:
     """A linear layer a quantized file keeps in its own format: the format and the layer's tensors by state name."""
     format: LayerFormat
     tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class HeldLayers:
+    """What the loader read of each linear, by module name (GGML types, 16-bit dtypes kept, stored formats): the
+    facts (``storage.request.LayerFacts``) the encoder's layers are made from."""
+    ggml_types: dict[str, int]
+    kept: dict[str, torch.dtype]
+    stored: dict[str, StoredLayer]
+
+    def stored_format(self, key: str) -> LayerFormat | None:
+        layer = self.stored.get(key.removesuffix(".weight"))
+        return None if layer is None else layer.format
+
+    def stores_fp8(self, key: str) -> bool:
+        return False
+
+    def ggml_type(self, key: str) -> int | None:
+        return self.ggml_types.get(key.removesuffix(".weight"))
+
+    def float_dtype(self, key: str) -> torch.dtype | None:
+        return self.kept.get(key.removesuffix(".weight"))
+
 
 def stack_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
     """Prompt embeddings [1 or n, L_i, width] -> [sum of n, max L_i, width], each right-padded with zeros, and every
@@ -189,8 +213,8 @@ def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, 
     keep = {k: v for k, v in sd.items() if is_used(k, num_layers)}
     kept, stored = kept or {}, stored or {}
     with torch.device("meta"):
-        model = Qwen3(params, num_layers, Layers(ggml=(ggml_types or {}).get, kept=kept.get,
-                                                 stored=lambda name: getattr(stored.get(name), "format", None)), dtype)
+        held = HeldLayers(ggml_types or {}, kept, stored)
+        model = Qwen3(params, num_layers, Layers(LayerRequest(held, dtype=dtype, quantizable=lambda name: True)), dtype)
     keep = {k: v.to(device=device, dtype=kept.get(k.removesuffix(".weight"), dtype) if v.is_floating_point()
                     else v.dtype) for k, v in keep.items()}
     keep |= {f"{name}.{k}": t.to(device) for name, layer in stored.items() if is_used(f"{name}.weight", num_layers)

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from . import ggml
 from .linear import item_by_item, linear
 from .protocol import Storage, StoredLinear, census
+from .request import LayerStorage
 
 # Peak bytes per value while a layer's blocks are dequantized, besides the result in the compute dtype: the unpacked
 # integers and two float32 temporaries (ggml.dequantize computes in float32, then casts once). Measured (test_gguf):
@@ -87,6 +88,20 @@ class GGMLEmbedding(nn.Module, Storage):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {ggml.type_name(self.qtype)}, lookups in {self.dtype}"
+
+
+# GGUF blocks, for each quantizable layer the file stores in them
+GGML_STORAGE = LayerStorage(
+    "ggml", lambda request, name: request.file.ggml_type(name + ".weight") if request.quantizable(name) else None,
+    lambda i, o, per_item, qtype: GGMLLinear(i, o, qtype, item_by_item=per_item))
+
+
+def embedding(rows: int, dim: int, qtype: int | None, dtype: torch.dtype) -> nn.Module:
+    """A float ``nn.Embedding``, or GGUF blocks whose looked-up rows are dequantized to ``dtype``."""
+    if qtype is not None:
+        return GGMLEmbedding(rows, dim, qtype, dtype)
+    # always loaded from a file: no random init (on the meta device torch's init imports torch._dynamo, ~1 s)
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
 
 
 QUANTIZED_NAMES = frozenset(ggml.type_name(q) for q in ggml.QUANTIZED)

@@ -17,6 +17,7 @@ from .. import devices, kitchen
 from ..errors import Flux2Error
 from .linear import item_by_item, linear
 from .protocol import StoredLinear, stored_linears
+from .request import LayerRequest, LayerStorage
 from .rotation import group_for, rotate_input, rotate_weight
 from .stored_format import INT8, SCALE, LayerFile, LayerFormat, StoredFormat
 
@@ -133,6 +134,21 @@ INT8_FORMAT = StoredFormat(
     "int8", ("int8_tensorwise",), Int8Linear, {"weight": INT8, "weight_scale": SCALE}, torch.int8, _read_int8,
     lambda f, i, o, per_item, device: Int8Linear(i, o, per_item, device, per_row=f.per_row, rotation=f.rotation),
     rotates=True, matmul=int8_matmuls)
+
+
+def _int8_layer(in_features: int, out_features: int, per_item: bool, kind: str) -> nn.Module:
+    rotation = group_for(in_features) if kind == "convrot" else 0
+    return Int8Linear(in_features, out_features, item_by_item=per_item, rotation=rotation)
+
+
+def _keeps_int8(request: LayerRequest, name: str) -> bool:
+    fmt = request.file.stored_format(name + ".weight")
+    return fmt is not None and fmt.format.storage is Int8Linear and bool(fmt.rotation) == (request.ask.int8 == "convrot")
+
+
+# int8 made at load (``StorageAsk.int8``): each quantizable layer, per row, plain or in ConvRot's basis
+INT8_AT_LOAD = LayerStorage("int8", lambda request, name: request.ask.int8_kind if request.quantizable(name) else None,
+                            _int8_layer, _keeps_int8)
 
 
 def quantize_blocks(model: nn.Module, chosen, convrot: bool = False) -> list[str]:

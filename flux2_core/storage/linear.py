@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..devices import kept_dtype
 from .protocol import StoredLinear
+from .request import LayerRequest, LayerStorage
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -87,3 +89,15 @@ class VectorLinear(Linear):
 
 def item_by_item(fn, x: Tensor) -> Tensor:
     return torch.cat([fn(item) for item in x.split(1)]) if x.shape[0] > 1 else fn(x)
+
+
+def _kept_dtype(request: LayerRequest, name: str) -> torch.dtype | None:
+    """Layers of a 16-bit file computed in a wider dtype keep the file's dtype (``devices.kept_dtype``)."""
+    dtype = request.dtype
+    stored = kept_dtype(request.file.float_dtype(name + ".weight"), dtype) if request.quantizable(name) else dtype
+    return None if stored == dtype else stored
+
+
+KEPT = LayerStorage("kept", _kept_dtype, lambda i, o, per_item, dtype: CastLinear(i, o, dtype, item_by_item=per_item))
+FLOAT = LayerStorage("float", lambda request, name: True,
+                     lambda i, o, per_item, _: (VectorLinear if per_item else Linear)(i, o))

@@ -17,6 +17,7 @@ from ..errors import Flux2Error
 from . import kernels
 from .linear import item_by_item, linear
 from .protocol import FLOAT_KINDS, StoredLinear, census, stored_linears
+from .request import LayerRequest, LayerStorage
 from .stored_format import FP8_E4M3, SCALE, StoredFormat, StoredTensor
 
 # in weight files, beside a quantized layer's weight: the keys of its scales (fp8, nvfp4, ComfyUI's comfy_quant)
@@ -126,6 +127,16 @@ def _fp8_format(names: tuple[str, ...], weight: tuple[str, ...], dtype: torch.dt
 # ComfyUI's scaled fp8 (per tensor) and the converter's per-row fp8: one layout, a scale of one value or one a row
 FP8_E4M3_FORMAT = _fp8_format(("float8_e4m3fn", "float8_e4m3fn_rowwise"), FP8_E4M3, torch.float8_e4m3fn)
 FP8_E5M2_FORMAT = _fp8_format(("float8_e5m2",), ("F8_E5M2", "U8"), torch.float8_e5m2)
+
+
+def _picks_fp8(request: LayerRequest, name: str) -> bool:
+    """The layers the file stores in fp8; with fp8=True every quantizable one too; none with fp8=False."""
+    fp8 = request.ask.fp8
+    return fp8 is not False and (request.file.stores_fp8(name + ".weight") or bool(fp8 and request.quantizable(name)))
+
+
+FP8_STORAGE = LayerStorage("fp8", _picks_fp8, lambda i, o, per_item, _: Fp8Linear(i, o, item_by_item=per_item),
+                           keeps=lambda request, name: request.file.stores_fp8(name + ".weight"))
 
 
 def _scaled_mm_ok(x: Tensor, w8: Tensor) -> bool:

@@ -32,9 +32,10 @@ from ..models.qwen3 import Qwen3Params
 from ..models.text_encoder import PromptEncoder, StoredLayer, build_qwen3_encoder, is_used, qwen3_state_dict
 from ..models.tokenizer import load_tokenizer
 from ..storage import ggml
-from ..storage.choices import StorageAsk
+from ..storage.choices import KINDS
 from ..storage.protocol import FLOAT_KINDS, StoredLinear
 from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, quantize_fp8
+from ..storage.request import LayerRequest, StorageAsk
 from ..storage.stored_format import SCALE, LayerFormat
 from ..variants import AutoEncoderParams, TextEncoderSpec, Variant
 from .checkpoint import TORCH_DTYPES, Checkpoint, TensorInfo, open_checkpoint, read_json, read_tensor
@@ -617,11 +618,7 @@ def _transformer_on_meta(path, params: ModelParams | None, variant: str | None, 
     family = transformer_family(source)
     check_model_dtype(dtype, family.dtypes, family.title)        # before anything is built or read
     params, chosen = _transformer_spec(source, params, variant)
-    quantizable = family.quantizable
-    layers = Layers(fp8=fp8_storage(source, ask.fp8, quantizable), ggml=gguf_storage(source, quantizable),
-                    int8=lambda name: ask.int8_kind if quantizable(name) else None,
-                    kept=kept_storage(source, dtype, quantizable),
-                    stored=lambda name: source.stored_format(name + ".weight"), chosen=storages)
+    layers = Layers(LayerRequest(source, ask, dtype, family.quantizable), chosen=storages)
     model = build_on_meta(lambda: family.build(params, layers))
     return source, model, chosen
 
@@ -636,15 +633,9 @@ def storage_outcome(path: str | Path, *, variant: str | None = None, fp8: bool |
         return None
     storages: dict[str, str] = {}
     source, _, _ = _transformer_on_meta(path, None, variant, ask, storages=storages)
-
-    def as_asked(name: str) -> bool:
-        fmt = source.stored_format(name + ".weight")
-        if ask.int8:
-            return fmt is not None and ask.made.keeps(fmt, ask.int8)
-        return source.stores_fp8(name + ".weight")
-
-    return tally(ask.option, ask.made.name, storages, transformer_family(source).quantizable,
-                 lambda name: stored_as(source, name + ".weight"), as_asked)
+    request, made = LayerRequest(source, ask, quantizable=transformer_family(source).quantizable), KINDS[ask.made]
+    return tally(ask.option, ask.made, storages, request.quantizable, lambda name: stored_as(source, name + ".weight"),
+                 lambda name: made.keeps(request, name))
 
 
 def stored_as(source: Source, key: str) -> str | None:
@@ -656,28 +647,6 @@ def stored_as(source: Source, key: str) -> str | None:
     if qtype is not None:
         return f"GGUF {ggml.type_name(qtype)}"
     return "fp8" if source.stores_fp8(key) else None
-
-
-# Each storage below holds only the layers the family's ``quantizable`` names (its blocks); the others are small and
-# stay float in the compute dtype.
-
-def fp8_storage(source: Source, fp8: bool | None, quantizable: Callable[[str], bool]) -> Callable[[str], bool]:
-    """The layers the file stores in fp8; with ``fp8=True`` every quantizable one too; none with False."""
-    return lambda name: fp8 is not False and (source.stores_fp8(name + ".weight") or bool(fp8 and quantizable(name)))
-
-
-def kept_storage(source: Source, dtype: torch.dtype,
-                 quantizable: Callable[[str], bool]) -> Callable[[str], torch.dtype | None]:
-    """Layers of a 16-bit file computed in a wider dtype keep the file's dtype (``devices.kept_dtype``)."""
-    def kept(name: str) -> torch.dtype | None:
-        stored = kept_dtype(source.float_dtype(name + ".weight"), dtype) if quantizable(name) else dtype
-        return None if stored == dtype else stored
-    return kept
-
-
-def gguf_storage(source: Source, quantizable: Callable[[str], bool]) -> Callable[[str], int | None]:
-    """The GGML type of each layer a GGUF file stores in blocks."""
-    return lambda name: source.ggml_type(name + ".weight") if quantizable(name) else None
 
 
 def _transformer_source(path) -> Source:
