@@ -1,7 +1,5 @@
-"""comfy-kitchen (ComfyUI's kernel library) where it helps, plain torch where it does not: an op is taken from it only
-on CUDA, eagerly, with a GPU backend for the op (its CPU code is the same torch ops as ours); otherwise the plain
-path runs and the log says once why. ``FLUX2_NO_KITCHEN=1`` turns it all off. The fused ops compute what the plain
-path computes, rounded once instead of at each op.
+"""comfy-kitchen (ComfyUI's kernel library) where it helps: an op is taken from it only on CUDA, eagerly, with a GPU
+backend for it; otherwise plain torch runs and the log says once why. ``FLUX2_NO_KITCHEN=1`` turns it off.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ log = logging.getLogger("flux2_klein")
 
 @functools.cache
 def _imported() -> tuple[object | None, str]:
-    """(the comfy_kitchen module or None, why not). Imported on first use, not with the engine: it imports
-    torch._dynamo (seconds on a small CPU), which a run that never asks for a kernel does without."""
+    """(the comfy_kitchen module or None, why not). Imported on first use: it imports torch._dynamo (seconds)."""
     try:
         import comfy_kitchen
         return comfy_kitchen, ""
@@ -50,7 +47,7 @@ def available(op: str) -> str | None:
 
 
 def forget() -> None:
-    """For when its backends or FLUX2_NO_KITCHEN changed in a running process (the import itself is tried once)."""
+    """For when its backends or FLUX2_NO_KITCHEN changed in a running process."""
     available.cache_clear()
     _fusing.cache_clear()
 
@@ -65,7 +62,7 @@ def gpu_backends(op: str) -> list[str]:
 
 @functools.cache
 def _fusing(op: str, device_type: str) -> bool:
-    # the CPU is ruled out before the package is asked: a CPU run never imports it for these
+    # a CPU run never imports the package for these
     if device_type != "cpu" and available(op):
         return False
     if device_type != "cuda":
@@ -84,8 +81,7 @@ def fused(x: torch.Tensor, op: str) -> bool:
 
 def rms_rope(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor, table: torch.Tensor,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm (eps 1e-6, times the scales) of q and k [B, heads, L, D], then RoPE by ``rope.rope_table``'s
-    table [B, L, D/2, 2] (cos, sin), in one kernel; both in ``dtype``."""
+    """Per-head RMSNorm of q and k [B, heads, L, D], then RoPE by a table [B, L, D/2, 2], in one kernel."""
     cos, sin = table.unbind(-1)
     rotation = torch.stack([cos, -sin, sin, cos], dim=-1).unflatten(-1, (2, 2))[:, None]   # [B, 1, L, D/2, 2, 2]
     q, k = _imported()[0].rms_rope(q, k, rotation, q_scale, k_scale, 1e-6)
@@ -98,34 +94,30 @@ def adaln(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Te
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, rotation: int = 0) -> torch.Tensor:
-    """x [..., K] @ (weight [N, K] int8 · weight_scale [N] or [])ᵀ, x quantized per token (dynamic W8A8); with
-    ``rotation``, x is first turned by ConvRot's groups of that size (``storage.rotation``)."""
+    """x [..., K] @ (weight [N, K] int8 · weight_scale [N] or [])ᵀ, dynamic W8A8; ``rotation``: ConvRot group size."""
     return _imported()[0].int8_linear(x, weight, weight_scale, out_dtype=x.dtype, convrot=bool(rotation),
                                       convrot_groupsize=rotation or 256)
 
 
 def convrot_w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         rotation: int) -> torch.Tensor:
-    """x [..., K] @ the ConvRot W4A4 weight (int8 [N, K/2] packed int4 · weight_scale [N])ᵀ, x turned by ConvRot and
-    quantized to int4 per token."""
+    """x [..., K] @ the ConvRot W4A4 weight (int8 [N, K/2] packed int4 · weight_scale [N])ᵀ."""
     return _imported()[0].convrot_w4a4_linear(x, weight, weight_scale, convrot_groupsize=rotation)
 
 
 def w4a8_int8_linear(x: torch.Tensor, weight: torch.Tensor, s_rel: torch.Tensor, s_channel: torch.Tensor,
                      codebook: torch.Tensor | None, correction: torch.Tensor | None, group: int,
                      rotation: int) -> torch.Tensor:
-    """x [..., K] @ the grouped W4A8 weight (int8 [N, K/2] packed 4-bit codes, their group scales s_rel [N, K/group],
-    row scales s_channel [N], a codebook [16] or uniform codes, a correction [K/group, N] or none)ᵀ: the codes
-    decoded to int8, x turned by ConvRot and quantized to int8 per token."""
+    """x [..., K] @ the grouped W4A8 weight ᵀ (codes [N, K/2], s_rel [N, K/group], s_channel [N], codebook [16] or
+    None, correction [K/group, N] or None); x turned by ConvRot and quantized to int8 per token."""
     return _imported()[0].w4a8_int8_linear(x, weight, s_rel, s_channel, codebook=codebook, correction=correction,
                                            group_size=group, convrot_groupsize=rotation, out_dtype=x.dtype)
 
 
 def svdquant_w4a4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, proj_down: torch.Tensor,
                          proj_up: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ the SVDQuant weight ᵀ: x divided by the smoothing and quantized to int4 per 64 inputs, times the
-    int4 codes [N, K/2] and their group scales [K/64, N], plus the low-rank branch x @ proj_down [K, R] @ proj_upᵀ
-    [R, N] -> [M, N] in the scales' dtype."""
+    """x [M, K] @ the SVDQuant weight ᵀ (int4 codes [N, K/2], scales [K/64, N]) plus the low-rank branch
+    x @ proj_down [K, R] @ proj_upᵀ [R, N] -> [M, N]."""
     ck = _imported()[0]
     q, scales, low_rank = ck.quantize_svdquant_w4a4(x, smooth=smooth, lora_down=proj_down)
     out = ck.scaled_mm_svdquant_w4a4(act=q, wgt=weight, ascales=scales, wscales=scale, lora_act_in=low_rank,

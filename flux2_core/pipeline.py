@@ -1,13 +1,8 @@
-"""The whole generation composed from the stages, for the CLI, the nodes and the tests:
-prompt -> embeds, seed -> noise [B,128,h,w], size -> sigmas, references -> tokens; Euler denoise; AE decode ->
-uint8 images [B,H,W,3].
+"""The whole generation composed from the stages: prompt, noise [B,128,h,w], sigmas and references -> Euler
+denoise -> AE decode -> uint8 images [B,H,W,3].
 
-Defaults are the reference's: a missing width/height comes from the input image, else the first prepared reference,
-else 1024 (sizes not a multiple of 16 are an error, never snapped); steps and cfg from the variant, with
-``euler.guidance_for``'s rule for cfg; batch item i uses seed + i. Inpainting follows diffusers'
-Flux2KleinInpaintPipeline: the source is reference 1 and is blended back after every step (``inpaint.AFTER_STEP``).
-Everything that can be refused (numbers, schedules, memory) is refused before any model runs; non-finite stage
-outputs stop the run (``checks.finite``). The caches ``Models`` carries never change results.
+Defaults are the reference's (size from the input image, else the first reference, else 1024; batch item i uses
+seed + i). Everything that can be refused is refused before any model runs. The caches never change results.
 """
 
 from __future__ import annotations
@@ -43,9 +38,8 @@ from .storage.matmul import choose_matmuls
 from .storage.protocol import call_bytes
 from .variants import Variant
 
-# Beyond these a run is very large and ``generate`` says so first: Klein is trained up to about 4 megapixels (a
-# single 2024^2 reference, the largest default size, stays below), and 200 steps is the Scheduler node's maximum
-# (distilled Klein uses 4, base 50).
+# Beyond these ``generate`` warns first: Klein is trained up to about 4 megapixels; 200 steps is the Scheduler node's
+# maximum.
 LARGE_PIXELS = 2048 * 2048
 LARGE_STEPS = 200
 
@@ -56,8 +50,7 @@ class Models:
     variant: Variant
     autoencoder: AutoEncoder
     prompt_encoder: PromptEncoder
-    # What repeated generate calls reuse (None: no caching). Embeddings are kept on the CPU; the reference K/V of
-    # the last edit stay on the device (about 2 GiB for one 1024^2 reference on Klein 9B in bf16).
+    # Reused across generate calls (None: no caching). The reference K/V stay on the device (~2 GiB per 1024^2 on 9B).
     prompt_cache: PromptCache | None = field(default_factory=lambda: PromptCache(storage="cpu"))
     reference_cache: ReferenceKVCache | None = field(default_factory=lambda: ReferenceKVCache(max_items=1))
 
@@ -70,17 +63,13 @@ class Models:
 def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: torch.dtype | None = None,
                 variant: str | None = None, fp8: bool | None = None, int8: bool | str = False, offload_encoder="auto",
                 offload_blocks=False, size: tuple[int, int] = (DEFAULT_SIZE, DEFAULT_SIZE), decoder=None) -> Models:
-    """dtype: the transformer's and text encoder's compute dtype; None: what the device computes fast
-    (``devices.compute_dtype``; the text encoder never float16); the AE stays float32. A 16-bit file's weights stay
-    16-bit where the compute dtype is wider, cast per layer. fp8 / int8: as ``weights.load_transformer``.
-    offload_encoder: where the text encoder rests between encodes (True: the CPU; "auto": the CPU on CUDA unless it
-    fits beside the transformer with a ``size`` image's working memory); it never visits the device before its first
-    encode. offload_blocks (``memory.should_stream``): True, or "auto" when the transformer and that working memory do
-    not fit, reads the transformer to CPU memory and streams the blocks that do not fit (``offload.py``).
+    """Loads the three models. dtype None: what the device computes fast (the AE stays float32).
+    offload_encoder: the text encoder rests on the CPU between encodes (True, or "auto" unless it fits beside the
+    transformer). offload_blocks: stream the blocks that do not fit from CPU memory (True or "auto").
     """
     from . import weights
 
-    dtype = dtype_named(dtype)                  # "fp16", "bf16", ... mean the torch dtype; anything else is refused
+    dtype = dtype_named(dtype)                  # "fp16", "bf16", ...; anything else is refused
     if dtype is not None and str(device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
         check_cpu_dtype(dtype)                  # refused before anything loads, not in the first attention
     cpu, stream, asked = torch.device("cpu"), False, dtype
@@ -116,9 +105,7 @@ def load_models(transformer, text_encoder, autoencoder, *, device=None, dtype: t
 
 def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool | str = False,
                          compile: bool = False) -> Models:
-    """In place, for a model already in memory (files load straight to fp8 / int8 with ``load_models``). ``compile``:
-    the first step at each new image size pays the compile.
-    """
+    """Quantizes / compiles a loaded model in place. With compile, the first step at each new size pays for it."""
     from .runtime import compile as compiling
     from .storage import quant
 
@@ -127,7 +114,7 @@ def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool | str 
                          "fp8=True / int8=True, --fp8 / --int8), or unstream it first (offload.unstream)")
     applied = run_state(models.transformer).adapters
     if (fp8 or int8) and applied is not None and (applied.merged or applied.hooks):
-        # the new layers would be made from the merged weights, and the adapters could never be taken off them again
+        # quantizing merged weights would make the adapters impossible to take off again
         raise Flux2Error("the transformer has LoRAs applied: quantize first, then apply them (optimize_transformer "
                          "before apply_adapters), or remove them first (apply_adapters(models, []))")
     quantizable = family_of_params(models.transformer.params).quantizable
@@ -143,9 +130,7 @@ def optimize_transformer(models: Models, *, fp8: bool = False, int8: bool | str 
 
 
 def apply_adapters(models: Models, files: Sequence[tuple[str | Path, float]], merge: bool | None = None) -> list[str]:
-    """Replaces any adapters applied before (an empty list: the models as loaded). Returns one match report line per
-    adapter; the caches key their entries by the applied set.
-    """
+    """Replaces any adapters applied before ([]: none). Returns one match report line per adapter."""
     from .adapters.lora import read_adapter
     from .adapters.patching import set_adapters
 
@@ -161,9 +146,8 @@ def apply_adapters(models: Models, files: Sequence[tuple[str | Path, float]], me
 # --- the text encoder: cache and offload ----------------------------------------------------------------------------
 
 class EncoderOnCall:
-    """The text encoder as the prompt cache sees it: it rests on ``rest`` and visits ``device`` only to encode what the
-    cache does not hold. ``aside`` (the transformer) steps aside to ``rest`` while it visits when the two do not fit
-    together: Klein 9B's 18 GB transformer and 16 GB encoder take turns on a 24 GB card, as ComfyUI would have them.
+    """The text encoder resting on ``rest``, visiting ``device`` only to encode. ``aside`` (the transformer) moves out
+    while it visits when the two do not fit together (Klein 9B's 18 GB + 16 GB on a 24 GB card).
     """
 
     def __init__(self, encoder: PromptEncoder, device: torch.device, rest: torch.device,
@@ -237,13 +221,10 @@ def generate(models: Models, prompt: str, *, references=(), width: int | None = 
              mask: Image.Image | None = None, mask_reading: str = "auto", boxes=None,
              reference_kv: ReferenceKV | None = None, noise: Tensor | None = None, bfl_cuda_noise: bool = False,
              cache: float = 0.0, offload_encoder="auto", callback=None, warn=None) -> Result:
-    """references: PIL images. sigmas overrides steps. image + strength: image-to-image; with ``mask``: inpainting,
-    the mask read as ``mask_reading`` says ("auto": white = repaint, or its transparency where it has some and both
-    readings agree; "alpha": transparent = repaint; "grey": white = repaint; ``sampling.inpaint.mask_levels``).
-    reference_kv: precomputed K/V (KV models; else ``models.reference_cache``). noise: explicit
-    [batch, 128, H/16, W/16]. cache: the step cache's threshold (0: off; ``sampling.step_cache``), what it did in
-    ``settings["cache"]``. callback(Step) after every step; warn(text) for each warning as it arises (all are also in
-    ``Result.warnings``), so a caller can show them before the work.
+    """references: PIL images. sigmas overrides steps. image + strength: image-to-image; with ``mask``: inpainting
+    (``mask_reading``: "auto", "alpha" or "grey"). noise: explicit [batch, 128, H/16, W/16]. cache: the step cache's
+    threshold (0: off). callback(Step) after every step; warn(text) as each warning arises (all also in
+    ``Result.warnings``).
     """
     variant, model, ae, device = models.variant, models.transformer, models.autoencoder, models.device
     warnings = []
@@ -293,8 +274,7 @@ def run_settings(ask: Request, run: DenoiseRun, prompt: str, negative: str, seed
 
 def encode_for_run(models: Models, ask: Request, run: DenoiseRun, negative: str, batch: int, kept_kv: bool,
                    offload_encoder, say) -> PromptEmbeds:
-    """The prompt (and the negative where CFG runs) encoded, the encoder resting where the denoise leaves room; the
-    largest stage (the denoise, an encode, the decode) checked to fit before anything allocates."""
+    """The prompt (and negative under CFG) encoded; the largest stage checked to fit before anything allocates."""
     ae, device, (h, w), dtype = models.autoencoder, models.device, ask.grid, models.transformer.dtype
     prompts = [ask.text, negative] if run.cfg else [ask.text]
     needed = run.need(batch, h, w, dtype, text_tokens=models.prompt_encoder.text_tokens(prompts),
@@ -313,10 +293,8 @@ def encode_for_run(models: Models, ask: Request, run: DenoiseRun, negative: str,
 
 def start_and_references(models: Models, ask: Request, noise: Tensor, as_kv: bool,
                          given_kv: ReferenceKV | None) -> tuple[Tensor | None, ReferencePack, inpaint.Inpaint | None]:
-    """(the encoded picture to edit [1, 128, h, w] or None, the references as the model takes them, inpainting's
-    blend or None). A KV edition's K/V come from ``given_kv`` or the models' cache, which on a hit skips the encode and
-    the reference pass; inpainting puts the picture first among the references and is never cached (the cache keys on
-    reference pictures)."""
+    """(the picture to edit [1, 128, h, w] or None, the references, inpainting's blend or None). Inpainting puts the
+    picture first among the references and is never cached (the cache keys on reference pictures)."""
     ae, model, family = models.autoencoder, models.transformer, family_of(models.variant)
     start = None if ask.init is None else stages.encode_image(models, ask.init, ask.width, ask.height)
     if ask.masked:
@@ -335,8 +313,7 @@ def start_and_references(models: Models, ask: Request, noise: Tensor, as_kv: boo
 
 
 def decoded(models: Models, ask: Request, latents: Tensor, seed: int, settings: dict, warnings: list[str]) -> Result:
-    """The latents [B, 128, h, w] decoded (in tiles where one piece does not fit), a padded reference's box cropped
-    out."""
+    """The latents [B, 128, h, w] decoded, a padded reference's box cropped out."""
     images, width, height = stages.decode(models, latents), ask.width, ask.height
     if ask.crop is not None:
         left, top, right, bottom = ask.crop

@@ -1,12 +1,8 @@
-"""JSON a user hands us, read by one guarded reader: a ``--boxes`` file, the Layout node's text, a box table at the
-end of a prompt, an upsampler folder's config files, an adapter's metadata.
+"""JSON a user hands us (box files, config files, adapter metadata), read by one guarded reader.
 
-Python's ``json`` alone is no guard: text nested a few thousand deep raises RecursionError, a number of thousands of
-digits a ValueError, a cut file JSONDecodeError, and it takes what JSON has not (NaN, Infinity) and what no text can
-be written as (a lone surrogate such as "\\ud800", which fails later, in the tokenizer). Here every document is bounded
-in size and depth, its strings are real text and its top level the kind the caller reads; anything else is a
-Flux2Error that names the source and says how to fix it. Prompt text is scanned with ``list_at_end``, which never
-raises: text that is no JSON is just text.
+Python's ``json`` alone raises many error types on hostile input and takes NaN and lone surrogates. Here every
+document is bounded in size and depth, its strings are real text and its top level the kind the caller reads;
+anything else is a Flux2Error that names the source. ``list_at_end`` scans prompt text and never raises.
 """
 
 from __future__ import annotations
@@ -17,12 +13,8 @@ from pathlib import Path
 
 from .errors import Flux2Error
 
-# Layouts nest 3 levels and Hugging Face configs about 4: 32 is far past any real document and far below the depth
-# at which Python's parser runs out of stack.
-MAX_DEPTH = 32
-# The documents read here are kilobytes (a layout, a config, a few system prompts): 4 MiB leaves them ample room and
-# keeps a wrong file (a model, an archive) from being read whole.
-MAX_CHARS = 4 << 20
+MAX_DEPTH = 32              # real documents nest about 4; far below where Python's parser runs out of stack
+MAX_CHARS = 4 << 20         # documents here are kilobytes; a wrong file (a model) is not read whole
 KINDS = {dict: "object", list: "list", str: "string", int: "number", float: "number", bool: "true or false",
          type(None): "null"}
 JSON_SPACE = re.compile(r"[ \t\n\r]*")      # what JSON calls whitespace (str.strip takes more)
@@ -83,8 +75,7 @@ def kind_of(value) -> str:
 
 
 def parse_json(text: str | bytes, source: str, want: type, fix: str):
-    """``text`` (bytes: UTF-8, a byte-order mark allowed) as a JSON ``want`` (dict or list); ``source`` names it in
-    messages, ``fix`` says what to do instead."""
+    """``text`` (bytes: UTF-8) as a JSON ``want`` (dict or list); ``source`` and ``fix`` are for messages."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8-sig")
@@ -102,8 +93,7 @@ def parse_json(text: str | bytes, source: str, want: type, fix: str):
 
 
 def read_json_file(path: Path, want: type, fix: str, what: str):
-    """A JSON file (``parse_json``), its size checked before it is read; ``what`` says what the file is in every
-    message ("the transformer's config.json"), beside its path."""
+    """A JSON file (``parse_json``), its size checked before it is read; ``what`` names it in messages."""
     source = f"{what} ({path})"
     try:
         size = path.stat().st_size
@@ -132,9 +122,8 @@ def _escaped(text: str, quote: int) -> bool:
 def list_start(text: str) -> int | None:
     """Where a JSON list that ends ``text`` would start, or None where none can.
 
-    Read backwards: in JSON every quote inside a string is escaped, so the unescaped quotes pair up from the end the
-    same way for any start, and the brackets outside those strings match one way only. The final "]" therefore has
-    one opening "[" at most: one candidate to parse, not one per "[" of the prose before it."""
+    Read backwards: unescaped quotes pair up from the end the same way for any start, so the final "]" has one
+    opening "[" at most: one candidate to parse, not one per "[" of the prose before it."""
     if not text.rstrip().endswith("]"):
         return None
     depth, in_string = 0, False
@@ -154,8 +143,7 @@ def list_start(text: str) -> int | None:
 
 
 def list_at_end(text: str) -> tuple[int, list] | None:
-    """(where it starts, the list) for the JSON list that ends ``text``, or None where none does (or it breaks a
-    bound): for scanning a prompt, whose text is anything, so nothing here raises."""
+    """(start, the list) for the JSON list that ends ``text``, else None; never raises."""
     start = list_start(text)
     if start is None:
         return None

@@ -1,9 +1,5 @@
-"""The types every family's variants are made of: ``Variant`` (a release: its transformer's parameters, its text
-encoder and its sampling defaults), ``TextEncoderSpec`` (how its prompts are encoded), ``AttentionShape`` (what every
-transformer's parameters derive) and the autoencoder every family shares (``AutoEncoderParams``, ``FLUX2_AE``).
-
-Each family's own values (its variants, its encoders, its templates) are in its package under ``families/``; the
-registry of all of them is ``families.VARIANTS``. Tests build tiny parameters with any hidden size, depth or RoPE axes.
+"""The types every family's variants are made of (``Variant``, ``TextEncoderSpec``, ``AttentionShape``) and the
+autoencoder they share. Each family's values are under ``families/``; the registry is ``families.VARIANTS``.
 """
 
 from __future__ import annotations
@@ -14,8 +10,7 @@ from .prompt_padding import PromptPadding
 
 
 class AttentionShape:
-    """What a transformer's parameters derive from hidden_size, num_heads, mlp_ratio and axes_dim (every family's
-    parameter dataclass has them), checked when they are made."""
+    """What every family's parameters derive from hidden_size, num_heads, mlp_ratio and axes_dim, checked on init."""
     hidden_size: int
     num_heads: int
     mlp_ratio: float
@@ -74,24 +69,20 @@ class TextEncoderSpec:
     max_length: int         # the most tokens a prompt keeps (longer ones are cut)
     template: str           # the text the prompt is put in ("{prompt}" marks where) before tokenizing
     padding: PromptPadding  # the rows each prompt is padded to, and its pads' RoPE positions
-    model: str              # the language model it reads: "qwen3" or "qwen3-vl" (its text tower); files that say
-                            # which they are are refused for the other
+    model: str              # "qwen3" or "qwen3-vl" (its text tower); a file saying it is the other is refused
     title: str              # the model as messages name it: "Qwen3-4B", "Qwen3-VL-4B-Instruct"
     reader: str             # who reads it, as messages name it: "FLUX.2 Klein 4B", "FLUX 3 Image Klein"
     files: tuple[str, ...]  # usual file names (ComfyUI text_encoders/), for finding weights
-    gguf_stem: str          # GGUF files are named <stem>-<quant>.gguf (llama.cpp / unsloth: Qwen3-4B-Q4_K_M.gguf)
+    gguf_stem: str          # GGUF files are named <stem>-<quant>.gguf
     rope_theta: float       # the encoder's RoPE base where its file has no config.json to say it
-    # a file that does not say which language model it is (no config, no tower names, a name that says neither) is
-    # read as this one: Qwen3-4B and Qwen3-VL-4B's text tower have the same shapes, so only the family asking can
-    # decide. FLUX.2's Qwen3 files have always been read so; a Qwen3-VL file says what it is (its tower's names, its
-    # config, its GGUF architecture, ComfyUI's name), so FLUX 3 refuses one that does not
+    # whether a file that does not say which model it is reads as this one: Qwen3-4B and Qwen3-VL-4B's text tower
+    # have the same shapes, so only the family asking can decide
     unmarked: bool
     loadable: bool          # False: no loader here reads it (FLUX.2 [dev]'s Mistral), so its variants cannot run
 
     @property
     def width(self) -> int:
-        """The width of the embeddings it gives: one layer's hidden size for each layer read (the model's
-        context_in_dim)."""
+        """The embeddings' width (the model's context_in_dim)."""
         return len(self.output_layers) * self.hidden_size
 
     @property
@@ -113,8 +104,7 @@ class Variant:
     default_cfg: float
     guidance_distilled: bool           # True: one forward per step, no CFG (cfg is ignored)
     use_kv_cache: bool = False         # 9B-KV: references at t=0, self-attending, K/V cached
-    files: tuple[str, ...] = field(default=())   # usual file names, for finding weights (the first one's stem,
-                                                 # plus -<quant>.gguf, names its GGUF files: flux-2-klein-4b-Q4_K_M.gguf)
+    files: tuple[str, ...] = field(default=())   # usual file names; the first one's stem names its GGUF files
     title: str = ""                    # what messages call it ("FLUX.2 Klein 9B KV"); custom variants have none
     family: str = field(kw_only=True)  # its model family (``families.FAMILIES``): every variant names its own
 

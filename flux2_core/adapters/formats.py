@@ -1,8 +1,7 @@
 """Adapter file keys: which of our weights, and which rows of it, a key names.
 
-A key is ``<prefix><module path><suffix>``: the suffix gives the tensor's role (``.lora_down.weight`` -> "down",
-``.lokr_w1`` -> "w1", ``.alpha``...), the path a Linear in one of the namings users' files have (FLUX.2 Klein's
-examples; each family's file layouts give its own names):
+A key is ``<prefix><module path><suffix>``: the suffix gives the tensor's role (``.lora_down.weight`` -> "down"), the
+path a Linear in one of the namings files use (FLUX.2 Klein's examples):
 
     diffusion_model.<our module>.lora_A.weight                        our (BFL's) names: ai-toolkit, ComfyUI, fal
     lora_unet_<our module with "." -> "_">.lora_down.weight           kohya/musubi
@@ -10,9 +9,7 @@ examples; each family's file layouts give its own names):
     lycoris_transformer_blocks_0_attn_to_q.lokr_w1                    LyCORIS on diffusers: path with "." -> "_"
     lora_te_model_layers_0_self_attn_q_proj.lora_down.weight          text encoder (Qwen3), kept apart
 
-A module that is part of a fused weight in a file's naming is a row slice of it (diffusers' ``to_q``/``to_k``/``to_v``:
-rows [0,H), [H,2H), [2H,3H) of our fused qkv), by the model family's file layouts (``Family.layouts``, the weight
-loader's tables); which linears there are is read off the built model (``families.linear_shapes``).
+A module that is part of one of our fused weights is a row slice of it (diffusers' ``to_q``: rows [0,H) of our qkv).
 """
 
 from __future__ import annotations
@@ -44,13 +41,11 @@ DOTTED_PREFIXES = [("model.diffusion_model.", "ComfyUI"), ("diffusion_model.", "
                    ("base_model.model.", "PEFT-wrapped"), ("transformer.", "diffusers/PEFT"), ("", "bare")]
 UNDERSCORE_PREFIXES = [("lora_unet_", "kohya/musubi"), ("lora_transformer_", "OneTrainer"), ("lycoris_", "LyCORIS")]
 
-# Qwen3 decoder linears (our text encoder's names: transformers' Qwen3Model, "layers.N.self_attn.q_proj"), behind
-# any prefix (lora_te_, text_encoder.model., text_encoders.qwen3_4b.transformer.model., te., base_model.model.model.)
+# Qwen3 decoder linears ("layers.N.self_attn.q_proj"), behind any prefix
 TEXT_ENCODER = re.compile(r"(?:^|[._])layers[._](\d+)[._](self_attn|mlp)[._](q_proj|k_proj|v_proj|o_proj|gate_proj|"
                           r"up_proj|down_proj)$")
 
-# Other model families, by names none of ours has (checked on keys that matched none of the model's names); a family
-# adds the ones often taken for it (``AdapterNaming.lookalikes``).
+# Other model families, by names none of ours has (checked on keys that matched nothing)
 OTHER_FAMILIES = [
     (re.compile(r"(?:img|txt)_mod[._]1(?:$|[._])|(?:img|txt)_mlp[._]net[._]"), "Qwen-Image"),
     (re.compile(r"(?:^|[._])(?:down_blocks|up_blocks|mid_block|input_blocks|output_blocks|middle_block)[._]\d|"
@@ -83,8 +78,7 @@ class Target:
         return (self.rows[1] - self.rows[0], self.shape[1]) if self.rows else self.shape
 
 
-# diffusers' fused projections (``fuse_qkv_projections``; a LoKr loaded on fused qkv is saved back under these): the
-# names of the three split ones -> the fused one's, which covers all of our fused qkv weight
+# diffusers' fused projections (``fuse_qkv_projections``): the three split names -> the fused one's
 FUSED_DIFFUSERS = {("to_q", "to_k", "to_v"): "to_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"): "to_added_qkv"}
 BLOCK_INDEX = re.compile(r"(?<=[._])\d+(?=[._]|$)")       # a module path's first index: its block's
 
@@ -95,10 +89,8 @@ class ModelNames:
     family: Family
     dotted: Mapping[str, Target]                # every layout's module paths -> the weight (rows) they name
     underscored: Mapping[str, Target]           # the same with "." -> "_" (kohya, LyCORIS)
-    blocks: Mapping[str, tuple[str, str, int]]  # a path with its block index as "#" -> (its block list as the file
-                                                # names it, the report group, the blocks the model has in that list)
+    blocks: Mapping[str, tuple[str, str, int]]  # path with "#" for the index -> (block list, group, blocks in it)
     depths: Mapping[str, int]                   # the family's block groups -> the blocks the model has in each
-                                                # (read-only: one ModelNames serves every adapter of the model)
 
     def model_name(self, hidden: int) -> str:
         return self.family.adapters.models.get(hidden, f"a model with hidden size {hidden}")
@@ -157,8 +149,7 @@ def split_key(key: str) -> tuple[str, str] | None:
 
 
 def _unprefixed(path: str):
-    """(the path without a producer's prefix, the names it is looked up in, the producer, the prefix) for every
-    prefix it has: underscore prefixes (kohya, LyCORIS) name modules with "." -> "_", dotted ones as they are."""
+    """(path without the prefix, its joiner "_" or ".", producer, prefix) for every prefix the path has."""
     for prefix, producer in UNDERSCORE_PREFIXES:
         if path.startswith(prefix):
             yield path[len(prefix):], "_", producer, prefix
@@ -199,8 +190,7 @@ def refuse_other_family(keys: list[str], names: ModelNames, params, where: str) 
 
 
 def refuse_missing_blocks(keys: list[str], names: ModelNames, params, where: str) -> None:
-    """Flux2Error when a key names a block index this model does not have (an adapter for a deeper model), with the
-    family's model it fits."""
+    """Flux2Error when a key names a block this model does not have, with the model it fits."""
     found = []                                                    # (key, block list, group, blocks there, index)
     for key in keys:
         split = split_key(key)

@@ -2,12 +2,11 @@
 
 The math, with ΔW [out, in] for the patch's rows (every loader agrees):
     LoRA   ΔW = s · up @ down,                   up [out, r], down [r, in]; s = alpha / r, or 1 without alpha
-    LoKr   ΔW = s · kron(W1, W2),                W1 [a1, a2] (lokr_w1, or w1_a @ w1_b), W2 [b1, b2]; out = a1·b1,
-                                                 in = a2·b2; s = alpha / rank only when a factor is decomposed
-                                                 (rank = w2_b's rows, else w1_b's), else 1
+    LoKr   ΔW = s · kron(W1, W2),                W1 [a1, a2], W2 [b1, b2]; s = alpha / rank only when a factor is
+                                                 decomposed, else 1
     LoHa   ΔW = s · (w1_a @ w1_b) ⊙ (w2_a @ w2_b), s = alpha / w1_b's rows
     diff   ΔW = diff
-Diffusers/PEFT files without .alpha keys carry alpha in their ``lora_adapter_metadata`` (use_rslora: alpha / sqrt(r)).
+PEFT files without .alpha keys carry alpha in their ``lora_adapter_metadata``.
 """
 
 from __future__ import annotations
@@ -83,9 +82,7 @@ class Patch:
         return self._in_our_order(d * self.scale, 0).to(dtype)
 
     def branch(self, x: Tensor) -> Tensor:
-        """x [..., in] -> ΔW x [..., out] without building ΔW where the kind allows. LoKr: kron(W1, W2) x =
-        vec(W1 · X · W2ᵀ) with X = x as [a2, b2], row-major as torch.kron orders. Not for DoRA: see ``dora_factor``.
-        """
+        """x [..., in] -> ΔW x [..., out] without building ΔW where the kind allows (LoKr: W1 · X · W2ᵀ). Not DoRA."""
         t = {k: v.to(x.device, x.dtype) for k, v in self.tensors.items()}     # no copy once they are x's kind
         if self.kind == "lora":
             y = (x @ t["down"].T) @ t["up"].T * self.scale
@@ -99,9 +96,8 @@ class Patch:
         return self._in_our_order(y, -1)
 
     def dora_factor(self, weight: Tensor, comfyui_quirk: bool = False) -> Tensor:
-        """m / (‖W + ΔW‖ + eps), [out, 1] or [1, in], so that W' = (W + ΔW) · factor; ``weight`` is W for the patch's
-        rows. The norm is of the merged weight, per row or per column as dora_scale's shape says, as LyCORIS does;
-        ``comfyui_quirk`` takes the output-axis norm of the original W as ComfyUI does (for parity tests only).
+        """m / (‖W + ΔW‖ + eps), [out, 1] or [1, in], so that W' = (W + ΔW) · factor, as LyCORIS.
+        ``comfyui_quirk``: the norm of the original W, as ComfyUI (for parity tests only).
         """
         if self.dora_scale is None:
             raise Flux2Error(f"{self.source} is no DoRA patch (it has no dora_scale)")
@@ -158,9 +154,7 @@ class Adapter:
     _digests: dict = field(default_factory=dict, repr=False, compare=False)   # digest() by its argument
 
     def digest(self, text_encoder: bool = True) -> str:
-        """What caches key results by (with the strength), instead of a file name that can change;
-        ``text_encoder=False``: of the transformer patches alone. Computed once: it reads every tensor.
-        """
+        """What caches key results by, instead of a file name that can change. Computed once: it reads every tensor."""
         if text_encoder not in self._digests:
             self._digests[text_encoder] = self._hash(text_encoder)
         return self._digests[text_encoder]
@@ -191,8 +185,8 @@ class AdapterUse:
 def read_adapter(source: str | Path | Mapping[str, Tensor], params: ModelParams,
                  text_encoder_keys: Mapping[str, object] | Iterable[str] | None = None,
                  metadata: Mapping[str, str] | None = None, name: str | None = None) -> Adapter:
-    """``text_encoder_keys``: the text encoder's parameter names, as a mapping to tensors or shapes (shapes are then
-    checked) or as names; None keeps every text-encoder patch unchecked.
+    """``text_encoder_keys``: the text encoder's names, or a mapping to tensors or shapes (then checked); None:
+    text-encoder patches unchecked.
     """
     if isinstance(source, Mapping):
         state, meta, where = dict(source), dict(metadata or {}), name or "the adapter"
@@ -267,9 +261,7 @@ def _matrix(t: Tensor) -> Tensor:
 
 
 def _peft_alpha(meta: Mapping[str, str], path: str, rank: int, component: str = "transformer") -> float | None:
-    """diffusers writes one LoraConfig per adapted model, its fields prefixed with the model's name ("transformer.",
-    "text_encoder."); a file without prefixes has one config for all.
-    """
+    """diffusers writes one LoraConfig per adapted model, fields prefixed "transformer." etc. (or none: one for all)."""
     raw = meta.get("lora_adapter_metadata")
     if not raw:
         return None

@@ -1,13 +1,8 @@
 """Adapter patches applied to a model's linear layers, and undone bit for bit.
 
-Where the layer's storage merges (float weights), W' = W + Σ strength·ΔW is computed in float32 from the original
-W, which the layer keeps on the CPU: free per step, and every new set starts from the original, so nothing ever
-drifts. Quantized storage (fp8, GGUF) runs a branch y[..., rows] += strength·ΔW x beside the unchanged weight, since
-re-quantizing a merged weight would round it again; ``merge=True`` merges anyway, as the storage does it. DoRA
-rescales the whole weight, so it merges unless ``merge=False``, which changes no stored tensor at all (a host that
-streams the weights as stored): its branch scales the layer's output rows, or its input columns, by the factor the
-merge would use. ``run_state(model).adapter_key`` names the applied set; the caches key by it
-(``cache.fingerprint``), so nothing computed with one set is served for another.
+Float weights merge: W' = W + Σ strength·ΔW in float32 from the original W, kept on the CPU, so nothing drifts.
+Quantized storage runs a branch y[..., rows] += strength·ΔW x beside the weight, since re-quantizing would round
+again. DoRA merges unless ``merge=False``. ``run_state(model).adapter_key`` names the applied set for the caches.
 """
 
 from __future__ import annotations
@@ -41,10 +36,8 @@ def merge_asked(flags) -> bool | None:
 
 def set_adapters(model: nn.Module, patches: Sequence[tuple[Patch, float]], key: Hashable = (),
                  merge: bool | None = None) -> None:
-    """Replaces whatever an earlier call applied; an empty list gives the model as loaded. ``merge``: None merges
-    float layers and branches the others, True merges all, False branches all (no stored tensor changes). Strength 0
-    is left out. Every patch is checked against its layer before anything changes: a refused set leaves the model as
-    it was.
+    """Replaces whatever an earlier call applied ([]: as loaded). ``merge``: None by layer, True merges all, False
+    branches all. Every patch is checked first, so a refused set leaves the model as it was.
     """
     if merge not in (None, True, False):
         raise Flux2Error(f"merge must be None (by layer), True or False, got {merge!r}")
@@ -128,8 +121,7 @@ def _on_device(items: list[tuple[Patch, float]], device: torch.device) -> list[t
 
 @torch.no_grad()
 def _dora_factors(layer: StoredLinear, items: list[tuple[Patch, float]]) -> list[Tensor | None]:
-    """Per patch, its DoRA factor ([rows, 1] or [1, in]) against the weight as the patches before it leave it, as
-    ``_merge_rows`` computes it; None for the others. Replayed once on a float32 copy that is never written back."""
+    """Per patch, its DoRA factor ([rows, 1] or [1, in]) as ``_merge_rows`` would compute it; None for the others."""
     if all(patch.dora_scale is None for patch, _ in items):
         return [None] * len(items)
     # a copy: a float32 layer's float_weight is its weight itself
@@ -153,9 +145,8 @@ def _branches(items: list[tuple[Patch, float]], factors: list[Tensor | None]):
 
 def _branched(layer: nn.Module, items: list[tuple[Patch, float]], factors: list[Tensor | None], x: Tensor,
               out: Tensor) -> Tensor:
-    """``out`` (W x, W the stored weight) made W' x, patch after patch as ``_merge_rows`` makes W'. DoRA per output
-    row: W' x = W x + s·(f ⊙ (W + ΔW) x − W x). Per input column: (W + ΔW)(f ⊙ x), which needs the weight as the
-    patches before it leave it applied to f ⊙ x: the layer's own forward (no hooks) and those patches again."""
+    """``out`` (W x) made W' x, patch after patch as ``_merge_rows`` makes W'. DoRA per row: W x + s·(f ⊙ (W + ΔW) x
+    − W x); per column: (W + ΔW)(f ⊙ x), with the earlier patches applied again."""
     for i, ((patch, strength), factor) in enumerate(zip(items, factors)):
         rows = slice(*patch.rows) if patch.rows else slice(None)
         if factor is None:

@@ -1,11 +1,9 @@
 """A batch's output folder: its jobs' images and manifest.json, the record of what each job did.
 
-Nothing half-written ever carries a real name: images and the manifest are written under a hidden temp name
-(.flux2-batch-*.part, removed by the next run) and renamed once whole; image names are claimed with a hard link (or
-O_EXCL), which never replaces a file. A lock keeps two batches apart, and one folder holds one workflow's batch.
-manifest.json is data from disk, perhaps damaged or edited: a record is used only as ``JobRecord.read`` finds it, its
-files only by names ``folder_name`` allows (never outside the folder), and an image only while its bytes hash as
-recorded (a cut or changed one is made again).
+Nothing half-written carries a real name: files are written under a temp name and renamed once whole; image names
+are claimed with a hard link (or O_EXCL), which never replaces a file. A lock keeps two batches apart.
+manifest.json may be damaged or edited: a record is used only as ``JobRecord.read`` finds it, and an image only while
+its bytes hash as recorded.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ STATUSES = ("done", "failed")
 
 
 def folder_name(name) -> bool:
-    """The one rule for a name the manifest may give a file: one plain name in the folder (no separator, no "..", not
-    hidden, not the manifest), as publish makes them, so a record can reach nothing outside it."""
+    """A name the manifest may give a file: one plain name in the folder, so a record can reach nothing outside it."""
     return isinstance(name, str) and bool(FILE_NAME.fullmatch(name)) and name != NAME
 
 
@@ -55,8 +52,7 @@ def digest(data: bytes) -> str:
 
 @dataclass
 class JobRecord:
-    """`files`: names in the folder, in the order the workflow saved them; `digests`: the SHA-256 of each as
-    published (empty in records of earlier clients)."""
+    """`files`: names in the folder, in save order; `digests`: the SHA-256 of each (empty in older records)."""
 
     id: str
     key: str                     # batch_jobs.job_key: the same key means the same job
@@ -70,8 +66,7 @@ class JobRecord:
 
     @classmethod
     def read(cls, value) -> JobRecord | None:
-        """A record as manifest.json holds it, or None where it is not one this client could have written (a field
-        missing, null or of another type, a file name ``folder_name`` refuses): the job is then unknown, run again."""
+        """A record as manifest.json holds it, or None where this client could not have written it (run it again)."""
         if not isinstance(value, dict):
             return None
         texts = ("id", "key", "status", "server", "error", "source")
@@ -113,8 +108,8 @@ class Manifest:
 
     @classmethod
     def open(cls, out: str, workflow: str = "", workflow_key: str = "") -> Manifest:
-        """The folder checked, created, locked and cleaned of temp files, with its record. workflow: a name for
-        messages; workflow_key: ``batch_jobs.job_key`` of it (another workflow's manifest is refused)."""
+        """The folder checked, created, locked and cleaned of temp files, with its record (another workflow's is
+        refused)."""
         folder = check_folder(out, "--out")
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -140,8 +135,7 @@ class Manifest:
                              "one another folder") from None
 
     def end(self) -> None:
-        """Publish refuses from now on (a running job writes nothing) and the folder is unlocked; waits for a publish
-        under way, so nothing lands after it returns."""
+        """Publish refuses from now on and the folder is unlocked; waits for a publish under way."""
         with self.lock:
             self.ended.set()
         self.close()
@@ -181,10 +175,8 @@ class Manifest:
         self.workflow_key = self.workflow_key or theirs
 
     def begin(self, jobs: dict[str, str]) -> list[str]:
-        """jobs {id: key} -> the ids changed since they ran (id kept, key in none of the jobs): the new images replace
-        the old record and files when published, rather than landing beside them as 0001-1-1.png. A key still in
-        the batch under another id (a line put above it) is that job's and stays. A done job whose images are no
-        longer whole is made again in their place too (not counted as changed)."""
+        """jobs {id: key} -> the ids changed since they ran: their new images replace the old record and files when
+        published. A done job whose images are no longer whole is made again in their place too."""
         keys = set(jobs.values())
         self.replaced, changed = {}, set()
         for record in self.records.values():
@@ -205,8 +197,7 @@ class Manifest:
         return record if self._whole[key] else None
 
     def _whole_file(self, name: str, index: int, record: JobRecord) -> bool:
-        """A plain file (not a link out of the folder) of the bytes published; a record of an earlier client, which
-        kept no digests, at least a picture that decodes to its last pixel."""
+        """A plain file of the bytes published (without digests: a picture that decodes whole)."""
         try:
             fd = os.open(self.folder / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
             with os.fdopen(fd, "rb") as f:
@@ -226,9 +217,8 @@ class Manifest:
             self._save(record)
 
     def _save(self, record: JobRecord, dropped: list[str] = ()) -> None:
-        """The lock held; kept only once manifest.json holds it. The whole file is written anew from each job's line
-        of JSON, made once per record (5000 jobs: 58 ms a save serializing every record, 2.8 ms this way; see
-        docs/benchmarks.md)."""
+        """The lock held; kept only once manifest.json holds it. Each record's JSON line is made once, so a save of
+        5000 jobs does not serialize every record again."""
         records = {key: r for key, r in self.records.items() if key not in dropped}
         records[record.key] = record
         # self._lines holds the lines of self.records' very objects (both change together, after a good write)
@@ -269,8 +259,8 @@ class Manifest:
         return Staged(self._temp(data), suffix, digest(data))
 
     def publish(self, record: JobRecord, staged: list[Staged]) -> JobRecord:
-        """Staged files -> <id>-1<suffix>, -2, ... and the job recorded done, in one step under the lock: a Ctrl-C
-        between the two would leave images no record lists, made again beside them next run. Refused after ``end``."""
+        """Staged files -> <id>-1<suffix>, -2, ... and the job recorded done, in one step under the lock (no image
+        without its record). Refused after ``end``."""
         with self.lock:
             if self.ended.is_set():
                 raise Flux2Error("the batch ended before this job did; nothing was written")

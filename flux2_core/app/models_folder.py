@@ -1,7 +1,6 @@
-"""A ComfyUI models folder (``--models``): which models it holds, the one a run takes, and what the run says of the
-rest. A file is known by its usual name (the registry's, ComfyUI's template names among them), else by what its
-headers say; no tensor is read. Without ``--variant`` the first model present in the registry's order is taken, and
-the others found are named with the option that picks them; a refusal names the choice and only what it lacks."""
+"""A ComfyUI models folder (``--models``): which models it holds and the one a run takes. A file is known by its
+usual name, else by its headers (no tensor is read). Without ``--variant`` the first model in the registry's order
+is taken."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def variant_option(text: str) -> str:
 
 @dataclass
 class FolderSearch:
-    """What a search of a models folder found: the files a run takes, the variant they are for, and the notes the run
-    prints (the other models present, files that could not be read)."""
+    """The files a run takes, the variant they are for, and the notes the run prints."""
     transformer: Path
     text_encoder: Path
     ae: Path
@@ -61,8 +59,7 @@ class Survey:
 
 
 def _files(models: Path, folders: tuple[str, ...], passed: list[str] | None = None) -> Iterator[Path]:
-    """The weight files of the folders, by name: readable regular files (or links to one) only; each other entry
-    named like one is said in ``passed`` (what it is) and the survey goes on to the others."""
+    """The readable weight files of the folders, by name; other entries named like one are noted in ``passed``."""
     for folder in folders:
         for path in sorted(p for p in (models / folder).glob("*") if p.suffix.lower() in WEIGHT_SUFFIXES):
             why = unusable(path)
@@ -73,8 +70,7 @@ def _files(models: Path, folders: tuple[str, ...], passed: list[str] | None = No
 
 
 def _artifact_folders(models: Path) -> list[Path]:
-    """The model folders of the transformer folders whose weights are one artifact (OrbitQuant's: a manifest beside
-    model.safetensors), known by their headers as a file is."""
+    """The transformer folders' artifact folders (OrbitQuant's: a manifest beside model.safetensors)."""
     from ..weights.orbitquant_files import MANIFEST
 
     return sorted(p.parent for folder in TRANSFORMER_FOLDERS for p in (models / folder).glob(f"*/{MANIFEST}"))
@@ -109,8 +105,7 @@ GGUF_QUANT = re.compile(r"(?:I?Q\d\w*|BF16|F16|F32)\.gguf", re.IGNORECASE)
 
 
 def _usual(path: Path, names: tuple[str, ...], gguf_stem: str) -> bool:
-    """One of ``names``, or a GGUF named ``<gguf_stem>-<quant>.gguf`` (so neither flux-2-klein-9b-kv-Q4_K_M.gguf nor
-    flux3-image-klein-base-Q8_0.gguf is taken for the model whose stem starts theirs)."""
+    """One of ``names``, or exactly ``<gguf_stem>-<quant>.gguf`` (so a -kv or -base GGUF is not taken for another)."""
     if path.name in names:
         return True
     stem = f"{gguf_stem}-"
@@ -123,8 +118,7 @@ def _rank(path: Path, names: tuple[str, ...]) -> int:
 
 
 def _passed_note(path: Path, folder: Path) -> str | None:
-    """What the run says of a file it could not take: why it cannot be read, or what it is where it is often put with
-    these models (the upsampler's single file); None for a readable file of another model (nothing to say)."""
+    """Why a file was passed over (unreadable, or the upsampler's); None for another model's file."""
     from ..weights.checkpoint import open_checkpoint
     from ..weights.key_mapping import PROMPT_UPSAMPLER, is_prompt_upsampler
 
@@ -138,8 +132,7 @@ def _passed_note(path: Path, folder: Path) -> str | None:
 
 
 def _survey(folder: Path) -> Survey:
-    """Every transformer file: by its usual name, else by its headers (a FLUX 3 file under any name); an artifact
-    folder by its headers."""
+    """Every transformer file, by its usual name, else by its headers."""
     from ..weights import inspect_transformer
 
     survey, runnable = Survey(folder), runnable_variants()
@@ -170,8 +163,7 @@ def _usual_file(folder: Path, folders: tuple[str, ...], names: tuple[str, ...], 
 
 
 def _text_encoder(folder: Path, spec: TextEncoderSpec, passed: list[str]) -> Path | None:
-    """By its usual names, else the first file whose headers say it is the encoder ``spec`` reads (its model, by
-    ``TextEncoderSpec.reads``, and its width)."""
+    """By its usual names, else the first file whose headers say it is the encoder ``spec`` reads."""
     from ..weights import inspect_text_encoder
 
     found = _usual_file(folder, TEXT_ENCODER_FOLDERS, spec.files, spec.gguf_stem)
@@ -190,7 +182,7 @@ def _text_encoder(folder: Path, spec: TextEncoderSpec, passed: list[str]) -> Pat
 
 
 def _needed(variant: Variant) -> list[str]:
-    """The files ``variant`` is run from, by their usual names, a line each (no empty name where a model has none)."""
+    """The files ``variant`` is run from, by their usual names, a line each."""
     def line(folder: str, names: tuple[str, ...], gguf_stem: str) -> str:
         gguf = f" (or {gguf_stem}-<quant>.gguf)" if gguf_stem else ""
         return f"  {folder}/{' or '.join(names)}{gguf}"
@@ -200,8 +192,7 @@ def _needed(variant: Variant) -> list[str]:
 
 
 def _choose(survey: Survey | None, asked: Variant | None, transformer: str | None) -> Variant | None:
-    """The variant whose files a run looks for: the one asked, else the explicit transformer's (by its headers),
-    else the first present in the registry's order."""
+    """The one asked, else the explicit transformer's, else the first present in the registry's order."""
     if asked is not None:
         return asked
     if transformer is not None:
@@ -227,8 +218,7 @@ def _others(survey: Survey, chosen: Variant) -> str:
 
 def search_models(models: str | None, variant: str | None, transformer: str | None = None,
                   text_encoder: str | None = None, ae: str | None = None) -> FolderSearch:
-    """Explicit paths, the rest from the models folder. Flux2Error where a file is missing: naming the choice, what
-    it lacks, and the other models present with --variant (every variant's files only where no model is there)."""
+    """Explicit paths, the rest from the models folder. Flux2Error where a file is missing, naming what it lacks."""
     asked = runnable_variant(variant) if variant is not None else None
     folder = Path(models).expanduser() if models else None
     if folder is not None and not folder.is_dir():

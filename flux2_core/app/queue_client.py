@@ -1,12 +1,7 @@
-"""Headless ComfyUI client (aiohttp, driven synchronously; no ComfyUI or torch): queue an API-format workflow,
-follow it, download its images. The protocol, as ComfyUI serves it:
-    POST /prompt {"prompt", "client_id"}      -> {"prompt_id", "number", "node_errors"}
-    ws /ws?clientId=X                         -> JSON {"type", "data"}; binary: a 4-byte event type, then (previews)
-                                                 a 4-byte format
-    GET /history/<prompt_id>                  -> {prompt_id: {"outputs": {node: {"images": [...]}}, "status": ...}}
-    GET /view?filename=&subfolder=&type=      -> the image bytes
-Every answer is untrusted: the check_* / parse_* functions read one each, and whatever a server sends ends in a
-ServerError that names the server and quotes it. Images are written with ``outputs.write_new``: no file is replaced.
+"""Headless ComfyUI client (aiohttp, driven synchronously): queue an API-format workflow, follow it on the
+websocket, download its images (POST /prompt, ws /ws, GET /history/<id>, GET /view).
+Every answer is untrusted: the check_* / parse_* functions read one each, and anything odd ends in a ServerError
+that names the server. No file is ever replaced.
 """
 
 from __future__ import annotations
@@ -55,8 +50,7 @@ class ServerError(Flux2Error):
 
 
 class ServerUnreachable(ServerError):
-    """No connection, a broken one, no answer in time: unlike an odd answer, the server itself is gone, so a batch
-    gives its jobs to the other servers."""
+    """The server itself is gone (no connection, no answer in time), so a batch gives its jobs to the others."""
 
 
 def size(n: int) -> str:
@@ -64,8 +58,7 @@ def size(n: int) -> str:
 
 
 def shown(value, limit: int = SHOWN) -> str:
-    """At most `limit` characters, control characters escaped: a hostile server must not write escape sequences to
-    the user's terminal."""
+    """At most `limit` characters, control characters escaped (a hostile server must not reach the terminal)."""
     if isinstance(value, (bytes, bytearray)):
         return repr(bytes(value[:limit])) + (f"... ({len(value)} bytes)" if len(value) > limit else "")
     if not isinstance(value, str):
@@ -77,13 +70,10 @@ def shown(value, limit: int = SHOWN) -> str:
     return cut + (f"... ({len(value)} characters)" if len(value) > limit else "")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Answers, checked: each function reads one answer of the server and returns what the client needs, or raises.
+# --- answers, checked: each reads one answer and returns what the client needs, or raises ----------------------------
 
 def parse_server(server: str) -> tuple[str, str]:
-    """--server [http[s]://]HOST:PORT -> (base URL, HOST:PORT as messages name it), both in one written form whatever
-    the user's (host in lower case, an IP address in its short form, the port without leading zeros), so one server
-    given twice is seen as one."""
+    """--server [http[s]://]HOST:PORT -> (base URL, HOST:PORT), normalized so one server given twice is seen as one."""
     wrong = Flux2Error(f"--server {shown(str(server))} is not HOST:PORT; use e.g. 127.0.0.1:8188 (the address and "
                        "port ComfyUI prints at startup)")
     text = server.strip().rstrip("/") if isinstance(server, str) else ""
@@ -120,8 +110,7 @@ def check_status(server: str, what: str, status: int, body: bytes) -> bytes:
 
 
 def refusal(body: bytes) -> str:
-    """ComfyUI's 400 answer to /prompt ({"error": {"message"}, "node_errors": {id: {"class_type", "errors":
-    [{"message", "details"}]}}}), one line per problem."""
+    """ComfyUI's 400 answer to /prompt, one line per problem."""
     def said(error: dict) -> str:
         return shown(error["message"]) + (f": {shown(error['details'])}" if error.get("details") else "")
 
@@ -166,8 +155,7 @@ def parse_message(server: str, text: str) -> dict:
 
 
 def check_binary(server: str, frame: bytes) -> bytes:
-    """A 4-byte event type, then for previews a 4-byte format (1 JPEG, 2 PNG), for text and previews with metadata
-    the 4-byte length of the part that follows."""
+    """A 4-byte event type, then a 4-byte format (previews: 1 JPEG, 2 PNG) or length (text, metadata previews)."""
     event, second = struct.unpack(">II", frame[:8]) if len(frame) >= 8 else (None, None)
     if (event is None or (event == PREVIEW_IMAGE and second not in (1, 2))
             or (event in (TEXT, PREVIEW_WITH_METADATA) and 8 + second > len(frame))):
@@ -179,7 +167,7 @@ def finished(server: str, message: dict) -> bool:
     """`executing` with node null (sent once the history entry is stored); an error or an interrupt raises."""
     kind, data = message["type"], message["data"]
     if kind == "execution_error":      # the workflow failed, the server did nothing wrong: the node's message first
-        # the class name alone: a pack's exception type carries the path of its folder (custom_nodes.<pack>.<module>)
+        # the class name alone: a pack's exception type carries its folder's path
         error_type = str(data.get("exception_type", "")).rsplit(".", 1)[-1]
         raise Flux2Error(f"node {shown(data.get('node_id'), 40)} ({shown(data.get('node_type'), 80)}) failed: "
                          f"{shown(error_type, 80)}: {shown(data.get('exception_message'), 2000)}")
@@ -235,14 +223,13 @@ def parse_history(server: str, prompt_id: str, body: bytes) -> list[dict]:
     return images
 
 
-# the picture formats a download is checked against, by the file's extension (others: only checked to be non-empty)
+# by extension; other files are only checked to be non-empty
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP", ".gif": "GIF", ".bmp": "BMP",
                  ".tif": "TIFF", ".tiff": "TIFF"}
 
 
 def parse_image(server: str, image: dict, body: bytes) -> bytes:
-    """Checked before anything is written: not empty, and a whole picture in the format its name claims (decoded to
-    the last pixel, so a cut file is caught)."""
+    """Checked before anything is written: a whole picture (decoded, so a cut file is caught) of the named format."""
     name = image["filename"]
     what = f"GET /view sent {shown(name)}"
     if not body:
@@ -282,9 +269,7 @@ def check_frame(server: str, kind: aiohttp.WSMsgType, data) -> str | bytes | Non
     raise ServerError(server, f"sent a broken websocket frame ({shown(str(data))})")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The network, through aiohttp. Every call runs to its end before returning (the client is synchronous): HTTP on
-# an event loop made for the call, a websocket on one of its own that lives as long as it does.
+# --- the network: each HTTP call on a loop of its own, a websocket on one that lives as long as it does -------------
 
 def network_error(server: str, timeout: float, doing: str, error: Exception) -> ServerError:
     if isinstance(error, aiohttp.WSServerHandshakeError):
@@ -314,8 +299,8 @@ NETWORK_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutErr
 class ComfyClient:
 
     def __init__(self, server: str, timeout: float = 600.0, heartbeat: float | None = None):
-        """timeout: seconds for any answer (a websocket message can take a whole step). heartbeat: seconds for HTTP
-        and the websocket's pings (ComfyUI answers those mid-step), so a hung server is found long before."""
+        """timeout: seconds for any answer (a message can take a whole step). heartbeat: seconds for HTTP and pings,
+        which ComfyUI answers mid-step, so a hung server is found sooner."""
         self.base, self.server = parse_server(server)
         for option, value in (("--timeout", timeout), ("--server-timeout", heartbeat)):
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -425,16 +410,14 @@ class WebSocket:
         return check_frame(self.client.server, message.type, message.data)
 
     async def _receive(self) -> aiohttp.WSMessage | None:
-        """None after `timeout` seconds. Not aiohttp's receive timeout: each heartbeat pong restarts it, so a server
-        that answers pings but never finishes would be waited on for ever."""
+        """None after `timeout` seconds (not aiohttp's: each pong restarts that one)."""
         try:
             return await asyncio.wait_for(self.ws.receive(), self.client.timeout)
         except (TimeoutError, asyncio.TimeoutError):
             return None
 
     def _silence(self) -> ServerError:
-        """With a heartbeat the server is asked: one that answers has a slow or stuck prompt (that job fails, a batch
-        keeps the server); one that does not is unreachable. Without one, nothing tells the two apart."""
+        """With a heartbeat, asks the server: answering means a slow or stuck prompt, not an unreachable server."""
         silent = network_error(self.client.server, self.client.timeout, RECEIVING, TimeoutError())
         if self.client.heartbeat is None:
             return silent
@@ -465,8 +448,7 @@ class WebSocket:
             await self.session.close()
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Overrides on an API-format prompt.
+# --- overrides on an API-format prompt -------------------------------------------------------------------------------
 
 def _linked(value) -> bool:
     return isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
@@ -522,8 +504,7 @@ def apply_overrides(prompt: dict, sets=(), text: str | None = None, seed: int | 
     return prompt
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The command.
+# --- the command -----------------------------------------------------------------------------------------------------
 
 def load_workflow(path: str) -> dict:
     try:
@@ -561,8 +542,7 @@ def note(text: str) -> None:
 
 def queue(workflow: dict, server: str, out_dir: str, timeout: float = 600.0, on_message=print_progress,
           on_saved=None, heartbeat: float | None = None) -> list[str]:
-    """The saved images' paths; on_saved(path) as each is written, so a later error does not hide them. A taken name
-    gets the next free one (name-1.png, ...). heartbeat: as ComfyClient's (--server-timeout)."""
+    """The saved images' paths; on_saved(path) as each is written. A taken name gets the next free one."""
     client = ComfyClient(server, timeout=timeout, heartbeat=heartbeat)
     out = check_folder(out_dir, "--out")       # before the prompt is queued: a wrong --out must not cost a run
     ws = client.connect()                      # connect first so no progress message is missed

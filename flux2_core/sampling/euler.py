@@ -1,10 +1,7 @@
-"""Noise and the Euler sampler: one loop (``euler``) over a velocity function, which ``denoise`` builds for every case
-(distilled, CFG, joint or KV references, FLUX.2-dev's guidance embedding, inpainting) around the model's velocity on
-the latent grid, as its family's ``condition`` gives it.
+"""Noise and the Euler sampler: one loop (``euler``) over a velocity function that ``denoise`` builds for every case.
 
-Dtypes follow the reference: the latent is in the compute dtype, the model sees the sigma rounded to it, and each
-step ``x + (sigma_next - sigma) * v`` runs in it with the step size from the float32 schedule (in float32 this is
-exactly diffusers').
+Dtypes follow the reference: each step ``x + (sigma_next - sigma) * v`` runs in the compute dtype, the step size from
+the float32 schedule.
 """
 
 from __future__ import annotations
@@ -28,21 +25,19 @@ from ..runtime import memory
 from .conditioning import KVSource, ReferencePack, Velocity, velocity_for
 from .step_cache import StepCache
 
-MAX_CFG = 100.0          # as ComfyUI's CFGGuider and KSampler; far beyond any useful scale, still finite in bf16 steps
+MAX_CFG = 100.0          # as ComfyUI's CFGGuider and KSampler
 
 
 # --- noise ------------------------------------------------------------------------------------------------------
 
 def make_noise(batch: int, height: int, width: int, seed: int, *, device="cpu", dtype=torch.float32,
                bfl_cuda_noise: bool = False, reading: NoiseReading | None = None) -> Tensor:
-    """[batch, 128, height/16, width/16]; item i uses seed + i, so it equals a batch-1 run with that seed. Drawn on a
-    CPU generator in float32 (diffusers' and ComfyUI's convention: the same on every device), then read as the
-    family's ``reading`` says (``families.NoiseReading``; None: as drawn); ``bfl_cuda_noise`` draws bf16 on
-    ``device`` as FLUX.2's reference CLI does.
+    """[batch, 128, height/16, width/16]; item i uses seed + i. Drawn on a CPU generator in float32 (the same on
+    every device), then read by the family's ``reading``; ``bfl_cuda_noise`` draws bf16 on ``device`` as BFL's CLI.
     """
     h, w = latent_size(height, width)
     check_seed(seed, batch)
-    # the items are drawn on the generator's device, then copied; a batch that cannot fit is refused before drawing
+    # a batch that cannot fit is refused before drawing
     values = batch * LATENT_CHANNELS * h * w
     for where in {torch.device("cpu" if not bfl_cuda_noise else device), torch.device(device)}:
         memory.fits(values * 4, memory.free_memory(where), f"noise for {batch} x {width}x{height} on {where}",
@@ -84,7 +79,7 @@ class Step:
 
 
 class Inpaint(Protocol):
-    """What the loop asks of ``inpaint.Inpaint`` (a protocol here: inpaint.py imports this module)."""
+    """What the loop asks of ``inpaint.Inpaint`` (a protocol: inpaint.py imports this module)."""
 
     def to(self, device, dtype) -> Inpaint: ...
 
@@ -125,13 +120,9 @@ def check_cfg(cfg: float, name: str = "cfg") -> float:
 
 
 def guidance_for(variant, cfg: float, negative: bool = True) -> Guidance:
-    """The one rule for the guidance scale, asked by ``pipeline.generate`` and the Denoise node:
-
-    * FLUX.2-dev: ``cfg`` is the guidance embedding's value; one pass per step.
-    * guidance-distilled Klein: one pass whatever ``cfg``; another value is ignored with a note (BFL's CLI refuses it,
-      diffusers warns; ComfyUI's CFGGuider knows no variants and would run CFG).
-    * base Klein: CFG whenever cfg != 1, as BFL and ComfyUI (cfg < 1 leans toward the negative; diffusers guides only
-      above 1). Without a negative (``negative=False``: the node's input unconnected) it runs unguided, with a note.
+    """The one rule for the guidance scale. FLUX.2-dev: the guidance embedding's value. Distilled Klein: one pass,
+    another cfg ignored with a note. Base Klein: CFG whenever cfg != 1, as BFL and ComfyUI (unguided without a
+    negative).
     """
     scale = check_cfg(cfg)
     if family_of_params(variant.params).guidance_embedded(variant.params):
@@ -156,13 +147,9 @@ def denoise(model, x: Tensor, sigmas: list[float], txt: Tensor, *, negative_txt:
             inpaint: Inpaint | None = None, callback: Callable[[Step], None] | None = None,
             dtype: torch.dtype | None = None, cache: StepCache | None = None,
             kv_source: KVSource | None = None) -> Tensor:
-    """x [B, 128, h, w] at sigmas[0]; ``dtype``: the compute dtype (default x's). The latent is kept in its family's
-    ``latent_dtype`` between steps, and so returned. txt [1 or B, Ltxt, C]; negative_txt may be of another length
-    (FLUX 3 pads each prompt alone): the shorter is padded and masked. With negative_txt: CFG
-    v = v_neg + cfg * (v_txt - v_neg), both halves in one forward of batch 2B. ref [1 or B, Lref, 128] with ref_ids
-    [1, Lref, 4] are joined after the image; with kv=True their K/V are computed once (or ``ref_kv`` given, or found by
-    ``kv_source``, the caller's cache) and reused every step (``conditioning.velocity_for``). ``cache``: a
-    ``StepCache`` that reuses the last velocity on steps it judges close to the last (what it did: ``cache.report()``). The result is checked for NaN / inf (``checks.finite``) with its likely causes.
+    """x [B, 128, h, w] at sigmas[0], returned in the family's ``latent_dtype``. txt [1 or B, Ltxt, C]. With
+    negative_txt: CFG v = v_neg + cfg * (v_txt - v_neg), both halves in one forward of batch 2B. ref [1 or B, Lref,
+    128] with ref_ids [1, Lref, 4]; with kv=True their K/V are computed once and reused. Raises on NaN / inf.
     """
     if negative_txt is not None:
         check_cfg(cfg)

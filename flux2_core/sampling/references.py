@@ -3,9 +3,7 @@
 Decoding: EXIF orientation applied (as diffusers' ``load_image``); 16-bit greyscale becomes round(v / 257) where PIL
 would clip; then ``convert("RGB")`` as BFL and diffusers do, so alpha is dropped, not composited (parity).
 
-Preprocessing follows the family's ``ReferenceFit``. FLUX.2 (BFL's ``encode_image_refs``): LANCZOS-scaled to the pixel
-cap, centre-cropped to multiples of 16. FLUX 3: one reference alone is fitted to 4 MP and reflect-padded to its 16-px
-canvas (``padded_reference``), the picture then cropped back to it.
+Preprocessing follows the family's ``ReferenceFit`` (FLUX.2: BFL's ``encode_image_refs``).
 """
 
 from __future__ import annotations
@@ -154,8 +152,7 @@ def prepare_reference(image: Image.Image, cap: int, index: int, fit: ReferenceFi
 
 def prepare_references(images, count: ReferenceCount | None, fit: ReferenceFit,
                        model: str = "this model") -> list[Image.Image]:
-    """``count``: the images plus any inpainted picture (default: the images alone); each is capped as one of
-    ``count.total``."""
+    """``count``: the images plus any inpainted picture (default: the images alone)."""
     images = [as_pil(im, f"reference image {i + 1}") for i, im in enumerate(images)]
     count = count or ReferenceCount(len(images))
     check_count(count, fit, model)
@@ -176,8 +173,7 @@ def check_count(count: ReferenceCount, fit: ReferenceFit, model: str = "this mod
 
 
 def prepare_one(image: Image.Image, count: int, index: int, fit: ReferenceFit) -> Image.Image:
-    """Reference ``index`` of ``count``: alone on its padded canvas where the family pads, else capped and
-    centre-cropped to the 16-px grid."""
+    """Reference ``index`` of ``count``: padded where the family pads a lone one, else capped and cropped to 16 px."""
     if fit.padded and count == 1:
         check_reference(image, index, fit)
         return padded_reference(image, fit)[0]
@@ -185,8 +181,7 @@ def prepare_one(image: Image.Image, count: int, index: int, fit: ReferenceFit) -
 
 
 def reference_canvas(width: int, height: int, fit: ReferenceFit) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(the fitted size, its 16-px canvas) of one reference alone. Rounding the canvas up can exceed
-    ``single_pixels``, so the scale shrinks by 0.5% until it fits."""
+    """(fitted size, 16-px canvas) of a lone reference; the scale shrinks until the rounded-up canvas fits."""
     n = PIXELS_PER_LATENT
     scale = min(1.0, math.sqrt(fit.single_pixels / (width * height)), fit.max_side / max(width, height))
     while True:
@@ -207,16 +202,14 @@ def padded_box(size: tuple[int, int], fit: ReferenceFit) -> tuple[int, int, int,
 
 
 def canvas_crop(images, count: ReferenceCount, fit: ReferenceFit, sized: bool) -> tuple[int, int, int, int] | None:
-    """The box the picture made for a lone padded reference is cropped back to; None where nothing is cropped
-    (``sized``: a width, height or picture to edit was given)."""
+    """The box a lone padded reference's picture is cropped back to; None where nothing is cropped."""
     if not fit.padded or count.pictures != 1 or count.inpainted or sized:
         return None
     return padded_box(as_pil(images[0]).size, fit)
 
 
 def padded_reference(image: Image.Image, fit: ReferenceFit) -> tuple[Image.Image, tuple[int, int, int, int] | None]:
-    """One reference alone, fitted and centred on its canvas, border reflected -> (canvas, the picture's box on it).
-    A picture 16 px or less across is mirrored with its edge row (``reflect`` needs more)."""
+    """A lone reference fitted and centred on its canvas, border reflected -> (canvas, the picture's box on it)."""
     fitted, (w, h) = reference_canvas(image.width, image.height, fit)
     box = padded_box(image.size, fit)
     if fitted != image.size:
@@ -258,8 +251,7 @@ def reference_tokens(latents: list[torch.Tensor], ids) -> tuple[torch.Tensor | N
 
 
 def batched_reference_tokens(latents: list[torch.Tensor], ids) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """ComfyUI's batched ``ref_latents`` (reference i of item b is ``latents[i][b]``, each [1 or B, 128, h, w])
-    -> tokens [1 or B, Lref, 128], ids [1, Lref, 4]."""
+    """ComfyUI's ``ref_latents``, each [1 or B, 128, h, w] -> tokens [1 or B, Lref, 128], ids [1, Lref, 4]."""
     if not latents:
         return None, None
     batch = max(z.shape[0] for z in latents)

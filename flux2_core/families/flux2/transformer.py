@@ -4,10 +4,8 @@
     double blocks: separate img / txt weights, joint attention over [txt, img]
     single blocks: one parallel attention + MLP block over cat(txt, img) -> final_layer -> velocity [B, Limg, 128]
 
-References are extra image tokens (t = 10, 20, ...): joint (``forward(ref=, ref_ids=)``: appended after the image,
-their outputs dropped) or KV (Klein 9B-KV: ``reference_kv`` runs them alone at t = 0 and keeps every block's k, v;
-``forward(ref_kv=)`` attends to [txt, ref, img] keys). Reference tokens only attend to themselves and are modulated
-at t = 0, so KV equals BFL's ``forward_kv_extract`` / ``forward_kv_cached`` exactly.
+References are extra image tokens (t = 10, 20, ...), either joint (appended after the image) or KV (9B-KV: run
+alone at t = 0 once, their k, v kept per block). Both equal BFL's, as reference tokens only attend to themselves.
 """
 
 from __future__ import annotations
@@ -57,19 +55,15 @@ FP16_MAX = torch.finfo(torch.float16).max
 
 
 def fp16_bounded(x: Tensor) -> Tensor:
-    """float16 residual streams can outgrow fp16's range (65504) on some prompts and turn to inf; ComfyUI clamps them
-    back at three places (a double block's text stream, the image stream after the double blocks, a single block's
-    stream) and so do we, with the same values. A NaN stays NaN (ComfyUI zeroes it and goes on), so the NaN guard stops
-    a run that overflowed past saving, or broken weights. Other dtypes pass untouched."""
+    """float16 residual streams can overflow to inf on some prompts; clamped at the same three places as ComfyUI.
+    A NaN stays NaN, so the NaN guard still stops a broken run. Other dtypes pass untouched."""
     return x.clamp(-FP16_MAX, FP16_MAX) if x.dtype == torch.float16 else x
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, n_txt: int, ref_kv: tuple[Tensor, Tensor] | None = None,
               shards: TokenShards | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """q, k, v [B, heads, L, head_dim], q and k normed and rotated. ref_kv [B or 1, heads, Lref, head_dim] adds keys and
-    values between txt and the rest: keys [txt, ref, rest]. With ``shards`` (sequence parallel) q, k, v hold this
-    rank's tokens and are traded for all tokens of heads/P heads. Returns [B, L, heads*head_dim] and the (k, v)
-    attended to, without ref_kv's.
+    """q, k, v [B, heads, L, head_dim], q and k normed and rotated; ref_kv [B or 1, heads, Lref, head_dim] goes
+    between txt and the rest. Returns [B, L, heads*head_dim] and the (k, v) without ref_kv's.
     """
     if shards is not None:
         q, k, v = (shards.heads_from_tokens(x) for x in (q, k, v))
@@ -179,8 +173,7 @@ def _batched(x: Tensor, batch: int, name: str) -> Tensor:
 
 
 class Flux2Transformer(nn.Module):
-    """``state_dict()`` keys are exactly those of BFL's single-file checkpoints. Spread over ranks
-    (``runtime/parallel.py``), it runs its share of the tokens and trades them around attention (``TokenShards``)."""
+    """``state_dict()`` keys are exactly those of BFL's single-file checkpoints."""
 
     def __init__(self, params: TransformerParams, layers: Layers | None = None):
         super().__init__()
@@ -200,10 +193,8 @@ class Flux2Transformer(nn.Module):
                                            for i in range(p.depth_single_blocks))
         self.final_layer = LastLayer(p.hidden_size, p.in_channels, layers.scope("final_layer"))
 
-    # what runtime code may ask of any transformer (offload, streaming, compile, the pipeline), instead of its layers
-
     def blocks(self) -> list[nn.Module]:
-        """The repeated blocks, in the order they run: what streaming, compiling and offloading handle one by one."""
+        """The repeated blocks, in the order they run."""
         return [*self.double_blocks, *self.single_blocks]
 
     @property
@@ -212,16 +203,14 @@ class Flux2Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype (16-bit weights kept under a wider one are cast to it as each layer runs): a norm's,
-        which no quantized file stores otherwise (any linear may be quantized)."""
+        """The compute dtype: a norm's, since any linear may be quantized."""
         return self.single_blocks[0].norm.query_norm.scale.dtype
 
     def forward(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
                 guidance: Tensor | None = None, ref: Tensor | None = None, ref_ids: Tensor | None = None,
                 ref_kv: ReferenceKV | None = None) -> Tensor:
         """img [B, Limg, in_channels], img_ids [B, Limg, 4]; timesteps [B] sigmas in [0, 1]; txt [B, Ltxt,
-        context_in_dim], txt_ids [B, Ltxt, 4]; guidance [B] (FLUX.2-dev only). ref [B or 1, Lref, in_channels]: joint
-        references. Returns the velocity [B, Limg, in_channels].
+        context_in_dim], txt_ids [B, Ltxt, 4]; guidance [B] (dev only). Returns the velocity [B, Limg, in_channels].
         """
         self.check_forward(img, img_ids, timesteps, txt, txt_ids, guidance, ref, ref_ids, ref_kv)
         return self._velocity(img, img_ids, timesteps, txt, txt_ids, guidance, ref, ref_ids, ref_kv)
@@ -232,8 +221,7 @@ class Flux2Transformer(nn.Module):
         self.check_reference_kv(ref, ref_ids)
         return self._reference_kv(ref, ref_ids)
 
-    # the checks of each call, also run by a sequence-parallel driver before it announces the call to the other ranks
-
+    # also run by a sequence-parallel driver before it announces the call to the other ranks
     def check_forward(self, img: Tensor, img_ids: Tensor, timesteps: Tensor, txt: Tensor, txt_ids: Tensor,
                       guidance: Tensor | None = None, ref: Tensor | None = None, ref_ids: Tensor | None = None,
                       ref_kv: ReferenceKV | None = None) -> None:
@@ -287,7 +275,7 @@ class Flux2Transformer(nn.Module):
         return ReferenceKV(kv, ref.shape[1] if shards is None else sum(shards.rest))
 
     def _shards(self, n_txt: int, n_rest: int) -> TokenShards | None:
-        """This rank's token split where the passes are spread over ranks (``runtime/parallel.py`` sets the group)."""
+        """This rank's token split under sequence parallelism, else None."""
         ranks = run_state(self).sequence_parallel
         return None if ranks is None else ranks.shards(n_txt, n_rest)
 
@@ -301,9 +289,7 @@ class Flux2Transformer(nn.Module):
     def _run_blocks(self, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor, vec: Tensor,
                     ref_kv: ReferenceKV | None = None, kv_out: list | None = None,
                     shards: TokenShards | None = None) -> Tensor:
-        """Returns the image tokens [B, Limg, H]. The reference pass appends each block's (k, v) to kv_out as a copy: a
-        single block's v is a view of its whole linear1 output, 9x larger.
-        """
+        """Returns the image tokens [B, Limg, H]. kv_out gets copies: a single block's v views its 9x larger linear1."""
         mod_img = self.double_stream_modulation_img(vec)
         mod_txt = self.double_stream_modulation_txt(vec)
         mod_single = self.single_stream_modulation(vec)
@@ -312,8 +298,7 @@ class Flux2Transformer(nn.Module):
         cached = ref_kv.blocks if ref_kv is not None else [None] * (len(self.double_blocks) + len(self.single_blocks))
         n_txt = txt.shape[1]
 
-        # each block's (k, v) is dropped (or copied) at once: left bound while the next block runs, a single block's
-        # v would keep its linear1 output alive beside the next one's (a quarter of the peak activation memory)
+        # drop each block's (k, v) at once, or its linear1 output stays alive beside the next (a quarter of the peak)
         for block, block_kv in zip(self.double_blocks, cached):
             img, txt, kv = block(img, txt, pe, mod_img, mod_txt, block_kv, shards)
             if kv_out is not None:

@@ -1,14 +1,11 @@
 """Layout boxes: where objects go, as boxes the prompt carries (FLUX 3 Image Klein).
 
-A box is [y_min, x_min, y_max, x_max] in fractions of the picture's height and width (0-1, (0, 0) the top left).
-The model reads boxes as text: each becomes a row on a 0-1000 canvas, and the rows, as one JSON list, follow the
-prompt after a space ("<prompt> [{"id": "obj_1", "bbox": [100, 50, 600, 400], "desc": "a red kite"}]"). An edit may
-also move something: a row with ``from``, ``src_bbox`` (where it is there) and ``tgt_bbox`` (where it goes). ``from``
-is what the model was trained to read: "ref_image_0" for the run's first reference picture, "ref_image_1" for the
-second, ... (something taken from that picture: it has a src_bbox), or "target" (something new: tgt_bbox alone).
-``check_rows`` holds that rule and the run's references; every path that hands rows to the model calls it.
+A box is [y_min, x_min, y_max, x_max] in fractions of the height and width (0-1, (0, 0) the top left). The model
+reads boxes as text: each a row on a 0-1000 canvas, the rows one JSON list after the prompt and a space. A move has
+``from`` ("ref_image_N" with ``src_bbox``, or "target" for something new), ``src_bbox`` and ``tgt_bbox``;
+``check_rows`` holds that rule, and every path that hands rows to the model calls it.
 
-The file the command line reads (``--boxes``) and the Layout node's text are that list with 0-1 boxes:
+``--boxes`` files and the Layout node's text are that list with 0-1 boxes:
 
     [{"desc": "a red kite", "bbox": [0.1, 0.05, 0.6, 0.4]},
      {"id": "dog", "desc": "the dog", "from": "ref_image_0", "src_bbox": [0.2, 0.1, 0.9, 0.5],
@@ -35,8 +32,7 @@ SIDES = ("bbox", "src_bbox", "tgt_bbox")
 
 @dataclass(frozen=True)
 class Box:
-    """One object of a layout; coordinates in 0-1. Either ``bbox`` (where it goes) or a move (``source`` with
-    ``src_bbox`` and/or ``tgt_bbox``)."""
+    """One object of a layout, in 0-1: either ``bbox`` or a move (``source``, ``src_bbox``, ``tgt_bbox``)."""
 
     id: str
     desc: str
@@ -55,8 +51,7 @@ class Box:
 
 
 def clamp_notes(boxes: list[Box]) -> list[str]:
-    """One note per box drawn to the picture's edge (its reference clamps each coordinate into 0-1 before the row),
-    the first few of many and how many more (``listing.bounded_notes``)."""
+    """One note per box drawn to the picture's edge (the reference clamps into 0-1 too)."""
     return bounded_notes([f"box {box.id!r} reaches past the picture's edge ({', '.join(box.clamped)}): it is drawn to "
                           f"the edge, as the reference draws it" for box in boxes if box.clamped],
                          "boxes reach past the picture's edge and are drawn to it")
@@ -86,8 +81,7 @@ def read_boxes(data, where: str = "the boxes") -> list[Box]:
 
 def boxes_from_pixels(rects: list[tuple[float, float, float, float]], width: int, height: int, descs: list[str],
                       where: str = "the boxes") -> list[Box]:
-    """A layout from pixel rectangles (x, y, width, height; (0, 0) the top left) on a picture of ``width`` x
-    ``height`` pixels, one description each, in order: what a drawn box or a detector's gives."""
+    """A layout from pixel rectangles (x, y, w, h; (0, 0) the top left), one description each."""
     if len(descs) != len(rects):
         raise Flux2Error(f"{where}: {len(rects)} boxes but {len(descs)} descriptions; write one line per box, in the "
                          f"boxes' order")
@@ -129,9 +123,8 @@ def _box(item, index: int, where: str) -> Box:
     return Box(box_id, desc, source=source, src_bbox=sides["src_bbox"], tgt_bbox=sides["tgt_bbox"], clamped=clamped)
 
 
-# A box may reach past the picture's edge (a box editor dragged beyond it, an upsampler's answer): its reference clamps
-# each coordinate into 0-1 before writing the row, and so do we. Beyond a whole picture past an edge it is no 0-1 box
-# drawn a little wide but another convention (most often the 0-1000 canvas's numbers): refused, with the fix.
+# Coordinates past the edge are clamped into 0-1, as the reference does; a whole picture past an edge is another
+# convention (most often the 0-1000 canvas): refused.
 REACH = (-1.0, 2.0)
 
 
@@ -157,16 +150,15 @@ def _coordinates(value, name: str) -> tuple[tuple[float, ...], bool] | None:
 
 # --- what a row's "from" may name: one rule for the user's rows and the upsampler's ----------------------------------
 
-REFERENCE_NAME = re.compile(r"ref_image_(0|[1-9][0-9]{0,5})")   # an index as text; no run has a million     # as the upsampler is told: ref_image_0, ref_image_1, ...
+REFERENCE_NAME = re.compile(r"ref_image_(0|[1-9][0-9]{0,5})")   # no run has a million references
 NEW_CONTENT = "target"
 FROM_FORMS = ('"ref_image_0" for the first reference picture, "ref_image_1" for the second, ... (something taken '
               'from that picture, with its src_bbox), or "target" (something new, with tgt_bbox alone)')
 
 
 def row_problem(row: dict, references: ReferenceCount | None) -> str | None:
-    """What keeps a row (in the model's form, on the canvas) from applying to a run given ``references``, with the fix;
-    None when it applies. ``references`` None: not known where the row is read (the Layout node), so only the form
-    the model was trained on is checked; the references are checked where the run is known."""
+    """What keeps a canvas row from applying to the run, with the fix; None when it applies. ``references`` None
+    (the Layout node): only the row's form is checked."""
     if row.get("bbox") is not None:             # placed, not moved: every run reads it
         return None
     source = row.get("from")
@@ -178,8 +170,7 @@ def row_problem(row: dict, references: ReferenceCount | None) -> str | None:
 
 
 def _form_problem(source, named: re.Match | None, moved: bool) -> str | None:
-    """A from the model reads, with the boxes its kind has: something taken from a reference has the box it is
-    taken from, something new has none."""
+    """A from the model reads; a reference's has a src_bbox, "target" has none."""
     if source in (None, ""):
         return f"a move (src_bbox / tgt_bbox) needs from: {FROM_FORMS}; or place it with bbox"
     if named is None and source != NEW_CONTENT:
@@ -216,8 +207,7 @@ def check_rows(layout_rows: list[dict], references: ReferenceCount | None, where
 
 
 def rows_read(prompt: str, boxes: list[Box]) -> list[dict]:
-    """The rows the model will read: the boxes given, else the table the prompt already ends in (an upsampler's
-    answer, a prompt written in the model's form)."""
+    """The rows the model will read: the boxes given, else the table the prompt already ends in."""
     if boxes:
         return rows(boxes)
     found = table_at_end(prompt)
@@ -230,8 +220,7 @@ ROW_ID = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 
 def split_table(text: str) -> tuple[str, list | None]:
-    """(caption, rows): the rows are the JSON list that ends the text (a description may hold brackets and quotes, so
-    no pattern can find it; the guarded reader's ``list_at_end`` does, taking any other brackets as prose)."""
+    """(caption, rows), rows the JSON list ending the text (a parser, not a pattern: descriptions hold brackets)."""
     found = list_at_end(text)
     if found is None:
         return text.strip(), None
@@ -252,8 +241,7 @@ def row_box(box) -> list | None:
 
 
 def table_at_end(prompt: str) -> tuple[str, list[dict]] | None:
-    """(text, rows) when the prompt already ends in a table of rows on the canvas; a trailing list that is not all
-    rows ("... a sign reading [SALE]") is none."""
+    """(text, rows) when the prompt ends in a table of canvas rows (not "... a sign reading [SALE]")."""
     text, found = split_table(prompt)
     if not found or not all(isinstance(row, dict) and isinstance(row.get("id"), str) and ROW_ID.fullmatch(row["id"])
                             and any(row_box(row.get(side)) for side in SIDES) for row in found):
