@@ -6,8 +6,7 @@ these stages composed, plus its checks of the whole request, its caches and its 
     latents = denoise(models, noise, embeds, schedule(models, 1024, 768))
     images = decode(models, latents)                    # uint8 [1, 768, 1024, 3]
 
-Each takes the ``Models`` of ``load_models``; the family's behaviour (its noise, schedule, reference sizing, prompt
-padding) follows the models passed in. Shapes: latents [B, 128, H/16, W/16], images uint8 [B, H, W, 3].
+Each takes the ``Models`` of ``load_models``; the family's behaviour follows the models passed in.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ from .sampling.run import Hooks, prepare_run
 
 @torch.no_grad()
 def encode_prompt(models, prompt: str, negative: str | None = None, boxes=None) -> PromptEmbeds:
-    """The prompt (row 0) and, for CFG, the negative (row 1) as the transformer reads them; ``boxes``: a FLUX 3
-    layout (``families/flux3/boxes.py``), appended to the prompt as the model reads it."""
+    """The prompt (row 0) and, for CFG, the negative (row 1); ``boxes``: a FLUX 3 layout appended to the prompt."""
     family, variant = family_of(models.variant), models.variant
     text = boxed_prompt(prompt, read_boxes(boxes or []), family, variant.title or family.title)
     return models.prompt_encoder.encode([text] if negative is None else [text, negative])
@@ -40,8 +38,7 @@ def encode_prompt(models, prompt: str, negative: str | None = None, boxes=None) 
 
 @torch.no_grad()
 def make_noise(models, seed: int, width: int, height: int, batch: int = 1, bfl_cuda_noise: bool = False) -> Tensor:
-    """float32 [batch, 128, height/16, width/16] on the models' device, item i from seed + i, read as the family
-    reads its noise."""
+    """float32 [batch, 128, height/16, width/16] on the models' device, item i from seed + i."""
     return euler.make_noise(batch, height, width, seed, device=models.device, bfl_cuda_noise=bfl_cuda_noise,
                             reading=family_of(models.variant).noise)
 
@@ -63,8 +60,7 @@ def encode_references(models, images) -> ReferencePack:
 
 @torch.no_grad()
 def encode_image(models, image, width: int | None = None, height: int | None = None) -> Tensor:
-    """The picture to edit: cropped to the 16-pixel grid, resized to width x height where given, encoded ->
-    [1, 128, h, w] on the models' device."""
+    """The picture to edit, cropped to the 16-px grid (resized where a size is given) -> [1, 128, h, w]."""
     picture = center_crop_16(as_pil(image).convert("RGB"), "the image to edit")
     size = (width or picture.width, height or picture.height)
     if picture.size != size:
@@ -76,8 +72,8 @@ def encode_image(models, image, width: int | None = None, height: int | None = N
 def denoise(models, noise: Tensor, embeds: PromptEmbeds, sigmas: list[float], *, cfg: float | None = None,
             references: ReferencePack = NO_REFERENCES, start: Tensor | None = None, strength: float = 1.0,
             callback=None) -> Tensor:
-    """Euler from ``noise`` over ``sigmas`` -> latents; cfg default: the variant's (CFG runs where the plan says,
-    with embeds' row 1 as the negative); ``start`` + ``strength``: image-to-image from an encoded picture."""
+    """Euler from ``noise`` over ``sigmas`` -> latents (cfg default: the variant's); ``start`` + ``strength``:
+    image-to-image."""
     variant, model = models.variant, models.transformer
     run = prepare_run(model, variant, sigmas, variant.default_cfg if cfg is None else cfg, strength=strength,
                       image=start is not None, references=bool(references))

@@ -1,8 +1,6 @@
-"""``flux2-klein`` / ``python -m flux2_core``: PNGs from a prompt and optional reference images (``generate``, the
-default command), or ``queue`` (``queue_command.py``). Weights come from a ComfyUI models folder (``--models``) or
-explicit paths, which win; every PNG carries its settings as JSON in a tEXt chunk named ``parameters``. Under
-torchrun the ranks share the work (``--parallel``): "sequence" spreads each image's transformer passes over them
-(rank 0 alone runs the text encoder and autoencoder), "data" gives each rank a whole pipeline and a share of images.
+"""``flux2-klein`` / ``python -m flux2_core``: PNGs from a prompt (``generate``, the default) or ``queue``. Weights
+come from ``--models`` or explicit paths, which win; every PNG carries its settings as JSON (tEXt ``parameters``).
+Under torchrun, ``--parallel`` "sequence" spreads each pass over the ranks, "data" gives each rank a share of images.
 """
 
 from __future__ import annotations
@@ -226,7 +224,7 @@ def open_mask(path: str):
 
 
 def note_first_frame(path: str) -> None:
-    """An animation or a multi-page file gives its first frame (as Pillow opens it): said, not silently taken."""
+    """An animation or a multi-page file gives its first frame, and says so."""
     from PIL import Image
 
     with Image.open(path) as picture:               # read already: only the frame count is looked up here
@@ -285,10 +283,8 @@ def check_early(args, refs) -> None:
 
 
 def check_schedule(family, steps: int | None, width: int, height: int) -> None:
-    """The family that runs makes a picture of this size: its schedule serves it (FLUX.2's breaks on large ones) and no
-    side is past its ``largest_side``; before the files say which family runs (``family`` None), every family's schedule
-    is asked, and a side no family makes is refused. Without --steps, at 4 steps, the least demanding default: a size
-    that breaks at 4 breaks at any default."""
+    """The family that runs (None: any family) makes a picture of this size: its schedule serves it and no side is
+    past its ``largest_side``. Without --steps, asked at 4 steps: a size that breaks at 4 breaks at any default."""
     from .. import latents
 
     tokens = math.prod(latents.latent_size(height, width))
@@ -301,8 +297,7 @@ def check_schedule(family, steps: int | None, width: int, height: int) -> None:
 
 
 def early_family(args):
-    """The model family the command will run, known before any weights load (from --variant, or from the transformer
-    file's headers): its rules for references apply. None where the files are not all there yet."""
+    """The model family the command will run, from --variant or the file's headers; None where not yet known."""
     from ..families import family_of
 
     if args.variant or args.demo:
@@ -331,8 +326,7 @@ def read_layout(path: str | None):
 
 
 def references_given(args, refs):
-    """The ReferenceCount the model is given: the --ref pictures and, where --mask or --expand inpaint --image, that
-    picture as one more (reference 1)."""
+    """The --ref pictures, plus --image where --mask or --expand inpaint it (reference 1)."""
     from ..families import ReferenceCount
 
     return ReferenceCount(len(refs), inpainted=args.image is not None and (args.mask is not None
@@ -340,8 +334,7 @@ def references_given(args, refs):
 
 
 def check_rows_early(args, refs, layout_file: str | None) -> None:
-    """Each prompt's layout rows (--boxes, else a table the prompt ends in) against the references the model will be
-    given (``boxes.check_rows``), before any model loads: --mask and --expand give it the picture as reference 1."""
+    """Each prompt's layout rows checked against the references the model will be given, before any model loads."""
     from ..families.flux3.boxes import check_rows, rows_read
 
     given = references_given(args, refs)
@@ -400,8 +393,7 @@ def generate_command(argv: list[str]) -> int:
                 raise Flux2Error(f"--expand: the expanded canvas, {width}x{height} px, is the picture made, and {e}; "
                                  f"expand less, or shrink the image first") from None
 
-        # the canvas is the picture made: at most an input's size, and one the schedule of the model's family serves
-        # (both asked before the canvas is made: a refused one costs nothing)
+        # the canvas is the picture made; its size is checked before it is made
         canvas = inpaint.expand_canvas(image, inpaint.parse_expand(args.expand), max_pixels=MAX_IMAGE_PIXELS,
                                        check=served)
         image, mask = canvas.image, canvas.mask
@@ -473,8 +465,8 @@ def find_upsampler_folder(models: str | None) -> Path:
 
 
 def upsample_prompts(args, refs) -> tuple[list[str], list, list[dict]]:
-    """Each prompt through the upsampler (loaded once, freed before the image models load): (the prompts to draw,
-    the boxes left for generate: none, as the answers carry their table, what each PNG records of it)."""
+    """Each prompt through the upsampler, freed before the image models load: (prompts, boxes left, what each PNG
+    records of it)."""
     import gc
 
     import torch
@@ -529,7 +521,7 @@ def load_for_command(args, device, size: tuple[int, int]):
         paths = found.paths
         dtype = getattr(torch, args.dtype) if args.dtype else None
         fp8, int8 = {"auto": None, "yes": True, "no": False}[args.fp8], INT8_CHOICES[args.int8]
-        # what --int8 / --fp8 yes do to the file's layers, from its headers: one that changes nothing says so
+        # from the headers: an --int8 / --fp8 that changes nothing says so
         outcome = storage_outcome(paths[0], variant=args.variant, fp8=fp8, int8=int8)
         print(f"loading {paths[0].name}, {paths[1].name}, {paths[2].name}{f'; {outcome.line()}' if outcome else ''}",
               file=sys.stderr)
@@ -669,8 +661,7 @@ def follow(args, sp) -> int:
 
 @contextlib.contextmanager
 def denormals_flushed():
-    """Subnormals (below 1e-38, e.g. SiLU of a large negative gate) slow CPU matmuls 10-100x; flushed, nothing
-    visible changes. Restored after (torch has no getter: a subnormal times one reads 0 when flushing is on)."""
+    """Subnormals (e.g. SiLU of a large negative gate) slow CPU matmuls 10-100x; flushed, nothing visible changes."""
     import torch
 
     was = torch.tensor([1e-39]).mul(1.0).item() == 0.0

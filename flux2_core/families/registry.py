@@ -1,6 +1,5 @@
-"""The registry: every model family (``FAMILIES``) and every family's variants (``VARIANTS``), both filled by
-``register`` alone, and the lookups the code around the models asks (a variant by name, the family of a variant, of
-parameters or of a text encoder, the encoder a file is read with where no family asks)."""
+"""The registry of model families (``FAMILIES``) and their variants (``VARIANTS``), filled by ``register`` alone,
+and its lookups."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ VARIANTS: dict[str, Variant] = {}       # name -> variant, in the order of regis
 
 
 def register(family: Family) -> Family:
-    """Adds ``family`` and its variants, refusing a record with a field of the wrong kind (a dataclass without defaults
-    already refuses one missing a field), variants of another family or names already taken."""
+    """Adds ``family`` and its variants, refusing a field of the wrong kind, another family's variants or a name
+    already taken."""
     if not isinstance(family, Family):
         raise Flux2Error(f"a model family is registered as a families.Family record, got {type(family).__name__}")
     hints = typing.get_type_hints(Family)
@@ -43,8 +42,7 @@ def register(family: Family) -> Family:
 
 
 def check_size_for_any(width: int, height: int) -> None:
-    """Before the files say which family runs: a size no registered family makes is refused (by the one that makes the
-    largest, which names its limit)."""
+    """Before the files say which family runs: refuses a size no registered family makes."""
     max(FAMILIES.values(), key=lambda family: family.largest_side).check_size(width, height)
 
 
@@ -56,8 +54,7 @@ def unregister(name: str) -> None:
 
 
 def _fits(value, hint) -> bool:
-    """Whether ``value`` is of the kind a type hint of ``Family`` says (callables checked callable, tuples item by
-    item)."""
+    """Whether ``value`` is of the kind a type hint of ``Family`` says."""
     origin, args = typing.get_origin(hint) or hint, typing.get_args(hint)
     if hint is object or hint is typing.Any:
         return True
@@ -115,13 +112,12 @@ def get_variant(name: str) -> Variant:
 
 
 def runnable_variants() -> list[Variant]:
-    """The variants this engine runs from files (those whose text encoder it reads), in the registry's order: the
-    order a models folder's search tries them in."""
+    """The variants whose text encoder this engine reads, in the registry's order."""
     return [v for v in VARIANTS.values() if v.text_encoder.loadable]
 
 
 def runnable_variant(name: str) -> Variant:
-    """The variant called ``name``, refused (listing the variants run) where there is none or it cannot run here."""
+    """The variant called ``name``; Flux2Error where there is none or it cannot run here."""
     known = ", ".join(v.name for v in runnable_variants())
     variant = VARIANTS.get(name) if isinstance(name, str) else None
     if variant is None:
@@ -138,9 +134,8 @@ def text_encoders() -> list[TextEncoderSpec]:
 
 
 def encoder_for(model: str | None, hidden: int = 0) -> TextEncoderSpec:
-    """The spec a text encoder file is read with where no family asks: the first registered encoder read here that
-    takes a file saying it is ``model`` ("qwen3", "qwen3-vl"; None: it says nothing, ``TextEncoderSpec.unmarked``) at
-    this width, else the first that takes such a file, made ``hidden`` wide (tests' small encoders)."""
+    """The spec a text encoder file is read with where no family asks: the first that reads ``model`` at this width,
+    else the first that reads it, made ``hidden`` wide."""
     readers = [s for s in text_encoders() if s.loadable and s.reads(model)]
     if not readers:
         raise Flux2Error(f"no model family reads a {model or 'unmarked'} text encoder; the encoders read here: "
@@ -152,9 +147,8 @@ def encoder_for(model: str | None, hidden: int = 0) -> TextEncoderSpec:
 
 
 def family_of_encoder(spec: TextEncoderSpec) -> Family:
-    """The family whose prompts an encoder of this model reads (its own variants' encoder, else the first whose
-    encoder reads the same language model): what a prompt's conditioning knows of the model it is for before it meets
-    one (how references are sized, boxes). An encoder no family reads is refused with the ones they read."""
+    """The family whose prompts this encoder reads (its variants', else the first reading the same language model);
+    Flux2Error where none does."""
     variant = next((v for v in VARIANTS.values() if v.text_encoder == spec), None) or next(
         (v for v in VARIANTS.values() if v.text_encoder.model == spec.model), None)
     if variant is None:
@@ -163,8 +157,7 @@ def family_of_encoder(spec: TextEncoderSpec) -> Family:
 
 
 def encoder_hint() -> str:
-    """Which text encoder each release reads, from the registry, for messages: "FLUX.2 Klein 4B reads Qwen3-4B
-    (qwen_3_4b.safetensors or a Qwen3-4B GGUF); ..."."""
+    """Which text encoder each release reads, for messages."""
     lines = {}
     for spec in text_encoders():
         if spec.loadable:

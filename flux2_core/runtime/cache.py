@@ -1,6 +1,5 @@
-"""In-memory LRU caches, bounded by entries and bytes, that let a repeated run skip work: prompt embeddings
-(``PromptCache``) and 9B-KV reference keys/values (``ReferenceKVCache``). Keys hold a ``fingerprint`` of the model,
-not its ``id``: a reloaded copy of the same weights hits; another checkpoint, or weights patched in place, misses.
+"""LRU caches of prompt embeddings and 9B-KV reference K/V, bounded by entries and bytes. Keys hold a
+``fingerprint`` of the model, not its ``id``: a reloaded copy of the same weights hits, patched weights miss.
 """
 
 from __future__ import annotations
@@ -21,8 +20,8 @@ SAMPLES_PER_TENSOR = 16   # values read from each end of every tensor for a fing
 
 
 def fingerprint(module: nn.Module) -> str:
-    """A hash of the tensors' names, shapes, dtypes, device and first and last 16 values (one device-to-host copy:
-    cheap even for 9B on a GPU), and of the run-time adapters, which leave the tensors as they are."""
+    """A hash of the tensors' names, shapes, dtypes, device and end values (one device-to-host copy), and of the
+    applied adapters, which leave the tensors as they are."""
     h = hashlib.blake2b(digest_size=16)
     h.update(repr(run_state(module).adapter_key).encode())            # adapters applied (patching.set_adapters)
     samples = []
@@ -90,8 +89,7 @@ class LRUCache:
 # --- prompt embeddings ----------------------------------------------------------------------------------------------
 
 class PromptCache:
-    """``storage``: where cached embeddings live ("cpu" frees GPU memory; None: the encoder's device); they are
-    returned on the encoder's device."""
+    """``storage``: where cached embeddings live (None: the encoder's device)."""
 
     def __init__(self, max_items: int = 64, max_bytes: int | None = 1 << 30, storage: str | torch.device | None = None):
         self.cache = LRUCache(max_items, max_bytes, size=lambda entry: entry[0].nbytes)
@@ -101,8 +99,8 @@ class PromptCache:
         return (fingerprint(encoder.model), encoder.spec, str(encoder.dtype), str(encoder.device))
 
     def encode(self, encoder, prompts: Iterable[str], settings: Hashable = ()):
-        """Like ``encoder.encode(prompts)``, encoding only the prompts not seen (one batch). ``settings``: anything
-        else that changes the embeddings (a template, a LoRA name...), hashable."""
+        """``encoder.encode(prompts)``, encoding only the prompts not seen. ``settings``: anything else that changes
+        the embeddings."""
         from ..models.text_encoder import PromptEmbeds, stack_rows
 
         prompts = list(prompts) if not isinstance(prompts, str) else prompts
@@ -135,16 +133,13 @@ def reference_kv_key(model_key: Hashable, ref: Tensor, ref_ids: Tensor) -> tuple
 
 
 class ReferenceKVCache:
-    """``model.reference_kv(ref, ref_ids)`` results. One 1024^2 reference costs about 2 GiB on Klein 9B (bf16),
-    hence the defaults of 2 entries and 8 GiB."""
+    """``model.reference_kv`` results; one 1024^2 reference is about 2 GiB on Klein 9B (bf16)."""
 
     def __init__(self, max_items: int = 2, max_bytes: int | None = 8 << 30, size=lambda kv: kv.nbytes):
         self.cache = LRUCache(max_items, max_bytes, size=size)
 
     def get(self, model, ref: Tensor, ref_ids: Tensor, model_key: Hashable | None = None, make=None):
-        """The ``ReferenceKV`` for ref [B, Lref, 128] with ids [B, Lref, 4]. ``model_key``: the weights' name when
-        known (default ``fingerprint(model)``); ``make()``: what a miss keeps, for a caller that keeps the K/V its
-        own way (the ComfyUI node; pass a ``size`` that measures it)."""
+        """The ``ReferenceKV`` for ref [B, Lref, 128] with ids [B, Lref, 4]. ``make()``: what a miss keeps instead."""
         key = reference_kv_key(fingerprint(model) if model_key is None else model_key, ref, ref_ids)
         kv = self.cache.get(key)
         if kv is None:
@@ -161,8 +156,7 @@ class ReferenceKVCache:
         self.cache.clear()
 
     def get_for_images(self, model, autoencoder, images, dtype: torch.dtype | None, *, encode: Callable):
-        """Keyed by the PIL images' pixels and both models' weights: a hit runs neither model. ``encode(autoencoder,
-        images, dtype)`` -> (ref, ref_ids) on a miss (``references.encode_references``)."""
+        """Keyed by the images' pixels and both models' weights, so a hit runs neither model."""
         key = self._images_key(model, autoencoder, images, dtype)
         kv = self.cache.get(key)
         if kv is None:

@@ -1,9 +1,7 @@
-"""Noise schedules: pure functions returning ``steps + 1`` sigmas from 1 (noise) to 0 (clean). Each family's own
-schedule is in its package (``Family.schedule``); here are the shared ones (linear, power), the schedules by the name
-the Scheduler node lists (the connected model's own first), and the rules for sigmas and strength.
+"""Noise schedules: ``steps + 1`` sigmas from 1 (noise) to 0 (clean). The shared ones, the schedules by the
+Scheduler node's names, and the rules for sigmas and strength; each family's own is in its package.
 
-The values are float32 numbers as Python floats (the reference builds an fp32 tensor and calls ``tolist()``), so the
-sampler's step sizes are exactly the reference's.
+Values are float32 numbers as Python floats, as the reference's ``tolist()``, so step sizes match it exactly.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from ..families import FAMILIES
 
 SHARED = ("linear", "power")      # the schedules of no family, after the families' own
 MODELS_OWN = "model's own"        # the schedule of the family of the model it is made for, whichever that is
-# the Scheduler node's options (saved workflows store the option's text, so a name, once listed, stays): the model's
-# own (its default), then the families registered when this is imported, then the shared ones
+# the Scheduler node's options; saved workflows store the text, so a listed name stays
 SCHEDULES = (MODELS_OWN, *(f.schedule_name for f in FAMILIES.values()), *SHARED)
 
 
@@ -45,9 +42,7 @@ def check_model_for(name: str, model_given: bool) -> None:
 
 
 def named_schedule(name: str, steps: int, image_tokens: int, rho: float = 1.0, family=None) -> list[float]:
-    """The schedule the Scheduler node's option ``name`` stands for: ``family``'s own for ``MODELS_OWN`` (a
-    ``families.Family``, the connected model's), a family's by its ``Family.schedule_name``, or one of the shared ones
-    (``rho``: the power schedule's exponent)."""
+    """The schedule the Scheduler node's option ``name`` stands for (``family``'s own for ``MODELS_OWN``)."""
     check_model_for(name, family is not None)
     if name == MODELS_OWN:
         return family.schedule(steps, image_tokens)
@@ -62,8 +57,7 @@ def named_schedule(name: str, steps: int, image_tokens: int, rho: float = 1.0, f
 
 
 def _named() -> tuple[str, ...]:
-    """The schedules known by their own name: the families registered now (a family registered after this module,
-    such as the tests' toy, too), then the shared ones."""
+    """The families registered now, then the shared schedules."""
     return (*(f.schedule_name for f in FAMILIES.values()), *SHARED)
 
 
@@ -80,9 +74,7 @@ def check_sigmas(sigmas) -> list[float]:
 
 
 def truncate_for_strength(sigmas: list[float], strength: float) -> list[float]:
-    """As diffusers' image-to-image: of n steps skip the first ``int(n - n * strength)``, so strength 0.5 with 4 steps
-    runs sigmas[2:]; the sampler starts from the image noised to the tail's first sigma.
-    """
+    """As diffusers' image-to-image: of n steps skip the first ``int(n - n * strength)``."""
     strength = check_strength(strength, True)
     steps = len(sigmas) - 1
     start = int(steps - steps * strength)

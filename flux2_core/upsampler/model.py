@@ -1,13 +1,10 @@
 """FLUX 3 Image Klein's prompt upsampler: a short request in, the detailed caption the image model was trained on out.
 
-BFL's upsampler is a vision-language model released as a Hugging Face folder with ``system_prompts.json`` beside its
-weights (one system prompt per task: text-to-image or edit, each with and without boxes). It runs here on the
-transformers model its ``config.json`` names, so any architecture transformers knows runs unchanged.
+BFL's upsampler is a vision-language model in a Hugging Face folder with ``system_prompts.json`` (one per task); it
+runs on the transformers model its ``config.json`` names.
 
-Decoding is greedy with a presence penalty: 1.5 for text-to-image (each token already in the answer loses 1.5 from
-its logit, once, which keeps the caption from looping), none for edits. The answer may run to 3584 tokens; one that
-has not ended by then is refused rather than cut. The penalty counts the answer's tokens and the last prompt token
-(what the answer follows), as flux3-mlx's upsampler (on mlx-vlm) does.
+Decoding is greedy with a presence penalty (1.5 for text-to-image, which keeps the caption from looping; none for
+edits), as flux3-mlx's upsampler. An answer not ended within 3584 tokens is refused rather than cut.
 """
 
 from __future__ import annotations
@@ -84,9 +81,8 @@ def read_system_prompts(folder: Path) -> dict[str, str]:
 
 
 def check_request(prompt: str, pictures: int, boxes=None) -> list:
-    """What the upsampler cannot take, refused before it loads; the boxes read (families/flux3/boxes.py). The rows it
-    will lock (the boxes, else a table the request ends in) must name pictures it is shown; an answer it is given
-    again is passed on as it is, to be checked where it is drawn."""
+    """Refuses what the upsampler cannot take, before it loads; returns the boxes read. The rows it will lock must
+    name pictures it is shown."""
     if not prompt.strip():
         raise Flux2Error("the prompt upsampler needs a prompt: write what the picture should show")
     if pictures > MAX_PICTURES:
@@ -98,8 +94,7 @@ def check_request(prompt: str, pictures: int, boxes=None) -> list:
 
 
 def context_length(config, folder: Path) -> int:
-    """How many tokens the upsampler's model reads: its text model's max_position_embeddings (a vision-language
-    config keeps it in its text config)."""
+    """How many tokens the upsampler's model reads (its text config's max_position_embeddings)."""
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
         raise Flux2Error(f"{folder / 'config.json'} gives no context length (max_position_embeddings is {limit!r}); "
@@ -108,8 +103,7 @@ def context_length(config, folder: Path) -> int:
 
 
 def check_length(tokens: int, context: int, pictures: int) -> None:
-    """A request (system prompt, chat turn, pictures' patches and text) must leave the answer its MAX_NEW_TOKENS
-    within the model's context: past it the model reads positions it was never trained on, for minutes."""
+    """A request must leave MAX_NEW_TOKENS of the context for the answer (past it the positions are untrained)."""
     room = context - MAX_NEW_TOKENS
     if tokens > room:
         fewer = " or give fewer reference pictures (their patches are tokens too)" if pictures else ""
@@ -120,8 +114,7 @@ def check_length(tokens: int, context: int, pictures: int) -> None:
 
 
 class PresencePenalty:
-    """Subtracts ``penalty`` once from the logit of each token already in the answer (from ``start``, the last
-    prompt token, on; the newest ``window`` tokens)."""
+    """Subtracts ``penalty`` once from the logit of each token already in the answer (from ``start`` on)."""
 
     def __init__(self, penalty: float, start: int, window: int = MAX_NEW_TOKENS):
         self.penalty, self.start, self.window = penalty, start, window
@@ -198,8 +191,7 @@ class PromptUpsampler:
     @torch.no_grad()
     def __call__(self, prompt: str, pictures: Sequence[Image.Image] = (), boxes=None,
                  on_token: Callable[[int], None] | None = None) -> Upsampled:
-        """``boxes``: a layout (see families/flux3/boxes.py); the answer then ends in their table, ready for the image
-        model. ``on_token(count)`` is called as each token is written (it may raise to stop)."""
+        """``boxes``: a layout; the answer then ends in their table. ``on_token(count)`` may raise to stop."""
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         layout = check_request(prompt, len(pictures), boxes)

@@ -1,8 +1,6 @@
-"""Checkpoints on disk: the files of a model found (one file, a folder with one file or shards + index, a diffusers
-pipeline root) and every safetensors header checked whole before any tensor is read, never unpickled.
-
-The checks follow safetensors' own Rust reader (what ``safe_open`` uses), so any file it refuses is refused here
-first with a Flux2Error naming the file, the tensor and the fault: the tensors must tile the data area exactly.
+"""Checkpoints on disk: a model's files found (a file, a folder, shards + index, a diffusers root) and every
+safetensors header checked whole before any tensor is read; nothing is unpickled. The checks follow safetensors' own
+reader, so a file it refuses is refused here first, with the file, the tensor and the fault named.
 """
 
 from __future__ import annotations
@@ -21,17 +19,14 @@ from ..user_json import read_json_file
 from .gguf_file import is_gguf, read_gguf
 from .tensors import MAX_COUNT, TORCH_DTYPES, Checkpoint, TensorInfo, element_count, short
 
-# ---------------------------------------------------------------------------------------------------------------
-# 1. safetensors headers: read and check, never unpickle
-# ---------------------------------------------------------------------------------------------------------------
+# --- safetensors headers ---------------------------------------------------------------------------------------
 
-# bits per element of every dtype code safetensors knows (its ``Dtype::bitsize``); sub-byte codes (F4, F6_*) are
-# size-checked like the others and read through safetensors
+# bits per element of every dtype code safetensors knows (its ``Dtype::bitsize``)
 DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
               "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
               "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
 PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle"}
-MAX_HEADER = 100_000_000    # safetensors' own limit (MAX_HEADER_SIZE): a file it would refuse is refused here too
+MAX_HEADER = 100_000_000    # safetensors' own limit (MAX_HEADER_SIZE)
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -152,11 +147,10 @@ def _check_layout(path: Path, entries: dict[str, tuple], data_size: int) -> None
 
 
 def read_tensor(info: TensorInfo, file: BinaryIO) -> torch.Tensor:
-    """A new CPU tensor (GGML blocks as uint8 [rows, row bytes]). Plain reads, not a memory map: the process holds
-    no file pages beside the tensors it keeps, so loading takes the memory of the weights alone.
+    """A new CPU tensor (GGML blocks as uint8 [rows, row bytes]). Plain reads, not a memory map, so loading takes the
+    memory of the weights alone.
     """
-    # zeros, not empty: memory first touched by torch's fill (large pages, both cores) is faster to read into than
-    # memory the kernel faults in page by page during the read (2 GB: 0.63 s vs 1.0 s on our 2-core machine)
+    # zeros, not empty: memory touched by torch's fill is faster to read into than memory faulted in page by page
     if info.quantized:
         tensor = torch.zeros(math.prod(info.shape[:-1]), row_bytes(info.ggml, info.shape[-1]), dtype=torch.uint8)
     else:
@@ -190,9 +184,8 @@ def refuse_other_format(path: Path, start: bytes) -> None:
 
 
 def _text_start(path: Path) -> str:
-    """The first line of a file that begins with text (a Git LFS pointer, a web page or a server's error message saved
-    under a weight file's name), else "". Weights never do: the 8 bytes a safetensors header's length is written in
-    would, as text, give a length far past safetensors' limit."""
+    """The first line of a file that begins with text (a Git LFS pointer, an error page), else "". Weights never
+    do: as a header length, text would be far past safetensors' limit."""
     try:
         with open(path, "rb") as f:
             start = f.read(256)
@@ -215,9 +208,7 @@ def _text_fix(text: str) -> str:
     return "not the file itself (perhaps a server's error message): download it again"
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 2. finding the files: a single file, a model folder, or a diffusers pipeline root
-# ---------------------------------------------------------------------------------------------------------------
+# --- finding the files: a single file, a model folder, or a diffusers pipeline root ----------------------------
 
 STANDARD_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 

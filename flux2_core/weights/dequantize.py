@@ -1,13 +1,9 @@
 """Quantised checkpoints: the format of each quantized layer, and float8 weights dequantized to float32.
 
-ComfyUI's quantized files name each layer's format (``.comfy_quant`` or ``_quantization_metadata``; older
-``scaled_fp8`` files: ``.scale_weight``): ``comfy_formats`` reads them and hands each to the registry of stored formats
-(``storage.formats.read_layer``), which refuses a format no storage here runs, naming it and the layer, before
-anything is read, as the format refuses a tensor of the layer in a dtype it does not store. A format a file stores
-without naming it is known by the tensor its format names (``StoredFormat.known_by``: BFL's nvfp4 by its
-``.weight_scale_2``). BFL's own fp8 (per-row ``.weight_scale`` [N]), Hugging Face block fp8 (``.weight_scale_inv``)
-and unscaled float8 need no such object. ``.input_scale`` (a static activation scale) is dropped: activations are
-quantized per token where a kernel quantizes them at all.
+ComfyUI's quantized files name each layer's format (``.comfy_quant`` or ``_quantization_metadata``); ``comfy_formats``
+hands each to ``storage.formats.read_layer``, which refuses a format no storage here runs before anything is read. An
+unnamed format is known by a tensor it has (BFL's nvfp4: ``.weight_scale_2``). ``.input_scale`` is dropped:
+activations are quantized per token.
 """
 
 from __future__ import annotations
@@ -22,10 +18,6 @@ from ..storage.packed import dequantize_nvfp4 as _dequantize_nvfp4
 from ..storage.stored_format import LayerFile, LayerFormat
 from .checkpoint import Checkpoint, TensorInfo, read_tensor, short
 
-# ---------------------------------------------------------------------------------------------------------------
-# Quantised weights
-# ---------------------------------------------------------------------------------------------------------------
-
 UNSUPPORTED_SUFFIXES = {".qweight": "GPTQ/AWQ", ".qzeros": "GPTQ/AWQ", ".g_idx": "GPTQ", ".SCB": "bitsandbytes int8",
                         ".absmax": "bitsandbytes", ".quant_map": "bitsandbytes",
                         ".quant_state.bitsandbytes__nf4": "bitsandbytes nf4",
@@ -33,8 +25,7 @@ UNSUPPORTED_SUFFIXES = {".qweight": "GPTQ/AWQ", ".qzeros": "GPTQ/AWQ", ".g_idx":
 
 
 def comfy_formats(ckpt: Checkpoint, prefix: str) -> dict[str, LayerFormat]:
-    """Layer key (prefix stripped) -> its format. Refuses other tools' quantisations (GPTQ, bitsandbytes) and the
-    formats no storage here runs."""
+    """Layer key (prefix stripped) -> its format. Refuses GPTQ, bitsandbytes and formats no storage here runs."""
     keys = [k for k in ckpt.tensors if k.startswith(prefix)]
     for key in keys:
         for suffix, tool in UNSUPPORTED_SUFFIXES.items():
@@ -61,8 +52,7 @@ def comfy_formats(ckpt: Checkpoint, prefix: str) -> dict[str, LayerFormat]:
 
 
 def layer_format(ckpt: Checkpoint, layer: str, spec: object) -> LayerFormat:
-    """One layer's format object (or, in older headers, its bare name) -> LayerFormat, checked against its tensors'
-    headers by its format (``storage.formats.read_layer``)."""
+    """One layer's format object (or its bare name) -> LayerFormat, checked against its tensors' headers."""
     spec = spec if isinstance(spec, dict) else {"format": spec}
     spec = {**spec.get("params", {}), **spec} if isinstance(spec.get("params"), dict) else spec   # older nesting
     fmt = stored_format(spec.get("format"))

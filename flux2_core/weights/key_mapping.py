@@ -1,7 +1,5 @@
-"""Key mapping: which naming a checkpoint uses (BFL, diffusers, ComfyUI prefixes) and, for each of our keys (BFL's),
-the recipe that builds it from the file's keys: a rename, a fused q/k/v concat, a halves swap, a reversed level. The
-tables of the autoencoder and the text encoder are here; each model family's transformer layouts are in its entry
-(``families``); the machinery is ``key_tables``."""
+"""Key mapping: which naming a checkpoint uses and, for each of our (BFL's) keys, the recipe that builds it from the
+file's keys. The autoencoder's and text encoder's tables are here; transformer layouts are in each family."""
 
 from __future__ import annotations
 
@@ -13,9 +11,7 @@ from ..errors import Flux2Error
 from ..key_tables import Layout, Recipe, table_recipes
 from .tensors import Checkpoint
 
-# ---------------------------------------------------------------------------------------------------------------
-# 1. layouts: which naming the file uses, behind which prefix, and what a file is when it is not what we want
-# ---------------------------------------------------------------------------------------------------------------
+# --- layouts: which naming the file uses, behind which prefix, and what a file is when it is not what we want ---
 
 def find_layout(ckpt: Checkpoint, layouts: list[Layout], what: str, loader: str) -> tuple[Layout, str]:
     """The layout whose signature key the checkpoint has, and the prefix in front of it ("" when none)."""
@@ -68,8 +64,7 @@ def describe(ckpt: Checkpoint) -> str:
     return f"an unrecognised checkpoint (keys such as {', '.join(sorted(keys)[:3])})"
 
 
-# what the single-file prompt upsampler ComfyUI ships in text_encoders/ (qwen3.5_9b_flux3_prompt_upsampler_*.safetensors,
-# for its TextGenerate node) is, and what ours needs instead
+# the single-file prompt upsampler ComfyUI ships in text_encoders/, which ours does not read
 PROMPT_UPSAMPLER = ("FLUX 3 Image Klein's prompt upsampler as ComfyUI ships it (one Qwen3.5 file for ComfyUI's own "
                     "TextGenerate node), not a text encoder or a diffusion model: --upsample and the Prompt Upsampler "
                     "node run the upsampler from its Hugging Face folder (config.json, system_prompts.json, the "
@@ -77,8 +72,7 @@ PROMPT_UPSAMPLER = ("FLUX 3 Image Klein's prompt upsampler as ComfyUI ships it (
 
 
 def is_prompt_upsampler(ckpt: Checkpoint) -> bool:
-    """By its name (ComfyUI's ``..._prompt_upsampler_...``) or its layers: the upsampler is a Qwen3.5, whose
-    linear-attention layers (gated delta rule, ``linear_attn.A_log``) no model FLUX reads has."""
+    """By its name or its layers: the upsampler is a Qwen3.5 (``linear_attn.A_log``), which no FLUX model reads."""
     named = "prompt_upsampler" in ckpt.path.name.lower()        # not any "upsampler" (latent or ESRGAN upscalers)
     return named or any(k.endswith("linear_attn.A_log") for k in ckpt.tensors)
 
@@ -88,10 +82,7 @@ def qwen3_name(hidden: int) -> str:
     return names.get(hidden, "a Qwen3")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 2. key mapping tables: our (BFL) key <- the file's key(s)
-# ---------------------------------------------------------------------------------------------------------------
-# (placeholders: key_tables.PLACEHOLDERS)
+# --- key mapping tables: our (BFL) key <- the file's key(s) (placeholders: key_tables.PLACEHOLDERS) -------------
 
 
 # diffusers numbers decoder levels from the deepest (up_blocks.0), BFL from the shallowest (up.0): {r} = levels-1-i.
@@ -136,8 +127,7 @@ def diffusers_autoencoder_recipes(keys: set[str]) -> Callable[[str], Recipe]:
     return table_recipes(AUTOENCODER_FROM_DIFFUSERS, levels=levels)
 
 
-# llama.cpp's names for a Qwen3 (GGUF text encoders) -> Hugging Face's. Qwen3's q/k are stored unpermuted (llama.cpp
-# permutes q/k only for the "llama" architecture).
+# llama.cpp's names for a Qwen3 -> Hugging Face's (q/k unpermuted: llama.cpp permutes only "llama")
 QWEN3_FROM_LLAMA_CPP = [
     ("embed_tokens.weight", "token_embd.weight"),
     ("norm.weight", "output_norm.weight"),

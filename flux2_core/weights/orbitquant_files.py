@@ -1,14 +1,9 @@
-"""OrbitQuant artifacts as users download them: a folder with ``model.safetensors`` (each quantized layer's packed
-codes and row norms, the modulation layers' int4 codes and scales, the rest of the model in bf16), its codebooks and
-rotations (``orbitquant_codebooks.safetensors``, ``orbitquant_rotations.safetensors``), the quantization settings
-(``quantization_config.json``), a manifest (``orbitquant_manifest.json``: the layers, their widths and the files'
-SHA-256) and ``SHA256SUMS``.
+"""OrbitQuant artifacts as downloaded: a folder with ``model.safetensors``, its codebooks and rotations, the
+quantization settings, a manifest (layers, widths, the files' SHA-256) and ``SHA256SUMS``.
 
-``read_artifact`` checks all of it and hands the loaders a ``Checkpoint`` in the terms of the stored formats
-(``storage.orbitquant``): each quantized layer's tensors under the names its storage keeps (``weight``,
-``weight_norms``, ``weight_levels``, ``weight_order``, ``weight_signs``; the codebook and rotation are the artifact's own
-tensors, read from their files) and its spec in ``_quantization_metadata``, as ComfyUI's quantized files give it. No
-byte of the model is copied or rewritten: each tensor is read from where the artifact has it.
+``read_artifact`` checks all of it and hands the loaders a ``Checkpoint`` in the stored formats' terms
+(``storage.orbitquant``), specs in ``_quantization_metadata`` as ComfyUI's files give them. No byte is copied: each
+tensor is read from where the artifact has it.
 """
 
 from __future__ import annotations
@@ -184,8 +179,7 @@ def _sha256(path: Path) -> str:
 
 
 def _check_sums(folder: Path, manifest: dict) -> None:
-    """Every file the manifest gives a SHA-256 of has it (the model, its codebooks, rotations and settings always
-    among them, as orbitquant writes them), and so has the manifest, by SHA256SUMS."""
+    """Every file the manifest gives a SHA-256 of has it, and so has the manifest, by SHA256SUMS."""
     sums = manifest.get("checksums", {})
     if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
         raise Flux2Error(f"{folder / MANIFEST}: its checksums are {short(sums)}, not file names with their SHA-256; "
@@ -244,9 +238,7 @@ def _codebooks(folder: Path) -> dict[tuple[int, int], TensorInfo]:
 
 
 def _rotations(folder: Path, seed: object) -> dict[int, tuple[int, TensorInfo, TensorInfo]]:
-    """inputs -> (block, the permutation's tensor, the signs' tensor) of the settings' seed, each checked: a
-    permutation of the inputs, signs of ±1, a block that is a power of two dividing them with its normalization
-    1/sqrt(block)."""
+    """inputs -> (block, permutation tensor, signs tensor) of the settings' seed, each checked."""
     read = _small_tensors(folder / ROTATIONS)
     found = {}
     for name, (info, values) in read.items():
