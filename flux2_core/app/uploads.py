@@ -1,9 +1,7 @@
 """Pictures from the user's disk for a workflow on a ComfyUI server: checked, named by their content, uploaded.
 
-A picture is uploaded as flux2-<sha256>.png with overwrite off: the same picture always gets the same name, so a
-re-run finds it and ComfyUI keeps one copy. A mask is joined to its picture here (``mask_alpha``), not through
-/upload/mask, which finds duplicates by the mask's bytes and so stores another copy each run. Load Image reads the
-mask as 1 - alpha: transparent pixels are the part to repaint.
+A picture is uploaded as flux2-<sha256>.png with overwrite off, so a re-run finds it and ComfyUI keeps one copy. A
+mask is joined to its picture here, not through /upload/mask, which would store another copy each run.
 """
 
 from __future__ import annotations
@@ -100,8 +98,7 @@ def read_picture(path: str, what: str, mask: str | None = None, mask_reading: st
 
 
 def mask_alpha(mask: Image.Image, name: str = "the mask", reading: str = "auto") -> Image.Image:
-    """The alpha Load Image reads the mask from (transparent = repaint): the engine's reading of the mask picture
-    (``inpaint.mask_levels``) turned over; its note, where it has one, on stderr as the command line's."""
+    """The alpha Load Image reads the mask from (transparent = repaint): the engine's mask reading turned over."""
     reading = mask_levels(mask, name, reading)
     if reading.note:
         print(f"note: {reading.note}", file=sys.stderr)
@@ -110,7 +107,7 @@ def mask_alpha(mask: Image.Image, name: str = "the mask", reading: str = "auto")
 
 def _masked_bytes(path: str, mask_path: str, what: str, reading: str = "auto") -> bytes:
     """PNG bytes, the same each time for the same two files."""
-    # both upright (their EXIF orientation applied, as Load Image turns a picture) before they are compared and joined
+    # both upright, as Load Image turns a picture, before they are joined
     picture = decoded(_open(path, _read(path, what), what), f"{what}: {path}")
     mask = decoded(_open(mask_path, _read(mask_path, what), what), f"{what}: {mask_path}")
     if mask.size != picture.size:

@@ -1,14 +1,8 @@
 """The registry of model families: what differs between FLUX.2 and the families after it, one record each.
 
-A family is a transformer architecture with its file layouts, its text encoder and its variants; FLUX.2 (Klein 4B / 9B,
-base, 9B-KV, dev) is the first. Each family is a package here (``flux2/``, ``flux3/``: its record in ``__init__``, its
-variants, files, model, schedule, sampling and adapters in modules of their own) and joins the registry
-(``registry.py``: ``FAMILIES``, ``VARIANTS``) through ``register``, which checks its record.
-
-The code around the model (weights, adapters, runtime, sampling, the nodes, all in the layers above this one) asks a
-family record what it must know of the model it holds — its files' namings, how to read its parameters and build it,
-which of its linears a quantized storage may hold, how it sees a latent batch, its memory estimate's inputs, its
-schedule — and never tests which family it is.
+A family is a transformer architecture with its file layouts, text encoder and variants. Each is a package here
+(``flux2/``, ``flux3/``) and joins the registry through ``register``, which checks its record. The code around the
+model asks the record what it must know and never tests which family it is.
 
     family = ...                                  # the one whose file layout (key_tables.Layout) the file has
     params = family.read_params(shapes)           # the architecture from the file's shapes (``ShapeReader``)
@@ -87,8 +81,8 @@ register(FLUX3)
 
 
 def linear_shapes(params) -> dict[str, tuple[int, int]]:
-    """Every linear of the model ``params`` describe: module name -> weight [out, in], read off the model built on
-    the meta device (what adapters may target; no hand-kept list to drift from the model)."""
+    """Every linear of the model: module name -> weight [out, in], read off the model built on meta (no hand-kept
+    list to drift)."""
     return dict(_linear_shapes(params))
 
 

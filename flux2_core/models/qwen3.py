@@ -1,10 +1,8 @@
-"""Qwen3 as far as FLUX.2 reads it: the embedding and the first decoder layers, returning hidden states (layers 28..,
-the final norm and the LM head never matter, so they are not built). Names are Hugging Face's, so checkpoints,
-LoRAs and GGUF tables map onto it unchanged.
+"""Qwen3 as far as FLUX.2 reads it: the embedding and the first decoder layers, returning hidden states (deeper
+layers, the final norm and the LM head are not built). Names are Hugging Face's.
 
-Attention is causal with grouped K/V heads and masks padding as keys only: pad rows are computed (FLUX.2 sees all
-512) and attend to the real tokens. RMSNorms run in float32 and cast back before their weight multiplies (as Qwen3
-was trained); RoPE rotates halves, angles in float32, cos/sin cast to the activations' dtype.
+Attention is causal with grouped K/V heads and masks padding as keys only (pad rows are computed: FLUX.2 sees all
+512). RMSNorms run in float32 and cast back before the weight multiplies, as Qwen3 was trained.
 """
 
 from __future__ import annotations
@@ -65,9 +63,7 @@ class Qwen3Params:
 
     @classmethod
     def from_state_dict(cls, sd: dict[str, Tensor], rope_theta: float = 1_000_000.0) -> Qwen3Params:
-        """For files without config.json: head_dim is q_norm's length; rope_theta, which no shape reveals, is given
-        (Qwen3-4B/8B's by default), the norm eps is theirs.
-        """
+        """For files without config.json: head_dim is q_norm's length; rope_theta, which no shape reveals, is given."""
         head_dim = sd["layers.0.self_attn.q_norm.weight"].shape[0]
         return cls(vocab_size=sd["embed_tokens.weight"].shape[0], hidden_size=sd["embed_tokens.weight"].shape[1],
                    intermediate_size=sd["layers.0.mlp.gate_proj.weight"].shape[0],
@@ -158,7 +154,7 @@ class Qwen3(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         if p.num_layers < num_layers:
-            # (the encoders' own check, ``text_encoder.check_depth``, says it in the asking family's words first)
+
             raise Flux2Error(f"the text encoder has {p.num_layers} layers; {num_layers} are asked for")
         layers = layers or Layers()
         self.params = p
@@ -167,9 +163,8 @@ class Qwen3(nn.Module):
 
     def forward(self, ids: Tensor, mask: Tensor, outputs: tuple[int, ...], positions: Tensor | None = None
                 ) -> list[Tensor]:
-        """ids, mask [B, L] (1 for tokens), positions [B, L] (default 0..L-1, pads included) -> hidden states
-        ``outputs`` (k: the output of decoder layer k, from 1), each [B, L, hidden].
-        """
+        """ids, mask [B, L] (1 for tokens), positions [B, L] -> the hidden states after decoder layers ``outputs``
+        (from 1), each [B, L, hidden]."""
         x = self.embed_tokens(ids)
         n = ids.shape[1]
         if positions is None:

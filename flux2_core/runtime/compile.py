@@ -1,11 +1,8 @@
 """Opt-in ``torch.compile`` of a loaded transformer's blocks, in place; the first forward compiles.
 
-Each block's forward is compiled on its own: all blocks of a kind share one graph (their weights are graph inputs),
-so the cost is two graphs, not 25 or 32; what is outside the blocks is a few small ops per step and runs eagerly.
-New steps and prompts reuse the graphs (text is always 512 tokens); a new resolution, batch, reference count or the
-KV path compiles once more per set of shapes (``dynamic=False``; ``dynamic=None`` lets torch switch to shape-generic
-kernels). ``fullgraph=True`` makes a graph break an error: code that moves weights inside a block's call (ComfyUI's
-partial loading) needs ``fullgraph=False``; our block streaming does not (its hooks run around the call).
+Each block's forward is compiled on its own, and blocks of a kind share one graph (weights are graph inputs), so the
+cost is two graphs. A new resolution, batch or reference count compiles once more. Code that moves weights inside a
+block's call (ComfyUI's partial loading) needs ``fullgraph=False``; block streaming's hooks run around the call.
 """
 
 from __future__ import annotations
@@ -26,11 +23,8 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None, dynamic: bool | None = False,
                    fullgraph: bool = True, max_shapes: int = 16) -> nn.Module:
-    """Streamed blocks are left eager. ``max_shapes`` raises torch's recompile limit (8 graphs per block kind, then
-    eager with a warning). ``mode``: e.g. "max-autotune-no-cudagraphs" on a GPU.
-    """
-    # Compiled code must see forward hooks added, replaced or removed later (patching.set_adapters runs LoRA
-    # branches of fp8 layers as hooks): by default dynamo does not guard on hooks and would keep the old ones.
+    """Streamed blocks are left eager. ``max_shapes`` raises torch's recompile limit (8 per block kind)."""
+    # LoRA branches are forward hooks added later, and by default dynamo does not guard on hooks
     torch._dynamo.config.skip_nnmodule_hook_guards = False
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), max_shapes))

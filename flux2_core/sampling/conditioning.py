@@ -1,7 +1,5 @@
-"""How one conditioning reaches the model, the same for the Euler loop (``euler.denoise``, so ``pipeline.generate``
-and the Denoise node) and for ComfyUI's samplers (the engine's MODEL): the references as one token pack at their
-family's ids (``pack_references``), routed the one way (``velocity_for``: joined after the image, or a KV edition's
-K/V made once), and the family's ``condition`` around the model."""
+"""How one conditioning reaches the model, the same for the Euler loop and ComfyUI's samplers: the references as
+one token pack (``pack_references``), routed one way (``velocity_for``), and the family's ``condition``."""
 
 from __future__ import annotations
 
@@ -14,19 +12,16 @@ from ..families import family_of, family_of_params
 from ..variants import Variant
 from .references import batched_reference_tokens, reference_tokens
 
-# (x [B, 128, h, w], t [B], t_next [B] or None, in x's dtype) -> v like x: the time the step goes to is given too, as
-# a distilled flow-map model needs it (FLUX.2 reads t alone; ComfyUI's samplers do not say it)
+# (x [B, 128, h, w], t [B], t_next [B] or None, in x's dtype) -> v like x; t_next is for flow-map models
 Velocity = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
-# (ref [B, Lref, C] in the compute dtype, ids [1, Lref, 4], make) -> the references' K/V: the caller's cache of them,
-# ``make()`` (the model's reference pass on the device) on a miss
+# (ref [B, Lref, C], ids [1, Lref, 4], make) -> the references' K/V from the caller's cache, ``make()`` on a miss
 KVSource = Callable[[Tensor, Tensor, Callable[[], object]], object]
 
 
 @dataclass(frozen=True)
 class ReferencePack:
-    """A run's references as the model takes them: tokens [1 or B, Lref, 128] at their family's ids [1, Lref, 4], or
-    the K/V a KV edition made of them before (a cache hit that skipped even the encode)."""
+    """A run's references: tokens [1 or B, Lref, 128] at ids [1, Lref, 4], or K/V a KV edition made before."""
 
     tokens: Tensor | None = None
     ids: Tensor | None = None
@@ -45,8 +40,8 @@ NO_REFERENCES = ReferencePack()
 
 
 def pack_references(variant: Variant, latents: list[Tensor], *, batched: bool = False) -> ReferencePack:
-    """Reference latents [n or 1, 128, h, w] -> one token pack at the family's ids. ``batched``: ComfyUI's
-    ``ref_latents`` (reference i of item b is ``latents[i][b]``); else every item of every latent is a reference."""
+    """Reference latents [n or 1, 128, h, w] -> one token pack. ``batched``: ComfyUI's ``ref_latents`` (reference i
+    of item b is ``latents[i][b]``)."""
     ids = family_of(variant).reference_ids
     tokens, token_ids = (batched_reference_tokens if batched else reference_tokens)(latents, ids)
     return ReferencePack(tokens, token_ids)
@@ -55,10 +50,8 @@ def pack_references(variant: Variant, latents: list[Tensor], *, batched: bool = 
 def velocity_for(model: nn.Module, txt: Tensor, h: int, w: int, references: ReferencePack, *,
                  as_kv: bool, guidance: Tensor | None = None, txt_lengths: list[int] | None = None,
                  kv_source: KVSource | None = None) -> Velocity:
-    """The model's velocity on the latent grid for one conditioning (its family's ``condition``), with the references
-    routed the one way: joined after the image, or (``as_kv``, a KV edition) attended through their K/V, made once by
-    the model's reference pass or found in ``kv_source``. Tensors on the model's device and dtype, except the
-    references, which may wait on the CPU."""
+    """The model's velocity on the latent grid for one conditioning, the references joined after the image or
+    (``as_kv``) attended through K/V made once. The references may wait on the CPU."""
     device, dtype = txt.device, txt.dtype
     ref, ref_ids, kv = references.tokens, references.ids, references.kv
     if ref is not None:

@@ -1,10 +1,8 @@
-"""What a generate call asks for, read and checked before any model runs: the prompt with its layout boxes, the
-reference pictures prepared as the family sizes them, the picture to edit or inpaint and its mask, the output size,
-the schedule and the strength. ``pipeline.generate`` reads a request, runs it (``run.py``) and decodes.
+"""What a generate call asks for (prompt and boxes, references, picture to edit and mask, size, schedule,
+strength), read and checked before any model runs.
 
-Defaults are the reference's: a missing width / height comes from the picture to edit, else the first prepared
-reference, else 1024 (sizes not a multiple of 16 are an error, never snapped); steps from the variant; an inpainted
-picture goes in as reference 1 (diffusers' Flux2KleinInpaintPipeline), so it counts toward the family's limit.
+Defaults are the reference's: a missing size comes from the picture to edit, else the first reference, else 1024
+(sizes not a multiple of 16 are an error, never snapped). An inpainted picture goes in as reference 1, as diffusers'.
 """
 
 from __future__ import annotations
@@ -74,8 +72,7 @@ def read_request(variant: Variant, prompt: str, *, references=(), width: int | N
                  height: int | None = None, steps: int | None = None, sigmas: list[float] | None = None,
                  image=None, strength: float = 1.0, mask=None, boxes=None, batch: int = 1,
                  say: Callable[[str], None] = lambda note: None, mask_reading: str = "auto") -> Request:
-    """Everything of a generate call that can be refused, refused (``Flux2Error``) before any model runs; ``say``
-    receives each note as it arises."""
+    """Everything that can be refused, refused (``Flux2Error``) before any model runs; ``say`` gets each note."""
     if not isinstance(prompt, str):
         raise Flux2Error(f"prompt must be a string, got {type(prompt).__name__}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -119,8 +116,7 @@ def check_layout(boxes: list[Box], family: Family, model: str) -> None:
 
 
 def boxed_prompt(prompt: str, boxes: list[Box], family: Family, model: str) -> str:
-    """The prompt with the boxes for a model of ``family`` (``model``: what messages call it), refused where the
-    family reads none: its prompt would carry text it was never trained on."""
+    """The prompt with the boxes, refused where the family reads none."""
     check_layout(boxes, family, model)
     if boxes and table_at_end(prompt) is not None:
         raise Flux2Error("the prompt already ends in a box table (the prompt upsampler's answer carries the boxes it "

@@ -1,18 +1,11 @@
 """A step cache: fewer model calls on many-step runs, by reusing the last velocity while it would barely change.
 
-A flow model's velocity moves slowly along a trajectory (on a straight one it is constant), so where the latent
-has moved little since the model last ran, the last velocity serves again. The signal is the input change, which is
-free: per sample, the latent's mean absolute change since the model last ran for it, relative to its mean absolute
-value, times the rate at which that sample's velocity changed per unit of input change over its last two model calls
-(the rate: relative velocity change / relative input change). While this predicted relative velocity change stays
-below ``threshold``, the step reuses the last velocity; the first steps (``WARMUP``, at least two, to measure the rate)
-and the last (``GUARD``) always run the model, as does any step where the rate is not yet known.
+A flow model's velocity changes slowly along a trajectory. Per sample, the predicted relative velocity change is
+the latent's relative change since the model last ran times the rate measured over its last two calls; below
+``threshold`` the last velocity is reused. The first ``WARMUP`` and last ``GUARD`` steps always run the model.
 
-Each sample decides alone, so a sample of a batch takes the steps it takes alone: the model is skipped only when every
-sample skips, and a sample that would skip keeps its cached velocity while the others take the fresh one. The velocity
-is the one the loop steps with (after CFG's two passes and their mix), so both passes are skipped or run together.
-The cache lives for one denoise: references, LoRAs and sizes cannot change inside it. Threshold 0 never skips, so the
-run equals the uncached one bit for bit.
+Each sample decides alone; the model is skipped only when every sample skips. The velocity is the one after CFG's
+mix, so both passes skip together. Threshold 0 never skips, so the run equals the uncached one bit for bit.
 """
 
 from __future__ import annotations

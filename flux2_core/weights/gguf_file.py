@@ -1,9 +1,8 @@
 """GGUF files read with the ``gguf`` package: tensors as ``tensors.TensorInfo`` and the metadata a loader checks.
 
-Shapes: GGUF lists dimensions innermost first, so a Linear weight [out, in] is stored as (in, out); the logical shape
-is the reverse, unless ComfyUI-GGUF recorded the original (``comfy.gguf.orig_shape.<name>``). A quantized tensor is
-rows of whole blocks along its last dimension, read as uint8 [rows, row_bytes]. A hostile or damaged header ends in a
-Flux2Error, never another exception (``_StrictReader``: the stock reader trusts every count a header claims).
+GGUF lists dimensions innermost first, so the logical shape is the reverse (unless ComfyUI-GGUF recorded the
+original). A quantized tensor is read as uint8 [rows, row_bytes]. A hostile header ends in a Flux2Error, never
+another exception: the stock reader trusts every count a header claims.
 """
 
 from __future__ import annotations
@@ -66,10 +65,8 @@ class _StrictReader(GGUFReader):
         return super()._get_field_parts(orig_offs, raw_type)
 
     def _array_parts(self, orig_offs: int, item_type: int, count: int):
-        """An array field whose ``contents()`` are the stock reader's (strings: a length and a bytes part each, as
-        memoryviews; numbers: one part holding them all), walked in one pass: the stock reader makes numpy views per
-        item and, with the garbage collector rescanning them as they pile up, a Qwen tokenizer's ~455,000 values took
-        15-30 s to open on a small CPU (0.6 s here)."""
+        """An array field with the stock reader's ``contents()``, walked in one pass: the stock reader's numpy view
+        per item made a Qwen tokenizer's ~455,000 values take 15-30 s to open."""
         parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
         types = [GGUFValueType.ARRAY] + ([GGUFValueType(item_type)] if count else [])
         offs = orig_offs = int(orig_offs)                      # plain ints: numpy scalars make each step ~20x slower
@@ -87,8 +84,7 @@ class _StrictReader(GGUFReader):
 
 
 def _string_parts(view: memoryview, size: int, offs: int, count: int, parts: list, indices: list) -> int:
-    """``count`` GGUF strings from ``offs``: each one's length and bytes appended to ``parts`` (the bytes' index to
-    ``indices``); returns where they end."""
+    """``count`` GGUF strings from ``offs`` appended to ``parts``; returns where they end."""
     for _ in range(count):
         if offs + 8 > size:
             raise ValueError(f"the file ends at byte {size:,}, inside its metadata")

@@ -1,8 +1,5 @@
-"""FLUX.2's schedule: BFL's empirical-mu shift, ``steps + 1`` sigmas from 1 (noise) to 0 (clean) that depend on the
-image's size, and the largest size it serves (``max_image_tokens``).
-
-The values are float32 numbers as Python floats (the reference builds an fp32 tensor and calls ``tolist()``), so the
-sampler's step sizes are exactly the reference's.
+"""FLUX.2's schedule: BFL's empirical-mu shift, ``steps + 1`` sigmas from 1 to 0 that depend on the image's size, and
+the largest size it serves. Values are float32 numbers as Python floats, as the reference's ``tolist()``.
 """
 
 from __future__ import annotations
@@ -22,9 +19,7 @@ MU_200_STEPS = (0.00016927, 0.45666666)
 MU_LARGE_IMAGE_TOKENS = 4300   # above this many tokens, mu is the 200-step line whatever the step count
 
 def empirical_mu(image_tokens: int, steps: int) -> float:
-    """BFL's ``compute_empirical_mu``: linear in the step count between fits at 10 and 200 steps (extrapolated for 4),
-    the 200-step fit alone above 4300 tokens. ``image_tokens`` = (height/16) * (width/16); references do not count.
-    """
+    """BFL's ``compute_empirical_mu``. ``image_tokens`` = (height/16) * (width/16); references do not count."""
     a10, b10 = MU_10_STEPS
     a200, b200 = MU_200_STEPS
     mu_200 = a200 * image_tokens + b200
@@ -41,9 +36,8 @@ def time_shift(mu: float, t: torch.Tensor) -> torch.Tensor:
 
 
 def flux2_schedule(steps: int, image_tokens: int) -> list[float]:
-    """BFL's ``get_schedule``. mu grows with the image, and in float32 the first levels then round to 1.0: from about
-    4700^2 px at 4 steps (3950^2 at 200) the first steps would do nothing, and beyond about 11500^2 exp(mu) overflows.
-    BFL and ComfyUI compute the same values; here such a size is refused with the largest that works.
+    """BFL's ``get_schedule``. mu grows with the image, and past about 4700^2 px (4 steps) the first float32 levels
+    round to 1.0 and do nothing: such a size is refused with the largest that works.
     """
     check_steps(steps)
     if isinstance(image_tokens, bool) or not isinstance(image_tokens, int) or image_tokens < 1:
@@ -75,9 +69,7 @@ def _usable(sigmas: list[float]) -> bool:
 
 
 def max_image_tokens(steps: int) -> int:
-    """A bisection: usability only falls with the size above MU_LARGE_IMAGE_TOKENS. At the edge the answer depends on
-    whether the CPU flushes subnormals to zero (the CLI has it do so), so it is kept per mode.
-    """
+    """A bisection (usability only falls with size); kept per subnormal-flushing mode, which moves the edge."""
     return _max_image_tokens(steps, torch.tensor([1e-39]).mul(1.0).item() == 0.0)
 
 

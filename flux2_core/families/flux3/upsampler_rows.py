@@ -1,8 +1,7 @@
 """Boxes through the prompt upsampler: what it is asked, and its answer with the user's boxes kept.
 
-The upsampler was trained to read locked rows (the user's boxes on the 0-1000 canvas) after the request, and to answer
-with a caption that cites each row as ``<id>`` followed by the whole table as JSON. The user's rows come back exactly
-as given (only their ``desc`` may be the upsampler's richer one); rows the upsampler adds are kept only when well
+The upsampler reads locked rows after the request and answers with a caption citing each row as ``<id>``, then the
+table as JSON. The user's rows come back as given (only ``desc`` may be richer); added rows are kept only when well
 formed and cited.
 """
 
@@ -31,8 +30,7 @@ class Request:
 
 
 def rows_in_prompt(prompt: str) -> tuple[str, list[dict]] | None:
-    """(prompt, rows) when the prompt already ends in a box table: the model's own prompt form, or the upsampler's
-    locked-rows request (then the prompt is the request's own)."""
+    """(prompt, rows) when the prompt already ends in a box table (the model's form or a locked-rows request)."""
     found = table_at_end(prompt)
     if found is None:
         return None
@@ -72,8 +70,7 @@ def _overlap(a: list, b: list) -> float:
 
 
 def _added_row(row, caption: str, pictures: int) -> dict | None:
-    """A row the upsampler added, cleaned, if it is whole, its caption cites it and it applies to the ``pictures``
-    it was shown (``boxes.row_problem``, the rule the user's rows meet); else None."""
+    """A row the upsampler added, cleaned, if it is whole, cited and applies to the ``pictures``; else None."""
     if not isinstance(row, dict):
         return None
     row_id, desc = row.get("id"), row.get("desc")
@@ -93,10 +90,8 @@ def _added_row(row, caption: str, pictures: int) -> dict | None:
 
 
 def keep_locked(answer: str, locked: list[dict], pictures: int) -> str:
-    """The upsampler's answer with the user's rows re-imposed: a row of its own that redraws a locked box (same
-    place, another id) takes the locked id, in the table and in the caption; locked rows come first, as given
-    but with the upsampler's description where it wrote one; its valid added rows (for the ``pictures`` it was
-    shown) follow."""
+    """The upsampler's answer with the user's rows re-imposed (a redrawn locked box takes the locked id), locked
+    rows first, then its valid added rows."""
     caption, rows = split_table(answer)
     rows = [row for row in rows or []]
     locked_ids = {row["id"] for row in locked}
