@@ -1,6 +1,4 @@
-"""The storage kinds a linear layer is made in, asked in order for each layer of a load (``LayerRequest``): a
-file's own format, int8 made at load, GGUF blocks, fp8, a kept 16-bit weight; a layer none picks is float. Each kind
-is one ``LayerStorage`` beside the class that holds it, owning its pick and how a pick becomes the layer.
+"""The storage kinds a linear layer is made in, asked in order for each layer of a load; a layer none picks is float.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ KINDS = {kind.name: kind for kind in (*ORDER, FLOAT)}
 
 
 def choose(request: LayerRequest | None, name: str) -> tuple[LayerStorage, object]:
-    """The kind the layer ``name`` is made in and what it picked: the first in ``ORDER`` that picks it, else float
-    (always, for a model built without a file)."""
+    """(kind, pick) for the layer ``name``: the first in ``ORDER`` that picks it, else float."""
     if request is not None:
         for kind in ORDER:
             picked = kind.pick(request, name)

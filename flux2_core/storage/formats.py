@@ -1,10 +1,5 @@
-"""The registry of stored formats: every ``StoredFormat`` (``stored_format``) by each name files give it. The formats
-are defined beside the classes that hold them (fp8: ``quant``; int8: ``int8``; nvfp4, mxfp8, 2-D blocks, W4A4:
-``packed``; W4A8, SVDQuant, AWQ: ``w4``; OrbitQuant's: ``orbitquant``); another is added by ``register`` alone, the loaders and the layer factory
-unchanged.
-
-``read_layer`` is the one entry for a file's spec of a layer: a name no format has and ConvRot on a format that is
-never turned are refused here, naming what can be run; the rest is the format's own ``layer``.
+"""The registry of stored formats, by each name files give them. Formats are defined beside the classes that hold
+them; a new one needs only ``register``. ``read_layer`` is the one entry for a file's spec of a layer.
 """
 
 from __future__ import annotations
@@ -75,6 +70,5 @@ def read_layer(file: LayerFile) -> LayerFormat:
 
 
 def known_by() -> dict[str, StoredFormat]:
-    """Tensor name -> the format a layer is in where a file that names no format holds that tensor beside its
-    weight."""
+    """Tensor name -> the format it marks in files that name no format."""
     return {f.known_by: f for f in formats() if f.known_by}

@@ -33,9 +33,8 @@ Bit packing of the K-quants (value index within the block, for 2-bit and 4-bit f
     Q6_K ql         byte h*64 + j, lo nibble -> value h*128 + j, hi nibble -> h*128 + 64 + j     (j < 64)
     Q6_K qh         byte h*32 + j, bits 2s..2s+1 -> bits 4..5 of value h*128 + s*32 + j
 
-Bit-exact with ``gguf.quants.dequantize``: fp16 scales (11 significant bits) times integers of at most 12 bits
-are exact in float32, so the one rounding is adding the min (an FMA does not change it either); the result is cast
-to `dtype` once. The fused kernel (``fused=True``) is this code compiled, so it is bit-exact too.
+Bit-exact with ``gguf.quants.dequantize``: fp16 scales times integers of at most 12 bits are exact in float32, so
+the one rounding is adding the min. ``fused=True`` compiles this same code, so it is bit-exact too.
 """
 
 from __future__ import annotations
@@ -100,8 +99,7 @@ def row_bytes(qtype, n: int) -> int:
 def _from_le(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """b [..., k] little-endian bytes -> [...] of the k-byte float `dtype` with those bits."""
     k = b.shape[-1]
-    # Aligned eager bytes are viewed (little-endian host, as gguf assumes); otherwise (compiled code cannot trace
-    # storage_offset) the bits go through a wider int, sign-extended before the narrowing cast.
+    # Compiled code cannot trace storage_offset, so only aligned eager bytes are viewed; else build a wider int.
     if not torch.compiler.is_compiling() and b.is_contiguous() and b.storage_offset() % k == 0:
         return b.view(dtype).squeeze(-1)
     wide, narrow = (torch.int32, torch.int16) if k == 2 else (torch.int64, torch.int32)
@@ -228,9 +226,8 @@ _BLOCKS = {QType.Q8_0: _q8_0, QType.Q4_0: _q4_0, QType.Q4_1: _q4_1, QType.Q5_0: 
            QType.Q2_K: _q2_k, QType.Q3_K: _q3_k, QType.Q4_K: _q4_k, QType.Q5_K: _q5_k, QType.Q6_K: _q6_k}
 
 
-# On the CPU inductor emits scalar C++ for the bit assembly, which beats the plain ops (vectorized, but writing
-# float32 temporaries) only once those leave the cache: measured (2-core EPYC, bf16 out) Q8_0 is 1.3-2.5x slower
-# up to 6M values and 0.4-0.5x from 9.4M (3072 x 3072, Klein 4B's smallest quantized layer). GPUs fuse at every size.
+# On the CPU the fused kernel wins only once the plain ops' float32 temporaries leave the cache: Q8_0 measured
+# 1.3-2.5x slower up to 6M values, 0.4-0.5x from 9.4M (Klein 4B's smallest quantized layer). GPUs fuse at any size.
 CPU_FUSED_MIN_VALUES = 1 << 23
 
 
@@ -248,9 +245,8 @@ def blocks_kernel(qtype: QType, dtype: torch.dtype):
 
 def dequantize(data: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
                fused: bool = False) -> torch.Tensor:
-    """data: the bytes (uint8/int8, any shape with the right total, e.g. whole rows) -> values of `shape`
-    (row-major) in `dtype`; F32/F16/BF16 also take float values. May share memory with `data`, like Tensor.to.
-    ``fused``: through the compiled kernel where ``kernels`` has it on (the CPU from CPU_FUSED_MIN_VALUES)."""
+    """Raw bytes (uint8/int8, right total) -> values of `shape` in `dtype`; may share memory with `data`.
+    F32/F16/BF16 also take float values. ``fused`` uses the compiled kernel where ``kernels`` allows it."""
     q = _enum(qtype)
     shape = tuple(shape)
     check_supported(qtype, f"a tensor of shape {list(shape)}")

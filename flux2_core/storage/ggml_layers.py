@@ -1,6 +1,5 @@
-"""GGUF weight storage: layers that keep a file's quantized blocks (uint8 [rows, row bytes]) and dequantize them at
-every call, so memory holds the file's bytes. Made by ``layers.Layers`` for what a GGUF file stores quantized; the
-blocks are never re-quantized or written (adapters patch the dequantized weight, ``patching.py``).
+"""GGUF weight storage: layers keep a file's quantized blocks (uint8 [rows, row bytes]) and dequantize them at every
+call. The blocks are never re-quantized; adapters patch the dequantized weight.
 """
 
 from __future__ import annotations
@@ -13,10 +12,8 @@ from .linear import item_by_item, linear
 from .protocol import Storage, StoredLinear, census
 from .request import LayerStorage
 
-# Peak bytes per value while a layer's blocks are dequantized, besides the result in the compute dtype: the unpacked
-# integers and two float32 temporaries (ggml.dequantize computes in float32, then casts once). Measured (test_gguf):
-# 6.7 (Q4_0) to 10.7 (Q3_K) bytes beside a bf16 result. The fused kernel writes only the result, but the plain path
-# is its fallback, so the estimate stays the plain path's.
+# Peak bytes per value while dequantizing, beside the result: measured 6.7 (Q4_0) to 10.7 (Q3_K). The fused kernel
+# needs less, but the plain path is its fallback, so the estimate is the plain path's.
 DEQUANTIZE_BYTES_PER_VALUE = 11
 
 

@@ -1,11 +1,8 @@
-"""int8 weight storage: w ≈ w8 · scale, w8 [out, in] int8, scale [out] per row (float32; ``quantize_int8``: max|w[row]|
-/ 127) or [] per tensor, as ComfyUI's int8_tensorwise files hold either. With ConvRot (``rotation``, a group size:
-``storage.rotation``) the stored w8 holds W·Hᵀ per group and each call turns its input by H first.
+"""int8 weights: w ≈ w8 · scale, w8 [out, in] int8, float32 scale [out] per row or [] per tensor (ComfyUI's files hold
+either). With ConvRot the stored w8 holds W·Hᵀ per group and each call turns its input by H first.
 
-Chosen per model (``use_int8_matmul``): int8 matmul (W8A8: activations quantized per token, integer matmul by
-comfy-kitchen's ``int8_linear``; twice bf16's rate on NVIDIA tensor cores since Turing, about 1e-2 relative error per
-layer more; ConvRot lowers it), else the weight cast to the activations' dtype (exact) and the scale applied to the
-output. One byte per weight: Klein 4B's blocks take about 3.8 GB instead of 7.5 GB in bf16.
+int8 matmul (W8A8, per-token activations) runs at twice bf16's rate on NVIDIA tensor cores since Turing, with about
+1e-2 more relative error per layer; else the weight is cast (exactly) and the scale applied to the output.
 """
 
 from __future__ import annotations
@@ -24,9 +21,8 @@ from .stored_format import INT8, SCALE, LayerFile, LayerFormat, StoredFormat
 INT8_MAX = 127
 # int8 tensor cores (torch._int_mm on CUDA) from Turing (sm_75) on
 INT8_MATMUL_CAPABILITY = (7, 5)
-# On the CPU the integer kernel beats oneDNN's float32 one from about this many inputs on (a 2-core AMD EPYC, 1536
-# tokens: 0.44-0.87x of float32's time from 1024 inputs on, 1.0-1.2x at 512, where quantizing the activations costs
-# more than the integer matmul saves); narrower layers keep the float path there
+# On the CPU the integer kernel beats float32 from about 1024 inputs (0.44-0.87x its time; 1.0-1.2x at 512, where
+# quantizing the activations costs more than it saves, measured at 1536 tokens); narrower layers stay float
 INT8_CPU_MIN_INPUTS = 1024
 
 
@@ -56,8 +52,7 @@ class Int8Linear(nn.Module, StoredLinear):
 
     @classmethod
     def from_linear(cls, layer: nn.Module, convrot: bool = False) -> Int8Linear:
-        """Quantized per row; with ``convrot`` in ConvRot's basis (``rotation.group_for`` its inputs; none where no
-        group divides them)."""
+        """Quantized per row; with ``convrot`` in ConvRot's basis where a group divides the inputs."""
         rotation = group_for(layer.in_features) if convrot else 0
         out = cls(layer.in_features, layer.out_features, getattr(layer, "item_by_item", False),
                   device=layer.weight.device, rotation=rotation)
@@ -152,8 +147,7 @@ INT8_AT_LOAD = LayerStorage("int8", lambda request, name: request.ask.int8_kind 
 
 
 def quantize_blocks(model: nn.Module, chosen, convrot: bool = False) -> list[str]:
-    """The layers ``chosen(name)`` picks (its family's ``quantizable``), any storage -> ``Int8Linear`` in place (in
-    ConvRot's basis with ``convrot``); their names. After the model's move to its device and dtype."""
+    """The layers ``chosen(name)`` picks -> ``Int8Linear`` in place; their names. Call after the model's move."""
     names = [n for n, m in stored_linears(model) if m.kind != "int8" and chosen(n)]
     for name in names:
         model.set_submodule(name, Int8Linear.from_linear(model.get_submodule(name), convrot))
@@ -176,8 +170,7 @@ def int8_matmul_blocked(device: torch.device) -> str | None:
 
 
 def int8_matmul_pays(device: torch.device, dtype: torch.dtype) -> str | None:
-    """None where it is the faster path: GPUs, and CPUs with 8-bit dot-product instructions in float32 (bf16's float
-    kernel is faster there)."""
+    """None where it is faster: GPUs, and CPUs with 8-bit dot products in float32 (bf16's float kernel wins)."""
     blocked = int8_matmul_blocked(device)
     if blocked or torch.device(device).type != "cpu":
         return blocked
@@ -187,9 +180,8 @@ def int8_matmul_pays(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def use_int8_matmul(model: nn.Module, choice, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """``choice``: "auto" (on where faster), True (Flux2Error where it cannot run; off, with the note saying why, on a
-    CPU whose int8 sums would be wrong: ``devices.cpu_int8_saturates``) or False -> (on, a note, "" without int8
-    layers)."""
+    """``choice``: "auto", True (Flux2Error where it cannot run) or False -> (on, a note, "" without int8 layers).
+    Off on a CPU whose int8 sums would saturate, even when asked for."""
     if choice not in ("auto", True, False):
         raise Flux2Error(f"int8 matmul must be 'auto', True or False, got {choice!r}")
     layers = [m for _, m in stored_linears(model) if m.kind == "int8"]

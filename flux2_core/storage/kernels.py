@@ -1,9 +1,6 @@
-"""Small eager computations run as one compiled kernel each (``call``): torch.compile of a plain torch function,
-one Triton kernel on CUDA, one C++ loop nest on the CPU. The plain function stays the definition and the fallback:
-``FLUX2_NO_FUSED=1``, a missing Triton or C++ compiler, or any kernel failure (warned once) means plain torch on that
-device type. Used outside compiled blocks only (GGUF dequantization, fp8 activation quantization); inside one,
-inductor fuses the same ops itself. Cost: the first kernel of a process compiled in ~10 s on this project's CPU,
-later ones ~1 s each, cached on disk by inductor.
+"""Small eager computations (GGUF dequantization, fp8 activation quantization) run as one compiled kernel each.
+The plain function stays the definition and the fallback: ``FLUX2_NO_FUSED=1``, a missing compiler or any kernel
+failure means plain torch on that device type. The first kernel of a process compiles in ~10 s, later ones ~1 s.
 """
 
 from __future__ import annotations
@@ -62,16 +59,15 @@ def forget() -> None:
 
 
 def own_code(fn: Callable, name: str) -> Callable:
-    """``fn`` under its own code object: dynamo keys graphs and its recompile limit (8) per code object, so closures
-    from one ``def`` would share one limit (and dynamo has reused one closure's graph for another)."""
+    """``fn`` under its own code object: dynamo keys graphs and its recompile limit per code object, so closures
+    from one ``def`` would share one."""
     names = {"co_name": name, **({"co_qualname": name} if hasattr(fn.__code__, "co_qualname") else {})}  # 3.11+
     code = fn.__code__.replace(**names)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def eager_numerics() -> dict[str, bool]:
-    """Inductor options for eager CUDA's rounding, where this torch has them: exact float32 division (Triton's ``/``
-    is within 2 ulp) and no flush to zero; free for these memory-bound kernels."""
+    """Inductor options for eager CUDA's rounding (exact division, no flush to zero); free for memory-bound kernels."""
     from torch._inductor import config
 
     numerics = getattr(config, "eager_numerics", None)
@@ -88,8 +84,8 @@ def compiled(fn: Callable, device: torch.device) -> Callable:
 
 
 def call(fn: Callable[[torch.Tensor], object], x: torch.Tensor, dynamic: tuple[int, ...] = (0,)):
-    """``fn(x)``, compiled where x's device allows (``unavailable``). ``fn`` must be module-level or cached (its
-    identity keys the kernel) and compute from x only; ``dynamic``: the dims of x compiled as symbolic sizes."""
+    """``fn(x)``, compiled where allowed. ``fn``'s identity keys the kernel, so it must be module-level or cached;
+    ``dynamic``: the dims of x compiled as symbolic sizes."""
     device_type = x.device.type
     # empty x (the 9B-KV reference pass has no text tokens): nothing to gain, and no graph specialized for size 0
     if torch.compiler.is_compiling() or not x.numel() or unavailable(device_type):
@@ -102,8 +98,7 @@ def call(fn: Callable[[torch.Tensor], object], x: torch.Tensor, dynamic: tuple[i
         out = compiled(fn, x.device)(x)
     except torch.OutOfMemoryError:
         raise
-    # no C++ compiler, a Triton or inductor error, a recompile past dynamo's limit: plain torch from now on (an error
-    # of fn itself comes again from the plain call)
+    # any compile failure: plain torch from now on (an error of fn itself comes again from the plain call)
     except Exception as error:  # noqa: BLE001
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         _decided[device_type] = f"the compiled {fn.__name__} failed ({type(error).__name__}: {first})"

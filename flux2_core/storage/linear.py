@@ -1,8 +1,5 @@
-"""Bias-free linear layers (the float storage ``layers.Layers`` makes), computed by the fastest kernel for the device.
-
-Eager float32 matmuls on CPU go through oneDNN rather than the default BLAS: on AMD CPUs
-MKL's sgemm runs a generic path (70-95 GFLOP/s on our 2-core EPYC; oneDNN: 200; docs/benchmarks.md). Everything
-else (GPUs, bf16, autograd) uses ``F.linear``.
+"""Bias-free float linear layers. Eager float32 matmuls on CPU go through oneDNN: on AMD CPUs MKL's sgemm runs a
+generic path (70-95 GFLOP/s on a 2-core EPYC; oneDNN: 200). Everything else uses ``F.linear``.
 """
 
 from __future__ import annotations
@@ -23,8 +20,8 @@ def onednn_matmul(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x [..., in] @ weight [out, in]ᵀ: oneDNN for float32 on CPU, eager, without autograd; else F.linear. Compiled
-    code gets F.linear: inductor lowers oneDNN's op only for frozen weights, and chooses its own CPU matmul."""
+    """x [..., in] @ weight [out, in]ᵀ. Compiled code gets F.linear: inductor lowers oneDNN's op only for frozen
+    weights."""
     if (ONEDNN_LINEAR and x.is_cpu and x.dtype == weight.dtype == torch.float32 and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return onednn_matmul(x, weight)
@@ -47,9 +44,8 @@ class Linear(nn.Linear, StoredLinear):
 
 
 class CastLinear(Linear):
-    """A weight kept in the file's 16-bit dtype and cast to the input's dtype at each call (``devices.kept_dtype``:
-    a bf16 file computed in float32 on a CPU without bf16 instructions holds half the memory, with the same values,
-    since bf16 and fp16 widen to float32 exactly). Adapters merge into the 16-bit weight, as into a 16-bit model's."""
+    """A weight kept in the file's 16-bit dtype and cast at each call: half the memory of float32, same values (bf16
+    and fp16 widen exactly)."""
 
     casts_weight = True            # in ComfyUI, its manual cast does the cast (nodes/host.py), as for its own layers
 
@@ -77,9 +73,8 @@ class CastLinear(Linear):
 
 
 class VectorLinear(Linear):
-    """For per-item vectors [B, in], one item at a time: matmul libraries pick other kernels for one row than for
-    several, so a batched call would make an image depend on its batch (by 1e-6, which can flip a pixel).
-    """
+    """Per-item vectors [B, in], one item at a time: a batched matmul picks other kernels, so an image would depend
+    on its batch (by 1e-6, which can flip a pixel)."""
 
     item_by_item = True
 

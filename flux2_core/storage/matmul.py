@@ -1,6 +1,4 @@
-"""How a model's quantized layers multiply, decided once where it runs (``choose_matmuls``, called by every loader):
-each registered format says it for its own layers (``StoredFormat.matmul``: fp8 in fp8, int8 in int8, the 4-bit
-formats in their own format where the device does that faster, else the weights cast or dequantized)."""
+"""How a model's quantized layers multiply, decided once where it runs: each format decides for its own layers."""
 
 from __future__ import annotations
 
@@ -14,9 +12,8 @@ from .formats import formats
 
 @dataclass(frozen=True)
 class MatmulChoice:
-    """``used``: each kind of layer the model holds that has a matmul of its own (its storage's ``kind``: "fp8",
-    "int8", "w4a4", "w4a8", "svdquant", "awq") -> whether that matmul runs; ``kind_notes``: the same kinds -> the line
-    that says so. A kind the model does not hold is in neither."""
+    """``used``: each held kind with a matmul of its own -> whether it runs; ``kind_notes``: kind -> the line saying
+    so."""
 
     used: dict[str, bool] = field(default_factory=dict)
     kind_notes: dict[str, str] = field(default_factory=dict)

@@ -1,11 +1,7 @@
-"""Weights kept in OrbitQuant's packed formats, dequantized at each call where orbitquant's own kernels don't run:
+"""OrbitQuant's packed formats, dequantized at each call where orbitquant's own kernels don't run.
 
-    OrbitQuant  each row rotated by RPBH (seeded permutation, ±1 signs, Hadamard per block of B inputs / sqrt(B)),
-                stored as its norm x a Lloyd-Max codebook level per value; x·Wᵀ = (x·R)·(W·R)ᵀ, R orthogonal.
-    int4 RTN    the modulation layers: (code - 8) x a scale per group of 64 inputs.
-
-orbitquant also quantizes activations; the dequantized path here does not, so it matches the float model holding the
-dequantized weights. A merged adapter patches the dequantized weight and forces the plain path.
+OrbitQuant rows are rotated by RPBH (seeded permutation, ±1 signs, Hadamard per block / sqrt(B)) and stored as a norm x
+a codebook level per value, so x·Wᵀ = (x·R)·(W·R)ᵀ. The dequantized path does not quantize activations.
 """
 
 from __future__ import annotations
@@ -81,9 +77,8 @@ def kernels_run(device: torch.device) -> bool:
 
 
 class OrbitLinear(DequantizedLinear):
-    """``weight`` uint8 [N, K·bits/8], ``weight_norms`` [N] (bf16 or float32), ``weight_levels`` float32 [2^bits],
-    ``weight_order`` int64 [K], ``weight_signs`` int8 [K]. With ``kernel_on`` orbitquant's layer over these tensors
-    runs the call; it is kept outside the module's state, so it is neither saved nor moved."""
+    """``weight`` uint8 [N, K·bits/8], ``weight_norms`` [N], ``weight_levels`` [2^bits], ``weight_order`` [K],
+    ``weight_signs`` [K]. orbitquant's layer is kept outside the module's state, so it is neither saved nor moved."""
 
     kind = "orbitquant"
     work_bytes = 14             # the int32 codes, the levels they pick and the scaled rows in float32 (measured)
@@ -145,8 +140,7 @@ class OrbitLinear(DequantizedLinear):
 
 
 class Int4GroupLinear(DequantizedLinear):
-    """``weight`` uint8 [N, G·64/2] (4-bit codes, the first in the low nibble, inputs padded to whole groups),
-    ``weight_scale`` [N, G] (bf16): the weight is (code - 8) x its group's scale."""
+    """``weight`` uint8 [N, G·64/2] (low nibble first), ``weight_scale`` [N, G] bf16: weight = (code - 8) x scale."""
 
     kind = "int4 RTN"
     work_bytes = 6              # the codes and their scaled values (measured)
@@ -191,8 +185,7 @@ def same_transform(layer: OrbitLinear, kernel) -> bool:
 
 
 def use_orbitquant_kernels(model: torch.nn.Module, device, dtype: torch.dtype, asked: dict) -> dict:
-    """``StoredFormat.matmul``: orbitquant's kernels on a GPU where it is installed and rebuilds the artifact's own
-    rotation and codebook (checked once per width); else dequantized."""
+    """``StoredFormat.matmul``: orbitquant's kernels where they rebuild the artifact's rotation and codebook."""
     layers = [m for m in model.modules() if isinstance(m, OrbitLinear)]
     if not layers:
         return {}

@@ -1,8 +1,5 @@
-"""Weights kept in a file's packed format and dequantized at each call (memory: about the file's bytes): nvfp4
-(ComfyUI's and BFL's layouts), mxfp8, int8 / fp8 with 2-D block scales, and ConvRot W4A4.
-
-State dicts use ComfyUI's names (``weight``, ``weight_scale``, nvfp4's ``weight_scale_2``). Padded formats (nvfp4 to
-16, mxfp8 to 32) keep their padding until dequantized; adapters patch the dequantized weight, never the packed values.
+"""Weights kept in a file's packed format (nvfp4, mxfp8, 2-D block-scaled int8 / fp8, ConvRot W4A4), dequantized at
+each call. State dicts use ComfyUI's names; padding stays until dequantized; adapters patch the dequantized weight.
 """
 
 from __future__ import annotations
@@ -38,8 +35,8 @@ def up(n: int, multiple: int) -> int:
 # Codecs
 
 def unswizzle(scales: Tensor, rows: int, cols: int) -> Tensor:
-    """Block scales in cuBLAS's tiled layout (tiles of 128 rows x 4 columns, each stored as 32 x 16: row r of a tile
-    sits at (r % 32, 4 * (r // 32) + column)) -> [rows, cols]."""
+    """Block scales in cuBLAS's tiled layout (128 x 4 tiles stored as 32 x 16: row r at (r % 32, 4 * (r // 32) + c))
+    -> [rows, cols]."""
     tiles_r, tiles_c = up(rows, 128) // 128, up(cols, 4) // 4
     tiled = scales.reshape(tiles_r, tiles_c, 32, 4, 4)              # [tile row, tile col, r % 32, r // 32, column]
     plain = tiled.permute(0, 3, 2, 1, 4).reshape(tiles_r * 128, tiles_c * 4)
@@ -54,8 +51,7 @@ def fp4_values(packed: Tensor, high_first: bool, dtype: torch.dtype = torch.floa
 
 
 def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, swizzled: bool = True) -> Tensor:
-    """-> float32 [N, K] (padded): codes x global scale x block scale. ComfyUI's layout (``swizzled``): first element
-    in the high nibble, scales tiled; BFL's (ModelOpt's): low nibble first, scales a plain [N, K/16]."""
+    """-> float32 [N, K] (padded). ``swizzled`` (ComfyUI): high nibble first, tiled scales; else BFL's plain [N, K/16]."""
     values = fp4_values(packed, high_first=swizzled)
     rows, blocks = values.shape[0], values.shape[1] // FP4_BLOCK
     scales = unswizzle(block_scale, rows, blocks) if swizzled else block_scale
@@ -135,8 +131,7 @@ class DequantizedLinear(nn.Module, StoredLinear):
 
 
 class NvFp4Linear(DequantizedLinear):
-    """``weight`` uint8 [N', K'/2] (N', K' padded to 16 in ComfyUI's layout), ``weight_scale`` float8 block scales,
-    ``weight_scale_2`` the float32 global scale."""
+    """``weight`` uint8 [N', K'/2] (ComfyUI pads to 16), float8 ``weight_scale``, float32 global ``weight_scale_2``."""
 
     kind = "nvfp4"
     work_bytes = 14             # the nibbles, their int64 codes, the float32 values and the scaled product
@@ -201,8 +196,7 @@ class BlockScaledLinear(DequantizedLinear):
 
 
 class W4A4Linear(DequantizedLinear):
-    """ConvRot W4A4: ``weight`` int8 [N, K/2] (two signed int4 a byte), ``weight_scale`` float32 [N].
-    ``int4_matmul``: comfy-kitchen's kernel (activations rotated and quantized per token), else dequantized."""
+    """ConvRot W4A4: ``weight`` int8 [N, K/2] (two signed int4 a byte), ``weight_scale`` float32 [N]."""
 
     kind = "w4a4"
     work_bytes = 9
@@ -230,8 +224,7 @@ class W4A4Linear(DequantizedLinear):
 
 
 def use_int4_matmul(model: nn.Module, device) -> bool | None:
-    """Whether W4A4 layers multiply in int4 (only with a comfy-kitchen GPU kernel: its eager code is no faster than
-    dequantizing); None without W4A4 layers."""
+    """Whether W4A4 layers multiply in int4 (GPU kernel only: the eager code is no faster); None without them."""
     layers = [m for m in model.modules() if isinstance(m, W4A4Linear)]
     if not layers:
         return None

@@ -1,14 +1,10 @@
-"""The protocol every weight storage class answers, so that patching, loading, streaming, ComfyUI's model management
-and the counters ask a layer instead of testing its class.
+"""The protocol every weight storage class answers, so that patching, loading and streaming ask a layer instead of
+testing its class.
 
-    kind            "float", "bf16" / "fp16" (a 16-bit weight cast to a wider compute dtype at each call), "fp8",
-                    "int8" or a GGML type name ("Q4_K"), as the census and load reports show it
-    follows_input   the layer copies its stored tensors to its input's device itself, so a host may leave them on
-                    an offload device between calls (GGUF blocks); else the host moves the layer or casts for it
-    call_bytes      memory a call takes beside its input and output (a dequantized weight), for the estimates
-    merges_adapters adapters merge into the weight by default (float); else run-time branches, so a quantized weight
-                    is not rounded again; ``unmerge_weight`` restores the stored tensors bit for bit
-    read_from       how a loader fills the layer from a file (``LayerSource``): each storage reads its own tensors
+    kind            "float", "bf16" / "fp16", "fp8", "int8" or a GGML type name ("Q4_K"), as reports show it
+    follows_input   the layer moves its stored tensors to its input's device itself (GGUF), so a host may offload them
+    merges_adapters adapters merge into the weight (float); else run-time branches, so a quantized weight is not
+                    rounded again
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ class LayerSource(Protocol):
 
 
 class StoredLinear(Storage):
-    """A bias-free linear [out, in]. Subclasses set in_features, out_features, item_by_item and give
-    ``float_weight``; one that cannot write its weight back (GGUF) overrides ``merge_weight`` / ``unmerge_weight``."""
+    """A bias-free linear [out, in]; one that cannot write its weight back (GGUF) overrides the merge methods."""
 
     merges_adapters = True
     item_by_item = False
@@ -76,8 +71,8 @@ class StoredLinear(Storage):
     @torch.no_grad()
     def merge_weight(self, patch: Callable[[Tensor], Tensor]) -> None:
         self.unmerge_weight()
-        # kept before anything changes (a plain attribute: not state, not moved by .to()): a float32 weight is patched
-        # in place, so a merge that fails half-way must still be undone
+        # kept first (a plain attribute, not moved by .to()): a float32 weight is patched in place, so a half-done
+        # merge must still be undone
         self._originals = tuple(t.detach().to("cpu", copy=True) for t in self.stored_tensors())
         try:
             self.write_weight(patch(self.float_weight(torch.float32, self.weight.device)))

@@ -1,8 +1,6 @@
-"""fp8 weight storage: Linear weights as float8 e4m3 [out, in] with a float32 scale [out] (per row, BFL's fp8 files)
-or [] (per tensor, ComfyUI's scaled fp8), computed in the activations' dtype: ``y = (x @ w8ᵀ) · scale``. The e4m3 cast
-is exact, so the one rounding beyond the matmul is the float32 scale multiply. 1 byte per weight instead of 2: Klein
-4B's blocks shrink from about 7.5 GB to 3.8 GB. ``fp8_matmul`` (CUDA, sm_89+) runs the matmul itself in fp8, the
-activations quantized per token: faster, results change slightly (``use_fp8_matmul``).
+"""fp8 weights: float8 e4m3 [out, in] with a float32 scale [out] (BFL's files) or [] (ComfyUI's scaled fp8), computed
+as ``y = (x @ w8ᵀ) · scale``. The e4m3 cast is exact; Klein 4B's blocks shrink from 7.5 GB to 3.8 GB. ``fp8_matmul``
+(CUDA, sm_89+) multiplies in fp8 with activations quantized per token: faster, results change slightly.
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ def dequantize_fp8(w8: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
 
 
 class Fp8Linear(nn.Module, StoredLinear):
-    """State-dict keys ``weight`` (fp8) and ``weight_scale`` (float32), as in BFL's fp8 checkpoints. A merge
-    quantizes the merged weight again, with a new scale."""
+    """Keys ``weight`` (fp8) and ``weight_scale`` (float32), as BFL's fp8 files; a merge quantizes again."""
 
     kind = "fp8"
     merges_adapters = False
@@ -86,9 +83,7 @@ class Fp8Linear(nn.Module, StoredLinear):
         if self.fp8_matmul and _scaled_mm_ok(x, self.weight):
             return _fp8_matmul(x, self.weight, self.weight_scale)
         y = linear(x, self.weight.to(x.dtype))                    # the e4m3 -> bf16/fp32 cast is exact
-        # per output: multiplied in float32, stored in place. A 0-d (per-tensor) scale is expanded to a vector first:
-        # a 0-d float32 operand does not promote a bf16 tensor, so CUDA would round the scale to bf16 before the
-        # multiply (the CPU kernel happens to keep it in float32)
+        # A 0-d scale is expanded first: a 0-d float32 operand does not promote bf16, so CUDA would round it to bf16
         return y.mul_(self.weight_scale.expand(y.shape[-1]))
 
     def float_weight(self, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
@@ -118,8 +113,7 @@ def fp8_matmuls(model: nn.Module, device: torch.device, dtype: torch.dtype, aske
 
 
 def _fp8_format(names: tuple[str, ...], weight: tuple[str, ...], dtype: torch.dtype) -> StoredFormat:
-    """Float8 weights with an optional per-tensor or per-row scale, under any scale name the fp8 reader takes; held
-    by the loader's fp8 choice, which keeps the file's values and scales (``Fp8Linear``) unless fp8=False."""
+    """Float8 weights with a per-tensor or per-row scale, held by the loader's fp8 choice."""
     return StoredFormat("fp8", names, Fp8Linear, {"weight": StoredTensor(weight)} | {
         s.removeprefix("."): SCALE for s in SCALE_SUFFIXES}, dtype, fp8_choice=True, matmul=fp8_matmuls)
 
@@ -140,17 +134,14 @@ FP8_STORAGE = LayerStorage("fp8", _picks_fp8, lambda i, o, per_item, _: Fp8Linea
 
 
 def _scaled_mm_ok(x: Tensor, w8: Tensor) -> bool:
-    """CUDA, 16-aligned sizes, e4m3 weights, and bf16 activations: bf16 output is what every fp8 cuBLAS writes
-    (fp16 fails at run time on some), and fp16/fp32 activations would lose precision going through bf16."""
+    """CUDA, 16-aligned sizes, e4m3 weights, bf16 activations: every fp8 cuBLAS writes bf16 (fp16 fails on some)."""
     return (x.device.type in FP8_MATMUL_DEVICES and hasattr(torch, "_scaled_mm") and w8.dtype == FP8
             and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0 and w8.shape[0] % 16 == 0)
 
 
 def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """rows [M, K] -> (x8 [M, K] e4m3, float32 scale [M, 1]), max|x8| = 448 per row (token). ``kernels.call``
-    makes the five plain kernels one."""
-    # times 1/448, not over 448: inductor makes a division by a constant that product on GPUs, so the plain and
-    # compiled scales agree to the bit
+    """rows [M, K] -> (x8 [M, K] e4m3, float32 scale [M, 1]), max|x8| = 448 per row (token)."""
+    # times 1/448: inductor turns a division by a constant into that product, so eager and compiled agree to the bit
     x_scale = (rows.abs().amax(dim=1, keepdim=True).float() * (1 / FP8_MAX)).clamp(min=1e-12)
     return (rows / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), x_scale
 
@@ -192,8 +183,7 @@ def fp8_matmul_unsupported(device: torch.device, dtype: torch.dtype) -> str | No
 
 @functools.cache
 def scaled_mm_failure(device: str) -> str | None:
-    """One tiny fp8 matmul's error (first line), or None: some torch releases lack per-row scales on some fp8 GPUs
-    (sm_89 before 2025, sm_100/120 in some)."""
+    """One tiny fp8 matmul's first error line, or None: some torch releases lack per-row scales on some GPUs."""
     try:
         _fp8_matmul(torch.ones(16, 16, device=device, dtype=torch.bfloat16),
                     torch.ones(16, 16, device=device).to(FP8), torch.ones(16, device=device))

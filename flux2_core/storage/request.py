@@ -1,9 +1,7 @@
-"""What a load asks of each linear layer, and the record every storage kind answers it with.
+"""What a load asks of each linear layer (``LayerRequest``), and the record every storage kind answers it with.
 
-A load is one ``LayerRequest``: what the file says of each layer (``LayerFacts``, from its header), the options
-beyond the file's own storage (``StorageAsk``), the compute dtype and the family's quantizable layers. Each kind
-(``LayerStorage``, defined beside the class that holds it) reads its own pick from the request; ``choices`` asks them
-in order. A loader hands the request over and names no storage.
+Each kind (``LayerStorage``, beside the class that holds it) reads its own pick from the request, so a loader names no
+storage.
 """
 
 from __future__ import annotations
@@ -32,9 +30,8 @@ class LayerFacts(Protocol):
 
 @dataclass(frozen=True)
 class StorageAsk:
-    """A load's options beyond the file's own storage, checked as made. ``fp8``: None keeps what a file stores in
-    float8, True also makes every quantizable layer fp8 as read, False dequantizes them all. ``int8``: True makes every
-    quantizable layer int8 (per row), "convrot" in ConvRot's basis; False none."""
+    """A load's options beyond the file's own storage. ``fp8``: None keeps the file's float8, True makes every
+    quantizable layer fp8, False dequantizes. ``int8``: True or "convrot" makes every quantizable layer int8."""
 
     fp8: bool | None = None
     int8: bool | str = False
@@ -47,8 +44,7 @@ class StorageAsk:
 
     @property
     def made(self) -> str | None:
-        """The storage kind it quantizes layers into as they load ("int8", "fp8"); None where it quantizes nothing
-        (fp8=False only dequantizes)."""
+        """The storage kind it quantizes layers into as they load ("int8", "fp8"); None where it quantizes nothing."""
         return "int8" if self.int8 else "fp8" if self.fp8 is True else None
 
     @property

@@ -1,8 +1,6 @@
-"""ConvRot: a group-wise rotation of a linear layer's input dimension that spreads outliers before an 8- or 4-bit
-quantization. Each group of ``size`` inputs is turned by H, the regular Hadamard matrix of that size (Kronecker powers
-of the 4x4 one below, whose rows all sum to 2: no all-ones column, so no input is summed into one output alone),
-divided by sqrt(size). H is symmetric and orthogonal, so H·H = I: a file stores W·Hᵀ per group, a call turns its
-input by H, and (x·H)(W·Hᵀ)ᵀ = x·H·H·Wᵀ = x·Wᵀ.
+"""ConvRot: a group-wise Hadamard rotation of a layer's inputs that spreads outliers before 8- or 4-bit quantization.
+H is the regular Hadamard matrix (no all-ones column) / sqrt(size), symmetric and orthogonal: a file stores W·Hᵀ per
+group, a call turns its input by H, and (x·H)(W·Hᵀ)ᵀ = x·Wᵀ.
 """
 
 from __future__ import annotations
@@ -42,15 +40,13 @@ def rotate_input(x: Tensor, size: int) -> Tensor:
 
 
 def rotate_weight(weight: Tensor, size: int) -> Tensor:
-    """W [out, in] -> W·Hᵀ per group of inputs: what a file stores; applied to a stored weight it turns it back
-    (W·Hᵀ·Hᵀ = W, H being symmetric and orthogonal)."""
+    """W [out, in] -> W·Hᵀ per group of inputs; applied to a stored weight it turns it back."""
     groups = weight.reshape(weight.shape[0], weight.shape[1] // size, size)
     return torch.matmul(groups, hadamard(size, weight.device, weight.dtype).T).reshape(weight.shape)
 
 
 def group_for(in_features: int, target: int = DEFAULT_GROUP) -> int:
-    """The ConvRot group for a layer: ``target`` where it divides the inputs, else the largest smaller power of 4
-    that does; 0 where none does (fewer than 4 inputs, or not a multiple of 4)."""
+    """``target`` where it divides the inputs, else the largest smaller power of 4 that does; 0 if none."""
     size, chosen = 4, 0
     while size <= target and in_features % size == 0:
         chosen, size = size, size * 4

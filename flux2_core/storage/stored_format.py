@@ -1,7 +1,5 @@
-"""``StoredFormat``: every fact of a format a weight file keeps a layer in, as ComfyUI's quantized files name it
-(each layer's ``.comfy_quant`` tensor holds JSON bytes ``{"format": ..., "convrot": true, ...}``, or the file has a
-``_quantization_metadata`` header). Loaders ask the format object instead of comparing names; ``LayerFormat`` is one
-layer's format plus what the file's spec says of that layer.
+"""``StoredFormat``: the facts of a format a weight file keeps a layer in (ComfyUI's ``.comfy_quant`` JSON names it).
+Loaders ask the format object instead of comparing names; ``LayerFormat`` adds what the file's spec says of a layer.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ E8M0_NAN = 255          # the one E8M0 code that is no power of two
 
 @dataclass(frozen=True)
 class ScaleRule:
-    """The values a quantizer writes in a scale. A multiplying scale may be zero (an all-zero layer, row or block);
-    a dividing one (SVDQuant's smoothing) must be positive. Negative, NaN and infinite ones are damage."""
+    """Valid scale values: a multiplying scale may be zero, a dividing one (SVDQuant's smoothing) must be positive."""
     divides: bool = False       # the activations are divided by it: zero would make them infinite
     exponents: bool = False     # E8M0 codes, 2^(code - 127): every code is a power of two but E8M0_NAN
 
@@ -60,8 +57,7 @@ HELD_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float1
 
 @dataclass(frozen=True)
 class LayerFile:
-    """What a file says of one layer it stores in a format: the spec and its tensors' header shapes and dtypes
-    (no byte read). A format's ``read`` checks it and makes the ``LayerFormat``."""
+    """One layer as the file's header describes it (spec, shapes, dtypes; no byte read), for a format's ``read``."""
     name: str                                   # the format name the file gives
     spec: dict
     shapes: dict[str, tuple[int, ...]]
@@ -119,8 +115,7 @@ class StoredFormat:
     fp8_choice: bool = False
     # a tensor beside a weight that marks this format in a file naming none (BFL's nvfp4)
     known_by: str = ""
-    # (model, device, dtype, asked) -> {kind: (runs, note)}: whether its layers multiply in their own format there;
-    # ``asked`` is {"fp8": "auto" | True | False, ...}. None: always dequantized or cast
+    # (model, device, dtype, asked) -> {kind: (runs, note)}: whether its layers multiply in their own format; None: never
     matmul: Callable[..., dict[str, tuple[bool, str]]] | None = None
 
     @property
@@ -138,8 +133,7 @@ class StoredFormat:
         return LayerFormat(self, file.name)
 
     def check_dtypes(self, file: LayerFile) -> None:
-        """Each tensor in a dtype its format stores it in, checked from the header: a same-size other dtype would
-        otherwise be taken at its bytes (an int32 scale read as float32 bits)."""
+        """Check each tensor's header dtype: a same-size other dtype would be read at its bytes (int32 as float32)."""
         for tensor, stored in self.tensors.items():
             dtype = file.dtypes.get(tensor)
             if dtype is not None and dtype not in stored.dtypes:

@@ -1,12 +1,5 @@
-"""Weights kept in one of comfy-kitchen's grouped 4-bit formats as stored, dequantized at each call where no
-kernel multiplies them in their own format:
-
-    W4A8      4-bit codes per group of 16 (codebook or uniform), group scales relative to the row's, in ConvRot's basis
-    SVDQuant  signed int4 residual (scale per 64 inputs) / input smoothing + a low-rank branch
-    AWQ       unsigned 4-bit codes with a scale and a zero point per group (16-bit activations)
-
-State dicts use comfy-kitchen's names (``weight``, ``weight_<name>``). Merged adapters patch the dequantized weight
-(and turn the kernel off); a run-time branch leaves the kernel on.
+"""comfy-kitchen's grouped 4-bit formats (W4A8, SVDQuant, AWQ) kept as stored, dequantized at each call where no
+kernel multiplies them. Merged adapters patch the dequantized weight (and turn the kernel off).
 """
 
 from __future__ import annotations
@@ -49,8 +42,7 @@ def grouped(values: Tensor, group: int) -> Tensor:
 
 
 class KitchenLinear(DequantizedLinear):
-    """A layer comfy-kitchen can multiply in its own format (``op``) where it has a GPU kernel and no adapter is
-    merged."""
+    """A layer comfy-kitchen multiplies in its own format (``op``) given a GPU kernel and no merged adapter."""
 
     op = ""
 
@@ -126,9 +118,8 @@ SVDQUANT_NAMES = ("weight", "weight_scale", "weight_proj_down", "weight_proj_up"
 
 
 class SvdQuantLinear(KitchenLinear):
-    """``weight`` int8 [N, K/2] (signed int4 codes), ``weight_scale`` [K/64, N], ``weight_proj_down`` [K, R],
-    ``weight_proj_up`` [N, R], ``weight_smooth_factor`` [K], each in the file's float dtype. Its weight is
-    codes x scale / smoothing + proj_up @ proj_downᵀ."""
+    """int4 ``weight`` [N, K/2], ``weight_scale`` [K/64, N], ``weight_proj_down`` [K, R], ``weight_proj_up`` [N, R],
+    ``weight_smooth_factor`` [K]; the weight is codes x scale / smoothing + proj_up @ proj_downᵀ."""
 
     kind = "svdquant"
     op = "scaled_mm_svdquant_w4a4"
@@ -205,8 +196,7 @@ class AwqLinear(KitchenLinear):
 
 
 def use_kitchen_matmul(model: torch.nn.Module, device) -> dict[str, bool]:
-    """{kind: whether it multiplies in its own format}: only with a comfy-kitchen GPU kernel (its CPU code is no
-    faster than dequantizing)."""
+    """{kind: whether it multiplies in its own format}: only with a comfy-kitchen GPU kernel."""
     layers = [m for m in model.modules() if isinstance(m, KitchenLinear)]
     device, on = torch.device(device), {}
     for layer in layers:
@@ -270,8 +260,7 @@ def _read_w4a8(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
 
 
 def _read_svdquant(fmt: StoredFormat, file: LayerFile) -> LayerFormat:
-    """comfy-kitchen's natural layout, groups of 64, signed activations (unsigned ones need a bias to undo the
-    shift, and these models' linears have none)."""
+    """comfy-kitchen's natural layout, groups of 64, signed activations (unsigned ones need a bias; ours have none)."""
     if len(file.shapes.get("weight", ())) == 4:
         raise Flux2Error(f"{file.where} is {file.name} in comfy-kitchen's tile-packed layout, which cannot be loaded "
                          f"here; use a file in its natural [N, K/2] layout")
