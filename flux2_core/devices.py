@@ -1,9 +1,7 @@
 """The one rule for the dtype a device computes in, and the dtype a 16-bit file's weights are kept in.
 
-compute_dtype: bf16 where the device multiplies it fast (NVIDIA Ampere+, Apple GPUs on macOS 14+, Intel GPUs, CPUs
-with AMX / AVX-512 BF16), fp16 where only fp16 is fast (Volta / Turing), else float32 (a CPU without bf16
-instructions runs a bf16 matmul 5-7x slower). kept_dtype: a 16-bit file stays 16-bit under a wider compute dtype,
-cast per layer as it runs (half float32's memory).
+bf16 where the device multiplies it fast, fp16 where only fp16 is (Volta / Turing), else float32: a CPU without bf16
+instructions runs a bf16 matmul 5-7x slower. A 16-bit file stays 16-bit under a wider compute dtype.
 """
 
 from __future__ import annotations
@@ -20,14 +18,12 @@ SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 # NVIDIA Turing cards without fp16 tensor cores, whose fp16 results ComfyUI also refuses (black images)
 NO_FP16 = ("1660", "1650", "1630", "T500", "T550", "T600", "MX550", "MX450", "CMP 30HX", "T2000", "T1000", "T1200")
 
-# oneDNN (torch's CPU matmuls) can be capped to an instruction set by env var (ONEDNN_MAX_CPU_ISA, then the older
-# DNNL_MAX_CPU_ISA, any case). The caps below bf16 dot products, and those below AVX-512 VNNI (AVX2_VNNI, the VEX
-# form, is not reported by torch, so it counts as none).
+# oneDNN can be capped to an instruction set by env var; the caps below bf16 dot products, and below AVX-512 VNNI
+# (torch does not report AVX2_VNNI, so it counts as none)
 ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 ONEDNN_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
 ONEDNN_WITHOUT_VNNI = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE")
-# torch's own kernel build (``get_cpu_capability()``, lowered by ATEN_CPU_CAPABILITY): on an AMX CPU, bf16 attention
-# below the AVX-512 build raises ("pack_vnni2 is only supported when avx512 is supported", torch 2.13).
+# on an AMX CPU, bf16 attention below torch's AVX-512 kernel build raises ("pack_vnni2 is only supported ...")
 ATEN_AVX512 = "AVX512"
 
 
@@ -76,8 +72,7 @@ def compute_dtype(device: torch.device | str, fp16: bool = True) -> ComputeDtype
 
 def model_dtype(device: torch.device | str, supported: Sequence[torch.dtype],
                 host: torch.dtype | None = None) -> ComputeDtype:
-    """The one rule for a transformer's compute dtype: the host's choice (ComfyUI's --bf16-unet etc.) where it is in
-    ``supported`` (``Family.dtypes``), else what the device computes fast, else float32."""
+    """A transformer's compute dtype: the host's choice where ``supported``, else what the device computes fast."""
     blocked = (cpu_bf16_attention_fails() if host == torch.bfloat16 and torch.device(device).type == "cpu"
                else "")
     if host is not None and host in supported and not blocked:
@@ -109,8 +104,7 @@ def dtype_named(value: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def check_model_dtype(dtype: torch.dtype, supported: Sequence[torch.dtype], model: str) -> torch.dtype:
-    """A compute dtype asked for by name: refused where the model does not run in it (activations can overflow and
-    the picture come out black)."""
+    """A compute dtype asked for by name, refused where activations can overflow (black pictures)."""
     if dtype not in supported:
         names = " or ".join(str(d).removeprefix("torch.") for d in supported)
         raise Flux2Error(f"{model} runs in {names}, not in {str(dtype).removeprefix('torch.')}: pick {names}, or auto "
@@ -178,8 +172,8 @@ def cpu_bf16() -> str:
 
 
 def cpu_int8() -> str:
-    """Why this CPU multiplies int8 fast and exactly, or "" where it does not: without VNNI / AMX torch's integer
-    matmul takes a generic path (measured 60x a float32 matmul on a 2-core AVX2 EPYC)."""
+    """Why this CPU multiplies int8 fast and exactly, or "": without VNNI / AMX the integer matmul measured 60x slower
+    than float32."""
     flags = cpu_flags()
     if not flags.vnni or cpu_int8_saturates():
         return ""

@@ -7,12 +7,9 @@
     summary = client.run([BatchJob(prompt="make it night", seed=1, images={"10": "photo.png"}), ...])
     summary.ok, summary.jobs[0].files, summary.text()
 
-Every job is checked before anything is queued; jobs an earlier run finished (the manifest) are skipped. Each job
-goes to the server with a free slot and the least work (our jobs plus other clients' prompts, as its QueueWatch last
-saw them); a free slot is never left idle, however long its queue. Each job runs on its own thread and websocket; its
-images are checked to be this prompt's (the workflow saved in the PNG) and published and recorded in one step.
-A server that stops answering is dropped and its jobs requeued, but a job that LOST_SERVERS servers stopped answering
-on fails (it may be what crashes them); any other failure fails that job alone.
+Jobs are checked before anything is queued; those an earlier run finished are skipped. Each goes to the server with
+a free slot and the least work, counting other clients' prompts. A server that stops answering is dropped and its jobs
+requeued, but a job that LOST_SERVERS servers stopped answering on fails (it may be what crashes them).
 """
 
 from __future__ import annotations
@@ -187,10 +184,9 @@ def nodes_of(workflow: dict) -> dict:
 class BatchClient:
     """Runs batches of jobs of one API workflow over one or more ComfyUI servers, into one output folder.
 
-    workflow: an API-format workflow file or dict. out: the folder for images and manifest.json. per_server: jobs at
-    once per server. timeout: seconds to wait for a job's next message; server_timeout: silence after which a server
-    is dropped. images / masks, sets, seed: defaults for jobs that give none. progress: True prints to stderr, or
-    a BatchProgress. on_job(record, folder) is called as each job ends.
+    workflow: an API-format workflow file or dict. out: the folder for images and manifest.json. timeout: seconds to
+    wait for a job's next message; server_timeout: silence after which a server is dropped. images / masks, sets,
+    seed: defaults for jobs that give none. on_job(record, folder) is called as each job ends.
     """
 
     def __init__(self, workflow: str | dict, servers: str | Sequence[str] = "127.0.0.1:8188", out: str = "output",
@@ -476,8 +472,7 @@ class BatchClient:
             raise
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The command: `queue` with --batch, several --prompt or several --server (queue_command.main sends them here).
+# ---- The command: `queue` with --batch, several --prompt or several --server ----
 
 def batch_main(args) -> int:
     try:

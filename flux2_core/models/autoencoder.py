@@ -1,6 +1,5 @@
-"""The FLUX.2 autoencoder: pixels [B,3,H,W] in [-1,1] <-> latents [B,128,H/16,W/16] (a convolutional VAE 8x down, its
-32 channels patchified 2x2, then BatchNorm-normalised). Names follow BFL's ``ae.safetensors``; the BatchNorm only
-holds ``running_mean``/``running_var`` and is applied by hand in eval form.
+"""The FLUX.2 autoencoder: pixels [B,3,H,W] in [-1,1] <-> latents [B,128,H/16,W/16] (a VAE 8x down, patchified 2x2,
+BatchNorm-normalised by hand in eval form). Names follow BFL's ``ae.safetensors``.
 """
 
 from __future__ import annotations
@@ -74,8 +73,7 @@ class AttnBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, _, height, width = x.shape
         h = self.norm(x)
-        # contiguous: SDPA's fused kernels need channel stride 1, else the math kernel materialises [B,1,HW,HW]
-        # scores (16 GiB float32 for a 2048^2 decode). Channels-last conv output makes this a no-op.
+        # SDPA's fused kernels need channel stride 1, else the math kernel makes [B,1,HW,HW] scores (16 GiB at 2048^2)
         q, k, v = (rearrange(conv(h), "b c h w -> b 1 (h w) c").contiguous() for conv in (self.q, self.k, self.v))
         h = F.scaled_dot_product_attention(q, k, v)                      # [B,1,HW,C]
         h = rearrange(h, "b 1 (h w) c -> b c h w", h=height, w=width)
@@ -171,7 +169,7 @@ class Decoder(nn.Module):
         self.post_quant_conv = nn.Conv2d(p.z_channels, p.z_channels, 1)
         self.conv_in = nn.Conv2d(p.z_channels, chans[-1], 3, padding=1)
         self.mid = MidBlock(chans[-1], p.num_groups)
-        # level i takes the channels of level i+1 (or of the mid block) and upsamples unless it is level 0
+        # level i takes level i+1's channels (or the mid block's) and upsamples unless it is level 0
         self.up = nn.ModuleList([
             Level(chans[i + 1] if i < last else chans[-1], chans[i], p.num_res_blocks + 1, p.num_groups,
                   resample="up" if i > 0 else None)
@@ -296,8 +294,7 @@ class AutoEncoder(nn.Module):
                       self._causes(self.files.autoencoder))
 
     def decode(self, z: torch.Tensor, tile: int | None = None) -> torch.Tensor:
-        """[B,128,h,w] -> [B,3,16h,16w] in the weights' dtype, roughly in [-1,1] (not clamped); ``tile``: latent
-        cells per tile."""
+        """[B,128,h,w] -> [B,3,16h,16w] in the weights' dtype, roughly [-1,1] (not clamped); ``tile``: cells a tile."""
         self._check_latent(z)
         finite(z, "the latents to decode", [("the sampler that made them produced NaN/inf (its model's weights, an "
                                              "extreme cfg, or float16 overflow in it)")])
@@ -317,8 +314,8 @@ class AutoEncoder(nn.Module):
     # tiled decode -------------------------------------------------------------------------------------------------
 
     def decode_tiled(self, z: torch.Tensor, tile: int | None = None, overlap: int = 4) -> torch.Tensor:
-        """The mid block runs on the whole (small) latent; the upsampling levels run per tile with ``decoder.halo``
-        cells of context, cross-faded over ``overlap`` cells. Per-tile GroupNorm statistics make it inexact."""
+        """The mid block sees the whole latent; the levels run per tile with a halo, cross-faded over ``overlap``
+        cells. Per-tile GroupNorm statistics make it inexact."""
         self._check_latent(z)
         tile = tile or DEFAULT_TILE
         if tile < 1 or overlap < 0 or overlap >= tile:

@@ -1,8 +1,7 @@
 """Where the models' linear layers are made: the one seam for weight storage (ComfyUI's ``operations=`` idea).
 
-The model asks for each layer by its full name (the BFL key without ``.weight``), and its storage is chosen at
-construction from the load's request (``storage.choices``), never by swapping layers in afterwards. Per-item vector
-layers (timestep embedding, modulations) stay per item in every storage, so a batch stays equal to single runs.
+Storage is chosen at construction by each layer's full name, never by swapping layers in afterwards. Per-item vector
+layers stay per item in every storage, so a batch stays equal to single runs.
 """
 
 from __future__ import annotations
@@ -17,8 +16,7 @@ from ..storage.request import LayerRequest
 
 
 class Layers:
-    """``request``: what the load asks (None: every layer float). ``chosen``, shared by every scope, records the
-    storage kind that made each linear by its full name: what a loader reports of its options."""
+    """``request``: what the load asks (None: all float). ``chosen``, shared by every scope: full name -> storage."""
 
     def __init__(self, request: LayerRequest | None = None, prefix: str = "", chosen: dict[str, str] | None = None):
         self.request, self.prefix, self.chosen = request, prefix, {} if chosen is None else chosen

@@ -1,6 +1,5 @@
-"""References attended through their keys and values (a KV edition: Klein 9B-KV): what a model's reference pass
-makes once and every step attends to, in a form the code around the model (the caches, ComfyUI's model management,
-sequence parallelism) holds without knowing the model: per block, one K and one V."""
+"""References as keys and values (Klein 9B-KV): made once by the reference pass, attended by every step; per block
+one K and one V, so caches and hosts can hold them without knowing the model."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from torch import Tensor
 @dataclass
 class ReferenceKV:
     """blocks[i] = (k, v), each [B, heads, num_tokens, head_dim], double blocks first; a batch of 1 broadcasts.
-    From a sequence-parallel model each rank holds its heads/P heads, and ``parallel_id`` names the call that made them.
-    """
+    Sequence-parallel ranks hold heads/P heads each; ``parallel_id`` names the call that made them."""
 
     blocks: list[tuple[Tensor, Tensor]]
     num_tokens: int

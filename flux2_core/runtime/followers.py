@@ -2,10 +2,8 @@
 device, each loads the transformer as the driver did (``TransformerSource``) and serves its passes
 (``parallel.serve``) until the driver closes the group, dies, or a follower fails.
 
-The processes are run by torch's elastic launcher (the engine behind torchrun), not torch.multiprocessing, whose
-spawn re-runs the parent's main module in every child (in ComfyUI: main.py and every custom node's start-up), nor
-Ray (a large dependency for one machine's GPUs). A follower loads before it joins, so an unreadable file fails the
-start with its own message rather than a stalled group.
+torch's elastic launcher runs them, not torch.multiprocessing, whose spawn re-runs the parent's main module (in
+ComfyUI: every custom node's start-up). A follower loads before it joins, so a bad file fails with its own message.
 """
 
 from __future__ import annotations
@@ -86,9 +84,8 @@ class FollowerGroup:
     @classmethod
     def start(cls, recipe: TransformerSource, devices: list[str], timeout: float = START_TIMEOUT,
               cancel: Callable[[], None] = lambda: None) -> FollowerGroup:
-        """Followers on devices[1:]; this process computes on devices[0]. ``cancel`` is called while they load; what it
-        raises (the user cancelled) stops them and is raised.
-        """
+        """Followers on devices[1:]; this process computes on devices[0]. What ``cancel`` raises while they load
+        stops them and is raised."""
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
         world = len(devices)

@@ -1,18 +1,12 @@
-"""The denoise, in one place: its plan (the rules every caller follows before anything runs), the prepared run
-every engine sampler calls (``pipeline.generate``, ``stages.denoise``, the Denoise node), and the run asked for in
-latents as a node graph asks for it. The host's hooks (progress and interrupts, its cache of reference K/V) come in
-one record, ``Hooks``; the MODEL for ComfyUI's samplers runs their loop instead, on ``conditioning.velocity_for``
-and ``references_as_kv``.
+"""The denoise in one place: its plan (the rules every caller follows before anything runs), the prepared run every
+engine sampler calls, and the run asked for in latents as a node graph asks for it.
 
     run = prepare_run(model, variant, sigmas, cfg, strength=..., image=True, references=True, cache=threshold)
     need = run.need(batch, h, w, dtype, text_tokens=..., ref_tokens=..., new_kv=...)   # bytes beside the weights
     latents = run(noise, txt, negative, references=pack, start=latent, inpaint=blend, hooks=Hooks(callback=...))
 
-The plan: sigmas checked and, for image-to-image, trimmed to the strength's tail; ``euler.guidance_for`` says whether
-CFG runs; ``references_as_kv`` how references enter the model. A run in latents (``latent_run``: prompt embeddings
-made already, reference latents, the noise and an optional start latent with its mask) is checked into a
-``LatentRun``, which the host sizes (``need``) and calls; inpainting there blends before each model call, as ComfyUI's
-own samplers do (``inpaint.BEFORE_MODEL``).
+A run in latents (``latent_run``) is checked into a ``LatentRun``; inpainting there blends before each model call, as
+ComfyUI's own samplers do.
 """
 
 from __future__ import annotations
@@ -56,18 +50,15 @@ class DenoisePlan:
 
 
 def references_as_kv(variant, references: bool) -> bool:
-    """The one rule for how references (an inpainting source among them) enter the model. A KV edition (Klein 9B-KV)
-    runs them once through the blocks at t = 0 and attends to their cached K/V at every step; every other variant
-    joins their tokens to the image's in every pass. Asked by the plan, and by ComfyUI's samplers' model calls and
-    memory estimate, which have no plan."""
+    """The one rule for how references enter the model: a KV edition runs them once at t = 0 and attends to their
+    cached K/V at every step; other variants join their tokens to the image's in every pass."""
     return bool(references) and variant.use_kv_cache
 
 
 def plan_denoise(variant, sigmas, cfg: float, *, strength: float = 1.0, image: bool = False,
                  negative: bool = True, references: bool = False) -> DenoisePlan:
-    """``sigmas``: a full schedule; ``image``: a start latent is given (a ``strength`` below 1 needs one);
-    ``negative``: a negative prompt is at hand; ``references``: reference tokens go in. Flux2Error for settings that
-    cannot run."""
+    """``sigmas``: a full schedule; ``image``: a start latent is given (strength below 1 needs one). Raises
+    Flux2Error for settings that cannot run."""
     sigmas = check_sigmas(sigmas)
     strength = check_strength(strength, image)
     if strength < 1:
@@ -79,8 +70,7 @@ def plan_denoise(variant, sigmas, cfg: float, *, strength: float = 1.0, image: b
 
 @dataclass(frozen=True)
 class Hooks:
-    """What the host supplies to a run: ``callback(Step)`` after every step (progress, previews; it may raise to
-    interrupt) and ``kv_source``, its cache of a KV edition's reference K/V (``conditioning.KVSource``)."""
+    """``callback(Step)`` after every step (it may raise to interrupt); ``kv_source``: the host's reference K/V cache."""
     callback: Callable[[Step], None] | None = None
     kv_source: KVSource | None = None
 
@@ -107,8 +97,7 @@ class DenoiseRun:
 
     def need(self, batch: int, h: int, w: int, dtype: torch.dtype, *, text_tokens: int, ref_tokens: int = 0,
              new_kv: bool = True, ranks: int | None = None) -> int:
-        """The bytes its denoise needs beside the weights (``memory.denoiser_memory``); ``new_kv``: a KV edition's
-        reference pass makes the K/V (not found in a cache)."""
+        """Bytes the denoise needs beside the weights; ``new_kv``: the reference K/V is made, not found cached."""
         return memory.denoiser_memory(self.model, self.variant, batch, h, w, dtype, ref_tokens=ref_tokens,
                                       cfg=self.cfg, text_tokens=text_tokens, ranks=ranks,
                                       new_reference_kv=self.plan.reference_kv and new_kv)
@@ -120,8 +109,8 @@ class DenoiseRun:
     def __call__(self, noise: Tensor, txt: Tensor, negative: Tensor | None = None, *,
                  references: ReferencePack = NO_REFERENCES, start: Tensor | None = None, inpaint: Inpaint | None = None,
                  hooks: Hooks = NO_HOOKS, dtype: torch.dtype | None = None) -> Tensor:
-        """noise [B, 128, h, w]; ``start``: the image-to-image latent [1 or B, 128, h, w], noised to the first sigma;
-        txt / negative [1 or B, L, C] (the negative is read only where CFG runs). The latents, on noise's device."""
+        """noise [B, 128, h, w]; ``start`` [1 or B, 128, h, w], noised to the first sigma; txt / negative
+        [1 or B, L, C]. Returns the latents, on noise's device."""
         x = noise if start is None else add_noise(start.to(noise), noise, self.sigmas[0])
         rule = self.plan.guidance
         return denoise(self.model, x, self.sigmas, txt, negative_txt=negative if rule.cfg else None, cfg=rule.scale,
@@ -133,9 +122,7 @@ class DenoiseRun:
 def prepare_run(model: nn.Module, variant: Variant, sigmas, cfg: float, *, strength: float = 1.0,
                 image: bool = False, negative: bool = True, references: bool = False,
                 cache: float = 0.0) -> DenoiseRun:
-    """The run of a request: the plan (``plan_denoise``: every setting checked), its step cache (``cache``: the
-    threshold, 0 off). ``image``: a start latent is given; ``negative``: a negative prompt is at hand; ``references``:
-    references (an inpainting source among them) go in."""
+    """The checked plan (``plan_denoise``) and its step cache (``cache``: the threshold, 0 off)."""
     plan = plan_denoise(variant, sigmas, cfg, strength=strength, image=image, negative=negative,
                         references=references)
     return DenoiseRun(model, variant, plan, StepCache(cache) if check_threshold(cache) > 0 else None)
@@ -145,8 +132,7 @@ def prepare_run(model: nn.Module, variant: Variant, sigmas, cfg: float, *, stren
 
 
 def check_settings(strength: float, image: bool, cache: float) -> None:
-    """A denoise's settings checked before anything loads (a node's validation): the strength (below 1 only with a
-    start latent, ``image``) and the step cache's threshold; the bounds of cfg and the cache are MAX_CFG, MAX_CACHE."""
+    """A denoise's settings checked before anything loads (a node's validation): strength and cache threshold."""
     check_strength(strength, image)
     check_threshold(cache)
 
@@ -176,11 +162,9 @@ class LatentRun:
 def latent_run(model, variant: Variant, *, txt: Tensor, negative: Tensor | None, references: list[Tensor],
                rows: list[dict], noise: Tensor, drawn: bool, latent: Tensor | None, noise_mask: Tensor | None,
                sigmas, cfg: float, strength: float, cache: float = 0.0, masked_noise: bool = False) -> LatentRun:
-    """``references``: reference latents [1, 128, h, w] (of the positive prompt: both CFG branches take them);
-    ``rows``: the layout rows the prompt carries, checked against them; ``drawn``: ``noise`` is a seed's draw as
-    drawn, which the family then reads its own way (else it is taken as given); ``latent``: the image-to-image start
-    ([1 or B, 128, h, w]) and ``noise_mask`` its pixel-sized mask (1 = repaint); ``masked_noise``: the noise came with
-    a mask (a masked latent given as the noise), which needs the latent it masks."""
+    """``references``: latents [1, 128, h, w], taken by both CFG branches; ``drawn``: ``noise`` is a seed's raw
+    draw, which the family reads its own way; ``latent``: the image-to-image start [1 or B, 128, h, w] and
+    ``noise_mask`` its pixel-sized mask (1 = repaint); ``masked_noise``: the noise came with a mask."""
     check_inputs(noise=noise, txt=txt, negative=negative, references=references, latent=latent,
                  noise_mask=noise_mask)
     family_of(variant).check_size(*(side * PIXELS_PER_LATENT for side in noise.shape[-1:-3:-1]))
@@ -234,8 +218,8 @@ def _latent(what: str, tensor, source: str, batch: int | None = None) -> None:
 
 
 def check_inputs(*, noise, txt, negative, references, latent, noise_mask) -> None:
-    """Every tensor the run is handed, checked before any model call: rank, channels, batch, size and finiteness; a
-    refusal names the input, the shape found, the shape wanted and where such an input comes from."""
+    """Every tensor the run is handed, checked before any model call; a refusal names the input, the shapes found
+    and wanted, and where such an input comes from."""
     _latent("the noise latent", noise, "noise")
     batch = noise.shape[0]
     prompts = [("the prompt embeddings", txt, "txt")]

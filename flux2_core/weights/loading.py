@@ -1,10 +1,8 @@
-"""Loaders: weight files in every layout users have (BFL, ComfyUI, diffusers; safetensors or GGUF) into our modules,
-whose keys are BFL's.
+"""Loaders: weight files in every layout users have (BFL, ComfyUI, diffusers; safetensors or GGUF) into our modules.
 
-A load: open and check the files (checkpoint.py); find the prefix and layout from one signature key
-(key_mapping.py); read the architecture from tensor shapes and build on the meta device; read every expected key by
-its recipe straight to the target device (dequantized, cast, Linear <-> 1x1 conv reshaped); then
-``load_state_dict(strict=True, assign=True)``, so nothing is allocated twice. Nothing is ever unpickled.
+A load finds the layout from one signature key, builds on the meta device from the tensor shapes, reads every key
+straight to the target device and assigns it (``load_state_dict(assign=True)``), so nothing is allocated twice.
+Nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -45,9 +43,7 @@ from .key_mapping import AUTOENCODER_LAYOUTS, OPTIONAL_KEYS, QWEN3_FROM_LLAMA_CP
 from .orbitquant_files import as_stored
 from .outcome import StorageOutcome, tally
 
-# ---------------------------------------------------------------------------------------------------------------
-# 1. reading our state dict: recipes -> tensors on the target device, dequantized, cast, shape-fitted
-# ---------------------------------------------------------------------------------------------------------------
+# ---- 1. reading our state dict: recipes -> tensors on the target device, dequantized, cast, shape-fitted ----
 
 @dataclass
 class Source:
@@ -75,10 +71,8 @@ class Source:
         return (sum(s[0] for s in shapes), *rest)
 
     def stored_format(self, key: str) -> LayerFormat | None:
-        """The format a layer is kept in as the file stores it (``LayerFormat.linear``): where the file quantizes it
-        in a format the fp8 choice does not hold (``StoredFormat.fp8_choice``) and our key reads one file tensor as
-        it is, or several layers of one format that joins rows (``StoredFormat.joins_rows``) one after another; a
-        layer our layout assembles otherwise is dequantized."""
+        """The format a layer is kept in as the file stores it; None where our layout assembles it otherwise (then
+        it is dequantized) or the fp8 choice holds it."""
         recipe = self.recipe(key)
         if recipe.swap_halves or not all(s in self.keys for s in recipe.sources):
             return None
@@ -128,9 +122,8 @@ class Source:
         return f"{self.layout.name} layout{where}; the file looks like {describe(self.ckpt)}"
 
 
-# GGUF architectures (``general.architecture``) each model can come in: Klein DiTs as ComfyUI-GGUF reads them ("flux";
-# "" for stable-diffusion.cpp's files, which have none), Qwen3 and Qwen3-VL encoders as llama.cpp writes them (Qwen3-VL's
-# text tower under Qwen3's tensor names; its M-RoPE sections all take the text position, which is plain RoPE)
+# GGUF architectures each model comes in ("" for stable-diffusion.cpp's files). Qwen3-VL's text tower uses Qwen3's
+# tensor names; its M-RoPE sections all take the text position, which is plain RoPE
 GGUF_ENCODER_ARCHS = {"qwen3": "qwen3", "qwen3vl": "qwen3-vl"}
 
 
@@ -153,16 +146,14 @@ SCALE_NAMES = (".weight_scale", ".weight_scale_2")   # an fp8 / int8 layer's sta
 
 
 def beside_weights(model: nn.Module) -> set[str]:
-    """The keys of ``model``'s state read with their layer's weight: an fp8 or int8 layer's scales, and every tensor
-    of a layer kept in a file's format but its weight (whatever its format names them)."""
+    """The keys of ``model``'s state read with their layer's weight (scales, and a stored format's other tensors)."""
     stored = {name for name, layer in model.named_modules() if keeps_stored(layer)}
     return {k for k in model.state_dict() if k.endswith(SCALE_NAMES)
             or (k.rpartition(".")[0] in stored and not k.endswith(".weight"))}
 
 
 class TensorReader:
-    """Reads file tensors straight to one device: dequantizing fp8 / nvfp4 weights to float32 (``__call__``), or
-    handing fp8 weights over as stored (``fp8``)."""
+    """Reads file tensors straight to one device, dequantized to float32 (``__call__``) or as stored."""
 
     def __init__(self, source: Source, device: torch.device):
         self.source, self.device, self.handles, self.files = source, device, {}, ExitStack()
@@ -175,9 +166,8 @@ class TensorReader:
         self.handles.clear()
 
     def raw(self, key: str) -> torch.Tensor:
-        """One tensor by its full file key, in memory of its own: on the CPU read into a new tensor (safetensors would
-        hand out views of a memory map, unaligned and gone when the file is replaced); on a GPU read straight to it.
-        """
+        """One tensor by its full file key, in memory of its own: safetensors' CPU views of a memory map would be
+        unaligned and gone when the file is replaced."""
         info = self.source.ckpt.tensors[key]
         plain = info.ggml is not None or (self.device.type == "cpu" and info.dtype in TORCH_DTYPES)
         if plain:                                   # GGUF tensors too: one tensor at a time through the CPU
@@ -227,8 +217,7 @@ class TensorReader:
         return None if key is None else self.checked(layer, key.rsplit(".", 1)[1], self.raw(key))
 
     def checked(self, layer: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (the layer's ``name``), refused if a scale of its format holds values no quantizer writes (the
-        header check, ``dequantize.check_dtypes``, has already held its dtype to the format's)."""
+        """``tensor``, refused if a scale of its format holds values no quantizer writes."""
         fmt = self.source.formats.get(layer)
         if fmt is None:             # BFL's fp8, Hugging Face's block fp8 and old scaled_fp8 name no format: any scale
             rule, what = (SCALE.scale if name.startswith(("weight_scale", "scale_weight")) else None), "fp8"
@@ -248,9 +237,8 @@ class TensorReader:
 
     def stored(self, layer: str, like: dict[str, torch.Tensor], weight: torch.Tensor | None = None
                ) -> dict[str, torch.Tensor]:
-        """A layer's tensors as the file stores them (``weight``, ``weight_scale``, ...: a stored layer's state
-        names), each in the shape and dtype its buffer has: [N, 1] scales as [N], float8 scales in uint8 as their
-        bytes. ``weight``: the weight, already read."""
+        """A layer's tensors as the file stores them, each in its buffer's shape and dtype ([N, 1] scales as [N]).
+        ``weight``: the weight, already read."""
         out, fmt = {}, self.source.formats[layer]
         for name, buffer in like.items():
             key = f"{self.source.prefix}{layer}.{name}"
@@ -272,8 +260,7 @@ class TensorReader:
         return out
 
     def joined(self, layers: list[str], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A layer's tensors as the file stores them (``stored``), from one of the file's layers or from several of a
-        format that joins rows: their per-row tensors one after another, the others once (the same in each)."""
+        """``stored`` over one file layer, or several of a format that joins rows (per-row tensors concatenated)."""
         if len(layers) == 1:
             return self.stored(layers[0], like)
         fmt = self.source.formats[layers[0]]
@@ -306,9 +293,8 @@ class TensorReader:
         return self.raw(self.source.prefix + self.source.recipe(key).sources[0])
 
     def fp8(self, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-        """float8 [out, in] and a float32 scale per row [out]: the file's own values where it stores the layer in float8
-        with a per-tensor or per-row scale (nothing rounded twice), else quantized per row from float32.
-        """
+        """float8 [out, in] and a float32 scale [out]: the file's own float8 values (nothing rounded twice), else
+        quantized per row."""
         if len(recipe.sources) == 1 and not recipe.swap_halves and self.source.is_float8(recipe.sources[0]):
             layer = recipe.sources[0][: -len(".weight")]
             weight = self.as_float8(layer, self.raw(self.source.prefix + recipe.sources[0]))
@@ -323,10 +309,8 @@ class TensorReader:
 
 def read_state_dict(source: Source, model: nn.Module, device: torch.device, dtype: torch.dtype,
                     only: Callable[[str], bool] = lambda key: True) -> dict[str, torch.Tensor]:
-    """Every key of ``model``'s state (on the meta device) read in the storage its layer holds (float, fp8, int8,
-    GGUF blocks, a format kept as the file stores it). A file key no recipe uses is an error, as is a missing one
-    (except ``OPTIONAL_KEYS``). ``only``: the keys to read (the others are left out).
-    """
+    """Every key of ``model``'s (meta) state read in its layer's storage. An unused file key is an error, as is a
+    missing one (except ``OPTIONAL_KEYS``). ``only``: the keys to read."""
     expected = {k: like for k, like in model.state_dict().items() if only(k)}
     layers = dict(model.named_modules())
     scales = beside_weights(model)                                           # read with their weights
@@ -389,8 +373,7 @@ class FileLayer:
 
 
 def keeps_stored(layer: nn.Module | None) -> bool:
-    """A layer a file's format made (``LayerFormat.linear``; a loader that keeps no format builds float layers
-    instead)."""
+    """A layer a file's format made (``LayerFormat.linear``)."""
     return isinstance(layer, StoredLinear) and layer.kind not in FLOAT_KINDS
 
 
@@ -424,9 +407,7 @@ def mismatch_message(source: Source, missing: list[str], unexpected: list[str]) 
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 2. building on meta and assigning
-# ---------------------------------------------------------------------------------------------------------------
+# ---- 2. building on meta and assigning ----
 
 CONFIG_KINDS = {   # what a config.json value must be, as checked by config_value
     dict: lambda v: isinstance(v, dict),
@@ -452,9 +433,8 @@ def config_value(source: Source, key: str, kind, default, within: dict | None = 
 
 
 def default_device_dtype(device, dtype, fp16: bool = True) -> tuple[torch.device, torch.dtype]:
-    """cuda if available, else cpu; the dtype the device computes fast (``devices.compute_dtype``; ``fp16``: the model
-    is safe in float16). A device this torch cannot use is a Flux2Error here, before anything is loaded for it.
-    """
+    """cuda if available, else cpu, and the dtype it computes fast (``fp16``: the model is safe in float16). Raises
+    Flux2Error for a device this torch cannot use, before anything is loaded."""
     try:
         device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     except (RuntimeError, TypeError) as e:
@@ -503,9 +483,7 @@ def need_shape(source: Source, key: str) -> tuple[int, ...]:
     return shape
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 3. the transformer
-# ---------------------------------------------------------------------------------------------------------------
+# ---- 3. the transformer ----
 
 @dataclass(frozen=True)
 class SourceShapes:
@@ -563,11 +541,9 @@ def load_transformer(path: str | Path, device=None, dtype: torch.dtype | None = 
                      fp8: bool | None = None, int8: bool | str = False) -> tuple[Flux2Transformer, Variant]:
     """``params`` overrides the architecture read from shapes; ``variant`` the one detected from it.
 
-    fp8: None keeps the layers an fp8 file stores in float8 (its own values and scales); True also stores every block
-    layer in fp8, quantized per row as read, so the full-precision model is never in memory; False dequantizes all.
-    int8=True stores every block layer in int8 instead (``storage.int8``), per row; int8="convrot" in ConvRot's basis
-    (``storage.rotation``), which holds more of the weights' accuracy. Layers a quantized file stores in another
-    format (ComfyUI's int8, nvfp4, mxfp8, W4A4, ...) stay as stored. The compute dtype is ``dtype`` either way.
+    fp8: None keeps an fp8 file's float8 layers; True stores every block layer in fp8, quantized as read (the full
+    model is never in memory); False dequantizes all. int8=True stores every block layer in int8 per row, "convrot"
+    in ConvRot's basis (more accurate). Other stored formats stay as stored; the compute dtype is ``dtype`` either way.
     """
     ask = StorageAsk(fp8, int8)
     dtype = dtype_named(dtype)
@@ -583,14 +559,12 @@ def transformer_family_at(path: str | Path) -> Family:
 
 
 def transformer_dtype(path: str | Path, device, host: torch.dtype | None = None) -> ComputeDtype:
-    """The compute dtype a transformer file runs in on ``device`` (``devices.model_dtype``, by its family's dtypes;
-    ``host``: the host's own choice)."""
+    """The compute dtype a transformer file runs in on ``device``; ``host``: the host's own choice."""
     return model_dtype(device, transformer_family_at(path).dtypes, host)
 
 
 def stored_dtype(path: str | Path) -> tuple[torch.dtype | None, int]:
-    """The dtype most of a transformer file's values are stored in (None: GGUF blocks) and how many values it holds,
-    from the header: what ComfyUI's own loader weighs to choose a dtype."""
+    """(the dtype most values are stored in, None for GGUF blocks; the value count), from the header."""
     source = _transformer_source(path)
     counts: dict[torch.dtype | None, int] = {}
     for key in source.keys:
@@ -625,9 +599,8 @@ def _transformer_on_meta(path, params: ModelParams | None, variant: str | None, 
 
 def storage_outcome(path: str | Path, *, variant: str | None = None, fp8: bool | None = None,
                     int8: bool | str = False) -> StorageOutcome | None:
-    """What ``load_transformer``'s fp8=True or int8 does to the file's layers (quantized at load, or kept as the file
-    stores them), from the headers alone: the model built on the meta device as the load builds it. None where
-    neither option is asked."""
+    """What ``load_transformer``'s fp8=True or int8 does to the file's layers, from the headers alone; None where
+    neither is asked."""
     ask = StorageAsk(fp8, int8)
     if ask.made is None:
         return None
@@ -670,9 +643,7 @@ def _transformer_spec(source: Source, params: ModelParams | None,
     return params, chosen
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 4. the autoencoder
-# ---------------------------------------------------------------------------------------------------------------
+# ---- 4. the autoencoder ----
 
 def autoencoder_params(source: Source) -> AutoEncoderParams:
     """Each half's channels from its own tensors: BFL's small decoder is narrower than the encoder."""
@@ -694,8 +665,7 @@ def _with_decoder_of(params: AutoEncoderParams, source: Source) -> AutoEncoderPa
     return replace(params, decoder_channels=None if channels == params.encoder_chans else channels)
 
 
-# A decoder on its own (BFL's small_decoder.safetensors: the decoder's keys without "decoder."), or the decoder of a
-# whole autoencoder file (found behind the prefix "decoder.")
+# A decoder on its own (BFL's small_decoder.safetensors), or behind the prefix "decoder." of an autoencoder file
 DECODER_LAYOUTS = [Layout("BFL decoder", "up.0.block.0.conv1.weight",
                           lambda keys: lambda key: Recipe((key.removeprefix("decoder."),)))]
 DECODER_HINT = ("A FLUX.2 decoder is BFL's small_decoder.safetensors (or the decoder of an autoencoder file such as "
@@ -759,9 +729,7 @@ def _is_decoder_alone(path) -> bool:
 
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 5. the text encoder
-# ---------------------------------------------------------------------------------------------------------------
+# ---- 5. the text encoder ----
 
 TEXT_ENCODER_LAYOUTS = [Layout("Hugging Face Qwen3", "layers.0.self_attn.q_norm.weight", same_names),
                         Layout("llama.cpp GGUF", "blk.0.attn_q_norm.weight",
@@ -797,10 +765,8 @@ def _text_encoder_source(path) -> Source:
 
 def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
                       tokenizer=None, spec: TextEncoderSpec | None = None) -> PromptEncoder:
-    """Only what the model reads is: the embedding and the layers up to the deepest of ``spec.output_layers`` (the
-    transformer variant's ``text_encoder``; None: FLUX.2's, picked by width). The tokenizer: ``tokenizer``, else the
-    folder's, else the built-in Qwen3 one (checked against a GGUF's vocabulary).
-    """
+    """Reads only the embedding and the layers up to the deepest of ``spec.output_layers`` (None: FLUX.2's, by
+    width). The tokenizer: ``tokenizer``, else the folder's, else the built-in Qwen3 one."""
     device, dtype = default_device_dtype(device, dtype, fp16=False)
     source = _text_encoder_source(path)
     spec = encoder_spec(source, spec)
@@ -836,17 +802,13 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
 
 
 MODEL_NAMES = {"qwen3": "Qwen3", "qwen3-vl": "Qwen3-VL"}
-# the names files of each model go by (ComfyUI's qwen_3_4b / qwen3vl_4b*, llama.cpp's Qwen3-8B-*, Qwen3-VL-4B-Instruct);
-# Qwen3.5 (qwen3.5_9b_...) is neither. Qwen3-VL's is tried first: its names also start with Qwen3
+# the file names of each model; Qwen3.5 is neither. Qwen3-VL's is tried first: its names also start with Qwen3
 NAMED = (("qwen3-vl", re.compile(r"qwen_?3[-_.]?vl")), ("qwen3", re.compile(r"qwen_?3[-_]\d+(?:\.\d+)?b")))
 
 
 def encoder_model(source: Source) -> EncoderIdentity:
-    """Which model a file says it is, from what says it most surely: a GGUF's architecture, a folder's config.json,
-    the names of Qwen3-VL's text tower (behind ``language_model.``) or of its vision tower, then the file's name
-    (ComfyUI's qwen_3_4b.safetensors, qwen3vl_4b.safetensors). Nothing in the tensors' shapes tells Qwen3-4B from
-    Qwen3-VL-4B's text tower: where nothing else says, the model is None (the family asking decides:
-    ``TextEncoderSpec.unmarked``)."""
+    """Which model a file says it is: its GGUF architecture, config.json, tensor names, then file name. Shapes do not
+    tell Qwen3-4B from Qwen3-VL-4B's text tower, so where nothing says, the model is None."""
     def said(model: str | None, told_by: str) -> EncoderIdentity:
         return EncoderIdentity(model, told_by if model else "", 0)
 
@@ -872,9 +834,8 @@ def describe_encoder(source: Source) -> str:
 
 
 def encoder_spec(source: Source, spec: TextEncoderSpec | None) -> TextEncoderSpec:
-    """The spec to read the file with. Asked for one (the transformer's): refused where the file says it is another
-    model, or says nothing and the spec takes only files that say so ("cannot tell"), each time naming the file to
-    load. Asked for none: the registry's for what the file says it is and its width (``families.encoder_for``)."""
+    """The spec to read the file with: ``spec``, refused where the file says it is another model (or says nothing
+    and the spec needs it to); else the registry's for what the file says and its width."""
     found = encoder_model(source)
     if spec is None:
         key = next((k for k in map(source.layout.ours, source.keys) if k is not None
@@ -905,8 +866,7 @@ def qwen3_config(source: Source) -> Qwen3Params | None:
 
 
 def check_vocabulary(tokens: list[str], tokenizer, path: Path, spec: TextEncoderSpec) -> None:
-    """The file may have more rows, as padding: Qwen3's table has 151,936 rows for 151,669 tokens. ``spec``: the
-    encoder the file is read as (what the message asks for)."""
+    """The file may have more rows, as padding: Qwen3's table has 151,936 rows for 151,669 tokens."""
     vocab = tokenizer.get_vocab()
     wrong = next(((i, token) for token, i in sorted(vocab.items(), key=lambda item: item[1])
                   if i >= len(tokens) or tokens[i] != token), None)

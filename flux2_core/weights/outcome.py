@@ -1,7 +1,5 @@
-"""What a storage option (``fp8=True``, ``int8``, ``int8="convrot"``) does to a transformer file's layers, as the
-command line's loading line and the model loader node's info say it. A layer a file already stores quantized in a
-format of its own stays as stored whatever the option asks, so an option over such a file may change nothing: the
-line says so, and why, instead of leaving the user to believe the option took effect."""
+"""What a storage option (fp8, int8) does to a transformer file's layers. Layers a file already stores quantized stay
+as stored, so an option may change nothing: the line says so rather than let the user believe it took effect."""
 
 from __future__ import annotations
 
@@ -31,11 +29,8 @@ class StorageOutcome:
 
 def tally(option: str, made: str, chosen: dict[str, str], quantizable: Callable[[str], bool],
           stored_as: Callable[[str], str | None], as_asked: Callable[[str], bool]) -> StorageOutcome:
-    """``made``: the storage the option makes (its name in ``storage.choices``); ``chosen``: the storage ``Layers`` chose
-    for each linear; ``stored_as(name)``: the file's format of the layer as lines name it (None: float);
-    ``as_asked(name)``: the file stores it as the option would. Of the layers an option may store (its family's
-    ``quantizable``), those it made in its own storage from another were quantized by it; the others stay as the file
-    has them (an fp8 layer under fp8 too)."""
+    """``made``: the storage the option makes; ``chosen``: the storage each linear got; ``stored_as``: the file's
+    format of a layer (None: float); ``as_asked``: the file already stores it as the option would."""
     quantized, kept, already = 0, {}, 0
     for name, how in chosen.items():
         if not quantizable(name):

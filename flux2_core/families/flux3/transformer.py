@@ -1,14 +1,12 @@
-"""The FLUX 3 Image Klein transformer, with BFL's parameter names (no Linear has a bias).
-
-Tokens come in three modes, in this order inside each sample: image, references ("image_cond"), prompt ("txt").
+"""The FLUX 3 Image Klein transformer, with BFL's parameter names (no Linear has a bias). Tokens come in three modes,
+in this order inside each sample: image, references ("image_cond"), prompt ("txt").
 
     vec[mode] = time_in(t) for the image, time_in(0) for references and text (+ ref_time_in(t_next): flow map only)
     early blocks: each mode through its own blocks, attending within the mode
     single blocks: the sample's joint sequence [image, references, text], each token modulated by its mode
     final_layer on the image tokens -> velocity [B, Limg, 128]
 
-A sample's text may be shorter than the batch's: rows past ``txt_lengths[b]`` are masked as keys, so its image sees
-exactly what it would alone. RoPE angles in float64.
+Text rows past ``txt_lengths[b]`` are masked as keys, so a sample's image sees what it would alone. RoPE in float64.
 """
 
 from __future__ import annotations
@@ -94,8 +92,7 @@ class Block(nn.Module):
 
 @dataclass(frozen=True)
 class ModeSplit:
-    """A sequence-parallel pass: each mode's tokens split over the ranks in contiguous runs, so a rank holds
-    [its image run, its reference run, its text run] of every sample."""
+    """A sequence-parallel pass: each mode's tokens split in contiguous runs; a rank holds its [image, refs, text]."""
 
     ranks: object                          # runtime.parallel.SequenceParallel: group, rank, world
     counts: dict[str, tuple[int, ...]]     # mode -> tokens held by each rank
@@ -229,7 +226,6 @@ class Flux3Transformer(nn.Module):
                 x[m] = block(x[m], pe[m], self.early_stream_modulations[m](vec[m]), keys[m],
                              None if split is None else split.within(m))
 
-        # each sample's joint sequence [image, references, text], every token modulated by its mode's vector
         lengths = [x[m].shape[1] for m in modes]
         h = torch.cat([x[m] for m in modes], dim=1)
         joint_pe = torch.cat([pe[m] for m in modes], dim=1)
