@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .formats import STORED
 from .ggml_layers import GGML_STORAGE, embedding
 from .int8 import INT8_AT_LOAD
 from .linear import FLOAT, KEPT
 from .quant import FP8_STORAGE
 from .request import LayerRequest, LayerStorage
-from .stored_format import STORED
 
 ORDER = (STORED, INT8_AT_LOAD, GGML_STORAGE, FP8_STORAGE, KEPT)
 KINDS = {kind.name: kind for kind in (*ORDER, FLOAT)}

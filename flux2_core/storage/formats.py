@@ -16,6 +16,7 @@ from .packed import (
     W4A4_FORMAT,
 )
 from .quant import FP8_E4M3_FORMAT, FP8_E5M2_FORMAT
+from .request import LayerStorage
 from .stored_format import LayerFile, LayerFormat, StoredFormat
 from .w4 import AWQ_FORMAT, SVDQUANT_FORMAT, W4A8_FORMAT
 
@@ -72,3 +73,8 @@ def read_layer(file: LayerFile) -> LayerFormat:
 def known_by() -> dict[str, StoredFormat]:
     """Tensor name -> the format it marks in files that name no format."""
     return {f.known_by: f for f in formats() if f.known_by}
+
+
+# the storage kind of a layer kept in the format its file stores it in (any registered one)
+STORED = LayerStorage("stored", lambda request, name: request.file.stored_format(name + ".weight"),
+                      lambda i, o, per_item, fmt: fmt.linear(i, o, per_item))

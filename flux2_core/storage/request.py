@@ -8,15 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from ..errors import Flux2Error
-
-if TYPE_CHECKING:
-    from .stored_format import LayerFormat
+from .stored_format import LayerFormat
 
 
 class LayerFacts(Protocol):

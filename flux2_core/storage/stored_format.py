@@ -12,7 +12,6 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import Flux2Error
-from .request import LayerStorage
 from .rotation import DEFAULT_GROUP, is_power_of_4
 
 E8M0_NAN = 255          # the one E8M0 code that is no power of two
@@ -178,8 +177,3 @@ class LayerFormat:
 
     def describe(self) -> str:
         return self.name + (f" with ConvRot (group {self.rotation})" if self.rotation else "")
-
-
-# a layer kept in the format the file stores it in
-STORED = LayerStorage("stored", lambda request, name: request.file.stored_format(name + ".weight"),
-                      lambda i, o, per_item, fmt: fmt.linear(i, o, per_item))
