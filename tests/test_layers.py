@@ -20,7 +20,8 @@ def test_layers_are_made_under_their_own_names_in_the_storage_asked_for():
         asked.append(name)
         return name.startswith("single_blocks.1.") or name.endswith(".lin")
 
-    file = SimpleNamespace(stored_format=lambda key: None, stores_fp8=lambda key: fp8(key.removesuffix(".weight")))
+    file = SimpleNamespace(stored_format=lambda key: None, ggml_type=lambda key: None, float_dtype=lambda key: None,
+                           stores_fp8=lambda key: fp8(key.removesuffix(".weight")))
     with torch.device("meta"):
         model = Flux2Transformer(TINY_TRANSFORMER, Layers(LayerRequest(file)))
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (Linear, Fp8Linear))}

@@ -243,6 +243,12 @@ def test_bad_state_dicts_are_refused(qwen3):
     wider = {**TINY_QWEN3_CONFIG, "intermediate_size": 96}
     with pytest.raises(Flux2Error, match="do not fit"):
         build_qwen3_encoder(sd, config=wider, device="cpu", dtype=torch.float32, spec=QWEN3_4B)
+    # a layer kept in a 16-bit dtype the compute dtype is not wider than would be made float and fed bf16 weights
+    for kept, compute in ((torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16)):
+        with pytest.raises(Flux2Error, match="layers.0.mlp.up_proj in torch.(bfloat16|float32).*leave those"):
+            build_qwen3_model(sd, params, 27, "cpu", compute, kept={"layers.0.mlp.up_proj": kept})
+    model = build_qwen3_model(sd, params, 27, "cpu", torch.float32, kept={"layers.0.mlp.up_proj": torch.bfloat16})
+    assert model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16 and model.layers[0].mlp.up_proj.kind == "bf16"
 
 
 def test_bad_prompts_are_refused(encoder):

@@ -34,4 +34,5 @@ class Layers:
         return storage.linear(in_features, out_features, per_item, picked)
 
     def embedding(self, name: str, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """Float ``nn.Embedding``, or GGUF blocks whose looked-up rows are dequantized to ``dtype``."""
         return choices.made_embedding(self.request, self.prefix + name, rows, dim, dtype)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..checks import dtype_cause, finite
+from ..devices import kept_dtype
 from ..errors import Flux2Error
 from ..storage.quant import DROPPED_SUFFIXES
 from ..storage.request import LayerRequest
@@ -49,8 +50,8 @@ class StoredLayer:
 
 @dataclass(frozen=True)
 class HeldLayers:
-    """What the loader read of each linear, by module name (GGML types, 16-bit dtypes kept, stored formats): the
-    facts (``storage.request.LayerFacts``) the encoder's layers are made from."""
+    """The storage the loader gave each linear, by module name (its GGML type, the 16-bit dtype it stays in, its
+    stored format), answered as a file's facts (``storage.request.LayerFacts``) so the same kinds make the layers."""
     ggml_types: dict[str, int]
     kept: dict[str, torch.dtype]
     stored: dict[str, StoredLayer]
@@ -201,6 +202,10 @@ def build_qwen3_model(state_dict: dict[str, torch.Tensor], params: Qwen3Params, 
     sd = qwen3_state_dict(state_dict, spec)
     keep = {k: v for k, v in sd.items() if is_used(k, num_layers)}
     kept, stored = kept or {}, stored or {}
+    narrower = [f"{name} in {wanted}" for name, wanted in kept.items() if kept_dtype(wanted, dtype) != wanted]
+    if narrower:
+        raise Flux2Error(f"kept asks {', '.join(narrower[:3])}, but a layer stays in a 16-bit dtype only where the "
+                         f"compute dtype ({dtype}) is wider; leave those layers out of kept")
     with torch.device("meta"):
         held = HeldLayers(ggml_types or {}, kept, stored)
         model = Qwen3(params, num_layers, Layers(LayerRequest(held, dtype=dtype, quantizable=lambda name: True)), dtype)

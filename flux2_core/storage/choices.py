@@ -11,10 +11,9 @@ from .ggml_layers import GGML_STORAGE, embedding
 from .int8 import INT8_AT_LOAD
 from .linear import FLOAT, KEPT
 from .quant import FP8_STORAGE
-from .request import LayerRequest, LayerStorage
+from .request import LayerRequest, LayerStorage, StorageAsk
 
 ORDER = (STORED, INT8_AT_LOAD, GGML_STORAGE, FP8_STORAGE, KEPT)
-KINDS = {kind.name: kind for kind in (*ORDER, FLOAT)}
 
 
 def choose(request: LayerRequest | None, name: str) -> tuple[LayerStorage, object]:
@@ -28,5 +27,11 @@ def choose(request: LayerRequest | None, name: str) -> tuple[LayerStorage, objec
 
 
 def made_embedding(request: LayerRequest | None, name: str, rows: int, dim: int, dtype: torch.dtype) -> nn.Module:
-    """A float ``nn.Embedding``, or the GGUF blocks the file stores it in."""
+    """A float ``nn.Embedding``, or the GGUF blocks the file stores it in (the GGUF kind's pick, as for a linear)."""
     return embedding(rows, dim, None if request is None else GGML_STORAGE.pick(request, name), dtype)
+
+
+def made_at_load(ask: StorageAsk) -> LayerStorage | None:
+    """The kind a load's options quantize layers into as they are read; None where they quantize nothing
+    (fp8=False only dequantizes)."""
+    return INT8_AT_LOAD if ask.int8 else FP8_STORAGE if ask.fp8 is True else None

@@ -94,5 +94,5 @@ def _kept_dtype(request: LayerRequest, name: str) -> torch.dtype | None:
 
 
 KEPT = LayerStorage("kept", _kept_dtype, lambda i, o, per_item, dtype: CastLinear(i, o, dtype, item_by_item=per_item))
-FLOAT = LayerStorage("float", lambda request, name: True,
+FLOAT = LayerStorage("float", lambda request, name: None,          # never asked: what no other kind picks
                      lambda i, o, per_item, _: (VectorLinear if per_item else Linear)(i, o))

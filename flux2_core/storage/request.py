@@ -41,11 +41,6 @@ class StorageAsk:
             raise Flux2Error(f"int8 must be True, 'convrot' or False, got {self.int8!r}")
 
     @property
-    def made(self) -> str | None:
-        """The storage kind it quantizes layers into as they load ("int8", "fp8"); None where it quantizes nothing."""
-        return "int8" if self.int8 else "fp8" if self.fp8 is True else None
-
-    @property
     def int8_kind(self) -> str | None:
         """What int8 at load makes: "plain", "convrot", or None."""
         return ("convrot" if self.int8 == "convrot" else "plain") if self.int8 else None

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .. import families
-from ..devices import SIXTEEN_BIT, ComputeDtype, check_model_dtype, compute_dtype, dtype_named, kept_dtype, model_dtype
+from ..devices import SIXTEEN_BIT, ComputeDtype, check_model_dtype, compute_dtype, dtype_named, model_dtype
 from ..errors import Flux2Error
 from ..families import Family, ModelParams
 from ..families.flux2.transformer import Flux2Transformer
@@ -30,7 +30,7 @@ from ..models.qwen3 import Qwen3Params
 from ..models.text_encoder import PromptEncoder, StoredLayer, build_qwen3_encoder, is_used, qwen3_state_dict
 from ..models.tokenizer import load_tokenizer
 from ..storage import ggml
-from ..storage.choices import KINDS
+from ..storage.choices import KEPT, STORED, choose, made_at_load
 from ..storage.protocol import FLOAT_KINDS, StoredLinear
 from ..storage.quant import DROPPED_SUFFIXES, FP8_DTYPES, SCALE_SUFFIXES, quantize_fp8
 from ..storage.request import LayerRequest, StorageAsk
@@ -602,12 +602,12 @@ def storage_outcome(path: str | Path, *, variant: str | None = None, fp8: bool |
     """What ``load_transformer``'s fp8=True or int8 does to the file's layers, from the headers alone; None where
     neither is asked."""
     ask = StorageAsk(fp8, int8)
-    if ask.made is None:
+    if made_at_load(ask) is None:
         return None
     storages: dict[str, str] = {}
     source, _, _ = _transformer_on_meta(path, None, variant, ask, storages=storages)
-    request, made = LayerRequest(source, ask, quantizable=transformer_family(source).quantizable), KINDS[ask.made]
-    return tally(ask.option, ask.made, storages, request.quantizable, lambda name: stored_as(source, name + ".weight"),
+    request, made = LayerRequest(source, ask, quantizable=transformer_family(source).quantizable), made_at_load(ask)
+    return tally(ask.option, made.name, storages, request.quantizable, lambda name: stored_as(source, name + ".weight"),
                  lambda name: made.keeps(request, name))
 
 
@@ -775,9 +775,11 @@ def load_text_encoder(path: str | Path, device=None, dtype: torch.dtype | None =
     ggml_types = {k.removesuffix(".weight"): source.ggml_type(k) for k in keys if source.ggml_type(k) is not None}
     shapes = {k: torch.empty(need_shape(source, k), device="meta") for k in keys}
     linears = [k for k in keys if len(shapes[k].shape) == 2 and not k.endswith("embed_tokens.weight")]
-    formats = {k: fmt for k in linears if (fmt := source.stored_format(k)) is not None}     # kept as the file has them
-    kept = {k: stored for k in linears if k.removesuffix(".weight") not in ggml_types and k not in formats
-            and (stored := kept_dtype(source.float_dtype(k), dtype)) != dtype}      # linears of a 16-bit file
+    # each linear's storage, as the transformer's loader asks it (fp8 layers are dequantized: no fp8 encoder layers)
+    request = LayerRequest(source, StorageAsk(fp8=False), dtype, quantizable=lambda name: True)
+    chosen = {k: choose(request, k.removesuffix(".weight")) for k in linears}
+    formats = {k: picked for k, (kind, picked) in chosen.items() if kind is STORED}     # kept as the file has them
+    kept = {k: picked for k, (kind, picked) in chosen.items() if kind is KEPT}          # linears of a 16-bit file
     with closing(TensorReader(source, device)) as read:
         state = {key: read.blocks(key) if key.removesuffix(".weight") in ggml_types
                  else _cast(read.full(source.recipe(key)), kept.get(key, dtype)) for key in keys if key not in formats}

@@ -238,8 +238,9 @@ async function inPage({ prompts }) {   // runs in the page: it sees only its arg
     await page.evaluate(() => window.app.extensionManager.command.execute("Comfy.BrowseTemplates"));
     await page.getByText(pack, { exact: true }).first().click();
     await page.waitForSelector("[role=dialog] img[alt]");
-    const cards = {};                           // the grid draws the cards in view: scroll through it, until two
-    for (let seen = -1, idle = 0; idle < 2;) {  // scrolls in a row show no new card (one may end short of a row)
+    const cards = {};                           // the grid draws the cards in view: scroll through it, until three
+    for (let seen = -1, idle = 0; idle < 3;) {  // scrolls in a row show no new card (one may end short of a row;
+                                                // a slow machine may draw a row a scroll late)
       idle = Object.keys(cards).length > seen ? 0 : idle + 1;
       seen = Object.keys(cards).length;
       await page.waitForFunction(() => [...document.querySelectorAll("[role=dialog] img[alt]")]
@@ -248,7 +249,7 @@ async function inPage({ prompts }) {   // runs in the page: it sees only its arg
       Object.assign(cards, await page.evaluate(templateCards));
       await page.mouse.move(VIEW.width / 2, VIEW.height / 2);
       await page.mouse.wheel(0, VIEW.height / 2);
-      await page.waitForTimeout(500);
+      await page.waitForTimeout(800);
     }
     await page.keyboard.press("Escape");
 
