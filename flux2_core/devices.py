@@ -193,3 +193,16 @@ def cpu_int8_saturates() -> str:
 def kept_dtype(file_dtype: torch.dtype | None, compute: torch.dtype) -> torch.dtype:
     """The file's own 16-bit dtype where the compute dtype is wider (cast per layer as it runs), else compute."""
     return file_dtype if file_dtype in SIXTEEN_BIT and compute.itemsize > file_dtype.itemsize else compute
+
+
+def pin_vector_width() -> None:
+    """Before a CPU compile: names inductor's vector width (the one it picks anyway) so its cache keys kernels by it.
+    ATEN_CPU_CAPABILITY changes the instructions a kernel is built for but not the key, so a kernel cached by a run
+    with another setting came back as a C++ error, wrong values or a crash."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if config.cpp.simdlen is None:
+        width = pick_vec_isa().bit_width()          # 0: no vector instructions (ATEN_CPU_CAPABILITY=default)
+        if width:
+            config.cpp.simdlen = width

@@ -5,13 +5,21 @@ and the log saying so once. What the real kernels compute is tested where they a
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from flux2_core.storage import kernels
 from tests.fused import fused_off, fused_on, graphs, ran_fused  # noqa: F401 (fixtures)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported")
 
@@ -174,3 +182,32 @@ def test_the_inductor_options_exist_in_this_torch():
     assert options == {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
     with config.patch(options):
         assert config.eager_numerics.division_rounding and config.eager_numerics.disable_ftz
+
+
+# a process that runs one fused kernel on the CPU and says whether it stayed fused and equal to the plain function
+ONE_KERNEL = """
+import json, torch
+from flux2_core.storage import kernels
+from tests.test_kernels import row_scaled
+x = torch.linspace(-3, 3, 6 * 40).reshape(6, 40)
+out = kernels.call(row_scaled, x)
+print(json.dumps({"fused": kernels.unavailable("cpu") is None, "equal": torch.equal(out, row_scaled(x))}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="ATEN_CPU_CAPABILITY's x86 levels")
+def test_a_kernel_cached_under_another_aten_cpu_capability_is_not_reused(tmp_path):
+    """Inductor's cache does not key a CPU kernel by the instructions ATEN_CPU_CAPABILITY builds it for: without our
+    vector width in the key, a kernel cached with avx2 failed to build with ``default`` (no vector code) and crashed
+    or computed garbage on the CPU's own level. Three processes share one cache; each keeps its kernel fused and exact."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "FLUX2_NO_FUSED")}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    for capability in ("avx2", "default", None):             # None: the CPU's own level (avx2 or avx512)
+        run_env = env if capability is None else {**env, "ATEN_CPU_CAPABILITY": capability}
+        done = subprocess.run([sys.executable, "-c", ONE_KERNEL], check=False, cwd=ROOT, env=run_env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (capability, done.stderr[-3000:])
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == {"fused": True, "equal": True}, (
+            capability, done.stderr[-3000:])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..devices import pin_vector_width
 from ..errors import Flux2Error
 from ..models.run_state import run_state
 from .offload import streamed_blocks
@@ -19,6 +20,12 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     if not callable(getattr(model, "blocks", None)):
         raise Flux2Error(f"compile_blocks needs a transformer (a model with blocks()), got {type(model).__name__}")
     return model.blocks()
+
+
+
+def _pin_on_cpu(module: nn.Module) -> None:
+    if any(p.device.type == "cpu" for p in module.parameters()):
+        pin_vector_width()
 
 
 def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None, dynamic: bool | None = False,
@@ -31,6 +38,7 @@ def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None
     options = {"backend": backend, "dynamic": dynamic, "fullgraph": fullgraph}
     if mode is not None:
         options["mode"] = mode
+    _pin_on_cpu(model)
     streamed = set(streamed_blocks(model))
     uncompile_blocks(model)
     state = run_state(model)
@@ -45,6 +53,7 @@ def compile_blocks(model: nn.Module, backend="inductor", mode: str | None = None
 def compile_decoder(ae: nn.Module, backend="inductor", mode: str | None = None) -> nn.Module:
     """Lazily; each new image size compiles once more. Tiled decodes run the decoder's parts eagerly."""
     decoder = ae.decoder
+    _pin_on_cpu(decoder)
     options = {"backend": backend, "dynamic": False, **({"mode": mode} if mode else {})}
     decoder.forward = torch.compile(type(decoder).forward.__get__(decoder), **options)
     return ae

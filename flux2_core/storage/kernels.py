@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..devices import pin_vector_width
+
 log = logging.getLogger("flux2_klein")
 
 OFF_VARIABLE = "FLUX2_NO_FUSED"
@@ -79,6 +81,8 @@ def compiled(fn: Callable, device: torch.device) -> Callable:
     key = (fn, device)
     if key not in _compiled:
         name = f"{fn.__name__}_{device.type}{'' if device.index is None else device.index}"
+        if device.type == "cpu":
+            pin_vector_width()
         _compiled[key] = torch.compile(own_code(fn, name), fullgraph=True, options=eager_numerics())
     return _compiled[key]
 
