@@ -65,7 +65,7 @@ class FakeServer:
         self.loop = asyncio.new_event_loop()
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self.handle)
-        self.runner = web.AppRunner(app, access_log=None)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)   # stop() is a kill: no long grace
         self.loop.run_until_complete(self.runner.setup())
         self.site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(self.site.start())
